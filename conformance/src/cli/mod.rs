@@ -1,0 +1,32 @@
+//! Subcommands of the `kvpipe` program, one module each.
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+mod demo;
+
+/// Streams an LLM request's KV cache from prefill to decode while prefill runs.
+#[derive(Debug, Parser)]
+#[command(name = "kvpipe", version, about)]
+pub(crate) struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run a pipelined prefill→decode transfer and verify every byte.
+    Demo(demo::DemoArgs),
+}
+
+/// A command's failure, printed as `kvpipe: <message>` with a non-zero exit status.
+pub(crate) type CliError = Box<dyn std::error::Error + Send + Sync>;
+
+impl Cli {
+    pub(crate) fn run(self) -> Result<ExitCode, CliError> {
+        match self.command {
+            Command::Demo(args) => demo::run(args),
+        }
+    }
+}
