@@ -9,6 +9,8 @@
 pub mod blocks;
 pub mod ids;
 pub mod layout;
+pub mod plan;
+pub mod source;
 pub mod time;
 pub mod wire;
 
@@ -18,4 +20,6 @@ pub use ids::{
     SenderSliceId,
 };
 pub use layout::{BlockLayout, LayerGroupLayout, PoolLayout};
+pub use plan::{WriteExtent, WritePlan};
+pub use source::{BlockSource, BlockSourceError};
 pub use time::{Duration, Instant};
