@@ -15,6 +15,7 @@
 //! [`ReferenceCache::changed_slots`]). [`apply_plan`] carries out a [`WritePlan`] by memcpy.
 
 mod content;
+mod planner;
 
 use std::collections::HashMap;
 
@@ -25,6 +26,7 @@ use kvpipe_core::{
 use thiserror::Error;
 
 pub use content::{content_byte, filler_byte};
+pub use planner::{ChunkPlanError, ChunkPlanner, GroupChunkPlan};
 
 /// One layer group of a [`CacheSpec`].
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -345,13 +347,15 @@ impl ReferenceCache {
         )
     }
 
-    /// The naive whole-list query the bounded contract replaces: a copy of every block entry of
-    /// the request, O(request). Kept as the baseline of `kvpipe bench plan`.
+    /// The naive whole-list query the bounded contract replaces: walks every block of the
+    /// request from ordinal 0 and returns a fresh list of the resident run ending at the
+    /// allocation's end (restarting after each gap). O(request) and allocating; kept only as
+    /// the baseline of `kvpipe bench plan` and as a monolithic transfer in tests.
     pub fn whole_block_list(
         &self,
         request: RequestId,
         group: GroupIndex,
-    ) -> Result<Vec<Option<BlockId>>, BlockSourceError> {
+    ) -> Result<BlockRun, BlockSourceError> {
         let req = self
             .requests
             .get(&request)
@@ -360,7 +364,17 @@ impl ReferenceCache {
             .tables
             .get(usize::from(group.0))
             .ok_or(BlockSourceError::UnknownGroup(group))?;
-        Ok(table.to_vec())
+        let mut run = BlockRun::default();
+        for (ordinal, entry) in table.iter().enumerate() {
+            match entry {
+                Some(id) => run.ids.push(*id),
+                None => {
+                    run.ids.clear();
+                    run.first_ordinal = ordinal as u32 + 1;
+                }
+            }
+        }
+        Ok(run)
     }
 
     /// Tokens of `request` whose KV the cache holds.
