@@ -10,6 +10,7 @@ pub mod blocks;
 pub mod ids;
 pub mod layout;
 pub mod plan;
+pub mod session;
 pub mod source;
 pub mod time;
 pub mod wire;
@@ -21,5 +22,8 @@ pub use ids::{
 };
 pub use layout::{BlockLayout, LayerGroupLayout, PoolLayout};
 pub use plan::{WriteExtent, WritePlan};
+pub use session::{
+    Event, Output, Receiver, ReceiverConfig, ReceiverInput, Sender, SenderConfig, SenderInput,
+};
 pub use source::{BlockSource, BlockSourceError};
 pub use time::{Duration, Instant};
