@@ -63,6 +63,13 @@ impl FrameHeader {
         FrameHeader::ref_from_prefix(buf).ok().map(|(h, _)| h)
     }
 
+    /// The header's bytes.
+    pub fn to_bytes(&self) -> [u8; HEADER_LEN] {
+        let mut out = [0; HEADER_LEN];
+        out.copy_from_slice(self.as_bytes());
+        out
+    }
+
     /// Total frame length this header announces (header plus body).
     pub fn frame_len(&self) -> usize {
         HEADER_LEN + self.body_len.get() as usize
