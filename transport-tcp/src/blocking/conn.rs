@@ -1,0 +1,316 @@
+//! The two threads of one connection: a reader that decodes frames and lands data writes
+//! straight in registered memory, and a writer that sends queued frames and data writes.
+
+use std::io::{self, IoSlice, Read, Write};
+use std::net::{Shutdown, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicU16, Ordering};
+use std::sync::mpsc;
+use std::sync::Arc;
+
+use kvpipe_core::session::WriteBatchId;
+use kvpipe_core::wire::{DataWrite, Frame, FrameHeader, HEADER_LEN};
+use kvpipe_core::PeerId;
+
+use super::node::Shared;
+use crate::endpoint::Endpoint;
+use crate::grant::{WriteRefusal, WriteVerdict};
+use crate::pieces::Piece;
+use crate::stats::bump;
+
+/// Work for a connection's writer thread.
+pub(crate) enum Job {
+    /// An encoded control frame.
+    Frame(Vec<u8>),
+    /// This connection's part of a write batch.
+    Data {
+        /// The batch.
+        batch: WriteBatchId,
+        /// The data writes, in order.
+        pieces: Vec<Piece>,
+    },
+    /// Flush what is queued before, then shut the socket down.
+    Close,
+}
+
+/// Pieces per `write_vectored` call (two slices each).
+const PIECES_PER_CALL: usize = 64;
+/// Scratch buffer for draining refused or late payloads.
+const DRAIN_CHUNK: usize = 64 << 10;
+
+fn is_timeout(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut | io::ErrorKind::Interrupted
+    )
+}
+
+/// Fills `buf`, waking every poll interval to check `closing`.
+fn read_full(stream: &mut TcpStream, buf: &mut [u8], closing: &AtomicBool) -> io::Result<()> {
+    let mut done = 0;
+    while done < buf.len() {
+        match stream.read(&mut buf[done..]) {
+            Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => done += n,
+            Err(e) if is_timeout(&e) => {
+                if closing.load(Ordering::Acquire) {
+                    return Err(io::ErrorKind::ConnectionAborted.into());
+                }
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// Reads and discards `len` bytes.
+fn drain(
+    stream: &mut TcpStream,
+    mut len: u64,
+    scratch: &mut [u8],
+    closing: &AtomicBool,
+) -> io::Result<()> {
+    while len > 0 {
+        let n = (len.min(scratch.len() as u64)) as usize;
+        read_full(stream, &mut scratch[..n], closing)?;
+        len -= n as u64;
+    }
+    Ok(())
+}
+
+pub(crate) fn reader_loop<E: Endpoint>(
+    node: Arc<Shared<E>>,
+    peer: PeerId,
+    mut stream: TcpStream,
+    closing: Arc<AtomicBool>,
+    negotiated: Arc<AtomicU16>,
+) {
+    let mut buf = vec![0u8; HEADER_LEN];
+    let mut scratch = Vec::new();
+    loop {
+        buf.resize(HEADER_LEN, 0);
+        if read_full(&mut stream, &mut buf, &closing).is_err() {
+            break;
+        }
+        let neg = match negotiated.load(Ordering::Relaxed) {
+            0 => None,
+            v => Some(v),
+        };
+        let checked = FrameHeader::view(&buf)
+            .ok_or(())
+            .and_then(|h| h.check(neg).map(|_| h.frame_len()).map_err(|_| ()));
+        let Ok(total) = checked else {
+            bump(&node.stats.decode_errors, 1);
+            break;
+        };
+        buf.resize(total, 0);
+        if read_full(&mut stream, &mut buf[HEADER_LEN..], &closing).is_err() {
+            break;
+        }
+        let parsed = match neg {
+            Some(v) => Frame::parse_negotiated(&buf, v),
+            None => Frame::parse(&buf),
+        };
+        let frame = match parsed {
+            Ok((frame, _)) => frame,
+            Err(_) => {
+                bump(&node.stats.decode_errors, 1);
+                break;
+            }
+        };
+        match frame {
+            Frame::DataWrite(w) => {
+                if scratch.is_empty() {
+                    scratch = vec![0u8; DRAIN_CHUNK];
+                }
+                if !data_write(&node, peer, &mut stream, w, &mut scratch, &closing) {
+                    break;
+                }
+            }
+            frame => node.deliver_frame(peer, frame),
+        }
+    }
+    node.thread_exit(peer);
+}
+
+/// Handles one incoming data write; returns whether the connection goes on.
+fn data_write<E: Endpoint>(
+    node: &Shared<E>,
+    peer: PeerId,
+    stream: &mut TcpStream,
+    w: DataWrite,
+    scratch: &mut [u8],
+    closing: &AtomicBool,
+) -> bool {
+    let verdict = {
+        let mut st = node.lock();
+        match st.peers.get(&peer) {
+            None => return false,
+            Some(l) if l.untrusted => return false,
+            Some(_) => {}
+        }
+        if !st.endpoint.is_peer_ready(peer) {
+            WriteVerdict::Refuse(WriteRefusal::BeforeHandshake(peer))
+        } else {
+            match st.grants.check(peer, &w) {
+                WriteVerdict::Apply(revoked)
+                    if !node
+                        .regions
+                        .get(w.region)
+                        .is_some_and(|r| r.contains(w.offset, w.len)) =>
+                {
+                    // Granted by the layout but not backed by registered memory.
+                    if let Some(g) = st.grants.entries.get_mut(&w.request) {
+                        g.inside = g.inside.saturating_sub(1);
+                    }
+                    drop(revoked);
+                    WriteVerdict::Refuse(WriteRefusal::UnknownRegion {
+                        request: w.request,
+                        region: w.region,
+                    })
+                }
+                v => v,
+            }
+        }
+    };
+    match verdict {
+        WriteVerdict::Apply(revoked) => {
+            let region = node.regions.get(w.region).expect("checked").clone();
+            let mut done = 0u64;
+            let mut result = Ok(());
+            while done < w.len {
+                if revoked.load(Ordering::Acquire) {
+                    bump(&node.stats.bytes_drained, w.len - done);
+                    result = drain(stream, w.len - done, scratch, closing);
+                    break;
+                }
+                // SAFETY: the grant check reserved these bytes for this request's writers and
+                // the engine does not touch them before the request's `Quiesced`, which waits
+                // for this reader to leave (`finish_write`). `region` is registered memory and
+                // the range is in bounds (checked above).
+                let dst = match unsafe { region.slice_mut(w.offset + done, w.len - done) } {
+                    Ok(d) => d,
+                    Err(_) => break,
+                };
+                match stream.read(dst) {
+                    Ok(0) => {
+                        result = Err(io::ErrorKind::UnexpectedEof.into());
+                        break;
+                    }
+                    Ok(n) => done += n as u64,
+                    Err(e) if is_timeout(&e) => {
+                        if closing.load(Ordering::Acquire) {
+                            result = Err(io::ErrorKind::ConnectionAborted.into());
+                            break;
+                        }
+                    }
+                    Err(e) => {
+                        result = Err(e);
+                        break;
+                    }
+                }
+            }
+            bump(&node.stats.writes_applied, 1);
+            bump(&node.stats.bytes_applied, done.min(w.len));
+            let ok = result.is_ok();
+            node.finish_write(peer, w.request, if ok { w.len } else { 0 }, true);
+            ok
+        }
+        WriteVerdict::Late => {
+            bump(&node.stats.late_writes, 1);
+            bump(&node.stats.bytes_drained, w.len);
+            if drain(stream, w.len, scratch, closing).is_err() {
+                return false;
+            }
+            node.finish_write(peer, w.request, w.len, false);
+            true
+        }
+        WriteVerdict::Refuse(_reason) => {
+            bump(&node.stats.writes_refused, 1);
+            let mut st = node.lock();
+            let now = node.now();
+            if let Some(l) = st.peers.get_mut(&peer) {
+                l.untrusted = true;
+            }
+            let known = st
+                .grants
+                .entries
+                .get(&w.request)
+                .is_some_and(|g| g.writers.iter().any(|a| a.peer == peer));
+            if known {
+                st.endpoint.write_refused(now, w.request);
+            }
+            node.drain(&mut st, now);
+            // The payload is never read into memory; the connection closes after the frames
+            // queued for the peer (the failure report) are flushed.
+            node.begin_close(&mut st, peer, true);
+            false
+        }
+    }
+}
+
+fn write_pieces(stream: &mut TcpStream, pieces: &[Piece]) -> io::Result<u64> {
+    let mut bytes = 0;
+    for group in pieces.chunks(PIECES_PER_CALL) {
+        let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(group.len() * 2);
+        for p in group {
+            slices.push(IoSlice::new(&p.header));
+            // SAFETY: the source blocks stay pinned (unmodified) until the request's
+            // `Quiesced`, which the core emits only after this batch is reported or the peer's
+            // threads (this one included) have exited.
+            let src = unsafe { p.src.slice(p.src_offset, p.len) }
+                .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+            slices.push(IoSlice::new(src));
+            bytes += p.len;
+        }
+        let mut rest: &mut [IoSlice<'_>] = &mut slices;
+        while !rest.is_empty() {
+            let n = stream.write_vectored(rest)?;
+            if n == 0 {
+                return Err(io::ErrorKind::WriteZero.into());
+            }
+            IoSlice::advance_slices(&mut rest, n);
+        }
+    }
+    Ok(bytes)
+}
+
+pub(crate) fn writer_loop<E: Endpoint>(
+    node: Arc<Shared<E>>,
+    peer: PeerId,
+    mut stream: TcpStream,
+    rx: mpsc::Receiver<Job>,
+) {
+    let mut failed = false;
+    for job in rx.iter() {
+        match job {
+            Job::Frame(bytes) => {
+                if stream.write_all(&bytes).is_err() {
+                    failed = true;
+                    break;
+                }
+            }
+            Job::Data { batch, pieces } => match write_pieces(&mut stream, &pieces) {
+                Ok(bytes) => {
+                    bump(&node.stats.writes_sent, pieces.len() as u64);
+                    bump(&node.stats.bytes_sent, bytes);
+                    drop(pieces);
+                    node.part_done(batch);
+                }
+                Err(_) => {
+                    failed = true;
+                    break;
+                }
+            },
+            Job::Close => {
+                let _ = stream.flush();
+                let _ = stream.shutdown(Shutdown::Both);
+                break;
+            }
+        }
+    }
+    if failed {
+        let mut st = node.lock();
+        node.begin_close(&mut st, peer, false);
+    }
+    node.thread_exit(peer);
+}

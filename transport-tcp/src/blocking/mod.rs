@@ -1,0 +1,10 @@
+//! The blocking driver: std sockets and threads, no async runtime.
+//!
+//! Per peer, one reader and one writer thread per connection; one timer thread and (when
+//! listening) one accept thread per node.
+
+mod conn;
+mod node;
+mod roles;
+
+pub use roles::{TcpReceiver, TcpSender};

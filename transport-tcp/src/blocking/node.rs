@@ -1,0 +1,689 @@
+//! The blocking driver's shared state: the core endpoint behind one lock, the peers and their
+//! connections, the timer thread and the accept thread.
+//!
+//! Every input is fed to the core under the lock, and the outputs are drained under it at once:
+//! frames and data writes are queued to connection writer threads (never written under the
+//! lock), events go to the engine's queue. A peer's `PeerDisconnected` is reported only when
+//! the last of its connection threads has exited, so no write of a closed peer still touches
+//! memory after the core hears of it.
+
+use std::collections::{HashMap, VecDeque};
+use std::hash::{BuildHasher, Hasher};
+use std::io::{self, Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU64, Ordering};
+use std::sync::mpsc;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::{self, JoinHandle};
+use std::time::Duration as StdDuration;
+
+use kvpipe_core::session::{CloseReason, WriteBatchId};
+use kvpipe_core::wire::{Frame, TransferStatus, PROTOCOL_VERSION};
+use kvpipe_core::{Event, Instant, Output, PeerId, RequestId};
+
+use super::conn::{reader_loop, writer_loop, Job};
+use crate::config::TcpConfig;
+use crate::endpoint::Endpoint;
+use crate::grant::GrantTable;
+use crate::memory::RegionTable;
+use crate::pieces::split_plan;
+use crate::preamble::{Preamble, PREAMBLE_LEN};
+use crate::stats::{bump, StatCells};
+
+/// One connection of a peer, as the node holds it.
+pub(crate) struct ConnHandle {
+    /// A handle for shutting the socket down from any thread.
+    stream: TcpStream,
+    /// The writer thread's queue (`None` once closing).
+    tx: Option<mpsc::Sender<Job>>,
+}
+
+/// A connected peer: a bundle of connections.
+pub(crate) struct PeerLink {
+    token: u64,
+    expected: usize,
+    conns: Vec<ConnHandle>,
+    /// Connection threads still running.
+    threads: u32,
+    /// Closing: readers stop at their next wake-up, nothing new is queued.
+    pub(crate) closing: Arc<AtomicBool>,
+    /// No frame or write from the peer is accepted any more.
+    pub(crate) untrusted: bool,
+    /// Sockets are shut down at this time if a graceful close has not finished.
+    close_deadline: Option<std::time::Instant>,
+    /// The negotiated protocol version (0 before the handshake).
+    pub(crate) negotiated: Arc<AtomicU16>,
+}
+
+impl PeerLink {
+    fn version(&self) -> u16 {
+        match self.negotiated.load(Ordering::Relaxed) {
+            0 => PROTOCOL_VERSION,
+            v => v,
+        }
+    }
+
+    fn shutdown_sockets(&mut self) {
+        for c in &mut self.conns {
+            c.tx = None;
+            let _ = c.stream.shutdown(Shutdown::Both);
+        }
+    }
+}
+
+/// Everything behind the node's lock.
+pub(crate) struct State<E> {
+    pub(crate) endpoint: E,
+    pub(crate) peers: HashMap<PeerId, PeerLink>,
+    tokens: HashMap<u64, PeerId>,
+    next_peer: u32,
+    pub(crate) events: VecDeque<Event>,
+    /// Write batches in flight: the peer and the connection parts still being written.
+    batches: HashMap<WriteBatchId, (PeerId, u32)>,
+    pub(crate) grants: GrantTable,
+    shutdown: bool,
+}
+
+/// The node shared by the engine's handle and every thread.
+pub(crate) struct Shared<E> {
+    state: Mutex<State<E>>,
+    events_cv: Condvar,
+    timer_cv: Condvar,
+    origin: std::time::Instant,
+    pub(crate) regions: RegionTable,
+    pub(crate) config: TcpConfig,
+    pub(crate) stats: StatCells,
+    token_counter: AtomicU64,
+}
+
+impl<E: Endpoint> Shared<E> {
+    /// The core's notion of now.
+    pub(crate) fn now(&self) -> Instant {
+        Instant::from_nanos(u64::try_from(self.origin.elapsed().as_nanos()).unwrap_or(u64::MAX))
+    }
+
+    pub(crate) fn lock(&self) -> MutexGuard<'_, State<E>> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Runs `f` on the state, then drains the core's outputs.
+    pub(crate) fn with<R>(&self, f: impl FnOnce(&mut State<E>, Instant) -> R) -> R {
+        let mut st = self.lock();
+        let now = self.now();
+        let r = f(&mut st, now);
+        self.drain(&mut st, now);
+        r
+    }
+
+    /// Carries out every pending output of the core.
+    pub(crate) fn drain(&self, st: &mut State<E>, now: Instant) {
+        loop {
+            let mut reports: Vec<(WriteBatchId, TransferStatus)> = Vec::new();
+            while let Some(out) = st.endpoint.poll_output() {
+                match out {
+                    Output::Transmit { peer, frame } => {
+                        let Some(link) = st.peers.get_mut(&peer) else {
+                            continue;
+                        };
+                        if let Frame::HelloAccept(a) = &frame {
+                            link.negotiated.store(a.version, Ordering::Relaxed);
+                        }
+                        let mut bytes = vec![0; frame.encoded_len()];
+                        if frame.emit_versioned(link.version(), &mut bytes).is_ok() {
+                            if let Some(tx) = link.conns.first().and_then(|c| c.tx.as_ref()) {
+                                let _ = tx.send(Job::Frame(bytes));
+                            }
+                        }
+                    }
+                    Output::ExecuteWrites {
+                        peer,
+                        batch,
+                        request,
+                        grant,
+                        plan,
+                        ..
+                    } => {
+                        let Some(link) = st.peers.get_mut(&peer) else {
+                            continue;
+                        };
+                        let parts = split_plan(
+                            &plan,
+                            request,
+                            grant,
+                            link.version(),
+                            link.conns.len(),
+                            &self.config,
+                            &self.regions,
+                        );
+                        match parts {
+                            Err(_) => reports.push((batch, TransferStatus::WriteFailed)),
+                            Ok(parts) => {
+                                let mut queued = 0;
+                                for (c, pieces) in parts.into_iter().enumerate() {
+                                    if pieces.is_empty() {
+                                        continue;
+                                    }
+                                    if let Some(tx) = link.conns[c].tx.as_ref() {
+                                        if tx.send(Job::Data { batch, pieces }).is_ok() {
+                                            queued += 1;
+                                        }
+                                    }
+                                }
+                                if queued == 0 && !link.closing.load(Ordering::Relaxed) {
+                                    reports.push((batch, TransferStatus::Success));
+                                } else if queued > 0 {
+                                    st.batches.insert(batch, (peer, queued));
+                                }
+                            }
+                        }
+                    }
+                    Output::ClosePeer { peer, reason } => {
+                        let graceful = matches!(
+                            reason,
+                            CloseReason::HandshakeRejected
+                                | CloseReason::RejectedByPeer
+                                | CloseReason::ProtocolViolation
+                        );
+                        self.begin_close(st, peer, graceful);
+                    }
+                    Output::Event(event) => self.on_event(st, event),
+                }
+            }
+            if reports.is_empty() {
+                break;
+            }
+            for (batch, status) in reports {
+                st.endpoint.writes_done(now, batch, status);
+            }
+        }
+        self.timer_cv.notify_all();
+    }
+
+    fn on_event(&self, st: &mut State<E>, event: Event) {
+        match &event {
+            Event::Completed { request, .. }
+            | Event::Failed { request, .. }
+            | Event::TimedOut { request, .. }
+            | Event::Cancelled { request, .. } => {
+                if let Some(g) = st.grants.entries.get(request) {
+                    g.revoked.store(true, Ordering::Release);
+                }
+            }
+            Event::Quiesced { request } => {
+                if let Some(g) = st.grants.entries.get_mut(request) {
+                    g.revoked.store(true, Ordering::Release);
+                    if g.inside > 0 {
+                        // Released by the last reader leaving the request's memory.
+                        g.quiesce_pending = true;
+                        return;
+                    }
+                }
+            }
+            _ => {}
+        }
+        st.events.push_back(event);
+        self.events_cv.notify_all();
+    }
+
+    /// Starts tearing `peer` down: gracefully (queued frames are flushed first, bounded by
+    /// `close_grace`) or at once.
+    pub(crate) fn begin_close(&self, st: &mut State<E>, peer: PeerId, graceful: bool) {
+        let Some(link) = st.peers.get_mut(&peer) else {
+            return;
+        };
+        if !link.closing.swap(true, Ordering::AcqRel) {
+            bump(&self.stats.peers_closed, 1);
+        }
+        if graceful {
+            if link.close_deadline.is_none() {
+                link.close_deadline = Some(std::time::Instant::now() + self.config.close_grace);
+                for c in &mut link.conns {
+                    if let Some(tx) = c.tx.take() {
+                        let _ = tx.send(Job::Close);
+                    }
+                }
+            }
+        } else {
+            link.shutdown_sockets();
+        }
+        self.timer_cv.notify_all();
+    }
+
+    /// A frame arrived from `peer`. Frames of a request this node granted are held until the
+    /// data they report has landed (writes travel on other connections than results).
+    pub(crate) fn deliver_frame(&self, peer: PeerId, frame: Frame) {
+        let mut st = self.lock();
+        let now = self.now();
+        if st.peers.get(&peer).is_none_or(|l| l.untrusted) {
+            return;
+        }
+        let request = match &frame {
+            Frame::KvResult(r) => Some(r.request),
+            Frame::AuxResult(a) => Some(a.request),
+            Frame::Cancel(c) => Some(c.request),
+            _ => None,
+        };
+        let st = &mut *st;
+        let account = request.and_then(|r| st.grants.account(r, peer));
+        match account {
+            Some(acct) => {
+                if let Frame::KvResult(r) = &frame {
+                    if r.status == TransferStatus::Success {
+                        acct.reported = acct.reported.saturating_add(r.bytes_written);
+                    }
+                }
+                let need = acct.reported;
+                if acct.held.is_empty() && acct.consumed >= need {
+                    st.endpoint.frame(now, peer, frame);
+                } else {
+                    acct.held.push_back((need, frame));
+                }
+            }
+            None => st.endpoint.frame(now, peer, frame),
+        }
+        self.drain(st, now);
+    }
+
+    /// Releases the held frames of (`request`, `peer`) whose data has landed.
+    fn release(&self, st: &mut State<E>, request: RequestId, peer: PeerId, now: Instant) {
+        let mut ready = Vec::new();
+        if let Some(acct) = st.grants.account(request, peer) {
+            while acct.held.front().is_some_and(|(need, _)| acct.consumed >= *need) {
+                if let Some((_, f)) = acct.held.pop_front() {
+                    ready.push(f);
+                }
+            }
+        }
+        for f in ready {
+            st.endpoint.frame(now, peer, f);
+        }
+    }
+
+    /// A reader finished with a write of `len` payload bytes for `request` (`applied`: it held a
+    /// place inside the request's memory).
+    pub(crate) fn finish_write(&self, peer: PeerId, request: RequestId, len: u64, applied: bool) {
+        let mut st = self.lock();
+        let now = self.now();
+        let st = &mut *st;
+        if let Some(g) = st.grants.entries.get_mut(&request) {
+            if applied {
+                g.inside = g.inside.saturating_sub(1);
+                if g.inside == 0 && g.quiesce_pending {
+                    g.quiesce_pending = false;
+                    st.events.push_back(Event::Quiesced { request });
+                    self.events_cv.notify_all();
+                }
+            }
+            if let Some(acct) = g.writers.iter_mut().find(|a| a.peer == peer) {
+                acct.consumed = acct.consumed.saturating_add(len);
+            }
+        }
+        self.release(st, request, peer, now);
+        self.drain(st, now);
+    }
+
+    /// A connection part of `batch` was written out.
+    pub(crate) fn part_done(&self, batch: WriteBatchId) {
+        let mut st = self.lock();
+        let now = self.now();
+        let done = match st.batches.get_mut(&batch) {
+            Some((_, left)) => {
+                *left -= 1;
+                *left == 0
+            }
+            None => false,
+        };
+        if done {
+            st.batches.remove(&batch);
+            st.endpoint.writes_done(now, batch, TransferStatus::Success);
+            self.drain(&mut st, now);
+        }
+    }
+
+    /// A connection thread of `peer` exited; the last one reports the disconnect.
+    pub(crate) fn thread_exit(&self, peer: PeerId) {
+        let mut st = self.lock();
+        let now = self.now();
+        let Some(link) = st.peers.get_mut(&peer) else {
+            return;
+        };
+        link.threads = link.threads.saturating_sub(1);
+        if link.threads > 0 {
+            // Make the others stop too: a peer lives and dies as a whole.
+            if !link.closing.load(Ordering::Acquire) {
+                self.begin_close(&mut st, peer, false);
+            } else if link.close_deadline.is_none() {
+                link.shutdown_sockets();
+            }
+            return;
+        }
+        let link = st.peers.remove(&peer).expect("present");
+        st.tokens.remove(&link.token);
+        st.batches.retain(|_, (p, _)| *p != peer);
+        for g in st.grants.entries.values_mut() {
+            if let Some(a) = g.writers.iter_mut().find(|a| a.peer == peer) {
+                a.held.clear();
+            }
+        }
+        st.endpoint.disconnected(now, peer);
+        self.drain(&mut st, now);
+        self.events_cv.notify_all();
+    }
+
+    fn new_token(&self) -> u64 {
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u64(self.token_counter.fetch_add(1, Ordering::Relaxed));
+        h.write_u128(self.origin.elapsed().as_nanos());
+        h.write_u32(std::process::id());
+        h.finish()
+    }
+
+    fn configure(&self, stream: &TcpStream) -> io::Result<()> {
+        stream.set_nodelay(true)?;
+        stream.set_read_timeout(Some(self.config.poll_interval))?;
+        stream.set_write_timeout(self.config.write_stall_timeout)?;
+        Ok(())
+    }
+
+    /// Adds a connection to `peer`'s bundle (creating the peer for index 0) and starts its
+    /// threads. Returns the peer.
+    fn attach(self: &Arc<Self>, st: &mut State<E>, pre: Preamble, stream: TcpStream) -> Option<PeerId> {
+        let peer = if pre.index == 0 {
+            if st.tokens.contains_key(&pre.token) {
+                return None;
+            }
+            let peer = PeerId(st.next_peer);
+            st.next_peer += 1;
+            st.tokens.insert(pre.token, peer);
+            st.peers.insert(
+                peer,
+                PeerLink {
+                    token: pre.token,
+                    expected: usize::from(pre.count),
+                    conns: Vec::new(),
+                    threads: 0,
+                    closing: Arc::new(AtomicBool::new(false)),
+                    untrusted: false,
+                    close_deadline: None,
+                    negotiated: Arc::new(AtomicU16::new(0)),
+                },
+            );
+            peer
+        } else {
+            let peer = *st.tokens.get(&pre.token)?;
+            let link = st.peers.get(&peer)?;
+            if link.closing.load(Ordering::Acquire)
+                || link.conns.len() != usize::from(pre.index)
+                || link.expected != usize::from(pre.count)
+            {
+                return None;
+            }
+            peer
+        };
+        let (Ok(read_half), Ok(write_half)) = (stream.try_clone(), stream.try_clone()) else {
+            if pre.index == 0 {
+                st.peers.remove(&peer);
+                st.tokens.remove(&pre.token);
+            }
+            return None;
+        };
+        let link = st.peers.get_mut(&peer).expect("present");
+        let (tx, rx) = mpsc::channel();
+        link.conns.push(ConnHandle {
+            stream,
+            tx: Some(tx),
+        });
+        link.threads += 2;
+        let closing = link.closing.clone();
+        let negotiated = link.negotiated.clone();
+        bump(&self.stats.connections, 1);
+        let node = self.clone();
+        let spawned_reader = thread::Builder::new()
+            .name(format!("kvpipe-tcp-rd-{}", peer.0))
+            .spawn(move || reader_loop(node, peer, read_half, closing, negotiated));
+        let node = self.clone();
+        let spawned_writer = thread::Builder::new()
+            .name(format!("kvpipe-tcp-wr-{}", peer.0))
+            .spawn(move || writer_loop(node, peer, write_half, rx));
+        let link = st.peers.get_mut(&peer).expect("present");
+        if spawned_reader.is_err() {
+            link.threads -= 1;
+        }
+        if spawned_writer.is_err() {
+            link.threads -= 1;
+        }
+        if spawned_reader.is_err() || spawned_writer.is_err() {
+            link.shutdown_sockets();
+        }
+        Some(peer)
+    }
+}
+
+/// The engine-facing node: owns the shared state and the helper threads.
+pub(crate) struct Node<E: Endpoint> {
+    pub(crate) shared: Arc<Shared<E>>,
+    threads: Mutex<Vec<JoinHandle<()>>>,
+}
+
+impl<E: Endpoint> Node<E> {
+    pub(crate) fn new(endpoint: E, config: TcpConfig, regions: RegionTable) -> Self {
+        let shared = Arc::new(Shared {
+            state: Mutex::new(State {
+                endpoint,
+                peers: HashMap::new(),
+                tokens: HashMap::new(),
+                next_peer: 0,
+                events: VecDeque::new(),
+                batches: HashMap::new(),
+                grants: GrantTable::default(),
+                shutdown: false,
+            }),
+            events_cv: Condvar::new(),
+            timer_cv: Condvar::new(),
+            origin: std::time::Instant::now(),
+            regions,
+            config,
+            stats: StatCells::default(),
+            token_counter: AtomicU64::new(0),
+        });
+        let timer = {
+            let shared = shared.clone();
+            thread::Builder::new()
+                .name("kvpipe-tcp-timer".into())
+                .spawn(move || timer_loop(&shared))
+                .expect("spawning the timer thread")
+        };
+        Node {
+            shared,
+            threads: Mutex::new(vec![timer]),
+        }
+    }
+
+    /// Listens on `addr`; every accepted connection bundle becomes a peer.
+    pub(crate) fn listen(&self, addr: impl ToSocketAddrs) -> io::Result<SocketAddr> {
+        let listener = TcpListener::bind(addr)?;
+        let local = listener.local_addr()?;
+        listener.set_nonblocking(true)?;
+        let shared = self.shared.clone();
+        let handle = thread::Builder::new()
+            .name("kvpipe-tcp-accept".into())
+            .spawn(move || accept_loop(&shared, listener))?;
+        self.threads
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(handle);
+        Ok(local)
+    }
+
+    /// Opens `connections_per_peer` connections to `addr` and starts the handshake on them.
+    pub(crate) fn connect(&self, addr: impl ToSocketAddrs) -> io::Result<PeerId> {
+        let shared = &self.shared;
+        let addrs: Vec<SocketAddr> = addr.to_socket_addrs()?.collect();
+        let addr = *addrs
+            .first()
+            .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "no address"))?;
+        let count = shared.config.connections_per_peer.clamp(1, 255);
+        let token = shared.new_token();
+        let mut streams = Vec::with_capacity(count);
+        for index in 0..count {
+            let mut s = TcpStream::connect_timeout(&addr, shared.config.preamble_timeout)?;
+            shared.configure(&s)?;
+            let pre = Preamble {
+                index: index as u8,
+                count: count as u8,
+                token,
+            };
+            s.write_all(&pre.encode())?;
+            streams.push((pre, s));
+        }
+        let mut st = shared.lock();
+        let now = shared.now();
+        let mut peer = None;
+        for (pre, s) in streams {
+            match shared.attach(&mut st, pre, s) {
+                Some(p) => peer = Some(p),
+                None => break,
+            }
+        }
+        let peer = peer.ok_or_else(|| io::Error::other("could not start the connection"))?;
+        st.endpoint.connected(now, peer);
+        shared.drain(&mut st, now);
+        Ok(peer)
+    }
+
+    /// The next event, waiting up to `timeout`.
+    pub(crate) fn next_event(&self, timeout: StdDuration) -> Option<Event> {
+        let deadline = std::time::Instant::now() + timeout;
+        let mut st = self.shared.lock();
+        loop {
+            if let Some(e) = st.events.pop_front() {
+                return Some(e);
+            }
+            let now = std::time::Instant::now();
+            if now >= deadline {
+                return None;
+            }
+            st = self
+                .shared
+                .events_cv
+                .wait_timeout(st, deadline - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+
+    /// Closes every peer, stops the helper threads and waits (bounded) for connection threads.
+    pub(crate) fn shutdown(&self) {
+        {
+            let mut st = self.shared.lock();
+            st.shutdown = true;
+            let peers: Vec<PeerId> = st.peers.keys().copied().collect();
+            for p in peers {
+                self.shared.begin_close(&mut st, p, false);
+            }
+            self.shared.timer_cv.notify_all();
+        }
+        let handles: Vec<JoinHandle<()>> = std::mem::take(
+            &mut *self.threads.lock().unwrap_or_else(|e| e.into_inner()),
+        );
+        for h in handles {
+            let _ = h.join();
+        }
+        let deadline = std::time::Instant::now() + StdDuration::from_secs(5);
+        let mut st = self.shared.lock();
+        while !st.peers.is_empty() && std::time::Instant::now() < deadline {
+            st = self
+                .shared
+                .events_cv
+                .wait_timeout(st, StdDuration::from_millis(50))
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+}
+
+impl<E: Endpoint> Drop for Node<E> {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+fn timer_loop<E: Endpoint>(shared: &Shared<E>) {
+    let mut st = shared.lock();
+    loop {
+        if st.shutdown {
+            return;
+        }
+        let now = shared.now();
+        let wall = std::time::Instant::now();
+        let mut next_close: Option<std::time::Instant> = None;
+        for link in st.peers.values_mut() {
+            if let Some(at) = link.close_deadline {
+                if at <= wall {
+                    link.shutdown_sockets();
+                    link.close_deadline = Some(wall + StdDuration::from_secs(3600));
+                } else {
+                    next_close = Some(next_close.map_or(at, |n| n.min(at)));
+                }
+            }
+        }
+        let next = st.endpoint.poll_timeout();
+        if let Some(at) = next {
+            if at <= now {
+                st.endpoint.timeout(now);
+                shared.drain(&mut st, now);
+                continue;
+            }
+        }
+        let mut wait = StdDuration::from_millis(500);
+        if let Some(at) = next {
+            wait = wait.min(StdDuration::from(at - now));
+        }
+        if let Some(at) = next_close {
+            wait = wait.min(at.saturating_duration_since(wall));
+        }
+        st = shared
+            .timer_cv
+            .wait_timeout(st, wait.max(StdDuration::from_micros(100)))
+            .unwrap_or_else(|e| e.into_inner())
+            .0;
+    }
+}
+
+fn accept_loop<E: Endpoint>(shared: &Arc<Shared<E>>, listener: TcpListener) {
+    loop {
+        if shared.lock().shutdown {
+            return;
+        }
+        match listener.accept() {
+            Ok((mut stream, _)) => {
+                let ok = stream.set_nonblocking(false).is_ok()
+                    && stream
+                        .set_read_timeout(Some(shared.config.preamble_timeout))
+                        .is_ok();
+                let mut buf = [0u8; PREAMBLE_LEN];
+                if !ok || stream.read_exact(&mut buf).is_err() {
+                    continue;
+                }
+                let Ok(pre) = Preamble::decode(&buf) else {
+                    continue;
+                };
+                if shared.configure(&stream).is_err() {
+                    continue;
+                }
+                let mut st = shared.lock();
+                let now = shared.now();
+                if let Some(peer) = shared.attach(&mut st, pre, stream) {
+                    if pre.index == 0 {
+                        st.endpoint.connected(now, peer);
+                        shared.drain(&mut st, now);
+                    }
+                }
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                thread::sleep(StdDuration::from_millis(2));
+            }
+            Err(_) => thread::sleep(StdDuration::from_millis(10)),
+        }
+    }
+}

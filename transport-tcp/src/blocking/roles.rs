@@ -1,0 +1,210 @@
+//! The engine-facing handles: [`TcpSender`] (prefill side) and [`TcpReceiver`] (decode side).
+
+use std::io;
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::time::Duration;
+
+use kvpipe_core::session::{ChunkSpec, Counters, SendRequest, UsageError};
+use kvpipe_core::wire::AuxData;
+use kvpipe_core::{
+    BlockSource, Event, PeerId, Receiver, ReceiverConfig, ReceiverSliceId, RequestId,
+    Sender, SenderConfig, SenderSliceId,
+};
+
+use super::node::Node;
+use crate::config::TcpConfig;
+use crate::grant::GrantedExtents;
+use crate::memory::RegionTable;
+use kvpipe_core::session::Registration;
+use crate::stats::TcpStats;
+
+/// A prefill-side node: a core [`Sender`] driven over TCP with std threads.
+///
+/// Connect to (or accept) receivers, open requests naming their [`PeerId`]s, submit chunks as
+/// prefill computes them, and read [`Event`]s with [`next_event`](Self::next_event). Source
+/// bytes are read from the registered regions (the layout's pool regions) at send time, so a
+/// request's blocks must not change until its `Quiesced` event.
+pub struct TcpSender {
+    node: Node<Sender>,
+}
+
+impl TcpSender {
+    /// A node around a core sender, reading source bytes from `regions`.
+    pub fn new(config: SenderConfig, tcp: TcpConfig, regions: RegionTable) -> Self {
+        TcpSender {
+            node: Node::new(Sender::new(config), tcp, regions),
+        }
+    }
+
+    /// Accepts connections on `addr` (each connecting receiver becomes a peer).
+    pub fn listen(&self, addr: impl ToSocketAddrs) -> io::Result<SocketAddr> {
+        self.node.listen(addr)
+    }
+
+    /// Connects to a receiver at `addr`; the handshake runs in the background
+    /// ([`Event::PeerReady`] or [`Event::PeerRejected`] follows).
+    pub fn connect(&self, addr: impl ToSocketAddrs) -> io::Result<PeerId> {
+        self.node.connect(addr)
+    }
+
+    /// Opens a request (see [`Sender::open_request`]).
+    pub fn open_request(&self, req: SendRequest) -> Result<(), UsageError> {
+        self.node
+            .shared
+            .with(|st, now| st.endpoint.open_request(now, req))
+    }
+
+    /// Submits a computed chunk (see [`Sender::submit_chunk`]).
+    pub fn submit_chunk(
+        &self,
+        request: RequestId,
+        spec: ChunkSpec,
+        source: &mut impl BlockSource,
+    ) -> Result<Option<SenderSliceId>, UsageError> {
+        self.node
+            .shared
+            .with(|st, now| st.endpoint.submit_chunk(now, request, spec, source))
+    }
+
+    /// Submits the request's aux data.
+    pub fn submit_aux(&self, request: RequestId, data: AuxData) -> Result<(), UsageError> {
+        self.node.shared.with(|st, now| {
+            st.endpoint
+                .handle_input(kvpipe_core::SenderInput::AuxSubmitted { now, request, data })
+        })
+    }
+
+    /// Cancels a request.
+    pub fn cancel(&self, request: RequestId) -> Result<(), UsageError> {
+        self.node
+            .shared
+            .with(|st, now| st.endpoint.cancel(now, request))
+    }
+
+    /// Retires a request after its `Quiesced` event.
+    pub fn retire(&self, request: RequestId) -> Result<(), UsageError> {
+        self.node
+            .shared
+            .with(|st, now| st.endpoint.retire(now, request))
+    }
+
+    /// The next event, waiting up to `timeout`.
+    pub fn next_event(&self, timeout: Duration) -> Option<Event> {
+        self.node.next_event(timeout)
+    }
+
+    /// Whether the handshake with `peer` completed.
+    pub fn is_peer_ready(&self, peer: PeerId) -> bool {
+        self.node.shared.lock().endpoint.is_peer_ready(peer)
+    }
+
+    /// The core's counters.
+    pub fn counters(&self) -> Counters {
+        *self.node.shared.lock().endpoint.counters()
+    }
+
+    /// The transport's counters.
+    pub fn stats(&self) -> TcpStats {
+        self.node.shared.stats.snapshot()
+    }
+
+    /// Sessions the core still holds.
+    pub fn session_count(&self) -> usize {
+        self.node.shared.lock().endpoint.session_count()
+    }
+
+    /// Closes every connection and stops the node's threads (also done on drop).
+    pub fn shutdown(&self) {
+        self.node.shutdown();
+    }
+}
+
+/// A decode-side node: a core [`Receiver`] driven over TCP with std threads.
+///
+/// Register a request's destination blocks with [`register`](Self::register): the node grants
+/// the request exactly the bytes of those blocks in the pool regions, and every incoming data
+/// write is checked against that grant before a byte is read into memory.
+pub struct TcpReceiver {
+    node: Node<Receiver>,
+}
+
+impl TcpReceiver {
+    /// A node around a core receiver, landing payloads in `regions`.
+    pub fn new(config: ReceiverConfig, tcp: TcpConfig, regions: RegionTable) -> Self {
+        TcpReceiver {
+            node: Node::new(Receiver::new(config), tcp, regions),
+        }
+    }
+
+    /// Accepts connections on `addr` (each connecting sender becomes a peer).
+    pub fn listen(&self, addr: impl ToSocketAddrs) -> io::Result<SocketAddr> {
+        self.node.listen(addr)
+    }
+
+    /// Connects to a sender at `addr`.
+    pub fn connect(&self, addr: impl ToSocketAddrs) -> io::Result<PeerId> {
+        self.node.connect(addr)
+    }
+
+    /// Registers a request's destination and grants its writers exactly those blocks' bytes
+    /// (see [`Receiver::register`]).
+    pub fn register(&self, reg: Registration) -> Result<ReceiverSliceId, UsageError> {
+        self.node.shared.with(|st, now| {
+            let request = reg.request;
+            let writers = reg.writers.clone();
+            let extents = GrantedExtents::compute(&st.endpoint.config().local.groups, &reg.groups);
+            let slice = st.endpoint.register(now, reg)?;
+            if let Some(grant) = st.endpoint.grant(request) {
+                st.grants.insert(request, grant, extents, &writers);
+            }
+            Ok(slice)
+        })
+    }
+
+    /// Cancels a request.
+    pub fn cancel(&self, request: RequestId) -> Result<(), UsageError> {
+        self.node
+            .shared
+            .with(|st, now| st.endpoint.cancel(now, request))
+    }
+
+    /// Retires a request after its `Quiesced` event; its grant is dropped (late writes for it
+    /// are still recognised and drained for a while).
+    pub fn retire(&self, request: RequestId) -> Result<(), UsageError> {
+        self.node.shared.with(|st, now| {
+            st.endpoint.retire(now, request)?;
+            st.grants.retire(request);
+            Ok(())
+        })
+    }
+
+    /// The next event, waiting up to `timeout`.
+    pub fn next_event(&self, timeout: Duration) -> Option<Event> {
+        self.node.next_event(timeout)
+    }
+
+    /// Whether the handshake with `peer` completed.
+    pub fn is_peer_ready(&self, peer: PeerId) -> bool {
+        self.node.shared.lock().endpoint.is_peer_ready(peer)
+    }
+
+    /// The core's counters.
+    pub fn counters(&self) -> Counters {
+        *self.node.shared.lock().endpoint.counters()
+    }
+
+    /// The transport's counters.
+    pub fn stats(&self) -> TcpStats {
+        self.node.shared.stats.snapshot()
+    }
+
+    /// Sessions the core still holds.
+    pub fn session_count(&self) -> usize {
+        self.node.shared.lock().endpoint.session_count()
+    }
+
+    /// Closes every connection and stops the node's threads (also done on drop).
+    pub fn shutdown(&self) {
+        self.node.shutdown();
+    }
+}

@@ -1,0 +1,38 @@
+//! Transport settings (the protocol's own deadlines live in the core's configs).
+
+use std::time::Duration;
+
+/// How a node uses its sockets.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TcpConfig {
+    /// Connections opened to each peer by the connecting side (1..=255). Control frames use the
+    /// first one; data writes are spread over all of them.
+    pub connections_per_peer: usize,
+    /// Smallest piece a large extent is cut into when it is spread over several connections.
+    pub min_piece_bytes: u64,
+    /// Largest piece of one data write.
+    pub max_piece_bytes: u64,
+    /// How often a blocked reader wakes to check whether its connection is closing or the grant
+    /// it writes into was revoked.
+    pub poll_interval: Duration,
+    /// How long an accepted connection may take to send its preamble.
+    pub preamble_timeout: Duration,
+    /// How long a graceful close (flushing queued frames) may take before sockets are shut down.
+    pub close_grace: Duration,
+    /// A blocked socket write failing after this long tears the peer down (`None`: never).
+    pub write_stall_timeout: Option<Duration>,
+}
+
+impl Default for TcpConfig {
+    fn default() -> Self {
+        TcpConfig {
+            connections_per_peer: 2,
+            min_piece_bytes: 256 << 10,
+            max_piece_bytes: 8 << 20,
+            poll_interval: Duration::from_millis(20),
+            preamble_timeout: Duration::from_secs(5),
+            close_grace: Duration::from_millis(500),
+            write_stall_timeout: Some(Duration::from_secs(30)),
+        }
+    }
+}

@@ -1,0 +1,64 @@
+//! Transport counters (the protocol's own counters are the core's `Counters`).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// What a node's sockets have done so far.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct TcpStats {
+    /// Connections opened or accepted.
+    pub connections: u64,
+    /// Data writes sent (pieces, each one `DataWrite` header plus payload).
+    pub writes_sent: u64,
+    /// Payload bytes sent.
+    pub bytes_sent: u64,
+    /// Data writes applied to registered memory.
+    pub writes_applied: u64,
+    /// Payload bytes applied to registered memory.
+    pub bytes_applied: u64,
+    /// Writes refused (outside any grant, wrong grant, unknown request, …): never applied.
+    pub writes_refused: u64,
+    /// Writes for a request whose session had ended: drained, never applied.
+    pub late_writes: u64,
+    /// Payload bytes drained without being applied.
+    pub bytes_drained: u64,
+    /// Frames that failed to decode (the connection was closed).
+    pub decode_errors: u64,
+    /// Peers torn down after an I/O error, a refused write or a close request.
+    pub peers_closed: u64,
+}
+
+#[derive(Debug, Default)]
+pub(crate) struct StatCells {
+    pub(crate) connections: AtomicU64,
+    pub(crate) writes_sent: AtomicU64,
+    pub(crate) bytes_sent: AtomicU64,
+    pub(crate) writes_applied: AtomicU64,
+    pub(crate) bytes_applied: AtomicU64,
+    pub(crate) writes_refused: AtomicU64,
+    pub(crate) late_writes: AtomicU64,
+    pub(crate) bytes_drained: AtomicU64,
+    pub(crate) decode_errors: AtomicU64,
+    pub(crate) peers_closed: AtomicU64,
+}
+
+pub(crate) fn bump(cell: &AtomicU64, by: u64) {
+    cell.fetch_add(by, Ordering::Relaxed);
+}
+
+impl StatCells {
+    pub(crate) fn snapshot(&self) -> TcpStats {
+        let g = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        TcpStats {
+            connections: g(&self.connections),
+            writes_sent: g(&self.writes_sent),
+            bytes_sent: g(&self.bytes_sent),
+            writes_applied: g(&self.writes_applied),
+            bytes_applied: g(&self.bytes_applied),
+            writes_refused: g(&self.writes_refused),
+            late_writes: g(&self.late_writes),
+            bytes_drained: g(&self.bytes_drained),
+            decode_errors: g(&self.decode_errors),
+            peers_closed: g(&self.peers_closed),
+        }
+    }
+}
