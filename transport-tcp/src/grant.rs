@@ -233,7 +233,11 @@ impl GrantTable {
         WriteVerdict::Apply(entry.revoked.clone())
     }
 
-    pub(crate) fn account(&mut self, request: RequestId, peer: PeerId) -> Option<&mut WriterAccount> {
+    pub(crate) fn account(
+        &mut self,
+        request: RequestId,
+        peer: PeerId,
+    ) -> Option<&mut WriterAccount> {
         self.entries
             .get_mut(&request)?
             .writers
@@ -324,13 +328,34 @@ mod tests {
         assert!(matches!(t.check(PeerId(1), &ok), WriteVerdict::Apply(_)));
         let cases = [
             (PeerId(2), ok),
-            (PeerId(1), DataWrite { grant: GrantId(78), ..ok }),
-            (PeerId(1), DataWrite { request: RequestId(8), ..ok }),
+            (
+                PeerId(1),
+                DataWrite {
+                    grant: GrantId(78),
+                    ..ok
+                },
+            ),
+            (
+                PeerId(1),
+                DataWrite {
+                    request: RequestId(8),
+                    ..ok
+                },
+            ),
             (PeerId(1), DataWrite { offset: 65, ..ok }),
-            (PeerId(1), DataWrite { region: RegionId(5), ..ok }),
+            (
+                PeerId(1),
+                DataWrite {
+                    region: RegionId(5),
+                    ..ok
+                },
+            ),
         ];
         for (peer, w) in cases {
-            assert!(matches!(t.check(peer, &w), WriteVerdict::Refuse(_)), "{w:?}");
+            assert!(
+                matches!(t.check(peer, &w), WriteVerdict::Refuse(_)),
+                "{w:?}"
+            );
         }
         t.retire(RequestId(9));
         assert!(matches!(t.check(PeerId(1), &ok), WriteVerdict::Late));

@@ -171,11 +171,7 @@ impl MemoryRegion {
     /// # Safety
     /// Nobody else may read or write these bytes while the returned slice lives.
     #[allow(clippy::mut_from_ref)]
-    pub(crate) unsafe fn slice_mut(
-        &self,
-        offset: u64,
-        len: u64,
-    ) -> Result<&mut [u8], OutOfBounds> {
+    pub(crate) unsafe fn slice_mut(&self, offset: u64, len: u64) -> Result<&mut [u8], OutOfBounds> {
         let start = self.check(offset, len)?;
         // SAFETY: in bounds (checked); the caller guarantees exclusive access.
         Ok(unsafe {

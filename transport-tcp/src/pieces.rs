@@ -111,7 +111,13 @@ mod tests {
             .map(|p| {
                 let (f, _) = Frame::parse(&p.header).unwrap();
                 let Frame::DataWrite(w) = f else { panic!() };
-                assert_eq!(w.offset - 100, p.src_offset.min(w.offset - 100));
+                let expected = if p.src_offset < 5 << 20 {
+                    p.src_offset + 100
+                } else {
+                    p.src_offset - (5 << 20) + (9 << 20)
+                };
+                assert_eq!(w.offset, expected);
+                assert_eq!(w.len, p.len);
                 (w.offset, w.len)
             })
             .collect();

@@ -103,10 +103,16 @@ mod tests {
         assert_eq!(Preamble::decode(&p.encode()), Ok(p));
         let mut bad = p.encode();
         bad[0] = b'X';
-        assert!(matches!(Preamble::decode(&bad), Err(PreambleError::BadMagic(_))));
+        assert!(matches!(
+            Preamble::decode(&bad),
+            Err(PreambleError::BadMagic(_))
+        ));
         let mut bad = p.encode();
         bad[5] = 4;
-        assert!(matches!(Preamble::decode(&bad), Err(PreambleError::Invalid { .. })));
+        assert!(matches!(
+            Preamble::decode(&bad),
+            Err(PreambleError::Invalid { .. })
+        ));
         let mut bad = p.encode();
         bad[4] = 9;
         assert_eq!(Preamble::decode(&bad), Err(PreambleError::Version(9)));

@@ -288,7 +288,11 @@ impl<E: Endpoint> Shared<E> {
     fn release(&self, st: &mut State<E>, request: RequestId, peer: PeerId, now: Instant) {
         let mut ready = Vec::new();
         if let Some(acct) = st.grants.account(request, peer) {
-            while acct.held.front().is_some_and(|(need, _)| acct.consumed >= *need) {
+            while acct
+                .held
+                .front()
+                .is_some_and(|(need, _)| acct.consumed >= *need)
+            {
                 if let Some((_, f)) = acct.held.pop_front() {
                     ready.push(f);
                 }
@@ -387,7 +391,12 @@ impl<E: Endpoint> Shared<E> {
 
     /// Adds a connection to `peer`'s bundle (creating the peer for index 0) and starts its
     /// threads. Returns the peer.
-    fn attach(self: &Arc<Self>, st: &mut State<E>, pre: Preamble, stream: TcpStream) -> Option<PeerId> {
+    fn attach(
+        self: &Arc<Self>,
+        st: &mut State<E>,
+        pre: Preamble,
+        stream: TcpStream,
+    ) -> Option<PeerId> {
         let peer = if pre.index == 0 {
             if st.tokens.contains_key(&pre.token) {
                 return None;
@@ -583,9 +592,8 @@ impl<E: Endpoint> Node<E> {
             }
             self.shared.timer_cv.notify_all();
         }
-        let handles: Vec<JoinHandle<()>> = std::mem::take(
-            &mut *self.threads.lock().unwrap_or_else(|e| e.into_inner()),
-        );
+        let handles: Vec<JoinHandle<()>> =
+            std::mem::take(&mut *self.threads.lock().unwrap_or_else(|e| e.into_inner()));
         for h in handles {
             let _ = h.join();
         }

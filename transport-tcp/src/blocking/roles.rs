@@ -7,16 +7,16 @@ use std::time::Duration;
 use kvpipe_core::session::{ChunkSpec, Counters, SendRequest, UsageError};
 use kvpipe_core::wire::AuxData;
 use kvpipe_core::{
-    BlockSource, Event, PeerId, Receiver, ReceiverConfig, ReceiverSliceId, RequestId,
-    Sender, SenderConfig, SenderSliceId,
+    BlockSource, Event, PeerId, Receiver, ReceiverConfig, ReceiverSliceId, RequestId, Sender,
+    SenderConfig, SenderSliceId,
 };
 
 use super::node::Node;
 use crate::config::TcpConfig;
 use crate::grant::GrantedExtents;
 use crate::memory::RegionTable;
-use kvpipe_core::session::Registration;
 use crate::stats::TcpStats;
+use kvpipe_core::session::Registration;
 
 /// A prefill-side node: a core [`Sender`] driven over TCP with std threads.
 ///

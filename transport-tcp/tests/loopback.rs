@@ -1,0 +1,193 @@
+//! End-to-end transfers between a sender node and a receiver node over loopback sockets.
+
+mod support;
+
+use std::time::Duration;
+
+use kvpipe_core::session::{ChunkSpec, Registration, SendRequest};
+use kvpipe_core::wire::{AuxData, RejectReason};
+use kvpipe_core::{AnchoredRun, BlockId, Event, PeerId, RegionId, RequestId};
+use smallvec::smallvec;
+use support::*;
+
+const T: Duration = Duration::from_secs(10);
+
+fn ready_peer(next: impl Fn(Duration) -> Option<Event>) -> PeerId {
+    match wait_for(next, |e| matches!(e, Event::PeerReady { .. }), T) {
+        Ok((Event::PeerReady { peer, .. }, _)) => peer,
+        other => panic!("no PeerReady: {other:?}"),
+    }
+}
+
+fn chunk(start: u32, end: u32, prompt_len: u32) -> ChunkSpec {
+    ChunkSpec {
+        start,
+        end,
+        prompt_len,
+        prepopulated_len: 0,
+        is_last: end == prompt_len,
+        prefix_sent_early: false,
+    }
+}
+
+fn run_transfer(connections: usize) {
+    let (rx, rx_regions) = receiver(2, 64);
+    let addr = rx.listen("127.0.0.1:0").unwrap();
+    let (tx, tx_regions) = sender(1, connections, 64);
+    let peer_at_tx = tx.connect(addr).unwrap();
+    let peer_at_rx = ready_peer(|t| rx.next_event(t));
+    ready_peer(|t| tx.next_event(t));
+
+    // Two requests of 10 blocks each, fragmented destinations, pipelined in three chunks.
+    let dst: [Vec<u32>; 2] = [
+        vec![50, 51, 52, 7, 8, 9, 10, 30, 31, 32],
+        vec![1, 2, 3, 4, 5, 40, 41, 60, 61, 62],
+    ];
+    let base = [3u32, 20];
+    for (i, d) in dst.iter().enumerate() {
+        let ids: Vec<BlockId> = d.iter().map(|&b| BlockId(b)).collect();
+        rx.register(Registration {
+            request: RequestId(100 + i as u64),
+            prompt_len: 40,
+            groups: vec![AnchoredRun::from_ids(0, &ids)],
+            writers: smallvec![peer_at_rx],
+            aux_capacity: 64,
+        })
+        .unwrap();
+        tx.open_request(SendRequest {
+            request: RequestId(100 + i as u64),
+            receivers: smallvec![peer_at_tx],
+            sends_aux: true,
+        })
+        .unwrap();
+    }
+    for (start, end) in [(0, 12), (12, 30), (30, 40)] {
+        for i in 0..2 {
+            let mut source = Linear {
+                base: base[i],
+                blocks: 10,
+            };
+            tx.submit_chunk(
+                RequestId(100 + i as u64),
+                chunk(start, end, 40),
+                &mut source,
+            )
+            .unwrap();
+        }
+    }
+    for i in 0..2u32 {
+        let aux = AuxData {
+            prompt_tokens: 40,
+            cached_tokens: 0,
+            first_tokens: vec![7 + i],
+            draft_tokens: vec![],
+        };
+        tx.submit_aux(RequestId(100 + u64::from(i)), aux).unwrap();
+    }
+    for node in [0, 1] {
+        let mut done = 0;
+        let next = |t| {
+            if node == 0 {
+                tx.next_event(t)
+            } else {
+                rx.next_event(t)
+            }
+        };
+        while done < 2 {
+            match wait_for(&next, |e| matches!(e, Event::Quiesced { .. }), T) {
+                Ok((_, seen)) => {
+                    if node == 1 {
+                        let aux = seen.iter().find_map(|e| match e {
+                            Event::Completed { aux, .. } => aux.clone(),
+                            _ => None,
+                        });
+                        assert_eq!(aux.map(|a| a.prompt_tokens), Some(40), "{seen:?}");
+                    }
+                    assert!(
+                        seen.iter().all(|e| !matches!(
+                            e,
+                            Event::Failed { .. } | Event::TimedOut { .. } | Event::Cancelled { .. }
+                        )),
+                        "{seen:?}"
+                    );
+                    done += 1;
+                }
+                Err(seen) => panic!("node {node}: not quiesced: {seen:?}"),
+            }
+        }
+    }
+    for (i, d) in dst.iter().enumerate() {
+        for (ord, &slot) in d.iter().enumerate() {
+            assert!(
+                block_matches(&tx_regions, &rx_regions, base[i] + ord as u32, slot),
+                "request {i} block {ord}"
+            );
+        }
+    }
+    // Slots outside every registration were not touched.
+    let r = rx_regions.get(RegionId(20)).unwrap().to_vec();
+    for slot in [0u64, 6, 11, 29, 33, 49, 63] {
+        let s = (slot * LAYER_BLOCK) as usize;
+        assert!(
+            r[s..s + LAYER_BLOCK as usize].iter().all(|&b| b == 0),
+            "slot {slot}"
+        );
+    }
+    let stats = rx.stats();
+    assert_eq!(stats.bytes_applied, 2 * 10 * 2 * LAYER_BLOCK);
+    assert_eq!(stats.writes_refused, 0);
+    assert_eq!(tx.stats().bytes_sent, 2 * 10 * 2 * LAYER_BLOCK);
+    assert_eq!(rx.counters().completions, 2);
+    assert_eq!(tx.counters().completions, 2);
+    if connections > 1 {
+        assert_eq!(rx.stats().connections, connections as u64);
+    }
+    tx.retire(RequestId(100)).unwrap();
+    rx.retire(RequestId(100)).unwrap();
+}
+
+#[test]
+fn transfer_over_one_connection_lands_every_byte() {
+    run_transfer(1);
+}
+
+#[test]
+fn transfer_over_four_connections_lands_every_byte() {
+    run_transfer(4);
+}
+
+#[test]
+fn incompatible_layout_is_rejected_at_the_handshake() {
+    let (rx, _) = receiver(2, 8);
+    let addr = rx.listen("127.0.0.1:0").unwrap();
+    let mut config = sender_config(1);
+    config.local =
+        kvpipe_core::session::LocalHello::new(kvpipe_core::InstanceId(1), Default::default(), {
+            let mut l = layout(10);
+            l[0].tokens_per_block = 8;
+            l
+        });
+    let regions = regions(&config.local.groups, 8, true);
+    let tx = kvpipe_tcp::TcpSender::new(config, tcp(2), regions);
+    tx.connect(addr).unwrap();
+    for next in [
+        &(|t| tx.next_event(t)) as &dyn Fn(Duration) -> Option<Event>,
+        &|t| rx.next_event(t),
+    ] {
+        match wait_for(next, |e| matches!(e, Event::PeerRejected { .. }), T) {
+            Ok((
+                Event::PeerRejected {
+                    message, reason, ..
+                },
+                _,
+            )) => {
+                assert_eq!(reason, RejectReason::CompatibilityMismatch);
+                assert!(
+                    message.contains("local") && message.contains("remote"),
+                    "{message}"
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+}
