@@ -62,9 +62,9 @@ fn run_transfer(connections: usize) {
         .unwrap();
     }
     for (start, end) in [(0, 12), (12, 30), (30, 40)] {
-        for i in 0..2 {
+        for (i, &b) in base.iter().enumerate() {
             let mut source = Linear {
-                base: base[i],
+                base: b,
                 blocks: 10,
             };
             tx.submit_chunk(
@@ -94,7 +94,7 @@ fn run_transfer(connections: usize) {
             }
         };
         while done < 2 {
-            match wait_for(&next, |e| matches!(e, Event::Quiesced { .. }), T) {
+            match wait_for(next, |e| matches!(e, Event::Quiesced { .. }), T) {
                 Ok((_, seen)) => {
                     if node == 1 {
                         let aux = seen.iter().find_map(|e| match e {

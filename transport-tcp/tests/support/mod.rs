@@ -51,7 +51,7 @@ pub fn layout(first_region: u32) -> Vec<LayerGroupLayout> {
 
 /// The source byte at `offset` of sender region `region`.
 pub fn source_byte(region: u32, offset: u64) -> u8 {
-    (offset.wrapping_mul(31) ^ (offset >> 9) ^ u64::from(region) * 7) as u8 | 1
+    (offset.wrapping_mul(31) ^ (offset >> 9) ^ (u64::from(region) * 7)) as u8 | 1
 }
 
 /// Regions of `slots` slots for every pool of `layout`; sender regions hold [`source_byte`],
