@@ -5,8 +5,8 @@ mod wire_support;
 
 use bytes::BytesMut;
 use kvpipe_core::wire::*;
-use proptest::prelude::*;
 use kvpipe_core::{AnchoredRun, BlockId, GrantId, IdRun, ReceiverSliceId, RequestId};
+use proptest::prelude::*;
 use wire_support::{arb_frame, arb_hello};
 
 proptest! {
