@@ -15,8 +15,8 @@ use kvpipe_conformance::cache::{
     AllocationStyle, CacheSpec, ChunkPlanner, GroupSpec, ReferenceCache,
 };
 use kvpipe_core::{
-    chunk_window, plan_group, AnchoredRun, BlockRun, ChunkSpec, GroupIndex, LayerGroupLayout,
-    RequestId, WritePlan,
+    chunk_window, plan_group, AnchoredRun, BlockRun, ChunkSpec, DstCursor, GroupIndex,
+    LayerGroupLayout, RequestId, WritePlan,
 };
 use serde::Serialize;
 
@@ -43,6 +43,10 @@ pub(crate) struct PlanBenchArgs {
     /// Plannings per timed sample.
     #[arg(long, default_value_t = 16)]
     batch: u32,
+    /// Hand out cache slots in a shuffled order on both sides, so block tables are fragmented
+    /// (no coalescing; the receiver's run has one id run per block).
+    #[arg(long)]
+    fragmented: bool,
 }
 
 /// The figures `kvpipe bench plan` prints.
@@ -66,6 +70,8 @@ pub(crate) struct PlanBenchReport {
     /// Samples per median, plannings per sample.
     samples: u32,
     batch: u32,
+    /// Whether slots were handed out in a shuffled order.
+    fragmented: bool,
 }
 
 const REQUEST: RequestId = RequestId(1);
@@ -146,12 +152,12 @@ pub(crate) fn measure(args: &PlanBenchArgs) -> Result<PlanBenchReport, CliError>
     }
     let chunks = args.prompt_tokens.div_ceil(args.chunk_tokens);
     let total = args.prompt_tokens.div_ceil(args.tokens_per_block.max(1));
-    let spec = |first_region| CacheSpec {
+    let spec = |first_region: u32| CacheSpec {
         tokens_per_block: args.tokens_per_block,
         groups: groups(),
         slots_per_group: total,
         first_region,
-        slot_order_seed: None,
+        slot_order_seed: args.fragmented.then_some(u64::from(first_region)),
         materialize: false,
     };
     let mut sender = ReferenceCache::new(&spec(1))?;
@@ -193,17 +199,28 @@ pub(crate) fn measure(args: &PlanBenchArgs) -> Result<PlanBenchReport, CliError>
         return Err("the whole-list baseline planned a different last chunk".into());
     }
 
+    // Each timed planning starts from the cursors the previous chunk left, as in a real
+    // pipeline (chunk 0: a fresh request; the last chunk: after the one before it).
+    let fresh = vec![DstCursor::default(); planner.cursors().len()];
+    planner.restore_cursors(&fresh);
+    for i in 0..chunks - 1 {
+        planner.plan_chunk(&mut sender, REQUEST, &chunk(args, i))?;
+    }
+    let before_last = planner.cursors().to_vec();
     let mut failure: Option<CliError> = None;
-    let mut time_chunk =
-        |c: &ChunkSpec, planner: &mut ChunkPlanner, sender: &mut ReferenceCache| {
-            median_ns(args.samples, args.batch, || {
-                if let Err(e) = planner.plan_chunk(sender, REQUEST, c) {
-                    failure.get_or_insert(e.into());
-                }
-            })
-        };
-    let first_chunk_ns = time_chunk(&first, &mut planner, &mut sender);
-    let last_chunk_ns = time_chunk(&last, &mut planner, &mut sender);
+    let mut time_chunk = |c: &ChunkSpec,
+                          cursors: &[DstCursor],
+                          planner: &mut ChunkPlanner,
+                          sender: &mut ReferenceCache| {
+        median_ns(args.samples, args.batch, || {
+            planner.restore_cursors(cursors);
+            if let Err(e) = planner.plan_chunk(sender, REQUEST, c) {
+                failure.get_or_insert(e.into());
+            }
+        })
+    };
+    let first_chunk_ns = time_chunk(&first, &fresh, &mut planner, &mut sender);
+    let last_chunk_ns = time_chunk(&last, &before_last, &mut planner, &mut sender);
     if let Some(e) = failure {
         return Err(e);
     }
@@ -232,6 +249,7 @@ pub(crate) fn measure(args: &PlanBenchArgs) -> Result<PlanBenchReport, CliError>
         last_chunk_extents: bounded_plan.len() as u32,
         samples: args.samples,
         batch: args.batch,
+        fragmented: args.fragmented,
     })
 }
 
@@ -242,13 +260,18 @@ pub(crate) fn run(args: PlanBenchArgs) -> Result<ExitCode, CliError> {
         return Ok(ExitCode::SUCCESS);
     }
     println!(
-        "plan bench: {} tokens in {} chunks of {}, {} tokens per block, {} layer groups \
+        "plan bench: {} tokens in {} chunks of {}, {} tokens per block, {} layer groups{} \
          (medians of {} samples × {})",
         r.prompt_tokens,
         r.chunks,
         r.chunk_tokens,
         r.tokens_per_block,
         r.layer_groups,
+        if r.fragmented {
+            ", fragmented slots"
+        } else {
+            ""
+        },
         r.samples,
         r.batch
     );
@@ -287,6 +310,7 @@ mod tests {
             tokens_per_block: 32,
             samples: 3,
             batch: 1,
+            fragmented: false,
         };
         let r = measure(&args).unwrap();
         assert_eq!(r.chunks, 8);
@@ -294,6 +318,13 @@ mod tests {
         // Contiguous slots: one extent per pool and group (2 + 1).
         assert_eq!(r.last_chunk_extents, 3);
         assert!(r.first_chunk_ns > 0.0 && r.last_chunk_ns > 0.0 && r.naive_last_chunk_ns > 0.0);
+        // Fragmented slots: nothing coalesces, one extent per block and pool.
+        let fragmented = measure(&PlanBenchArgs {
+            fragmented: true,
+            ..args
+        })
+        .unwrap();
+        assert_eq!(fragmented.last_chunk_extents, 16 * 3);
         let json = serde_json::to_value(&r).unwrap();
         for key in [
             "prompt_tokens",
