@@ -100,19 +100,25 @@ fn chunk(args: &PlanBenchArgs, index: u32) -> ChunkSpec {
     }
 }
 
-/// Median of `samples` timings of `batch` calls of `f`, in ns per call.
-fn median_ns(samples: u32, batch: u32, mut f: impl FnMut()) -> f64 {
-    let mut v: Vec<f64> = (0..samples.max(1))
-        .map(|_| {
+/// Medians, in ns per call, of `samples` timings of `batch` calls of each of the three
+/// workloads. The workloads take turns sample by sample, so a noisy neighbour on the machine
+/// slows all three alike instead of skewing their ratios.
+fn interleaved_medians(samples: u32, batch: u32, work: &mut [&mut dyn FnMut(); 3]) -> [f64; 3] {
+    let batch = batch.max(1);
+    let mut times: [Vec<f64>; 3] = Default::default();
+    for _ in 0..samples.max(1) {
+        for (f, v) in work.iter_mut().zip(&mut times) {
             let t = Instant::now();
-            for _ in 0..batch.max(1) {
+            for _ in 0..batch {
                 f();
             }
-            t.elapsed().as_nanos() as f64 / f64::from(batch.max(1))
-        })
-        .collect();
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
+            v.push(t.elapsed().as_nanos() as f64 / f64::from(batch));
+        }
+    }
+    times.map(|mut v| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    })
 }
 
 /// The whole-list baseline: fetch every block of the request, project onto the chunk's window,
@@ -207,30 +213,33 @@ pub(crate) fn measure(args: &PlanBenchArgs) -> Result<PlanBenchReport, CliError>
         planner.plan_chunk(&mut sender, REQUEST, &chunk(args, i))?;
     }
     let before_last = planner.cursors().to_vec();
-    let mut failure: Option<CliError> = None;
-    let mut time_chunk = |c: &ChunkSpec,
-                          cursors: &[DstCursor],
-                          planner: &mut ChunkPlanner,
-                          sender: &mut ReferenceCache| {
-        median_ns(args.samples, args.batch, || {
-            planner.restore_cursors(cursors);
-            if let Err(e) = planner.plan_chunk(sender, REQUEST, c) {
-                failure.get_or_insert(e.into());
-            }
-        })
-    };
-    let first_chunk_ns = time_chunk(&first, &fresh, &mut planner, &mut sender);
-    let last_chunk_ns = time_chunk(&last, &before_last, &mut planner, &mut sender);
-    if let Some(e) = failure {
-        return Err(e);
-    }
-    let mut naive_failure = None;
-    let naive_last_chunk_ns = median_ns(args.samples, args.batch, || {
-        if let Err(e) = naive(&sender, &mut naive_plan) {
-            naive_failure.get_or_insert(e);
+    let failure: std::cell::RefCell<Option<CliError>> = std::cell::RefCell::new(None);
+    let (planner, sender, naive_plan) = (
+        std::cell::RefCell::new(planner),
+        std::cell::RefCell::new(sender),
+        std::cell::RefCell::new(naive_plan),
+    );
+    let plan_from = |c: &ChunkSpec, cursors: &[DstCursor]| {
+        let mut planner = planner.borrow_mut();
+        planner.restore_cursors(cursors);
+        if let Err(e) = planner.plan_chunk(&mut *sender.borrow_mut(), REQUEST, c) {
+            failure.borrow_mut().get_or_insert(e.into());
         }
-    });
-    if let Some(e) = naive_failure {
+    };
+    let [first_chunk_ns, last_chunk_ns, naive_last_chunk_ns] = interleaved_medians(
+        args.samples,
+        args.batch,
+        &mut [
+            &mut || plan_from(&first, &fresh),
+            &mut || plan_from(&last, &before_last),
+            &mut || {
+                if let Err(e) = naive(&sender.borrow(), &mut naive_plan.borrow_mut()) {
+                    failure.borrow_mut().get_or_insert(e);
+                }
+            },
+        ],
+    );
+    if let Some(e) = failure.into_inner() {
         return Err(e);
     }
 
