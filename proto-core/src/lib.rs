@@ -7,6 +7,8 @@
 #![forbid(unsafe_code)]
 
 pub mod blocks;
+pub mod config;
+pub mod geometry;
 pub mod ids;
 pub mod layout;
 pub mod plan;
@@ -16,12 +18,20 @@ pub mod time;
 pub mod wire;
 
 pub use blocks::{AnchoredRun, BlockRun, IdRun};
+pub use config::{ConfigError, PipelineConfig, SchedulingPolicy};
+pub use geometry::{
+    chunk_window, early_prefix_window, stale_boundary, total_blocks, BlockWindow, ChunkSpec,
+    GeometryError, StaleBoundary,
+};
 pub use ids::{
     BlockId, GrantId, GroupIndex, InstanceId, PeerId, ReceiverSliceId, RegionId, RequestId,
     SenderSliceId,
 };
 pub use layout::{BlockLayout, LayerGroupLayout, PoolLayout};
-pub use plan::{WriteExtent, WritePlan};
+pub use plan::{
+    check_pairable, plan_group, plan_group_with_cursor, DstCursor, PairStats, PlanError, Side,
+    WriteExtent, WritePlan,
+};
 pub use session::{
     Event, Output, Receiver, ReceiverConfig, ReceiverInput, Sender, SenderConfig, SenderInput,
 };

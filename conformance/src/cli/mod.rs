@@ -4,7 +4,9 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+mod bench;
 mod demo;
+mod plan;
 
 /// Streams an LLM request's KV cache from prefill to decode while prefill runs.
 #[derive(Debug, Parser)]
@@ -18,6 +20,10 @@ pub(crate) struct Cli {
 enum Command {
     /// Run a pipelined prefill→decode transfer and verify every byte.
     Demo(demo::DemoArgs),
+    /// Show, per prefill chunk and layer group, the block window and the coalesced writes.
+    Plan(plan::PlanArgs),
+    /// Run a benchmark and report its figures against a same-run baseline.
+    Bench(bench::BenchArgs),
 }
 
 /// A command's failure, printed as `kvpipe: <message>` with a non-zero exit status.
@@ -27,6 +33,8 @@ impl Cli {
     pub(crate) fn run(self) -> Result<ExitCode, CliError> {
         match self.command {
             Command::Demo(args) => demo::run(args),
+            Command::Plan(args) => plan::run(args),
+            Command::Bench(args) => bench::run(args),
         }
     }
 }

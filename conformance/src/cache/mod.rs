@@ -1,0 +1,953 @@
+//! The reference paged KV cache: a small, fully checked model of an engine's block cache, used
+//! as the sender's [`BlockSource`] and as the receiver's destination by tests, benches and the
+//! `kvpipe` program.
+//!
+//! It has several layer groups, each with its own block table per request and one or more pools
+//! (one [`RegionId`] each, plain `Vec<u8>` memory). Full-attention groups keep every block;
+//! windowed groups evict blocks that leave the window as prefill advances, except the blocks
+//! holding the first `sink_tokens` tokens, which stay resident (leaving a gap). Either side may
+//! start from a reused prefix; the sender allocates a request's blocks for the whole prompt up
+//! front or chunk by chunk ([`AllocationStyle`]).
+//!
+//! Memory holds deterministic content ([`content_byte`]) written token by token as chunks are
+//! computed, and [`filler_byte`] elsewhere, so a block sent before it was complete, a byte
+//! written to the wrong slot or a stray write are all detectable ([`ReferenceCache::verify`],
+//! [`ReferenceCache::changed_slots`]). [`apply_plan`] carries out a [`WritePlan`] by memcpy.
+
+mod content;
+mod planner;
+
+use std::collections::HashMap;
+
+use kvpipe_core::{
+    stale_boundary, AnchoredRun, BlockId, BlockRun, BlockSource, BlockSourceError, GroupIndex,
+    LayerGroupLayout, PoolLayout, RegionId, RequestId, StaleBoundary, WritePlan,
+};
+use thiserror::Error;
+
+pub use content::{content_byte, filler_byte};
+pub use planner::{ChunkPlanError, ChunkPlanner, GroupChunkPlan};
+
+/// One layer group of a [`CacheSpec`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GroupSpec {
+    /// Layers in the group.
+    pub layers: u16,
+    /// 2 for K and V planes, 1 for MLA.
+    pub kv_factor: u8,
+    /// KV heads.
+    pub kv_heads: u16,
+    /// Elements per head.
+    pub head_dim: u16,
+    /// Bytes per element.
+    pub elem_bytes: u8,
+    /// Sliding window in tokens; `None` for full attention.
+    pub window: Option<u32>,
+    /// Leading tokens a windowed group keeps resident while the window slides past them.
+    pub sink_tokens: u32,
+    /// Layers held by each pool, in layer order (sums to `layers`).
+    pub pool_split: Vec<u16>,
+    /// Extra bytes at the end of every slot (padding: consecutive slots then never coalesce).
+    pub slot_padding: u64,
+}
+
+impl GroupSpec {
+    /// A full-attention group of `layers` layers with a small head geometry, held in pools of
+    /// `pool_split` layers each.
+    pub fn full(layers: u16, pool_split: &[u16]) -> Self {
+        GroupSpec {
+            layers,
+            kv_factor: 2,
+            kv_heads: 1,
+            head_dim: 2,
+            elem_bytes: 1,
+            window: None,
+            sink_tokens: 0,
+            pool_split: pool_split.to_vec(),
+            slot_padding: 0,
+        }
+    }
+
+    /// The same group with a sliding window of `window` tokens and `sink_tokens` sink tokens.
+    pub fn windowed(mut self, window: u32, sink_tokens: u32) -> Self {
+        self.window = Some(window);
+        self.sink_tokens = sink_tokens;
+        self
+    }
+}
+
+/// The shape of a [`ReferenceCache`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CacheSpec {
+    /// Tokens per block (every group).
+    pub tokens_per_block: u32,
+    /// The layer groups.
+    pub groups: Vec<GroupSpec>,
+    /// Block slots per group (every pool of a group has this many).
+    pub slots_per_group: u32,
+    /// Region id of the first pool; pools are numbered consecutively from it, group by group.
+    pub first_region: u32,
+    /// `None`: slots are handed out in order (contiguous ids); `Some(seed)`: in a seeded
+    /// shuffled order, so block tables are fragmented.
+    pub slot_order_seed: Option<u64>,
+    /// Whether pools have memory. Without it the cache only keeps block tables (benches).
+    pub materialize: bool,
+}
+
+/// How the sender allocates a request's blocks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum AllocationStyle {
+    /// Every block of the prompt when prefill begins.
+    FullPrompt,
+    /// The blocks each chunk needs, when it is computed.
+    Incremental,
+}
+
+/// One layer group's state: its layout, free slots, slot owners and pool memory.
+#[derive(Clone, Debug)]
+struct GroupState {
+    layout: LayerGroupLayout,
+    sink_tokens: u32,
+    /// Free slots, used as a stack.
+    free: Vec<u32>,
+    /// slot → (request, ordinal) it currently holds.
+    owner: Vec<Option<(RequestId, u32)>>,
+    /// One memory buffer per pool (empty when not materialised).
+    memory: Vec<Vec<u8>>,
+}
+
+/// One request's block tables.
+#[derive(Clone, Debug)]
+struct RequestState {
+    prompt_len: u32,
+    /// Tokens whose KV has been written (the receiver: the whole prompt).
+    computed: u32,
+    /// Per group: ordinal → slot (`None`: evicted, or below the receiver's window).
+    tables: Vec<Vec<Option<BlockId>>>,
+    /// Per group: first ordinal not yet considered for eviction.
+    evict_from: Vec<u32>,
+}
+
+/// Where a byte of a region lies in the cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct SlotLocation {
+    /// The group owning the region.
+    pub group: GroupIndex,
+    /// Index of the pool in the group.
+    pub pool: usize,
+    /// The slot.
+    pub slot: BlockId,
+    /// Byte offset inside the slot.
+    pub offset_in_slot: u64,
+}
+
+/// A block whose bytes differ from the expected content.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct BlockMismatch {
+    /// The request.
+    pub request: RequestId,
+    /// The group.
+    pub group: GroupIndex,
+    /// The block's ordinal.
+    pub ordinal: u32,
+    /// Its slot.
+    pub slot: BlockId,
+    /// The pool where the first difference is.
+    pub pool: usize,
+    /// Offset of the first differing byte inside the slot.
+    pub offset_in_slot: u64,
+}
+
+/// The reference paged KV cache (see the module doc). Implements [`BlockSource`] with the
+/// bounded contract.
+#[derive(Clone, Debug)]
+pub struct ReferenceCache {
+    tpb: u32,
+    groups: Vec<GroupState>,
+    first_region: u32,
+    /// region id − first_region → (group, pool).
+    regions: Vec<(usize, usize)>,
+    requests: HashMap<RequestId, RequestState>,
+    lookups: u64,
+    materialized: bool,
+}
+
+impl ReferenceCache {
+    /// Builds an empty cache: all slots free, memory (if materialised) filled with
+    /// [`filler_byte`].
+    pub fn new(spec: &CacheSpec) -> Result<Self, CacheError> {
+        if spec.tokens_per_block == 0 {
+            return Err(CacheError::InvalidSpec {
+                group: 0,
+                reason: "tokens_per_block is 0",
+            });
+        }
+        let mut groups = Vec::with_capacity(spec.groups.len());
+        let mut regions = Vec::new();
+        let mut next_region = spec.first_region;
+        for (g, gs) in spec.groups.iter().enumerate() {
+            let invalid = |reason| CacheError::InvalidSpec {
+                group: g as u16,
+                reason,
+            };
+            if gs.pool_split.iter().map(|&l| u32::from(l)).sum::<u32>() != u32::from(gs.layers)
+                || gs.pool_split.contains(&0)
+            {
+                return Err(invalid(
+                    "pool_split must hold non-empty layer counts summing to layers",
+                ));
+            }
+            if gs.window == Some(0) {
+                return Err(invalid("a window must hold at least one token"));
+            }
+            let mut layout = LayerGroupLayout {
+                layers: gs.layers,
+                kv_factor: gs.kv_factor,
+                kv_heads: gs.kv_heads,
+                head_dim: gs.head_dim,
+                elem_bytes: gs.elem_bytes,
+                tokens_per_block: spec.tokens_per_block,
+                window: gs.window,
+                ..LayerGroupLayout::default()
+            };
+            let layer_bytes = layout
+                .layer_block_bytes()
+                .ok_or(invalid("block bytes overflow"))?;
+            let mut memory = Vec::new();
+            let mut layer_begin = 0u16;
+            for (p, &layers) in gs.pool_split.iter().enumerate() {
+                let region = RegionId(next_region);
+                next_region += 1;
+                regions.push((g, p));
+                let slot_bytes = u64::from(layers) * layer_bytes + gs.slot_padding;
+                layout.pools.push(PoolLayout {
+                    region,
+                    layer_begin,
+                    layers,
+                    slot_bytes,
+                });
+                layer_begin += layers;
+                let bytes = if spec.materialize {
+                    let len = slot_bytes * u64::from(spec.slots_per_group);
+                    (0..len).map(|o| filler_byte(region, o)).collect()
+                } else {
+                    Vec::new()
+                };
+                memory.push(bytes);
+            }
+            let mut free: Vec<u32> = (0..spec.slots_per_group).rev().collect();
+            if let Some(seed) = spec.slot_order_seed {
+                shuffle(&mut free, seed ^ ((g as u64) << 32));
+            }
+            groups.push(GroupState {
+                layout,
+                sink_tokens: gs.sink_tokens,
+                free,
+                owner: vec![None; spec.slots_per_group as usize],
+                memory,
+            });
+        }
+        Ok(ReferenceCache {
+            tpb: spec.tokens_per_block,
+            groups,
+            first_region: spec.first_region,
+            regions,
+            requests: HashMap::new(),
+            lookups: 0,
+            materialized: spec.materialize,
+        })
+    }
+
+    /// Tokens per block.
+    pub fn tokens_per_block(&self) -> u32 {
+        self.tpb
+    }
+
+    /// Number of layer groups.
+    pub fn group_count(&self) -> usize {
+        self.groups.len()
+    }
+
+    /// The layout of `group` as the core sees it.
+    pub fn layout(&self, group: GroupIndex) -> Option<&LayerGroupLayout> {
+        self.groups.get(usize::from(group.0)).map(|g| &g.layout)
+    }
+
+    /// Every group's layout, in group order.
+    pub fn layouts(&self) -> Vec<LayerGroupLayout> {
+        self.groups.iter().map(|g| g.layout.clone()).collect()
+    }
+
+    /// Free slots left in `group`.
+    pub fn free_slots(&self, group: GroupIndex) -> usize {
+        self.groups
+            .get(usize::from(group.0))
+            .map_or(0, |g| g.free.len())
+    }
+
+    /// Table entries read by [`BlockSource::block_run`] since the cache was built: the bounded
+    /// contract's cost, checked by tests.
+    pub fn lookups(&self) -> u64 {
+        self.lookups
+    }
+
+    /// The bytes of a region (empty when the cache is not materialised).
+    pub fn region(&self, id: RegionId) -> Option<&[u8]> {
+        let &(g, p) = self
+            .regions
+            .get(id.0.checked_sub(self.first_region)? as usize)?;
+        Some(&self.groups[g].memory[p])
+    }
+
+    /// The bytes of a region, writable (transports copy into it).
+    pub fn region_mut(&mut self, id: RegionId) -> Option<&mut [u8]> {
+        let &(g, p) = self
+            .regions
+            .get(id.0.checked_sub(self.first_region)? as usize)?;
+        Some(&mut self.groups[g].memory[p])
+    }
+
+    /// Every region id of the cache.
+    pub fn region_ids(&self) -> impl Iterator<Item = RegionId> + '_ {
+        (0..self.regions.len() as u32).map(|i| RegionId(self.first_region + i))
+    }
+
+    /// Where byte `offset` of `region` lies.
+    pub fn locate(&self, region: RegionId, offset: u64) -> Option<SlotLocation> {
+        let &(g, p) = self
+            .regions
+            .get(region.0.checked_sub(self.first_region)? as usize)?;
+        let slot_bytes = self.groups[g].layout.pools[p].slot_bytes;
+        let slot = offset / slot_bytes;
+        (slot < self.groups[g].owner.len() as u64).then_some(SlotLocation {
+            group: GroupIndex(g as u16),
+            pool: p,
+            slot: BlockId(slot as u32),
+            offset_in_slot: offset % slot_bytes,
+        })
+    }
+
+    /// The (request, ordinal) a slot of `group` holds now.
+    pub fn owner(&self, group: GroupIndex, slot: BlockId) -> Option<(RequestId, u32)> {
+        *self
+            .groups
+            .get(usize::from(group.0))?
+            .owner
+            .get(slot.0 as usize)?
+    }
+
+    /// The block table of `request` in `group`: ordinal → slot (`None`: not resident).
+    pub fn table(&self, request: RequestId, group: GroupIndex) -> Option<&[Option<BlockId>]> {
+        Some(
+            &self
+                .requests
+                .get(&request)?
+                .tables
+                .get(usize::from(group.0))?[..],
+        )
+    }
+
+    /// The naive whole-list query the bounded contract replaces: walks every block of the
+    /// request from ordinal 0 and returns a fresh list of the resident run ending at the
+    /// allocation's end (restarting after each gap). O(request) and allocating; kept only as
+    /// the baseline of `kvpipe bench plan` and as a monolithic transfer in tests.
+    pub fn whole_block_list(
+        &self,
+        request: RequestId,
+        group: GroupIndex,
+    ) -> Result<BlockRun, BlockSourceError> {
+        let req = self
+            .requests
+            .get(&request)
+            .ok_or(BlockSourceError::UnknownRequest(request))?;
+        let table = req
+            .tables
+            .get(usize::from(group.0))
+            .ok_or(BlockSourceError::UnknownGroup(group))?;
+        let mut run = BlockRun::default();
+        for (ordinal, entry) in table.iter().enumerate() {
+            match entry {
+                Some(id) => run.ids.push(*id),
+                None => {
+                    run.ids.clear();
+                    run.first_ordinal = ordinal as u32 + 1;
+                }
+            }
+        }
+        Ok(run)
+    }
+
+    /// Tokens of `request` whose KV the cache holds.
+    pub fn computed_tokens(&self, request: RequestId) -> Option<u32> {
+        self.requests.get(&request).map(|r| r.computed)
+    }
+
+    /// Sender side: starts prefill of `request`, with its first `prefix_tokens` tokens already
+    /// cached (reused prefix, content written now). Allocates every block of the prompt
+    /// ([`AllocationStyle::FullPrompt`]) or only the prefix's ([`AllocationStyle::Incremental`]).
+    pub fn begin_prefill(
+        &mut self,
+        request: RequestId,
+        prompt_len: u32,
+        prefix_tokens: u32,
+        style: AllocationStyle,
+    ) -> Result<(), CacheError> {
+        if self.requests.contains_key(&request) {
+            return Err(CacheError::DuplicateRequest(request));
+        }
+        if prefix_tokens > prompt_len {
+            return Err(CacheError::TokensPastPrompt {
+                end: prefix_tokens,
+                prompt_len,
+            });
+        }
+        let groups = self.groups.len();
+        self.requests.insert(
+            request,
+            RequestState {
+                prompt_len,
+                computed: 0,
+                tables: vec![Vec::new(); groups],
+                evict_from: vec![0; groups],
+            },
+        );
+        let allocate_to = match style {
+            AllocationStyle::FullPrompt => prompt_len,
+            AllocationStyle::Incremental => prefix_tokens,
+        };
+        let result = self
+            .allocate_to(request, allocate_to.div_ceil(self.tpb))
+            .and_then(|()| self.compute(request, 0, prefix_tokens));
+        if result.is_err() {
+            self.release(request);
+        }
+        result
+    }
+
+    /// Sender side: prefill computed tokens `[start, end)` of `request`: allocates their blocks
+    /// if needed, writes their content, then evicts windowed blocks that left the window.
+    /// Chunks must be computed in order (`start` = tokens computed so far).
+    pub fn compute_chunk(
+        &mut self,
+        request: RequestId,
+        start: u32,
+        end: u32,
+    ) -> Result<(), CacheError> {
+        let req = self
+            .requests
+            .get(&request)
+            .ok_or(CacheError::UnknownRequest(request))?;
+        if start != req.computed || end < start {
+            return Err(CacheError::ChunkOutOfOrder {
+                start,
+                end,
+                computed: req.computed,
+            });
+        }
+        if end > req.prompt_len {
+            return Err(CacheError::TokensPastPrompt {
+                end,
+                prompt_len: req.prompt_len,
+            });
+        }
+        self.allocate_to(request, end.div_ceil(self.tpb))?;
+        self.compute(request, start, end)
+    }
+
+    /// Writes the content of tokens `[start, end)` (and, when `end` completes the prompt, of
+    /// the last block's padding tokens), then evicts.
+    fn compute(&mut self, request: RequestId, start: u32, end: u32) -> Result<(), CacheError> {
+        let tpb = self.tpb;
+        let req = self
+            .requests
+            .get_mut(&request)
+            .ok_or(CacheError::UnknownRequest(request))?;
+        let prompt_len = req.prompt_len;
+        let token_end = if end == prompt_len {
+            prompt_len.div_ceil(tpb) * tpb
+        } else {
+            end
+        };
+        for (g, group) in self.groups.iter_mut().enumerate() {
+            let table = &req.tables[g];
+            if self.materialized {
+                let first_block = start / tpb;
+                let end_block = token_end.div_ceil(tpb);
+                for ordinal in first_block..end_block {
+                    let slot = table[ordinal as usize].ok_or(CacheError::NotAllocated {
+                        group: GroupIndex(g as u16),
+                        ordinal,
+                    })?;
+                    let lo = start.max(ordinal * tpb) - ordinal * tpb;
+                    let hi = token_end.min((ordinal + 1) * tpb) - ordinal * tpb;
+                    write_content(group, request, g, ordinal, slot, lo..hi, tpb);
+                }
+            }
+            // Evict what left the window (the cache's own policy; sinks stay resident).
+            if let Some(w) = group.layout.window {
+                if group.layout.is_windowed_for(prompt_len) {
+                    let stale = stale_boundary(end, w, tpb).unwrap_or(0);
+                    let sinks = group.sink_tokens.div_ceil(tpb);
+                    let from = req.evict_from[g].max(sinks);
+                    let table = &mut req.tables[g];
+                    for ordinal in from..stale.min(table.len() as u32) {
+                        if let Some(slot) = table[ordinal as usize].take() {
+                            group.owner[slot.0 as usize] = None;
+                            group.free.push(slot.0);
+                        }
+                    }
+                    req.evict_from[g] = req.evict_from[g].max(stale);
+                }
+            }
+        }
+        req.computed = end;
+        Ok(())
+    }
+
+    /// Grows every group's table of `request` to `blocks` ordinals, taking free slots.
+    fn allocate_to(&mut self, request: RequestId, blocks: u32) -> Result<(), CacheError> {
+        let req = self
+            .requests
+            .get_mut(&request)
+            .ok_or(CacheError::UnknownRequest(request))?;
+        for (g, group) in self.groups.iter_mut().enumerate() {
+            let table = &mut req.tables[g];
+            while (table.len() as u32) < blocks {
+                let ordinal = table.len() as u32;
+                let slot = group.free.pop().ok_or(CacheError::OutOfSlots {
+                    group: GroupIndex(g as u16),
+                })?;
+                group.owner[slot as usize] = Some((request, ordinal));
+                table.push(Some(BlockId(slot)));
+            }
+        }
+        Ok(())
+    }
+
+    /// Receiver side: allocates `request`'s destination blocks for a prompt of `prompt_len`
+    /// tokens, of which the first `cached_prefix_tokens` are already cached here (their full
+    /// blocks get their content now), and returns each group's [`AnchoredRun`]: the blocks the
+    /// receiver lacks — from the cached prefix's end (and, for a windowed group, from the stale
+    /// boundary) to the prompt's last block.
+    pub fn register_destination(
+        &mut self,
+        request: RequestId,
+        prompt_len: u32,
+        cached_prefix_tokens: u32,
+    ) -> Result<Vec<AnchoredRun>, CacheError> {
+        if self.requests.contains_key(&request) {
+            return Err(CacheError::DuplicateRequest(request));
+        }
+        if cached_prefix_tokens > prompt_len {
+            return Err(CacheError::TokensPastPrompt {
+                end: cached_prefix_tokens,
+                prompt_len,
+            });
+        }
+        let tpb = self.tpb;
+        let total = prompt_len.div_ceil(tpb);
+        let prefix_blocks = cached_prefix_tokens / tpb;
+        let mut state = RequestState {
+            prompt_len,
+            computed: prompt_len,
+            tables: Vec::with_capacity(self.groups.len()),
+            evict_from: vec![0; self.groups.len()],
+        };
+        let mut runs = Vec::with_capacity(self.groups.len());
+        let mut failed = None;
+        for (g, group) in self.groups.iter_mut().enumerate() {
+            let stale = StaleBoundary::for_group(prompt_len, &group.layout)
+                .map_or(0, StaleBoundary::ordinal);
+            let mut table = vec![None; total as usize];
+            let mut run = AnchoredRun::empty(stale.max(prefix_blocks).min(total));
+            for ordinal in stale..total {
+                let Some(slot) = group.free.pop() else {
+                    failed = Some(CacheError::OutOfSlots {
+                        group: GroupIndex(g as u16),
+                    });
+                    break;
+                };
+                group.owner[slot as usize] = Some((request, ordinal));
+                table[ordinal as usize] = Some(BlockId(slot));
+                if ordinal < prefix_blocks {
+                    if self.materialized {
+                        write_content(group, request, g, ordinal, BlockId(slot), 0..tpb, tpb);
+                    }
+                } else {
+                    run.push(BlockId(slot));
+                }
+            }
+            state.tables.push(table);
+            runs.push(run);
+            if failed.is_some() {
+                break;
+            }
+        }
+        self.requests.insert(request, state);
+        if let Some(err) = failed {
+            self.release(request);
+            return Err(err);
+        }
+        Ok(runs)
+    }
+
+    /// Frees every slot of `request` (its memory keeps its bytes, as a real cache's would).
+    pub fn release(&mut self, request: RequestId) {
+        if let Some(req) = self.requests.remove(&request) {
+            for (g, table) in req.tables.into_iter().enumerate() {
+                for slot in table.into_iter().flatten() {
+                    self.groups[g].owner[slot.0 as usize] = None;
+                    self.groups[g].free.push(slot.0);
+                }
+            }
+        }
+    }
+
+    /// Checks every resident block of `request` in `group` with ordinal in `ordinals` against
+    /// the expected content of the tokens the cache holds; returns the blocks that differ.
+    /// Bytes of tokens not computed yet are not checked.
+    pub fn verify_blocks(
+        &self,
+        request: RequestId,
+        group: GroupIndex,
+        ordinals: std::ops::Range<u32>,
+    ) -> Vec<BlockMismatch> {
+        let mut out = Vec::new();
+        let (Some(req), Some(gs)) = (
+            self.requests.get(&request),
+            self.groups.get(usize::from(group.0)),
+        ) else {
+            return out;
+        };
+        if !self.materialized {
+            return out;
+        }
+        let tpb = self.tpb;
+        let valid_tokens = if req.computed == req.prompt_len {
+            req.prompt_len.div_ceil(tpb) * tpb
+        } else {
+            req.computed
+        };
+        let table = &req.tables[usize::from(group.0)];
+        for ordinal in ordinals {
+            let Some(Some(slot)) = table.get(ordinal as usize).copied() else {
+                continue;
+            };
+            let hi = valid_tokens
+                .min((ordinal + 1) * tpb)
+                .saturating_sub(ordinal * tpb);
+            if let Some((pool, offset_in_slot)) =
+                first_difference(gs, request, group, ordinal, slot, 0..hi, tpb)
+            {
+                out.push(BlockMismatch {
+                    request,
+                    group,
+                    ordinal,
+                    slot,
+                    pool,
+                    offset_in_slot,
+                });
+            }
+        }
+        out
+    }
+
+    /// [`ReferenceCache::verify_blocks`] over every group and ordinal of `request`.
+    pub fn verify(&self, request: RequestId) -> Vec<BlockMismatch> {
+        let Some(req) = self.requests.get(&request) else {
+            return Vec::new();
+        };
+        (0..self.groups.len())
+            .flat_map(|g| {
+                let blocks = req.tables[g].len() as u32;
+                self.verify_blocks(request, GroupIndex(g as u16), 0..blocks)
+            })
+            .collect()
+    }
+
+    /// A copy of every region's bytes, in [`ReferenceCache::region_ids`] order.
+    pub fn snapshot(&self) -> Vec<Vec<u8>> {
+        self.region_ids()
+            .map(|id| self.region(id).unwrap_or_default().to_vec())
+            .collect()
+    }
+
+    /// The (group, pool, slot) triples whose bytes differ from `before` (a
+    /// [`ReferenceCache::snapshot`]).
+    pub fn changed_slots(&self, before: &[Vec<u8>]) -> Vec<(GroupIndex, usize, BlockId)> {
+        let mut out = Vec::new();
+        for (i, id) in self.region_ids().enumerate() {
+            let (g, p) = self.regions[i];
+            let now = self.region(id).unwrap_or_default();
+            let slot_bytes = self.groups[g].layout.pools[p].slot_bytes as usize;
+            let Some(old) = before.get(i) else { continue };
+            for (s, (a, b)) in now
+                .chunks(slot_bytes)
+                .zip(old.chunks(slot_bytes))
+                .enumerate()
+            {
+                if a != b {
+                    out.push((GroupIndex(g as u16), p, BlockId(s as u32)));
+                }
+            }
+        }
+        out
+    }
+}
+
+/// Fisher–Yates with a xorshift64* generator: a reproducible slot order.
+fn shuffle(v: &mut [u32], seed: u64) {
+    let mut x = seed | 1;
+    for i in (1..v.len()).rev() {
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        let r = x.wrapping_mul(0x2545_f491_4f6c_dd1d);
+        v.swap(i, (r % (i as u64 + 1)) as usize);
+    }
+}
+
+/// Calls `f(pool, slot_byte_offset, layer, byte_in_layer, len)` for every row (one head's
+/// elements of one token) of tokens `tokens` of block `slot` in every pool of `group`.
+fn for_each_row(
+    group: &GroupState,
+    slot: BlockId,
+    tokens: std::ops::Range<u32>,
+    tpb: u32,
+    mut f: impl FnMut(usize, u64, u16, u64, u64),
+) {
+    let layout = &group.layout;
+    let row = u64::from(layout.head_dim) * u64::from(layout.elem_bytes);
+    let rows = u64::from(layout.kv_factor) * u64::from(layout.kv_heads) * u64::from(tpb);
+    let layer_bytes = rows * row;
+    for (p, pool) in layout.pools.iter().enumerate() {
+        let base = u64::from(slot.0) * pool.slot_bytes;
+        for i in 0..pool.layers {
+            let layer = pool.layer_begin + i;
+            let layer_base = base + u64::from(i) * layer_bytes;
+            for r in 0..rows {
+                let token = (r % u64::from(tpb)) as u32;
+                if tokens.contains(&token) {
+                    f(p, layer_base + r * row, layer, r * row, row);
+                }
+            }
+        }
+    }
+}
+
+/// Writes the expected content of tokens `tokens` (relative to the block) of `ordinal`.
+fn write_content(
+    group: &mut GroupState,
+    request: RequestId,
+    g: usize,
+    ordinal: u32,
+    slot: BlockId,
+    tokens: std::ops::Range<u32>,
+    tpb: u32,
+) {
+    let mut writes = Vec::new();
+    for_each_row(group, slot, tokens, tpb, |p, at, layer, byte, len| {
+        writes.push((p, at, layer, byte, len));
+    });
+    for (p, at, layer, byte, len) in writes {
+        let mem = &mut group.memory[p];
+        for k in 0..len {
+            mem[(at + k) as usize] =
+                content_byte(request, GroupIndex(g as u16), ordinal, layer, byte + k);
+        }
+    }
+}
+
+/// The first byte of tokens `tokens` of `ordinal` that differs from the expected content, as
+/// (pool, offset in slot).
+fn first_difference(
+    group: &GroupState,
+    request: RequestId,
+    g: GroupIndex,
+    ordinal: u32,
+    slot: BlockId,
+    tokens: std::ops::Range<u32>,
+    tpb: u32,
+) -> Option<(usize, u64)> {
+    let mut found = None;
+    for_each_row(group, slot, tokens, tpb, |p, at, layer, byte, len| {
+        if found.is_some() {
+            return;
+        }
+        let mem = &group.memory[p];
+        let slot_base = u64::from(slot.0) * group.layout.pools[p].slot_bytes;
+        for k in 0..len {
+            if mem[(at + k) as usize] != content_byte(request, g, ordinal, layer, byte + k) {
+                found = Some((p, at + k - slot_base));
+                return;
+            }
+        }
+    });
+    found
+}
+
+impl BlockSource for ReferenceCache {
+    /// The bounded query: walks back from `end` over resident blocks only, never past `begin`,
+    /// so it reads at most `end - begin` table entries.
+    fn block_run(
+        &mut self,
+        request: RequestId,
+        group: GroupIndex,
+        begin: u32,
+        end: u32,
+        out: &mut BlockRun,
+    ) -> Result<(), BlockSourceError> {
+        let req = self
+            .requests
+            .get(&request)
+            .ok_or(BlockSourceError::UnknownRequest(request))?;
+        let table = req
+            .tables
+            .get(usize::from(group.0))
+            .ok_or(BlockSourceError::UnknownGroup(group))?;
+        if begin > end {
+            return Err(BlockSourceError::BeginAfterEnd { begin, end });
+        }
+        if end as usize > table.len() {
+            return Err(BlockSourceError::PastAllocation {
+                end,
+                allocated: table.len() as u32,
+            });
+        }
+        out.ids.clear();
+        let mut first = end;
+        while first > begin {
+            self.lookups += 1;
+            match table[first as usize - 1] {
+                Some(id) => out.ids.push(id),
+                None => break,
+            }
+            first -= 1;
+        }
+        out.ids.reverse();
+        out.first_ordinal = first;
+        Ok(())
+    }
+}
+
+/// Carries out `plan` by memcpy from `src`'s regions to `dst`'s; returns the bytes copied.
+/// Every extent is bounds-checked first, so a bad plan changes nothing.
+pub fn apply_plan(
+    src: &ReferenceCache,
+    dst: &mut ReferenceCache,
+    plan: &WritePlan,
+) -> Result<u64, ApplyError> {
+    for e in plan.extents() {
+        let s = src.region(e.src_region).ok_or(ApplyError::UnknownRegion {
+            side: "sender",
+            region: e.src_region,
+        })?;
+        let d = dst.region(e.dst_region).ok_or(ApplyError::UnknownRegion {
+            side: "receiver",
+            region: e.dst_region,
+        })?;
+        for (side, region, offset, size) in [
+            ("sender", e.src_region, e.src_offset, s.len()),
+            ("receiver", e.dst_region, e.dst_offset, d.len()),
+        ] {
+            if offset
+                .checked_add(e.len)
+                .is_none_or(|end| end > size as u64)
+            {
+                return Err(ApplyError::OutOfBounds {
+                    side,
+                    region,
+                    offset,
+                    len: e.len,
+                    size: size as u64,
+                });
+            }
+        }
+    }
+    let mut copied = 0;
+    for e in plan.extents() {
+        let (so, doff, len) = (e.src_offset as usize, e.dst_offset as usize, e.len as usize);
+        let s = &src.region(e.src_region).unwrap_or_default()[so..so + len];
+        dst.region_mut(e.dst_region).unwrap_or_default()[doff..doff + len].copy_from_slice(s);
+        copied += e.len;
+    }
+    Ok(copied)
+}
+
+/// Why the reference cache refused an operation.
+#[derive(Clone, Debug, PartialEq, Eq, Error)]
+pub enum CacheError {
+    /// The spec is inconsistent.
+    #[error("invalid cache spec for group {group}: {reason}")]
+    InvalidSpec {
+        /// The group concerned.
+        group: u16,
+        /// What is wrong.
+        reason: &'static str,
+    },
+    /// A group has no free slot left.
+    #[error("{group} has no free block slot left: make the cache larger")]
+    OutOfSlots {
+        /// The exhausted group.
+        group: GroupIndex,
+    },
+    /// The request already exists.
+    #[error("the cache already holds {0}")]
+    DuplicateRequest(RequestId),
+    /// The request does not exist.
+    #[error("the cache holds no {0}")]
+    UnknownRequest(RequestId),
+    /// A chunk does not start where prefill stands.
+    #[error("chunk {start}..{end} is out of order: {computed} tokens are computed")]
+    ChunkOutOfOrder {
+        /// First token of the chunk.
+        start: u32,
+        /// One past its last token.
+        end: u32,
+        /// Tokens computed so far.
+        computed: u32,
+    },
+    /// Tokens past the prompt.
+    #[error("token {end} is past the prompt's {prompt_len} tokens")]
+    TokensPastPrompt {
+        /// The offending token bound.
+        end: u32,
+        /// Tokens in the prompt.
+        prompt_len: u32,
+    },
+    /// A block to write is not resident.
+    #[error("{group} block {ordinal} is not allocated")]
+    NotAllocated {
+        /// The group.
+        group: GroupIndex,
+        /// The ordinal.
+        ordinal: u32,
+    },
+}
+
+/// Why a write plan could not be applied.
+#[derive(Clone, Debug, PartialEq, Eq, Error)]
+pub enum ApplyError {
+    /// The plan names a region the cache does not have.
+    #[error("the {side} cache has no {region}")]
+    UnknownRegion {
+        /// "sender" or "receiver".
+        side: &'static str,
+        /// The region.
+        region: RegionId,
+    },
+    /// An extent runs past its region.
+    #[error("{side} extent {offset}+{len} runs past {region}'s {size} bytes")]
+    OutOfBounds {
+        /// "sender" or "receiver".
+        side: &'static str,
+        /// The region.
+        region: RegionId,
+        /// Start of the extent.
+        offset: u64,
+        /// Its length.
+        len: u64,
+        /// The region's size.
+        size: u64,
+    },
+}

@@ -1,0 +1,208 @@
+//! Properties of the chunk geometry and of ordinal pairing, over random prompts, block sizes,
+//! chunkings, windows and prefixes.
+
+use std::collections::BTreeMap;
+
+use kvpipe_core::{
+    chunk_window, early_prefix_window, plan_group, plan_group_with_cursor, total_blocks,
+    AnchoredRun, BlockId, BlockRun, ChunkSpec, DstCursor, LayerGroupLayout, PoolLayout, RegionId,
+    StaleBoundary, WritePlan,
+};
+use proptest::prelude::*;
+
+fn group(tpb: u32, window: Option<u32>) -> LayerGroupLayout {
+    LayerGroupLayout {
+        layers: 1,
+        kv_factor: 2,
+        kv_heads: 1,
+        head_dim: 1,
+        elem_bytes: 1,
+        tokens_per_block: tpb,
+        window,
+        ..LayerGroupLayout::default()
+    }
+}
+
+/// A prompt, its reused prefix and a chunking of `[prefix, prompt)` into consecutive chunks.
+fn chunking() -> impl Strategy<Value = (u32, u32, Vec<u32>)> {
+    (1u32..400)
+        .prop_flat_map(|prompt| (Just(prompt), 0..=prompt))
+        .prop_flat_map(|(prompt, prefix)| {
+            let cuts = proptest::collection::vec(prefix..=prompt, 0..12);
+            (Just(prompt), Just(prefix), cuts)
+        })
+        .prop_map(|(prompt, prefix, mut cuts)| {
+            cuts.push(prompt);
+            cuts.sort_unstable();
+            cuts.dedup();
+            (prompt, prefix, cuts)
+        })
+}
+
+/// The chunk specs of a chunking: `[prefix, c0), [c0, c1), …, [.., prompt)`; a prompt wholly
+/// cached still has one (empty) final chunk.
+fn chunks(prompt: u32, prefix: u32, cuts: &[u32], early: bool) -> Vec<ChunkSpec> {
+    let mut out = Vec::new();
+    let mut start = prefix;
+    for &end in cuts {
+        if end == start && end != prompt {
+            continue;
+        }
+        out.push(ChunkSpec {
+            start,
+            end,
+            prompt_len: prompt,
+            prepopulated_len: prefix,
+            is_last: end == prompt,
+            prefix_sent_early: early,
+        });
+        start = end;
+    }
+    out
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(512))]
+
+    /// Every ordinal of `[0, total)` (windowed groups: `[stale, total)`) is sent by exactly one
+    /// chunk (or by the early prefix send), nothing else is sent, and a windowed group sends only
+    /// in the final chunk.
+    #[test]
+    fn block_windows_tile_the_prompt_exactly_once(
+        (prompt, prefix, cuts) in chunking(),
+        tpb in 1u32..40,
+        window in proptest::option::of(1u32..500),
+        early in any::<bool>(),
+    ) {
+        let g = group(tpb, window);
+        let total = total_blocks(prompt, tpb).unwrap();
+        let stale = StaleBoundary::for_group(prompt, &g).unwrap().ordinal();
+        let windowed = g.is_windowed_for(prompt);
+        prop_assert!(stale <= total);
+        prop_assert_eq!(stale > 0, windowed && stale > 0);
+        let mut sent = vec![0u32; total as usize];
+        if early {
+            if let Some(w) = early_prefix_window(prompt, prefix, &g).unwrap() {
+                for o in w.begin..w.end { sent[o as usize] += 1; }
+            }
+        }
+        for c in chunks(prompt, prefix, &cuts, early) {
+            let w = chunk_window(&c, &g).unwrap();
+            if let Some(w) = w {
+                prop_assert!(!w.is_empty());
+                prop_assert!(w.end <= total);
+                if windowed {
+                    prop_assert!(c.is_last, "windowed group sent in a non-final chunk");
+                }
+                for o in w.begin..w.end { sent[o as usize] += 1; }
+            }
+        }
+        for (o, &n) in sent.iter().enumerate() {
+            let expected = u32::from(o as u32 >= stale);
+            prop_assert_eq!(n, expected, "ordinal {} sent {} times (stale {})", o, n, stale);
+        }
+    }
+
+    /// Pairing is by ordinal: every extent copies the source block of ordinal `o` into the
+    /// receiver's block of ordinal `o`, exactly the ordinals both sides hold, once each.
+    #[test]
+    fn pairs_map_equal_ordinals(
+        src_first in 0u32..50,
+        src_ids in proptest::collection::vec(0u32..1000, 0..60),
+        dst_first in 0u32..60,
+        dst_ids in proptest::collection::vec(0u32..1000, 0..60),
+        split in 1u16..4,
+        same_split in any::<bool>(),
+    ) {
+        // Layers 4; sender split at `split`, receiver in one pool; 2 bytes per layer.
+        let mk = |split: &[u16], region: u32| {
+            let mut pools = smallvec::SmallVec::new();
+            let mut begin = 0;
+            for (i, &layers) in split.iter().enumerate() {
+                pools.push(PoolLayout {
+                    region: RegionId(region + i as u32),
+                    layer_begin: begin,
+                    layers,
+                    slot_bytes: u64::from(layers) * 2,
+                });
+                begin += layers;
+            }
+            LayerGroupLayout { layers: 4, pools, ..group(1, None) }
+        };
+        let s = mk(&[split, 4 - split], 10);
+        let d = if same_split { mk(&[split, 4 - split], 20) } else { mk(&[4], 20) };
+        // Distinct ids on each side, so a slot names one ordinal.
+        let uniq = |v: &[u32]| {
+            let mut seen = std::collections::BTreeSet::new();
+            v.iter().copied().filter(|x| seen.insert(*x)).map(BlockId).collect::<Vec<_>>()
+        };
+        let src = BlockRun { first_ordinal: src_first, ids: uniq(&src_ids) };
+        let dst_list = uniq(&dst_ids);
+        let dst = AnchoredRun::from_ids(dst_first, &dst_list);
+        let src_ord: BTreeMap<u32, u32> = src.ids.iter().enumerate()
+            .map(|(i, id)| (id.0, src_first + i as u32)).collect();
+        let dst_ord: BTreeMap<u32, u32> = dst_list.iter().enumerate()
+            .map(|(i, id)| (id.0, dst_first + i as u32)).collect();
+
+        let mut plan = WritePlan::new();
+        let stats = plan_group(&s, &d, &src, &dst, &mut plan).unwrap();
+        // Bytes per (ordinal, layer) written, from the extents.
+        let mut written: BTreeMap<(u32, u64), u32> = BTreeMap::new();
+        for e in plan.extents() {
+            let src_pool = s.pools.iter().find(|p| p.region == e.src_region).unwrap();
+            for k in (0..e.len).step_by(2) {
+                let so = e.src_offset + k;
+                let doff = e.dst_offset + k;
+                let (sslot, soff) = (so / src_pool.slot_bytes, so % src_pool.slot_bytes);
+                let dst_pool = d.pools.iter().find(|p| p.region == e.dst_region).unwrap();
+                let (dslot, dlayer) = (
+                    doff / dst_pool.slot_bytes,
+                    u64::from(dst_pool.layer_begin) + (doff % dst_pool.slot_bytes) / 2,
+                );
+                let slayer = u64::from(src_pool.layer_begin) + soff / 2;
+                prop_assert_eq!(slayer, dlayer, "layer moved");
+                let so_ord = src_ord[&(sslot as u32)];
+                let do_ord = dst_ord[&(dslot as u32)];
+                prop_assert_eq!(so_ord, do_ord, "ordinal moved");
+                *written.entry((so_ord, slayer)).or_default() += 1;
+            }
+        }
+        let both: Vec<u32> = src_ord.values().copied().filter(|o| dst_ord.values().any(|d| d == o)).collect();
+        prop_assert_eq!(stats.paired_blocks as usize, both.len());
+        prop_assert_eq!(stats.unpaired_src_blocks as usize, src.ids.len() - both.len());
+        prop_assert_eq!(written.len(), both.len() * 4);
+        prop_assert!(written.values().all(|&n| n == 1));
+        prop_assert_eq!(stats.bytes, both.len() as u64 * 8);
+        prop_assert_eq!(plan.total_bytes(), stats.bytes);
+    }
+
+    /// Planning a request's chunks one after another with a cursor gives the same plans as
+    /// planning each from scratch, on fragmented receiver runs.
+    #[test]
+    fn cursor_planning_matches_fresh_planning(
+        dst_ids in proptest::collection::vec(0u32..64, 1..80),
+        dst_first in 0u32..8,
+        cuts in proptest::collection::vec(0u32..90, 0..8),
+    ) {
+        let g = LayerGroupLayout {
+            pools: smallvec::smallvec![PoolLayout { region: RegionId(1), layer_begin: 0, layers: 1, slot_bytes: 2 }],
+            ..group(1, None)
+        };
+        let dst = AnchoredRun::from_ids(dst_first, &dst_ids.iter().copied().map(BlockId).collect::<Vec<_>>());
+        let end = 90u32;
+        let mut cuts = cuts;
+        cuts.push(end);
+        cuts.sort_unstable();
+        let mut cursor = DstCursor::default();
+        let mut start = 0;
+        for c in cuts {
+            let src = BlockRun { first_ordinal: start, ids: (start..c).map(|o| BlockId(1000 + o)).collect() };
+            let (mut a, mut b) = (WritePlan::new(), WritePlan::new());
+            let sa = plan_group(&g, &g, &src, &dst, &mut a).unwrap();
+            let sb = plan_group_with_cursor(&g, &g, &src, &dst, &mut cursor, &mut b).unwrap();
+            prop_assert_eq!(a, b);
+            prop_assert_eq!(sa, sb);
+            start = c;
+        }
+    }
+}
