@@ -853,8 +853,10 @@ impl Receiver {
             if !w.registration_sent {
                 // The writer never got the grant: nothing of it can land.
                 w.stopped = true;
-            }
-            if !w.stopped {
+            } else {
+                // Every writer that got the registration hears of it, even one that already
+                // sent its last result (it may still be waiting to send the aux data); only
+                // those that have not stopped are waited for.
                 notify.push(w.peer);
             }
         }

@@ -373,6 +373,8 @@ impl Sender {
         self.timers
             .arm(registration_deadline, TimerKey::Request(request));
         if let Some(origin) = self.remembered_cancels.take(request) {
+            self.pending_registrations
+                .retain(|(_, r)| r.request != request);
             self.stop(now, request, Stop::Cancelled(origin));
             return Ok(());
         }
@@ -533,7 +535,25 @@ impl Sender {
                     return Err(UsageError::Retired(request));
                 }
                 match self.sessions.get(&request) {
-                    None => self.remembered_cancels.insert(request, CancelOrigin::Local),
+                    None => {
+                        self.remembered_cancels.insert(request, CancelOrigin::Local);
+                        // Receivers that already registered learn at once.
+                        let waiting: Vec<PeerId> = self
+                            .pending_registrations
+                            .iter()
+                            .filter(|(_, r)| r.request == request)
+                            .map(|(p, _)| *p)
+                            .collect();
+                        self.pending_registrations
+                            .retain(|(_, r)| r.request != request);
+                        for peer in waiting {
+                            let frame = Frame::Cancel(Cancel {
+                                request,
+                                reason: CancelReason::Engine,
+                            });
+                            self.send(now, peer, frame);
+                        }
+                    }
                     Some(s) if s.phase.is_active() => {
                         self.stop(now, request, Stop::Cancelled(CancelOrigin::Local))
                     }
