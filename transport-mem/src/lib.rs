@@ -45,5 +45,7 @@ mod worker;
 pub use clock::Clock;
 pub use copy::{split_even, Piece, ResolvedBatch, WriteError};
 pub use faults::{FaultConfig, FaultCounts};
-pub use pair::{DriveError, Endpoint, MemPair, PairConfig, PairStats, RECEIVER_PEER, SENDER_PEER};
+pub use pair::{
+    BatchTiming, DriveError, Endpoint, MemPair, PairConfig, PairStats, RECEIVER_PEER, SENDER_PEER,
+};
 pub use region::{RegionKind, RegionMemory, RegionTable, RegionUse, RegistrationError};

@@ -2,7 +2,7 @@
 //! queues, with write batches carried out by the copy worker — the core's run loop driven with
 //! real time.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 
 use kvpipe_core::session::{Output, UsageError, WriteBatchId};
 use kvpipe_core::wire::{Frame, TransferStatus};
@@ -79,6 +79,19 @@ pub struct PairStats {
     pub failed_batches: u64,
 }
 
+/// When one write batch was handed to the copy worker and when its outcome was reported.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BatchTiming {
+    /// The batch.
+    pub batch: WriteBatchId,
+    /// Bytes in the batch.
+    pub bytes: u64,
+    /// When the sender asked for it.
+    pub issued: Instant,
+    /// When its outcome was reported to the sender.
+    pub reported: Instant,
+}
+
 /// Why driving the pair stopped.
 #[derive(Clone, Debug, PartialEq, Eq, Error)]
 pub enum DriveError {
@@ -134,6 +147,8 @@ pub struct MemPair {
     worker: CopyWorker,
     in_flight: usize,
     reports: VecDeque<Done>,
+    issued: HashMap<WriteBatchId, (u64, Instant)>,
+    timings: Vec<BatchTiming>,
     faults: FaultInjector,
     events: VecDeque<(Endpoint, Instant, Event)>,
     stats: PairStats,
@@ -156,6 +171,8 @@ impl MemPair {
             worker: CopyWorker::spawn(config.copy_threads, config.parallel_threshold),
             in_flight: 0,
             reports: VecDeque::new(),
+            issued: HashMap::new(),
+            timings: Vec::new(),
             faults: FaultInjector::new(config.faults),
             events: VecDeque::new(),
             stats: PairStats::default(),
@@ -259,6 +276,11 @@ impl MemPair {
     /// Write batches handed to the copy worker and not reported yet.
     pub fn writes_in_flight(&self) -> usize {
         self.in_flight
+    }
+
+    /// Issue and report times of every write batch so far, in report order.
+    pub fn batch_timings(&self) -> &[BatchTiming] {
+        &self.timings
     }
 
     /// Whether the connection is up.
@@ -452,6 +474,14 @@ impl MemPair {
             any = true;
             self.in_flight -= 1;
             self.stats.batches += 1;
+            if let Some((bytes, issued)) = self.issued.remove(&done.batch) {
+                self.timings.push(BatchTiming {
+                    batch: done.batch,
+                    bytes,
+                    issued,
+                    reported: self.clock.now(),
+                });
+            }
             if done.status == TransferStatus::Success {
                 self.stats.bytes_copied += done.bytes;
             } else {
@@ -649,6 +679,7 @@ impl MemPair {
             None
         };
         self.in_flight += 1;
+        self.issued.insert(batch, (writes.bytes(), now));
         self.worker.submit(Job {
             batch,
             peer,
