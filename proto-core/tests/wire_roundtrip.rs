@@ -5,8 +5,9 @@ mod wire_support;
 
 use bytes::BytesMut;
 use kvpipe_core::wire::*;
+use kvpipe_core::{AnchoredRun, BlockId, GrantId, IdRun, ReceiverSliceId, RequestId};
 use proptest::prelude::*;
-use wire_support::arb_frame;
+use wire_support::{arb_frame, arb_hello};
 
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(256))]
@@ -80,5 +81,52 @@ proptest! {
     fn display_names_the_kind(frame in arb_frame()) {
         let text = frame.to_string();
         prop_assert!(text.starts_with(frame.kind().name()), "{}", text);
+    }
+
+    /// Frames built without the canonical rules (empty or unmergeable runs, zero windows,
+    /// inverted ranges) are either refused by the encoder with a typed error or round-trip:
+    /// the encoder never emits bytes the decoder refuses.
+    #[test]
+    fn the_encoder_only_emits_what_the_decoder_accepts(
+        frame in prop_oneof![
+            (arb_hello(), any::<u16>(), any::<u16>(), prop::option::of(0u32..3)).prop_map(
+                |(mut h, min, max, window)| {
+                    h.versions = VersionRange { min, max };
+                    if let Some(g) = h.groups.first_mut() {
+                        g.window = window;
+                    }
+                    Frame::Hello(h)
+                }
+            ),
+            (any::<u32>(), prop::collection::vec((0u32..8, 0u32..3), 0..6)).prop_map(
+                |(first_ordinal, runs)| {
+                    Frame::RecvRegistration(RecvRegistration {
+                        request: RequestId(1),
+                        slice: ReceiverSliceId(2),
+                        prompt_len: 3,
+                        grant: GrantId(4),
+                        aux_capacity: 5,
+                        groups: vec![AnchoredRun {
+                            first_ordinal,
+                            runs: runs
+                                .into_iter()
+                                .map(|(first, len)| IdRun { first: BlockId(first), len })
+                                .collect(),
+                        }],
+                    })
+                }
+            ),
+            any::<u16>().prop_map(|version| Frame::HelloAccept(HelloAccept {
+                version,
+                instance: kvpipe_core::InstanceId(1),
+            })),
+        ]
+    ) {
+        match frame.to_vec() {
+            Ok(bytes) => {
+                prop_assert_eq!(Frame::parse(&bytes), Ok((frame, bytes.len())));
+            }
+            Err(e) => prop_assert!(matches!(e, EncodeError::Invalid { .. }), "{:?}", e),
+        }
     }
 }

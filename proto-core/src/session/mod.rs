@@ -17,7 +17,6 @@ mod peers;
 mod receiver;
 mod remembered;
 mod sender;
-mod shim;
 pub mod state;
 mod timers;
 
@@ -28,10 +27,10 @@ use thiserror::Error;
 pub use config::{Deadlines, LocalHello, ReceiverConfig, SenderConfig};
 pub use receiver::{Receiver, ReceiverInput, Registration};
 pub use sender::{SendRequest, Sender, SenderInput};
-pub use shim::{ChunkSpec, GeometryError};
 
+use crate::geometry::GeometryError;
 use crate::ids::{GrantId, InstanceId, PeerId, ReceiverSliceId, RequestId, SenderSliceId};
-use crate::plan::WritePlan;
+use crate::plan::{PlanError, WritePlan};
 use crate::source::BlockSourceError;
 use crate::wire::{AuxData, Frame, RejectReason, Role, TransferStatus};
 
@@ -313,12 +312,12 @@ pub enum ProtocolError {
         capacity: u32,
     },
     /// The blocks of the registration cannot be paired with the local ones.
-    #[error("{request}: cannot plan writes into the registration: {message}")]
+    #[error("{request}: cannot plan writes into the registration: {error}")]
     Unplannable {
         /// The request.
         request: RequestId,
         /// The planner's error.
-        message: String,
+        error: PlanError,
     },
 }
 

@@ -543,12 +543,14 @@ impl Receiver {
         }
         let writer = &mut session.writers[w];
         let key = (r.sender_slice, r.is_last);
-        if writer.last_seen.is_some_and(|seen| key <= seen) {
+        // A failure is never a duplicate: it may follow the writer's successful last result
+        // (the aux data failed), and a stopping session needs its terminal confirmation.
+        if r.status == TransferStatus::Success && writer.last_seen.is_some_and(|seen| key <= seen) {
             self.counters.duplicates += 1;
             return;
         }
         let after_last = writer.last_seen.is_some_and(|(_, last)| last);
-        writer.last_seen = Some(key);
+        writer.last_seen = Some(writer.last_seen.map_or(key, |seen| seen.max(key)));
         self.counters.results.bump(r.status);
         if r.is_last {
             writer.stopped = true;
@@ -851,8 +853,10 @@ impl Receiver {
             if !w.registration_sent {
                 // The writer never got the grant: nothing of it can land.
                 w.stopped = true;
-            }
-            if !w.stopped {
+            } else {
+                // Every writer that got the registration hears of it, even one that already
+                // sent its last result (it may still be waiting to send the aux data); only
+                // those that have not stopped are waited for.
                 notify.push(w.peer);
             }
         }

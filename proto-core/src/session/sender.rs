@@ -7,7 +7,6 @@ use smallvec::SmallVec;
 use super::config::SenderConfig;
 use super::peers::{PeerExpiry, PeerTable, Route};
 use super::remembered::Remembered;
-use super::shim::{chunk_window, plan_group, ChunkSpec};
 use super::state::{SendEvent, SendPhase, Transition};
 use super::timers::{TimerKey, Timers};
 use super::{
@@ -15,8 +14,9 @@ use super::{
     Wait, WriteBatchId,
 };
 use crate::blocks::BlockRun;
+use crate::geometry::{chunk_window, ChunkSpec};
 use crate::ids::{GroupIndex, PeerId, ReceiverSliceId, RequestId, SenderSliceId};
-use crate::plan::WritePlan;
+use crate::plan::{plan_group_with_cursor, DstCursor, WritePlan};
 use crate::source::BlockSource;
 use crate::time::Instant;
 use crate::wire::{
@@ -131,6 +131,8 @@ struct TargetSlice {
 struct Target {
     peer: PeerId,
     registration: Option<RecvRegistration>,
+    /// Where planning stopped in each group's anchored run (successive chunks cost O(chunk)).
+    cursors: SmallVec<[DstCursor; 2]>,
     slices: Vec<TargetSlice>,
     results_sent: usize,
     inflight: u32,
@@ -147,6 +149,7 @@ impl Target {
         Target {
             peer,
             registration: None,
+            cursors: SmallVec::new(),
             slices: Vec::new(),
             results_sent: 0,
             inflight: 0,
@@ -370,6 +373,8 @@ impl Sender {
         self.timers
             .arm(registration_deadline, TimerKey::Request(request));
         if let Some(origin) = self.remembered_cancels.take(request) {
+            self.pending_registrations
+                .retain(|(_, r)| r.request != request);
             self.stop(now, request, Stop::Cancelled(origin));
             return Ok(());
         }
@@ -530,7 +535,25 @@ impl Sender {
                     return Err(UsageError::Retired(request));
                 }
                 match self.sessions.get(&request) {
-                    None => self.remembered_cancels.insert(request, CancelOrigin::Local),
+                    None => {
+                        self.remembered_cancels.insert(request, CancelOrigin::Local);
+                        // Receivers that already registered learn at once.
+                        let waiting: Vec<PeerId> = self
+                            .pending_registrations
+                            .iter()
+                            .filter(|(_, r)| r.request == request)
+                            .map(|(p, _)| *p)
+                            .collect();
+                        self.pending_registrations
+                            .retain(|(_, r)| r.request != request);
+                        for peer in waiting {
+                            let frame = Frame::Cancel(Cancel {
+                                request,
+                                reason: CancelReason::Engine,
+                            });
+                            self.send(now, peer, frame);
+                        }
+                    }
                     Some(s) if s.phase.is_active() => {
                         self.stop(now, request, Stop::Cancelled(CancelOrigin::Local))
                     }
@@ -722,7 +745,7 @@ impl Sender {
             if !session.phase.is_active() {
                 return;
             }
-            let target = &session.targets[t];
+            let target = &mut session.targets[t];
             let Some(reg) = &target.registration else {
                 return;
             };
@@ -738,29 +761,33 @@ impl Sender {
             let plan = &mut self.plan_buffer;
             plan.clear();
             let mut error = None;
+            let groups = self.config.local.groups.len();
+            target.cursors.resize(groups, DstCursor::default());
             for (group, run) in &slice.runs {
                 let g = usize::from(group.0);
-                let (Some(src), Some(dst), Some(dst_run)) = (
+                // Group counts were checked against the layout at the handshake and at the
+                // registration; a miss here is reported, never indexed.
+                let (Some(src), Some(dst), Some(dst_run), Some(cursor)) = (
                     self.config.local.groups.get(g),
                     remote.groups.get(g),
                     reg.groups.get(g),
+                    target.cursors.get_mut(g),
                 ) else {
-                    error = Some(format!("no layer group {g} on both sides"));
+                    error = Some(ProtocolError::GroupCountMismatch {
+                        request,
+                        expected: groups,
+                        got: reg.groups.len().min(remote.groups.len()),
+                    });
                     break;
                 };
-                if let Err(e) = plan_group(src, dst, run, dst_run, plan) {
-                    error = Some(e);
+                if let Err(e) = plan_group_with_cursor(src, dst, run, dst_run, cursor, plan) {
+                    error = Some(ProtocolError::Unplannable { request, error: e });
                     break;
                 }
             }
-            if let Some(message) = error {
+            if let Some(error) = error {
                 self.counters.protocol_errors += 1;
-                self.stop_protocol(
-                    now,
-                    request,
-                    peer,
-                    ProtocolError::Unplannable { request, message },
-                );
+                self.stop_protocol(now, request, peer, error);
                 return;
             }
             let slice_id = slice.id;

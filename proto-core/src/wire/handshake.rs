@@ -165,6 +165,25 @@ fn reject(reason: RejectReason, mut message: String) -> HelloReject {
 /// ranges), opposite roles (`RoleMismatch`), then the model layout: the compatibility hashes
 /// and the geometry fields must agree (`CompatibilityMismatch`, naming every field that
 /// differs). On success the accept carries the version and `local`'s instance.
+///
+/// ```
+/// use kvpipe_core::wire::samples::sample_hello;
+/// use kvpipe_core::wire::{negotiate, RejectReason, Role, VersionRange};
+///
+/// let sender = sample_hello(Role::Sender);
+/// let mut receiver = sample_hello(Role::Receiver);
+/// assert!(negotiate(&sender, &receiver).is_ok());
+///
+/// receiver.groups[0].tokens_per_block = 64;
+/// receiver.compat_hash = kvpipe_core::wire::compat_hash(&receiver.groups);
+/// let reject = negotiate(&sender, &receiver).unwrap_err();
+/// assert_eq!(reject.reason, RejectReason::CompatibilityMismatch);
+/// assert!(reject.message.contains("tokens per block: local 32, remote 64"));
+///
+/// receiver.versions = VersionRange { min: 7, max: 9 };
+/// let reject = negotiate(&sender, &receiver).unwrap_err();
+/// assert_eq!(reject.reason, RejectReason::VersionMismatch);
+/// ```
 pub fn negotiate(local: &Hello, remote: &Hello) -> Result<HelloAccept, HelloReject> {
     let Some(version) = common_version(local.versions, remote.versions) else {
         return Err(reject(

@@ -1,7 +1,7 @@
 //! The versioned wire format: every frame's representation and its encoding.
 //!
-//! - [`frame`](self#frames): the validated representations ([`Frame`] and one struct per kind),
-//!   what the state machines read and write.
+//! - The validated representations ([`Frame`] and one struct per kind): what the state
+//!   machines read and write.
 //! - The fixed 12-byte header ([`FrameHeader`], [`HEADER_LEN`], [`MAGIC`], [`FrameKind`]),
 //!   read and written through zerocopy.
 //! - [`Frame::parse`] / [`Frame::emit`] / [`Frame::encoded_len`]: decoding never panics, never

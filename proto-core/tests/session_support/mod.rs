@@ -6,13 +6,13 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use kvpipe_core::session::{
-    ChunkSpec, Deadlines, Event, LocalHello, Output, Receiver, ReceiverConfig, ReceiverInput,
-    Registration, SendRequest, Sender, SenderConfig, SenderInput, WriteBatchId,
+    Deadlines, Event, LocalHello, Output, Receiver, ReceiverConfig, ReceiverInput, Registration,
+    SendRequest, Sender, SenderConfig, SenderInput, WriteBatchId,
 };
 use kvpipe_core::wire::{Frame, Topology};
 use kvpipe_core::{
-    AnchoredRun, BlockId, BlockRun, BlockSource, BlockSourceError, GroupIndex, InstanceId,
-    LayerGroupLayout, PeerId, PoolLayout, RegionId, RequestId, SenderSliceId,
+    AnchoredRun, BlockId, BlockRun, BlockSource, BlockSourceError, ChunkSpec, GroupIndex,
+    InstanceId, LayerGroupLayout, PeerId, PoolLayout, RegionId, RequestId, SenderSliceId,
 };
 use kvpipe_core::{Duration, Instant};
 use smallvec::smallvec;
