@@ -625,16 +625,16 @@ impl MemPair {
             Endpoint::Sender => &mut self.to_receiver,
             Endpoint::Receiver => &mut self.to_sender,
         };
-        let deliver_at = now + fate.delay;
+        // A delay holds back this frame and every later one (a slow link keeps its order);
+        // only a reordered frame overtakes the frame queued before it.
+        let after_last = queue.back().map_or(now, |f| f.deliver_at);
+        let mut deliver_at = (now + fate.delay).max(after_last);
         let copies = if fate.duplicate { 2 } else { 1 };
         for _ in 0..copies {
-            // Keep the queue ordered by delivery time; a reordered frame overtakes the last.
-            let mut at = queue
-                .iter()
-                .rposition(|f| f.deliver_at <= deliver_at)
-                .map_or(0, |i| i + 1);
+            let mut at = queue.len();
             if fate.reorder && at > 0 {
                 at -= 1;
+                deliver_at = queue[at].deliver_at;
             }
             queue.insert(
                 at,

@@ -4,13 +4,11 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use kvpipe_core::session::{
-    ChunkSpec, Deadlines, LocalHello, Registration, SendRequest, UsageError, Wait,
-};
+use kvpipe_core::session::{Deadlines, LocalHello, Registration, SendRequest, UsageError, Wait};
 use kvpipe_core::wire::{AuxData, Role, Topology, TransferStatus, VersionRange};
 use kvpipe_core::{
-    BlockId, Duration, Event, GroupIndex, InstanceId, Instant, ReceiverConfig, RequestId,
-    SenderConfig, SenderInput,
+    BlockId, ChunkSpec, Duration, Event, GroupIndex, InstanceId, Instant, ReceiverConfig,
+    RequestId, SenderConfig, SenderInput,
 };
 
 use super::{FaultPlan, Harness, Link, SuiteError};
