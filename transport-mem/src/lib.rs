@@ -1,8 +1,51 @@
 //! # kvpipe-mem
 //!
 //! The in-process transport: both endpoints live in one process, frames travel through
-//! in-memory queues and write batches are carried out as memory copies of the coalesced
-//! extents. It is the zero-setup default and the home of the fault-injecting wrapper the
-//! conformance suite uses.
+//! in-memory queues (encoded and decoded by the wire codec, so the codec is exercised as on a
+//! real link) and write batches are carried out as memory copies of the coalesced extents. It is
+//! the zero-setup default and the home of the fault-injecting wrapper the conformance suite
+//! uses.
 //!
-//! Status: the driver is not built yet; this crate currently exports nothing.
+//! - [`region`]: registration of the engine's memory (KV pools, aux buffers). Host memory today;
+//!   device memory is another [`RegionMemory`] variant behind a future `cuda` feature, and copies
+//!   dispatch on the pair of kinds. Registrations stay held while a write batch may touch them.
+//! - [`copy`]: write plans resolved against registrations (bounds-checked), copied on one or
+//!   several threads.
+//! - [`MemPair`]: the driver — the core's run loop with real time ([`Clock`]), timers armed from
+//!   `poll_timeout`, a copy worker thread, bounded waits everywhere.
+//! - [`FaultConfig`]: dropped, duplicated, reordered and delayed frames, failed writes; and
+//!   [`MemPair::kill`] for a peer's death.
+//!
+//! ```
+//! use kvpipe_core::session::LocalHello;
+//! use kvpipe_core::wire::Topology;
+//! use kvpipe_core::{InstanceId, ReceiverConfig, SenderConfig};
+//! use kvpipe_mem::{MemPair, PairConfig};
+//!
+//! let hello = |i| LocalHello::new(InstanceId(i), Topology::default(), Vec::new());
+//! let mut pair = MemPair::new(PairConfig::new(
+//!     SenderConfig::new(hello(1)),
+//!     ReceiverConfig::new(hello(2), 7),
+//! ));
+//! pair.connect().unwrap();
+//! pair.drive_until(std::time::Duration::from_secs(5), |p| {
+//!     p.sender().is_peer_ready(kvpipe_mem::RECEIVER_PEER)
+//!         && p.receiver().is_peer_ready(kvpipe_mem::SENDER_PEER)
+//! })
+//! .unwrap();
+//! ```
+
+pub mod clock;
+pub mod copy;
+mod faults;
+mod pair;
+pub mod region;
+mod worker;
+
+pub use clock::Clock;
+pub use copy::{split_even, Piece, ResolvedBatch, WriteError};
+pub use faults::{FaultConfig, FaultCounts};
+pub use pair::{
+    BatchTiming, DriveError, Endpoint, MemPair, PairConfig, PairStats, RECEIVER_PEER, SENDER_PEER,
+};
+pub use region::{RegionKind, RegionMemory, RegionTable, RegionUse, RegistrationError};

@@ -1,0 +1,872 @@
+//! The engine model the scenarios, the demo and the benches share: prefill chunk by chunk on a
+//! sender [`ReferenceCache`], destination registration on a receiver cache, the endpoints
+//! driven over a [`Link`], then verification.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use kvpipe_core::session::{Deadlines, LocalHello, Registration, SendRequest, UsageError, Wait};
+use kvpipe_core::wire::{AuxData, Role, Topology, TransferStatus, VersionRange};
+use kvpipe_core::{
+    BlockId, ChunkSpec, Duration, Event, GroupIndex, InstanceId, Instant, ReceiverConfig,
+    RequestId, SenderConfig, SenderInput,
+};
+
+use super::{FaultPlan, Harness, Link, SuiteError};
+use crate::cache::{AllocationStyle, CacheSpec, GroupSpec, ReferenceCache};
+
+/// How the KV leaves the sender.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum TransferMode {
+    /// Each chunk's blocks as soon as the chunk is computed.
+    Pipelined,
+    /// Everything in one slice after the whole prefill (the baseline).
+    Monolithic,
+}
+
+/// Something done to a request right after one of its chunks was submitted.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Interrupt {
+    /// That side's engine cancels the request.
+    Cancel(Role),
+    /// That side's process dies.
+    Kill(Role),
+}
+
+/// One request of a workload.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RequestPlan {
+    /// The request id.
+    pub id: RequestId,
+    /// Prompt length in tokens.
+    pub prompt: u32,
+    /// Prefill chunk length in tokens.
+    pub chunk: u32,
+    /// Tokens the sender has cached already (prefix reuse).
+    pub sender_prefix: u32,
+    /// Tokens the receiver has cached already (prefix reuse).
+    pub receiver_prefix: u32,
+    /// The receiver registers after this many chunks were submitted (0: before prefill).
+    pub register_after_chunks: u32,
+    /// An interrupt applied after chunk `.0` (0-based) was submitted.
+    pub interrupt: Option<(u32, Interrupt)>,
+}
+
+impl RequestPlan {
+    /// A request of `prompt` tokens in chunks of `chunk`, no prefixes, registered up front.
+    pub fn new(id: u64, prompt: u32, chunk: u32) -> Self {
+        RequestPlan {
+            id: RequestId(id),
+            prompt,
+            chunk,
+            sender_prefix: 0,
+            receiver_prefix: 0,
+            register_after_chunks: 0,
+            interrupt: None,
+        }
+    }
+
+    /// The chunks' token ranges, from the sender's prefix to the prompt's end.
+    pub fn chunks(&self) -> Vec<(u32, u32)> {
+        let mut out = Vec::new();
+        let mut start = self.sender_prefix.min(self.prompt);
+        let step = self.chunk.max(1);
+        loop {
+            let end = (start + step).min(self.prompt);
+            out.push((start, end));
+            if end >= self.prompt {
+                return out;
+            }
+            start = end;
+        }
+    }
+}
+
+/// Everything one run does.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Workload {
+    /// Tokens per block.
+    pub tokens_per_block: u32,
+    /// The layer groups (the sender's pool split).
+    pub groups: Vec<GroupSpec>,
+    /// The receiver's pool split per group (`None`: the sender's).
+    pub receiver_pool_split: Option<Vec<Vec<u16>>>,
+    /// Extra block slots per group beyond what the requests need.
+    pub spare_slots: u32,
+    /// Seed of a shuffled slot order (fragmented block tables); `None`: contiguous.
+    pub slot_order_seed: Option<u64>,
+    /// How the sender allocates blocks.
+    pub allocation: AllocationStyle,
+    /// The requests, prefilled round-robin chunk by chunk.
+    pub requests: Vec<RequestPlan>,
+    /// Simulated compute time of one prefill chunk.
+    pub prefill_per_chunk: std::time::Duration,
+    /// Pipelined or monolithic.
+    pub mode: TransferMode,
+    /// Both endpoints' deadlines.
+    pub deadlines: Deadlines,
+    /// Faults to inject.
+    pub faults: FaultPlan,
+    /// Versions the receiver speaks (`None`: this build's).
+    pub receiver_versions: Option<VersionRange>,
+    /// Check the receiver's cache against the deterministic content too (slow for big caches).
+    pub verify_content: bool,
+    /// Snapshot the receiver's memory to check nothing outside granted blocks changed (doubles
+    /// the receiver's memory).
+    pub check_untouched: bool,
+    /// Flip one destination byte after the transfer (tests that verification catches it).
+    pub corrupt_one_byte: bool,
+    /// How long the whole run may take.
+    pub time_limit: std::time::Duration,
+}
+
+impl Workload {
+    /// A small single-group workload with checks on and generous deadlines.
+    pub fn small(requests: Vec<RequestPlan>) -> Self {
+        Workload {
+            tokens_per_block: 4,
+            groups: vec![GroupSpec::full(2, &[2])],
+            receiver_pool_split: None,
+            spare_slots: 3,
+            slot_order_seed: None,
+            allocation: AllocationStyle::FullPrompt,
+            requests,
+            prefill_per_chunk: std::time::Duration::ZERO,
+            mode: TransferMode::Pipelined,
+            deadlines: suite_deadlines(),
+            faults: FaultPlan::default(),
+            receiver_versions: None,
+            verify_content: true,
+            check_untouched: true,
+            corrupt_one_byte: false,
+            time_limit: std::time::Duration::from_secs(20),
+        }
+    }
+
+    fn cache_spec(&self, receiver: bool) -> CacheSpec {
+        let blocks: u32 = self
+            .requests
+            .iter()
+            .map(|r| r.prompt.div_ceil(self.tokens_per_block))
+            .sum();
+        CacheSpec {
+            tokens_per_block: self.tokens_per_block,
+            groups: self
+                .groups
+                .iter()
+                .enumerate()
+                .map(|(g, gs)| {
+                    let mut gs = gs.clone();
+                    if receiver {
+                        if let Some(split) =
+                            self.receiver_pool_split.as_ref().and_then(|s| s.get(g))
+                        {
+                            gs.pool_split = split.clone();
+                        }
+                    }
+                    gs
+                })
+                .collect(),
+            slots_per_group: blocks + self.spare_slots,
+            first_region: if receiver { 1000 } else { 1 },
+            slot_order_seed: self.slot_order_seed.map(|s| s ^ u64::from(receiver)),
+            materialize: true,
+        }
+    }
+}
+
+/// Deadlines short enough that failure scenarios end quickly, long enough for a loaded CI
+/// machine.
+pub(crate) fn suite_deadlines() -> Deadlines {
+    Deadlines {
+        handshake: Duration::from_secs(5),
+        registration: Duration::from_secs(5),
+        write_completion: Duration::from_secs(10),
+        result_wait: Duration::from_secs(15),
+        aux_wait: Duration::from_secs(5),
+        heartbeat_interval: Duration::from_millis(200),
+        liveness_timeout: Duration::from_secs(5),
+        quiesce: Duration::from_secs(2),
+    }
+}
+
+/// How a request ended on one side.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// Not ended (or the side died first).
+    Pending,
+    /// Completed.
+    Completed {
+        /// Bytes written.
+        bytes: u64,
+        /// (Receiver) the aux data received.
+        aux: Option<AuxData>,
+    },
+    /// Failed.
+    Failed(TransferStatus),
+    /// A deadline passed.
+    TimedOut(Wait),
+    /// Cancelled.
+    Cancelled,
+}
+
+impl Outcome {
+    /// Whether the request ended.
+    pub fn is_end(&self) -> bool {
+        !matches!(self, Outcome::Pending)
+    }
+
+    /// Whether it completed.
+    pub fn is_completed(&self) -> bool {
+        matches!(self, Outcome::Completed { .. })
+    }
+}
+
+/// What happened to one request.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RequestReport {
+    /// The request.
+    pub id: RequestId,
+    /// The sender's outcome.
+    pub sender: Outcome,
+    /// The receiver's outcome.
+    pub receiver: Outcome,
+    /// Whether the sender reported `Quiesced`.
+    pub sender_quiesced: bool,
+    /// Whether the receiver reported `Quiesced`.
+    pub receiver_quiesced: bool,
+    /// Chunks submitted.
+    pub chunks: u32,
+    /// When the last chunk's compute finished.
+    pub last_compute_done: Option<Instant>,
+    /// When the receiver completed.
+    pub receiver_completed_at: Option<Instant>,
+    /// Destination blocks whose bytes differ from the sender's or from the expected content.
+    pub mismatched_blocks: usize,
+    /// Bytes the destination holds for this request that were compared.
+    pub bytes_verified: u64,
+}
+
+impl RequestReport {
+    /// The time from the last chunk's compute to the receiver's completion.
+    pub fn exposed_tail(&self) -> Option<Duration> {
+        Some(self.receiver_completed_at? - self.last_compute_done?)
+    }
+}
+
+/// What a run did.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RunReport {
+    /// Per request, in plan order.
+    pub requests: Vec<RequestReport>,
+    /// Events of both endpoints, in order.
+    pub events: Vec<(Role, Instant, Event)>,
+    /// Receiver slots that changed but were never granted: (group, pool, slot).
+    pub stray_writes: Vec<(GroupIndex, usize, BlockId)>,
+    /// Bytes the receiver reported written, over all requests.
+    pub bytes: u64,
+    /// Chunks submitted, over all requests.
+    pub chunks: u64,
+    /// When the first chunk's compute began.
+    pub started: Instant,
+    /// When every request had settled.
+    pub finished: Instant,
+    /// Write batches' issue and report times.
+    pub batch_timings: Vec<super::BatchTiming>,
+    /// Sessions left on the living endpoints after retiring every quiesced request.
+    pub leftover_sessions: usize,
+    /// Write batches still in flight at the end.
+    pub leftover_writes: usize,
+}
+
+impl RunReport {
+    /// Whether every request completed on both sides with every byte right and nothing stray.
+    pub fn verified(&self) -> bool {
+        self.stray_writes.is_empty()
+            && self.requests.iter().all(|r| {
+                r.sender.is_completed() && r.receiver.is_completed() && r.mismatched_blocks == 0
+            })
+    }
+
+    /// Whether the run wrote nothing outside granted blocks, corrupted nothing it completed, and
+    /// left nothing behind (also true for runs where requests failed).
+    pub fn clean(&self) -> bool {
+        self.stray_writes.is_empty()
+            && self.leftover_sessions == 0
+            && self.leftover_writes == 0
+            && self.requests.iter().all(|r| r.mismatched_blocks == 0)
+    }
+
+    /// The report of `id`.
+    pub fn request(&self, id: RequestId) -> Option<&RequestReport> {
+        self.requests.iter().find(|r| r.id == id)
+    }
+}
+
+struct ReqState {
+    plan: RequestPlan,
+    chunks: Vec<(u32, u32)>,
+    next_chunk: usize,
+    registered: bool,
+    report: RequestReport,
+}
+
+fn usage(side: Role) -> impl Fn(UsageError) -> SuiteError {
+    move |e| SuiteError::Usage {
+        side,
+        message: e.to_string(),
+    }
+}
+
+fn cache_err(e: impl std::fmt::Display) -> SuiteError {
+    SuiteError::Cache(e.to_string())
+}
+
+/// The first generated token a request's aux data carries (deterministic, checked on arrival).
+fn first_token(id: RequestId) -> u32 {
+    (id.0 as u32).wrapping_mul(2_654_435_761) ^ 0x5eed
+}
+
+/// Runs `workload` over `harness` and reports what happened; checks are the caller's, except
+/// that the run itself must settle in time.
+pub fn run_workload<H: Harness>(harness: &H, w: &Workload) -> Result<RunReport, SuiteError> {
+    run_workload_with(harness, w, |_, _| {})
+}
+
+/// [`run_workload`], calling `progress(chunks_submitted, chunks_total)` after every chunk.
+pub fn run_workload_with<H: Harness>(
+    harness: &H,
+    w: &Workload,
+    mut progress: impl FnMut(u64, u64),
+) -> Result<RunReport, SuiteError> {
+    let mut sender_cache = Box::new(ReferenceCache::new(&w.cache_spec(false)).map_err(cache_err)?);
+    let mut receiver_cache = Box::new(ReferenceCache::new(&w.cache_spec(true)).map_err(cache_err)?);
+    let before = w.check_untouched.then(|| receiver_cache.snapshot());
+
+    let mut s_hello = LocalHello::new(InstanceId(1), Topology::default(), sender_cache.layouts());
+    let mut r_hello = LocalHello::new(InstanceId(2), Topology::default(), receiver_cache.layouts());
+    if let Some(v) = w.receiver_versions {
+        r_hello.versions = v;
+    }
+    s_hello.topology.tp_size = 1;
+    r_hello.topology.tp_size = 1;
+    let mut s_config = SenderConfig::new(s_hello);
+    s_config.deadlines = w.deadlines;
+    let mut r_config = ReceiverConfig::new(r_hello, 0x6b76_7069_7065);
+    r_config.deadlines = w.deadlines;
+
+    // SAFETY: both caches are boxed (their regions never move or resize) and declared before
+    // `link`, so they outlive it.
+    let mut link = unsafe {
+        harness.connect(
+            s_config,
+            r_config,
+            &mut sender_cache,
+            &mut receiver_cache,
+            &w.faults,
+        )?
+    };
+    let started = link.now();
+    let limit = started + Duration::from_nanos(w.time_limit.as_nanos() as u64);
+    let mut events = Vec::new();
+    let mut states: Vec<ReqState> = w
+        .requests
+        .iter()
+        .map(|p| ReqState {
+            chunks: p.chunks(),
+            next_chunk: 0,
+            registered: false,
+            report: RequestReport {
+                id: p.id,
+                sender: Outcome::Pending,
+                receiver: Outcome::Pending,
+                sender_quiesced: false,
+                receiver_quiesced: false,
+                chunks: 0,
+                last_compute_done: None,
+                receiver_completed_at: None,
+                mismatched_blocks: 0,
+                bytes_verified: 0,
+            },
+            plan: p.clone(),
+        })
+        .collect();
+    let index: BTreeMap<RequestId, usize> = states
+        .iter()
+        .enumerate()
+        .map(|(i, s)| (s.plan.id, i))
+        .collect();
+    let total_chunks: u64 = states
+        .iter()
+        .map(|s| match w.mode {
+            TransferMode::Pipelined => s.chunks.len() as u64,
+            TransferMode::Monolithic => 1,
+        })
+        .sum();
+    let mut submitted = 0u64;
+
+    // Open every request on the sender and register the up-front ones on the receiver.
+    let receiver_peer = link.receiver_peer();
+    for st in &mut states {
+        let p = &st.plan;
+        sender_cache
+            .begin_prefill(p.id, p.prompt, p.sender_prefix, w.allocation)
+            .map_err(cache_err)?;
+        let now = link.now();
+        link.sender()
+            .open_request(
+                now,
+                SendRequest {
+                    request: p.id,
+                    receivers: std::iter::once(receiver_peer).collect(),
+                    sends_aux: true,
+                },
+            )
+            .map_err(usage(Role::Sender))?;
+        if p.register_after_chunks == 0 {
+            register(&mut *link_dyn(&mut link), &mut receiver_cache, st)?;
+        }
+    }
+    link.pump()?;
+
+    // Prefill: round-robin over the requests, one chunk at a time.
+    let collect =
+        |link: &mut H::Link, events: &mut Vec<(Role, Instant, Event)>, states: &mut [ReqState]| {
+            for (side, at, e) in link.take_events() {
+                apply_event(side, at, &e, states, &index);
+                events.push((side, at, e));
+            }
+        };
+    let mut order: Vec<usize> = Vec::new();
+    match w.mode {
+        TransferMode::Pipelined => {
+            let most = states.iter().map(|s| s.chunks.len()).max().unwrap_or(0);
+            for k in 0..most {
+                for (i, s) in states.iter().enumerate() {
+                    if k < s.chunks.len() {
+                        order.push(i);
+                    }
+                }
+            }
+        }
+        TransferMode::Monolithic => {
+            for (i, s) in states.iter().enumerate() {
+                order.extend(std::iter::repeat_n(i, s.chunks.len()));
+            }
+        }
+    }
+    for i in order {
+        let compute_start = link.now();
+        let (start, end) = states[i].chunks[states[i].next_chunk];
+        let id = states[i].plan.id;
+        sender_cache
+            .compute_chunk(id, start, end)
+            .map_err(cache_err)?;
+        // The rest of the chunk's simulated compute: keep the transport running meanwhile.
+        let ready = compute_start + Duration::from_nanos(w.prefill_per_chunk.as_nanos() as u64);
+        loop {
+            link.pump()?;
+            collect(&mut link, &mut events, &mut states);
+            let now = link.now();
+            if now >= ready {
+                break;
+            }
+            link.wait(std::time::Duration::from_nanos((ready - now).as_nanos()));
+        }
+        let st = &mut states[i];
+        let k = st.next_chunk;
+        st.next_chunk += 1;
+        let is_last = st.next_chunk == st.chunks.len();
+        if is_last {
+            st.report.last_compute_done = Some(link.now());
+        }
+        if !st.registered && st.plan.register_after_chunks as usize == k {
+            register(&mut *link_dyn(&mut link), &mut receiver_cache, st)?;
+        }
+        let spec = match w.mode {
+            TransferMode::Pipelined => Some(ChunkSpec {
+                start,
+                end,
+                prompt_len: st.plan.prompt,
+                prepopulated_len: st.plan.sender_prefix,
+                is_last,
+                prefix_sent_early: false,
+            }),
+            TransferMode::Monolithic if is_last => Some(ChunkSpec {
+                start: st.plan.sender_prefix.min(st.plan.prompt),
+                end: st.plan.prompt,
+                prompt_len: st.plan.prompt,
+                prepopulated_len: st.plan.sender_prefix,
+                is_last: true,
+                prefix_sent_early: false,
+            }),
+            TransferMode::Monolithic => None,
+        };
+        if let Some(spec) = spec {
+            if link.is_alive(Role::Sender) && !st.report.sender.is_end() {
+                let now = link.now();
+                match link
+                    .sender()
+                    .submit_chunk(now, id, spec, &mut *sender_cache)
+                {
+                    Ok(_) => {}
+                    // The session ended under the engine (a peer's cancel, a failure): a real
+                    // engine stops submitting; so do we.
+                    Err(UsageError::SessionEnded(_)) => {}
+                    Err(e) => return Err(usage(Role::Sender)(e)),
+                }
+                st.report.chunks += 1;
+                submitted += 1;
+                if is_last {
+                    let data = AuxData {
+                        prompt_tokens: st.plan.prompt,
+                        cached_tokens: st.plan.sender_prefix,
+                        first_tokens: vec![first_token(id)],
+                        draft_tokens: Vec::new(),
+                    };
+                    let now = link.now();
+                    match link.sender().handle_input(SenderInput::AuxSubmitted {
+                        now,
+                        request: id,
+                        data,
+                    }) {
+                        Ok(()) | Err(UsageError::SessionEnded(_)) => {}
+                        Err(e) => return Err(usage(Role::Sender)(e)),
+                    }
+                }
+                progress(submitted, total_chunks);
+            }
+        }
+        if let Some((after, what)) = st.plan.interrupt {
+            if after as usize == k {
+                let now = link.now();
+                match what {
+                    Interrupt::Cancel(Role::Sender) => {
+                        link.sender().cancel(now, id).map_err(usage(Role::Sender))?;
+                    }
+                    Interrupt::Cancel(Role::Receiver) => {
+                        if st.registered {
+                            link.receiver()
+                                .cancel(now, id)
+                                .map_err(usage(Role::Receiver))?;
+                        }
+                    }
+                    Interrupt::Kill(side) => link.kill(side)?,
+                }
+            }
+        }
+        link.pump()?;
+        collect(&mut link, &mut events, &mut states);
+    }
+    // Late registrations that never came due (the request had fewer chunks).
+    for st in &mut states {
+        if !st.registered && link.is_alive(Role::Receiver) {
+            register(&mut *link_dyn(&mut link), &mut receiver_cache, st)?;
+        }
+    }
+
+    // Wait until every request ended and quiesced on every living side.
+    loop {
+        link.pump()?;
+        collect(&mut link, &mut events, &mut states);
+        let s_alive = link.is_alive(Role::Sender);
+        let r_alive = link.is_alive(Role::Receiver);
+        let pending: Vec<String> = states
+            .iter()
+            .filter(|s| {
+                (s_alive && !s.report.sender_quiesced) || (r_alive && !s.report.receiver_quiesced)
+            })
+            .map(|s| {
+                format!(
+                    "{}: sender {:?}{}, receiver {:?}{}",
+                    s.plan.id,
+                    s.report.sender,
+                    if s.report.sender_quiesced {
+                        " (quiesced)"
+                    } else {
+                        ""
+                    },
+                    s.report.receiver,
+                    if s.report.receiver_quiesced {
+                        " (quiesced)"
+                    } else {
+                        ""
+                    },
+                )
+            })
+            .collect();
+        if pending.is_empty() {
+            break;
+        }
+        let now = link.now();
+        if now >= limit {
+            return Err(SuiteError::Stalled {
+                limit_ms: w.time_limit.as_millis() as u64,
+                pending: pending.join("; "),
+            });
+        }
+        link.wait(
+            std::time::Duration::from_nanos((limit - now).as_nanos())
+                .min(std::time::Duration::from_millis(20)),
+        );
+    }
+    let finished = link.now();
+
+    // Retire everything (the engines may now free the blocks) and look for leftovers.
+    let now = link.now();
+    for st in &states {
+        if link.is_alive(Role::Sender) {
+            link.sender()
+                .retire(now, st.plan.id)
+                .map_err(usage(Role::Sender))?;
+        }
+        if link.is_alive(Role::Receiver) && st.registered {
+            link.receiver()
+                .retire(now, st.plan.id)
+                .map_err(usage(Role::Receiver))?;
+        }
+    }
+    link.pump()?;
+    collect(&mut link, &mut events, &mut states);
+    let mut leftover_sessions = 0;
+    if link.is_alive(Role::Sender) {
+        leftover_sessions += link.sender().session_count();
+    }
+    if link.is_alive(Role::Receiver) {
+        leftover_sessions += link.receiver().session_count();
+    }
+    let leftover_writes = link.writes_in_flight();
+    let batch_timings = link.batch_timings();
+    drop(link);
+
+    // Verification: every destination byte of completed requests; nothing stray anywhere.
+    if w.corrupt_one_byte {
+        if let Some(st) = states.iter().find(|s| s.report.receiver.is_completed()) {
+            corrupt_one_byte(&mut receiver_cache, st.plan.id);
+        }
+    }
+    let mut bytes = 0;
+    for st in &mut states {
+        if let Outcome::Completed { bytes: b, aux } = &st.report.receiver {
+            bytes += b;
+            let id = st.plan.id;
+            let (mismatched, verified) = verify_against_sender(&sender_cache, &receiver_cache, id);
+            let mut bad: BTreeSet<(GroupIndex, u32)> = mismatched.into_iter().collect();
+            if w.verify_content {
+                for m in receiver_cache.verify(id) {
+                    bad.insert((m.group, m.ordinal));
+                }
+            }
+            let aux_ok = aux.as_ref().is_some_and(|a| {
+                a.first_tokens == [first_token(id)] && a.prompt_tokens == st.plan.prompt
+            });
+            st.report.mismatched_blocks = bad.len() + usize::from(!aux_ok);
+            st.report.bytes_verified = verified;
+        }
+    }
+    let stray_writes = match &before {
+        Some(before) => {
+            let granted: BTreeSet<(GroupIndex, BlockId)> = states
+                .iter()
+                .filter(|s| s.registered)
+                .flat_map(|s| {
+                    let id = s.plan.id;
+                    let cache = &receiver_cache;
+                    (0..cache.group_count()).flat_map(move |g| {
+                        let group = GroupIndex(g as u16);
+                        cache
+                            .table(id, group)
+                            .unwrap_or_default()
+                            .iter()
+                            .flatten()
+                            .map(move |slot| (group, *slot))
+                            .collect::<Vec<_>>()
+                    })
+                })
+                .collect();
+            receiver_cache
+                .changed_slots(before)
+                .into_iter()
+                .filter(|(g, _, slot)| !granted.contains(&(*g, *slot)))
+                .collect()
+        }
+        None => Vec::new(),
+    };
+    Ok(RunReport {
+        chunks: states.iter().map(|s| u64::from(s.report.chunks)).sum(),
+        requests: states.into_iter().map(|s| s.report).collect(),
+        events,
+        stray_writes,
+        bytes,
+        started,
+        finished,
+        batch_timings,
+        leftover_sessions,
+        leftover_writes,
+    })
+}
+
+/// Lets the helpers take the link as a trait object.
+fn link_dyn<L: Link>(link: &mut L) -> &mut dyn Link {
+    link
+}
+
+/// Registers `st`'s destination on the receiver cache and endpoint.
+fn register(
+    link: &mut dyn Link,
+    receiver_cache: &mut ReferenceCache,
+    st: &mut ReqState,
+) -> Result<(), SuiteError> {
+    let p = &st.plan;
+    let groups = receiver_cache
+        .register_destination(p.id, p.prompt, p.receiver_prefix)
+        .map_err(cache_err)?;
+    st.registered = true;
+    if !link.is_alive(Role::Receiver) {
+        return Ok(());
+    }
+    let now = link.now();
+    let writer = link.sender_peer();
+    link.receiver()
+        .register(
+            now,
+            Registration {
+                request: p.id,
+                prompt_len: p.prompt,
+                groups,
+                writers: std::iter::once(writer).collect(),
+                aux_capacity: 4096,
+            },
+        )
+        .map_err(usage(Role::Receiver))?;
+    Ok(())
+}
+
+fn apply_event(
+    side: Role,
+    at: Instant,
+    e: &Event,
+    states: &mut [ReqState],
+    index: &BTreeMap<RequestId, usize>,
+) {
+    let (request, outcome) = match e {
+        Event::Completed {
+            request,
+            bytes_written,
+            aux,
+        } => (
+            *request,
+            Some(Outcome::Completed {
+                bytes: *bytes_written,
+                aux: aux.clone(),
+            }),
+        ),
+        Event::Failed { request, cause, .. } => (*request, Some(Outcome::Failed(*cause))),
+        Event::TimedOut {
+            request,
+            waiting_for,
+        } => (*request, Some(Outcome::TimedOut(*waiting_for))),
+        Event::Cancelled { request, .. } => (*request, Some(Outcome::Cancelled)),
+        Event::Quiesced { request } => (*request, None),
+        _ => return,
+    };
+    let Some(&i) = index.get(&request) else {
+        return;
+    };
+    let r = &mut states[i].report;
+    match (side, outcome) {
+        (Role::Sender, Some(o)) => r.sender = o,
+        (Role::Receiver, Some(o)) => {
+            if o.is_completed() {
+                r.receiver_completed_at = Some(at);
+            }
+            r.receiver = o;
+        }
+        (Role::Sender, None) => r.sender_quiesced = true,
+        (Role::Receiver, None) => r.receiver_quiesced = true,
+    }
+}
+
+/// Compares every block the receiver holds for `request` with the sender's block of the same
+/// ordinal, layer by layer (the two sides may split layers into pools differently). Returns
+/// the (group, ordinal) pairs that differ and the bytes compared.
+pub fn verify_against_sender(
+    sender: &ReferenceCache,
+    receiver: &ReferenceCache,
+    request: RequestId,
+) -> (Vec<(GroupIndex, u32)>, u64) {
+    let mut bad = Vec::new();
+    let mut compared = 0;
+    for g in 0..receiver.group_count() {
+        let group = GroupIndex(g as u16);
+        let (Some(sl), Some(rl)) = (sender.layout(group), receiver.layout(group)) else {
+            continue;
+        };
+        let Some(layer_bytes) = sl.layer_block_bytes() else {
+            continue;
+        };
+        let (Some(st), Some(rt)) = (sender.table(request, group), receiver.table(request, group))
+        else {
+            continue;
+        };
+        for (ordinal, entry) in rt.iter().enumerate() {
+            let (Some(dslot), Some(Some(sslot))) = (entry, st.get(ordinal)) else {
+                if entry.is_some() {
+                    // The sender no longer holds the block (evicted): the receiver's copy is
+                    // checked against the expected content instead (`verify_content`).
+                }
+                continue;
+            };
+            let mut same = true;
+            for layer in 0..sl.layers {
+                let locate = |pools: &[kvpipe_core::PoolLayout], slot: BlockId| {
+                    pools.iter().find_map(|p| {
+                        (layer >= p.layer_begin && layer < p.layer_begin + p.layers).then(|| {
+                            (
+                                p.region,
+                                u64::from(slot.0) * p.slot_bytes
+                                    + u64::from(layer - p.layer_begin) * layer_bytes,
+                            )
+                        })
+                    })
+                };
+                let (Some((sr, so)), Some((dr, doff))) =
+                    (locate(&sl.pools, *sslot), locate(&rl.pools, *dslot))
+                else {
+                    same = false;
+                    break;
+                };
+                let (Some(s), Some(d)) = (sender.region(sr), receiver.region(dr)) else {
+                    same = false;
+                    break;
+                };
+                let (so, doff, n) = (so as usize, doff as usize, layer_bytes as usize);
+                compared += layer_bytes;
+                if s.get(so..so + n) != d.get(doff..doff + n) {
+                    same = false;
+                }
+            }
+            if !same {
+                bad.push((group, ordinal as u32));
+            }
+        }
+    }
+    (bad, compared)
+}
+
+/// Flips one byte in the middle of `request`'s last destination block of group 0.
+fn corrupt_one_byte(receiver: &mut ReferenceCache, request: RequestId) {
+    let group = GroupIndex(0);
+    let Some(slot) = receiver
+        .table(request, group)
+        .and_then(|t| t.iter().rev().flatten().next().copied())
+    else {
+        return;
+    };
+    let Some(pool) = receiver.layout(group).map(|l| l.pools[0]) else {
+        return;
+    };
+    let at = (u64::from(slot.0) * pool.slot_bytes + pool.slot_bytes / 2) as usize;
+    if let Some(b) = receiver.region_mut(pool.region).and_then(|r| r.get_mut(at)) {
+        *b ^= 0x5a;
+    }
+}

@@ -1,0 +1,155 @@
+//! The suite's harness over the in-process transport (`kvpipe-mem`).
+//!
+//! It lives here rather than in `kvpipe-mem` because this crate already depends on
+//! `kvpipe-mem` (the `kvpipe` program runs the demo over it); `kvpipe-mem`'s own
+//! `tests/conformance.rs` runs the suite through it.
+
+use kvpipe_core::session::{ReceiverConfig, SenderConfig};
+use kvpipe_core::wire::Role;
+use kvpipe_core::{Duration, Event, Instant, PeerId, Receiver, Sender};
+use kvpipe_mem::{
+    Endpoint, FaultConfig, MemPair, PairConfig, RegionUse, RECEIVER_PEER, SENDER_PEER,
+};
+
+use super::{BatchTiming, FaultKind, FaultPlan, Harness, Link, LinkError};
+use crate::cache::ReferenceCache;
+
+/// Runs the suite over [`MemPair`].
+#[derive(Clone, Copy, Debug, Default)]
+pub struct MemHarness {
+    /// Copy threads per large write batch (`None`: the transport's default).
+    pub copy_threads: Option<usize>,
+}
+
+fn endpoint(side: Role) -> Endpoint {
+    match side {
+        Role::Sender => Endpoint::Sender,
+        Role::Receiver => Endpoint::Receiver,
+    }
+}
+
+fn transport(e: impl std::fmt::Display) -> LinkError {
+    LinkError::Transport(e.to_string())
+}
+
+impl Harness for MemHarness {
+    type Link = MemPair;
+
+    fn name(&self) -> &'static str {
+        "mem"
+    }
+
+    fn supports(&self, _kind: FaultKind) -> bool {
+        true
+    }
+
+    unsafe fn connect(
+        &self,
+        sender: SenderConfig,
+        receiver: ReceiverConfig,
+        sender_cache: &mut ReferenceCache,
+        receiver_cache: &mut ReferenceCache,
+        faults: &FaultPlan,
+    ) -> Result<MemPair, LinkError> {
+        let mut config = PairConfig::new(sender, receiver);
+        if let Some(t) = self.copy_threads {
+            config.copy_threads = t;
+        }
+        config.faults = FaultConfig {
+            seed: faults.seed,
+            drop: faults.drop,
+            duplicate: faults.duplicate,
+            reorder: faults.reorder,
+            delay: faults.delay,
+            max_delay: Duration::from_millis(faults.max_delay_ms),
+            fail_writes: faults.fail_writes,
+            fail_batches: faults.fail_batches.clone(),
+            spare_handshake: true,
+        };
+        let mut pair = MemPair::new(config);
+        for (side, cache) in [
+            (Endpoint::Sender, &mut *sender_cache),
+            (Endpoint::Receiver, &mut *receiver_cache),
+        ] {
+            let ids: Vec<_> = cache.region_ids().collect();
+            for id in ids {
+                let bytes = cache.region_mut(id).unwrap_or_default();
+                // SAFETY: the caller keeps the caches alive and unmoved while the pair lives;
+                // the sessions pin blocks until quiesced, and the suite's engine touches only
+                // blocks no in-flight batch reads or writes.
+                unsafe {
+                    pair.register_host(side, id, RegionUse::KvPool, bytes.as_mut_ptr(), bytes.len())
+                }
+                .map_err(transport)?;
+            }
+        }
+        pair.connect().map_err(transport)?;
+        Ok(pair)
+    }
+}
+
+impl Link for MemPair {
+    fn now(&self) -> Instant {
+        MemPair::now(self)
+    }
+
+    fn sender(&mut self) -> &mut Sender {
+        self.sender_mut()
+    }
+
+    fn receiver(&mut self) -> &mut Receiver {
+        self.receiver_mut()
+    }
+
+    fn sender_peer(&self) -> PeerId {
+        SENDER_PEER
+    }
+
+    fn receiver_peer(&self) -> PeerId {
+        RECEIVER_PEER
+    }
+
+    fn pump(&mut self) -> Result<(), LinkError> {
+        MemPair::pump(self).map_err(transport)
+    }
+
+    fn wait(&mut self, max: std::time::Duration) {
+        MemPair::wait(self, max);
+    }
+
+    fn take_events(&mut self) -> Vec<(Role, Instant, Event)> {
+        MemPair::take_events(self)
+            .into_iter()
+            .map(|(e, at, ev)| {
+                let side = match e {
+                    Endpoint::Sender => Role::Sender,
+                    Endpoint::Receiver => Role::Receiver,
+                };
+                (side, at, ev)
+            })
+            .collect()
+    }
+
+    fn kill(&mut self, side: Role) -> Result<(), LinkError> {
+        MemPair::kill(self, endpoint(side)).map_err(transport)
+    }
+
+    fn is_alive(&self, side: Role) -> bool {
+        MemPair::is_alive(self, endpoint(side))
+    }
+
+    fn writes_in_flight(&self) -> usize {
+        MemPair::writes_in_flight(self)
+    }
+
+    fn batch_timings(&self) -> Vec<BatchTiming> {
+        MemPair::batch_timings(self)
+            .iter()
+            .map(|t| BatchTiming {
+                bytes: t.bytes,
+                issued: t.issued,
+                reported: t.reported,
+            })
+            .collect()
+    }
+}

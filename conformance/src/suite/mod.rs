@@ -1,0 +1,227 @@
+//! The conformance suite: scenarios every transport must pass, generic over a [`Harness`] that
+//! makes a connected sender/receiver pair over the transport.
+//!
+//! A scenario builds two [reference caches](crate::cache) (the prefill engine's and the decode
+//! engine's), registers their memory with the transport, runs one or more requests through the
+//! real [`Sender`] and [`Receiver`] endpoints (chunk by chunk, as prefill would), and checks:
+//!
+//! - the outcome on both sides (completed, or failed/cancelled/timed out as the scenario wants),
+//!   and that every request ends [`Event::Quiesced`] on every living side;
+//! - every destination byte of a completed request against the sender's bytes, and against the
+//!   deterministic content the cache computed;
+//! - that nothing outside the blocks the receiver granted changed (failed requests included);
+//! - that nothing is left behind: no session, no write in flight.
+//!
+//! Transports run the suite with [`conformance_tests!`](crate::conformance_tests), which makes one
+//! `#[test]` per scenario. [`MemHarness`] runs it over `kvpipe-mem`.
+
+mod engine;
+mod mem;
+mod scenarios;
+
+use kvpipe_core::session::{ReceiverConfig, SenderConfig};
+use kvpipe_core::wire::Role;
+use kvpipe_core::{Event, Instant, PeerId, Receiver, Sender};
+use thiserror::Error;
+
+use crate::cache::ReferenceCache;
+
+pub use engine::{
+    run_workload, run_workload_with, verify_against_sender, Interrupt, Outcome, RequestPlan,
+    RequestReport, RunReport, TransferMode, Workload,
+};
+pub use mem::MemHarness;
+pub use scenarios::{scenario, scenarios, Scenario};
+
+/// Faults a scenario asks the transport to inject (transport-neutral; a harness maps it onto
+/// its transport's fault wrapper).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct FaultPlan {
+    /// Seed of the fault generator.
+    pub seed: u64,
+    /// Probability that a session frame is dropped.
+    pub drop: f64,
+    /// Probability that a session frame is delivered twice.
+    pub duplicate: f64,
+    /// Probability that a session frame overtakes the one before it.
+    pub reorder: f64,
+    /// Probability that a session frame is delayed.
+    pub delay: f64,
+    /// Longest delay, in milliseconds.
+    pub max_delay_ms: u64,
+    /// Probability that a write batch fails.
+    pub fail_writes: f64,
+    /// Write batches (from 0, in issue order) that fail for sure.
+    pub fail_batches: Vec<u64>,
+}
+
+impl FaultPlan {
+    /// Whether the plan injects anything.
+    pub fn is_active(&self) -> bool {
+        self.drop > 0.0
+            || self.duplicate > 0.0
+            || self.reorder > 0.0
+            || self.delay > 0.0
+            || self.fail_writes > 0.0
+            || !self.fail_batches.is_empty()
+    }
+}
+
+/// A kind of fault a harness may or may not be able to inject.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum FaultKind {
+    /// Drop, duplicate, reorder or delay control frames.
+    Frames,
+    /// Fail write batches.
+    Writes,
+    /// Kill one endpoint.
+    PeerDeath,
+}
+
+/// A transport's failure while carrying a scenario.
+#[derive(Clone, Debug, PartialEq, Eq, Error)]
+pub enum LinkError {
+    /// The transport reported an error.
+    #[error("transport error: {0}")]
+    Transport(String),
+    /// The transport cannot inject a fault the scenario needs.
+    #[error("the transport cannot inject {0:?} faults")]
+    Unsupported(FaultKind),
+}
+
+/// A failed scenario.
+#[derive(Clone, Debug, PartialEq, Eq, Error)]
+pub enum SuiteError {
+    /// The transport failed.
+    #[error(transparent)]
+    Link(#[from] LinkError),
+    /// The engine model (reference cache) refused an operation: a scenario bug.
+    #[error("reference cache: {0}")]
+    Cache(String),
+    /// An endpoint refused an engine command.
+    #[error("{side:?} endpoint refused a command: {message}")]
+    Usage {
+        /// The side.
+        side: Role,
+        /// The error.
+        message: String,
+    },
+    /// Requests did not end (or quiesce) in time.
+    #[error("requests did not settle within {limit_ms} ms: {pending}")]
+    Stalled {
+        /// The limit.
+        limit_ms: u64,
+        /// What was still pending.
+        pending: String,
+    },
+    /// A check failed.
+    #[error("check failed: {0}")]
+    Check(String),
+}
+
+/// How the suite reaches a transport: makes a connected pair with both caches' memory
+/// registered.
+pub trait Harness {
+    /// The connected pair.
+    type Link: Link;
+
+    /// The transport's name (for messages).
+    fn name(&self) -> &'static str;
+
+    /// Whether the transport can inject faults of `kind`.
+    fn supports(&self, kind: FaultKind) -> bool;
+
+    /// Builds the pair: a sender with `sender` config whose memory is `sender_cache`'s regions,
+    /// a receiver with `receiver` config over `receiver_cache`'s regions, faults as `faults`
+    /// says; and connects them (the handshake starts; the suite drives it).
+    ///
+    /// # Safety
+    ///
+    /// The transport registers the caches' memory by address: both caches must outlive the
+    /// returned link, and must not be moved or resized while it lives (the reference cache
+    /// never reallocates a region).
+    unsafe fn connect(
+        &self,
+        sender: SenderConfig,
+        receiver: ReceiverConfig,
+        sender_cache: &mut ReferenceCache,
+        receiver_cache: &mut ReferenceCache,
+        faults: &FaultPlan,
+    ) -> Result<Self::Link, LinkError>;
+}
+
+/// One write batch's issue and report times (transports that record them).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BatchTiming {
+    /// Bytes in the batch.
+    pub bytes: u64,
+    /// When the sender asked for it.
+    pub issued: Instant,
+    /// When its outcome reached the sender.
+    pub reported: Instant,
+}
+
+/// A connected sender/receiver pair over some transport, driven by the suite.
+pub trait Link {
+    /// The transport's current time.
+    fn now(&self) -> Instant;
+    /// The sender endpoint (engine commands; call [`Link::pump`] afterwards).
+    fn sender(&mut self) -> &mut Sender;
+    /// The receiver endpoint (engine commands; call [`Link::pump`] afterwards).
+    fn receiver(&mut self) -> &mut Receiver;
+    /// How the receiver names the sender.
+    fn sender_peer(&self) -> PeerId;
+    /// How the sender names the receiver.
+    fn receiver_peer(&self) -> PeerId;
+    /// Does everything possible now without blocking.
+    fn pump(&mut self) -> Result<(), LinkError>;
+    /// Blocks until something may be ready, for at most `max`.
+    fn wait(&mut self, max: std::time::Duration);
+    /// Events both endpoints reported since the last call, in order, with their times.
+    fn take_events(&mut self) -> Vec<(Role, Instant, Event)>;
+    /// Kills one endpoint as if its process died.
+    fn kill(&mut self, side: Role) -> Result<(), LinkError>;
+    /// Whether `side` is alive.
+    fn is_alive(&self, side: Role) -> bool;
+    /// Write batches not reported yet.
+    fn writes_in_flight(&self) -> usize;
+    /// Issue and report times of the write batches so far (empty if not recorded).
+    fn batch_timings(&self) -> Vec<BatchTiming> {
+        Vec::new()
+    }
+}
+
+/// Makes one `#[test]` per conformance scenario, running it over the harness `$harness`
+/// (an expression). Use it in a transport's `tests/conformance.rs`:
+///
+/// ```ignore
+/// kvpipe_conformance::conformance_tests!(kvpipe_conformance::suite::MemHarness::default());
+/// ```
+#[macro_export]
+macro_rules! conformance_tests {
+    ($harness:expr) => {
+        $crate::conformance_tests!(@each $harness;
+            geometry_single_chunk, geometry_ragged_chunks, geometry_chunks_without_blocks,
+            geometry_prompt_shorter_than_block, geometry_fragmented_slots,
+            sender_prefix_reuse, receiver_prefix_reuse, both_prefixes,
+            windows_with_sinks, several_layer_groups, concurrent_requests,
+            incremental_allocation, late_registration, cancel_mid_prefill_sender,
+            cancel_mid_prefill_receiver, sender_death, receiver_death, registration_timeout,
+            write_failure, duplicated_frames, delayed_frames, reordered_frames,
+            version_mismatch, monolithic_transfer
+        );
+    };
+    (@each $harness:expr; $($name:ident),* $(,)?) => {
+        $(
+            #[test]
+            fn $name() {
+                let harness = $harness;
+                let scenario = $crate::suite::scenario(stringify!($name))
+                    .expect("a scenario of that name exists");
+                if let Err(e) = scenario.run(&harness) {
+                    panic!("{} over {}: {e}", stringify!($name), $crate::suite::Harness::name(&harness));
+                }
+            }
+        )*
+    };
+}
