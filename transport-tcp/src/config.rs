@@ -21,6 +21,9 @@ pub struct TcpConfig {
     pub close_grace: Duration,
     /// A blocked socket write failing after this long tears the peer down (`None`: never).
     pub write_stall_timeout: Option<Duration>,
+    /// The instant the core's time counts from (`None`: when the node starts). Nodes of one
+    /// process given the same origin report comparable event times.
+    pub origin: Option<std::time::Instant>,
 }
 
 impl Default for TcpConfig {
@@ -33,6 +36,7 @@ impl Default for TcpConfig {
             preamble_timeout: Duration::from_secs(5),
             close_grace: Duration::from_millis(500),
             write_stall_timeout: Some(Duration::from_secs(30)),
+            origin: None,
         }
     }
 }

@@ -3,7 +3,8 @@
 use kvpipe_core::session::WriteBatchId;
 use kvpipe_core::wire::{Frame, TransferStatus};
 use kvpipe_core::{
-    Instant, Output, PeerId, Receiver, ReceiverInput, RequestId, Sender, SenderInput,
+    Instant, LayerGroupLayout, Output, PeerId, Receiver, ReceiverInput, RequestId, Sender,
+    SenderInput,
 };
 
 /// What a driver needs from a core endpoint. Usage errors returned by the core here would be
@@ -20,6 +21,8 @@ pub(crate) trait Endpoint: Send + 'static {
     fn is_peer_ready(&self, peer: PeerId) -> bool;
     /// A write for `request` was refused: fail the request as far as the core allows.
     fn write_refused(&mut self, now: Instant, request: RequestId);
+    /// The local pool layout, per layer group.
+    fn local_groups(&self) -> &[LayerGroupLayout];
 }
 
 impl Endpoint for Sender {
@@ -55,6 +58,9 @@ impl Endpoint for Sender {
     fn write_refused(&mut self, _now: Instant, _request: RequestId) {
         // A sender grants nothing: the peer is simply not trusted any more.
     }
+    fn local_groups(&self) -> &[LayerGroupLayout] {
+        &self.config().local.groups
+    }
 }
 
 impl Endpoint for Receiver {
@@ -84,5 +90,8 @@ impl Endpoint for Receiver {
         // The core has no input for a refused write yet; cancelling fails the request on both
         // sides at once (the writers get a `Cancel`).
         let _ = self.cancel(now, request);
+    }
+    fn local_groups(&self) -> &[LayerGroupLayout] {
+        &self.config().local.groups
     }
 }

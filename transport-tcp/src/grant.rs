@@ -11,7 +11,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
-use kvpipe_core::wire::{DataWrite, Frame};
+use kvpipe_core::wire::{DataWrite, Frame, RecvRegistration};
 use kvpipe_core::{AnchoredRun, GrantId, LayerGroupLayout, PeerId, RegionId, RequestId};
 
 /// Why an incoming data write was refused (never applied).
@@ -170,6 +170,30 @@ pub(crate) struct GrantTable {
 const RETIRED_REMEMBERED: usize = 4096;
 
 impl GrantTable {
+    /// Records that `reg` went to `peer`: the request's grant (created on its first
+    /// registration) now admits `peer` as a writer.
+    pub(crate) fn grant(
+        &mut self,
+        peer: PeerId,
+        reg: &RecvRegistration,
+        layout: &[LayerGroupLayout],
+    ) {
+        match self.entries.get_mut(&reg.request) {
+            Some(e) if e.grant == reg.grant => {
+                if !e.writers.iter().any(|a| a.peer == peer) {
+                    e.writers.push(WriterAccount {
+                        peer,
+                        ..WriterAccount::default()
+                    });
+                }
+            }
+            _ => {
+                let extents = GrantedExtents::compute(layout, &reg.groups);
+                self.insert(reg.request, reg.grant, extents, &[peer]);
+            }
+        }
+    }
+
     pub(crate) fn insert(
         &mut self,
         request: RequestId,

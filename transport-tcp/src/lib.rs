@@ -41,7 +41,7 @@ mod pieces;
 pub mod preamble;
 mod stats;
 
-pub use blocking::{TcpReceiver, TcpSender};
+pub use blocking::{EndpointGuard, TcpReceiver, TcpSender};
 pub use config::TcpConfig;
 pub use grant::{GrantedExtents, WriteRefusal};
 pub use memory::{MemoryRegion, OutOfBounds, RegionTable};

@@ -9,10 +9,11 @@ use std::net::TcpListener;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use kvpipe_core::session::{ChunkSpec, Registration, SendRequest};
+use kvpipe_core::session::{Registration, SendRequest};
 use kvpipe_core::wire::{
     AuxData, DataWrite, Frame, HelloAccept, RecvRegistration, Role, TransferStatus,
 };
+use kvpipe_core::ChunkSpec;
 use kvpipe_core::{
     AnchoredRun, BlockId, Event, GrantId, InstanceId, PeerId, ReceiverSliceId, RegionId, RequestId,
 };

@@ -4,8 +4,9 @@ mod support;
 
 use std::time::Duration;
 
-use kvpipe_core::session::{ChunkSpec, Registration, SendRequest};
+use kvpipe_core::session::{Registration, SendRequest};
 use kvpipe_core::wire::{AuxData, RejectReason};
+use kvpipe_core::ChunkSpec;
 use kvpipe_core::{AnchoredRun, BlockId, Event, PeerId, RegionId, RequestId};
 use smallvec::smallvec;
 use support::*;

@@ -4,7 +4,8 @@
 //! listening) one accept thread per node.
 
 mod conn;
-mod node;
+pub(crate) mod node;
 mod roles;
 
+pub use node::EndpointGuard;
 pub use roles::{TcpReceiver, TcpSender};

@@ -13,7 +13,9 @@ use std::io::{self, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU64, Ordering};
 use std::sync::mpsc;
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
+
+use parking_lot::{Condvar, Mutex as StateMutex, MutexGuard};
 use std::thread::{self, JoinHandle};
 use std::time::Duration as StdDuration;
 
@@ -77,7 +79,7 @@ pub(crate) struct State<E> {
     pub(crate) peers: HashMap<PeerId, PeerLink>,
     tokens: HashMap<u64, PeerId>,
     next_peer: u32,
-    pub(crate) events: VecDeque<Event>,
+    pub(crate) events: VecDeque<(Instant, Event)>,
     /// Write batches in flight: the peer and the connection parts still being written.
     batches: HashMap<WriteBatchId, (PeerId, u32)>,
     pub(crate) grants: GrantTable,
@@ -86,7 +88,7 @@ pub(crate) struct State<E> {
 
 /// The node shared by the engine's handle and every thread.
 pub(crate) struct Shared<E> {
-    state: Mutex<State<E>>,
+    pub(crate) state: Arc<StateMutex<State<E>>>,
     events_cv: Condvar,
     timer_cv: Condvar,
     origin: std::time::Instant,
@@ -103,7 +105,7 @@ impl<E: Endpoint> Shared<E> {
     }
 
     pub(crate) fn lock(&self) -> MutexGuard<'_, State<E>> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+        self.state.lock()
     }
 
     /// Runs `f` on the state, then drains the core's outputs.
@@ -125,9 +127,21 @@ impl<E: Endpoint> Shared<E> {
                         let Some(link) = st.peers.get_mut(&peer) else {
                             continue;
                         };
-                        if let Frame::HelloAccept(a) = &frame {
-                            link.negotiated.store(a.version, Ordering::Relaxed);
+                        match &frame {
+                            Frame::HelloAccept(a) => {
+                                link.negotiated.store(a.version, Ordering::Relaxed);
+                            }
+                            Frame::RecvRegistration(reg) => {
+                                // The grant covers exactly the registered blocks, for exactly
+                                // the peers the registration goes to.
+                                let groups = st.endpoint.local_groups();
+                                st.grants.grant(peer, reg, groups);
+                            }
+                            _ => {}
                         }
+                        let Some(link) = st.peers.get_mut(&peer) else {
+                            continue;
+                        };
                         let mut bytes = vec![0; frame.encoded_len()];
                         if frame.emit_versioned(link.version(), &mut bytes).is_ok() {
                             if let Some(tx) = link.conns.first().and_then(|c| c.tx.as_ref()) {
@@ -186,7 +200,7 @@ impl<E: Endpoint> Shared<E> {
                         );
                         self.begin_close(st, peer, graceful);
                     }
-                    Output::Event(event) => self.on_event(st, event),
+                    Output::Event(event) => self.on_event(st, now, event),
                 }
             }
             if reports.is_empty() {
@@ -199,7 +213,7 @@ impl<E: Endpoint> Shared<E> {
         self.timer_cv.notify_all();
     }
 
-    fn on_event(&self, st: &mut State<E>, event: Event) {
+    fn on_event(&self, st: &mut State<E>, now: Instant, event: Event) {
         match &event {
             Event::Completed { request, .. }
             | Event::Failed { request, .. }
@@ -218,10 +232,11 @@ impl<E: Endpoint> Shared<E> {
                         return;
                     }
                 }
+                st.grants.retire(*request);
             }
             _ => {}
         }
-        st.events.push_back(event);
+        st.events.push_back((now, event));
         self.events_cv.notify_all();
     }
 
@@ -310,16 +325,17 @@ impl<E: Endpoint> Shared<E> {
         let now = self.now();
         let st = &mut *st;
         if let Some(g) = st.grants.entries.get_mut(&request) {
+            if let Some(acct) = g.writers.iter_mut().find(|a| a.peer == peer) {
+                acct.consumed = acct.consumed.saturating_add(len);
+            }
             if applied {
                 g.inside = g.inside.saturating_sub(1);
                 if g.inside == 0 && g.quiesce_pending {
                     g.quiesce_pending = false;
-                    st.events.push_back(Event::Quiesced { request });
+                    st.events.push_back((now, Event::Quiesced { request }));
+                    st.grants.retire(request);
                     self.events_cv.notify_all();
                 }
-            }
-            if let Some(acct) = g.writers.iter_mut().find(|a| a.peer == peer) {
-                acct.consumed = acct.consumed.saturating_add(len);
             }
         }
         self.release(st, request, peer, now);
@@ -477,7 +493,7 @@ pub(crate) struct Node<E: Endpoint> {
 impl<E: Endpoint> Node<E> {
     pub(crate) fn new(endpoint: E, config: TcpConfig, regions: RegionTable) -> Self {
         let shared = Arc::new(Shared {
-            state: Mutex::new(State {
+            state: Arc::new(StateMutex::new(State {
                 endpoint,
                 peers: HashMap::new(),
                 tokens: HashMap::new(),
@@ -486,10 +502,10 @@ impl<E: Endpoint> Node<E> {
                 batches: HashMap::new(),
                 grants: GrantTable::default(),
                 shutdown: false,
-            }),
+            })),
             events_cv: Condvar::new(),
             timer_cv: Condvar::new(),
-            origin: std::time::Instant::now(),
+            origin: config.origin.unwrap_or_else(std::time::Instant::now),
             regions,
             config,
             stats: StatCells::default(),
@@ -561,24 +577,32 @@ impl<E: Endpoint> Node<E> {
     }
 
     /// The next event, waiting up to `timeout`.
-    pub(crate) fn next_event(&self, timeout: StdDuration) -> Option<Event> {
+    pub(crate) fn next_event(&self, timeout: StdDuration) -> Option<(Instant, Event)> {
         let deadline = std::time::Instant::now() + timeout;
         let mut st = self.shared.lock();
         loop {
             if let Some(e) = st.events.pop_front() {
                 return Some(e);
             }
-            let now = std::time::Instant::now();
-            if now >= deadline {
-                return None;
-            }
-            st = self
+            if self
                 .shared
                 .events_cv
-                .wait_timeout(st, deadline - now)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
+                .wait_until(&mut st, deadline)
+                .timed_out()
+            {
+                return st.events.pop_front();
+            }
         }
+    }
+
+    /// Every queued event, without waiting.
+    pub(crate) fn take_events(&self) -> Vec<(Instant, Event)> {
+        self.shared.lock().events.drain(..).collect()
+    }
+
+    /// Write batches handed to connections and not written out yet.
+    pub(crate) fn writes_in_flight(&self) -> usize {
+        self.shared.lock().batches.len()
     }
 
     /// Closes every peer, stops the helper threads and waits (bounded) for connection threads.
@@ -600,12 +624,9 @@ impl<E: Endpoint> Node<E> {
         let deadline = std::time::Instant::now() + StdDuration::from_secs(5);
         let mut st = self.shared.lock();
         while !st.peers.is_empty() && std::time::Instant::now() < deadline {
-            st = self
-                .shared
+            self.shared
                 .events_cv
-                .wait_timeout(st, StdDuration::from_millis(50))
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
+                .wait_for(&mut st, StdDuration::from_millis(50));
         }
     }
 }
@@ -650,11 +671,9 @@ fn timer_loop<E: Endpoint>(shared: &Shared<E>) {
         if let Some(at) = next_close {
             wait = wait.min(at.saturating_duration_since(wall));
         }
-        st = shared
+        shared
             .timer_cv
-            .wait_timeout(st, wait.max(StdDuration::from_micros(100)))
-            .unwrap_or_else(|e| e.into_inner())
-            .0;
+            .wait_for(&mut st, wait.max(StdDuration::from_micros(100)));
     }
 }
 
@@ -692,6 +711,52 @@ fn accept_loop<E: Endpoint>(shared: &Arc<Shared<E>>, listener: TcpListener) {
                 thread::sleep(StdDuration::from_millis(2));
             }
             Err(_) => thread::sleep(StdDuration::from_millis(10)),
+        }
+    }
+}
+
+/// Exclusive access to a node's core endpoint, for engine commands the handles do not wrap.
+/// While it lives the node's threads wait; when it is dropped, every output the commands
+/// produced is carried out.
+#[allow(private_bounds)]
+pub struct EndpointGuard<E: Endpoint> {
+    guard: Option<parking_lot::ArcMutexGuard<parking_lot::RawMutex, State<E>>>,
+    shared: Arc<Shared<E>>,
+}
+
+#[allow(private_bounds)]
+impl<E: Endpoint> EndpointGuard<E> {
+    pub(crate) fn new(shared: &Arc<Shared<E>>) -> Self {
+        EndpointGuard {
+            guard: Some(shared.state.lock_arc()),
+            shared: shared.clone(),
+        }
+    }
+
+    /// The node's current time (what the endpoint's inputs take as `now`).
+    pub fn now(&self) -> Instant {
+        self.shared.now()
+    }
+}
+
+impl<E: Endpoint> std::ops::Deref for EndpointGuard<E> {
+    type Target = E;
+    fn deref(&self) -> &E {
+        &self.guard.as_ref().expect("held until drop").endpoint
+    }
+}
+
+impl<E: Endpoint> std::ops::DerefMut for EndpointGuard<E> {
+    fn deref_mut(&mut self) -> &mut E {
+        &mut self.guard.as_mut().expect("held until drop").endpoint
+    }
+}
+
+impl<E: Endpoint> Drop for EndpointGuard<E> {
+    fn drop(&mut self) {
+        if let Some(mut st) = self.guard.take() {
+            let now = self.shared.now();
+            self.shared.drain(&mut st, now);
         }
     }
 }

@@ -4,16 +4,15 @@ use std::io;
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::time::Duration;
 
-use kvpipe_core::session::{ChunkSpec, Counters, SendRequest, UsageError};
+use kvpipe_core::session::{Counters, SendRequest, UsageError};
 use kvpipe_core::wire::AuxData;
 use kvpipe_core::{
-    BlockSource, Event, PeerId, Receiver, ReceiverConfig, ReceiverSliceId, RequestId, Sender,
-    SenderConfig, SenderSliceId,
+    BlockSource, ChunkSpec, Event, Instant, PeerId, Receiver, ReceiverConfig, ReceiverSliceId,
+    RequestId, Sender, SenderConfig, SenderSliceId,
 };
 
-use super::node::Node;
+use super::node::{EndpointGuard, Node};
 use crate::config::TcpConfig;
-use crate::grant::GrantedExtents;
 use crate::memory::RegionTable;
 use crate::stats::TcpStats;
 use kvpipe_core::session::Registration;
@@ -90,7 +89,32 @@ impl TcpSender {
 
     /// The next event, waiting up to `timeout`.
     pub fn next_event(&self, timeout: Duration) -> Option<Event> {
+        self.node.next_event(timeout).map(|(_, e)| e)
+    }
+
+    /// The next event and the node time it was reported at, waiting up to `timeout`.
+    pub fn next_event_at(&self, timeout: Duration) -> Option<(Instant, Event)> {
         self.node.next_event(timeout)
+    }
+
+    /// Every queued event with its time, without waiting.
+    pub fn take_events(&self) -> Vec<(Instant, Event)> {
+        self.node.take_events()
+    }
+
+    /// Exclusive access to the core endpoint; outputs are carried out when the guard drops.
+    pub fn endpoint(&self) -> EndpointGuard<Sender> {
+        EndpointGuard::new(&self.node.shared)
+    }
+
+    /// The node's current time.
+    pub fn now(&self) -> Instant {
+        self.node.shared.now()
+    }
+
+    /// Write batches handed to connections and not written out yet.
+    pub fn writes_in_flight(&self) -> usize {
+        self.node.writes_in_flight()
     }
 
     /// Whether the handshake with `peer` completed.
@@ -149,16 +173,9 @@ impl TcpReceiver {
     /// Registers a request's destination and grants its writers exactly those blocks' bytes
     /// (see [`Receiver::register`]).
     pub fn register(&self, reg: Registration) -> Result<ReceiverSliceId, UsageError> {
-        self.node.shared.with(|st, now| {
-            let request = reg.request;
-            let writers = reg.writers.clone();
-            let extents = GrantedExtents::compute(&st.endpoint.config().local.groups, &reg.groups);
-            let slice = st.endpoint.register(now, reg)?;
-            if let Some(grant) = st.endpoint.grant(request) {
-                st.grants.insert(request, grant, extents, &writers);
-            }
-            Ok(slice)
-        })
+        self.node
+            .shared
+            .with(|st, now| st.endpoint.register(now, reg))
     }
 
     /// Cancels a request.
@@ -171,16 +188,39 @@ impl TcpReceiver {
     /// Retires a request after its `Quiesced` event; its grant is dropped (late writes for it
     /// are still recognised and drained for a while).
     pub fn retire(&self, request: RequestId) -> Result<(), UsageError> {
-        self.node.shared.with(|st, now| {
-            st.endpoint.retire(now, request)?;
-            st.grants.retire(request);
-            Ok(())
-        })
+        self.node
+            .shared
+            .with(|st, now| st.endpoint.retire(now, request))
     }
 
     /// The next event, waiting up to `timeout`.
     pub fn next_event(&self, timeout: Duration) -> Option<Event> {
+        self.node.next_event(timeout).map(|(_, e)| e)
+    }
+
+    /// The next event and the node time it was reported at, waiting up to `timeout`.
+    pub fn next_event_at(&self, timeout: Duration) -> Option<(Instant, Event)> {
         self.node.next_event(timeout)
+    }
+
+    /// Every queued event with its time, without waiting.
+    pub fn take_events(&self) -> Vec<(Instant, Event)> {
+        self.node.take_events()
+    }
+
+    /// Exclusive access to the core endpoint; outputs are carried out when the guard drops.
+    pub fn endpoint(&self) -> EndpointGuard<Receiver> {
+        EndpointGuard::new(&self.node.shared)
+    }
+
+    /// The node's current time.
+    pub fn now(&self) -> Instant {
+        self.node.shared.now()
+    }
+
+    /// Write batches handed to connections and not written out yet.
+    pub fn writes_in_flight(&self) -> usize {
+        self.node.writes_in_flight()
     }
 
     /// Whether the handshake with `peer` completed.
