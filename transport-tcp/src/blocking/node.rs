@@ -600,6 +600,13 @@ impl<E: Endpoint> Node<E> {
         self.shared.lock().events.drain(..).collect()
     }
 
+    /// The peers connected now, in id order.
+    pub(crate) fn peers(&self) -> Vec<PeerId> {
+        let mut p: Vec<PeerId> = self.shared.lock().peers.keys().copied().collect();
+        p.sort_unstable();
+        p
+    }
+
     /// Write batches handed to connections and not written out yet.
     pub(crate) fn writes_in_flight(&self) -> usize {
         self.shared.lock().batches.len()
@@ -736,6 +743,11 @@ impl<E: Endpoint> EndpointGuard<E> {
     /// The node's current time (what the endpoint's inputs take as `now`).
     pub fn now(&self) -> Instant {
         self.shared.now()
+    }
+
+    /// Write batches handed to connections and not written out yet.
+    pub fn writes_in_flight(&self) -> usize {
+        self.guard.as_ref().map_or(0, |st| st.batches.len())
     }
 }
 

@@ -41,7 +41,8 @@ impl TcpSender {
     }
 
     /// Connects to a receiver at `addr`; the handshake runs in the background
-    /// ([`Event::PeerReady`] or [`Event::PeerRejected`] follows).
+    /// ([`Event::PeerReady`] or [`Event::PeerRejected`] follows). A node numbers its peers
+    /// from 0, in the order they connect or are accepted.
     pub fn connect(&self, addr: impl ToSocketAddrs) -> io::Result<PeerId> {
         self.node.connect(addr)
     }
@@ -110,6 +111,11 @@ impl TcpSender {
     /// The node's current time.
     pub fn now(&self) -> Instant {
         self.node.shared.now()
+    }
+
+    /// The peers connected now (handshaking, ready or closing).
+    pub fn peers(&self) -> Vec<PeerId> {
+        self.node.peers()
     }
 
     /// Write batches handed to connections and not written out yet.
@@ -216,6 +222,11 @@ impl TcpReceiver {
     /// The node's current time.
     pub fn now(&self) -> Instant {
         self.node.shared.now()
+    }
+
+    /// The peers connected now (handshaking, ready or closing).
+    pub fn peers(&self) -> Vec<PeerId> {
+        self.node.peers()
     }
 
     /// Write batches handed to connections and not written out yet.
