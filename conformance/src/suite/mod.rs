@@ -15,6 +15,7 @@
 //! Transports run the suite with [`conformance_tests!`](crate::conformance_tests), which makes one
 //! `#[test]` per scenario. [`MemHarness`] runs it over `kvpipe-mem`.
 
+pub mod demo;
 mod engine;
 mod mem;
 mod scenarios;
