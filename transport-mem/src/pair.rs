@@ -88,6 +88,10 @@ pub struct BatchTiming {
     pub bytes: u64,
     /// When the sender asked for it.
     pub issued: Instant,
+    /// When the copy worker began copying it.
+    pub copy_started: Instant,
+    /// When the copy worker finished copying it.
+    pub copy_finished: Instant,
     /// When its outcome was reported to the sender.
     pub reported: Instant,
 }
@@ -160,15 +164,16 @@ pub struct MemPair {
 impl MemPair {
     /// A pair with no memory registered and no connection yet.
     pub fn new(config: PairConfig) -> Self {
+        let clock = Clock::new();
         MemPair {
-            clock: Clock::new(),
+            clock,
             sender: Sender::new(config.sender),
             receiver: Receiver::new(config.receiver),
             sender_regions: RegionTable::new(),
             receiver_regions: RegionTable::new(),
             to_receiver: VecDeque::new(),
             to_sender: VecDeque::new(),
-            worker: CopyWorker::spawn(config.copy_threads, config.parallel_threshold),
+            worker: CopyWorker::spawn(clock, config.copy_threads, config.parallel_threshold),
             in_flight: 0,
             reports: VecDeque::new(),
             issued: HashMap::new(),
@@ -479,6 +484,8 @@ impl MemPair {
                     batch: done.batch,
                     bytes,
                     issued,
+                    copy_started: done.started,
+                    copy_finished: done.finished,
                     reported: self.clock.now(),
                 });
             }

@@ -204,7 +204,7 @@ pub struct DemoSummary {
     pub seconds: f64,
     /// Bytes per second while write batches were in flight, in GB/s.
     pub transfer_gbps: f64,
-    /// Median time to carry one write batch.
+    /// Median time the transport took to move one write batch's bytes.
     pub chunk_transfer_ms: f64,
     /// Median over requests of last-chunk compute → receiver completion.
     pub exposed_tail_ms: f64,
@@ -253,7 +253,7 @@ pub fn summarize(
     let batch_ms: Vec<f64> = report
         .batch_timings
         .iter()
-        .map(|t| ms(t.reported - t.issued))
+        .map(|t| ms(t.transfer))
         .collect();
     // Time some batch was in flight: the union of the batches' intervals.
     let mut spans: Vec<(u64, u64)> = report

@@ -148,6 +148,7 @@ impl Link for MemPair {
             .map(|t| BatchTiming {
                 bytes: t.bytes,
                 issued: t.issued,
+                transfer: t.copy_finished - t.copy_started,
                 reported: t.reported,
             })
             .collect()

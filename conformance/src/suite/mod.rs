@@ -158,6 +158,9 @@ pub struct BatchTiming {
     pub bytes: u64,
     /// When the sender asked for it.
     pub issued: Instant,
+    /// How long the bytes took to move (the transport's own measure; `reported - issued` if
+    /// it has none).
+    pub transfer: kvpipe_core::Duration,
     /// When its outcome reached the sender.
     pub reported: Instant,
 }
