@@ -152,7 +152,7 @@ fn print_table(s: &DemoSummary) {
         ("wall time", format!("{:.2} s", s.seconds)),
         (
             "throughput",
-            format!("{:.2} GB/s while writing", s.transfer_gbps),
+            format!("{:.2} GB/s while copying", s.transfer_gbps),
         ),
         (
             "chunk transfer",

@@ -202,7 +202,7 @@ pub struct DemoSummary {
     pub write_batches: u64,
     /// Wall time from the first chunk to the last completion.
     pub seconds: f64,
-    /// Bytes per second while write batches were in flight, in GB/s.
+    /// Bytes per second while the transport was moving bytes, in GB/s.
     pub transfer_gbps: f64,
     /// Median time the transport took to move one write batch's bytes.
     pub chunk_transfer_ms: f64,
@@ -255,28 +255,12 @@ pub fn summarize(
         .iter()
         .map(|t| ms(t.transfer))
         .collect();
-    // Time some batch was in flight: the union of the batches' intervals.
-    let mut spans: Vec<(u64, u64)> = report
+    // The transport's own copy time (its copy worker runs one batch at a time).
+    let busy: u64 = report
         .batch_timings
         .iter()
-        .map(|t| (t.issued.as_nanos(), t.reported.as_nanos()))
-        .collect();
-    spans.sort_unstable();
-    let mut busy = 0u64;
-    let mut cur: Option<(u64, u64)> = None;
-    for (a, b) in spans {
-        cur = match cur {
-            Some((s, e)) if a <= e => Some((s, e.max(b))),
-            Some((s, e)) => {
-                busy += e - s;
-                Some((a, b))
-            }
-            None => Some((a, b)),
-        };
-    }
-    if let Some((s, e)) = cur {
-        busy += e - s;
-    }
+        .map(|t| t.transfer.as_nanos())
+        .sum();
     let copied: u64 = report.batch_timings.iter().map(|t| t.bytes).sum();
     DemoSummary {
         transport: transport.to_string(),
