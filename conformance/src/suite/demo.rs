@@ -206,6 +206,8 @@ pub struct DemoSummary {
     pub transfer_gbps: f64,
     /// Median time the transport took to move one write batch's bytes.
     pub chunk_transfer_ms: f64,
+    /// Copy time of the write batch issued last (the last chunk's, with nothing else running).
+    pub last_chunk_transfer_ms: f64,
     /// Median over requests of last-chunk compute → receiver completion.
     pub exposed_tail_ms: f64,
     /// Largest exposed tail.
@@ -287,6 +289,11 @@ pub fn summarize(
             copied as f64 / busy as f64
         },
         chunk_transfer_ms: median(batch_ms),
+        last_chunk_transfer_ms: report
+            .batch_timings
+            .iter()
+            .max_by_key(|t| t.issued)
+            .map_or(0.0, |t| ms(t.transfer)),
         exposed_tail_ms: median(tails.clone()),
         max_exposed_tail_ms: tails.iter().copied().fold(0.0, f64::max),
         bytes_verified: report.requests.iter().map(|r| r.bytes_verified).sum(),
