@@ -686,10 +686,6 @@ impl Receiver {
         // A sender sends Cancel only when none of its writes for the request is in flight.
         session.writers[w].stopped = true;
         if session.phase.is_active() {
-            let writer_done = session.writers[w].done;
-            if writer_done && session.writers.iter().all(|w| w.done) && session.aux.is_some() {
-                return;
-            }
             self.stop(now, request, Stop::Cancelled(CancelOrigin::Peer(peer)));
         } else {
             self.check_drained(now, request);
