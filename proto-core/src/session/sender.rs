@@ -256,7 +256,9 @@ enum Stop {
 ///
 /// **Getters**: [`counters`](Self::counters), [`phase`](Self::phase),
 /// [`session_count`](Self::session_count), [`peer_count`](Self::peer_count),
-/// [`is_peer_ready`](Self::is_peer_ready), [`config`](Self::config).
+/// [`is_peer_ready`](Self::is_peer_ready), [`batches_in_flight`](Self::batches_in_flight),
+/// [`pending_registration_count`](Self::pending_registration_count), [`config`](Self::config).
+/// A leak check at the end of a run expects no session, batch or pending registration.
 ///
 /// **Inputs** (each carries `now`): [`handle_input`](Self::handle_input) with a
 /// [`SenderInput`] — peer connected/disconnected, frame received, write batch completed/failed,
@@ -363,6 +365,11 @@ impl Sender {
     /// Write batches handed to the transport and not reported yet.
     pub fn batches_in_flight(&self) -> usize {
         self.batches.len()
+    }
+
+    /// Registrations held for requests the engine has not opened yet.
+    pub fn pending_registration_count(&self) -> usize {
+        self.pending_registrations.len
     }
 
     // ----- outputs -----
