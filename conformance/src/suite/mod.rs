@@ -32,7 +32,7 @@ pub use engine::{
     RequestReport, RunReport, TransferMode, Workload,
 };
 pub use mem::MemHarness;
-pub use scenarios::{scenario, scenarios, Scenario};
+pub use scenarios::{check_clean, scenario, scenarios, Scenario};
 
 /// Faults a scenario asks the transport to inject (transport-neutral; a harness maps it onto
 /// its transport's fault wrapper).
@@ -212,10 +212,19 @@ macro_rules! conformance_tests {
             incremental_allocation, late_registration, cancel_mid_prefill_sender,
             cancel_mid_prefill_receiver, sender_death, receiver_death, registration_timeout,
             write_failure, duplicated_frames, delayed_frames, reordered_frames,
-            version_mismatch, monolithic_transfer
+            chaos, version_mismatch, monolithic_transfer
         );
     };
     (@each $harness:expr; $($name:ident),* $(,)?) => {
+        /// Every scenario of the suite has a test here.
+        #[test]
+        fn conformance_covers_every_scenario() {
+            let tested = [$(stringify!($name)),*];
+            for s in $crate::suite::scenarios() {
+                assert!(tested.contains(&s.name), "scenario {} has no test", s.name);
+            }
+            assert_eq!(tested.len(), $crate::suite::scenarios().len());
+        }
         $(
             #[test]
             fn $name() {

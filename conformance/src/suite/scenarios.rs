@@ -31,35 +31,52 @@ impl Scenario {
             return Ok(None);
         }
         let report = run_workload(harness, &(self.build)())?;
-        if report.leftover_writes != 0 {
-            return Err(SuiteError::Check(format!(
-                "{} write batch(es) still in flight after every request quiesced",
-                report.leftover_writes
-            )));
-        }
-        if report.leftover_sessions != 0 {
-            return Err(SuiteError::Check(format!(
-                "{} session(s) left after retiring every request",
-                report.leftover_sessions
-            )));
-        }
-        if !report.stray_writes.is_empty() {
-            return Err(SuiteError::Check(format!(
-                "bytes outside the granted blocks changed: {:?}",
-                report.stray_writes
-            )));
-        }
-        for r in &report.requests {
-            if r.mismatched_blocks != 0 {
-                return Err(SuiteError::Check(format!(
-                    "{}: {} destination block(s) differ from the sender's",
-                    r.id, r.mismatched_blocks
-                )));
-            }
-        }
+        check_clean(&report)?;
         (self.check)(&report).map_err(SuiteError::Check)?;
         Ok(Some(report))
     }
+}
+
+/// The checks every run must pass whatever its outcome: nothing left in flight, no session
+/// left after retiring, nothing written outside granted blocks, no wrong byte in a completed
+/// request.
+pub fn check_clean(report: &RunReport) -> Result<(), SuiteError> {
+    if report.leftover_writes != 0 {
+        return Err(SuiteError::Check(format!(
+            "{} write batch(es) still in flight after every request quiesced",
+            report.leftover_writes
+        )));
+    }
+    if report.leftover_sessions != 0 {
+        return Err(SuiteError::Check(format!(
+            "{} session(s) left after retiring every request",
+            report.leftover_sessions
+        )));
+    }
+    if !report.stray_writes.is_empty() {
+        return Err(SuiteError::Check(format!(
+            "bytes outside the granted blocks changed: {:?}",
+            report.stray_writes
+        )));
+    }
+    for r in &report.requests {
+        if r.mismatched_blocks != 0 {
+            return Err(SuiteError::Check(format!(
+                "{}: {} destination block(s) differ from the sender's",
+                r.id, r.mismatched_blocks
+            )));
+        }
+        if r.sender.is_completed() != r.receiver.is_completed()
+            && r.receiver.is_completed()
+            && r.sender.is_end()
+        {
+            return Err(SuiteError::Check(format!(
+                "{}: the receiver completed but the sender ended {:?}",
+                r.id, r.sender
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// Every scenario, in a fixed order.
@@ -506,6 +523,43 @@ const SCENARIOS: &[Scenario] = &[
                         "{}: the receiver completed but the sender ended {:?}",
                         q.id, q.sender
                     ));
+                }
+            }
+            Ok(())
+        },
+    },
+    Scenario {
+        name: "chaos",
+        about: "lost, duplicated, reordered and delayed frames and failed writes at once: every \
+                request completes verified or fails cleanly on both sides",
+        needs: &[FaultKind::Frames, FaultKind::Writes],
+        build: || {
+            let mut w = Workload::small(
+                (1..=6)
+                    .map(|i| RequestPlan::new(i, 20 + 7 * i as u32, 3 + i as u32))
+                    .collect(),
+            );
+            w.groups = vec![
+                GroupSpec::full(2, &[1, 1]),
+                GroupSpec::full(1, &[1]).windowed(11, 3),
+            ];
+            w.faults = FaultPlan {
+                seed: 8,
+                drop: 0.03,
+                duplicate: 0.1,
+                reorder: 0.1,
+                delay: 0.2,
+                max_delay_ms: 4,
+                fail_writes: 0.05,
+                fail_batches: Vec::new(),
+            };
+            fast_deadlines(&mut w);
+            w
+        },
+        check: |r| {
+            for q in &r.requests {
+                if !q.sender.is_end() || !q.receiver.is_end() {
+                    return Err(format!("{} did not end on both sides", q.id));
                 }
             }
             Ok(())
