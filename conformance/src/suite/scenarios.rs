@@ -4,8 +4,7 @@ use kvpipe_core::wire::{Role, TransferStatus, VersionRange};
 use kvpipe_core::{Duration, Event, RequestId};
 
 use super::engine::{
-    run_workload, suite_deadlines, Interrupt, Outcome, RequestPlan, RunReport, TransferMode,
-    Workload,
+    run_workload, Interrupt, Outcome, RequestPlan, RunReport, TransferMode, Workload,
 };
 use super::{FaultKind, FaultPlan, Harness, SuiteError};
 use crate::cache::{AllocationStyle, GroupSpec};
@@ -97,18 +96,12 @@ fn all_verified(r: &RunReport) -> Result<(), String> {
                 q.id, q.sender, q.receiver
             ));
         }
-        if q.bytes_verified == 0
-            && q.receiver
-                != (Outcome::Completed {
-                    bytes: 0,
-                    aux: None,
-                })
-        {
-            let Outcome::Completed { bytes, .. } = q.receiver else {
-                unreachable!("checked above")
-            };
-            if bytes > 0 {
-                return Err(format!("{}: no destination byte was compared", q.id));
+        if let Outcome::Completed { bytes, .. } = q.receiver {
+            if bytes > 0 && q.bytes_verified < bytes {
+                return Err(format!(
+                    "{}: {} bytes written but only {} compared",
+                    q.id, bytes, q.bytes_verified
+                ));
             }
         }
     }
@@ -153,7 +146,6 @@ fn fast_deadlines(w: &mut Workload) {
         liveness_timeout: Duration::from_secs(10),
         quiesce: Duration::from_millis(300),
     };
-    let _ = suite_deadlines;
 }
 
 fn interrupted(interrupt: Interrupt) -> Workload {
