@@ -124,7 +124,7 @@ proptest! {
             delay: 0.2,
             max_delay_ms: 3,
             fail_writes: fail,
-            fail_batches: Vec::new(),
+            ..FaultPlan::default()
         };
         fast(&mut w);
         let report = run_workload(&MemHarness::default(), &w).unwrap();

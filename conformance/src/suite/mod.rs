@@ -54,6 +54,10 @@ pub struct FaultPlan {
     pub fail_writes: f64,
     /// Write batches (from 0, in issue order) that fail for sure.
     pub fail_batches: Vec<u64>,
+    /// Write batches (from 0, in issue order) whose completion is reported late.
+    pub stall_batches: Vec<u64>,
+    /// How late, in milliseconds.
+    pub stall_ms: u64,
 }
 
 impl FaultPlan {
@@ -65,6 +69,7 @@ impl FaultPlan {
             || self.delay > 0.0
             || self.fail_writes > 0.0
             || !self.fail_batches.is_empty()
+            || !self.stall_batches.is_empty()
     }
 }
 
@@ -211,7 +216,7 @@ macro_rules! conformance_tests {
             windows_with_sinks, several_layer_groups, concurrent_requests,
             incremental_allocation, late_registration, cancel_mid_prefill_sender,
             cancel_mid_prefill_receiver, sender_death, receiver_death, registration_timeout,
-            write_failure, duplicated_frames, delayed_frames, reordered_frames,
+            write_failure, write_timeout, duplicated_frames, delayed_frames, reordered_frames,
             chaos, version_mismatch, monolithic_transfer
         );
     };

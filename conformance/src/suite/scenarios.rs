@@ -1,5 +1,6 @@
 //! The scenarios: each builds a [`Workload`], runs it and checks what must hold.
 
+use kvpipe_core::session::Wait;
 use kvpipe_core::wire::{Role, TransferStatus, VersionRange};
 use kvpipe_core::{Duration, Event, RequestId};
 
@@ -459,6 +460,35 @@ const SCENARIOS: &[Scenario] = &[
         },
     },
     Scenario {
+        name: "write_timeout",
+        about: "a write batch's completion never comes in time: the sender times out (in doubt), \
+                fences the peer, and both sides quiesce only after the writes stopped",
+        needs: &[FaultKind::Writes],
+        build: || {
+            let mut w = small(48, 8);
+            w.faults = FaultPlan {
+                stall_batches: vec![1],
+                stall_ms: 3_000,
+                ..FaultPlan::default()
+            };
+            fast_deadlines(&mut w);
+            w.deadlines.write_completion = Duration::from_millis(200);
+            w.prefill_per_chunk = std::time::Duration::from_millis(1);
+            w
+        },
+        check: |r| {
+            ended_not_completed(r, RequestId(1))?;
+            let q = &r.requests[0];
+            if q.sender != Outcome::TimedOut(Wait::Writes) {
+                return Err(format!(
+                    "sender ended {:?}, expected TimedOut(Writes)",
+                    q.sender
+                ));
+            }
+            Ok(())
+        },
+    },
+    Scenario {
         name: "duplicated_frames",
         about: "a third of the session frames arrive twice: duplicates are ignored",
         needs: &[FaultKind::Frames],
@@ -543,7 +573,7 @@ const SCENARIOS: &[Scenario] = &[
                 delay: 0.2,
                 max_delay_ms: 4,
                 fail_writes: 0.05,
-                fail_batches: Vec::new(),
+                ..FaultPlan::default()
             };
             fast_deadlines(&mut w);
             w
