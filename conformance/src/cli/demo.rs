@@ -106,6 +106,7 @@ pub(crate) fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
         ProgressStyle::with_template("{spinner} prefill chunks {bar:30} {pos}/{len} {msg}")
             .map_err(|e| e.to_string())?,
     );
+    bar.enable_steady_tick(Duration::from_millis(100));
     bar.set_message(format!(
         "{} × {} tokens of {} over {}",
         config.requests,

@@ -403,6 +403,7 @@ pub fn run_workload_with<H: Harness>(
         })
         .sum();
     let mut submitted = 0u64;
+    progress(0, total_chunks);
 
     // Open every request on the sender and register the up-front ones on the receiver.
     let receiver_peer = link.receiver_peer();
