@@ -182,6 +182,11 @@ fn frames_about_unknown_requests_are_violations_without_side_effects() {
         }
     )));
     assert_eq!(net.receivers[0].session_count(), 0);
+    // The sender is told to stop whatever it does for that request.
+    assert!(net
+        .frames(Side::Receiver(0))
+        .iter()
+        .any(|f| matches!(f, Frame::Cancel(c) if c.request == RequestId(404))));
 }
 
 #[test]

@@ -243,3 +243,39 @@ fn a_chunk_that_completes_no_block_sends_nothing() {
         [(0, 2), (2, 3)]
     );
 }
+
+#[test]
+fn registrations_before_open_are_held_and_bounded() {
+    let mut net = Net::new(1, 1);
+    let mut cfg = sender_config(0);
+    cfg.max_pending_registrations = 1;
+    net.senders[0] = kvpipe_core::Sender::new(cfg);
+    net.connect(0, 0);
+    net.pump();
+    net.register(0, registration(RequestId(1), 8, &[0]));
+    net.register(0, registration(RequestId(2), 8, &[0]));
+    // The second registration found no room: the receiver is told at once.
+    assert!(net.events(Side::Receiver(0)).iter().any(|e| matches!(
+        e,
+        Event::Cancelled {
+            request: RequestId(2),
+            ..
+        }
+    )));
+    // The first is adopted when the engine opens the request.
+    net.open(0, send_request(RequestId(1), &[0]));
+    assert!(net.events(Side::Sender(0)).iter().any(|e| matches!(
+        e,
+        Event::Registered {
+            request: RequestId(1),
+            ..
+        }
+    )));
+    let mut source = TestSource::with(RequestId(1), 100, 2);
+    net.submit(0, RequestId(1), chunk(0, 8, 8, true), &mut source);
+    net.aux(0, RequestId(1));
+    assert_eq!(
+        net.receivers[0].phase(RequestId(1)),
+        Some(kvpipe_core::session::state::RecvPhase::Completed)
+    );
+}

@@ -23,6 +23,11 @@ pub struct FaultConfig {
     pub fail_writes: f64,
     /// Write batches (counted from 0 in issue order) that fail for sure.
     pub fail_batches: Vec<u64>,
+    /// Write batches (counted from 0 in issue order) whose completion is reported only after
+    /// [`FaultConfig::stall`] (a stuck NIC or DMA engine; the bytes land at once).
+    pub stall_batches: Vec<u64>,
+    /// How long a stalled batch's report is held back.
+    pub stall: Duration,
     /// Leave handshake frames alone, so connections still establish.
     pub spare_handshake: bool,
 }
@@ -38,6 +43,8 @@ impl Default for FaultConfig {
             max_delay: Duration::from_millis(5),
             fail_writes: 0.0,
             fail_batches: Vec::new(),
+            stall_batches: Vec::new(),
+            stall: Duration::from_millis(500),
             spare_handshake: true,
         }
     }
@@ -52,6 +59,7 @@ impl FaultConfig {
             || self.delay > 0.0
             || self.fail_writes > 0.0
             || !self.fail_batches.is_empty()
+            || !self.stall_batches.is_empty()
     }
 }
 
@@ -77,6 +85,8 @@ pub struct FaultCounts {
     pub delayed: u64,
     /// Write batches failed.
     pub failed_writes: u64,
+    /// Write batch reports held back.
+    pub stalled_writes: u64,
 }
 
 /// Draws the faults from the seed (xorshift64*).
@@ -140,14 +150,22 @@ impl FaultInjector {
         fate
     }
 
-    /// Whether the next write batch fails.
-    pub(crate) fn batch_fails(&mut self) -> bool {
+    /// What happens to the next write batch: whether it fails, and how long its report is held.
+    pub(crate) fn batch(&mut self) -> (bool, Option<Duration>) {
         let n = self.batches;
         self.batches += 1;
         let fail = self.config.fail_batches.contains(&n) || self.chance(self.config.fail_writes);
         if fail {
             self.counts.failed_writes += 1;
         }
-        fail
+        let stall = self
+            .config
+            .stall_batches
+            .contains(&n)
+            .then_some(self.config.stall);
+        if stall.is_some() {
+            self.counts.stalled_writes += 1;
+        }
+        (fail, stall)
     }
 }

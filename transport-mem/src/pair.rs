@@ -88,6 +88,10 @@ pub struct BatchTiming {
     pub bytes: u64,
     /// When the sender asked for it.
     pub issued: Instant,
+    /// When the copy worker began copying it.
+    pub copy_started: Instant,
+    /// When the copy worker finished copying it.
+    pub copy_finished: Instant,
     /// When its outcome was reported to the sender.
     pub reported: Instant,
 }
@@ -147,6 +151,10 @@ pub struct MemPair {
     worker: CopyWorker,
     in_flight: usize,
     reports: VecDeque<Done>,
+    /// Reports held back by a stall fault, with their release time.
+    held: Vec<(Instant, Done)>,
+    /// Batches whose report is to be held, with how long.
+    stalls: HashMap<WriteBatchId, kvpipe_core::Duration>,
     issued: HashMap<WriteBatchId, (u64, Instant)>,
     timings: Vec<BatchTiming>,
     faults: FaultInjector,
@@ -160,17 +168,20 @@ pub struct MemPair {
 impl MemPair {
     /// A pair with no memory registered and no connection yet.
     pub fn new(config: PairConfig) -> Self {
+        let clock = Clock::new();
         MemPair {
-            clock: Clock::new(),
+            clock,
             sender: Sender::new(config.sender),
             receiver: Receiver::new(config.receiver),
             sender_regions: RegionTable::new(),
             receiver_regions: RegionTable::new(),
             to_receiver: VecDeque::new(),
             to_sender: VecDeque::new(),
-            worker: CopyWorker::spawn(config.copy_threads, config.parallel_threshold),
+            worker: CopyWorker::spawn(clock, config.copy_threads, config.parallel_threshold),
             in_flight: 0,
             reports: VecDeque::new(),
+            held: Vec::new(),
+            stalls: HashMap::new(),
             issued: HashMap::new(),
             timings: Vec::new(),
             faults: FaultInjector::new(config.faults),
@@ -343,13 +354,16 @@ impl MemPair {
         self.to_receiver.clear();
         self.to_sender.clear();
         let deadline = std::time::Instant::now() + DRAIN_LIMIT;
-        while self.in_flight > self.reports.len() {
+        while self.in_flight > self.reports.len() + self.held.len() {
             let left = deadline.saturating_duration_since(std::time::Instant::now());
             match self.worker.done.recv_timeout(left) {
                 Ok(done) => self.reports.push_back(done),
                 Err(_) => return Err(DriveError::WritesStuck(self.in_flight)),
             }
         }
+        // Tearing the connection down ends every stall: the bytes have landed.
+        self.reports.extend(self.held.drain(..).map(|(_, d)| d));
+        self.stalls.clear();
         self.report_writes()?;
         let now = self.now();
         if self.sender_alive {
@@ -380,7 +394,17 @@ impl MemPair {
         for _ in 0..MAX_STEPS {
             let mut progressed = false;
             while let Ok(done) = self.worker.done.try_recv() {
-                self.reports.push_back(done);
+                self.accept_report(done);
+            }
+            let now = self.now();
+            let mut i = 0;
+            while i < self.held.len() {
+                if self.held[i].0 <= now {
+                    let (_, done) = self.held.swap_remove(i);
+                    self.reports.push_back(done);
+                } else {
+                    i += 1;
+                }
             }
             progressed |= self.report_writes()?;
             let now = self.now();
@@ -421,6 +445,9 @@ impl MemPair {
         }
         consider(self.to_receiver.front().map(|f| f.deliver_at));
         consider(self.to_sender.front().map(|f| f.deliver_at));
+        for (at, _) in &self.held {
+            consider(Some(*at));
+        }
         next
     }
 
@@ -434,9 +461,9 @@ impl MemPair {
         if !self.reports.is_empty() || limit.is_zero() {
             return;
         }
-        if self.in_flight > 0 {
+        if self.in_flight > self.held.len() {
             if let Ok(done) = self.worker.done.recv_timeout(limit) {
-                self.reports.push_back(done);
+                self.accept_report(done);
             }
         } else {
             std::thread::sleep(limit);
@@ -467,6 +494,14 @@ impl MemPair {
 
     // ----- internals -----
 
+    /// Takes a report from the copy worker: queued for the sender, or held if the batch stalls.
+    fn accept_report(&mut self, done: Done) {
+        match self.stalls.remove(&done.batch) {
+            Some(d) => self.held.push((self.clock.now() + d, done)),
+            None => self.reports.push_back(done),
+        }
+    }
+
     /// Reports finished write batches to the sender.
     fn report_writes(&mut self) -> Result<bool, DriveError> {
         let mut any = false;
@@ -479,6 +514,8 @@ impl MemPair {
                     batch: done.batch,
                     bytes,
                     issued,
+                    copy_started: done.started,
+                    copy_finished: done.finished,
                     reported: self.clock.now(),
                 });
             }
@@ -672,7 +709,11 @@ impl MemPair {
                 Ok(w) => w,
                 Err(_) => return fail_now(self),
             };
-        let fail = if self.faults.batch_fails() {
+        let (fails, stall) = self.faults.batch();
+        if let Some(d) = stall {
+            self.stalls.insert(batch, d);
+        }
+        let fail = if fails {
             writes.truncate_half();
             Some(TransferStatus::WriteFailed)
         } else {

@@ -6,7 +6,9 @@ use std::thread::JoinHandle;
 
 use kvpipe_core::session::WriteBatchId;
 use kvpipe_core::wire::TransferStatus;
-use kvpipe_core::PeerId;
+use kvpipe_core::{Instant, PeerId};
+
+use crate::clock::Clock;
 
 use crate::copy::ResolvedBatch;
 
@@ -27,6 +29,9 @@ pub(crate) struct Done {
     pub(crate) peer: PeerId,
     pub(crate) bytes: u64,
     pub(crate) status: TransferStatus,
+    /// When the copy began and ended.
+    pub(crate) started: Instant,
+    pub(crate) finished: Instant,
 }
 
 #[derive(Debug)]
@@ -37,19 +42,23 @@ pub(crate) struct CopyWorker {
 }
 
 impl CopyWorker {
-    pub(crate) fn spawn(threads: usize, parallel_threshold: u64) -> Self {
+    pub(crate) fn spawn(clock: Clock, threads: usize, parallel_threshold: u64) -> Self {
         let (jobs_tx, jobs_rx) = mpsc::channel::<Job>();
         let (done_tx, done_rx) = mpsc::channel();
         let thread = std::thread::Builder::new()
             .name("kvpipe-mem-copy".into())
             .spawn(move || {
                 while let Ok(job) = jobs_rx.recv() {
+                    let started = clock.now();
                     job.writes.execute(threads, parallel_threshold);
+                    let finished = clock.now();
                     let done = Done {
                         batch: job.batch,
                         peer: job.peer,
                         bytes: job.writes.bytes(),
                         status: job.fail.unwrap_or(TransferStatus::Success),
+                        started,
+                        finished,
                     };
                     // Release the registrations before reporting, so a region is free to
                     // deregister once its batches are reported.

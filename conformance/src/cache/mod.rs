@@ -25,7 +25,7 @@ use kvpipe_core::{
 };
 use thiserror::Error;
 
-pub use content::{content_byte, filler_byte};
+pub use content::{content_byte, fill_content, fill_filler, filler_byte};
 pub use planner::{ChunkPlanError, ChunkPlanner, GroupChunkPlan};
 
 /// One layer group of a [`CacheSpec`].
@@ -229,7 +229,9 @@ impl ReferenceCache {
                 layer_begin += layers;
                 let bytes = if spec.materialize {
                     let len = slot_bytes * u64::from(spec.slots_per_group);
-                    (0..len).map(|o| filler_byte(region, o)).collect()
+                    let mut bytes = vec![0u8; len as usize];
+                    fill_filler(region, 0, &mut bytes);
+                    bytes
                 } else {
                     Vec::new()
                 };
@@ -750,11 +752,8 @@ fn write_content(
         writes.push((p, at, layer, byte, len));
     });
     for (p, at, layer, byte, len) in writes {
-        let mem = &mut group.memory[p];
-        for k in 0..len {
-            mem[(at + k) as usize] =
-                content_byte(request, GroupIndex(g as u16), ordinal, layer, byte + k);
-        }
+        let row = &mut group.memory[p][at as usize..(at + len) as usize];
+        fill_content(request, GroupIndex(g as u16), ordinal, layer, byte, row);
     }
 }
 
@@ -770,17 +769,17 @@ fn first_difference(
     tpb: u32,
 ) -> Option<(usize, u64)> {
     let mut found = None;
+    let mut expected = Vec::new();
     for_each_row(group, slot, tokens, tpb, |p, at, layer, byte, len| {
         if found.is_some() {
             return;
         }
-        let mem = &group.memory[p];
+        let mem = &group.memory[p][at as usize..(at + len) as usize];
         let slot_base = u64::from(slot.0) * group.layout.pools[p].slot_bytes;
-        for k in 0..len {
-            if mem[(at + k) as usize] != content_byte(request, g, ordinal, layer, byte + k) {
-                found = Some((p, at + k - slot_base));
-                return;
-            }
+        expected.resize(len as usize, 0);
+        fill_content(request, g, ordinal, layer, byte, &mut expected);
+        if let Some(k) = mem.iter().zip(&expected).position(|(a, b)| a != b) {
+            found = Some((p, at + k as u64 - slot_base));
         }
     });
     found

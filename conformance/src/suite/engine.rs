@@ -403,6 +403,7 @@ pub fn run_workload_with<H: Harness>(
         })
         .sum();
     let mut submitted = 0u64;
+    progress(0, total_chunks);
 
     // Open every request on the sender and register the up-front ones on the receiver.
     let receiver_peer = link.receiver_peer();
@@ -423,7 +424,7 @@ pub fn run_workload_with<H: Harness>(
             )
             .map_err(usage(Role::Sender))?;
         if p.register_after_chunks == 0 {
-            register(&mut *link_dyn(&mut link), &mut receiver_cache, st)?;
+            register(&mut link, &mut receiver_cache, st)?;
         }
     }
     link.pump()?;
@@ -480,7 +481,7 @@ pub fn run_workload_with<H: Harness>(
             st.report.last_compute_done = Some(link.now());
         }
         if !st.registered && st.plan.register_after_chunks as usize == k {
-            register(&mut *link_dyn(&mut link), &mut receiver_cache, st)?;
+            register(&mut link, &mut receiver_cache, st)?;
         }
         let spec = match w.mode {
             TransferMode::Pipelined => Some(ChunkSpec {
@@ -560,7 +561,7 @@ pub fn run_workload_with<H: Harness>(
     // Late registrations that never came due (the request had fewer chunks).
     for st in &mut states {
         if !st.registered && link.is_alive(Role::Receiver) {
-            register(&mut *link_dyn(&mut link), &mut receiver_cache, st)?;
+            register(&mut link, &mut receiver_cache, st)?;
         }
     }
 
@@ -705,14 +706,9 @@ pub fn run_workload_with<H: Harness>(
     })
 }
 
-/// Lets the helpers take the link as a trait object.
-fn link_dyn<L: Link>(link: &mut L) -> &mut dyn Link {
-    link
-}
-
 /// Registers `st`'s destination on the receiver cache and endpoint.
 fn register(
-    link: &mut dyn Link,
+    link: &mut impl Link,
     receiver_cache: &mut ReferenceCache,
     st: &mut ReqState,
 ) -> Result<(), SuiteError> {
@@ -809,11 +805,9 @@ pub fn verify_against_sender(
             continue;
         };
         for (ordinal, entry) in rt.iter().enumerate() {
+            // A block the sender no longer holds (evicted) is checked against the expected
+            // content instead (`Workload::verify_content`).
             let (Some(dslot), Some(Some(sslot))) = (entry, st.get(ordinal)) else {
-                if entry.is_some() {
-                    // The sender no longer holds the block (evicted): the receiver's copy is
-                    // checked against the expected content instead (`verify_content`).
-                }
                 continue;
             };
             let mut same = true;

@@ -64,6 +64,8 @@ impl Harness for MemHarness {
             max_delay: Duration::from_millis(faults.max_delay_ms),
             fail_writes: faults.fail_writes,
             fail_batches: faults.fail_batches.clone(),
+            stall_batches: faults.stall_batches.clone(),
+            stall: Duration::from_millis(faults.stall_ms),
             spare_handshake: true,
         };
         let mut pair = MemPair::new(config);
@@ -148,6 +150,7 @@ impl Link for MemPair {
             .map(|t| BatchTiming {
                 bytes: t.bytes,
                 issued: t.issued,
+                transfer: t.copy_finished - t.copy_started,
                 reported: t.reported,
             })
             .collect()

@@ -15,6 +15,7 @@
 //! Transports run the suite with [`conformance_tests!`](crate::conformance_tests), which makes one
 //! `#[test]` per scenario. [`MemHarness`] runs it over `kvpipe-mem`.
 
+pub mod demo;
 mod engine;
 mod mem;
 mod scenarios;
@@ -31,7 +32,7 @@ pub use engine::{
     RequestReport, RunReport, TransferMode, Workload,
 };
 pub use mem::MemHarness;
-pub use scenarios::{scenario, scenarios, Scenario};
+pub use scenarios::{check_clean, scenario, scenarios, Scenario};
 
 /// Faults a scenario asks the transport to inject (transport-neutral; a harness maps it onto
 /// its transport's fault wrapper).
@@ -53,6 +54,10 @@ pub struct FaultPlan {
     pub fail_writes: f64,
     /// Write batches (from 0, in issue order) that fail for sure.
     pub fail_batches: Vec<u64>,
+    /// Write batches (from 0, in issue order) whose completion is reported late.
+    pub stall_batches: Vec<u64>,
+    /// How late, in milliseconds.
+    pub stall_ms: u64,
 }
 
 impl FaultPlan {
@@ -64,6 +69,7 @@ impl FaultPlan {
             || self.delay > 0.0
             || self.fail_writes > 0.0
             || !self.fail_batches.is_empty()
+            || !self.stall_batches.is_empty()
     }
 }
 
@@ -157,6 +163,9 @@ pub struct BatchTiming {
     pub bytes: u64,
     /// When the sender asked for it.
     pub issued: Instant,
+    /// How long the bytes took to move (the transport's own measure; `reported - issued` if
+    /// it has none).
+    pub transfer: kvpipe_core::Duration,
     /// When its outcome reached the sender.
     pub reported: Instant,
 }
@@ -207,11 +216,20 @@ macro_rules! conformance_tests {
             windows_with_sinks, several_layer_groups, concurrent_requests,
             incremental_allocation, late_registration, cancel_mid_prefill_sender,
             cancel_mid_prefill_receiver, sender_death, receiver_death, registration_timeout,
-            write_failure, duplicated_frames, delayed_frames, reordered_frames,
-            version_mismatch, monolithic_transfer
+            write_failure, write_timeout, duplicated_frames, delayed_frames, reordered_frames,
+            chaos, version_mismatch, monolithic_transfer
         );
     };
     (@each $harness:expr; $($name:ident),* $(,)?) => {
+        /// Every scenario of the suite has a test here.
+        #[test]
+        fn conformance_covers_every_scenario() {
+            let tested = [$(stringify!($name)),*];
+            for s in $crate::suite::scenarios() {
+                assert!(tested.contains(&s.name), "scenario {} has no test", s.name);
+            }
+            assert_eq!(tested.len(), $crate::suite::scenarios().len());
+        }
         $(
             #[test]
             fn $name() {

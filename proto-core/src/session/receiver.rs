@@ -496,14 +496,28 @@ impl Receiver {
     }
 
     /// Finds the session and writer a frame from `peer` is about; reports a violation if none.
-    fn locate(&mut self, peer: PeerId, request: RequestId, kind: &'static str) -> Option<usize> {
+    ///
+    /// A result for a request this receiver does not hold (retired, or never registered) is
+    /// answered with a `Cancel`: whatever the sender still does for it has no destination here.
+    fn locate(
+        &mut self,
+        now: Instant,
+        peer: PeerId,
+        request: RequestId,
+        kind: &'static str,
+    ) -> Option<usize> {
+        let stop = Frame::Cancel(Cancel {
+            request,
+            reason: CancelReason::Failure,
+        });
         if self.retired.contains(request) {
-            // A late frame for a retired request: nothing to do.
             self.counters.duplicates += 1;
+            self.send(now, peer, stop);
             return None;
         }
         let Some(session) = self.sessions.get(&request) else {
             self.violation(peer, ProtocolError::UnknownRequest { kind, request });
+            self.send(now, peer, stop);
             return None;
         };
         let Some(w) = session.writers.iter().position(|w| w.peer == peer) else {
@@ -515,7 +529,7 @@ impl Receiver {
 
     fn on_result(&mut self, now: Instant, peer: PeerId, r: KvResult) {
         let request = r.request;
-        let Some(w) = self.locate(peer, request, "KvResult") else {
+        let Some(w) = self.locate(now, peer, request, "KvResult") else {
             return;
         };
         let session = self.sessions.get_mut(&request).expect("located");
@@ -599,7 +613,7 @@ impl Receiver {
 
     fn on_aux(&mut self, now: Instant, peer: PeerId, aux: AuxResult) {
         let request = aux.request;
-        let Some(_) = self.locate(peer, request, "AuxResult") else {
+        let Some(_) = self.locate(now, peer, request, "AuxResult") else {
             return;
         };
         let session = self.sessions.get_mut(&request).expect("located");
@@ -672,10 +686,6 @@ impl Receiver {
         // A sender sends Cancel only when none of its writes for the request is in flight.
         session.writers[w].stopped = true;
         if session.phase.is_active() {
-            let writer_done = session.writers[w].done;
-            if writer_done && session.writers.iter().all(|w| w.done) && session.aux.is_some() {
-                return;
-            }
             self.stop(now, request, Stop::Cancelled(CancelOrigin::Peer(peer)));
         } else {
             self.check_drained(now, request);

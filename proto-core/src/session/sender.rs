@@ -184,6 +184,52 @@ struct SendSession {
     bytes_written: u64,
 }
 
+/// Registrations that arrived before the engine opened their request, by request.
+#[derive(Clone, Debug, Default)]
+struct PendingRegistrations {
+    by_request: BTreeMap<RequestId, SmallVec<[(PeerId, RecvRegistration); 1]>>,
+    len: usize,
+}
+
+impl PendingRegistrations {
+    fn push(&mut self, peer: PeerId, reg: RecvRegistration) {
+        self.by_request
+            .entry(reg.request)
+            .or_default()
+            .push((peer, reg));
+        self.len += 1;
+    }
+
+    /// Removes and returns the request's registrations, in arrival order.
+    fn take(&mut self, request: RequestId) -> SmallVec<[(PeerId, RecvRegistration); 1]> {
+        let taken = self.by_request.remove(&request).unwrap_or_default();
+        self.len -= taken.len();
+        taken
+    }
+
+    fn remove(&mut self, request: RequestId, peer: PeerId) {
+        if let Some(list) = self.by_request.get_mut(&request) {
+            let before = list.len();
+            list.retain(|(p, _)| *p != peer);
+            self.len -= before - list.len();
+            if list.is_empty() {
+                self.by_request.remove(&request);
+            }
+        }
+    }
+
+    fn remove_peer(&mut self, peer: PeerId) {
+        let mut removed = 0;
+        self.by_request.retain(|_, list| {
+            let before = list.len();
+            list.retain(|(p, _)| *p != peer);
+            removed += before - list.len();
+            !list.is_empty()
+        });
+        self.len -= removed;
+    }
+}
+
 #[derive(Clone, Copy, Debug)]
 struct BatchRef {
     request: RequestId,
@@ -210,7 +256,9 @@ enum Stop {
 ///
 /// **Getters**: [`counters`](Self::counters), [`phase`](Self::phase),
 /// [`session_count`](Self::session_count), [`peer_count`](Self::peer_count),
-/// [`is_peer_ready`](Self::is_peer_ready), [`config`](Self::config).
+/// [`is_peer_ready`](Self::is_peer_ready), [`batches_in_flight`](Self::batches_in_flight),
+/// [`pending_registration_count`](Self::pending_registration_count), [`config`](Self::config).
+/// A leak check at the end of a run expects no session, batch or pending registration.
 ///
 /// **Inputs** (each carries `now`): [`handle_input`](Self::handle_input) with a
 /// [`SenderInput`] — peer connected/disconnected, frame received, write batch completed/failed,
@@ -244,7 +292,7 @@ pub struct Sender {
     config: SenderConfig,
     peers: PeerTable,
     sessions: BTreeMap<RequestId, SendSession>,
-    pending_registrations: VecDeque<(PeerId, RecvRegistration)>,
+    pending_registrations: PendingRegistrations,
     remembered_cancels: Remembered<CancelOrigin>,
     retired: Remembered<()>,
     batches: BTreeMap<WriteBatchId, BatchRef>,
@@ -262,7 +310,7 @@ impl Sender {
         Sender {
             peers: PeerTable::new(hello, config.deadlines),
             sessions: BTreeMap::new(),
-            pending_registrations: VecDeque::new(),
+            pending_registrations: PendingRegistrations::default(),
             remembered_cancels: Remembered::new(config.max_remembered_cancels),
             retired: Remembered::new(config.max_retired),
             batches: BTreeMap::new(),
@@ -319,6 +367,11 @@ impl Sender {
         self.batches.len()
     }
 
+    /// Registrations held for requests the engine has not opened yet.
+    pub fn pending_registration_count(&self) -> usize {
+        self.pending_registrations.len
+    }
+
     // ----- outputs -----
 
     /// The next output, or `None` when there is nothing to do until the next input.
@@ -373,20 +426,12 @@ impl Sender {
         self.timers
             .arm(registration_deadline, TimerKey::Request(request));
         if let Some(origin) = self.remembered_cancels.take(request) {
-            self.pending_registrations
-                .retain(|(_, r)| r.request != request);
+            self.pending_registrations.take(request);
             self.stop(now, request, Stop::Cancelled(origin));
             return Ok(());
         }
-        let mut i = 0;
-        while i < self.pending_registrations.len() {
-            if self.pending_registrations[i].1.request == request {
-                if let Some((peer, reg)) = self.pending_registrations.remove(i) {
-                    self.on_registration(now, peer, reg);
-                }
-            } else {
-                i += 1;
-            }
+        for (peer, reg) in self.pending_registrations.take(request) {
+            self.on_registration(now, peer, reg);
         }
         Ok(())
     }
@@ -538,15 +583,8 @@ impl Sender {
                     None => {
                         self.remembered_cancels.insert(request, CancelOrigin::Local);
                         // Receivers that already registered learn at once.
-                        let waiting: Vec<PeerId> = self
-                            .pending_registrations
-                            .iter()
-                            .filter(|(_, r)| r.request == request)
-                            .map(|(p, _)| *p)
-                            .collect();
-                        self.pending_registrations
-                            .retain(|(_, r)| r.request != request);
-                        for peer in waiting {
+                        let waiting = self.pending_registrations.take(request);
+                        for (peer, _) in waiting {
                             let frame = Frame::Cancel(Cancel {
                                 request,
                                 reason: CancelReason::Engine,
@@ -648,8 +686,8 @@ impl Sender {
                     reason: CancelReason::Engine,
                 });
                 self.send(now, peer, frame);
-            } else if self.pending_registrations.len() < self.config.max_pending_registrations {
-                self.pending_registrations.push_back((peer, reg));
+            } else if self.pending_registrations.len < self.config.max_pending_registrations {
+                self.pending_registrations.push(peer, reg);
             } else {
                 self.send(now, peer, refuse);
             }
@@ -1017,8 +1055,7 @@ impl Sender {
             // Not opened yet: nothing is in flight. Confirm, and cancel it when it opens.
             self.remembered_cancels
                 .insert(request, CancelOrigin::Peer(peer));
-            self.pending_registrations
-                .retain(|(p, r)| !(r.request == request && *p == peer));
+            self.pending_registrations.remove(request, peer);
             self.send(now, peer, confirm);
             return;
         };
@@ -1041,7 +1078,7 @@ impl Sender {
 
     fn on_disconnected(&mut self, now: Instant, peer: PeerId) -> Result<(), UsageError> {
         self.peers.disconnected(peer)?;
-        self.pending_registrations.retain(|(p, _)| *p != peer);
+        self.pending_registrations.remove_peer(peer);
         // Batches towards the peer can no longer touch memory.
         let dropped: Vec<WriteBatchId> = self
             .batches

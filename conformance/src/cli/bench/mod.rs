@@ -5,7 +5,9 @@ use std::process::ExitCode;
 
 use super::CliError;
 
+mod pipeline;
 mod plan;
+mod transfer;
 
 /// Arguments of `kvpipe bench`.
 #[derive(Debug, clap::Args)]
@@ -20,10 +22,18 @@ enum Bench {
     /// Per-chunk planning cost (bounded query + pairing + coalescing), first vs last chunk of
     /// a long prompt, against the whole-list baseline, and allocations per chunk.
     Plan(plan::PlanBenchArgs),
+    /// Bytes per second of a 4 GiB llama3-8b request over a transport, against memcpy of the
+    /// same extents.
+    Transfer(transfer::TransferBenchArgs),
+    /// Exposed tail of a pipelined transfer (last chunk computed → decode side complete)
+    /// against sending everything after prefill.
+    Pipeline(pipeline::PipelineBenchArgs),
 }
 
 pub(crate) fn run(args: BenchArgs) -> Result<ExitCode, CliError> {
     match args.bench {
         Bench::Plan(a) => plan::run(a),
+        Bench::Transfer(a) => transfer::run(a),
+        Bench::Pipeline(a) => pipeline::run(a),
     }
 }

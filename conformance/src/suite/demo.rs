@@ -1,0 +1,331 @@
+//! The demo: a realistic pipelined prefill→decode transfer of one model's KV cache, shared by
+//! `kvpipe demo` and the tests that keep it honest.
+//!
+//! Models (per rank, as the cache sees them; all bf16, K and V planes):
+//!
+//! | model | layer groups | KV heads | head dim | KV bytes per token |
+//! |---|---|---|---|---|
+//! | `llama3-8b` | 32 full-attention layers | 8 | 128 | 128 KiB |
+//! | `llama3-70b-tp8` | 80 full-attention layers (one of 8 TP ranks) | 1 | 128 | 40 KiB |
+//! | `gemma3-swa` | 8 global layers + 40 local layers with a 1024-token window (Gemma 3 12B's 5:1 interleave) | 8 | 256 | 384 KiB (local layers keep only the window) |
+
+use std::time::Duration as StdDuration;
+
+use kvpipe_core::Duration;
+use serde::Serialize;
+
+use super::engine::{
+    run_workload_with, suite_deadlines, RequestPlan, RunReport, TransferMode, Workload,
+};
+use super::{FaultPlan, Harness, SuiteError};
+use crate::cache::{AllocationStyle, GroupSpec};
+
+/// A model preset.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Model {
+    /// Llama 3 8B: 32 layers, 8 KV heads, head dim 128, bf16.
+    Llama3_8b,
+    /// Llama 3 70B on one of 8 tensor-parallel ranks: 80 layers, 1 KV head, head dim 128.
+    Llama3_70bTp8,
+    /// Gemma-3-style interleaved sliding-window model: 8 global + 40 local layers (window
+    /// 1024), 8 KV heads, head dim 256.
+    Gemma3Swa,
+}
+
+impl Model {
+    /// Every preset with its command-line name.
+    pub const ALL: [(&'static str, Model); 3] = [
+        ("llama3-8b", Model::Llama3_8b),
+        ("llama3-70b-tp8", Model::Llama3_70bTp8),
+        ("gemma3-swa", Model::Gemma3Swa),
+    ];
+
+    /// The command-line name.
+    pub fn name(self) -> &'static str {
+        Model::ALL
+            .iter()
+            .find(|(_, m)| *m == self)
+            .map_or("?", |(n, _)| n)
+    }
+
+    /// The layer groups; `window` overrides the local layers' window (or, on a model without
+    /// local layers, makes every layer windowed).
+    pub fn groups(self, window: Option<u32>) -> Vec<GroupSpec> {
+        let group = |layers: u16, heads: u16, dim: u16, window: Option<u32>| GroupSpec {
+            layers,
+            kv_factor: 2,
+            kv_heads: heads,
+            head_dim: dim,
+            elem_bytes: 2,
+            window,
+            sink_tokens: 0,
+            pool_split: vec![layers],
+            slot_padding: 0,
+        };
+        match self {
+            Model::Llama3_8b => vec![group(32, 8, 128, window)],
+            Model::Llama3_70bTp8 => vec![group(80, 1, 128, window)],
+            Model::Gemma3Swa => vec![
+                group(8, 8, 256, None),
+                group(40, 8, 256, Some(window.unwrap_or(1024))),
+            ],
+        }
+    }
+}
+
+/// What the demo runs.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DemoConfig {
+    /// The model.
+    pub model: Model,
+    /// Prompt length of every request.
+    pub prompt_tokens: u32,
+    /// Prefill chunk length.
+    pub chunk_tokens: u32,
+    /// Tokens per KV block.
+    pub tokens_per_block: u32,
+    /// Sliding window override.
+    pub window: Option<u32>,
+    /// Tokens the sender has cached already.
+    pub sender_prefix: u32,
+    /// Tokens the receiver has cached already.
+    pub receiver_prefix: u32,
+    /// Concurrent requests.
+    pub requests: u32,
+    /// Simulated compute time of one prefill chunk.
+    pub prefill_per_chunk: StdDuration,
+    /// Pipelined (the point) or monolithic (the baseline).
+    pub mode: TransferMode,
+    /// Flip one destination byte before verification (shows that verification catches it).
+    pub corrupt_one_byte: bool,
+}
+
+impl Default for DemoConfig {
+    fn default() -> Self {
+        DemoConfig {
+            model: Model::Llama3_8b,
+            prompt_tokens: 4096,
+            chunk_tokens: 512,
+            tokens_per_block: 32,
+            window: None,
+            sender_prefix: 0,
+            receiver_prefix: 0,
+            requests: 2,
+            prefill_per_chunk: StdDuration::from_millis(20),
+            mode: TransferMode::Pipelined,
+            corrupt_one_byte: false,
+        }
+    }
+}
+
+/// Receiver memory below which the demo also checks content and untouched blocks.
+const THOROUGH_BYTES: u64 = 96 << 20;
+
+impl DemoConfig {
+    /// The workload it runs.
+    pub fn workload(&self) -> Workload {
+        let groups = self.model.groups(self.window);
+        let requests = (0..self.requests)
+            .map(|i| RequestPlan {
+                sender_prefix: self.sender_prefix,
+                receiver_prefix: self.receiver_prefix,
+                ..RequestPlan::new(u64::from(i) + 1, self.prompt_tokens, self.chunk_tokens)
+            })
+            .collect();
+        let thorough = self.kv_bytes() <= THOROUGH_BYTES;
+        let mut deadlines = suite_deadlines();
+        deadlines.result_wait = Duration::from_secs(600);
+        deadlines.registration = Duration::from_secs(600);
+        deadlines.write_completion = Duration::from_secs(60);
+        Workload {
+            tokens_per_block: self.tokens_per_block,
+            groups,
+            receiver_pool_split: None,
+            spare_slots: 1,
+            slot_order_seed: None,
+            allocation: AllocationStyle::FullPrompt,
+            requests,
+            prefill_per_chunk: self.prefill_per_chunk,
+            mode: self.mode,
+            deadlines,
+            faults: FaultPlan::default(),
+            receiver_versions: None,
+            verify_content: thorough,
+            check_untouched: thorough,
+            corrupt_one_byte: self.corrupt_one_byte,
+            time_limit: StdDuration::from_secs(600),
+        }
+    }
+
+    /// KV bytes of all requests' prompts (one side).
+    pub fn kv_bytes(&self) -> u64 {
+        let blocks = u64::from(self.prompt_tokens.div_ceil(self.tokens_per_block.max(1)));
+        let per_block: u64 = self
+            .model
+            .groups(self.window)
+            .iter()
+            .map(|g| {
+                u64::from(g.layers)
+                    * u64::from(g.kv_factor)
+                    * u64::from(g.kv_heads)
+                    * u64::from(g.head_dim)
+                    * u64::from(g.elem_bytes)
+                    * u64::from(self.tokens_per_block)
+            })
+            .sum();
+        blocks * per_block * u64::from(self.requests)
+    }
+}
+
+/// The demo's figures.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct DemoSummary {
+    /// Transport name.
+    pub transport: String,
+    /// Model name.
+    pub model: String,
+    /// Pipelined or monolithic.
+    pub mode: String,
+    /// Requests.
+    pub requests: u32,
+    /// Requests that completed on both sides.
+    pub completed: u32,
+    /// Prompt tokens per request.
+    pub prompt_tokens: u32,
+    /// Chunk length.
+    pub chunk_tokens: u32,
+    /// KV bytes written into the receiver.
+    pub bytes: u64,
+    /// Chunks submitted.
+    pub chunks: u64,
+    /// Write batches.
+    pub write_batches: u64,
+    /// Wall time from the first chunk to the last completion.
+    pub seconds: f64,
+    /// Bytes per second while the transport was moving bytes, in GB/s.
+    pub transfer_gbps: f64,
+    /// Median time the transport took to move one write batch's bytes.
+    pub chunk_transfer_ms: f64,
+    /// Copy time of the write batch issued last (the last chunk's, with nothing else running).
+    pub last_chunk_transfer_ms: f64,
+    /// Median over requests of last-chunk compute → receiver completion.
+    pub exposed_tail_ms: f64,
+    /// Largest exposed tail.
+    pub max_exposed_tail_ms: f64,
+    /// Destination bytes compared against the sender's.
+    pub bytes_verified: u64,
+    /// Destination blocks that differ.
+    pub mismatched_blocks: u64,
+    /// Whether the expected content and untouched blocks were checked too.
+    pub thorough_checks: bool,
+    /// Every request completed and every byte matched.
+    pub verified: bool,
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_nanos() as f64 / 1e6
+}
+
+/// The median of `v` (0 for none).
+pub fn median(mut v: Vec<f64>) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+/// Summarises a run.
+pub fn summarize(
+    transport: &str,
+    config: &DemoConfig,
+    report: &RunReport,
+    thorough: bool,
+) -> DemoSummary {
+    let tails: Vec<f64> = report
+        .requests
+        .iter()
+        .filter_map(|r| r.exposed_tail().map(ms))
+        .collect();
+    let batch_ms: Vec<f64> = report
+        .batch_timings
+        .iter()
+        .map(|t| ms(t.transfer))
+        .collect();
+    // The transport's own copy time (its copy worker runs one batch at a time).
+    let busy: u64 = report
+        .batch_timings
+        .iter()
+        .map(|t| t.transfer.as_nanos())
+        .sum();
+    let copied: u64 = report.batch_timings.iter().map(|t| t.bytes).sum();
+    DemoSummary {
+        transport: transport.to_string(),
+        model: config.model.name().to_string(),
+        mode: match config.mode {
+            TransferMode::Pipelined => "pipelined".into(),
+            TransferMode::Monolithic => "monolithic".into(),
+        },
+        requests: config.requests,
+        completed: report
+            .requests
+            .iter()
+            .filter(|r| r.sender.is_completed() && r.receiver.is_completed())
+            .count() as u32,
+        prompt_tokens: config.prompt_tokens,
+        chunk_tokens: config.chunk_tokens,
+        bytes: report.bytes,
+        chunks: report.chunks,
+        write_batches: report.batch_timings.len() as u64,
+        seconds: ms(report.finished - report.started) / 1e3,
+        transfer_gbps: if busy == 0 {
+            0.0
+        } else {
+            copied as f64 / busy as f64
+        },
+        chunk_transfer_ms: median(batch_ms),
+        last_chunk_transfer_ms: report
+            .batch_timings
+            .iter()
+            .max_by_key(|t| t.issued)
+            .map_or(0.0, |t| ms(t.transfer)),
+        exposed_tail_ms: median(tails.clone()),
+        max_exposed_tail_ms: tails.iter().copied().fold(0.0, f64::max),
+        bytes_verified: report.requests.iter().map(|r| r.bytes_verified).sum(),
+        mismatched_blocks: report
+            .requests
+            .iter()
+            .map(|r| r.mismatched_blocks as u64)
+            .sum(),
+        thorough_checks: thorough,
+        verified: report.verified(),
+    }
+}
+
+/// Runs the demo over `harness`, calling `progress(done, total)` after every chunk.
+pub fn run_demo<H: Harness>(
+    harness: &H,
+    config: &DemoConfig,
+    progress: impl FnMut(u64, u64),
+) -> Result<(DemoSummary, RunReport), SuiteError> {
+    if config.chunk_tokens == 0 || config.tokens_per_block == 0 || config.prompt_tokens == 0 {
+        return Err(SuiteError::Check(
+            "prompt, chunk and block sizes must be positive".into(),
+        ));
+    }
+    if config.sender_prefix > config.prompt_tokens || config.receiver_prefix > config.prompt_tokens
+    {
+        return Err(SuiteError::Check(
+            "a prefix is longer than the prompt".into(),
+        ));
+    }
+    let workload = config.workload();
+    let report = run_workload_with(harness, &workload, progress)?;
+    let summary = summarize(harness.name(), config, &report, workload.verify_content);
+    Ok((summary, report))
+}

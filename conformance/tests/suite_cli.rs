@@ -1,0 +1,209 @@
+//! Keeps `kvpipe demo` and the transfer benches honest: they run end to end at small sizes,
+//! verify every byte, and fail when a byte differs.
+
+use std::process::Command;
+use std::time::Duration;
+
+use kvpipe_conformance::suite::demo::{run_demo, DemoConfig, Model};
+use kvpipe_conformance::suite::{MemHarness, TransferMode};
+
+fn small(model: Model) -> DemoConfig {
+    DemoConfig {
+        model,
+        prompt_tokens: 112,
+        chunk_tokens: 40,
+        tokens_per_block: 16,
+        window: None,
+        sender_prefix: 0,
+        receiver_prefix: 0,
+        requests: 2,
+        prefill_per_chunk: Duration::ZERO,
+        mode: TransferMode::Pipelined,
+        corrupt_one_byte: false,
+    }
+}
+
+#[test]
+fn demo_logic_verifies_every_model() {
+    for (name, model) in Model::ALL {
+        let mut config = small(model);
+        if model == Model::Gemma3Swa {
+            // A window shorter than the prompt, so local layers send only their window.
+            config.window = Some(50);
+        }
+        let (summary, report) = run_demo(&MemHarness::default(), &config, |_, _| {}).unwrap();
+        assert!(summary.verified, "{name}: {summary:?}");
+        assert_eq!(summary.completed, 2, "{name}");
+        assert!(
+            summary.bytes > 0 && summary.bytes_verified >= summary.bytes,
+            "{name}"
+        );
+        assert_eq!(
+            summary.thorough_checks,
+            config.kv_bytes() <= 96 << 20,
+            "{name}: small runs check content and untouched blocks too"
+        );
+        assert!(report.stray_writes.is_empty(), "{name}");
+    }
+}
+
+#[test]
+fn demo_logic_with_prefixes_and_monolithic_mode_verifies() {
+    let mut config = small(Model::Llama3_70bTp8);
+    config.sender_prefix = 40;
+    config.receiver_prefix = 70;
+    config.prompt_tokens = 300;
+    config.mode = TransferMode::Monolithic;
+    let (summary, _) = run_demo(&MemHarness::default(), &config, |_, _| {}).unwrap();
+    assert!(summary.verified, "{summary:?}");
+    assert_eq!(summary.chunks, 2, "one slice per request");
+}
+
+#[test]
+fn demo_logic_catches_one_corrupted_byte() {
+    let mut config = small(Model::Llama3_8b);
+    config.corrupt_one_byte = true;
+    let (summary, _) = run_demo(&MemHarness::default(), &config, |_, _| {}).unwrap();
+    assert!(!summary.verified);
+    assert!(summary.mismatched_blocks >= 1);
+}
+
+fn kvpipe(args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvpipe"))
+        .args(args)
+        .output()
+        .expect("running kvpipe");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn json(s: &str) -> serde_json::Value {
+    serde_json::from_str(s.trim()).unwrap_or_else(|e| panic!("not JSON ({e}): {s}"))
+}
+
+const SMALL_DEMO: &[&str] = &[
+    "demo",
+    "--prompt-tokens",
+    "200",
+    "--chunk-tokens",
+    "48",
+    "--tokens-per-block",
+    "16",
+    "--requests",
+    "2",
+    "--prefill-ms-per-chunk",
+    "1",
+    "--json",
+];
+
+#[test]
+fn demo_command_prints_verified_json_and_exits_zero() {
+    let (ok, out, err) = kvpipe(SMALL_DEMO);
+    assert!(ok, "{err}");
+    let v = json(&out);
+    assert_eq!(v["verified"], true);
+    assert_eq!(v["requests"], 2);
+    assert_eq!(v["transport"], "mem");
+    assert!(v["bytes"].as_u64().unwrap() > 0);
+    assert!(err.is_empty(), "nothing on stderr with --json: {err}");
+}
+
+#[test]
+fn demo_command_exits_non_zero_when_a_byte_differs() {
+    let mut args = SMALL_DEMO.to_vec();
+    args.push("--corrupt-one-byte");
+    let (ok, out, _) = kvpipe(&args);
+    assert!(!ok);
+    assert_eq!(json(&out)["verified"], false);
+}
+
+#[test]
+fn demo_command_prints_a_table() {
+    let args: Vec<&str> = SMALL_DEMO
+        .iter()
+        .copied()
+        .filter(|a| *a != "--json")
+        .collect();
+    let (ok, out, _) = kvpipe(&args);
+    assert!(ok);
+    for row in [
+        "requests",
+        "bytes",
+        "chunks",
+        "throughput",
+        "exposed tail",
+        "verification",
+    ] {
+        assert!(out.contains(row), "missing {row}: {out}");
+    }
+    assert!(out.contains("OK"));
+}
+
+#[test]
+fn other_transports_give_a_clear_error() {
+    let (ok, _, err) = kvpipe(&["demo", "--transport", "tcp"]);
+    assert!(!ok);
+    assert!(err.contains("--transport mem"), "{err}");
+    let (ok, _, err) = kvpipe(&["demo", "--model", "gpt5"]);
+    assert!(!ok);
+    assert!(err.contains("llama3-8b"), "{err}");
+}
+
+#[test]
+fn bench_transfer_reports_a_verified_ratio() {
+    let (ok, out, err) = kvpipe(&[
+        "bench",
+        "transfer",
+        "--transport",
+        "mem",
+        "--json",
+        "--tokens",
+        "512",
+        "--chunk-tokens",
+        "128",
+        "--runs",
+        "1",
+    ]);
+    assert!(ok, "{err}");
+    let v = json(&out);
+    assert_eq!(v["verified"], true);
+    assert_eq!(v["baseline"], "memcpy");
+    assert_eq!(v["bytes"], 512 * 128 * 1024);
+    for key in ["seconds", "gbps", "baseline_gbps", "ratio"] {
+        assert!(v[key].as_f64().unwrap() > 0.0, "{key}");
+    }
+}
+
+#[test]
+fn bench_pipeline_reports_both_tails() {
+    let (ok, out, err) = kvpipe(&[
+        "bench",
+        "pipeline",
+        "--transport",
+        "mem",
+        "--json",
+        "--prompt-tokens",
+        "256",
+        "--chunk-tokens",
+        "64",
+        "--prefill-ms-per-chunk",
+        "2",
+        "--runs",
+        "1",
+    ]);
+    assert!(ok, "{err}");
+    let v = json(&out);
+    assert_eq!(v["verified"], true);
+    assert_eq!(v["chunks"], 4);
+    for key in [
+        "chunk_transfer_ms",
+        "exposed_tail_ms",
+        "monolithic_tail_ms",
+        "tail_ratio",
+    ] {
+        assert!(v[key].as_f64().unwrap() > 0.0, "{key}");
+    }
+}
