@@ -30,10 +30,12 @@ use serde::Serialize;
 
 use crate::cli::CliError;
 
+mod tcp;
+
 /// Arguments of `kvpipe bench transfer`.
 #[derive(Debug, clap::Args)]
 pub(crate) struct TransferBenchArgs {
-    /// Transport to measure (mem).
+    /// Transport to measure (mem or tcp).
     #[arg(long, default_value = "mem")]
     transport: String,
     /// Print one JSON object instead of a table.
@@ -55,6 +57,9 @@ pub(crate) struct TransferBenchArgs {
     /// min(cores, 4)).
     #[arg(long)]
     threads: Option<usize>,
+    /// Connections per peer (tcp; the tcp-raw baseline uses as many plain sockets).
+    #[arg(long, default_value_t = 4)]
+    connections: usize,
 }
 
 /// The figures `kvpipe bench transfer` prints.
@@ -157,6 +162,9 @@ fn chunks(tokens: u32, chunk: u32) -> Vec<ChunkSpec> {
 }
 
 pub(crate) fn run(args: TransferBenchArgs) -> Result<ExitCode, CliError> {
+    if args.transport == "tcp" {
+        return tcp::run(args);
+    }
     if args.transport != "mem" {
         return Err(format!(
             "transport {:?} has no transfer bench yet; use --transport mem",
