@@ -19,6 +19,7 @@ pub mod demo;
 mod engine;
 mod mem;
 mod scenarios;
+mod tcp;
 
 use kvpipe_core::session::{ReceiverConfig, SenderConfig};
 use kvpipe_core::wire::Role;
@@ -33,6 +34,7 @@ pub use engine::{
 };
 pub use mem::MemHarness;
 pub use scenarios::{check_clean, scenario, scenarios, Scenario};
+pub use tcp::{TcpHarness, TcpLink};
 
 /// Faults a scenario asks the transport to inject (transport-neutral; a harness maps it onto
 /// its transport's fault wrapper).

@@ -82,6 +82,10 @@ pub(crate) struct State<E> {
     pub(crate) events: VecDeque<(Instant, Event)>,
     /// Write batches in flight: the peer and the connection parts still being written.
     batches: HashMap<WriteBatchId, (PeerId, u32)>,
+    /// Issue time and bytes of the batches in flight.
+    issued: HashMap<WriteBatchId, (u64, Instant)>,
+    /// (bytes, issued, reported) of the most recent completed batches.
+    pub(crate) timings: VecDeque<(u64, Instant, Instant)>,
     pub(crate) grants: GrantTable,
     shutdown: bool,
 }
@@ -187,6 +191,7 @@ impl<E: Endpoint> Shared<E> {
                                     reports.push((batch, TransferStatus::Success));
                                 } else if queued > 0 {
                                     st.batches.insert(batch, (peer, queued));
+                                    st.issued.insert(batch, (plan.total_bytes(), now));
                                 }
                             }
                         }
@@ -355,6 +360,12 @@ impl<E: Endpoint> Shared<E> {
         };
         if done {
             st.batches.remove(&batch);
+            if let Some((bytes, issued)) = st.issued.remove(&batch) {
+                if st.timings.len() >= MAX_TIMINGS {
+                    st.timings.pop_front();
+                }
+                st.timings.push_back((bytes, issued, now));
+            }
             st.endpoint.writes_done(now, batch, TransferStatus::Success);
             self.drain(&mut st, now);
         }
@@ -380,6 +391,10 @@ impl<E: Endpoint> Shared<E> {
         let link = st.peers.remove(&peer).expect("present");
         st.tokens.remove(&link.token);
         st.batches.retain(|_, (p, _)| *p != peer);
+        let State {
+            batches, issued, ..
+        } = &mut *st;
+        issued.retain(|b, _| batches.contains_key(b));
         for g in st.grants.entries.values_mut() {
             if let Some(a) = g.writers.iter_mut().find(|a| a.peer == peer) {
                 a.held.clear();
@@ -484,6 +499,9 @@ impl<E: Endpoint> Shared<E> {
     }
 }
 
+/// Completed batch timings kept (the most recent ones).
+const MAX_TIMINGS: usize = 1 << 16;
+
 /// The engine-facing node: owns the shared state and the helper threads.
 pub(crate) struct Node<E: Endpoint> {
     pub(crate) shared: Arc<Shared<E>>,
@@ -500,6 +518,8 @@ impl<E: Endpoint> Node<E> {
                 next_peer: 0,
                 events: VecDeque::new(),
                 batches: HashMap::new(),
+                issued: HashMap::new(),
+                timings: VecDeque::new(),
                 grants: GrantTable::default(),
                 shutdown: false,
             })),
@@ -748,6 +768,13 @@ impl<E: Endpoint> EndpointGuard<E> {
     /// Write batches handed to connections and not written out yet.
     pub fn writes_in_flight(&self) -> usize {
         self.guard.as_ref().map_or(0, |st| st.batches.len())
+    }
+
+    /// `(bytes, issued, written out)` of recent write batches, in completion order.
+    pub fn batch_timings(&self) -> Vec<(u64, Instant, Instant)> {
+        self.guard
+            .as_ref()
+            .map_or_else(Vec::new, |st| st.timings.iter().copied().collect())
     }
 }
 

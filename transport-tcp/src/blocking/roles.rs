@@ -118,6 +118,11 @@ impl TcpSender {
         self.node.peers()
     }
 
+    /// `(bytes, issued, written out)` of recent write batches, in completion order.
+    pub fn batch_timings(&self) -> Vec<(u64, Instant, Instant)> {
+        self.node.shared.lock().timings.iter().copied().collect()
+    }
+
     /// Write batches handed to connections and not written out yet.
     pub fn writes_in_flight(&self) -> usize {
         self.node.writes_in_flight()

@@ -151,11 +151,7 @@ pub(super) fn run(args: TransferBenchArgs) -> Result<ExitCode, CliError> {
         rx_regions,
     );
     let addr = rx.listen("127.0.0.1:0")?;
-    let tx = TcpSender::new(
-        SenderConfig::new(hello(1, &src_layout)),
-        tcp,
-        tx_regions,
-    );
+    let tx = TcpSender::new(SenderConfig::new(hello(1, &src_layout)), tcp, tx_regions);
     let receiver_peer = tx.connect(addr)?;
     let mut sender_peer = PeerId(0);
     wait_event(
@@ -169,9 +165,11 @@ pub(super) fn run(args: TransferBenchArgs) -> Result<ExitCode, CliError> {
             _ => false,
         },
     )?;
-    wait_event(|t| tx.next_event(t), Duration::from_secs(10), |e| {
-        matches!(e, Event::PeerReady { .. })
-    })?;
+    wait_event(
+        |t| tx.next_event(t),
+        Duration::from_secs(10),
+        |e| matches!(e, Event::PeerReady { .. }),
+    )?;
     let mut raw = raw_pairs(connections)?;
 
     let mut anchored = AnchoredRun::empty(0);
@@ -199,9 +197,11 @@ pub(super) fn run(args: TransferBenchArgs) -> Result<ExitCode, CliError> {
             receivers: std::iter::once(receiver_peer).collect(),
             sends_aux: true,
         })?;
-        wait_event(|t| tx.next_event(t), Duration::from_secs(10), |e| {
-            matches!(e, Event::Registered { request: r, .. } if *r == request)
-        })?;
+        wait_event(
+            |t| tx.next_event(t),
+            Duration::from_secs(10),
+            |e| matches!(e, Event::Registered { request: r, .. } if *r == request),
+        )?;
         let t0 = Instant::now();
         for spec in &specs {
             tx.submit_chunk(request, *spec, &mut source)?;
@@ -213,16 +213,22 @@ pub(super) fn run(args: TransferBenchArgs) -> Result<ExitCode, CliError> {
                 ..AuxData::default()
             },
         )?;
-        wait_event(|t| rx.next_event(t), Duration::from_secs(600), |e| {
-            matches!(e, Event::Completed { request: r, .. } if *r == request)
-        })?;
+        wait_event(
+            |t| rx.next_event(t),
+            Duration::from_secs(600),
+            |e| matches!(e, Event::Completed { request: r, .. } if *r == request),
+        )?;
         t_tcp.push(t0.elapsed().as_secs_f64());
-        wait_event(|t| rx.next_event(t), Duration::from_secs(10), |e| {
-            matches!(e, Event::Quiesced { request: r } if *r == request)
-        })?;
-        wait_event(|t| tx.next_event(t), Duration::from_secs(10), |e| {
-            matches!(e, Event::Quiesced { request: r } if *r == request)
-        })?;
+        wait_event(
+            |t| rx.next_event(t),
+            Duration::from_secs(10),
+            |e| matches!(e, Event::Quiesced { request: r } if *r == request),
+        )?;
+        wait_event(
+            |t| tx.next_event(t),
+            Duration::from_secs(10),
+            |e| matches!(e, Event::Quiesced { request: r } if *r == request),
+        )?;
         tx.retire(request)?;
         rx.retire(request)?;
         verified &= src[..bytes as usize] == dst[..bytes as usize];

@@ -1,0 +1,236 @@
+//! The suite's harness over the TCP transport (`kvpipe-tcp`): a sender node and a receiver
+//! node in one process, connected over loopback sockets, with the reference caches' memory
+//! registered by address. Frame and write faults are not injected (those scenarios are skipped);
+//! killing a side shuts its node down, which the other side sees as a lost connection.
+
+use std::time::Duration as StdDuration;
+
+use kvpipe_core::session::{ReceiverConfig, SenderConfig};
+use kvpipe_core::wire::Role;
+use kvpipe_core::{Event, Instant, PeerId, Receiver, Sender};
+use kvpipe_tcp::{EndpointGuard, MemoryRegion, RegionTable, TcpConfig, TcpReceiver, TcpSender};
+
+use super::{BatchTiming, FaultKind, FaultPlan, Harness, Link, LinkError};
+use crate::cache::ReferenceCache;
+
+/// Runs the suite over two TCP nodes on loopback.
+#[derive(Clone, Copy, Debug)]
+pub struct TcpHarness {
+    /// Connections per peer.
+    pub connections: usize,
+}
+
+impl Default for TcpHarness {
+    fn default() -> Self {
+        TcpHarness { connections: 2 }
+    }
+}
+
+/// A sender node and a receiver node connected over loopback, as the suite drives them.
+pub struct TcpLink {
+    tx: Option<TcpSender>,
+    rx: Option<TcpReceiver>,
+    tx_guard: Option<EndpointGuard<Sender>>,
+    rx_guard: Option<EndpointGuard<Receiver>>,
+    sender_peer: PeerId,
+    receiver_peer: PeerId,
+    origin: std::time::Instant,
+}
+
+fn transport(e: impl std::fmt::Display) -> LinkError {
+    LinkError::Transport(e.to_string())
+}
+
+/// Registers every region of `cache` by address.
+///
+/// # Safety
+/// The cache must outlive the node and keep its regions where they are (see
+/// [`Harness::connect`]).
+unsafe fn regions_of(cache: &mut ReferenceCache) -> RegionTable {
+    let ids: Vec<_> = cache.region_ids().collect();
+    let mut table = RegionTable::new();
+    for id in ids {
+        let bytes = cache.region_mut(id).unwrap_or_default();
+        // SAFETY: forwarded from the caller; the sessions pin blocks until quiesced.
+        let region = unsafe { MemoryRegion::from_raw_parts(bytes.as_mut_ptr(), bytes.len()) };
+        table.insert(id, region);
+    }
+    table
+}
+
+impl Harness for TcpHarness {
+    type Link = TcpLink;
+
+    fn name(&self) -> &'static str {
+        "tcp"
+    }
+
+    fn supports(&self, kind: FaultKind) -> bool {
+        kind == FaultKind::PeerDeath
+    }
+
+    unsafe fn connect(
+        &self,
+        sender: SenderConfig,
+        receiver: ReceiverConfig,
+        sender_cache: &mut ReferenceCache,
+        receiver_cache: &mut ReferenceCache,
+        faults: &FaultPlan,
+    ) -> Result<TcpLink, LinkError> {
+        if faults.is_active() {
+            return Err(LinkError::Unsupported(FaultKind::Frames));
+        }
+        let origin = std::time::Instant::now();
+        let tcp = TcpConfig {
+            connections_per_peer: self.connections,
+            min_piece_bytes: 4096,
+            origin: Some(origin),
+            ..TcpConfig::default()
+        };
+        // SAFETY: the caller keeps both caches alive and unmoved while the link lives.
+        let (tx_regions, rx_regions) =
+            unsafe { (regions_of(sender_cache), regions_of(receiver_cache)) };
+        let rx = TcpReceiver::new(receiver, tcp.clone(), rx_regions);
+        let addr = rx.listen("127.0.0.1:0").map_err(transport)?;
+        let tx = TcpSender::new(sender, tcp, tx_regions);
+        let receiver_peer = tx.connect(addr).map_err(transport)?;
+        let start = std::time::Instant::now();
+        // A node numbers its peers from 0 in the order they connect: the receiver's first
+        // accepted connection is the sender (it may already be gone after a rejected handshake).
+        let sender_peer = loop {
+            if rx.stats().connections > 0 {
+                break PeerId(0);
+            }
+            if start.elapsed() > StdDuration::from_secs(5) {
+                return Err(LinkError::Transport("the receiver never accepted".into()));
+            }
+            std::thread::sleep(StdDuration::from_millis(1));
+        };
+        Ok(TcpLink {
+            tx: Some(tx),
+            rx: Some(rx),
+            tx_guard: None,
+            rx_guard: None,
+            sender_peer,
+            receiver_peer,
+            origin,
+        })
+    }
+}
+
+impl TcpLink {
+    fn release(&mut self) {
+        self.tx_guard = None;
+        self.rx_guard = None;
+    }
+}
+
+impl Link for TcpLink {
+    fn now(&self) -> Instant {
+        Instant::from_nanos(self.origin.elapsed().as_nanos() as u64)
+    }
+
+    fn sender(&mut self) -> &mut Sender {
+        if self.tx_guard.is_none() {
+            let node = self.tx.as_ref().expect("the sender is alive");
+            self.tx_guard = Some(node.endpoint());
+        }
+        self.tx_guard.as_mut().expect("just set")
+    }
+
+    fn receiver(&mut self) -> &mut Receiver {
+        if self.rx_guard.is_none() {
+            let node = self.rx.as_ref().expect("the receiver is alive");
+            self.rx_guard = Some(node.endpoint());
+        }
+        self.rx_guard.as_mut().expect("just set")
+    }
+
+    fn sender_peer(&self) -> PeerId {
+        self.sender_peer
+    }
+
+    fn receiver_peer(&self) -> PeerId {
+        self.receiver_peer
+    }
+
+    fn pump(&mut self) -> Result<(), LinkError> {
+        self.release();
+        Ok(())
+    }
+
+    fn wait(&mut self, max: StdDuration) {
+        self.release();
+        std::thread::sleep(max.min(StdDuration::from_millis(1)));
+    }
+
+    fn take_events(&mut self) -> Vec<(Role, Instant, Event)> {
+        self.release();
+        let mut out: Vec<(Role, Instant, Event)> = Vec::new();
+        if let Some(tx) = &self.tx {
+            out.extend(
+                tx.take_events()
+                    .into_iter()
+                    .map(|(at, e)| (Role::Sender, at, e)),
+            );
+        }
+        if let Some(rx) = &self.rx {
+            out.extend(
+                rx.take_events()
+                    .into_iter()
+                    .map(|(at, e)| (Role::Receiver, at, e)),
+            );
+        }
+        out.sort_by_key(|(_, at, _)| *at);
+        out
+    }
+
+    fn kill(&mut self, side: Role) -> Result<(), LinkError> {
+        self.release();
+        match side {
+            Role::Sender => drop(self.tx.take()),
+            Role::Receiver => drop(self.rx.take()),
+        }
+        Ok(())
+    }
+
+    fn is_alive(&self, side: Role) -> bool {
+        match side {
+            Role::Sender => self.tx.is_some(),
+            Role::Receiver => self.rx.is_some(),
+        }
+    }
+
+    fn batch_timings(&self) -> Vec<BatchTiming> {
+        let timings = match (&self.tx_guard, &self.tx) {
+            (Some(guard), _) => guard.batch_timings(),
+            (None, Some(tx)) => tx.batch_timings(),
+            (None, None) => Vec::new(),
+        };
+        {
+            timings
+                .into_iter()
+                .map(|(bytes, issued, reported)| BatchTiming {
+                    bytes,
+                    issued,
+                    transfer: reported - issued,
+                    reported,
+                })
+                .collect()
+        }
+    }
+
+    fn writes_in_flight(&self) -> usize {
+        match (&self.tx_guard, &self.tx) {
+            (Some(guard), _) => guard.writes_in_flight(),
+            (None, Some(tx)) => tx.writes_in_flight(),
+            (None, None) => 0,
+        }
+    }
+}
+
+impl Drop for TcpLink {
+    fn drop(&mut self) {
+        self.release();
+    }
+}
