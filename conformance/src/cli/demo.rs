@@ -7,9 +7,11 @@ use std::time::Duration;
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use kvpipe_conformance::suite::demo::{run_demo, DemoConfig, DemoSummary, Model};
-use kvpipe_conformance::suite::{MemHarness, TransferMode};
+use kvpipe_conformance::suite::{MemHarness, TcpHarness, TransferMode};
 
 use super::CliError;
+
+mod prefill;
 
 /// Arguments of `kvpipe demo`.
 #[derive(Debug, clap::Args)]
@@ -46,9 +48,17 @@ pub(crate) struct DemoArgs {
     /// Send everything after prefill instead of chunk by chunk (the baseline).
     #[arg(long)]
     monolithic: bool,
-    /// Transport: mem (in-process; the only one the demo drives so far).
+    /// Transport: mem (in-process) or tcp (two nodes over loopback sockets in this process, or
+    /// with --connect the prefill side only).
     #[arg(long, default_value = "mem")]
     transport: String,
+    /// With --transport tcp: run only the prefill side, against `kvpipe serve` listening at
+    /// this address (give both the same workload flags).
+    #[arg(long)]
+    connect: Option<String>,
+    /// With --transport tcp: connections per peer.
+    #[arg(long, default_value_t = 2)]
+    connections: usize,
     /// Print one JSON object instead of the progress bar and table.
     #[arg(long)]
     json: bool,
@@ -69,12 +79,18 @@ fn parse_model(s: &str) -> Result<Model, String> {
 }
 
 pub(crate) fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
-    if args.transport != "mem" {
+    if args.transport != "mem" && args.transport != "tcp" {
         return Err(format!(
-            "transport {:?} is not available to the demo yet; use --transport mem",
+            "transport {:?} is not available to the demo; use --transport mem or tcp",
             args.transport
         )
         .into());
+    }
+    if let Some(addr) = &args.connect {
+        if args.transport != "tcp" {
+            return Err("--connect needs --transport tcp".into());
+        }
+        return prefill::run(&args, addr);
     }
     let config = DemoConfig {
         model: args.model,
@@ -114,10 +130,18 @@ pub(crate) fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
         config.model.name(),
         args.transport
     ));
-    let (summary, _report) = run_demo(&MemHarness::default(), &config, |done, total| {
+    let progress = |done, total| {
         bar.set_length(total);
         bar.set_position(done);
-    })?;
+    };
+    let (summary, _report) = if args.transport == "tcp" {
+        let harness = TcpHarness {
+            connections: args.connections.clamp(1, 255),
+        };
+        run_demo(&harness, &config, progress)?
+    } else {
+        run_demo(&MemHarness::default(), &config, progress)?
+    };
     bar.finish_and_clear();
     if args.json {
         println!("{}", serde_json::to_string(&summary)?);

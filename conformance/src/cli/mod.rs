@@ -7,6 +7,7 @@ use clap::{Parser, Subcommand};
 mod bench;
 mod demo;
 mod plan;
+mod serve;
 
 /// Streams an LLM request's KV cache from prefill to decode while prefill runs.
 #[derive(Debug, Parser)]
@@ -22,6 +23,8 @@ enum Command {
     Demo(demo::DemoArgs),
     /// Show, per prefill chunk and layer group, the block window and the coalesced writes.
     Plan(plan::PlanArgs),
+    /// Decode side of a two-process transfer over TCP: listen, receive, verify.
+    Serve(serve::ServeArgs),
     /// Run a benchmark and report its figures against a same-run baseline.
     Bench(bench::BenchArgs),
 }
@@ -35,6 +38,7 @@ impl Cli {
             Command::Demo(args) => demo::run(args),
             Command::Plan(args) => plan::run(args),
             Command::Bench(args) => bench::run(args),
+            Command::Serve(args) => serve::run(args),
         }
     }
 }

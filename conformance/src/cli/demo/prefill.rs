@@ -1,0 +1,220 @@
+//! `kvpipe demo --transport tcp --connect ADDR`: the prefill side of a two-process transfer. It
+//! connects to `kvpipe serve` (the decode side), prefills the workload's requests chunk by chunk
+//! into its reference cache, and pushes every chunk's blocks as soon as they are computed.
+
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use kvpipe_conformance::cache::AllocationStyle;
+use kvpipe_conformance::suite::demo::median;
+use kvpipe_core::session::{LocalHello, SendRequest};
+use kvpipe_core::wire::{AuxData, Topology};
+use kvpipe_core::{ChunkSpec, Event, RequestId, SenderConfig};
+use kvpipe_tcp::{TcpConfig, TcpSender};
+use serde::Serialize;
+
+use super::DemoArgs;
+use crate::cli::serve::{instance_id, regions_of, two_process_cache, two_process_deadlines};
+use crate::cli::CliError;
+
+#[derive(Debug, Serialize)]
+struct PrefillReport {
+    role: &'static str,
+    transport: &'static str,
+    peer: String,
+    model: &'static str,
+    requests: u32,
+    completed: u32,
+    prompt_tokens: u32,
+    chunk_tokens: u32,
+    chunks: u32,
+    bytes: u64,
+    seconds: f64,
+    connections: usize,
+    exposed_tail_ms: f64,
+    max_exposed_tail_ms: f64,
+}
+
+pub(super) fn run(args: &DemoArgs, addr: &str) -> Result<ExitCode, CliError> {
+    let tpb = args.tokens_per_block.max(1);
+    let mut cache = two_process_cache(
+        args.model.groups(args.window),
+        tpb,
+        args.prompt_tokens,
+        args.requests,
+        1,
+    )?;
+    let local = LocalHello::new(instance_id(), Topology::default(), cache.layouts());
+    let mut config = SenderConfig::new(local);
+    config.deadlines = two_process_deadlines();
+    let connections = args.connections.clamp(1, 255);
+    // SAFETY: `cache` outlives the node (shut down below); the engine computes only blocks no
+    // transfer reads (a chunk's blocks are sent after they are computed, and stay untouched).
+    let regions = unsafe { regions_of(&mut cache) };
+    let tx = TcpSender::new(
+        config,
+        TcpConfig {
+            connections_per_peer: connections,
+            ..TcpConfig::default()
+        },
+        regions,
+    );
+    let peer = tx.connect(addr)?;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err("the decode side did not complete the handshake".into());
+        }
+        match tx.next_event(left) {
+            Some(Event::PeerReady { .. }) => break,
+            Some(Event::PeerRejected { message, .. }) => {
+                return Err(format!("the handshake failed: {message}").into())
+            }
+            _ => {}
+        }
+    }
+
+    let ids: Vec<RequestId> = (1..=args.requests)
+        .map(|i| RequestId(u64::from(i)))
+        .collect();
+    for &id in &ids {
+        cache.begin_prefill(
+            id,
+            args.prompt_tokens,
+            args.sender_prefix,
+            AllocationStyle::FullPrompt,
+        )?;
+        tx.open_request(SendRequest {
+            request: id,
+            receivers: std::iter::once(peer).collect(),
+            sends_aux: true,
+        })?;
+    }
+    let step = args.chunk_tokens.max(1);
+    let mut events: Vec<(Instant, Event)> = Vec::new();
+    let mut last_compute = vec![Instant::now(); ids.len()];
+    let mut chunks = 0u32;
+    let start = Instant::now();
+    let mut next_start = vec![args.sender_prefix.min(args.prompt_tokens); ids.len()];
+    loop {
+        let mut any = false;
+        for (i, &id) in ids.iter().enumerate() {
+            let begin = next_start[i];
+            if begin == u32::MAX {
+                continue;
+            }
+            let end = (begin + step).min(args.prompt_tokens);
+            any = true;
+            cache.compute_chunk(id, begin, end)?;
+            std::thread::sleep(Duration::from_millis(args.prefill_ms_per_chunk));
+            let is_last = end >= args.prompt_tokens;
+            next_start[i] = if is_last { u32::MAX } else { end };
+            let spec = ChunkSpec {
+                start: begin,
+                end,
+                prompt_len: args.prompt_tokens,
+                prepopulated_len: args.sender_prefix,
+                is_last,
+                prefix_sent_early: false,
+            };
+            tx.submit_chunk(id, spec, &mut cache)?;
+            chunks += 1;
+            if is_last {
+                last_compute[i] = Instant::now();
+                tx.submit_aux(
+                    id,
+                    AuxData {
+                        prompt_tokens: args.prompt_tokens,
+                        cached_tokens: args.sender_prefix,
+                        first_tokens: vec![id.0 as u32],
+                        draft_tokens: Vec::new(),
+                    },
+                )?;
+            }
+            while let Some((_, e)) = tx.next_event_at(Duration::ZERO) {
+                events.push((Instant::now(), e));
+            }
+        }
+        if !any || next_start.iter().all(|&s| s == u32::MAX) {
+            break;
+        }
+    }
+    let limit = Instant::now() + Duration::from_secs(900);
+    let quiesced = |events: &[(Instant, Event)]| {
+        events
+            .iter()
+            .filter(|(_, e)| matches!(e, Event::Quiesced { .. }))
+            .count()
+    };
+    while quiesced(&events) < ids.len() {
+        if Instant::now() > limit {
+            return Err("the transfer did not finish in 900 s".into());
+        }
+        if let Some(e) = tx.next_event(Duration::from_millis(200)) {
+            events.push((Instant::now(), e));
+        }
+    }
+    let seconds = start.elapsed().as_secs_f64();
+    let mut tails = Vec::new();
+    let mut bytes = 0;
+    let mut completed = 0;
+    for (at, e) in &events {
+        match e {
+            Event::Completed {
+                request,
+                bytes_written,
+                ..
+            } => {
+                completed += 1;
+                bytes += bytes_written;
+                if let Some(i) = ids.iter().position(|r| r == request) {
+                    tails.push(at.duration_since(last_compute[i]).as_secs_f64() * 1e3);
+                }
+            }
+            Event::Failed { .. } | Event::TimedOut { .. } | Event::Cancelled { .. } => {
+                eprintln!("kvpipe demo: {e:?}");
+            }
+            _ => {}
+        }
+    }
+    for &id in &ids {
+        let _ = tx.retire(id);
+    }
+    tx.shutdown();
+    drop(tx);
+    let max_tail = tails.iter().copied().fold(0.0, f64::max);
+    let report = PrefillReport {
+        role: "prefill",
+        transport: "tcp",
+        peer: addr.to_string(),
+        model: args.model.name(),
+        requests: args.requests,
+        completed,
+        prompt_tokens: args.prompt_tokens,
+        chunk_tokens: args.chunk_tokens,
+        chunks,
+        bytes,
+        seconds,
+        connections,
+        exposed_tail_ms: median(tails),
+        max_exposed_tail_ms: max_tail,
+    };
+    if args.json {
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        println!(
+            "prefill side: {} of {} request(s) sent to {addr}, {bytes} bytes in {chunks} chunks, {:.2} s",
+            report.completed, report.requests, report.seconds
+        );
+        println!(
+            "exposed tail (last chunk computed → its result sent): {:.2} ms median, {:.2} ms max",
+            report.exposed_tail_ms, report.max_exposed_tail_ms
+        );
+    }
+    Ok(if completed == args.requests {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}

@@ -1,0 +1,260 @@
+//! `kvpipe serve --listen ADDR`: the decode side of a two-process transfer over TCP. It builds
+//! the decode engine's reference cache, waits for a prefill node (`kvpipe demo --transport tcp
+//! --connect ADDR`, given the same workload flags) to connect, registers the workload's
+//! requests with it, and verifies every byte that arrives against the deterministic content the
+//! prefill side computed.
+
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use kvpipe_conformance::cache::{CacheSpec, GroupSpec, ReferenceCache};
+use kvpipe_conformance::suite::demo::Model;
+use kvpipe_core::session::{Deadlines, LocalHello, Registration};
+use kvpipe_core::wire::{Role, Topology};
+use kvpipe_core::{Event, InstanceId, PeerId, RequestId};
+use kvpipe_tcp::{MemoryRegion, RegionTable, TcpConfig, TcpReceiver};
+use serde::Serialize;
+
+use super::CliError;
+
+/// Arguments of `kvpipe serve`.
+#[derive(Debug, clap::Args)]
+pub(crate) struct ServeArgs {
+    /// Address to listen on (for example 127.0.0.1:7070; port 0 picks a free one, printed on
+    /// stderr).
+    #[arg(long)]
+    listen: String,
+    /// Model whose KV cache is received (as `kvpipe demo --model`).
+    #[arg(long, default_value = "llama3-8b", value_parser = parse_model)]
+    model: Model,
+    /// Tokens in each request's prompt.
+    #[arg(long, default_value_t = 4096)]
+    prompt_tokens: u32,
+    /// Tokens per KV block.
+    #[arg(long, default_value_t = 32)]
+    tokens_per_block: u32,
+    /// Sliding window override (as `kvpipe demo --window`).
+    #[arg(long)]
+    window: Option<u32>,
+    /// Tokens of the prompt this side has cached already (prefix reuse).
+    #[arg(long, default_value_t = 0)]
+    receiver_prefix: u32,
+    /// Requests the prefill side sends (ids 1..=N).
+    #[arg(long, default_value_t = 2)]
+    requests: u32,
+    /// How long to wait for the prefill side to connect, in seconds.
+    #[arg(long, default_value_t = 120)]
+    accept_timeout_s: u64,
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+fn parse_model(s: &str) -> Result<Model, String> {
+    Model::ALL
+        .iter()
+        .find(|(n, _)| *n == s)
+        .map(|(_, m)| *m)
+        .ok_or_else(|| format!("unknown model {s:?}"))
+}
+
+/// The cache both sides of a two-process demo build from the same flags (`first_region`
+/// differs: 1 on the prefill side, 1000 on the decode side).
+pub(crate) fn two_process_cache(
+    groups: Vec<GroupSpec>,
+    tokens_per_block: u32,
+    prompt_tokens: u32,
+    requests: u32,
+    first_region: u32,
+) -> Result<ReferenceCache, CliError> {
+    let tpb = tokens_per_block.max(1);
+    let spec = CacheSpec {
+        tokens_per_block: tpb,
+        groups,
+        slots_per_group: prompt_tokens.div_ceil(tpb) * requests + 1,
+        first_region,
+        slot_order_seed: None,
+        materialize: true,
+    };
+    Ok(ReferenceCache::new(&spec)?)
+}
+
+/// Registers every region of `cache` with a node, by address.
+///
+/// # Safety
+/// `cache` must outlive the node and never move or resize its regions (the reference cache
+/// never reallocates a region); the engine touches only blocks no transfer is using.
+pub(crate) unsafe fn regions_of(cache: &mut ReferenceCache) -> RegionTable {
+    let ids: Vec<_> = cache.region_ids().collect();
+    let mut table = RegionTable::new();
+    for id in ids {
+        let bytes = cache.region_mut(id).unwrap_or_default();
+        // SAFETY: forwarded from the caller.
+        let region = unsafe { MemoryRegion::from_raw_parts(bytes.as_mut_ptr(), bytes.len()) };
+        table.insert(id, region);
+    }
+    table
+}
+
+/// Deadlines for a demo across processes: long waits for the other side's engine, prompt
+/// liveness.
+pub(crate) fn two_process_deadlines() -> Deadlines {
+    Deadlines {
+        registration: kvpipe_core::Duration::from_secs(600),
+        result_wait: kvpipe_core::Duration::from_secs(600),
+        write_completion: kvpipe_core::Duration::from_secs(60),
+        ..Deadlines::default()
+    }
+}
+
+/// A per-process instance id (pid and start time), so restarts are told apart.
+pub(crate) fn instance_id() -> InstanceId {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    InstanceId(nanos ^ (u64::from(std::process::id()) << 40))
+}
+
+#[derive(Debug, Serialize)]
+struct ServeReport {
+    role: &'static str,
+    transport: &'static str,
+    model: &'static str,
+    requests: u32,
+    completed: u32,
+    failed: u32,
+    bytes: u64,
+    seconds: f64,
+    gbps: f64,
+    mismatched_blocks: usize,
+    writes_refused: u64,
+    verified: bool,
+}
+
+pub(crate) fn run(args: ServeArgs) -> Result<ExitCode, CliError> {
+    let mut cache = two_process_cache(
+        args.model.groups(args.window),
+        args.tokens_per_block,
+        args.prompt_tokens,
+        args.requests,
+        1000,
+    )?;
+    let local = LocalHello::new(instance_id(), Topology::default(), cache.layouts());
+    let mut config = kvpipe_core::ReceiverConfig::new(local, instance_id().0);
+    config.deadlines = two_process_deadlines();
+    // SAFETY: `cache` outlives the node (shut down below) and is touched only for registrations
+    // and for verification after each request quiesced.
+    let regions = unsafe { regions_of(&mut cache) };
+    let rx = TcpReceiver::new(config, TcpConfig::default(), regions);
+    let addr = rx.listen(args.listen.as_str())?;
+    eprintln!("kvpipe serve: listening on {addr}");
+
+    let accept_deadline = Instant::now() + Duration::from_secs(args.accept_timeout_s);
+    let peer: PeerId = loop {
+        let left = accept_deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err("no prefill node connected in time".into());
+        }
+        match rx.next_event(left) {
+            Some(Event::PeerReady {
+                peer,
+                role: Role::Sender,
+                ..
+            }) => break peer,
+            Some(Event::PeerRejected { message, .. }) => {
+                eprintln!("kvpipe serve: refused a peer: {message}");
+            }
+            _ => {}
+        }
+    };
+    eprintln!("kvpipe serve: prefill node connected as {peer}");
+    let start = Instant::now();
+    for i in 1..=args.requests {
+        let request = RequestId(u64::from(i));
+        let groups =
+            cache.register_destination(request, args.prompt_tokens, args.receiver_prefix)?;
+        rx.register(Registration {
+            request,
+            prompt_len: args.prompt_tokens,
+            groups,
+            writers: std::iter::once(peer).collect(),
+            aux_capacity: 1024,
+        })?;
+    }
+    let mut completed = Vec::new();
+    let mut failed = 0u32;
+    let mut quiesced = 0u32;
+    let mut bytes = 0u64;
+    let mut last_completion = start;
+    let limit = Instant::now() + Duration::from_secs(900);
+    while quiesced < args.requests {
+        if Instant::now() > limit {
+            return Err("the transfer did not finish in 900 s".into());
+        }
+        match rx.next_event(Duration::from_millis(200)) {
+            Some(Event::Completed {
+                request,
+                bytes_written,
+                ..
+            }) => {
+                bytes += bytes_written;
+                last_completion = Instant::now();
+                completed.push(request);
+            }
+            Some(e @ (Event::Failed { .. } | Event::TimedOut { .. } | Event::Cancelled { .. })) => {
+                eprintln!("kvpipe serve: {e:?}");
+                failed += 1;
+            }
+            Some(Event::Quiesced { request }) => {
+                quiesced += 1;
+                let _ = rx.retire(request);
+            }
+            _ => {}
+        }
+    }
+    let seconds = last_completion.duration_since(start).as_secs_f64();
+    let mismatched_blocks: usize = completed.iter().map(|&r| cache.verify(r).len()).sum();
+    let writes_refused = rx.stats().writes_refused;
+    rx.shutdown();
+    drop(rx);
+    let verified = mismatched_blocks == 0 && completed.len() as u32 == args.requests;
+    let report = ServeReport {
+        role: "decode",
+        transport: "tcp",
+        model: args.model.name(),
+        requests: args.requests,
+        completed: completed.len() as u32,
+        failed,
+        bytes,
+        seconds,
+        gbps: if seconds > 0.0 {
+            bytes as f64 / seconds / 1e9
+        } else {
+            0.0
+        },
+        mismatched_blocks,
+        writes_refused,
+        verified,
+    };
+    if args.json {
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        println!(
+            "decode side: {} of {} request(s) completed, {} bytes received in {:.2} s ({:.2} GB/s)",
+            report.completed, report.requests, bytes, seconds, report.gbps
+        );
+        println!(
+            "verification: {}",
+            if verified {
+                "OK: every received block equals the prefill side's content".to_string()
+            } else {
+                format!("FAILED: {mismatched_blocks} block(s) differ, {failed} request(s) failed")
+            }
+        );
+    }
+    Ok(if verified {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}

@@ -1,0 +1,117 @@
+//! `kvpipe serve` and `kvpipe demo --transport tcp --connect` as two processes on loopback:
+//! every request completes and the decode side verifies every byte.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+const KVPIPE: &str = env!("CARGO_BIN_EXE_kvpipe");
+const WORKLOAD: [&str; 6] = [
+    "--model",
+    "llama3-70b-tp8",
+    "--prompt-tokens",
+    "300",
+    "--requests",
+    "2",
+];
+
+#[test]
+fn serve_and_demo_connect_transfer_and_verify_across_processes() {
+    let mut serve = Command::new(KVPIPE)
+        .args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--json",
+            "--accept-timeout-s",
+            "60",
+        ])
+        .args(WORKLOAD)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // The bound address is printed on stderr.
+    let mut err = BufReader::new(serve.stderr.take().unwrap());
+    let mut line = String::new();
+    err.read_line(&mut line).unwrap();
+    let addr = line
+        .trim()
+        .strip_prefix("kvpipe serve: listening on ")
+        .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
+        .to_string();
+    let demo = Command::new(KVPIPE)
+        .args(["demo", "--transport", "tcp", "--connect", &addr, "--json"])
+        .args(["--chunk-tokens", "64", "--prefill-ms-per-chunk", "1"])
+        .args(WORKLOAD)
+        .output()
+        .unwrap();
+    assert!(
+        demo.status.success(),
+        "demo: {}",
+        String::from_utf8_lossy(&demo.stderr)
+    );
+    let prefill: serde_json::Value = serde_json::from_slice(&demo.stdout).unwrap();
+    assert_eq!(prefill["completed"], 2, "{prefill}");
+    assert_eq!(prefill["chunks"], 10, "{prefill}");
+
+    let start = Instant::now();
+    let status = loop {
+        if let Some(s) = serve.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(120),
+            "serve did not exit"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut out = String::new();
+    std::io::Read::read_to_string(&mut serve.stdout.take().unwrap(), &mut out).unwrap();
+    assert!(status.success(), "serve: {out}");
+    let decode: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(decode["verified"], true, "{decode}");
+    assert_eq!(decode["completed"], 2, "{decode}");
+    assert_eq!(decode["mismatched_blocks"], 0, "{decode}");
+    assert_eq!(decode["writes_refused"], 0, "{decode}");
+    assert_eq!(decode["bytes"], prefill["bytes"], "{decode} {prefill}");
+    // 300 tokens of 80 layers × 1 head × 128 dims × K,V × bf16 = 40 KiB per token, in whole
+    // blocks of 32 tokens (10 blocks), per request.
+    assert_eq!(decode["bytes"], 2 * 10 * 32 * 40 * 1024, "{decode}");
+}
+
+#[test]
+fn serve_refuses_a_prefill_node_with_another_block_size() {
+    let mut serve = Command::new(KVPIPE)
+        .args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--accept-timeout-s",
+            "3",
+        ])
+        .args(WORKLOAD)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut err = BufReader::new(serve.stderr.take().unwrap());
+    let mut line = String::new();
+    err.read_line(&mut line).unwrap();
+    let addr = line
+        .trim()
+        .strip_prefix("kvpipe serve: listening on ")
+        .unwrap()
+        .to_string();
+    let demo = Command::new(KVPIPE)
+        .args(["demo", "--transport", "tcp", "--connect", &addr])
+        .args(["--tokens-per-block", "16"])
+        .args(WORKLOAD)
+        .output()
+        .unwrap();
+    assert!(!demo.status.success());
+    let msg = String::from_utf8_lossy(&demo.stderr);
+    assert!(msg.contains("handshake failed"), "{msg}");
+    let _ = serve.kill();
+    let _ = serve.wait();
+}
