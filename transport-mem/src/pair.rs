@@ -612,7 +612,10 @@ impl MemPair {
                     self.execute(now, peer, batch, &plan)?;
                 }
                 Output::ClosePeer { .. } => close = true,
-                Output::Event(e) => self.events.push_back((Endpoint::Sender, now, e)),
+                Output::Event(e) => {
+                    let at = self.clock.now();
+                    self.events.push_back((Endpoint::Sender, at, e));
+                }
             }
         }
         while self.receiver_alive {
@@ -625,7 +628,10 @@ impl MemPair {
                 // A receiver never writes; nothing to carry out.
                 Output::ExecuteWrites { .. } => {}
                 Output::ClosePeer { .. } => close = true,
-                Output::Event(e) => self.events.push_back((Endpoint::Receiver, now, e)),
+                Output::Event(e) => {
+                    let at = self.clock.now();
+                    self.events.push_back((Endpoint::Receiver, at, e));
+                }
             }
         }
         if close {
