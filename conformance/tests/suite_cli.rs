@@ -150,6 +150,12 @@ fn other_transports_give_a_clear_error() {
     let (ok, _, err) = kvpipe(&["demo", "--model", "gpt5"]);
     assert!(!ok);
     assert!(err.contains("llama3-8b"), "{err}");
+    let (ok, _, err) = kvpipe(&["demo", "--requests", "0"]);
+    assert!(!ok);
+    assert!(err.contains("--requests"), "{err}");
+    let (ok, _, err) = kvpipe(&["demo", "--prompt-tokens", "10", "--sender-prefix", "11"]);
+    assert!(!ok);
+    assert!(err.contains("--sender-prefix"), "{err}");
 }
 
 #[test]

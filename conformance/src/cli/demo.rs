@@ -76,6 +76,29 @@ pub(crate) fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
         )
         .into());
     }
+    if args.prompt_tokens == 0 || args.chunk_tokens == 0 || args.tokens_per_block == 0 {
+        return Err(
+            "--prompt-tokens, --chunk-tokens and --tokens-per-block must be positive".into(),
+        );
+    }
+    if args.requests == 0 {
+        return Err("--requests must be at least 1".into());
+    }
+    if args.window == Some(0) {
+        return Err("--window must hold at least one token".into());
+    }
+    for (flag, prefix) in [
+        ("--sender-prefix", args.sender_prefix),
+        ("--receiver-prefix", args.receiver_prefix),
+    ] {
+        if prefix > args.prompt_tokens {
+            return Err(format!(
+                "{flag} {prefix} is longer than the prompt ({} tokens)",
+                args.prompt_tokens
+            )
+            .into());
+        }
+    }
     let config = DemoConfig {
         model: args.model,
         prompt_tokens: args.prompt_tokens,

@@ -313,9 +313,13 @@ pub fn run_demo<H: Harness>(
     config: &DemoConfig,
     progress: impl FnMut(u64, u64),
 ) -> Result<(DemoSummary, RunReport), SuiteError> {
-    if config.chunk_tokens == 0 || config.tokens_per_block == 0 || config.prompt_tokens == 0 {
+    if config.chunk_tokens == 0
+        || config.tokens_per_block == 0
+        || config.prompt_tokens == 0
+        || config.requests == 0
+    {
         return Err(SuiteError::Check(
-            "prompt, chunk and block sizes must be positive".into(),
+            "prompt, chunk and block sizes and the request count must be positive".into(),
         ));
     }
     if config.sender_prefix > config.prompt_tokens || config.receiver_prefix > config.prompt_tokens
