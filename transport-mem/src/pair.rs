@@ -69,6 +69,8 @@ pub struct PairStats {
     pub frames: u64,
     /// Their encoded bytes.
     pub frame_bytes: u64,
+    /// Frames the codec refused to encode (not sent).
+    pub encode_errors: u64,
     /// Frames that failed to decode (dropped).
     pub decode_errors: u64,
     /// Write batches executed.
@@ -651,7 +653,7 @@ impl MemPair {
         }
         let Ok(bytes) = frame.to_vec() else {
             // A frame the codec cannot encode never leaves (the core builds only valid ones).
-            self.stats.decode_errors += 1;
+            self.stats.encode_errors += 1;
             return;
         };
         self.stats.frames += 1;

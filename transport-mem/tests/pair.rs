@@ -31,6 +31,7 @@ fn the_handshake_travels_encoded_through_the_codec() {
         "each frame has a header and a body"
     );
     assert_eq!(stats.decode_errors, 0);
+    assert_eq!(stats.encode_errors, 0);
     let events = pair.take_events();
     for side in [Endpoint::Sender, Endpoint::Receiver] {
         assert!(events
