@@ -9,7 +9,8 @@
 //!   and that every request ends [`Event::Quiesced`] on every living side;
 //! - every destination byte of a completed request against the sender's bytes, and against the
 //!   deterministic content the cache computed;
-//! - that nothing outside the blocks the receiver granted changed (failed requests included);
+//! - that nothing outside the blocks the receiver granted changed (failed requests included),
+//!   and that the sender's blocks still hold what prefill computed;
 //! - that nothing is left behind: no session, no write in flight.
 //!
 //! Transports run the suite with [`conformance_tests!`](crate::conformance_tests), which makes one

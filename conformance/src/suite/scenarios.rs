@@ -66,6 +66,12 @@ pub fn check_clean(report: &RunReport) -> Result<(), SuiteError> {
                 r.id, r.mismatched_blocks
             )));
         }
+        if r.source_blocks_changed != 0 {
+            return Err(SuiteError::Check(format!(
+                "{}: {} sender block(s) changed under the transfer",
+                r.id, r.source_blocks_changed
+            )));
+        }
         if r.sender.is_completed() != r.receiver.is_completed()
             && r.receiver.is_completed()
             && r.sender.is_end()
