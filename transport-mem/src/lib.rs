@@ -11,8 +11,10 @@
 //!   dispatch on the pair of kinds. Registrations stay held while a write batch may touch them.
 //! - [`copy`]: write plans resolved against registrations (bounds-checked), copied on one or
 //!   several threads.
-//! - [`MemPair`]: the driver — the core's run loop with real time ([`Clock`]), timers armed from
-//!   `poll_timeout`, a copy worker thread, bounded waits everywhere.
+//! - [`MemNetwork`]: the driver — several senders and receivers, each sender connected to each
+//!   receiver; the core's run loop with real time ([`Clock`]), timers armed from
+//!   `poll_timeout`, a copy worker thread, bounded waits everywhere. [`MemPair`] is its
+//!   one-sender, one-receiver form.
 //! - [`FaultConfig`]: dropped, duplicated, reordered and delayed frames, failed writes; and
 //!   [`MemPair::kill`] for a peer's death.
 //!
@@ -38,6 +40,7 @@
 pub mod clock;
 pub mod copy;
 mod faults;
+mod network;
 mod pair;
 pub mod region;
 mod worker;
@@ -45,7 +48,8 @@ mod worker;
 pub use clock::Clock;
 pub use copy::{split_even, Piece, ResolvedBatch, WriteError};
 pub use faults::{FaultConfig, FaultCounts};
-pub use pair::{
-    BatchTiming, DriveError, Endpoint, MemPair, PairConfig, PairStats, RECEIVER_PEER, SENDER_PEER,
+pub use network::{
+    receiver_peer, sender_peer, BatchTiming, DriveError, MemNetwork, NetworkConfig, Node, PairStats,
 };
+pub use pair::{Endpoint, MemPair, PairConfig, RECEIVER_PEER, SENDER_PEER};
 pub use region::{RegionKind, RegionMemory, RegionTable, RegionUse, RegistrationError};
