@@ -16,7 +16,7 @@ fn small(model: Model) -> DemoConfig {
         window: None,
         sender_prefix: 0,
         receiver_prefix: 0,
-        requests: 2,
+        requests: 1,
         prefill_per_chunk: Duration::ZERO,
         mode: TransferMode::Pipelined,
         corrupt_one_byte: false,
@@ -33,7 +33,7 @@ fn demo_logic_verifies_every_model() {
         }
         let (summary, report) = run_demo(&MemHarness::default(), &config, |_, _| {}).unwrap();
         assert!(summary.verified, "{name}: {summary:?}");
-        assert_eq!(summary.completed, 2, "{name}");
+        assert_eq!(summary.completed, 1, "{name}");
         assert!(
             summary.bytes > 0 && summary.bytes_verified >= summary.bytes,
             "{name}"
@@ -53,6 +53,7 @@ fn demo_logic_with_prefixes_and_monolithic_mode_verifies() {
     config.sender_prefix = 40;
     config.receiver_prefix = 70;
     config.prompt_tokens = 300;
+    config.requests = 2;
     config.mode = TransferMode::Monolithic;
     let (summary, _) = run_demo(&MemHarness::default(), &config, |_, _| {}).unwrap();
     assert!(summary.verified, "{summary:?}");
@@ -86,6 +87,8 @@ fn json(s: &str) -> serde_json::Value {
 
 const SMALL_DEMO: &[&str] = &[
     "demo",
+    "--model",
+    "llama3-70b-tp8",
     "--prompt-tokens",
     "200",
     "--chunk-tokens",
