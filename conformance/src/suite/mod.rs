@@ -216,8 +216,8 @@ macro_rules! conformance_tests {
             sender_prefix_reuse, receiver_prefix_reuse, both_prefixes,
             windows_with_sinks, several_layer_groups, concurrent_requests,
             incremental_allocation, late_registration, cancel_mid_prefill_sender,
-            cancel_mid_prefill_receiver, sender_death, receiver_death, registration_timeout,
-            write_failure, write_timeout, duplicated_frames, delayed_frames, reordered_frames,
+            cancel_mid_prefill_receiver, cancel_before_registration, sender_death,
+            receiver_death, registration_timeout, write_failure, write_timeout, duplicated_frames, delayed_frames, reordered_frames,
             chaos, version_mismatch, monolithic_transfer
         );
     };
