@@ -17,6 +17,7 @@ fn small(model: Model) -> DemoConfig {
         sender_prefix: 0,
         receiver_prefix: 0,
         requests: 1,
+        ranks: 1,
         prefill_per_chunk: Duration::ZERO,
         mode: TransferMode::Pipelined,
         corrupt_one_byte: false,
@@ -58,6 +59,28 @@ fn demo_logic_with_prefixes_and_monolithic_mode_verifies() {
     let (summary, _) = run_demo(&MemHarness::default(), &config, |_, _| {}).unwrap();
     assert!(summary.verified, "{summary:?}");
     assert_eq!(summary.chunks, 2, "one slice per request");
+}
+
+#[test]
+fn demo_logic_runs_tensor_parallel_ranks_side_by_side() {
+    let mut config = small(Model::Llama3_70bTp8);
+    config.ranks = 3;
+    config.requests = 2;
+    let (summary, report) = run_demo(&MemHarness::default(), &config, |_, _| {}).unwrap();
+    assert!(summary.verified, "{summary:?}");
+    assert_eq!(summary.completed, 6);
+    assert_eq!(report.requests.len(), 6);
+    let one_rank = run_demo(
+        &MemHarness::default(),
+        &DemoConfig {
+            ranks: 1,
+            ..config.clone()
+        },
+        |_, _| {},
+    )
+    .unwrap()
+    .0;
+    assert_eq!(summary.bytes, 3 * one_rank.bytes);
 }
 
 #[test]

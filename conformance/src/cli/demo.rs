@@ -37,9 +37,13 @@ pub(crate) struct DemoArgs {
     /// Tokens of the prompt the decode side has cached already (prefix reuse).
     #[arg(long, default_value_t = 0)]
     receiver_prefix: u32,
-    /// Concurrent requests.
+    /// Concurrent requests (per rank).
     #[arg(long, default_value_t = 2)]
     requests: u32,
+    /// Tensor-parallel ranks run side by side, each with its own prefill and decode endpoint
+    /// and caches (e.g. 8 with llama3-70b-tp8 for the whole model).
+    #[arg(long, default_value_t = 1)]
+    ranks: u32,
     /// Simulated compute time of one prefill chunk, in milliseconds.
     #[arg(long, default_value_t = 20)]
     prefill_ms_per_chunk: u64,
@@ -81,8 +85,8 @@ pub(crate) fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
             "--prompt-tokens, --chunk-tokens and --tokens-per-block must be positive".into(),
         );
     }
-    if args.requests == 0 {
-        return Err("--requests must be at least 1".into());
+    if args.requests == 0 || args.ranks == 0 {
+        return Err("--requests and --ranks must be at least 1".into());
     }
     if args.window == Some(0) {
         return Err("--window must hold at least one token".into());
@@ -108,6 +112,7 @@ pub(crate) fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
         sender_prefix: args.sender_prefix,
         receiver_prefix: args.receiver_prefix,
         requests: args.requests,
+        ranks: args.ranks,
         prefill_per_chunk: Duration::from_millis(args.prefill_ms_per_chunk),
         mode: if args.monolithic {
             TransferMode::Monolithic
@@ -132,7 +137,7 @@ pub(crate) fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
     bar.enable_steady_tick(Duration::from_millis(100));
     bar.set_message(format!(
         "{} × {} tokens of {} over {}",
-        config.requests,
+        config.requests * config.ranks,
         config.prompt_tokens,
         config.model.name(),
         args.transport
@@ -162,7 +167,14 @@ fn print_table(s: &DemoSummary) {
         ("mode", s.mode.clone()),
         (
             "requests",
-            format!("{} ({} completed)", s.requests, s.completed),
+            if s.ranks == 1 {
+                format!("{} ({} completed)", s.requests, s.completed)
+            } else {
+                format!(
+                    "{} per rank × {} ranks ({} completed)",
+                    s.requests, s.ranks, s.completed
+                )
+            },
         ),
         (
             "prompt",
@@ -176,7 +188,11 @@ fn print_table(s: &DemoSummary) {
         ("wall time", format!("{:.2} s", s.seconds)),
         (
             "throughput",
-            format!("{:.2} GB/s while copying", s.transfer_gbps),
+            format!(
+                "{:.2} GB/s while copying{}",
+                s.transfer_gbps,
+                if s.ranks > 1 { " (per rank)" } else { "" }
+            ),
         ),
         (
             "chunk transfer",
