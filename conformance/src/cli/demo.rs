@@ -142,7 +142,12 @@ pub(crate) fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
         config.model.name(),
         args.transport
     ));
-    let (summary, _report) = run_demo(&MemHarness::default(), &config, |done, total| {
+    // Ranks share the machine's cores: give each rank's copies its share.
+    let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    let harness = MemHarness {
+        copy_threads: (args.ranks > 1).then(|| (cores / args.ranks as usize).max(1)),
+    };
+    let (summary, _report) = run_demo(&harness, &config, |done, total| {
         bar.set_length(total);
         bar.set_position(done);
     })?;
