@@ -275,7 +275,8 @@ pub struct RunReport {
     pub finished: Instant,
     /// Write batches' issue and report times.
     pub batch_timings: Vec<super::BatchTiming>,
-    /// Sessions left on the living endpoints after retiring every quiesced request.
+    /// Sessions (and registrations held for unopened requests) left on the living endpoints
+    /// after retiring every quiesced request.
     pub leftover_sessions: usize,
     /// Write batches still in flight at the end.
     pub leftover_writes: usize,
@@ -640,7 +641,8 @@ pub fn run_workload_with<H: Harness>(
     collect(&mut link, &mut events, &mut states);
     let mut leftover_sessions = 0;
     if link.is_alive(Role::Sender) {
-        leftover_sessions += link.sender().session_count();
+        leftover_sessions +=
+            link.sender().session_count() + link.sender().pending_registration_count();
     }
     if link.is_alive(Role::Receiver) {
         leftover_sessions += link.receiver().session_count();
