@@ -16,7 +16,8 @@ fn small(model: Model) -> DemoConfig {
         window: None,
         sender_prefix: 0,
         receiver_prefix: 0,
-        requests: 2,
+        requests: 1,
+        ranks: 1,
         prefill_per_chunk: Duration::ZERO,
         mode: TransferMode::Pipelined,
         corrupt_one_byte: false,
@@ -33,7 +34,7 @@ fn demo_logic_verifies_every_model() {
         }
         let (summary, report) = run_demo(&MemHarness::default(), &config, |_, _| {}).unwrap();
         assert!(summary.verified, "{name}: {summary:?}");
-        assert_eq!(summary.completed, 2, "{name}");
+        assert_eq!(summary.completed, 1, "{name}");
         assert!(
             summary.bytes > 0 && summary.bytes_verified >= summary.bytes,
             "{name}"
@@ -53,10 +54,33 @@ fn demo_logic_with_prefixes_and_monolithic_mode_verifies() {
     config.sender_prefix = 40;
     config.receiver_prefix = 70;
     config.prompt_tokens = 300;
+    config.requests = 2;
     config.mode = TransferMode::Monolithic;
     let (summary, _) = run_demo(&MemHarness::default(), &config, |_, _| {}).unwrap();
     assert!(summary.verified, "{summary:?}");
     assert_eq!(summary.chunks, 2, "one slice per request");
+}
+
+#[test]
+fn demo_logic_runs_tensor_parallel_ranks_side_by_side() {
+    let mut config = small(Model::Llama3_70bTp8);
+    config.ranks = 3;
+    config.requests = 2;
+    let (summary, report) = run_demo(&MemHarness::default(), &config, |_, _| {}).unwrap();
+    assert!(summary.verified, "{summary:?}");
+    assert_eq!(summary.completed, 6);
+    assert_eq!(report.requests.len(), 6);
+    let one_rank = run_demo(
+        &MemHarness::default(),
+        &DemoConfig {
+            ranks: 1,
+            ..config.clone()
+        },
+        |_, _| {},
+    )
+    .unwrap()
+    .0;
+    assert_eq!(summary.bytes, 3 * one_rank.bytes);
 }
 
 #[test]
@@ -86,6 +110,8 @@ fn json(s: &str) -> serde_json::Value {
 
 const SMALL_DEMO: &[&str] = &[
     "demo",
+    "--model",
+    "llama3-70b-tp8",
     "--prompt-tokens",
     "200",
     "--chunk-tokens",
@@ -150,6 +176,12 @@ fn other_transports_give_a_clear_error() {
     let (ok, _, err) = kvpipe(&["demo", "--model", "gpt5"]);
     assert!(!ok);
     assert!(err.contains("llama3-8b"), "{err}");
+    let (ok, _, err) = kvpipe(&["demo", "--requests", "0"]);
+    assert!(!ok);
+    assert!(err.contains("--requests"), "{err}");
+    let (ok, _, err) = kvpipe(&["demo", "--prompt-tokens", "10", "--sender-prefix", "11"]);
+    assert!(!ok);
+    assert!(err.contains("--sender-prefix"), "{err}");
 }
 
 #[test]

@@ -4,9 +4,10 @@
 
 use kvpipe_conformance::cache::{AllocationStyle, GroupSpec};
 use kvpipe_conformance::suite::{
-    check_clean, run_workload, FaultPlan, MemHarness, RequestPlan, Workload,
+    check_clean, run_workload, FaultPlan, Interrupt, MemHarness, RequestPlan, Workload,
 };
 use kvpipe_core::session::Deadlines;
+use kvpipe_core::wire::Role;
 use kvpipe_core::Duration;
 use proptest::prelude::*;
 
@@ -135,6 +136,46 @@ proptest! {
             prop_assert!(q.sender.is_end() && q.receiver.is_end(), "{:?}", q);
             if q.receiver.is_completed() {
                 prop_assert!(q.sender.is_completed(), "{:?}", q);
+            }
+        }
+    }
+}
+
+fn interrupt() -> impl Strategy<Value = Option<(u32, Interrupt)>> {
+    prop::option::of((
+        0u32..6,
+        prop::sample::select(vec![
+            Interrupt::Cancel(Role::Sender),
+            Interrupt::Cancel(Role::Receiver),
+            Interrupt::Kill(Role::Sender),
+            Interrupt::Kill(Role::Receiver),
+        ]),
+    ))
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+
+    #[test]
+    fn random_cancels_and_deaths_end_cleanly(
+        w in workload(),
+        interrupts in prop::collection::vec(interrupt(), 3),
+    ) {
+        let mut w = w;
+        // A death ends the connection for every request: allow one, on the first request.
+        for (i, (r, it)) in w.requests.iter_mut().zip(interrupts).enumerate() {
+            r.interrupt = it.filter(|(_, what)| i == 0 || matches!(what, Interrupt::Cancel(_)));
+        }
+        fast(&mut w);
+        let report = run_workload(&MemHarness::default(), &w).unwrap();
+        if let Err(e) = check_clean(&report) {
+            return Err(TestCaseError::fail(format!("{e}; {:?}", report.requests)));
+        }
+        for (q, plan) in report.requests.iter().zip(&w.requests) {
+            if plan.interrupt.is_none()
+                && !w.requests.iter().any(|r| matches!(r.interrupt, Some((_, Interrupt::Kill(_)))))
+            {
+                prop_assert!(q.sender.is_completed() && q.receiver.is_completed(), "{:?}", q);
             }
         }
     }

@@ -6,7 +6,7 @@ use std::thread::JoinHandle;
 
 use kvpipe_core::session::WriteBatchId;
 use kvpipe_core::wire::TransferStatus;
-use kvpipe_core::{Instant, PeerId};
+use kvpipe_core::Instant;
 
 use crate::clock::Clock;
 
@@ -16,7 +16,9 @@ use crate::copy::ResolvedBatch;
 #[derive(Debug)]
 pub(crate) struct Job {
     pub(crate) batch: WriteBatchId,
-    pub(crate) peer: PeerId,
+    /// The sender that issued it and the receiver it writes to.
+    pub(crate) sender: usize,
+    pub(crate) receiver: usize,
     pub(crate) writes: ResolvedBatch,
     /// A failure to report after copying (fault injection); `None`: success.
     pub(crate) fail: Option<TransferStatus>,
@@ -26,7 +28,8 @@ pub(crate) struct Job {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Done {
     pub(crate) batch: WriteBatchId,
-    pub(crate) peer: PeerId,
+    pub(crate) sender: usize,
+    pub(crate) receiver: usize,
     pub(crate) bytes: u64,
     pub(crate) status: TransferStatus,
     /// When the copy began and ended.
@@ -54,7 +57,8 @@ impl CopyWorker {
                     let finished = clock.now();
                     let done = Done {
                         batch: job.batch,
-                        peer: job.peer,
+                        sender: job.sender,
+                        receiver: job.receiver,
                         bytes: job.writes.bytes(),
                         status: job.fail.unwrap_or(TransferStatus::Success),
                         started,

@@ -39,9 +39,13 @@ pub(crate) struct DemoArgs {
     /// Tokens of the prompt the decode side has cached already (prefix reuse).
     #[arg(long, default_value_t = 0)]
     receiver_prefix: u32,
-    /// Concurrent requests.
+    /// Concurrent requests (per rank).
     #[arg(long, default_value_t = 2)]
     requests: u32,
+    /// Tensor-parallel ranks run side by side, each with its own prefill and decode endpoint
+    /// and caches (e.g. 8 with llama3-70b-tp8 for the whole model).
+    #[arg(long, default_value_t = 1)]
+    ranks: u32,
     /// Simulated compute time of one prefill chunk, in milliseconds.
     #[arg(long, default_value_t = 20)]
     prefill_ms_per_chunk: u64,
@@ -86,6 +90,29 @@ pub(crate) fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
         )
         .into());
     }
+    if args.prompt_tokens == 0 || args.chunk_tokens == 0 || args.tokens_per_block == 0 {
+        return Err(
+            "--prompt-tokens, --chunk-tokens and --tokens-per-block must be positive".into(),
+        );
+    }
+    if args.requests == 0 || args.ranks == 0 {
+        return Err("--requests and --ranks must be at least 1".into());
+    }
+    if args.window == Some(0) {
+        return Err("--window must hold at least one token".into());
+    }
+    for (flag, prefix) in [
+        ("--sender-prefix", args.sender_prefix),
+        ("--receiver-prefix", args.receiver_prefix),
+    ] {
+        if prefix > args.prompt_tokens {
+            return Err(format!(
+                "{flag} {prefix} is longer than the prompt ({} tokens)",
+                args.prompt_tokens
+            )
+            .into());
+        }
+    }
     if let Some(addr) = &args.connect {
         if args.transport != "tcp" {
             return Err("--connect needs --transport tcp".into());
@@ -101,6 +128,7 @@ pub(crate) fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
         sender_prefix: args.sender_prefix,
         receiver_prefix: args.receiver_prefix,
         requests: args.requests,
+        ranks: args.ranks,
         prefill_per_chunk: Duration::from_millis(args.prefill_ms_per_chunk),
         mode: if args.monolithic {
             TransferMode::Monolithic
@@ -125,11 +153,16 @@ pub(crate) fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
     bar.enable_steady_tick(Duration::from_millis(100));
     bar.set_message(format!(
         "{} × {} tokens of {} over {}",
-        config.requests,
+        config.requests * config.ranks,
         config.prompt_tokens,
         config.model.name(),
         args.transport
     ));
+    // Ranks share the machine's cores: give each rank's copies its share.
+    let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    let harness = MemHarness {
+        copy_threads: (args.ranks > 1).then(|| (cores / args.ranks as usize).max(1)),
+    };
     let progress = |done, total| {
         bar.set_length(total);
         bar.set_position(done);
@@ -140,7 +173,7 @@ pub(crate) fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
         };
         run_demo(&harness, &config, progress)?
     } else {
-        run_demo(&MemHarness::default(), &config, progress)?
+        run_demo(&harness, &config, progress)?
     };
     bar.finish_and_clear();
     if args.json {
@@ -163,7 +196,14 @@ fn print_table(s: &DemoSummary) {
         ("mode", s.mode.clone()),
         (
             "requests",
-            format!("{} ({} completed)", s.requests, s.completed),
+            if s.ranks == 1 {
+                format!("{} ({} completed)", s.requests, s.completed)
+            } else {
+                format!(
+                    "{} per rank × {} ranks ({} completed)",
+                    s.requests, s.ranks, s.completed
+                )
+            },
         ),
         (
             "prompt",
@@ -177,7 +217,11 @@ fn print_table(s: &DemoSummary) {
         ("wall time", format!("{:.2} s", s.seconds)),
         (
             "throughput",
-            format!("{:.2} GB/s while copying", s.transfer_gbps),
+            format!(
+                "{:.2} GB/s while copying{}",
+                s.transfer_gbps,
+                if s.ranks > 1 { " (per rank)" } else { "" }
+            ),
         ),
         (
             "chunk transfer",

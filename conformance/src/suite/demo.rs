@@ -11,7 +11,9 @@
 
 use std::time::Duration as StdDuration;
 
-use kvpipe_core::Duration;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use kvpipe_core::{Duration, Instant};
 use serde::Serialize;
 
 use super::engine::{
@@ -90,8 +92,10 @@ pub struct DemoConfig {
     pub sender_prefix: u32,
     /// Tokens the receiver has cached already.
     pub receiver_prefix: u32,
-    /// Concurrent requests.
+    /// Concurrent requests (per rank).
     pub requests: u32,
+    /// Tensor-parallel ranks, each with its own sender, receiver and caches (1: one rank).
+    pub ranks: u32,
     /// Simulated compute time of one prefill chunk.
     pub prefill_per_chunk: StdDuration,
     /// Pipelined (the point) or monolithic (the baseline).
@@ -111,6 +115,7 @@ impl Default for DemoConfig {
             sender_prefix: 0,
             receiver_prefix: 0,
             requests: 2,
+            ranks: 1,
             prefill_per_chunk: StdDuration::from_millis(20),
             mode: TransferMode::Pipelined,
             corrupt_one_byte: false,
@@ -186,9 +191,11 @@ pub struct DemoSummary {
     pub model: String,
     /// Pipelined or monolithic.
     pub mode: String,
-    /// Requests.
+    /// Requests per rank.
     pub requests: u32,
-    /// Requests that completed on both sides.
+    /// Ranks.
+    pub ranks: u32,
+    /// Requests (over all ranks) that completed on both sides.
     pub completed: u32,
     /// Prompt tokens per request.
     pub prompt_tokens: u32,
@@ -202,7 +209,8 @@ pub struct DemoSummary {
     pub write_batches: u64,
     /// Wall time from the first chunk to the last completion.
     pub seconds: f64,
-    /// Bytes per second while the transport was moving bytes, in GB/s.
+    /// Bytes per second while the transport was moving bytes, in GB/s (per rank: ranks copy
+    /// side by side).
     pub transfer_gbps: f64,
     /// Median time the transport took to move one write batch's bytes.
     pub chunk_transfer_ms: f64,
@@ -272,6 +280,7 @@ pub fn summarize(
             TransferMode::Monolithic => "monolithic".into(),
         },
         requests: config.requests,
+        ranks: config.ranks,
         completed: report
             .requests
             .iter()
@@ -308,14 +317,19 @@ pub fn summarize(
 }
 
 /// Runs the demo over `harness`, calling `progress(done, total)` after every chunk.
-pub fn run_demo<H: Harness>(
+pub fn run_demo<H: Harness + Sync>(
     harness: &H,
     config: &DemoConfig,
-    progress: impl FnMut(u64, u64),
+    progress: impl Fn(u64, u64) + Sync,
 ) -> Result<(DemoSummary, RunReport), SuiteError> {
-    if config.chunk_tokens == 0 || config.tokens_per_block == 0 || config.prompt_tokens == 0 {
+    if config.chunk_tokens == 0
+        || config.tokens_per_block == 0
+        || config.prompt_tokens == 0
+        || config.requests == 0
+        || config.ranks == 0
+    {
         return Err(SuiteError::Check(
-            "prompt, chunk and block sizes must be positive".into(),
+            "prompt, chunk and block sizes and the request and rank counts must be positive".into(),
         ));
     }
     if config.sender_prefix > config.prompt_tokens || config.receiver_prefix > config.prompt_tokens
@@ -325,7 +339,70 @@ pub fn run_demo<H: Harness>(
         ));
     }
     let workload = config.workload();
-    let report = run_workload_with(harness, &workload, progress)?;
+    let report = if config.ranks == 1 {
+        run_workload_with(harness, &workload, &progress)?
+    } else {
+        // One thread per rank, each with its own caches and its own connected pair: tensor
+        // parallel ranks write their own KV heads to the decode rank of the same index.
+        let ranks = u64::from(config.ranks);
+        let done = AtomicU64::new(0);
+        let reports: Vec<Result<RunReport, SuiteError>> = std::thread::scope(|scope| {
+            let handles: Vec<_> = (0..ranks)
+                .map(|_| {
+                    scope.spawn(|| {
+                        let mut seen = 0;
+                        run_workload_with(harness, &workload, |d, total| {
+                            let now = done.fetch_add(d - seen, Ordering::Relaxed) + d - seen;
+                            seen = d;
+                            progress(now, total * ranks);
+                        })
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    h.join().unwrap_or_else(|_| {
+                        Err(SuiteError::Check("a rank's thread panicked".into()))
+                    })
+                })
+                .collect()
+        });
+        merge(reports.into_iter().collect::<Result<Vec<_>, _>>()?)
+    };
     let summary = summarize(harness.name(), config, &report, workload.verify_content);
     Ok((summary, report))
+}
+
+/// One report over several ranks' runs. Each rank has its own clock, so the merged run spans
+/// from zero to the longest rank's duration; per-request times stay within their rank.
+fn merge(reports: Vec<RunReport>) -> RunReport {
+    let longest = reports
+        .iter()
+        .map(|r| r.finished - r.started)
+        .max()
+        .unwrap_or_default();
+    let mut merged = RunReport {
+        requests: Vec::new(),
+        events: Vec::new(),
+        stray_writes: Vec::new(),
+        bytes: 0,
+        chunks: 0,
+        started: Instant::ZERO,
+        finished: Instant::ZERO + longest,
+        batch_timings: Vec::new(),
+        leftover_sessions: 0,
+        leftover_writes: 0,
+    };
+    for r in reports {
+        merged.requests.extend(r.requests);
+        merged.events.extend(r.events);
+        merged.stray_writes.extend(r.stray_writes);
+        merged.bytes += r.bytes;
+        merged.chunks += r.chunks;
+        merged.batch_timings.extend(r.batch_timings);
+        merged.leftover_sessions += r.leftover_sessions;
+        merged.leftover_writes += r.leftover_writes;
+    }
+    merged
 }

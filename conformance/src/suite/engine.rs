@@ -244,6 +244,9 @@ pub struct RequestReport {
     pub mismatched_blocks: usize,
     /// Bytes the destination holds for this request that were compared.
     pub bytes_verified: u64,
+    /// Sender blocks whose bytes no longer match what prefill computed (checked with
+    /// [`Workload::verify_content`]).
+    pub source_blocks_changed: usize,
 }
 
 impl RequestReport {
@@ -272,7 +275,8 @@ pub struct RunReport {
     pub finished: Instant,
     /// Write batches' issue and report times.
     pub batch_timings: Vec<super::BatchTiming>,
-    /// Sessions left on the living endpoints after retiring every quiesced request.
+    /// Sessions (and registrations held for unopened requests) left on the living endpoints
+    /// after retiring every quiesced request.
     pub leftover_sessions: usize,
     /// Write batches still in flight at the end.
     pub leftover_writes: usize,
@@ -283,7 +287,10 @@ impl RunReport {
     pub fn verified(&self) -> bool {
         self.stray_writes.is_empty()
             && self.requests.iter().all(|r| {
-                r.sender.is_completed() && r.receiver.is_completed() && r.mismatched_blocks == 0
+                r.sender.is_completed()
+                    && r.receiver.is_completed()
+                    && r.mismatched_blocks == 0
+                    && r.source_blocks_changed == 0
             })
     }
 
@@ -293,7 +300,10 @@ impl RunReport {
         self.stray_writes.is_empty()
             && self.leftover_sessions == 0
             && self.leftover_writes == 0
-            && self.requests.iter().all(|r| r.mismatched_blocks == 0)
+            && self
+                .requests
+                .iter()
+                .all(|r| r.mismatched_blocks == 0 && r.source_blocks_changed == 0)
     }
 
     /// The report of `id`.
@@ -386,6 +396,7 @@ pub fn run_workload_with<H: Harness>(
                 receiver_completed_at: None,
                 mismatched_blocks: 0,
                 bytes_verified: 0,
+                source_blocks_changed: 0,
             },
             plan: p.clone(),
         })
@@ -630,7 +641,8 @@ pub fn run_workload_with<H: Harness>(
     collect(&mut link, &mut events, &mut states);
     let mut leftover_sessions = 0;
     if link.is_alive(Role::Sender) {
-        leftover_sessions += link.sender().session_count();
+        leftover_sessions +=
+            link.sender().session_count() + link.sender().pending_registration_count();
     }
     if link.is_alive(Role::Receiver) {
         leftover_sessions += link.receiver().session_count();
@@ -647,6 +659,11 @@ pub fn run_workload_with<H: Harness>(
     }
     let mut bytes = 0;
     for st in &mut states {
+        if w.verify_content {
+            // The transport only reads the sender's memory: its blocks still hold what prefill
+            // computed, whatever happened to the transfer.
+            st.report.source_blocks_changed = sender_cache.verify(st.plan.id).len();
+        }
         if let Outcome::Completed { bytes: b, aux } = &st.report.receiver {
             bytes += b;
             let id = st.plan.id;

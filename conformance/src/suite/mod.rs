@@ -9,7 +9,8 @@
 //!   and that every request ends [`Event::Quiesced`] on every living side;
 //! - every destination byte of a completed request against the sender's bytes, and against the
 //!   deterministic content the cache computed;
-//! - that nothing outside the blocks the receiver granted changed (failed requests included);
+//! - that nothing outside the blocks the receiver granted changed (failed requests included),
+//!   and that the sender's blocks still hold what prefill computed;
 //! - that nothing is left behind: no session, no write in flight.
 //!
 //! Transports run the suite with [`conformance_tests!`](crate::conformance_tests), which makes one
@@ -217,8 +218,8 @@ macro_rules! conformance_tests {
             sender_prefix_reuse, receiver_prefix_reuse, both_prefixes,
             windows_with_sinks, several_layer_groups, concurrent_requests,
             incremental_allocation, late_registration, cancel_mid_prefill_sender,
-            cancel_mid_prefill_receiver, sender_death, receiver_death, registration_timeout,
-            write_failure, write_timeout, duplicated_frames, delayed_frames, reordered_frames,
+            cancel_mid_prefill_receiver, cancel_before_registration, sender_death,
+            receiver_death, registration_timeout, write_failure, write_timeout, duplicated_frames, delayed_frames, reordered_frames,
             chaos, version_mismatch, monolithic_transfer
         );
     };

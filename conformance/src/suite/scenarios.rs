@@ -66,6 +66,12 @@ pub fn check_clean(report: &RunReport) -> Result<(), SuiteError> {
                 r.id, r.mismatched_blocks
             )));
         }
+        if r.source_blocks_changed != 0 {
+            return Err(SuiteError::Check(format!(
+                "{}: {} sender block(s) changed under the transfer",
+                r.id, r.source_blocks_changed
+            )));
+        }
         if r.sender.is_completed() != r.receiver.is_completed()
             && r.receiver.is_completed()
             && r.sender.is_end()
@@ -317,7 +323,8 @@ const SCENARIOS: &[Scenario] = &[
     },
     Scenario {
         name: "late_registration",
-        about: "the receiver registers after two chunks: queued slices are replayed in order",
+        about: "the receiver registers after two chunks, before the last, or after prefill: \
+                queued slices are replayed in order",
         needs: &[],
         build: || {
             let mut w = small(48, 8);
@@ -325,6 +332,11 @@ const SCENARIOS: &[Scenario] = &[
             w.requests.push(RequestPlan {
                 register_after_chunks: 5,
                 ..RequestPlan::new(2, 48, 8)
+            });
+            // Registered only after the whole prefill: every slice is replayed.
+            w.requests.push(RequestPlan {
+                register_after_chunks: u32::MAX,
+                ..RequestPlan::new(3, 30, 8)
             });
             w
         },
@@ -360,6 +372,31 @@ const SCENARIOS: &[Scenario] = &[
             }
             if !q.sender.is_end() {
                 return Err("the sender never learned of the cancel".into());
+            }
+            Ok(())
+        },
+    },
+    Scenario {
+        name: "cancel_before_registration",
+        about: "the prefill engine cancels before the receiver registered: the late registration \
+                is refused and both sides end",
+        needs: &[],
+        build: || {
+            let mut w = interrupted(Interrupt::Cancel(Role::Sender));
+            w.requests[0].interrupt = Some((0, Interrupt::Cancel(Role::Sender)));
+            w.requests[0].register_after_chunks = 3;
+            w.requests.push(RequestPlan::new(2, 24, 8));
+            w
+        },
+        check: |r| {
+            ended_not_completed(r, RequestId(1))?;
+            let q = &r.requests[0];
+            if !q.receiver.is_end() {
+                return Err("the receiver never learned of the cancel".into());
+            }
+            let other = &r.requests[1];
+            if !other.sender.is_completed() || !other.receiver.is_completed() {
+                return Err(format!("the other request did not complete: {other:?}"));
             }
             Ok(())
         },

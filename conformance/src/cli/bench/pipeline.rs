@@ -91,6 +91,7 @@ pub(crate) fn run(args: PipelineBenchArgs) -> Result<ExitCode, CliError> {
         sender_prefix: 0,
         receiver_prefix: 0,
         requests: 1,
+        ranks: 1,
         prefill_per_chunk: Duration::from_millis(args.prefill_ms_per_chunk),
         mode: TransferMode::Pipelined,
         corrupt_one_byte: false,

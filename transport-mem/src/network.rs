@@ -1,0 +1,907 @@
+//! [`MemNetwork`]: several sender and receiver endpoints in one process, every sender connected
+//! to every receiver by in-memory frame queues, write batches carried out by one copy worker —
+//! the core's run loop driven with real time. [`MemPair`](crate::MemPair) is its one-to-one
+//! special case.
+
+use std::collections::{HashMap, VecDeque};
+
+use kvpipe_core::session::{Output, UsageError, WriteBatchId};
+use kvpipe_core::wire::{Frame, TransferStatus};
+use kvpipe_core::{
+    Event, Instant, PeerId, Receiver, ReceiverConfig, ReceiverInput, RegionId, Sender,
+    SenderConfig, SenderInput,
+};
+use thiserror::Error;
+
+use crate::clock::Clock;
+use crate::copy::ResolvedBatch;
+use crate::faults::{FaultConfig, FaultCounts, FaultInjector};
+use crate::region::{RegionTable, RegionUse, RegistrationError};
+use crate::worker::{CopyWorker, Done, Job};
+
+/// One endpoint of a network: sender `i` or receiver `j`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Node {
+    /// Sender `i` (a prefill rank).
+    Sender(usize),
+    /// Receiver `j` (a decode rank).
+    Receiver(usize),
+}
+
+/// How receivers name sender `i`.
+pub fn sender_peer(i: usize) -> PeerId {
+    PeerId(1 + 2 * i as u32)
+}
+
+/// How senders name receiver `j`.
+pub fn receiver_peer(j: usize) -> PeerId {
+    PeerId(2 + 2 * j as u32)
+}
+
+fn sender_index(peer: PeerId) -> Option<usize> {
+    (peer.0 % 2 == 1).then(|| (peer.0 as usize - 1) / 2)
+}
+
+fn receiver_index(peer: PeerId) -> Option<usize> {
+    (peer.0 % 2 == 0 && peer.0 > 0).then(|| (peer.0 as usize - 2) / 2)
+}
+
+/// How a [`MemNetwork`] is set up.
+#[derive(Clone, Debug)]
+pub struct NetworkConfig {
+    /// One configuration per sender.
+    pub senders: Vec<SenderConfig>,
+    /// One configuration per receiver.
+    pub receivers: Vec<ReceiverConfig>,
+    /// Threads that copy one large write batch (the copy worker is one of them).
+    pub copy_threads: usize,
+    /// Batches of at least this many bytes are split over `copy_threads` threads.
+    pub parallel_threshold: u64,
+    /// Faults to inject (none by default).
+    pub faults: FaultConfig,
+}
+
+impl NetworkConfig {
+    /// The endpoints' configurations, copies on up to 4 threads for batches of 8 MiB or more,
+    /// no faults.
+    pub fn new(senders: Vec<SenderConfig>, receivers: Vec<ReceiverConfig>) -> Self {
+        let cores = std::thread::available_parallelism().map_or(1, usize::from);
+        NetworkConfig {
+            senders,
+            receivers,
+            copy_threads: cores.clamp(1, 4),
+            parallel_threshold: 8 << 20,
+            faults: FaultConfig::default(),
+        }
+    }
+}
+
+/// What a network has carried.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PairStats {
+    /// Frames encoded and queued.
+    pub frames: u64,
+    /// Their encoded bytes.
+    pub frame_bytes: u64,
+    /// Frames the codec refused to encode (not sent).
+    pub encode_errors: u64,
+    /// Frames that failed to decode (dropped).
+    pub decode_errors: u64,
+    /// Frames addressed to a peer id no endpoint has (dropped).
+    pub misaddressed: u64,
+    /// Write batches executed.
+    pub batches: u64,
+    /// Bytes copied by write batches.
+    pub bytes_copied: u64,
+    /// Write batches that failed.
+    pub failed_batches: u64,
+}
+
+/// When one write batch was handed to the copy worker and when its outcome was reported.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BatchTiming {
+    /// The sender that issued it.
+    pub sender: usize,
+    /// The receiver it wrote to.
+    pub receiver: usize,
+    /// The batch.
+    pub batch: WriteBatchId,
+    /// Bytes in the batch.
+    pub bytes: u64,
+    /// When the sender asked for it.
+    pub issued: Instant,
+    /// When the copy worker began copying it.
+    pub copy_started: Instant,
+    /// When the copy worker finished copying it.
+    pub copy_finished: Instant,
+    /// When its outcome was reported to the sender.
+    pub reported: Instant,
+}
+
+/// Why driving stopped.
+#[derive(Clone, Debug, PartialEq, Eq, Error)]
+pub enum DriveError {
+    /// The transport fed an endpoint an input it refused (a driver bug).
+    #[error("{node:?} refused the driver's input: {error}")]
+    Usage {
+        /// The endpoint.
+        node: Node,
+        /// Its error.
+        error: UsageError,
+    },
+    /// No such endpoint.
+    #[error("the network has no {0:?}")]
+    NoSuchNode(Node),
+    /// The condition did not hold before the time limit.
+    #[error("nothing satisfied the wait within {waited_ms} ms")]
+    Stalled {
+        /// How long it waited.
+        waited_ms: u64,
+    },
+    /// The endpoints kept producing work without time passing.
+    #[error("the endpoints did not settle after {0} steps")]
+    Livelock(u64),
+    /// The copy worker did not report in-flight batches in time.
+    #[error("{0} write batch(es) were still in flight after the wait")]
+    WritesStuck(usize),
+}
+
+#[derive(Debug)]
+struct QueuedFrame {
+    deliver_at: Instant,
+    bytes: Vec<u8>,
+}
+
+#[derive(Debug, Default)]
+struct LinkState {
+    connected: bool,
+    to_receiver: VecDeque<QueuedFrame>,
+    to_sender: VecDeque<QueuedFrame>,
+    in_flight: usize,
+}
+
+/// Longest the driver waits for the copy worker when a connection is torn down.
+const DRAIN_LIMIT: std::time::Duration = std::time::Duration::from_secs(30);
+/// Steps of one [`MemNetwork::pump`] before it reports a livelock.
+const MAX_STEPS: u64 = 1 << 22;
+
+/// Senders and receivers in one process (see the module doc).
+///
+/// Usage: register every endpoint's memory, [`connect_all`](Self::connect_all), then issue
+/// engine commands through [`sender_mut`](Self::sender_mut) /
+/// [`receiver_mut`](Self::receiver_mut) with [`now`](Self::now), and call
+/// [`pump`](Self::pump) (non-blocking) or [`drive_until`](Self::drive_until) (bounded). Events
+/// of every endpoint are collected in order ([`take_events`](Self::take_events)).
+#[derive(Debug)]
+pub struct MemNetwork {
+    clock: Clock,
+    senders: Vec<Sender>,
+    receivers: Vec<Receiver>,
+    sender_regions: Vec<RegionTable>,
+    receiver_regions: Vec<RegionTable>,
+    links: Vec<LinkState>,
+    sender_alive: Vec<bool>,
+    receiver_alive: Vec<bool>,
+    worker: CopyWorker,
+    in_flight: usize,
+    reports: VecDeque<Done>,
+    /// Reports held back by a stall fault, with their release time.
+    held: Vec<(Instant, Done)>,
+    /// Batches whose report is to be held, with how long.
+    stalls: HashMap<(usize, WriteBatchId), kvpipe_core::Duration>,
+    issued: HashMap<(usize, WriteBatchId), (u64, Instant)>,
+    timings: Vec<BatchTiming>,
+    faults: FaultInjector,
+    events: VecDeque<(Node, Instant, Event)>,
+    stats: PairStats,
+}
+
+impl MemNetwork {
+    /// A network with no memory registered and no connection yet.
+    pub fn new(config: NetworkConfig) -> Self {
+        let clock = Clock::new();
+        let (s, r) = (config.senders.len(), config.receivers.len());
+        MemNetwork {
+            clock,
+            senders: config.senders.into_iter().map(Sender::new).collect(),
+            receivers: config.receivers.into_iter().map(Receiver::new).collect(),
+            sender_regions: (0..s).map(|_| RegionTable::new()).collect(),
+            receiver_regions: (0..r).map(|_| RegionTable::new()).collect(),
+            links: (0..s * r).map(|_| LinkState::default()).collect(),
+            sender_alive: vec![true; s],
+            receiver_alive: vec![true; r],
+            worker: CopyWorker::spawn(clock, config.copy_threads, config.parallel_threshold),
+            in_flight: 0,
+            reports: VecDeque::new(),
+            held: Vec::new(),
+            stalls: HashMap::new(),
+            issued: HashMap::new(),
+            timings: Vec::new(),
+            faults: FaultInjector::new(config.faults),
+            events: VecDeque::new(),
+            stats: PairStats::default(),
+        }
+    }
+
+    fn link(&self, s: usize, r: usize) -> usize {
+        s * self.receivers.len() + r
+    }
+
+    // ----- memory -----
+
+    /// Registers host memory of `node` as region `id`.
+    ///
+    /// # Safety
+    ///
+    /// The contract of [`RegionTable::register_host`]: the memory stays valid until the region
+    /// is deregistered or the network is dropped, and the engine leaves the bytes of pinned
+    /// blocks alone until the sessions report [`Event::Quiesced`].
+    pub unsafe fn register_host(
+        &mut self,
+        node: Node,
+        id: RegionId,
+        usage: RegionUse,
+        ptr: *mut u8,
+        len: usize,
+    ) -> Result<(), RegistrationError> {
+        let table = self
+            .regions_mut(node)
+            .ok_or(RegistrationError::NotRegistered(id))?;
+        // SAFETY: forwarded; the caller upholds the contract.
+        unsafe { table.register_host(id, usage, ptr, len) }
+    }
+
+    /// Removes a region; refused while a write batch may still touch it.
+    pub fn deregister(&mut self, node: Node, id: RegionId) -> Result<(), RegistrationError> {
+        self.regions_mut(node)
+            .ok_or(RegistrationError::NotRegistered(id))?
+            .deregister(id)
+    }
+
+    /// The regions of `node`.
+    pub fn regions(&self, node: Node) -> Option<&RegionTable> {
+        match node {
+            Node::Sender(i) => self.sender_regions.get(i),
+            Node::Receiver(j) => self.receiver_regions.get(j),
+        }
+    }
+
+    fn regions_mut(&mut self, node: Node) -> Option<&mut RegionTable> {
+        match node {
+            Node::Sender(i) => self.sender_regions.get_mut(i),
+            Node::Receiver(j) => self.receiver_regions.get_mut(j),
+        }
+    }
+
+    // ----- getters -----
+
+    /// The current time on the network's clock.
+    pub fn now(&self) -> Instant {
+        self.clock.now()
+    }
+
+    /// The network's clock.
+    pub fn clock(&self) -> &Clock {
+        &self.clock
+    }
+
+    /// Number of senders.
+    pub fn sender_count(&self) -> usize {
+        self.senders.len()
+    }
+
+    /// Number of receivers.
+    pub fn receiver_count(&self) -> usize {
+        self.receivers.len()
+    }
+
+    /// Sender `i`. Panics if there is none (a caller bug).
+    pub fn sender(&self, i: usize) -> &Sender {
+        &self.senders[i]
+    }
+
+    /// Sender `i`, for engine commands; call [`pump`](Self::pump) afterwards. Panics if there
+    /// is none.
+    pub fn sender_mut(&mut self, i: usize) -> &mut Sender {
+        &mut self.senders[i]
+    }
+
+    /// Receiver `j`. Panics if there is none (a caller bug).
+    pub fn receiver(&self, j: usize) -> &Receiver {
+        &self.receivers[j]
+    }
+
+    /// Receiver `j`, for engine commands; call [`pump`](Self::pump) afterwards. Panics if
+    /// there is none.
+    pub fn receiver_mut(&mut self, j: usize) -> &mut Receiver {
+        &mut self.receivers[j]
+    }
+
+    /// What the network carried.
+    pub fn stats(&self) -> PairStats {
+        self.stats
+    }
+
+    /// Faults injected so far.
+    pub fn fault_counts(&self) -> FaultCounts {
+        self.faults.counts
+    }
+
+    /// Write batches handed to the copy worker and not reported yet.
+    pub fn writes_in_flight(&self) -> usize {
+        self.in_flight
+    }
+
+    /// Issue and report times of every write batch so far, in report order.
+    pub fn batch_timings(&self) -> &[BatchTiming] {
+        &self.timings
+    }
+
+    /// Whether sender `s` and receiver `r` are connected.
+    pub fn is_connected(&self, s: usize, r: usize) -> bool {
+        s < self.senders.len() && r < self.receivers.len() && self.links[self.link(s, r)].connected
+    }
+
+    /// Whether `node` exists and is alive (not [killed](Self::kill)).
+    pub fn is_alive(&self, node: Node) -> bool {
+        match node {
+            Node::Sender(i) => self.sender_alive.get(i).copied().unwrap_or(false),
+            Node::Receiver(j) => self.receiver_alive.get(j).copied().unwrap_or(false),
+        }
+    }
+
+    /// Takes the events every endpoint reported since the last call, in order, with the time
+    /// each was drained.
+    pub fn take_events(&mut self) -> Vec<(Node, Instant, Event)> {
+        self.events.drain(..).collect()
+    }
+
+    // ----- connections -----
+
+    /// Connects sender `s` and receiver `r` (both start their handshake).
+    pub fn connect(&mut self, s: usize, r: usize) -> Result<(), DriveError> {
+        if s >= self.senders.len() {
+            return Err(DriveError::NoSuchNode(Node::Sender(s)));
+        }
+        if r >= self.receivers.len() {
+            return Err(DriveError::NoSuchNode(Node::Receiver(r)));
+        }
+        if !self.sender_alive[s] || !self.receiver_alive[r] {
+            return Ok(());
+        }
+        let now = self.now();
+        let l = self.link(s, r);
+        self.links[l].connected = true;
+        self.senders[s]
+            .handle_input(SenderInput::PeerConnected {
+                now,
+                peer: receiver_peer(r),
+            })
+            .map_err(usage(Node::Sender(s)))?;
+        self.receivers[r]
+            .handle_input(ReceiverInput::PeerConnected {
+                now,
+                peer: sender_peer(s),
+            })
+            .map_err(usage(Node::Receiver(r)))?;
+        self.pump()
+    }
+
+    /// Connects every sender to every receiver.
+    pub fn connect_all(&mut self) -> Result<(), DriveError> {
+        for s in 0..self.senders.len() {
+            for r in 0..self.receivers.len() {
+                self.connect(s, r)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Kills `node` as if its process died: it takes no more input, its frames vanish, and
+    /// every endpoint connected to it learns the connection is lost once no write can still
+    /// land.
+    pub fn kill(&mut self, node: Node) -> Result<(), DriveError> {
+        let links: Vec<(usize, usize)> = match node {
+            Node::Sender(s) if s < self.senders.len() => {
+                self.sender_alive[s] = false;
+                (0..self.receivers.len()).map(|r| (s, r)).collect()
+            }
+            Node::Receiver(r) if r < self.receivers.len() => {
+                self.receiver_alive[r] = false;
+                (0..self.senders.len()).map(|s| (s, r)).collect()
+            }
+            _ => return Err(DriveError::NoSuchNode(node)),
+        };
+        for (s, r) in links {
+            self.disconnect(s, r)?;
+        }
+        Ok(())
+    }
+
+    /// Tears the connection between sender `s` and receiver `r` down: waits (bounded) for its
+    /// in-flight write batches, reports them, then reports the disconnect to both ends if alive.
+    fn disconnect(&mut self, s: usize, r: usize) -> Result<(), DriveError> {
+        let l = self.link(s, r);
+        if !self.links[l].connected {
+            return Ok(());
+        }
+        self.links[l].connected = false;
+        self.links[l].to_receiver.clear();
+        self.links[l].to_sender.clear();
+        let deadline = std::time::Instant::now() + DRAIN_LIMIT;
+        let pending = |net: &Self| {
+            net.links[l].in_flight
+                > net
+                    .reports
+                    .iter()
+                    .chain(net.held.iter().map(|(_, d)| d))
+                    .filter(|d| d.sender == s && d.receiver == r)
+                    .count()
+        };
+        while pending(self) {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            match self.worker.done.recv_timeout(left) {
+                Ok(done) => self.reports.push_back(done),
+                Err(_) => return Err(DriveError::WritesStuck(self.links[l].in_flight)),
+            }
+        }
+        // Tearing the connection down ends the link's stalls: the bytes have landed.
+        let (released, kept): (Vec<_>, Vec<_>) = self
+            .held
+            .drain(..)
+            .partition(|(_, d)| d.sender == s && d.receiver == r);
+        self.held = kept;
+        self.reports.extend(released.into_iter().map(|(_, d)| d));
+        self.stalls.retain(|(sender, _), _| *sender != s);
+        self.report_writes()?;
+        let now = self.now();
+        if self.sender_alive[s] {
+            self.senders[s]
+                .handle_input(SenderInput::PeerDisconnected {
+                    now,
+                    peer: receiver_peer(r),
+                })
+                .map_err(usage(Node::Sender(s)))?;
+        }
+        if self.receiver_alive[r] {
+            self.receivers[r]
+                .handle_input(ReceiverInput::PeerDisconnected {
+                    now,
+                    peer: sender_peer(s),
+                })
+                .map_err(usage(Node::Receiver(r)))?;
+        }
+        Ok(())
+    }
+
+    // ----- the run loop -----
+
+    /// Does everything that can be done now without blocking: reports finished write batches,
+    /// fires due timers, delivers due frames and carries out the endpoints' outputs, until
+    /// nothing is left.
+    pub fn pump(&mut self) -> Result<(), DriveError> {
+        for _ in 0..MAX_STEPS {
+            let mut progressed = false;
+            while let Ok(done) = self.worker.done.try_recv() {
+                self.accept_report(done);
+            }
+            let now = self.now();
+            let mut i = 0;
+            while i < self.held.len() {
+                if self.held[i].0 <= now {
+                    let (_, done) = self.held.swap_remove(i);
+                    self.reports.push_back(done);
+                } else {
+                    i += 1;
+                }
+            }
+            progressed |= self.report_writes()?;
+            let now = self.now();
+            for s in 0..self.senders.len() {
+                if self.sender_alive[s]
+                    && self.senders[s].poll_timeout().is_some_and(|at| at <= now)
+                {
+                    self.senders[s]
+                        .handle_input(SenderInput::Timeout { now })
+                        .map_err(usage(Node::Sender(s)))?;
+                    progressed = true;
+                }
+            }
+            for r in 0..self.receivers.len() {
+                if self.receiver_alive[r]
+                    && self.receivers[r].poll_timeout().is_some_and(|at| at <= now)
+                {
+                    self.receivers[r]
+                        .handle_input(ReceiverInput::Timeout { now })
+                        .map_err(usage(Node::Receiver(r)))?;
+                    progressed = true;
+                }
+            }
+            progressed |= self.deliver(now)?;
+            progressed |= self.drain_outputs(now)?;
+            if !progressed {
+                return Ok(());
+            }
+        }
+        Err(DriveError::Livelock(MAX_STEPS))
+    }
+
+    /// When something is due next without outside input: a timer, a delayed frame or a stalled
+    /// write report.
+    pub fn next_wake(&mut self) -> Option<Instant> {
+        let mut next: Option<Instant> = None;
+        let mut consider = |at: Option<Instant>| {
+            if let Some(at) = at {
+                next = Some(next.map_or(at, |n| n.min(at)));
+            }
+        };
+        for (s, sender) in self.senders.iter_mut().enumerate() {
+            if self.sender_alive[s] {
+                consider(sender.poll_timeout());
+            }
+        }
+        for (r, receiver) in self.receivers.iter_mut().enumerate() {
+            if self.receiver_alive[r] {
+                consider(receiver.poll_timeout());
+            }
+        }
+        for link in &self.links {
+            consider(link.to_receiver.front().map(|f| f.deliver_at));
+            consider(link.to_sender.front().map(|f| f.deliver_at));
+        }
+        for (at, _) in &self.held {
+            consider(Some(*at));
+        }
+        next
+    }
+
+    /// Blocks until a write batch finishes, a timer, delayed frame or stalled report is due, or
+    /// `max` passed — whichever comes first. Never blocks longer than `max`.
+    pub fn wait(&mut self, max: std::time::Duration) {
+        let mut limit = max;
+        if let Some(at) = self.next_wake() {
+            limit = limit.min(self.clock.until(at));
+        }
+        if !self.reports.is_empty() || limit.is_zero() {
+            return;
+        }
+        if self.in_flight > self.held.len() {
+            if let Ok(done) = self.worker.done.recv_timeout(limit) {
+                self.accept_report(done);
+            }
+        } else {
+            std::thread::sleep(limit);
+        }
+    }
+
+    /// Pumps and waits until `done(self)` holds, for at most `limit`.
+    pub fn drive_until(
+        &mut self,
+        limit: std::time::Duration,
+        mut done: impl FnMut(&mut Self) -> bool,
+    ) -> Result<(), DriveError> {
+        let start = std::time::Instant::now();
+        loop {
+            self.pump()?;
+            if done(self) {
+                return Ok(());
+            }
+            let elapsed = start.elapsed();
+            if elapsed >= limit {
+                return Err(DriveError::Stalled {
+                    waited_ms: elapsed.as_millis() as u64,
+                });
+            }
+            self.wait((limit - elapsed).min(std::time::Duration::from_millis(50)));
+        }
+    }
+
+    // ----- internals -----
+
+    /// Takes a report from the copy worker: queued for the sender, or held if the batch stalls.
+    fn accept_report(&mut self, done: Done) {
+        match self.stalls.remove(&(done.sender, done.batch)) {
+            Some(d) => self.held.push((self.clock.now() + d, done)),
+            None => self.reports.push_back(done),
+        }
+    }
+
+    /// Reports finished write batches to their senders.
+    fn report_writes(&mut self) -> Result<bool, DriveError> {
+        let mut any = false;
+        while let Some(done) = self.reports.pop_front() {
+            any = true;
+            self.in_flight -= 1;
+            let l = self.link(done.sender, done.receiver);
+            self.links[l].in_flight -= 1;
+            self.stats.batches += 1;
+            if let Some((bytes, issued)) = self.issued.remove(&(done.sender, done.batch)) {
+                self.timings.push(BatchTiming {
+                    sender: done.sender,
+                    receiver: done.receiver,
+                    batch: done.batch,
+                    bytes,
+                    issued,
+                    copy_started: done.started,
+                    copy_finished: done.finished,
+                    reported: self.clock.now(),
+                });
+            }
+            if done.status == TransferStatus::Success {
+                self.stats.bytes_copied += done.bytes;
+            } else {
+                self.stats.failed_batches += 1;
+            }
+            if !self.sender_alive[done.sender] {
+                continue;
+            }
+            let now = self.now();
+            let input = if done.status == TransferStatus::Success {
+                SenderInput::WritesCompleted {
+                    now,
+                    batch: done.batch,
+                }
+            } else {
+                SenderInput::WritesFailed {
+                    now,
+                    batch: done.batch,
+                    status: done.status,
+                }
+            };
+            self.senders[done.sender]
+                .handle_input(input)
+                .map_err(usage(Node::Sender(done.sender)))?;
+        }
+        Ok(any)
+    }
+
+    /// Delivers every frame that is due, on every link.
+    fn deliver(&mut self, now: Instant) -> Result<bool, DriveError> {
+        let mut any = false;
+        let receivers = self.receivers.len();
+        for l in 0..self.links.len() {
+            let (s, r) = (l / receivers, l % receivers);
+            while self.links[l]
+                .to_receiver
+                .front()
+                .is_some_and(|f| f.deliver_at <= now)
+            {
+                let f = self.links[l].to_receiver.pop_front().expect("checked");
+                any = true;
+                if let Some(frame) = self.decode(&f.bytes) {
+                    if self.receiver_alive[r] {
+                        self.receivers[r]
+                            .handle_input(ReceiverInput::FrameReceived {
+                                now,
+                                peer: sender_peer(s),
+                                frame,
+                            })
+                            .map_err(usage(Node::Receiver(r)))?;
+                    }
+                }
+            }
+            while self.links[l]
+                .to_sender
+                .front()
+                .is_some_and(|f| f.deliver_at <= now)
+            {
+                let f = self.links[l].to_sender.pop_front().expect("checked");
+                any = true;
+                if let Some(frame) = self.decode(&f.bytes) {
+                    if self.sender_alive[s] {
+                        self.senders[s]
+                            .handle_input(SenderInput::FrameReceived {
+                                now,
+                                peer: receiver_peer(r),
+                                frame,
+                            })
+                            .map_err(usage(Node::Sender(s)))?;
+                    }
+                }
+            }
+        }
+        Ok(any)
+    }
+
+    fn decode(&mut self, bytes: &[u8]) -> Option<Frame> {
+        match Frame::parse(bytes) {
+            Ok((frame, n)) if n == bytes.len() => Some(frame),
+            _ => {
+                self.stats.decode_errors += 1;
+                None
+            }
+        }
+    }
+
+    /// Carries out every output every endpoint has queued.
+    fn drain_outputs(&mut self, now: Instant) -> Result<bool, DriveError> {
+        let mut any = false;
+        let mut close = Vec::new();
+        for s in 0..self.senders.len() {
+            while self.sender_alive[s] {
+                let Some(out) = self.senders[s].poll_output() else {
+                    break;
+                };
+                any = true;
+                match out {
+                    Output::Transmit { peer, frame } => match receiver_index(peer) {
+                        Some(r) if r < self.receivers.len() => {
+                            self.transmit(s, r, true, now, &frame);
+                        }
+                        _ => self.stats.misaddressed += 1,
+                    },
+                    Output::ExecuteWrites {
+                        peer, batch, plan, ..
+                    } => self.execute(now, s, peer, batch, &plan)?,
+                    Output::ClosePeer { peer, .. } => {
+                        if let Some(r) = receiver_index(peer).filter(|&r| r < self.receivers.len())
+                        {
+                            close.push((s, r));
+                        }
+                    }
+                    Output::Event(e) => {
+                        let at = self.clock.now();
+                        self.events.push_back((Node::Sender(s), at, e));
+                    }
+                }
+            }
+        }
+        for r in 0..self.receivers.len() {
+            while self.receiver_alive[r] {
+                let Some(out) = self.receivers[r].poll_output() else {
+                    break;
+                };
+                any = true;
+                match out {
+                    Output::Transmit { peer, frame } => match sender_index(peer) {
+                        Some(s) if s < self.senders.len() => {
+                            self.transmit(s, r, false, now, &frame);
+                        }
+                        _ => self.stats.misaddressed += 1,
+                    },
+                    // A receiver never writes; nothing to carry out.
+                    Output::ExecuteWrites { .. } => {}
+                    Output::ClosePeer { peer, .. } => {
+                        if let Some(s) = sender_index(peer).filter(|&s| s < self.senders.len()) {
+                            close.push((s, r));
+                        }
+                    }
+                    Output::Event(e) => {
+                        let at = self.clock.now();
+                        self.events.push_back((Node::Receiver(r), at, e));
+                    }
+                }
+            }
+        }
+        for (s, r) in close {
+            self.disconnect(s, r)?;
+        }
+        Ok(any)
+    }
+
+    /// Encodes `frame` with the wire codec and queues it on the link between sender `s` and
+    /// receiver `r`, towards the receiver if `to_receiver`.
+    fn transmit(&mut self, s: usize, r: usize, to_receiver: bool, now: Instant, frame: &Frame) {
+        let l = self.link(s, r);
+        let to_alive = if to_receiver {
+            self.receiver_alive[r]
+        } else {
+            self.sender_alive[s]
+        };
+        if !self.links[l].connected || !to_alive {
+            return;
+        }
+        let Ok(bytes) = frame.to_vec() else {
+            // A frame the codec cannot encode never leaves (the core builds only valid ones).
+            self.stats.encode_errors += 1;
+            return;
+        };
+        self.stats.frames += 1;
+        self.stats.frame_bytes += bytes.len() as u64;
+        let handshake = matches!(
+            frame,
+            Frame::Hello(_) | Frame::HelloAccept(_) | Frame::HelloReject(_)
+        );
+        let fate = self.faults.frame(handshake);
+        if fate.drop {
+            return;
+        }
+        let queue = if to_receiver {
+            &mut self.links[l].to_receiver
+        } else {
+            &mut self.links[l].to_sender
+        };
+        // A delay holds back this frame and every later one (a slow link keeps its order);
+        // only a reordered frame overtakes the frame queued before it.
+        let after_last = queue.back().map_or(now, |f| f.deliver_at);
+        let mut deliver_at = (now + fate.delay).max(after_last);
+        let copies = if fate.duplicate { 2 } else { 1 };
+        for _ in 0..copies {
+            let mut at = queue.len();
+            if fate.reorder && at > 0 {
+                at -= 1;
+                deliver_at = queue[at].deliver_at;
+            }
+            queue.insert(
+                at,
+                QueuedFrame {
+                    deliver_at,
+                    bytes: bytes.clone(),
+                },
+            );
+        }
+    }
+
+    /// Hands a write batch of sender `s` to the copy worker (or fails it at once if it cannot
+    /// be resolved).
+    fn execute(
+        &mut self,
+        now: Instant,
+        s: usize,
+        peer: PeerId,
+        batch: WriteBatchId,
+        plan: &kvpipe_core::WritePlan,
+    ) -> Result<(), DriveError> {
+        let fail_now = |net: &mut Self| {
+            net.stats.failed_batches += 1;
+            net.senders[s]
+                .handle_input(SenderInput::WritesFailed {
+                    now,
+                    batch,
+                    status: TransferStatus::WriteFailed,
+                })
+                .map_err(usage(Node::Sender(s)))
+        };
+        let Some(r) = receiver_index(peer).filter(|&r| r < self.receivers.len()) else {
+            return fail_now(self);
+        };
+        let l = self.link(s, r);
+        if !self.links[l].connected || !self.receiver_alive[r] {
+            return fail_now(self);
+        }
+        let mut writes = match ResolvedBatch::resolve(
+            plan,
+            &self.sender_regions[s],
+            &self.receiver_regions[r],
+        ) {
+            Ok(w) => w,
+            Err(_) => return fail_now(self),
+        };
+        let (fails, stall) = self.faults.batch();
+        if let Some(d) = stall {
+            self.stalls.insert((s, batch), d);
+        }
+        let fail = if fails {
+            writes.truncate_half();
+            Some(TransferStatus::WriteFailed)
+        } else {
+            None
+        };
+        self.in_flight += 1;
+        self.links[l].in_flight += 1;
+        self.issued.insert((s, batch), (writes.bytes(), now));
+        self.worker.submit(Job {
+            batch,
+            sender: s,
+            receiver: r,
+            writes,
+            fail,
+        });
+        Ok(())
+    }
+}
+
+impl Drop for MemNetwork {
+    fn drop(&mut self) {
+        // The worker field is dropped after this: it finishes its batches and joins, so no
+        // copy outlives the network.
+        for link in &mut self.links {
+            link.to_receiver.clear();
+            link.to_sender.clear();
+        }
+    }
+}
+
+fn usage(node: Node) -> impl Fn(UsageError) -> DriveError {
+    move |error| DriveError::Usage { node, error }
+}
