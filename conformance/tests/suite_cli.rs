@@ -170,7 +170,7 @@ fn demo_command_prints_a_table() {
 
 #[test]
 fn other_transports_give_a_clear_error() {
-    let (ok, _, err) = kvpipe(&["demo", "--transport", "tcp"]);
+    let (ok, _, err) = kvpipe(&["demo", "--transport", "ibverbs"]);
     assert!(!ok);
     assert!(err.contains("--transport mem"), "{err}");
     let (ok, _, err) = kvpipe(&["demo", "--model", "gpt5"]);

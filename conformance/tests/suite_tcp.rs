@@ -4,9 +4,14 @@
 use kvpipe_conformance::suite::TcpHarness;
 
 mod one_connection {
-    kvpipe_conformance::conformance_tests!(super::TcpHarness { connections: 1 });
+    kvpipe_conformance::conformance_tests!(super::TcpHarness::blocking(1));
 }
 
 mod three_connections {
-    kvpipe_conformance::conformance_tests!(super::TcpHarness { connections: 3 });
+    kvpipe_conformance::conformance_tests!(super::TcpHarness::blocking(3));
+}
+
+#[cfg(feature = "tokio")]
+mod tokio_two_connections {
+    kvpipe_conformance::conformance_tests!(super::TcpHarness::tokio(2));
 }

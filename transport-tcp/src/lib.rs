@@ -28,6 +28,7 @@
 //! | feature | what it enables |
 //! |---|---|
 //! | *(default)* | the blocking driver ([`TcpSender`], [`TcpReceiver`]): std sockets and threads. |
+//! | `tokio` | the async driver (`tokio_driver::{TcpSender, TcpReceiver}`): the same node with each connection's reader and writer as tasks on a tokio runtime. |
 //!
 //! Memory is registered as [`MemoryRegion`]s (owned buffers, or foreign memory through
 //! [`MemoryRegion::from_raw_parts`]); see the [`memory`] module for the pinning contract.
@@ -40,6 +41,8 @@ pub mod memory;
 mod pieces;
 pub mod preamble;
 mod stats;
+#[cfg(feature = "tokio")]
+pub mod tokio_driver;
 
 pub use blocking::{EndpointGuard, TcpReceiver, TcpSender};
 pub use config::TcpConfig;

@@ -168,9 +168,7 @@ pub(crate) fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
         bar.set_position(done);
     };
     let (summary, _report) = if args.transport == "tcp" {
-        let harness = TcpHarness {
-            connections: args.connections.clamp(1, 255),
-        };
+        let harness = TcpHarness::blocking(args.connections.clamp(1, 255));
         run_demo(&harness, &config, progress)?
     } else {
         run_demo(&harness, &config, progress)?

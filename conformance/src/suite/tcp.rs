@@ -18,11 +18,35 @@ use crate::cache::ReferenceCache;
 pub struct TcpHarness {
     /// Connections per peer.
     pub connections: usize,
+    /// Run the nodes on the async driver (a two-worker tokio runtime owned by the link) instead
+    /// of the blocking one.
+    #[cfg(feature = "tokio")]
+    pub tokio: bool,
+}
+
+impl TcpHarness {
+    /// The blocking driver with `connections` connections per peer.
+    pub fn blocking(connections: usize) -> Self {
+        TcpHarness {
+            connections,
+            #[cfg(feature = "tokio")]
+            tokio: false,
+        }
+    }
+
+    /// The async driver with `connections` connections per peer.
+    #[cfg(feature = "tokio")]
+    pub fn tokio(connections: usize) -> Self {
+        TcpHarness {
+            connections,
+            tokio: true,
+        }
+    }
 }
 
 impl Default for TcpHarness {
     fn default() -> Self {
-        TcpHarness { connections: 2 }
+        TcpHarness::blocking(2)
     }
 }
 
@@ -35,6 +59,10 @@ pub struct TcpLink {
     sender_peer: PeerId,
     receiver_peer: PeerId,
     origin: std::time::Instant,
+    /// The async driver's runtime (dropped last, after both nodes; only held).
+    #[cfg(feature = "tokio")]
+    #[allow(dead_code)]
+    runtime: Option<tokio::runtime::Runtime>,
 }
 
 fn transport(e: impl std::fmt::Display) -> LinkError {
@@ -62,6 +90,10 @@ impl Harness for TcpHarness {
     type Link = TcpLink;
 
     fn name(&self) -> &'static str {
+        #[cfg(feature = "tokio")]
+        if self.tokio {
+            return "tcp (tokio)";
+        }
         "tcp"
     }
 
@@ -90,10 +122,46 @@ impl Harness for TcpHarness {
         // SAFETY: the caller keeps both caches alive and unmoved while the link lives.
         let (tx_regions, rx_regions) =
             unsafe { (regions_of(sender_cache), regions_of(receiver_cache)) };
-        let rx = TcpReceiver::new(receiver, tcp.clone(), rx_regions);
-        let addr = rx.listen("127.0.0.1:0").map_err(transport)?;
-        let tx = TcpSender::new(sender, tcp, tx_regions);
-        let receiver_peer = tx.connect(addr).map_err(transport)?;
+        #[cfg(feature = "tokio")]
+        let runtime = if self.tokio {
+            Some(
+                tokio::runtime::Builder::new_multi_thread()
+                    .worker_threads(2)
+                    .enable_all()
+                    .build()
+                    .map_err(transport)?,
+            )
+        } else {
+            None
+        };
+        #[cfg(feature = "tokio")]
+        let (tx, rx, receiver_peer) = if let Some(rt) = &runtime {
+            use kvpipe_tcp::tokio_driver;
+            let rx = tokio_driver::TcpReceiver::new(
+                receiver,
+                tcp.clone(),
+                rx_regions,
+                rt.handle().clone(),
+            );
+            let addr = rx.listen("127.0.0.1:0").map_err(transport)?;
+            let tx = tokio_driver::TcpSender::new(sender, tcp, tx_regions, rt.handle().clone());
+            let peer = rt.block_on(tx.connect(addr)).map_err(transport)?;
+            (tx.into_inner(), rx.into_inner(), peer)
+        } else {
+            let rx = TcpReceiver::new(receiver, tcp.clone(), rx_regions);
+            let addr = rx.listen("127.0.0.1:0").map_err(transport)?;
+            let tx = TcpSender::new(sender, tcp, tx_regions);
+            let peer = tx.connect(addr).map_err(transport)?;
+            (tx, rx, peer)
+        };
+        #[cfg(not(feature = "tokio"))]
+        let (tx, rx, receiver_peer) = {
+            let rx = TcpReceiver::new(receiver, tcp.clone(), rx_regions);
+            let addr = rx.listen("127.0.0.1:0").map_err(transport)?;
+            let tx = TcpSender::new(sender, tcp, tx_regions);
+            let peer = tx.connect(addr).map_err(transport)?;
+            (tx, rx, peer)
+        };
         let start = std::time::Instant::now();
         // A node numbers its peers from 0 in the order they connect: the receiver's first
         // accepted connection is the sender (it may already be gone after a rejected handshake).
@@ -114,6 +182,8 @@ impl Harness for TcpHarness {
             sender_peer,
             receiver_peer,
             origin,
+            #[cfg(feature = "tokio")]
+            runtime,
         })
     }
 }
@@ -232,5 +302,8 @@ impl Link for TcpLink {
 impl Drop for TcpLink {
     fn drop(&mut self) {
         self.release();
+        // Both nodes stop before the runtime their connections may run on.
+        self.tx = None;
+        self.rx = None;
     }
 }

@@ -33,9 +33,9 @@ pub(crate) enum Job {
 }
 
 /// Pieces per `write_vectored` call (two slices each).
-const PIECES_PER_CALL: usize = 64;
+pub(crate) const PIECES_PER_CALL: usize = 64;
 /// Scratch buffer for draining refused or late payloads.
-const DRAIN_CHUNK: usize = 64 << 10;
+pub(crate) const DRAIN_CHUNK: usize = 64 << 10;
 
 fn is_timeout(e: &io::Error) -> bool {
     matches!(
@@ -141,36 +141,8 @@ fn data_write<E: Endpoint>(
     scratch: &mut [u8],
     closing: &AtomicBool,
 ) -> bool {
-    let verdict = {
-        let mut st = node.lock();
-        match st.peers.get(&peer) {
-            None => return false,
-            Some(l) if l.untrusted => return false,
-            Some(_) => {}
-        }
-        if !st.endpoint.is_peer_ready(peer) {
-            WriteVerdict::Refuse(WriteRefusal::BeforeHandshake(peer))
-        } else {
-            match st.grants.check(peer, &w) {
-                WriteVerdict::Apply(revoked)
-                    if !node
-                        .regions
-                        .get(w.region)
-                        .is_some_and(|r| r.contains(w.offset, w.len)) =>
-                {
-                    // Granted by the layout but not backed by registered memory.
-                    if let Some(g) = st.grants.entries.get_mut(&w.request) {
-                        g.inside = g.inside.saturating_sub(1);
-                    }
-                    drop(revoked);
-                    WriteVerdict::Refuse(WriteRefusal::UnknownRegion {
-                        request: w.request,
-                        region: w.region,
-                    })
-                }
-                v => v,
-            }
-        }
+    let Some(verdict) = verdict(node, peer, &w) else {
+        return false;
     };
     match verdict {
         WriteVerdict::Apply(revoked) => {
@@ -225,27 +197,67 @@ fn data_write<E: Endpoint>(
             true
         }
         WriteVerdict::Refuse(_reason) => {
-            bump(&node.stats.writes_refused, 1);
-            let mut st = node.lock();
-            let now = node.now();
-            if let Some(l) = st.peers.get_mut(&peer) {
-                l.untrusted = true;
-            }
-            let known = st
-                .grants
-                .entries
-                .get(&w.request)
-                .is_some_and(|g| g.writers.iter().any(|a| a.peer == peer));
-            if known {
-                st.endpoint.write_refused(now, w.request);
-            }
-            node.drain(&mut st, now);
-            // The payload is never read into memory; the connection closes after the frames
-            // queued for the peer (the failure report) are flushed.
-            node.begin_close(&mut st, peer, true);
+            refuse(node, peer, &w);
             false
         }
     }
+}
+
+/// Checks an incoming write (`None`: the peer is gone or not trusted any more).
+pub(crate) fn verdict<E: Endpoint>(
+    node: &Shared<E>,
+    peer: PeerId,
+    w: &DataWrite,
+) -> Option<WriteVerdict> {
+    let mut st = node.lock();
+    match st.peers.get(&peer) {
+        None => return None,
+        Some(l) if l.untrusted => return None,
+        Some(_) => {}
+    }
+    if !st.endpoint.is_peer_ready(peer) {
+        return Some(WriteVerdict::Refuse(WriteRefusal::BeforeHandshake(peer)));
+    }
+    Some(match st.grants.check(peer, w) {
+        WriteVerdict::Apply(revoked)
+            if !node
+                .regions
+                .get(w.region)
+                .is_some_and(|r| r.contains(w.offset, w.len)) =>
+        {
+            // Granted by the layout but not backed by registered memory.
+            if let Some(g) = st.grants.entries.get_mut(&w.request) {
+                g.inside = g.inside.saturating_sub(1);
+            }
+            drop(revoked);
+            WriteVerdict::Refuse(WriteRefusal::UnknownRegion {
+                request: w.request,
+                region: w.region,
+            })
+        }
+        v => v,
+    })
+}
+
+/// Refuses a write: counts it, fails its request towards the writer, and closes the peer once
+/// the failure report is flushed. The payload is never read into memory.
+pub(crate) fn refuse<E: Endpoint>(node: &Shared<E>, peer: PeerId, w: &DataWrite) {
+    bump(&node.stats.writes_refused, 1);
+    let mut st = node.lock();
+    let now = node.now();
+    if let Some(l) = st.peers.get_mut(&peer) {
+        l.untrusted = true;
+    }
+    let known = st
+        .grants
+        .entries
+        .get(&w.request)
+        .is_some_and(|g| g.writers.iter().any(|a| a.peer == peer));
+    if known {
+        st.endpoint.write_refused(now, w.request);
+    }
+    node.drain(&mut st, now);
+    node.begin_close(&mut st, peer, true);
 }
 
 fn write_pieces(stream: &mut TcpStream, pieces: &[Piece]) -> io::Result<u64> {

@@ -3,9 +3,9 @@
 //! Per peer, one reader and one writer thread per connection; one timer thread and (when
 //! listening) one accept thread per node.
 
-mod conn;
+pub(crate) mod conn;
 pub(crate) mod node;
-mod roles;
+pub(crate) mod roles;
 
 pub use node::EndpointGuard;
 pub use roles::{TcpReceiver, TcpSender};

@@ -32,12 +32,41 @@ use crate::pieces::split_plan;
 use crate::preamble::{Preamble, PREAMBLE_LEN};
 use crate::stats::{bump, StatCells};
 
+/// The queue of a connection's writer (a thread or a task).
+pub(crate) enum JobTx {
+    /// A writer thread.
+    Thread(mpsc::Sender<Job>),
+    /// A writer task.
+    #[cfg(feature = "tokio")]
+    Task(tokio::sync::mpsc::UnboundedSender<Job>),
+}
+
+impl JobTx {
+    fn send(&self, job: Job) -> Result<(), ()> {
+        match self {
+            JobTx::Thread(tx) => tx.send(job).map_err(|_| ()),
+            #[cfg(feature = "tokio")]
+            JobTx::Task(tx) => tx.send(job).map_err(|_| ()),
+        }
+    }
+}
+
+/// Where connection I/O runs.
+#[derive(Clone, Debug)]
+pub(crate) enum Backend {
+    /// One reader and one writer thread per connection.
+    Threads,
+    /// One reader and one writer task per connection on this runtime.
+    #[cfg(feature = "tokio")]
+    Tokio(tokio::runtime::Handle),
+}
+
 /// One connection of a peer, as the node holds it.
 pub(crate) struct ConnHandle {
     /// A handle for shutting the socket down from any thread.
     stream: TcpStream,
-    /// The writer thread's queue (`None` once closing).
-    tx: Option<mpsc::Sender<Job>>,
+    /// The writer's queue (`None` once closing).
+    tx: Option<JobTx>,
 }
 
 /// A connected peer: a bundle of connections.
@@ -100,6 +129,10 @@ pub(crate) struct Shared<E> {
     pub(crate) config: TcpConfig,
     pub(crate) stats: StatCells,
     token_counter: AtomicU64,
+    backend: Backend,
+    /// Wakes async waiters for events.
+    #[cfg(feature = "tokio")]
+    pub(crate) events_notify: tokio::sync::Notify,
 }
 
 impl<E: Endpoint> Shared<E> {
@@ -242,7 +275,13 @@ impl<E: Endpoint> Shared<E> {
             _ => {}
         }
         st.events.push_back((now, event));
+        self.notify_events();
+    }
+
+    fn notify_events(&self) {
         self.events_cv.notify_all();
+        #[cfg(feature = "tokio")]
+        self.events_notify.notify_waiters();
     }
 
     /// Starts tearing `peer` down: gracefully (queued frames are flushed first, bounded by
@@ -339,7 +378,7 @@ impl<E: Endpoint> Shared<E> {
                     g.quiesce_pending = false;
                     st.events.push_back((now, Event::Quiesced { request }));
                     st.grants.retire(request);
-                    self.events_cv.notify_all();
+                    self.notify_events();
                 }
             }
         }
@@ -405,7 +444,7 @@ impl<E: Endpoint> Shared<E> {
         self.events_cv.notify_all();
     }
 
-    fn new_token(&self) -> u64 {
+    pub(crate) fn new_token(&self) -> u64 {
         let mut h = std::collections::hash_map::RandomState::new().build_hasher();
         h.write_u64(self.token_counter.fetch_add(1, Ordering::Relaxed));
         h.write_u128(self.origin.elapsed().as_nanos());
@@ -413,7 +452,7 @@ impl<E: Endpoint> Shared<E> {
         h.finish()
     }
 
-    fn configure(&self, stream: &TcpStream) -> io::Result<()> {
+    pub(crate) fn configure(&self, stream: &TcpStream) -> io::Result<()> {
         stream.set_nodelay(true)?;
         stream.set_read_timeout(Some(self.config.poll_interval))?;
         stream.set_write_timeout(self.config.write_stall_timeout)?;
@@ -468,31 +507,48 @@ impl<E: Endpoint> Shared<E> {
             return None;
         };
         let link = st.peers.get_mut(&peer).expect("present");
-        let (tx, rx) = mpsc::channel();
-        link.conns.push(ConnHandle {
-            stream,
-            tx: Some(tx),
-        });
-        link.threads += 2;
         let closing = link.closing.clone();
         let negotiated = link.negotiated.clone();
+        let spawned = match &self.backend {
+            Backend::Threads => {
+                let (tx, rx) = mpsc::channel();
+                link.conns.push(ConnHandle {
+                    stream,
+                    tx: Some(JobTx::Thread(tx)),
+                });
+                let node = self.clone();
+                let r = thread::Builder::new()
+                    .name(format!("kvpipe-tcp-rd-{}", peer.0))
+                    .spawn(move || reader_loop(node, peer, read_half, closing, negotiated));
+                let node = self.clone();
+                let w = thread::Builder::new()
+                    .name(format!("kvpipe-tcp-wr-{}", peer.0))
+                    .spawn(move || writer_loop(node, peer, write_half, rx));
+                u32::from(r.is_ok()) + u32::from(w.is_ok())
+            }
+            #[cfg(feature = "tokio")]
+            Backend::Tokio(handle) => {
+                let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+                link.conns.push(ConnHandle {
+                    stream,
+                    tx: Some(JobTx::Task(tx)),
+                });
+                crate::tokio_driver::spawn_connection(
+                    handle,
+                    self.clone(),
+                    peer,
+                    read_half,
+                    write_half,
+                    rx,
+                    closing,
+                    negotiated,
+                )
+            }
+        };
         bump(&self.stats.connections, 1);
-        let node = self.clone();
-        let spawned_reader = thread::Builder::new()
-            .name(format!("kvpipe-tcp-rd-{}", peer.0))
-            .spawn(move || reader_loop(node, peer, read_half, closing, negotiated));
-        let node = self.clone();
-        let spawned_writer = thread::Builder::new()
-            .name(format!("kvpipe-tcp-wr-{}", peer.0))
-            .spawn(move || writer_loop(node, peer, write_half, rx));
         let link = st.peers.get_mut(&peer).expect("present");
-        if spawned_reader.is_err() {
-            link.threads -= 1;
-        }
-        if spawned_writer.is_err() {
-            link.threads -= 1;
-        }
-        if spawned_reader.is_err() || spawned_writer.is_err() {
+        link.threads += spawned;
+        if spawned < 2 {
             link.shutdown_sockets();
         }
         Some(peer)
@@ -509,7 +565,12 @@ pub(crate) struct Node<E: Endpoint> {
 }
 
 impl<E: Endpoint> Node<E> {
-    pub(crate) fn new(endpoint: E, config: TcpConfig, regions: RegionTable) -> Self {
+    pub(crate) fn new(
+        endpoint: E,
+        config: TcpConfig,
+        regions: RegionTable,
+        backend: Backend,
+    ) -> Self {
         let shared = Arc::new(Shared {
             state: Arc::new(StateMutex::new(State {
                 endpoint,
@@ -530,6 +591,9 @@ impl<E: Endpoint> Node<E> {
             config,
             stats: StatCells::default(),
             token_counter: AtomicU64::new(0),
+            backend,
+            #[cfg(feature = "tokio")]
+            events_notify: tokio::sync::Notify::new(),
         });
         let timer = {
             let shared = shared.clone();
@@ -563,6 +627,18 @@ impl<E: Endpoint> Node<E> {
     /// Opens `connections_per_peer` connections to `addr` and starts the handshake on them.
     pub(crate) fn connect(&self, addr: impl ToSocketAddrs) -> io::Result<PeerId> {
         let shared = &self.shared;
+        let streams = shared.open_bundle(addr)?;
+        shared.adopt_bundle(streams)
+    }
+}
+
+impl<E: Endpoint> Shared<E> {
+    /// Connects the connections of one peer bundle and writes their preambles.
+    pub(crate) fn open_bundle(
+        &self,
+        addr: impl ToSocketAddrs,
+    ) -> io::Result<Vec<(Preamble, TcpStream)>> {
+        let shared = self;
         let addrs: Vec<SocketAddr> = addr.to_socket_addrs()?.collect();
         let addr = *addrs
             .first()
@@ -581,6 +657,16 @@ impl<E: Endpoint> Node<E> {
             s.write_all(&pre.encode())?;
             streams.push((pre, s));
         }
+        Ok(streams)
+    }
+
+    /// Makes a peer of connected streams (from [`Shared::open_bundle`]) and starts the
+    /// handshake.
+    pub(crate) fn adopt_bundle(
+        self: &Arc<Self>,
+        streams: Vec<(Preamble, TcpStream)>,
+    ) -> io::Result<PeerId> {
+        let shared = self;
         let mut st = shared.lock();
         let now = shared.now();
         let mut peer = None;
@@ -595,7 +681,9 @@ impl<E: Endpoint> Node<E> {
         shared.drain(&mut st, now);
         Ok(peer)
     }
+}
 
+impl<E: Endpoint> Node<E> {
     /// The next event, waiting up to `timeout`.
     pub(crate) fn next_event(&self, timeout: StdDuration) -> Option<(Instant, Event)> {
         let deadline = std::time::Instant::now() + timeout;

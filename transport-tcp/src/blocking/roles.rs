@@ -11,7 +11,7 @@ use kvpipe_core::{
     RequestId, Sender, SenderConfig, SenderSliceId,
 };
 
-use super::node::{EndpointGuard, Node};
+use super::node::{Backend, EndpointGuard, Node};
 use crate::config::TcpConfig;
 use crate::memory::RegionTable;
 use crate::stats::TcpStats;
@@ -31,8 +31,23 @@ impl TcpSender {
     /// A node around a core sender, reading source bytes from `regions`.
     pub fn new(config: SenderConfig, tcp: TcpConfig, regions: RegionTable) -> Self {
         TcpSender {
-            node: Node::new(Sender::new(config), tcp, regions),
+            node: Node::new(Sender::new(config), tcp, regions, Backend::Threads),
         }
+    }
+
+    pub(crate) fn with_backend(
+        config: SenderConfig,
+        tcp: TcpConfig,
+        regions: RegionTable,
+        backend: Backend,
+    ) -> Self {
+        TcpSender {
+            node: Node::new(Sender::new(config), tcp, regions, backend),
+        }
+    }
+
+    pub(crate) fn node(&self) -> &Node<Sender> {
+        &self.node
     }
 
     /// Accepts connections on `addr` (each connecting receiver becomes a peer).
@@ -167,8 +182,23 @@ impl TcpReceiver {
     /// A node around a core receiver, landing payloads in `regions`.
     pub fn new(config: ReceiverConfig, tcp: TcpConfig, regions: RegionTable) -> Self {
         TcpReceiver {
-            node: Node::new(Receiver::new(config), tcp, regions),
+            node: Node::new(Receiver::new(config), tcp, regions, Backend::Threads),
         }
+    }
+
+    pub(crate) fn with_backend(
+        config: ReceiverConfig,
+        tcp: TcpConfig,
+        regions: RegionTable,
+        backend: Backend,
+    ) -> Self {
+        TcpReceiver {
+            node: Node::new(Receiver::new(config), tcp, regions, backend),
+        }
+    }
+
+    pub(crate) fn node(&self) -> &Node<Receiver> {
+        &self.node
     }
 
     /// Accepts connections on `addr` (each connecting sender becomes a peer).
