@@ -35,6 +35,7 @@ impl TcpSender {
         }
     }
 
+    #[cfg(feature = "tokio")]
     pub(crate) fn with_backend(
         config: SenderConfig,
         tcp: TcpConfig,
@@ -46,6 +47,7 @@ impl TcpSender {
         }
     }
 
+    #[cfg(feature = "tokio")]
     pub(crate) fn node(&self) -> &Node<Sender> {
         &self.node
     }
@@ -186,6 +188,7 @@ impl TcpReceiver {
         }
     }
 
+    #[cfg(feature = "tokio")]
     pub(crate) fn with_backend(
         config: ReceiverConfig,
         tcp: TcpConfig,
@@ -197,6 +200,7 @@ impl TcpReceiver {
         }
     }
 
+    #[cfg(feature = "tokio")]
     pub(crate) fn node(&self) -> &Node<Receiver> {
         &self.node
     }
