@@ -326,3 +326,62 @@ fn usage_errors_change_nothing() {
     );
     assert_eq!(r.session_count(), 1);
 }
+
+#[test]
+fn refused_write_fails_both_sides_as_a_grant_violation() {
+    let mut net = Net::connected(1, 1);
+    net.auto_complete = false;
+    let mut source = TestSource::with(R, 100, 6);
+    net.register(0, registration(R, 24, &[0]));
+    net.open(0, send_request(R, &[0]));
+    net.submit(0, R, chunk(0, 8, 24, false), &mut source);
+    // The receiver's transport refuses one of the writer's data writes.
+    let now = net.now;
+    net.receivers[0]
+        .handle_input(ReceiverInput::WriteRefused {
+            now,
+            peer: tx_peer(0),
+            request: R,
+        })
+        .unwrap();
+    net.pump();
+    assert!(net.events(Side::Receiver(0)).contains(&Event::Failed {
+        request: R,
+        cause: TransferStatus::GrantViolation,
+        peer: Some(tx_peer(0)),
+        sender_slice: None,
+        receiver_slice: Some(ReceiverSliceId(0)),
+    }));
+    assert_eq!(
+        net.receivers[0]
+            .counters()
+            .failures
+            .get(TransferStatus::GrantViolation),
+        1
+    );
+    // The writer hears of it at once and stops; both keep the blocks until the batch is reported.
+    assert!(net
+        .events(Side::Sender(0))
+        .iter()
+        .any(|e| matches!(e, Event::Failed { request, .. } | Event::Cancelled { request, .. } if *request == R)));
+    assert_eq!(net.receivers[0].phase(R), Some(RecvPhase::Stopping));
+    net.complete_held(0);
+    assert_eq!(net.senders[0].phase(R), Some(SendPhase::Quiesced));
+    assert_eq!(net.receivers[0].phase(R), Some(RecvPhase::Quiesced));
+    // A refusal for a request that is not active changes nothing.
+    let now = net.now;
+    net.receivers[0]
+        .handle_input(ReceiverInput::WriteRefused {
+            now,
+            peer: tx_peer(0),
+            request: RequestId(999),
+        })
+        .unwrap();
+    assert_eq!(
+        net.receivers[0]
+            .counters()
+            .failures
+            .get(TransferStatus::GrantViolation),
+        1
+    );
+}

@@ -20,7 +20,7 @@ pub(crate) trait Endpoint: Send + 'static {
     fn poll_timeout(&mut self) -> Option<Instant>;
     fn is_peer_ready(&self, peer: PeerId) -> bool;
     /// A write for `request` was refused: fail the request as far as the core allows.
-    fn write_refused(&mut self, now: Instant, request: RequestId);
+    fn write_refused(&mut self, now: Instant, peer: PeerId, request: RequestId);
     /// The local pool layout, per layer group.
     fn local_groups(&self) -> &[LayerGroupLayout];
 }
@@ -55,7 +55,7 @@ impl Endpoint for Sender {
     fn is_peer_ready(&self, peer: PeerId) -> bool {
         Sender::is_peer_ready(self, peer)
     }
-    fn write_refused(&mut self, _now: Instant, _request: RequestId) {
+    fn write_refused(&mut self, _now: Instant, _peer: PeerId, _request: RequestId) {
         // A sender grants nothing: the peer is simply not trusted any more.
     }
     fn local_groups(&self) -> &[LayerGroupLayout] {
@@ -86,10 +86,8 @@ impl Endpoint for Receiver {
     fn is_peer_ready(&self, peer: PeerId) -> bool {
         Receiver::is_peer_ready(self, peer)
     }
-    fn write_refused(&mut self, now: Instant, request: RequestId) {
-        // The core has no input for a refused write yet; cancelling fails the request on both
-        // sides at once (the writers get a `Cancel`).
-        let _ = self.cancel(now, request);
+    fn write_refused(&mut self, now: Instant, peer: PeerId, request: RequestId) {
+        let _ = self.handle_input(ReceiverInput::WriteRefused { now, peer, request });
     }
     fn local_groups(&self) -> &[LayerGroupLayout] {
         &self.config().local.groups

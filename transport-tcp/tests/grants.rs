@@ -8,7 +8,7 @@ use std::io::Write;
 use std::time::Duration;
 
 use kvpipe_core::session::Registration;
-use kvpipe_core::wire::{DataWrite, Frame, RecvRegistration, Role};
+use kvpipe_core::wire::{DataWrite, Frame, RecvRegistration, Role, TransferStatus};
 use kvpipe_core::{AnchoredRun, BlockId, Event, GrantId, PeerId, RegionId, RequestId};
 use kvpipe_tcp::TcpReceiver;
 use smallvec::smallvec;
@@ -111,7 +111,19 @@ fn refused(bad: DataWrite, request_known: bool) {
         |e| matches!(e, Event::Quiesced { request } if *request == REQ),
         T,
     );
-    assert!(ended.is_ok(), "{ended:?}");
+    let Ok((_, before)) = &ended else {
+        panic!("{ended:?}")
+    };
+    if request_known {
+        // The engine learns why: a grant violation by that writer, not a plain cancel.
+        assert!(
+            before.iter().any(|e| matches!(
+                e,
+                Event::Failed { request, cause: TransferStatus::GrantViolation, .. } if *request == REQ
+            )),
+            "{before:?}"
+        );
+    }
     let stats = rx.stats();
     assert_eq!(stats.writes_refused, 1, "{stats:?}");
     assert_eq!(stats.writes_applied, 1, "{stats:?}");

@@ -61,6 +61,18 @@ pub enum ReceiverInput {
         /// The request.
         request: RequestId,
     },
+    /// The transport refused a data write from `peer` for `request` (outside the grant, wrong
+    /// grant, unknown region, …) and applied none of it. The request fails on both sides with
+    /// [`TransferStatus::GrantViolation`]; the transport stops trusting the connection (closes
+    /// it and reports the disconnect). Unknown or already stopped requests are ignored.
+    WriteRefused {
+        /// Current time.
+        now: Instant,
+        /// The writer whose write was refused.
+        peer: PeerId,
+        /// The request the write named.
+        request: RequestId,
+    },
     /// The deadline from [`Receiver::poll_timeout`] passed (early delivery is harmless).
     Timeout {
         /// Current time.
@@ -369,6 +381,24 @@ impl Receiver {
                         self.stop(now, request, Stop::Cancelled(CancelOrigin::Local))
                     }
                     Some(_) => {}
+                }
+                Ok(())
+            }
+            ReceiverInput::WriteRefused { now, peer, request } => {
+                if self
+                    .sessions
+                    .get(&request)
+                    .is_some_and(|s| s.phase.is_active())
+                {
+                    self.stop(
+                        now,
+                        request,
+                        Stop::Failed {
+                            cause: TransferStatus::GrantViolation,
+                            peer: Some(peer),
+                            slice: None,
+                        },
+                    );
                 }
                 Ok(())
             }

@@ -254,7 +254,7 @@ pub(crate) fn refuse<E: Endpoint>(node: &Shared<E>, peer: PeerId, w: &DataWrite)
         .get(&w.request)
         .is_some_and(|g| g.writers.iter().any(|a| a.peer == peer));
     if known {
-        st.endpoint.write_refused(now, w.request);
+        st.endpoint.write_refused(now, peer, w.request);
     }
     node.drain(&mut st, now);
     node.begin_close(&mut st, peer, true);
