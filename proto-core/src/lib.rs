@@ -12,6 +12,7 @@ pub mod geometry;
 pub mod ids;
 pub mod layout;
 pub mod plan;
+pub mod session;
 pub mod source;
 pub mod time;
 pub mod wire;
@@ -30,6 +31,9 @@ pub use layout::{BlockLayout, LayerGroupLayout, PoolLayout};
 pub use plan::{
     check_pairable, plan_group, plan_group_with_cursor, DstCursor, PairStats, PlanError, Side,
     WriteExtent, WritePlan,
+};
+pub use session::{
+    Event, Output, Receiver, ReceiverConfig, ReceiverInput, Sender, SenderConfig, SenderInput,
 };
 pub use source::{BlockSource, BlockSourceError};
 pub use time::{Duration, Instant};

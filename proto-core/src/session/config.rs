@@ -1,0 +1,154 @@
+//! Endpoint configuration: deadlines, bounds and the local handshake data.
+
+use crate::ids::InstanceId;
+use crate::layout::LayerGroupLayout;
+use crate::time::Duration;
+use crate::wire::{
+    Capabilities, Hello, Role, Topology, VersionRange, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION,
+};
+
+/// Every deadline an endpoint keeps. Nothing waits without one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Deadlines {
+    /// From connection to a validated handshake.
+    pub handshake: Duration,
+    /// (Sender) from opening a request to every receiver's registration.
+    pub registration: Duration,
+    /// (Sender) from handing a write batch to the transport to its report.
+    pub write_completion: Duration,
+    /// (Receiver) from registering a request to every writer's last result.
+    pub result_wait: Duration,
+    /// Sender: from the last chunk to the engine's aux data. Receiver: from the last writer's
+    /// last result to the aux data.
+    pub aux_wait: Duration,
+    /// Send a heartbeat to a peer when nothing was sent to it for this long.
+    pub heartbeat_interval: Duration,
+    /// Consider a peer lost when nothing arrived from it for this long.
+    pub liveness_timeout: Duration,
+    /// From a session's failure to the confirmation that no write can still land; after it the
+    /// endpoint asks the transport to close the peer ([`super::CloseReason::QuiesceFence`]).
+    pub quiesce: Duration,
+}
+
+impl Default for Deadlines {
+    /// Generous defaults for a data-centre deployment.
+    fn default() -> Self {
+        Deadlines {
+            handshake: Duration::from_secs(5),
+            registration: Duration::from_secs(60),
+            write_completion: Duration::from_secs(10),
+            result_wait: Duration::from_secs(120),
+            aux_wait: Duration::from_secs(30),
+            heartbeat_interval: Duration::from_secs(1),
+            liveness_timeout: Duration::from_secs(10),
+            quiesce: Duration::from_secs(10),
+        }
+    }
+}
+
+/// What this endpoint says about itself in its handshake.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct LocalHello {
+    /// This process's instance.
+    pub instance: InstanceId,
+    /// Protocol versions spoken.
+    pub versions: VersionRange,
+    /// Optional features supported.
+    pub capabilities: Capabilities,
+    /// Hash over model geometry, dtype, tokens per block and layout; both sides must agree.
+    pub compat_hash: u64,
+    /// Parallel topology of this rank.
+    pub topology: Topology,
+    /// Pool layout per layer group, in group order.
+    pub groups: Vec<LayerGroupLayout>,
+}
+
+impl LocalHello {
+    /// Handshake data speaking every version this build supports, with the compatibility hash
+    /// computed from `groups`.
+    pub fn new(instance: InstanceId, topology: Topology, groups: Vec<LayerGroupLayout>) -> Self {
+        let compat_hash = super::shim::compat_hash(&groups);
+        LocalHello {
+            instance,
+            versions: VersionRange {
+                min: MIN_PROTOCOL_VERSION,
+                max: PROTOCOL_VERSION,
+            },
+            capabilities: Capabilities::default(),
+            compat_hash,
+            topology,
+            groups,
+        }
+    }
+
+    /// The Hello frame this endpoint sends in `role`.
+    pub fn to_hello(&self, role: Role) -> Hello {
+        Hello {
+            versions: self.versions,
+            capabilities: self.capabilities,
+            compat_hash: self.compat_hash,
+            instance: self.instance,
+            role,
+            topology: self.topology,
+            groups: self.groups.clone(),
+        }
+    }
+}
+
+/// Configuration of a [`super::Sender`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SenderConfig {
+    /// Handshake data.
+    pub local: LocalHello,
+    /// Deadlines.
+    pub deadlines: Deadlines,
+    /// How many cancels for not-yet-opened requests are remembered (oldest forgotten first).
+    pub max_remembered_cancels: usize,
+    /// How many retired request ids are remembered to refuse re-use (oldest forgotten first).
+    pub max_retired: usize,
+    /// How many registrations for not-yet-opened requests are held (newer ones are refused
+    /// with a `Cancel`).
+    pub max_pending_registrations: usize,
+}
+
+impl SenderConfig {
+    /// Default deadlines and bounds around `local`.
+    pub fn new(local: LocalHello) -> Self {
+        SenderConfig {
+            local,
+            deadlines: Deadlines::default(),
+            max_remembered_cancels: 4096,
+            max_retired: 65536,
+            max_pending_registrations: 4096,
+        }
+    }
+}
+
+/// Configuration of a [`super::Receiver`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReceiverConfig {
+    /// Handshake data.
+    pub local: LocalHello,
+    /// Deadlines.
+    pub deadlines: Deadlines,
+    /// Seed of the generator of memory grants (the core never reads OS randomness); give each
+    /// process a different seed.
+    pub grant_seed: u64,
+    /// How many cancels for not-yet-registered requests are remembered (oldest forgotten first).
+    pub max_remembered_cancels: usize,
+    /// How many retired request ids are remembered to refuse re-use (oldest forgotten first).
+    pub max_retired: usize,
+}
+
+impl ReceiverConfig {
+    /// Default deadlines and bounds around `local`, with grants drawn from `grant_seed`.
+    pub fn new(local: LocalHello, grant_seed: u64) -> Self {
+        ReceiverConfig {
+            local,
+            deadlines: Deadlines::default(),
+            grant_seed,
+            max_remembered_cancels: 4096,
+            max_retired: 65536,
+        }
+    }
+}

@@ -1,0 +1,539 @@
+//! The sender and receiver endpoints: sans-IO state machines holding many per-request
+//! sessions each.
+//!
+//! - [`Sender`] runs on a prefill rank: the engine submits prefill chunks, the sender plans the
+//!   writes into each receiver's registered blocks and asks the transport to execute them, then
+//!   reports each slice's result to the receiver in slice order.
+//! - [`Receiver`] runs on a decode rank: the engine registers the destination blocks of a request,
+//!   the receiver sends the registration to every expected writer and counts their results.
+//!
+//! Both are driven the same way: feed an input (with `now`), then drain
+//! [`poll_output`](Sender::poll_output) until it returns `None`, then arm a timer for
+//! [`poll_timeout`](Sender::poll_timeout) and deliver [`SenderInput::Timeout`] /
+//! [`ReceiverInput::Timeout`] when it fires. See the crate documentation for a full run loop.
+
+mod config;
+mod peers;
+mod receiver;
+mod remembered;
+mod sender;
+mod shim;
+pub mod state;
+mod timers;
+
+use core::fmt;
+
+use thiserror::Error;
+
+pub use config::{Deadlines, LocalHello, ReceiverConfig, SenderConfig};
+pub use receiver::{Receiver, ReceiverInput, Registration};
+pub use sender::{SendRequest, Sender, SenderInput};
+pub use shim::{ChunkSpec, GeometryError};
+
+use crate::ids::{GrantId, InstanceId, PeerId, ReceiverSliceId, RequestId, SenderSliceId};
+use crate::plan::WritePlan;
+use crate::source::BlockSourceError;
+use crate::wire::{AuxData, Frame, RejectReason, Role, TransferStatus};
+
+/// Identifies one write batch handed to the transport by [`Output::ExecuteWrites`]; the transport
+/// reports the batch's outcome with this id. Unique per [`Sender`] endpoint, never reused.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
+pub struct WriteBatchId(pub u64);
+
+impl fmt::Display for WriteBatchId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "batch#{}", self.0)
+    }
+}
+
+/// Something an endpoint asks its driver to do. Drained with `poll_output`, in the order the
+/// endpoint produced them (which is causal: a slice's [`Output::ExecuteWrites`] always comes out
+/// before the frame reporting its result).
+#[must_use = "outputs carry frames to send, writes to execute and events for the engine"]
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Output {
+    /// Send `frame` to `peer` on the control channel (frames to one peer keep their order).
+    Transmit {
+        /// Destination peer.
+        peer: PeerId,
+        /// The frame; the transport encodes it.
+        frame: Frame,
+    },
+    /// Execute the writes of one slice towards `peer` (sender only), then report the outcome with
+    /// [`SenderInput::WritesCompleted`] or [`SenderInput::WritesFailed`] naming `batch`. Until it
+    /// does (or the peer is reported disconnected), the sender keeps the source blocks pinned.
+    ExecuteWrites {
+        /// The receiver the bytes go to.
+        peer: PeerId,
+        /// Id to report the outcome with.
+        batch: WriteBatchId,
+        /// The request the slice belongs to.
+        request: RequestId,
+        /// The sender's slice id.
+        slice: SenderSliceId,
+        /// The receiver's grant for the request (stream transports put it on every data write).
+        grant: GrantId,
+        /// The coalesced writes (source offsets in local regions, destination offsets in the
+        /// receiver's regions).
+        plan: WritePlan,
+    },
+    /// Tear the connection to `peer` down, then report [`SenderInput::PeerDisconnected`] /
+    /// [`ReceiverInput::PeerDisconnected`]. After that report no write of that connection may
+    /// still touch memory on either side.
+    ClosePeer {
+        /// The peer to disconnect.
+        peer: PeerId,
+        /// Why.
+        reason: CloseReason,
+    },
+    /// Something the engine must learn about.
+    Event(Event),
+}
+
+/// Why an endpoint asks for a connection to be torn down.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum CloseReason {
+    /// This side refused the peer's handshake.
+    HandshakeRejected,
+    /// The peer refused this side's handshake.
+    RejectedByPeer,
+    /// The handshake did not finish before its deadline.
+    HandshakeTimeout,
+    /// Nothing arrived from the peer for longer than the liveness timeout.
+    LivenessTimeout,
+    /// The peer broke a connection-level protocol rule (a session frame before the handshake).
+    ProtocolViolation,
+    /// A session could not confirm before its quiesce deadline that the peer's writes stopped:
+    /// the connection is fenced so memory can be handed back safely.
+    QuiesceFence,
+}
+
+/// What an endpoint was waiting for when a deadline passed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Wait {
+    /// A peer's handshake.
+    Handshake,
+    /// The receiver's registration (sender side).
+    Registration,
+    /// The transport's report of a write batch (sender side).
+    Writes,
+    /// The writers' results (receiver side).
+    Results,
+    /// The aux data (sender: from the engine; receiver: from a writer).
+    Aux,
+    /// Any frame from a peer (heartbeats keep idle connections alive).
+    Liveness,
+}
+
+/// Who cancelled a request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum CancelOrigin {
+    /// The local engine.
+    Local,
+    /// The remote endpoint.
+    Peer(PeerId),
+}
+
+/// What an endpoint tells its engine.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Event {
+    /// The handshake with `peer` succeeded.
+    PeerReady {
+        /// The peer.
+        peer: PeerId,
+        /// The peer's instance.
+        instance: InstanceId,
+        /// The peer's role.
+        role: Role,
+    },
+    /// The handshake with `peer` was refused, by this side or by the peer; the connection is
+    /// being closed.
+    PeerRejected {
+        /// The peer.
+        peer: PeerId,
+        /// Machine-readable reason.
+        reason: RejectReason,
+        /// What differs (names both versions or both values).
+        message: String,
+    },
+    /// A peer broke a protocol rule outside any session it could fail (the frame was dropped).
+    ProtocolViolation {
+        /// The peer.
+        peer: PeerId,
+        /// The rule broken.
+        error: ProtocolError,
+    },
+    /// (Sender) a receiver's registration for `request` was accepted; queued slices are being
+    /// written to it.
+    Registered {
+        /// The request.
+        request: RequestId,
+        /// The receiver.
+        peer: PeerId,
+        /// The receiver's slice id.
+        receiver_slice: ReceiverSliceId,
+    },
+    /// The transfer finished successfully: every slice was written and confirmed, and the aux data
+    /// went through. Followed at once by [`Event::Quiesced`].
+    Completed {
+        /// The request.
+        request: RequestId,
+        /// Bytes written (sender: by this endpoint; receiver: reported by all writers).
+        bytes_written: u64,
+        /// (Receiver) the aux data received; `None` on the sender.
+        aux: Option<AuxData>,
+    },
+    /// The transfer failed. Both sides learn at once; the blocks stay pinned until
+    /// [`Event::Quiesced`].
+    Failed {
+        /// The request.
+        request: RequestId,
+        /// The cause.
+        cause: TransferStatus,
+        /// The peer involved, if one.
+        peer: Option<PeerId>,
+        /// The sender's id of the failed slice, when known.
+        sender_slice: Option<SenderSliceId>,
+        /// The receiver's id of the registration, when known.
+        receiver_slice: Option<ReceiverSliceId>,
+    },
+    /// A deadline passed; the blocks stay pinned until [`Event::Quiesced`].
+    TimedOut {
+        /// The request.
+        request: RequestId,
+        /// What was awaited.
+        waiting_for: Wait,
+    },
+    /// The request was cancelled; the blocks stay pinned until [`Event::Quiesced`].
+    Cancelled {
+        /// The request.
+        request: RequestId,
+        /// Who cancelled.
+        origin: CancelOrigin,
+    },
+    /// No write of the request can still touch its blocks: the engine may free or reuse them,
+    /// and should [retire](Sender::retire) the request.
+    Quiesced {
+        /// The request.
+        request: RequestId,
+    },
+}
+
+/// A rule a peer broke. Inside a session it fails the session and travels on the wire as
+/// [`TransferStatus::ProtocolError`]; outside one it is reported as
+/// [`Event::ProtocolViolation`] and the frame is dropped.
+#[derive(Clone, Debug, PartialEq, Eq, Error)]
+pub enum ProtocolError {
+    /// A session frame arrived before the handshake finished.
+    #[error("{kind} frame arrived before the handshake finished")]
+    FrameBeforeHandshake {
+        /// The frame kind.
+        kind: &'static str,
+    },
+    /// This endpoint's role never receives that frame kind.
+    #[error("{kind} frame is not accepted by a {role:?} endpoint")]
+    UnexpectedFrame {
+        /// The frame kind.
+        kind: &'static str,
+        /// This endpoint's role.
+        role: Role,
+    },
+    /// A second, different handshake on one connection.
+    #[error("a second, different Hello arrived on one connection")]
+    SecondHello,
+    /// A frame about a request the endpoint does not know.
+    #[error("{kind} frame for {request}, which this endpoint does not know")]
+    UnknownRequest {
+        /// The frame kind.
+        kind: &'static str,
+        /// The request.
+        request: RequestId,
+    },
+    /// A frame from a peer that is not part of the request.
+    #[error("{kind} frame for {request} from a peer that is not part of it")]
+    NotAParticipant {
+        /// The frame kind.
+        kind: &'static str,
+        /// The request.
+        request: RequestId,
+    },
+    /// A result named a receiver slice the request does not have.
+    #[error("result for {request} names {got}, but the registration is {expected}")]
+    UnknownSlice {
+        /// The request.
+        request: RequestId,
+        /// The receiver slice of the registration.
+        expected: ReceiverSliceId,
+        /// The receiver slice named.
+        got: ReceiverSliceId,
+    },
+    /// A result arrived after the writer's last one.
+    #[error("result for {request} after the writer's last result")]
+    ResultAfterLast {
+        /// The request.
+        request: RequestId,
+    },
+    /// A second, different registration for one request from one peer.
+    #[error("a second, different registration for {request}")]
+    DuplicateRegistration {
+        /// The request.
+        request: RequestId,
+    },
+    /// The registration's layer groups do not match the handshake's layout.
+    #[error("registration for {request} has {got} layer groups, the layout has {expected}")]
+    GroupCountMismatch {
+        /// The request.
+        request: RequestId,
+        /// Groups in the layout.
+        expected: usize,
+        /// Groups in the registration.
+        got: usize,
+    },
+    /// The two sides disagree on the prompt length.
+    #[error(
+        "{request}: the receiver registered {registered} prompt tokens, the sender has {local}"
+    )]
+    PromptLenMismatch {
+        /// The request.
+        request: RequestId,
+        /// Prompt length in the registration.
+        registered: u32,
+        /// Prompt length of the local chunks.
+        local: u32,
+    },
+    /// Aux data larger than the receiver's aux slot.
+    #[error("aux data for {request} takes {len} bytes, the aux slot holds {capacity}")]
+    AuxTooLarge {
+        /// The request.
+        request: RequestId,
+        /// Encoded size of the aux data.
+        len: u64,
+        /// The slot's capacity.
+        capacity: u32,
+    },
+    /// The blocks of the registration cannot be paired with the local ones.
+    #[error("{request}: cannot plan writes into the registration: {message}")]
+    Unplannable {
+        /// The request.
+        request: RequestId,
+        /// The planner's error.
+        message: String,
+    },
+}
+
+/// A caller bug: returned at once, with the endpoint's state unchanged.
+#[derive(Clone, Debug, PartialEq, Eq, Error)]
+pub enum UsageError {
+    /// The request was never opened (sender) or registered (receiver).
+    #[error("{0} is not known to this endpoint")]
+    UnknownRequest(RequestId),
+    /// The request was retired; it is never re-created.
+    #[error("{0} was retired and cannot be used again")]
+    Retired(RequestId),
+    /// The request is already open or registered.
+    #[error("{0} is already open on this endpoint")]
+    DuplicateRequest(RequestId),
+    /// The request has no peers to exchange with.
+    #[error("{0} names no peers")]
+    NoPeers(RequestId),
+    /// A peer is named twice for one request.
+    #[error("{request} names {peer} twice")]
+    DuplicatePeer {
+        /// The request.
+        request: RequestId,
+        /// The peer named twice.
+        peer: PeerId,
+    },
+    /// The registration's groups do not match the local layout.
+    #[error("{request}: {got} layer groups given, the layout has {expected}")]
+    GroupCountMismatch {
+        /// The request.
+        request: RequestId,
+        /// Groups in the layout.
+        expected: usize,
+        /// Groups given.
+        got: usize,
+    },
+    /// A chunk after the request's last chunk.
+    #[error("chunk for {0} after its last chunk")]
+    ChunkAfterLast(RequestId),
+    /// Chunks must be submitted in token order without gaps.
+    #[error("chunk for {request} starts at token {got}, expected {expected}")]
+    ChunkOutOfOrder {
+        /// The request.
+        request: RequestId,
+        /// Where the next chunk must start.
+        expected: u32,
+        /// Where it started.
+        got: u32,
+    },
+    /// A chunk's prompt length differs from an earlier chunk's.
+    #[error(
+        "chunk for {request} says the prompt has {got} tokens, earlier chunks said {expected}"
+    )]
+    PromptLenChanged {
+        /// The request.
+        request: RequestId,
+        /// Earlier prompt length.
+        expected: u32,
+        /// This chunk's prompt length.
+        got: u32,
+    },
+    /// The chunk's geometry is invalid.
+    #[error("invalid chunk for {request}: {error}")]
+    Geometry {
+        /// The request.
+        request: RequestId,
+        /// The geometry error.
+        error: GeometryError,
+    },
+    /// The block source could not answer a chunk's query.
+    #[error("block source failed for {request}: {error}")]
+    BlockSource {
+        /// The request.
+        request: RequestId,
+        /// The block source's error.
+        error: BlockSourceError,
+    },
+    /// The request already ended (failed, timed out, cancelled or completed).
+    #[error("{0} already ended")]
+    SessionEnded(RequestId),
+    /// The request still has writes that may touch its blocks; retire it after
+    /// [`Event::Quiesced`].
+    #[error("{0} is not quiesced yet; retire it after the Quiesced event")]
+    NotQuiesced(RequestId),
+    /// Aux data was already submitted for the request.
+    #[error("aux data for {0} was already submitted")]
+    AuxAlreadySubmitted(RequestId),
+    /// The request was opened without aux data.
+    #[error("{0} was opened without aux data")]
+    AuxNotExpected(RequestId),
+    /// No write batch with that id was ever issued.
+    #[error("{0} was never issued")]
+    UnknownBatch(WriteBatchId),
+    /// The peer is already connected.
+    #[error("{0} is already connected")]
+    PeerAlreadyConnected(PeerId),
+    /// The peer is not connected.
+    #[error("{0} is not connected")]
+    UnknownPeer(PeerId),
+    /// A write failure was reported with [`TransferStatus::Success`].
+    #[error("write failure for {0} reported with status Success")]
+    FailureWithSuccessStatus(WriteBatchId),
+}
+
+/// Counts of transfer outcomes, one per [`TransferStatus`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct StatusCounts {
+    /// [`TransferStatus::Success`].
+    pub success: u64,
+    /// [`TransferStatus::WriteFailed`].
+    pub write_failed: u64,
+    /// [`TransferStatus::InDoubt`].
+    pub in_doubt: u64,
+    /// [`TransferStatus::Cancelled`].
+    pub cancelled: u64,
+    /// [`TransferStatus::TimedOut`].
+    pub timed_out: u64,
+    /// [`TransferStatus::GrantViolation`].
+    pub grant_violation: u64,
+    /// [`TransferStatus::PeerLost`].
+    pub peer_lost: u64,
+    /// [`TransferStatus::ProtocolError`].
+    pub protocol_error: u64,
+}
+
+impl StatusCounts {
+    /// The count for `status`.
+    pub fn get(&self, status: TransferStatus) -> u64 {
+        match status {
+            TransferStatus::Success => self.success,
+            TransferStatus::WriteFailed => self.write_failed,
+            TransferStatus::InDoubt => self.in_doubt,
+            TransferStatus::Cancelled => self.cancelled,
+            TransferStatus::TimedOut => self.timed_out,
+            TransferStatus::GrantViolation => self.grant_violation,
+            TransferStatus::PeerLost => self.peer_lost,
+            TransferStatus::ProtocolError => self.protocol_error,
+        }
+    }
+
+    /// Sum over all statuses.
+    pub fn total(&self) -> u64 {
+        self.success
+            + self.write_failed
+            + self.in_doubt
+            + self.cancelled
+            + self.timed_out
+            + self.grant_violation
+            + self.peer_lost
+            + self.protocol_error
+    }
+
+    pub(crate) fn bump(&mut self, status: TransferStatus) {
+        let slot = match status {
+            TransferStatus::Success => &mut self.success,
+            TransferStatus::WriteFailed => &mut self.write_failed,
+            TransferStatus::InDoubt => &mut self.in_doubt,
+            TransferStatus::Cancelled => &mut self.cancelled,
+            TransferStatus::TimedOut => &mut self.timed_out,
+            TransferStatus::GrantViolation => &mut self.grant_violation,
+            TransferStatus::PeerLost => &mut self.peer_lost,
+            TransferStatus::ProtocolError => &mut self.protocol_error,
+        };
+        *slot += 1;
+    }
+}
+
+/// What an endpoint has done so far; read with `counters()`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Counters {
+    /// Bytes in write plans handed to the transport (sender).
+    pub bytes_planned: u64,
+    /// Bytes the transport reported written (sender) or writers reported written (receiver).
+    pub bytes_written: u64,
+    /// Slices created (sender: chunks that sent something).
+    pub slices: u64,
+    /// Write batches handed to the transport (sender).
+    pub write_batches: u64,
+    /// Slice results sent (sender) or received (receiver), by status.
+    pub results: StatusCounts,
+    /// Requests that failed, by cause (timeouts and cancels included).
+    pub failures: StatusCounts,
+    /// Deadlines that passed (each fails one request, except handshake and liveness).
+    pub timeouts: u64,
+    /// Requests cancelled (from either side).
+    pub cancellations: u64,
+    /// Requests completed.
+    pub completions: u64,
+    /// Requests quiesced.
+    pub quiesced: u64,
+    /// Requests retired.
+    pub retirements: u64,
+    /// Protocol errors seen from peers.
+    pub protocol_errors: u64,
+    /// Duplicate frames ignored.
+    pub duplicates: u64,
+    /// Connections the endpoint asked to close.
+    pub peers_closed: u64,
+    /// Handshakes refused (by either side).
+    pub peers_rejected: u64,
+    /// Heartbeats sent.
+    pub heartbeats_sent: u64,
+}
+
+/// The kind of a frame, for messages.
+pub(crate) fn frame_kind(frame: &Frame) -> &'static str {
+    match frame {
+        Frame::Hello(_) => "Hello",
+        Frame::HelloAccept(_) => "HelloAccept",
+        Frame::HelloReject(_) => "HelloReject",
+        Frame::RecvRegistration(_) => "RecvRegistration",
+        Frame::KvResult(_) => "KvResult",
+        Frame::AuxResult(_) => "AuxResult",
+        Frame::Cancel(_) => "Cancel",
+        Frame::Heartbeat(_) => "Heartbeat",
+        Frame::DataWrite(_) => "DataWrite",
+    }
+}

@@ -1,0 +1,1365 @@
+//! The prefill-side endpoint.
+
+use std::collections::{BTreeMap, VecDeque};
+
+use smallvec::SmallVec;
+
+use super::config::SenderConfig;
+use super::peers::{PeerExpiry, PeerTable, Route};
+use super::remembered::Remembered;
+use super::shim::{chunk_window, plan_group, ChunkSpec};
+use super::state::{SendEvent, SendPhase, Transition};
+use super::timers::{TimerKey, Timers};
+use super::{
+    frame_kind, CancelOrigin, CloseReason, Counters, Event, Output, ProtocolError, UsageError,
+    Wait, WriteBatchId,
+};
+use crate::blocks::BlockRun;
+use crate::ids::{GroupIndex, PeerId, ReceiverSliceId, RequestId, SenderSliceId};
+use crate::plan::WritePlan;
+use crate::source::BlockSource;
+use crate::time::Instant;
+use crate::wire::{
+    AuxData, AuxResult, Cancel, CancelReason, Frame, KvResult, RecvRegistration, Role,
+    TransferStatus,
+};
+
+/// One input to a [`Sender`]. Every input carries `now`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
+pub enum SenderInput {
+    /// The transport connected `peer` (either direction); the sender starts the handshake.
+    PeerConnected {
+        /// Current time.
+        now: Instant,
+        /// The new peer.
+        peer: PeerId,
+    },
+    /// The transport lost or closed `peer`; no write batch towards it can still read memory.
+    PeerDisconnected {
+        /// Current time.
+        now: Instant,
+        /// The peer.
+        peer: PeerId,
+    },
+    /// A frame arrived from `peer`.
+    FrameReceived {
+        /// Current time.
+        now: Instant,
+        /// The sending peer.
+        peer: PeerId,
+        /// The decoded frame.
+        frame: Frame,
+    },
+    /// Every write of `batch` completed.
+    WritesCompleted {
+        /// Current time.
+        now: Instant,
+        /// The batch from [`Output::ExecuteWrites`].
+        batch: WriteBatchId,
+    },
+    /// A write of `batch` failed; no write of the batch is still in flight.
+    WritesFailed {
+        /// Current time.
+        now: Instant,
+        /// The batch from [`Output::ExecuteWrites`].
+        batch: WriteBatchId,
+        /// Why ([`TransferStatus::WriteFailed`], [`TransferStatus::GrantViolation`], …).
+        status: TransferStatus,
+    },
+    /// The engine's aux data for `request` (first tokens, draft tokens, counts).
+    AuxSubmitted {
+        /// Current time.
+        now: Instant,
+        /// The request.
+        request: RequestId,
+        /// The data.
+        data: AuxData,
+    },
+    /// The engine cancels `request` (remembered if the request is not open yet).
+    Cancel {
+        /// Current time.
+        now: Instant,
+        /// The request.
+        request: RequestId,
+    },
+    /// The engine is done with `request` (after [`Event::Quiesced`]); its id is never reused.
+    Retire {
+        /// Current time.
+        now: Instant,
+        /// The request.
+        request: RequestId,
+    },
+    /// The deadline from [`Sender::poll_timeout`] passed (early delivery is harmless).
+    Timeout {
+        /// Current time.
+        now: Instant,
+    },
+}
+
+/// A request the engine opens on the sender before submitting its chunks.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
+pub struct SendRequest {
+    /// The request.
+    pub request: RequestId,
+    /// The receivers (decode ranks) this rank writes the request to; each must send a
+    /// registration.
+    pub receivers: SmallVec<[PeerId; 2]>,
+    /// Whether this rank sends the aux data (the session then completes only after
+    /// [`SenderInput::AuxSubmitted`]).
+    pub sends_aux: bool,
+}
+
+#[derive(Clone, Debug)]
+struct Slice {
+    id: SenderSliceId,
+    is_last: bool,
+    /// The chunk's block runs, kept until every receiver's registration planned them.
+    runs: Vec<(GroupIndex, BlockRun)>,
+    planned_by: usize,
+}
+
+#[derive(Clone, Copy, Debug, Default)]
+struct TargetSlice {
+    done: bool,
+    bytes: u64,
+    deadline: Option<Instant>,
+}
+
+#[derive(Clone, Debug)]
+struct Target {
+    peer: PeerId,
+    registration: Option<RecvRegistration>,
+    slices: Vec<TargetSlice>,
+    results_sent: usize,
+    inflight: u32,
+    last_result_sent: bool,
+    aux_sent: bool,
+    /// The terminal frame (last KvResult or Cancel) went out: nothing more for this request.
+    stop_sent: bool,
+    disconnected: bool,
+    fence_requested: bool,
+}
+
+impl Target {
+    fn new(peer: PeerId) -> Self {
+        Target {
+            peer,
+            registration: None,
+            slices: Vec::new(),
+            results_sent: 0,
+            inflight: 0,
+            last_result_sent: false,
+            aux_sent: false,
+            stop_sent: false,
+            disconnected: false,
+            fence_requested: false,
+        }
+    }
+
+    fn receiver_slice(&self) -> Option<ReceiverSliceId> {
+        self.registration.as_ref().map(|r| r.slice)
+    }
+}
+
+#[derive(Clone, Debug)]
+struct SendSession {
+    phase: SendPhase,
+    targets: SmallVec<[Target; 2]>,
+    slices: Vec<Slice>,
+    next_start: Option<u32>,
+    prompt_len: Option<u32>,
+    sends_aux: bool,
+    aux: Option<AuxData>,
+    registration_deadline: Instant,
+    aux_deadline: Option<Instant>,
+    quiesce_deadline: Option<Instant>,
+    /// Status carried by the terminal frames after a stop.
+    stop_status: TransferStatus,
+    stop_slice: Option<SenderSliceId>,
+    bytes_written: u64,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct BatchRef {
+    request: RequestId,
+    target: usize,
+    slice: usize,
+}
+
+/// Why a session stops.
+#[derive(Clone, Copy, Debug)]
+enum Stop {
+    Failed {
+        cause: TransferStatus,
+        peer: Option<PeerId>,
+        slice: Option<SenderSliceId>,
+        receiver_slice: Option<ReceiverSliceId>,
+    },
+    TimedOut(Wait),
+    Cancelled(CancelOrigin),
+}
+
+/// The prefill-side endpoint: one per prefill rank, holding a session per request.
+///
+/// # Contract
+///
+/// **Getters**: [`counters`](Self::counters), [`phase`](Self::phase),
+/// [`session_count`](Self::session_count), [`peer_count`](Self::peer_count),
+/// [`is_peer_ready`](Self::is_peer_ready), [`config`](Self::config).
+///
+/// **Inputs** (each carries `now`): [`handle_input`](Self::handle_input) with a
+/// [`SenderInput`] — peer connected/disconnected, frame received, write batch completed/failed,
+/// aux data, cancel, retire, timeout — and [`submit_chunk`](Self::submit_chunk), which also
+/// takes the engine's [`BlockSource`]: the sender queries it at once for the chunk's bounded
+/// block windows and keeps the runs until every receiver's registration has planned them.
+///
+/// **Commands**: [`open_request`](Self::open_request) (before the first chunk; names the
+/// receivers), and [`cancel`](Self::cancel) / [`retire`](Self::retire) (shorthands for the
+/// inputs).
+///
+/// **Outputs**: after every input, call [`poll_output`](Self::poll_output) until it returns
+/// `None`, then [`poll_timeout`](Self::poll_timeout) and arm a timer for it. Outputs come out in
+/// the order they were produced, which is causal: per (request, receiver) the
+/// [`Output::ExecuteWrites`] of slices leave in slice order; the [`KvResult`] of slice `k` leaves
+/// only after the transport reported slice `k`'s writes complete and after the results of every
+/// earlier slice; the `is_last` result is followed by the aux data.
+///
+/// **Errors**: a method returns [`UsageError`] for a caller bug and changes nothing. A peer's
+/// misbehaviour never returns an error: it fails the sessions involved (an
+/// [`Event::Failed`] with [`TransferStatus::ProtocolError`]) or is reported as
+/// [`Event::ProtocolViolation`].
+///
+/// **Memory**: a session pins the engine's blocks from [`open_request`](Self::open_request) to
+/// [`Event::Quiesced`], which follows [`Event::Completed`] at once, and follows a failure,
+/// timeout or cancel only once no write batch of the request is unreported (or its peer was
+/// reported disconnected). If that takes longer than [`Deadlines::quiesce`](super::Deadlines),
+/// the sender asks the transport to close the peer ([`Output::ClosePeer`]).
+#[derive(Debug)]
+pub struct Sender {
+    config: SenderConfig,
+    peers: PeerTable,
+    sessions: BTreeMap<RequestId, SendSession>,
+    pending_registrations: VecDeque<(PeerId, RecvRegistration)>,
+    remembered_cancels: Remembered<CancelOrigin>,
+    retired: Remembered<()>,
+    batches: BTreeMap<WriteBatchId, BatchRef>,
+    next_batch: u64,
+    outputs: VecDeque<Output>,
+    timers: Timers,
+    counters: Counters,
+    plan_buffer: WritePlan,
+}
+
+impl Sender {
+    /// A sender with no peers and no sessions.
+    pub fn new(config: SenderConfig) -> Self {
+        let hello = config.local.to_hello(Role::Sender);
+        Sender {
+            peers: PeerTable::new(hello, config.deadlines),
+            sessions: BTreeMap::new(),
+            pending_registrations: VecDeque::new(),
+            remembered_cancels: Remembered::new(config.max_remembered_cancels),
+            retired: Remembered::new(config.max_retired),
+            batches: BTreeMap::new(),
+            next_batch: 0,
+            outputs: VecDeque::new(),
+            timers: Timers::default(),
+            counters: Counters::default(),
+            plan_buffer: WritePlan::new(),
+            config,
+        }
+    }
+
+    // ----- getters -----
+
+    /// The configuration.
+    pub fn config(&self) -> &SenderConfig {
+        &self.config
+    }
+
+    /// What the sender has done so far.
+    pub fn counters(&self) -> &Counters {
+        &self.counters
+    }
+
+    /// The phase of `request`'s session: `None` if unknown, [`SendPhase::Retired`] if retired
+    /// (and still remembered).
+    pub fn phase(&self, request: RequestId) -> Option<SendPhase> {
+        if let Some(s) = self.sessions.get(&request) {
+            Some(s.phase)
+        } else if self.retired.contains(request) {
+            Some(SendPhase::Retired)
+        } else {
+            None
+        }
+    }
+
+    /// Sessions held (not yet retired).
+    pub fn session_count(&self) -> usize {
+        self.sessions.len()
+    }
+
+    /// Connected peers (handshaking, ready or closing).
+    pub fn peer_count(&self) -> usize {
+        self.peers.len()
+    }
+
+    /// Whether the handshake with `peer` completed.
+    pub fn is_peer_ready(&self, peer: PeerId) -> bool {
+        self.peers.is_ready(peer)
+    }
+
+    /// Write batches handed to the transport and not reported yet.
+    pub fn batches_in_flight(&self) -> usize {
+        self.batches.len()
+    }
+
+    // ----- outputs -----
+
+    /// The next output, or `None` when there is nothing to do until the next input.
+    pub fn poll_output(&mut self) -> Option<Output> {
+        self.outputs.pop_front()
+    }
+
+    /// When to deliver [`SenderInput::Timeout`] next (`None`: no deadline pending).
+    pub fn poll_timeout(&mut self) -> Option<Instant> {
+        self.timers.next()
+    }
+
+    // ----- commands -----
+
+    /// Opens `req` before its first chunk. Registrations that arrived before are adopted now; a
+    /// cancel that arrived before cancels it at once.
+    pub fn open_request(&mut self, now: Instant, req: SendRequest) -> Result<(), UsageError> {
+        let request = req.request;
+        if self.retired.contains(request) {
+            return Err(UsageError::Retired(request));
+        }
+        if self.sessions.contains_key(&request) {
+            return Err(UsageError::DuplicateRequest(request));
+        }
+        if req.receivers.is_empty() {
+            return Err(UsageError::NoPeers(request));
+        }
+        for (i, p) in req.receivers.iter().enumerate() {
+            if req.receivers[..i].contains(p) {
+                return Err(UsageError::DuplicatePeer { request, peer: *p });
+            }
+        }
+        let registration_deadline = now + self.config.deadlines.registration;
+        self.sessions.insert(
+            request,
+            SendSession {
+                phase: SendPhase::Streaming,
+                targets: req.receivers.iter().map(|&p| Target::new(p)).collect(),
+                slices: Vec::new(),
+                next_start: None,
+                prompt_len: None,
+                sends_aux: req.sends_aux,
+                aux: None,
+                registration_deadline,
+                aux_deadline: None,
+                quiesce_deadline: None,
+                stop_status: TransferStatus::Success,
+                stop_slice: None,
+                bytes_written: 0,
+            },
+        );
+        self.timers
+            .arm(registration_deadline, TimerKey::Request(request));
+        if let Some(origin) = self.remembered_cancels.take(request) {
+            self.stop(now, request, Stop::Cancelled(origin));
+            return Ok(());
+        }
+        let mut i = 0;
+        while i < self.pending_registrations.len() {
+            if self.pending_registrations[i].1.request == request {
+                if let Some((peer, reg)) = self.pending_registrations.remove(i) {
+                    self.on_registration(now, peer, reg);
+                }
+            } else {
+                i += 1;
+            }
+        }
+        Ok(())
+    }
+
+    /// Submits one computed prefill chunk of `request`. The sender asks `source` for the chunk's
+    /// bounded block windows (only those), creates a slice, and writes it to every receiver that
+    /// has registered (the others get it, in order, when their registration arrives).
+    ///
+    /// Returns the slice's id, or `None` when the chunk completes no block (it sends nothing).
+    pub fn submit_chunk(
+        &mut self,
+        now: Instant,
+        request: RequestId,
+        spec: ChunkSpec,
+        source: &mut impl BlockSource,
+    ) -> Result<Option<SenderSliceId>, UsageError> {
+        if self.retired.contains(request) {
+            return Err(UsageError::Retired(request));
+        }
+        let session = self
+            .sessions
+            .get(&request)
+            .ok_or(UsageError::UnknownRequest(request))?;
+        let event = if spec.is_last {
+            SendEvent::LastChunk
+        } else {
+            SendEvent::Chunk
+        };
+        let next_phase = match session.phase.on(event) {
+            Transition::To(p) => p,
+            Transition::Ignored | Transition::Refused => {
+                return Err(if session.phase == SendPhase::Finishing {
+                    UsageError::ChunkAfterLast(request)
+                } else {
+                    UsageError::SessionEnded(request)
+                });
+            }
+        };
+        if let Some(expected) = session.next_start {
+            if spec.start != expected {
+                return Err(UsageError::ChunkOutOfOrder {
+                    request,
+                    expected,
+                    got: spec.start,
+                });
+            }
+        }
+        if let Some(expected) = session.prompt_len {
+            if spec.prompt_len != expected {
+                return Err(UsageError::PromptLenChanged {
+                    request,
+                    expected,
+                    got: spec.prompt_len,
+                });
+            }
+        }
+        let mut runs = Vec::new();
+        for (g, layout) in self.config.local.groups.iter().enumerate() {
+            let window = chunk_window(&spec, layout)
+                .map_err(|error| UsageError::Geometry { request, error })?;
+            if let Some(w) = window {
+                let group = GroupIndex(g as u16);
+                let mut run = BlockRun::default();
+                source
+                    .block_run(request, group, w.begin, w.end, &mut run)
+                    .map_err(|error| UsageError::BlockSource { request, error })?;
+                runs.push((group, run));
+            }
+        }
+        // Validated: from here on the state changes.
+        let session = self.sessions.get_mut(&request).expect("checked above");
+        session.next_start = Some(spec.end);
+        session.prompt_len = Some(spec.prompt_len);
+        if runs.is_empty() && !spec.is_last {
+            return Ok(None);
+        }
+        session.phase = next_phase;
+        let id = SenderSliceId(session.slices.len() as u32);
+        session.slices.push(Slice {
+            id,
+            is_last: spec.is_last,
+            runs,
+            planned_by: 0,
+        });
+        self.counters.slices += 1;
+        if spec.is_last && session.sends_aux && session.aux.is_none() {
+            let at = now + self.config.deadlines.aux_wait;
+            session.aux_deadline = Some(at);
+            self.timers.arm(at, TimerKey::Request(request));
+        }
+        for t in 0..session.targets.len() {
+            self.issue_pending(now, request, t);
+        }
+        self.progress(now, request);
+        Ok(Some(id))
+    }
+
+    /// Cancels `request` (see [`SenderInput::Cancel`]).
+    pub fn cancel(&mut self, now: Instant, request: RequestId) -> Result<(), UsageError> {
+        self.handle_input(SenderInput::Cancel { now, request })
+    }
+
+    /// Retires `request` (see [`SenderInput::Retire`]).
+    pub fn retire(&mut self, now: Instant, request: RequestId) -> Result<(), UsageError> {
+        self.handle_input(SenderInput::Retire { now, request })
+    }
+
+    // ----- inputs -----
+
+    /// Applies one input. Returns a usage error, with nothing changed, for a caller bug.
+    pub fn handle_input(&mut self, input: SenderInput) -> Result<(), UsageError> {
+        match input {
+            SenderInput::PeerConnected { now, peer } => {
+                self.peers
+                    .connected(now, peer, &mut self.outputs, &mut self.timers)
+            }
+            SenderInput::PeerDisconnected { now, peer } => self.on_disconnected(now, peer),
+            SenderInput::FrameReceived { now, peer, frame } => {
+                let route = self.peers.on_frame(
+                    now,
+                    peer,
+                    frame,
+                    &mut self.outputs,
+                    &mut self.counters,
+                    &mut self.timers,
+                )?;
+                if let Route::Session(frame) = route {
+                    self.on_session_frame(now, peer, frame);
+                }
+                Ok(())
+            }
+            SenderInput::WritesCompleted { now, batch } => {
+                self.on_batch_report(now, batch, TransferStatus::Success)
+            }
+            SenderInput::WritesFailed { now, batch, status } => {
+                if status == TransferStatus::Success {
+                    return Err(UsageError::FailureWithSuccessStatus(batch));
+                }
+                self.on_batch_report(now, batch, status)
+            }
+            SenderInput::AuxSubmitted { now, request, data } => {
+                self.on_aux_submitted(now, request, data)
+            }
+            SenderInput::Cancel { now, request } => {
+                if self.retired.contains(request) {
+                    return Err(UsageError::Retired(request));
+                }
+                match self.sessions.get(&request) {
+                    None => self.remembered_cancels.insert(request, CancelOrigin::Local),
+                    Some(s) if s.phase.is_active() => {
+                        self.stop(now, request, Stop::Cancelled(CancelOrigin::Local))
+                    }
+                    Some(_) => {}
+                }
+                Ok(())
+            }
+            SenderInput::Retire { now: _, request } => {
+                if self.retired.contains(request) {
+                    return Err(UsageError::Retired(request));
+                }
+                let s = self
+                    .sessions
+                    .get(&request)
+                    .ok_or(UsageError::UnknownRequest(request))?;
+                match s.phase.on(SendEvent::Retire) {
+                    Transition::To(_) => {
+                        self.sessions.remove(&request);
+                        self.retired.insert(request, ());
+                        self.counters.retirements += 1;
+                        Ok(())
+                    }
+                    _ => Err(UsageError::NotQuiesced(request)),
+                }
+            }
+            SenderInput::Timeout { now } => {
+                for key in self.timers.due(now) {
+                    match key {
+                        TimerKey::Peer(peer) => {
+                            let expiry = self.peers.on_timeout(
+                                now,
+                                peer,
+                                &mut self.outputs,
+                                &mut self.counters,
+                                &mut self.timers,
+                            );
+                            if expiry == PeerExpiry::Liveness {
+                                self.fail_peer_sessions(now, peer, Stop::TimedOut(Wait::Liveness));
+                            }
+                        }
+                        TimerKey::Request(request) => self.on_request_timeout(now, request),
+                    }
+                }
+                Ok(())
+            }
+        }
+    }
+
+    // ----- internals -----
+
+    fn send(&mut self, now: Instant, peer: PeerId, frame: Frame) {
+        self.peers.transmit(now, peer, frame, &mut self.outputs);
+    }
+
+    fn event(&mut self, event: Event) {
+        self.outputs.push_back(Output::Event(event));
+    }
+
+    fn violation(&mut self, peer: PeerId, error: ProtocolError) {
+        self.counters.protocol_errors += 1;
+        self.event(Event::ProtocolViolation { peer, error });
+    }
+
+    fn on_session_frame(&mut self, now: Instant, peer: PeerId, frame: Frame) {
+        match frame {
+            Frame::RecvRegistration(reg) => self.on_registration(now, peer, reg),
+            Frame::Cancel(cancel) => self.on_peer_cancel(now, peer, cancel),
+            other => self.violation(
+                peer,
+                ProtocolError::UnexpectedFrame {
+                    kind: frame_kind(&other),
+                    role: Role::Sender,
+                },
+            ),
+        }
+    }
+
+    fn on_registration(&mut self, now: Instant, peer: PeerId, reg: RecvRegistration) {
+        let request = reg.request;
+        let refuse = Frame::Cancel(Cancel {
+            request,
+            reason: CancelReason::Failure,
+        });
+        if self.retired.contains(request) {
+            self.send(now, peer, refuse);
+            return;
+        }
+        let Some(session) = self.sessions.get_mut(&request) else {
+            if self.remembered_cancels.contains(request) {
+                let frame = Frame::Cancel(Cancel {
+                    request,
+                    reason: CancelReason::Engine,
+                });
+                self.send(now, peer, frame);
+            } else if self.pending_registrations.len() < self.config.max_pending_registrations {
+                self.pending_registrations.push_back((peer, reg));
+            } else {
+                self.send(now, peer, refuse);
+            }
+            return;
+        };
+        let Some(t) = session.targets.iter().position(|t| t.peer == peer) else {
+            self.send(now, peer, refuse);
+            self.violation(
+                peer,
+                ProtocolError::NotAParticipant {
+                    kind: "RecvRegistration",
+                    request,
+                },
+            );
+            return;
+        };
+        if let Some(known) = &session.targets[t].registration {
+            if *known == reg {
+                self.counters.duplicates += 1;
+            } else {
+                self.counters.protocol_errors += 1;
+                self.stop_protocol(
+                    now,
+                    request,
+                    peer,
+                    ProtocolError::DuplicateRegistration { request },
+                );
+            }
+            return;
+        }
+        if !session.phase.is_active() {
+            // The session ended before this receiver registered: nothing was or will be written.
+            if !session.targets[t].stop_sent {
+                session.targets[t].stop_sent = true;
+                let frame = Frame::Cancel(Cancel {
+                    request,
+                    reason: status_reason(session.stop_status),
+                });
+                self.send(now, peer, frame);
+            }
+            return;
+        }
+        let expected = self.config.local.groups.len();
+        if reg.groups.len() != expected {
+            session.targets[t].registration = Some(reg.clone());
+            self.counters.protocol_errors += 1;
+            self.stop_protocol(
+                now,
+                request,
+                peer,
+                ProtocolError::GroupCountMismatch {
+                    request,
+                    expected,
+                    got: reg.groups.len(),
+                },
+            );
+            return;
+        }
+        if let Some(local) = session.prompt_len {
+            if local != reg.prompt_len {
+                session.targets[t].registration = Some(reg.clone());
+                self.counters.protocol_errors += 1;
+                self.stop_protocol(
+                    now,
+                    request,
+                    peer,
+                    ProtocolError::PromptLenMismatch {
+                        request,
+                        registered: reg.prompt_len,
+                        local,
+                    },
+                );
+                return;
+            }
+        }
+        let receiver_slice = reg.slice;
+        session.targets[t].registration = Some(reg);
+        self.event(Event::Registered {
+            request,
+            peer,
+            receiver_slice,
+        });
+        self.issue_pending(now, request, t);
+        self.progress(now, request);
+    }
+
+    /// Plans and hands to the transport every slice target `t` has not been given yet, in order.
+    fn issue_pending(&mut self, now: Instant, request: RequestId, t: usize) {
+        loop {
+            let Some(session) = self.sessions.get_mut(&request) else {
+                return;
+            };
+            if !session.phase.is_active() {
+                return;
+            }
+            let target = &session.targets[t];
+            let Some(reg) = &target.registration else {
+                return;
+            };
+            let k = target.slices.len();
+            if k >= session.slices.len() {
+                return;
+            }
+            let peer = target.peer;
+            let Some(remote) = self.peers.remote(peer) else {
+                return;
+            };
+            let slice = &session.slices[k];
+            let plan = &mut self.plan_buffer;
+            plan.clear();
+            let mut error = None;
+            for (group, run) in &slice.runs {
+                let g = usize::from(group.0);
+                let (Some(src), Some(dst), Some(dst_run)) = (
+                    self.config.local.groups.get(g),
+                    remote.groups.get(g),
+                    reg.groups.get(g),
+                ) else {
+                    error = Some(format!("no layer group {g} on both sides"));
+                    break;
+                };
+                if let Err(e) = plan_group(src, dst, run, dst_run, plan) {
+                    error = Some(e);
+                    break;
+                }
+            }
+            if let Some(message) = error {
+                self.counters.protocol_errors += 1;
+                self.stop_protocol(
+                    now,
+                    request,
+                    peer,
+                    ProtocolError::Unplannable { request, message },
+                );
+                return;
+            }
+            let slice_id = slice.id;
+            let grant = reg.grant;
+            let bytes = plan.total_bytes();
+            let session = self.sessions.get_mut(&request).expect("present");
+            let slice = &mut session.slices[k];
+            slice.planned_by += 1;
+            if slice.planned_by >= session.targets.len() {
+                // Every receiver has its plan: the block runs are no longer needed.
+                slice.runs = Vec::new();
+            }
+            let target = &mut session.targets[t];
+            if self.plan_buffer.is_empty() {
+                target.slices.push(TargetSlice {
+                    done: true,
+                    bytes: 0,
+                    deadline: None,
+                });
+                continue;
+            }
+            let batch = WriteBatchId(self.next_batch);
+            self.next_batch += 1;
+            let deadline = now + self.config.deadlines.write_completion;
+            target.slices.push(TargetSlice {
+                done: false,
+                bytes,
+                deadline: Some(deadline),
+            });
+            target.inflight += 1;
+            self.batches.insert(
+                batch,
+                BatchRef {
+                    request,
+                    target: t,
+                    slice: k,
+                },
+            );
+            self.counters.bytes_planned += bytes;
+            self.counters.write_batches += 1;
+            self.timers.arm(deadline, TimerKey::Request(request));
+            self.outputs.push_back(Output::ExecuteWrites {
+                peer,
+                batch,
+                request,
+                slice: slice_id,
+                grant,
+                plan: self.plan_buffer.clone(),
+            });
+        }
+    }
+
+    /// Sends every result that may leave now, in slice order, then the aux data; completes the
+    /// session when everything went out.
+    fn progress(&mut self, now: Instant, request: RequestId) {
+        let Some(session) = self.sessions.get_mut(&request) else {
+            return;
+        };
+        if !session.phase.is_active() {
+            return;
+        }
+        let mut frames: Vec<(PeerId, Frame)> = Vec::new();
+        for target in session.targets.iter_mut() {
+            let Some(reg) = &target.registration else {
+                continue;
+            };
+            while target.results_sent < target.slices.len()
+                && target.slices[target.results_sent].done
+            {
+                let k = target.results_sent;
+                let slice = &session.slices[k];
+                let ts = target.slices[k];
+                frames.push((
+                    target.peer,
+                    Frame::KvResult(KvResult {
+                        request,
+                        sender_slice: slice.id,
+                        receiver_slice: reg.slice,
+                        is_last: slice.is_last,
+                        status: TransferStatus::Success,
+                        bytes_written: ts.bytes,
+                    }),
+                ));
+                target.results_sent += 1;
+                if slice.is_last {
+                    target.last_result_sent = true;
+                    if !session.sends_aux {
+                        target.stop_sent = true;
+                    }
+                }
+            }
+            if target.last_result_sent && !target.aux_sent {
+                if let (true, Some(aux)) = (session.sends_aux, &session.aux) {
+                    frames.push((
+                        target.peer,
+                        Frame::AuxResult(AuxResult {
+                            request,
+                            status: TransferStatus::Success,
+                            data: aux.clone(),
+                        }),
+                    ));
+                    target.aux_sent = true;
+                    target.stop_sent = true;
+                }
+            }
+        }
+        let finished = session
+            .targets
+            .iter()
+            .all(|t| t.last_result_sent && (!session.sends_aux || t.aux_sent));
+        let bytes = session.bytes_written;
+        let mut transition = None;
+        if finished {
+            if let Transition::To(p) = session.phase.on(SendEvent::Finished) {
+                session.phase = p;
+                transition = Some(p);
+            }
+        }
+        for (peer, frame) in frames {
+            if let Frame::KvResult(r) = &frame {
+                self.counters.results.bump(r.status);
+            }
+            self.send(now, peer, frame);
+        }
+        if transition == Some(SendPhase::Completed) {
+            self.counters.completions += 1;
+            self.counters.quiesced += 1;
+            self.event(Event::Completed {
+                request,
+                bytes_written: bytes,
+                aux: None,
+            });
+            self.event(Event::Quiesced { request });
+        }
+    }
+
+    fn on_batch_report(
+        &mut self,
+        now: Instant,
+        batch: WriteBatchId,
+        status: TransferStatus,
+    ) -> Result<(), UsageError> {
+        let Some(r) = self.batches.remove(&batch) else {
+            if batch.0 < self.next_batch {
+                // Issued, and forgotten when its peer disconnected: a late report is harmless.
+                return Ok(());
+            }
+            return Err(UsageError::UnknownBatch(batch));
+        };
+        let Some(session) = self.sessions.get_mut(&r.request) else {
+            return Ok(());
+        };
+        let target = &mut session.targets[r.target];
+        target.inflight = target.inflight.saturating_sub(1);
+        let peer = target.peer;
+        let receiver_slice = target.receiver_slice();
+        let ts = &mut target.slices[r.slice];
+        ts.deadline = None;
+        if status == TransferStatus::Success {
+            ts.done = true;
+            let bytes = ts.bytes;
+            session.bytes_written += bytes;
+            self.counters.bytes_written += bytes;
+            if session.phase.is_active() {
+                self.progress(now, r.request);
+            } else {
+                self.check_drained(now, r.request);
+            }
+        } else if session.phase.is_active() {
+            let slice = session.slices[r.slice].id;
+            self.stop(
+                now,
+                r.request,
+                Stop::Failed {
+                    cause: status,
+                    peer: Some(peer),
+                    slice: Some(slice),
+                    receiver_slice,
+                },
+            );
+        } else {
+            self.check_drained(now, r.request);
+        }
+        Ok(())
+    }
+
+    fn on_aux_submitted(
+        &mut self,
+        now: Instant,
+        request: RequestId,
+        data: AuxData,
+    ) -> Result<(), UsageError> {
+        if self.retired.contains(request) {
+            return Err(UsageError::Retired(request));
+        }
+        let session = self
+            .sessions
+            .get_mut(&request)
+            .ok_or(UsageError::UnknownRequest(request))?;
+        if !session.sends_aux {
+            return Err(UsageError::AuxNotExpected(request));
+        }
+        if session.aux.is_some() {
+            return Err(UsageError::AuxAlreadySubmitted(request));
+        }
+        if !session.phase.is_active() {
+            return Err(UsageError::SessionEnded(request));
+        }
+        session.aux = Some(data);
+        session.aux_deadline = None;
+        self.progress(now, request);
+        Ok(())
+    }
+
+    fn on_peer_cancel(&mut self, now: Instant, peer: PeerId, cancel: Cancel) {
+        let request = cancel.request;
+        let confirm = Frame::Cancel(Cancel {
+            request,
+            reason: cancel.reason,
+        });
+        if self.retired.contains(request) {
+            // Nothing of a retired request is in flight: confirm at once.
+            self.send(now, peer, confirm);
+            return;
+        }
+        let Some(session) = self.sessions.get_mut(&request) else {
+            // Not opened yet: nothing is in flight. Confirm, and cancel it when it opens.
+            self.remembered_cancels
+                .insert(request, CancelOrigin::Peer(peer));
+            self.pending_registrations
+                .retain(|(p, r)| !(r.request == request && *p == peer));
+            self.send(now, peer, confirm);
+            return;
+        };
+        let Some(t) = session.targets.iter().position(|t| t.peer == peer) else {
+            self.violation(
+                peer,
+                ProtocolError::NotAParticipant {
+                    kind: "Cancel",
+                    request,
+                },
+            );
+            return;
+        };
+        if session.phase.is_active() {
+            self.stop(now, request, Stop::Cancelled(CancelOrigin::Peer(peer)));
+        } else if session.targets[t].inflight == 0 && !session.targets[t].stop_sent {
+            self.check_drained(now, request);
+        }
+    }
+
+    fn on_disconnected(&mut self, now: Instant, peer: PeerId) -> Result<(), UsageError> {
+        self.peers.disconnected(peer)?;
+        self.pending_registrations.retain(|(p, _)| *p != peer);
+        // Batches towards the peer can no longer touch memory.
+        let dropped: Vec<WriteBatchId> = self
+            .batches
+            .iter()
+            .filter(|(_, r)| {
+                self.sessions
+                    .get(&r.request)
+                    .is_some_and(|s| s.targets[r.target].peer == peer)
+            })
+            .map(|(b, _)| *b)
+            .collect();
+        for b in dropped {
+            self.batches.remove(&b);
+        }
+        let involved: Vec<RequestId> = self
+            .sessions
+            .iter()
+            .filter(|(_, s)| s.targets.iter().any(|t| t.peer == peer))
+            .map(|(r, _)| *r)
+            .collect();
+        for request in involved {
+            let session = self.sessions.get_mut(&request).expect("listed");
+            let t = session
+                .targets
+                .iter()
+                .position(|t| t.peer == peer)
+                .expect("listed");
+            let target = &mut session.targets[t];
+            target.disconnected = true;
+            target.inflight = 0;
+            for ts in &mut target.slices {
+                ts.deadline = None;
+            }
+            let receiver_slice = target.receiver_slice();
+            let finished_here = target.stop_sent && target.last_result_sent;
+            if session.phase.is_active() && !finished_here {
+                self.stop(
+                    now,
+                    request,
+                    Stop::Failed {
+                        cause: TransferStatus::PeerLost,
+                        peer: Some(peer),
+                        slice: None,
+                        receiver_slice,
+                    },
+                );
+            } else {
+                self.check_drained(now, request);
+            }
+        }
+        Ok(())
+    }
+
+    fn fail_peer_sessions(&mut self, now: Instant, peer: PeerId, why: Stop) {
+        let involved: Vec<RequestId> = self
+            .sessions
+            .iter()
+            .filter(|(_, s)| {
+                s.phase.is_active()
+                    && s.targets
+                        .iter()
+                        .any(|t| t.peer == peer && !(t.stop_sent && t.last_result_sent))
+            })
+            .map(|(r, _)| *r)
+            .collect();
+        for request in involved {
+            self.stop(now, request, why);
+        }
+    }
+
+    fn on_request_timeout(&mut self, now: Instant, request: RequestId) {
+        let Some(session) = self.sessions.get_mut(&request) else {
+            return;
+        };
+        if session.phase.is_active() {
+            let write_due = session
+                .targets
+                .iter()
+                .flat_map(|t| t.slices.iter())
+                .any(|ts| ts.deadline.is_some_and(|at| at <= now));
+            if write_due {
+                self.stop(now, request, Stop::TimedOut(Wait::Writes));
+                return;
+            }
+            let unregistered = session
+                .targets
+                .iter()
+                .any(|t| t.registration.is_none() && !t.disconnected);
+            if unregistered && session.registration_deadline <= now {
+                self.stop(now, request, Stop::TimedOut(Wait::Registration));
+                return;
+            }
+            if session.aux_deadline.is_some_and(|at| at <= now) {
+                self.stop(now, request, Stop::TimedOut(Wait::Aux));
+                return;
+            }
+        } else if session.phase == SendPhase::Stopping
+            && session.quiesce_deadline.is_some_and(|at| at <= now)
+        {
+            let fence: Vec<PeerId> = session
+                .targets
+                .iter_mut()
+                .filter(|t| t.inflight > 0 && !t.disconnected && !t.fence_requested)
+                .map(|t| {
+                    t.fence_requested = true;
+                    t.peer
+                })
+                .collect();
+            for peer in fence {
+                self.peers.close(
+                    peer,
+                    CloseReason::QuiesceFence,
+                    &mut self.outputs,
+                    &mut self.counters,
+                );
+            }
+            return;
+        }
+        self.rearm(request);
+    }
+
+    /// Arms the session's earliest pending deadline.
+    fn rearm(&mut self, request: RequestId) {
+        let Some(session) = self.sessions.get(&request) else {
+            return;
+        };
+        let mut next: Option<Instant> = None;
+        let mut consider = |at: Option<Instant>| {
+            if let Some(at) = at {
+                next = Some(next.map_or(at, |n: Instant| n.min(at)));
+            }
+        };
+        if session.phase.is_active() {
+            for t in &session.targets {
+                for ts in &t.slices {
+                    consider(ts.deadline);
+                }
+            }
+            if session
+                .targets
+                .iter()
+                .any(|t| t.registration.is_none() && !t.disconnected)
+            {
+                consider(Some(session.registration_deadline));
+            }
+            consider(session.aux_deadline);
+        } else if session.phase == SendPhase::Stopping {
+            consider(session.quiesce_deadline);
+        }
+        self.timers.arm_opt(next, TimerKey::Request(request));
+    }
+
+    fn stop_protocol(
+        &mut self,
+        now: Instant,
+        request: RequestId,
+        peer: PeerId,
+        error: ProtocolError,
+    ) {
+        let receiver_slice = self.sessions.get(&request).and_then(|s| {
+            s.targets
+                .iter()
+                .find(|t| t.peer == peer)
+                .and_then(Target::receiver_slice)
+        });
+        self.event(Event::ProtocolViolation { peer, error });
+        self.stop(
+            now,
+            request,
+            Stop::Failed {
+                cause: TransferStatus::ProtocolError,
+                peer: Some(peer),
+                slice: None,
+                receiver_slice,
+            },
+        );
+    }
+
+    /// Ends an active session: reports it, tells every receiver at once, and waits for the
+    /// in-flight writes before [`Event::Quiesced`].
+    fn stop(&mut self, now: Instant, request: RequestId, why: Stop) {
+        let Some(session) = self.sessions.get_mut(&request) else {
+            return;
+        };
+        let Transition::To(phase) = session.phase.on(SendEvent::Stop) else {
+            return;
+        };
+        session.phase = phase;
+        let (status, event) = match why {
+            Stop::Failed {
+                cause,
+                peer,
+                slice,
+                receiver_slice,
+            } => {
+                session.stop_slice = slice;
+                (
+                    cause,
+                    Event::Failed {
+                        request,
+                        cause,
+                        peer,
+                        sender_slice: slice,
+                        receiver_slice,
+                    },
+                )
+            }
+            Stop::TimedOut(wait) => (
+                if wait == Wait::Writes {
+                    TransferStatus::InDoubt
+                } else {
+                    TransferStatus::TimedOut
+                },
+                Event::TimedOut {
+                    request,
+                    waiting_for: wait,
+                },
+            ),
+            Stop::Cancelled(origin) => (
+                TransferStatus::Cancelled,
+                Event::Cancelled { request, origin },
+            ),
+        };
+        session.stop_status = status;
+        let failed_slice = session
+            .stop_slice
+            .or_else(|| session.slices.last().map(|s| s.id))
+            .unwrap_or_default();
+        let quiesce_at = now + self.config.deadlines.quiesce;
+        session.quiesce_deadline = Some(quiesce_at);
+        let mut frames = Vec::new();
+        for target in session.targets.iter_mut() {
+            for ts in &mut target.slices {
+                ts.deadline = None;
+            }
+            if target.disconnected || target.stop_sent {
+                continue;
+            }
+            match &target.registration {
+                Some(reg) => {
+                    let is_last = target.inflight == 0;
+                    target.stop_sent = is_last;
+                    frames.push((
+                        target.peer,
+                        Frame::KvResult(KvResult {
+                            request,
+                            sender_slice: failed_slice,
+                            receiver_slice: reg.slice,
+                            is_last,
+                            status,
+                            bytes_written: 0,
+                        }),
+                    ));
+                }
+                None => {
+                    target.stop_sent = true;
+                    frames.push((
+                        target.peer,
+                        Frame::Cancel(Cancel {
+                            request,
+                            reason: status_reason(status),
+                        }),
+                    ));
+                }
+            }
+        }
+        self.counters.failures.bump(status);
+        match why {
+            Stop::TimedOut(_) => self.counters.timeouts += 1,
+            Stop::Cancelled(_) => self.counters.cancellations += 1,
+            Stop::Failed { .. } => {}
+        }
+        self.event(event);
+        for (peer, frame) in frames {
+            if let Frame::KvResult(r) = &frame {
+                self.counters.results.bump(r.status);
+            }
+            self.send(now, peer, frame);
+        }
+        self.timers.arm(quiesce_at, TimerKey::Request(request));
+        self.check_drained(now, request);
+    }
+
+    /// In a stopping session: sends each receiver's terminal result once its writes drained, and
+    /// quiesces the session once no write is in flight.
+    fn check_drained(&mut self, now: Instant, request: RequestId) {
+        let Some(session) = self.sessions.get_mut(&request) else {
+            return;
+        };
+        if session.phase != SendPhase::Stopping {
+            return;
+        }
+        let status = session.stop_status;
+        let failed_slice = session
+            .stop_slice
+            .or_else(|| session.slices.last().map(|s| s.id))
+            .unwrap_or_default();
+        let mut frames = Vec::new();
+        for target in session.targets.iter_mut() {
+            if target.inflight == 0 && !target.stop_sent && !target.disconnected {
+                target.stop_sent = true;
+                let frame = match &target.registration {
+                    Some(reg) => Frame::KvResult(KvResult {
+                        request,
+                        sender_slice: failed_slice,
+                        receiver_slice: reg.slice,
+                        is_last: true,
+                        status,
+                        bytes_written: 0,
+                    }),
+                    None => Frame::Cancel(Cancel {
+                        request,
+                        reason: status_reason(status),
+                    }),
+                };
+                frames.push((target.peer, frame));
+            }
+        }
+        let drained = session.targets.iter().all(|t| t.inflight == 0);
+        let mut quiesced = false;
+        if drained {
+            if let Transition::To(p) = session.phase.on(SendEvent::Drained) {
+                session.phase = p;
+                session.quiesce_deadline = None;
+                quiesced = true;
+            }
+        }
+        for (peer, frame) in frames {
+            if let Frame::KvResult(r) = &frame {
+                self.counters.results.bump(r.status);
+            }
+            self.send(now, peer, frame);
+        }
+        if quiesced {
+            self.counters.quiesced += 1;
+            self.event(Event::Quiesced { request });
+        }
+    }
+}
+
+/// The cancel reason that carries `status` to a peer that has no registration to name.
+fn status_reason(status: TransferStatus) -> CancelReason {
+    match status {
+        TransferStatus::Cancelled => CancelReason::Engine,
+        TransferStatus::TimedOut | TransferStatus::InDoubt => CancelReason::Timeout,
+        _ => CancelReason::Failure,
+    }
+}
