@@ -5,3 +5,4 @@
 //! command-line program (demo, bench, plan, sim) is built from this crate too.
 
 pub mod cache;
+pub mod sim;
