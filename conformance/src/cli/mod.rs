@@ -7,6 +7,7 @@ use clap::{Parser, Subcommand};
 mod bench;
 mod demo;
 mod plan;
+mod sim;
 
 /// Streams an LLM request's KV cache from prefill to decode while prefill runs.
 #[derive(Debug, Parser)]
@@ -24,6 +25,8 @@ enum Command {
     Plan(plan::PlanArgs),
     /// Run a benchmark and report its figures against a same-run baseline.
     Bench(bench::BenchArgs),
+    /// Simulate many requests over a seeded, faulty virtual network and check every outcome.
+    Sim(sim::SimArgs),
 }
 
 /// A command's failure, printed as `kvpipe: <message>` with a non-zero exit status.
@@ -35,6 +38,7 @@ impl Cli {
             Command::Demo(args) => demo::run(args),
             Command::Plan(args) => plan::run(args),
             Command::Bench(args) => bench::run(args),
+            Command::Sim(args) => sim::run(args),
         }
     }
 }
