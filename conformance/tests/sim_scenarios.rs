@@ -16,7 +16,11 @@ fn run(plans: Vec<RequestPlan>, script: Vec<ScriptedFault>) -> (SimReport, Strin
     let mut sim = Simulation::new(cfg, plans, script);
     let report = sim.run();
     assert_eq!(report.anomalies, 0, "{:?}", sim.anomalies());
-    assert!(!report.has_bugs(), "{}", serde_json::to_string(&report).unwrap());
+    assert!(
+        !report.has_bugs(),
+        "{}",
+        serde_json::to_string(&report).unwrap()
+    );
     (report, sim.trace().join("\n"))
 }
 

@@ -27,6 +27,9 @@ pub(crate) struct SimArgs {
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
+    /// Print the trace lines that contain this text (e.g. `req#42 ` or `link`) to stderr.
+    #[arg(long, value_name = "TEXT")]
+    trace: Vec<String>,
 }
 
 pub(crate) fn run(args: SimArgs) -> Result<ExitCode, CliError> {
@@ -35,9 +38,16 @@ pub(crate) fn run(args: SimArgs) -> Result<ExitCode, CliError> {
     }
     let mut config = SimConfig::new(args.seed, args.faults);
     config.senders = args.senders;
+    config.trace = !args.trace.is_empty();
     let started = WallClock::now();
-    let report = Simulation::random(config, args.requests).run();
+    let mut sim = Simulation::random(config, args.requests);
+    let report = sim.run();
     let wall = started.elapsed();
+    for line in sim.trace() {
+        if args.trace.iter().any(|t| line.contains(t.as_str())) {
+            eprintln!("{line}");
+        }
+    }
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
     } else {

@@ -166,7 +166,7 @@ impl Default for FaultRates {
             loss_retry: 0.25,
             loss_reset_after: 4,
             duplication: 0.02,
-            delay: 0.004,
+            delay: 0.002,
             write_failure: 0.01,
             peer_death: 0.01,
         }

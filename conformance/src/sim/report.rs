@@ -101,6 +101,8 @@ pub struct SimReport {
     pub link_deaths: u64,
     /// The first anomalies, as text.
     pub first_anomalies: Vec<String>,
+    /// The first requests found hung, corrupted, leaked or one-sided (ids).
+    pub first_bugs: Vec<u64>,
     /// What the endpoint-wide leak check found.
     pub leak_details: Vec<String>,
     /// Every request's outcome.

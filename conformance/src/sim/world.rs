@@ -149,6 +149,12 @@ enum Action {
     KillLink {
         link: usize,
         injected: bool,
+        silent: bool,
+    },
+    NotifyDown {
+        link: usize,
+        to_receiver: bool,
+        injected: bool,
     },
     Reconnect {
         link: usize,
@@ -184,6 +190,8 @@ impl Ord for Scheduled {
 #[derive(Clone, Debug)]
 struct Link {
     up: bool,
+    /// Died silently: frames vanish and writes stall until an endpoint closes it.
+    broken: bool,
     epoch: u64,
     base_latency: u64,
     /// Delivery time of the last frame each way (a connection delivers in order).
@@ -200,6 +208,8 @@ struct InFlightBatch {
     grant: GrantId,
     plan: WritePlan,
     fail: Option<TransferStatus>,
+    /// Issued on a connection already down: none of it can land.
+    stillborn: bool,
 }
 
 /// One side's view of a request.
@@ -339,6 +349,7 @@ impl Simulation {
         let links = (0..senders)
             .map(|_| Link {
                 up: false,
+                broken: false,
                 epoch: 0,
                 base_latency: if cfg.faults.contains(FaultKind::Latency) {
                     rng.range(20_000, 2_000_000)
@@ -416,6 +427,7 @@ impl Simulation {
                 Action::KillLink {
                     link,
                     injected: true,
+                    silent: false,
                 },
             );
         }
@@ -589,11 +601,13 @@ impl Simulation {
             let link = *self.rng.pick(&plan.writers).expect("a writer");
             let span = plan.per_token.as_nanos() * u64::from(plan.prompt_len) + 1_000_000;
             let at = now + Duration::from_nanos(self.rng.below(span));
+            let silent = self.rng.chance(0.5);
             self.schedule(
                 at,
                 Action::KillLink {
                     link,
                     injected: true,
+                    silent,
                 },
             );
         }
@@ -654,13 +668,24 @@ impl Simulation {
                 self.drain();
             }
             Action::WriteDone { sender, batch } => self.write_done(sender, batch),
-            Action::KillLink { link, injected } => self.kill_link(link, injected, "died"),
+            Action::KillLink {
+                link,
+                injected,
+                silent: true,
+            } => self.break_link(link, injected),
+            Action::KillLink { link, injected, .. } => self.kill_link(link, injected, "died"),
+            Action::NotifyDown {
+                link,
+                to_receiver,
+                injected,
+            } => self.notify_down(link, to_receiver, injected),
             Action::Reconnect { link } => {
                 let l = &mut self.links[link];
                 if l.up {
                     return;
                 }
                 l.up = true;
+                l.broken = false;
                 l.epoch += 1;
                 l.last_to_receiver = now;
                 l.last_to_sender = now;
@@ -908,7 +933,7 @@ impl Simulation {
 
     fn send_frame(&mut self, link: usize, to_receiver: bool, frame: Frame) {
         self.net.frames += 1;
-        if !self.links[link].up {
+        if !self.links[link].up || self.links[link].broken {
             self.net.dropped += 1;
             return;
         }
@@ -939,6 +964,7 @@ impl Simulation {
                         Action::KillLink {
                             link,
                             injected: true,
+                            silent: false,
                         },
                     );
                     return;
@@ -950,7 +976,7 @@ impl Simulation {
         }
         if faults.contains(FaultKind::Delay) && self.rng.chance(rates.delay) {
             self.net.delays += 1;
-            at += Duration::from_nanos(self.rng.range(20_000_000, 600_000_000));
+            at += Duration::from_nanos(self.rng.range(10_000_000, 450_000_000));
         }
         let l = &mut self.links[link];
         let last = if to_receiver {
@@ -1030,10 +1056,11 @@ impl Simulation {
             at = self.now;
         }
         self.links[rank].last_write = self.links[rank].last_write.max(at);
-        let fail = if self.links[rank].up {
-            fail
-        } else {
+        let stillborn = !self.links[rank].up;
+        let fail = if stillborn {
             Some(TransferStatus::PeerLost)
+        } else {
+            fail
         };
         self.batches.insert(
             (rank, batch),
@@ -1042,6 +1069,7 @@ impl Simulation {
                 grant,
                 plan,
                 fail,
+                stillborn,
             },
         );
         self.schedule(
@@ -1055,6 +1083,15 @@ impl Simulation {
 
     fn write_done(&mut self, rank: usize, batch: WriteBatchId) {
         let now = self.now;
+        if self.links[rank].broken
+            && self
+                .batches
+                .get(&(rank, batch))
+                .is_some_and(|b| !b.stillborn)
+        {
+            // The connection died silently: the batch stalls until the connection is closed.
+            return;
+        }
         let Some(b) = self.batches.remove(&(rank, batch)) else {
             // Dropped with its connection.
             return;
@@ -1067,9 +1104,11 @@ impl Simulation {
             }
             Some(status) => {
                 let part = self.rng.below(b.plan.len() as u64 + 1) as usize;
-                self.apply(rank, &b, part);
-                self.net.write_failures += 1;
-                self.mark_fatal(rank, b.request);
+                if !b.stillborn {
+                    self.apply(rank, &b, part);
+                    self.net.write_failures += 1;
+                    self.mark_fatal(rank, b.request);
+                }
                 self.note(|| format!("S{rank} {batch} failed: {status:?}"));
                 SenderInput::WritesFailed { now, batch, status }
             }
@@ -1146,6 +1185,7 @@ impl Simulation {
             return;
         }
         self.links[link].up = false;
+        self.links[link].broken = false;
         self.links[link].epoch += 1;
         self.net.link_deaths += u64::from(injected);
         self.note(|| format!("link S{link} {how}"));
@@ -1159,9 +1199,35 @@ impl Simulation {
         for key in dying {
             let b = self.batches.remove(&key).expect("listed");
             let part = self.rng.below(b.plan.len() as u64 + 1) as usize;
-            self.apply(link, &b, part);
+            if !b.stillborn {
+                self.apply(link, &b, part);
+            }
         }
-        if injected {
+        // One side learns at once, the other a little later.
+        let receiver_first = self.rng.chance(0.5);
+        let later = now + Duration::from_nanos(self.rng.below(2_000_000));
+        self.schedule(
+            later,
+            Action::NotifyDown {
+                link,
+                to_receiver: !receiver_first,
+                injected,
+            },
+        );
+        let back = later + Duration::from_nanos(self.rng.range(5_000_000, 50_000_000));
+        self.schedule(back, Action::Reconnect { link });
+        self.notify_down(link, receiver_first, injected);
+    }
+
+    /// Tells one side that the connection of sender rank `link` is gone.
+    ///
+    /// An injected death is fatal for every request whose session on that sender rank is still
+    /// active when the sender learns of it (a session that completed before, having handed its
+    /// last frames to the dying connection, is the protocol's inherent race, not a fault it
+    /// could act on).
+    fn notify_down(&mut self, link: usize, to_receiver: bool, injected: bool) {
+        let now = self.now;
+        if injected && !to_receiver {
             let requests: Vec<RequestId> = self
                 .records
                 .iter()
@@ -1177,19 +1243,48 @@ impl Simulation {
                 self.mark_fatal(link, request);
             }
         }
-        let res = self.senders[link].handle_input(SenderInput::PeerDisconnected {
-            now,
-            peer: RECEIVER_PEER,
+        self.note(|| {
+            format!(
+                "{} learns link S{link} is down",
+                if to_receiver { "R" } else { "S" }
+            )
         });
-        self.check(res, || format!("S{link} disconnect"));
-        let res = self.receiver.handle_input(ReceiverInput::PeerDisconnected {
-            now,
-            peer: sender_peer(link),
-        });
-        self.check(res, || format!("R disconnect S{link}"));
-        let back = now + Duration::from_nanos(self.rng.range(5_000_000, 50_000_000));
-        self.schedule(back, Action::Reconnect { link });
+        let res = if to_receiver {
+            self.receiver.handle_input(ReceiverInput::PeerDisconnected {
+                now,
+                peer: sender_peer(link),
+            })
+        } else {
+            self.senders[link].handle_input(SenderInput::PeerDisconnected {
+                now,
+                peer: RECEIVER_PEER,
+            })
+        };
+        self.check(res, || format!("link S{link} down"));
         self.drain();
+    }
+
+    /// The connection of sender rank `link` dies silently: nobody is told; frames vanish and
+    /// writes stall until an endpoint's deadline closes it.
+    fn break_link(&mut self, link: usize, injected: bool) {
+        let l = &mut self.links[link];
+        if !l.up || l.broken {
+            return;
+        }
+        l.broken = true;
+        l.epoch += 1;
+        self.net.link_deaths += u64::from(injected);
+        self.note(|| format!("link S{link} died silently"));
+        // A writer with a batch stalled on it can complete neither side.
+        let stalled: Vec<RequestId> = self
+            .batches
+            .iter()
+            .filter(|((r, _), _)| *r == link)
+            .map(|(_, b)| b.request)
+            .collect();
+        for request in stalled {
+            self.mark_fatal(link, request);
+        }
     }
 
     fn on_event(&mut self, from: Option<usize>, event: Event) {
@@ -1348,6 +1443,14 @@ impl Simulation {
                 Outcome::Leaked => report.leaked += 1,
             }
             report.one_sided += u64::from(one_sided);
+            let bug = one_sided
+                || matches!(
+                    outcome,
+                    Outcome::Hung | Outcome::Corrupted | Outcome::Leaked
+                );
+            if bug && report.first_bugs.len() < 10 {
+                report.first_bugs.push(request.0);
+            }
             report.fatal += u64::from(fatal);
             report.split += u64::from(sides_done && any_completed && !all_completed);
             outcomes.push(RequestOutcome {
