@@ -238,14 +238,16 @@ fn scenario() -> impl Strategy<Value = Scenario> {
                     Just(vec![2u16, 1])
                 ],
                 0u64..=1,
+                0u8..3,
             )
-                .prop_map(|(window, sinks, split, pad)| {
+                .prop_map(|(window, sinks, split, pad, receiver_split)| {
                     let layers: u16 = split.iter().sum();
-                    // The receiver splits the same layers differently (or not).
-                    let rsplit = if layers == 3 {
-                        vec![3]
-                    } else {
-                        vec![1; layers as usize]
+                    // The receiver splits the same layers alike (whole-slot runs coalesce),
+                    // into one pool, or one pool per layer.
+                    let rsplit = match receiver_split {
+                        0 => split.clone(),
+                        1 => vec![layers],
+                        _ => vec![1; layers as usize],
                     };
                     (window, sinks, split, rsplit, pad)
                 });

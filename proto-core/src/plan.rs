@@ -5,7 +5,7 @@
 use thiserror::Error;
 
 use crate::blocks::{AnchoredRun, BlockRun};
-use crate::ids::RegionId;
+use crate::ids::{BlockId, RegionId};
 use crate::layout::{LayerGroupLayout, PoolLayout};
 
 /// One write: `len` bytes from `src_region + src_offset` (sender) to
@@ -228,14 +228,22 @@ struct SegmentSide {
 }
 
 impl SegmentSide {
-    fn offset(&self, side: Side, id: u64) -> Result<u64, PlanError> {
-        id.checked_mul(self.slot_bytes)
-            .and_then(|o| o.checked_add(self.base))
-            .ok_or(PlanError::OffsetOverflow {
+    /// Offset of the segment in slot `first`, checking that the segment's `len` bytes in each
+    /// of the `n` slots from `first` on are addressable.
+    fn offset(&self, side: Side, first: u64, n: u64, len: u64) -> Result<u64, PlanError> {
+        let at = |id: u64| {
+            id.checked_mul(self.slot_bytes)
+                .and_then(|o| o.checked_add(self.base))
+        };
+        let last = first + (n - 1);
+        match (at(first), at(last).and_then(|o| o.checked_add(len))) {
+            (Some(start), Some(_)) => Ok(start),
+            _ => Err(PlanError::OffsetOverflow {
                 side,
-                block: id,
+                block: last,
                 slot_bytes: self.slot_bytes,
-            })
+            }),
+        }
     }
 }
 
@@ -437,34 +445,12 @@ pub fn plan_group_with_cursor(
     };
     let mut bytes = 0u64;
     let mut result = Ok(());
-    'outer: for segment in segments {
-        for o in overlaps() {
-            let ids = &src.ids[o.src_index..o.src_index + o.len as usize];
-            for (k, &src_id) in ids.iter().enumerate() {
-                let offsets = segment
-                    .src
-                    .offset(Side::Sender, u64::from(src_id.0))
-                    .and_then(|s| {
-                        Ok((
-                            s,
-                            segment.dst.offset(Side::Receiver, o.dst_first + k as u64)?,
-                        ))
-                    });
-                let (src_offset, dst_offset) = match offsets {
-                    Ok(v) => v,
-                    Err(e) => {
-                        result = Err(e);
-                        break 'outer;
-                    }
-                };
-                plan.push(WriteExtent {
-                    src_region: segment.src.region,
-                    src_offset,
-                    dst_region: segment.dst.region,
-                    dst_offset,
-                    len: segment.len,
-                });
-                bytes += segment.len;
+    for segment in segments {
+        match plan_segment(&segment, &src.ids, overlaps(), plan) {
+            Ok(b) => bytes += b,
+            Err(e) => {
+                result = Err(e);
+                break;
             }
         }
     }
@@ -482,6 +468,54 @@ pub fn plan_group_with_cursor(
     stats.extents_added = u32::try_from(plan.len() - before).unwrap_or(u32::MAX);
     stats.bytes = bytes;
     Ok(stats)
+}
+
+/// Appends one segment's extents for every overlap; returns the bytes. When the segment fills
+/// whole slots on both sides, runs of consecutive source slots (the receiver's are consecutive
+/// inside an overlap) become one extent each; otherwise one extent per block, which
+/// [`WritePlan::push`] coalesces when both sides happen to be contiguous.
+fn plan_segment(
+    segment: &Segment,
+    src_ids: &[BlockId],
+    overlaps: Overlaps<'_>,
+    plan: &mut WritePlan,
+) -> Result<u64, PlanError> {
+    let whole_slots =
+        segment.len == segment.src.slot_bytes && segment.len == segment.dst.slot_bytes;
+    let mut bytes = 0;
+    for o in overlaps {
+        let ids = &src_ids[o.src_index..o.src_index + o.len as usize];
+        let mut k = 0;
+        while k < ids.len() {
+            let first = u64::from(ids[k].0);
+            let mut n = 1;
+            if whole_slots {
+                while k + n < ids.len() && u64::from(ids[k + n].0) == first + n as u64 {
+                    n += 1;
+                }
+            }
+            let blocks = n as u64;
+            let src_offset = segment
+                .src
+                .offset(Side::Sender, first, blocks, segment.len)?;
+            let dst_first = o.dst_first + k as u64;
+            let dst_offset = segment
+                .dst
+                .offset(Side::Receiver, dst_first, blocks, segment.len)?;
+            // Both ends were checked addressable, so the length fits too.
+            let len = segment.len * blocks;
+            plan.push(WriteExtent {
+                src_region: segment.src.region,
+                src_offset,
+                dst_region: segment.dst.region,
+                dst_offset,
+                len,
+            });
+            bytes += len;
+            k += n;
+        }
+    }
+    Ok(bytes)
 }
 
 /// Two layer-group layouts that cannot be paired, or a block whose bytes cannot be addressed.
@@ -798,7 +832,7 @@ mod plan_group_tests {
             err,
             PlanError::OffsetOverflow {
                 side: Side::Sender,
-                block: 3,
+                block: 2,
                 ..
             }
         ));

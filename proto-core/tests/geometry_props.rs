@@ -112,6 +112,7 @@ proptest! {
         dst_first in 0u32..60,
         dst_ids in proptest::collection::vec(0u32..1000, 0..60),
         split in 1u16..4,
+        same_split in any::<bool>(),
     ) {
         // Layers 4; sender split at `split`, receiver in one pool; 2 bytes per layer.
         let mk = |split: &[u16], region: u32| {
@@ -129,7 +130,7 @@ proptest! {
             LayerGroupLayout { layers: 4, pools, ..group(1, None) }
         };
         let s = mk(&[split, 4 - split], 10);
-        let d = mk(&[4], 20);
+        let d = if same_split { mk(&[split, 4 - split], 20) } else { mk(&[4], 20) };
         // Distinct ids on each side, so a slot names one ordinal.
         let uniq = |v: &[u32]| {
             let mut seen = std::collections::BTreeSet::new();
@@ -153,7 +154,11 @@ proptest! {
                 let so = e.src_offset + k;
                 let doff = e.dst_offset + k;
                 let (sslot, soff) = (so / src_pool.slot_bytes, so % src_pool.slot_bytes);
-                let (dslot, dlayer) = (doff / 8, (doff % 8) / 2);
+                let dst_pool = d.pools.iter().find(|p| p.region == e.dst_region).unwrap();
+                let (dslot, dlayer) = (
+                    doff / dst_pool.slot_bytes,
+                    u64::from(dst_pool.layer_begin) + (doff % dst_pool.slot_bytes) / 2,
+                );
                 let slayer = u64::from(src_pool.layer_begin) + soff / 2;
                 prop_assert_eq!(slayer, dlayer, "layer moved");
                 let so_ord = src_ord[&(sslot as u32)];

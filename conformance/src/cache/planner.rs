@@ -60,6 +60,17 @@ impl ChunkPlanner {
         &self.plan
     }
 
+    /// The per-group cursors into the receiver's runs (where the next chunk's search starts).
+    pub fn cursors(&self) -> &[DstCursor] {
+        &self.cursors
+    }
+
+    /// Puts the cursors back to a state saved with [`ChunkPlanner::cursors`] (benches replan a
+    /// chunk from the state its predecessor left).
+    pub fn restore_cursors(&mut self, cursors: &[DstCursor]) {
+        self.cursors.copy_from_slice(cursors);
+    }
+
     /// Empties the plan, keeping its buffer.
     pub fn clear(&mut self) {
         self.plan.clear();

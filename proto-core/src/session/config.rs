@@ -67,7 +67,7 @@ impl LocalHello {
     /// Handshake data speaking every version this build supports, with the compatibility hash
     /// computed from `groups`.
     pub fn new(instance: InstanceId, topology: Topology, groups: Vec<LayerGroupLayout>) -> Self {
-        let compat_hash = super::shim::compat_hash(&groups);
+        let compat_hash = crate::wire::compat_hash(&groups);
         LocalHello {
             instance,
             versions: VersionRange {

@@ -1,23 +1,63 @@
 //! The sender and receiver endpoints: sans-IO state machines holding many per-request
 //! sessions each.
 //!
-//! - [`Sender`] runs on a prefill rank: the engine submits prefill chunks, the sender plans the
-//!   writes into each receiver's registered blocks and asks the transport to execute them, then
-//!   reports each slice's result to the receiver in slice order.
-//! - [`Receiver`] runs on a decode rank: the engine registers the destination blocks of a request,
-//!   the receiver sends the registration to every expected writer and counts their results.
+//! - [`Sender`] runs on a prefill rank: the engine opens a request naming its receivers, then
+//!   submits prefill chunks; the sender plans the writes into each receiver's registered blocks,
+//!   asks the transport to execute them, and reports each slice's result to the receiver in
+//!   slice order, followed by the aux data.
+//! - [`Receiver`] runs on a decode rank: the engine registers the destination blocks of a
+//!   request and its writers; the receiver sends the registration to every writer and counts
+//!   their results.
 //!
 //! Both are driven the same way: feed an input (with `now`), then drain
 //! [`poll_output`](Sender::poll_output) until it returns `None`, then arm a timer for
 //! [`poll_timeout`](Sender::poll_timeout) and deliver [`SenderInput::Timeout`] /
 //! [`ReceiverInput::Timeout`] when it fires. See the crate documentation for a full run loop.
+//!
+//! # The rules, as the endpoints keep them (DESIGN §5)
+//!
+//! - **Ordering.** Per (request, receiver), write batches leave in slice order; the result of
+//!   slice `k` leaves only after the transport reported slice `k`'s batch complete and after the
+//!   results of every earlier slice, so the `is_last` result implies every write landed. A
+//!   receiver whose registration arrives late gets every queued slice, in order, once, planned
+//!   from the block runs the sender kept since the chunk was submitted.
+//! - **Completion.** A sender session completes when every receiver got its `is_last` result
+//!   and (if the sender [sends aux data](SendRequest::sends_aux)) the aux data. A receiver
+//!   completes on one successful `is_last` result from each writer plus one aux data frame
+//!   (duplicates from several writers are ignored).
+//! - **Failure.** A failed slice (or timeout, cancel, lost peer, protocol error) ends the request
+//!   at once on the side that saw it, and the other side is told in the same step: the sender
+//!   sends a `KvResult` with the failure status naming its slice and the receiver's slice (or a
+//!   `Cancel` to a receiver whose registration it never got); the receiver sends a `Cancel`.
+//! - **Quiesce before free.** An ended request keeps its blocks until [`Event::Quiesced`]. The
+//!   sender quiesces when no write batch of the request is unreported (or its peer was reported
+//!   disconnected). A writer confirms it stopped with its **terminal frame**: a `KvResult` with
+//!   `is_last` set (any status), sent only when none of its batches for that receiver is in
+//!   flight, or a `Cancel`, which a sender only sends when it has nothing in flight for the
+//!   request. The receiver quiesces once every writer that got the registration confirmed or
+//!   was reported disconnected. Past [`Deadlines::quiesce`] the endpoint asks the transport to
+//!   close the unconfirmed peers ([`CloseReason::QuiesceFence`]) and quiesces on the disconnect.
+//! - **Deadlines.** Handshake, registration, each write batch, the receiver's results, the aux
+//!   data (both sides), liveness (heartbeats when idle) and quiesce each have one. The one wait
+//!   without a deadline is the sender's wait for its own engine's next chunk (prefill runs at
+//!   the engine's pace); the receiver's result deadline bounds the whole transfer.
+//! - **Cancel** works in every phase from either side; a cancel for a request not seen yet is
+//!   remembered (bounded, oldest forgotten first) and applied when it is opened or registered.
+//!   A sender answers a peer's cancel for a request it does not hold with a `Cancel` at once.
+//! - **Retirement.** [`Sender::retire`] / [`Receiver::retire`] are accepted after the request
+//!   quiesced (or completed); a retired id is refused with [`UsageError::Retired`] and frames
+//!   about it never re-create it (remembered up to `max_retired` ids).
+//! - **Disconnects** end exactly the active sessions that still needed that peer, with
+//!   [`TransferStatus::PeerLost`]. The transport promises that after it reports a disconnect no
+//!   write of that connection touches memory on either side.
+//!
+//! Phases and their checked transitions are in [`state`].
 
 mod config;
 mod peers;
 mod receiver;
 mod remembered;
 mod sender;
-mod shim;
 pub mod state;
 mod timers;
 
@@ -28,10 +68,10 @@ use thiserror::Error;
 pub use config::{Deadlines, LocalHello, ReceiverConfig, SenderConfig};
 pub use receiver::{Receiver, ReceiverInput, Registration};
 pub use sender::{SendRequest, Sender, SenderInput};
-pub use shim::{ChunkSpec, GeometryError};
 
+use crate::geometry::GeometryError;
 use crate::ids::{GrantId, InstanceId, PeerId, ReceiverSliceId, RequestId, SenderSliceId};
-use crate::plan::WritePlan;
+use crate::plan::{PlanError, WritePlan};
 use crate::source::BlockSourceError;
 use crate::wire::{AuxData, Frame, RejectReason, Role, TransferStatus};
 
@@ -313,12 +353,12 @@ pub enum ProtocolError {
         capacity: u32,
     },
     /// The blocks of the registration cannot be paired with the local ones.
-    #[error("{request}: cannot plan writes into the registration: {message}")]
+    #[error("{request}: cannot plan writes into the registration: {error}")]
     Unplannable {
         /// The request.
         request: RequestId,
         /// The planner's error.
-        message: String,
+        error: PlanError,
     },
 }
 

@@ -3,12 +3,11 @@
 use std::collections::{BTreeMap, VecDeque};
 
 use super::config::Deadlines;
-use super::shim::negotiate;
 use super::timers::{TimerKey, Timers};
 use super::{frame_kind, CloseReason, Counters, Event, Output, ProtocolError, UsageError};
 use crate::ids::PeerId;
 use crate::time::Instant;
-use crate::wire::{Frame, Heartbeat, Hello};
+use crate::wire::{negotiate, Frame, Heartbeat, Hello};
 
 #[derive(Clone, Debug)]
 pub(crate) struct PeerEntry {

@@ -496,14 +496,28 @@ impl Receiver {
     }
 
     /// Finds the session and writer a frame from `peer` is about; reports a violation if none.
-    fn locate(&mut self, peer: PeerId, request: RequestId, kind: &'static str) -> Option<usize> {
+    ///
+    /// A result for a request this receiver does not hold (retired, or never registered) is
+    /// answered with a `Cancel`: whatever the sender still does for it has no destination here.
+    fn locate(
+        &mut self,
+        now: Instant,
+        peer: PeerId,
+        request: RequestId,
+        kind: &'static str,
+    ) -> Option<usize> {
+        let stop = Frame::Cancel(Cancel {
+            request,
+            reason: CancelReason::Failure,
+        });
         if self.retired.contains(request) {
-            // A late frame for a retired request: nothing to do.
             self.counters.duplicates += 1;
+            self.send(now, peer, stop);
             return None;
         }
         let Some(session) = self.sessions.get(&request) else {
             self.violation(peer, ProtocolError::UnknownRequest { kind, request });
+            self.send(now, peer, stop);
             return None;
         };
         let Some(w) = session.writers.iter().position(|w| w.peer == peer) else {
@@ -515,7 +529,7 @@ impl Receiver {
 
     fn on_result(&mut self, now: Instant, peer: PeerId, r: KvResult) {
         let request = r.request;
-        let Some(w) = self.locate(peer, request, "KvResult") else {
+        let Some(w) = self.locate(now, peer, request, "KvResult") else {
             return;
         };
         let session = self.sessions.get_mut(&request).expect("located");
@@ -543,12 +557,14 @@ impl Receiver {
         }
         let writer = &mut session.writers[w];
         let key = (r.sender_slice, r.is_last);
-        if writer.last_seen.is_some_and(|seen| key <= seen) {
+        // A failure is never a duplicate: it may follow the writer's successful last result
+        // (the aux data failed), and a stopping session needs its terminal confirmation.
+        if r.status == TransferStatus::Success && writer.last_seen.is_some_and(|seen| key <= seen) {
             self.counters.duplicates += 1;
             return;
         }
         let after_last = writer.last_seen.is_some_and(|(_, last)| last);
-        writer.last_seen = Some(key);
+        writer.last_seen = Some(writer.last_seen.map_or(key, |seen| seen.max(key)));
         self.counters.results.bump(r.status);
         if r.is_last {
             writer.stopped = true;
@@ -597,7 +613,7 @@ impl Receiver {
 
     fn on_aux(&mut self, now: Instant, peer: PeerId, aux: AuxResult) {
         let request = aux.request;
-        let Some(_) = self.locate(peer, request, "AuxResult") else {
+        let Some(_) = self.locate(now, peer, request, "AuxResult") else {
             return;
         };
         let session = self.sessions.get_mut(&request).expect("located");
@@ -670,10 +686,6 @@ impl Receiver {
         // A sender sends Cancel only when none of its writes for the request is in flight.
         session.writers[w].stopped = true;
         if session.phase.is_active() {
-            let writer_done = session.writers[w].done;
-            if writer_done && session.writers.iter().all(|w| w.done) && session.aux.is_some() {
-                return;
-            }
             self.stop(now, request, Stop::Cancelled(CancelOrigin::Peer(peer)));
         } else {
             self.check_drained(now, request);
@@ -851,8 +863,10 @@ impl Receiver {
             if !w.registration_sent {
                 // The writer never got the grant: nothing of it can land.
                 w.stopped = true;
-            }
-            if !w.stopped {
+            } else {
+                // Every writer that got the registration hears of it, even one that already
+                // sent its last result (it may still be waiting to send the aux data); only
+                // those that have not stopped are waited for.
                 notify.push(w.peer);
             }
         }

@@ -7,7 +7,6 @@ use smallvec::SmallVec;
 use super::config::SenderConfig;
 use super::peers::{PeerExpiry, PeerTable, Route};
 use super::remembered::Remembered;
-use super::shim::{chunk_window, plan_group, ChunkSpec};
 use super::state::{SendEvent, SendPhase, Transition};
 use super::timers::{TimerKey, Timers};
 use super::{
@@ -15,8 +14,9 @@ use super::{
     Wait, WriteBatchId,
 };
 use crate::blocks::BlockRun;
+use crate::geometry::{chunk_window, ChunkSpec};
 use crate::ids::{GroupIndex, PeerId, ReceiverSliceId, RequestId, SenderSliceId};
-use crate::plan::WritePlan;
+use crate::plan::{plan_group_with_cursor, DstCursor, WritePlan};
 use crate::source::BlockSource;
 use crate::time::Instant;
 use crate::wire::{
@@ -131,6 +131,8 @@ struct TargetSlice {
 struct Target {
     peer: PeerId,
     registration: Option<RecvRegistration>,
+    /// Where planning stopped in each group's anchored run (successive chunks cost O(chunk)).
+    cursors: SmallVec<[DstCursor; 2]>,
     slices: Vec<TargetSlice>,
     results_sent: usize,
     inflight: u32,
@@ -147,6 +149,7 @@ impl Target {
         Target {
             peer,
             registration: None,
+            cursors: SmallVec::new(),
             slices: Vec::new(),
             results_sent: 0,
             inflight: 0,
@@ -181,6 +184,52 @@ struct SendSession {
     bytes_written: u64,
 }
 
+/// Registrations that arrived before the engine opened their request, by request.
+#[derive(Clone, Debug, Default)]
+struct PendingRegistrations {
+    by_request: BTreeMap<RequestId, SmallVec<[(PeerId, RecvRegistration); 1]>>,
+    len: usize,
+}
+
+impl PendingRegistrations {
+    fn push(&mut self, peer: PeerId, reg: RecvRegistration) {
+        self.by_request
+            .entry(reg.request)
+            .or_default()
+            .push((peer, reg));
+        self.len += 1;
+    }
+
+    /// Removes and returns the request's registrations, in arrival order.
+    fn take(&mut self, request: RequestId) -> SmallVec<[(PeerId, RecvRegistration); 1]> {
+        let taken = self.by_request.remove(&request).unwrap_or_default();
+        self.len -= taken.len();
+        taken
+    }
+
+    fn remove(&mut self, request: RequestId, peer: PeerId) {
+        if let Some(list) = self.by_request.get_mut(&request) {
+            let before = list.len();
+            list.retain(|(p, _)| *p != peer);
+            self.len -= before - list.len();
+            if list.is_empty() {
+                self.by_request.remove(&request);
+            }
+        }
+    }
+
+    fn remove_peer(&mut self, peer: PeerId) {
+        let mut removed = 0;
+        self.by_request.retain(|_, list| {
+            let before = list.len();
+            list.retain(|(p, _)| *p != peer);
+            removed += before - list.len();
+            !list.is_empty()
+        });
+        self.len -= removed;
+    }
+}
+
 #[derive(Clone, Copy, Debug)]
 struct BatchRef {
     request: RequestId,
@@ -207,7 +256,9 @@ enum Stop {
 ///
 /// **Getters**: [`counters`](Self::counters), [`phase`](Self::phase),
 /// [`session_count`](Self::session_count), [`peer_count`](Self::peer_count),
-/// [`is_peer_ready`](Self::is_peer_ready), [`config`](Self::config).
+/// [`is_peer_ready`](Self::is_peer_ready), [`batches_in_flight`](Self::batches_in_flight),
+/// [`pending_registration_count`](Self::pending_registration_count), [`config`](Self::config).
+/// A leak check at the end of a run expects no session, batch or pending registration.
 ///
 /// **Inputs** (each carries `now`): [`handle_input`](Self::handle_input) with a
 /// [`SenderInput`] — peer connected/disconnected, frame received, write batch completed/failed,
@@ -241,7 +292,7 @@ pub struct Sender {
     config: SenderConfig,
     peers: PeerTable,
     sessions: BTreeMap<RequestId, SendSession>,
-    pending_registrations: VecDeque<(PeerId, RecvRegistration)>,
+    pending_registrations: PendingRegistrations,
     remembered_cancels: Remembered<CancelOrigin>,
     retired: Remembered<()>,
     batches: BTreeMap<WriteBatchId, BatchRef>,
@@ -259,7 +310,7 @@ impl Sender {
         Sender {
             peers: PeerTable::new(hello, config.deadlines),
             sessions: BTreeMap::new(),
-            pending_registrations: VecDeque::new(),
+            pending_registrations: PendingRegistrations::default(),
             remembered_cancels: Remembered::new(config.max_remembered_cancels),
             retired: Remembered::new(config.max_retired),
             batches: BTreeMap::new(),
@@ -316,6 +367,11 @@ impl Sender {
         self.batches.len()
     }
 
+    /// Registrations held for requests the engine has not opened yet.
+    pub fn pending_registration_count(&self) -> usize {
+        self.pending_registrations.len
+    }
+
     // ----- outputs -----
 
     /// The next output, or `None` when there is nothing to do until the next input.
@@ -370,18 +426,12 @@ impl Sender {
         self.timers
             .arm(registration_deadline, TimerKey::Request(request));
         if let Some(origin) = self.remembered_cancels.take(request) {
+            self.pending_registrations.take(request);
             self.stop(now, request, Stop::Cancelled(origin));
             return Ok(());
         }
-        let mut i = 0;
-        while i < self.pending_registrations.len() {
-            if self.pending_registrations[i].1.request == request {
-                if let Some((peer, reg)) = self.pending_registrations.remove(i) {
-                    self.on_registration(now, peer, reg);
-                }
-            } else {
-                i += 1;
-            }
+        for (peer, reg) in self.pending_registrations.take(request) {
+            self.on_registration(now, peer, reg);
         }
         Ok(())
     }
@@ -530,7 +580,18 @@ impl Sender {
                     return Err(UsageError::Retired(request));
                 }
                 match self.sessions.get(&request) {
-                    None => self.remembered_cancels.insert(request, CancelOrigin::Local),
+                    None => {
+                        self.remembered_cancels.insert(request, CancelOrigin::Local);
+                        // Receivers that already registered learn at once.
+                        let waiting = self.pending_registrations.take(request);
+                        for (peer, _) in waiting {
+                            let frame = Frame::Cancel(Cancel {
+                                request,
+                                reason: CancelReason::Engine,
+                            });
+                            self.send(now, peer, frame);
+                        }
+                    }
                     Some(s) if s.phase.is_active() => {
                         self.stop(now, request, Stop::Cancelled(CancelOrigin::Local))
                     }
@@ -625,8 +686,8 @@ impl Sender {
                     reason: CancelReason::Engine,
                 });
                 self.send(now, peer, frame);
-            } else if self.pending_registrations.len() < self.config.max_pending_registrations {
-                self.pending_registrations.push_back((peer, reg));
+            } else if self.pending_registrations.len < self.config.max_pending_registrations {
+                self.pending_registrations.push(peer, reg);
             } else {
                 self.send(now, peer, refuse);
             }
@@ -722,7 +783,7 @@ impl Sender {
             if !session.phase.is_active() {
                 return;
             }
-            let target = &session.targets[t];
+            let target = &mut session.targets[t];
             let Some(reg) = &target.registration else {
                 return;
             };
@@ -738,29 +799,33 @@ impl Sender {
             let plan = &mut self.plan_buffer;
             plan.clear();
             let mut error = None;
+            let groups = self.config.local.groups.len();
+            target.cursors.resize(groups, DstCursor::default());
             for (group, run) in &slice.runs {
                 let g = usize::from(group.0);
-                let (Some(src), Some(dst), Some(dst_run)) = (
+                // Group counts were checked against the layout at the handshake and at the
+                // registration; a miss here is reported, never indexed.
+                let (Some(src), Some(dst), Some(dst_run), Some(cursor)) = (
                     self.config.local.groups.get(g),
                     remote.groups.get(g),
                     reg.groups.get(g),
+                    target.cursors.get_mut(g),
                 ) else {
-                    error = Some(format!("no layer group {g} on both sides"));
+                    error = Some(ProtocolError::GroupCountMismatch {
+                        request,
+                        expected: groups,
+                        got: reg.groups.len().min(remote.groups.len()),
+                    });
                     break;
                 };
-                if let Err(e) = plan_group(src, dst, run, dst_run, plan) {
-                    error = Some(e);
+                if let Err(e) = plan_group_with_cursor(src, dst, run, dst_run, cursor, plan) {
+                    error = Some(ProtocolError::Unplannable { request, error: e });
                     break;
                 }
             }
-            if let Some(message) = error {
+            if let Some(error) = error {
                 self.counters.protocol_errors += 1;
-                self.stop_protocol(
-                    now,
-                    request,
-                    peer,
-                    ProtocolError::Unplannable { request, message },
-                );
+                self.stop_protocol(now, request, peer, error);
                 return;
             }
             let slice_id = slice.id;
@@ -990,8 +1055,7 @@ impl Sender {
             // Not opened yet: nothing is in flight. Confirm, and cancel it when it opens.
             self.remembered_cancels
                 .insert(request, CancelOrigin::Peer(peer));
-            self.pending_registrations
-                .retain(|(p, r)| !(r.request == request && *p == peer));
+            self.pending_registrations.remove(request, peer);
             self.send(now, peer, confirm);
             return;
         };
@@ -1014,7 +1078,7 @@ impl Sender {
 
     fn on_disconnected(&mut self, now: Instant, peer: PeerId) -> Result<(), UsageError> {
         self.peers.disconnected(peer)?;
-        self.pending_registrations.retain(|(p, _)| *p != peer);
+        self.pending_registrations.remove_peer(peer);
         // Batches towards the peer can no longer touch memory.
         let dropped: Vec<WriteBatchId> = self
             .batches

@@ -3,7 +3,7 @@
 //! next deadline.
 
 use std::cmp::Reverse;
-use std::collections::BinaryHeap;
+use std::collections::{BTreeSet, BinaryHeap};
 
 use crate::ids::{PeerId, RequestId};
 use crate::time::Instant;
@@ -40,12 +40,13 @@ impl Timers {
     /// Removes and returns every key due at `now`, deduplicated, in deadline order.
     pub(crate) fn due(&mut self, now: Instant) -> Vec<TimerKey> {
         let mut keys = Vec::new();
+        let mut seen = BTreeSet::new();
         while let Some(Reverse((at, key))) = self.heap.peek().copied() {
             if at > now {
                 break;
             }
             self.heap.pop();
-            if !keys.contains(&key) {
+            if seen.insert(key) {
                 keys.push(key);
             }
         }

@@ -15,8 +15,8 @@ use kvpipe_conformance::cache::{
     AllocationStyle, CacheSpec, ChunkPlanner, GroupSpec, ReferenceCache,
 };
 use kvpipe_core::{
-    chunk_window, plan_group, AnchoredRun, BlockRun, ChunkSpec, GroupIndex, LayerGroupLayout,
-    RequestId, WritePlan,
+    chunk_window, plan_group, AnchoredRun, BlockRun, ChunkSpec, DstCursor, GroupIndex,
+    LayerGroupLayout, RequestId, WritePlan,
 };
 use serde::Serialize;
 
@@ -43,6 +43,10 @@ pub(crate) struct PlanBenchArgs {
     /// Plannings per timed sample.
     #[arg(long, default_value_t = 16)]
     batch: u32,
+    /// Hand out cache slots in a shuffled order on both sides, so block tables are fragmented
+    /// (no coalescing; the receiver's run has one id run per block).
+    #[arg(long)]
+    fragmented: bool,
 }
 
 /// The figures `kvpipe bench plan` prints.
@@ -66,6 +70,8 @@ pub(crate) struct PlanBenchReport {
     /// Samples per median, plannings per sample.
     samples: u32,
     batch: u32,
+    /// Whether slots were handed out in a shuffled order.
+    fragmented: bool,
 }
 
 const REQUEST: RequestId = RequestId(1);
@@ -94,19 +100,25 @@ fn chunk(args: &PlanBenchArgs, index: u32) -> ChunkSpec {
     }
 }
 
-/// Median of `samples` timings of `batch` calls of `f`, in ns per call.
-fn median_ns(samples: u32, batch: u32, mut f: impl FnMut()) -> f64 {
-    let mut v: Vec<f64> = (0..samples.max(1))
-        .map(|_| {
+/// Medians, in ns per call, of `samples` timings of `batch` calls of each of the three
+/// workloads. The workloads take turns sample by sample, so a noisy neighbour on the machine
+/// slows all three alike instead of skewing their ratios.
+fn interleaved_medians(samples: u32, batch: u32, work: &mut [&mut dyn FnMut(); 3]) -> [f64; 3] {
+    let batch = batch.max(1);
+    let mut times: [Vec<f64>; 3] = Default::default();
+    for _ in 0..samples.max(1) {
+        for (f, v) in work.iter_mut().zip(&mut times) {
             let t = Instant::now();
-            for _ in 0..batch.max(1) {
+            for _ in 0..batch {
                 f();
             }
-            t.elapsed().as_nanos() as f64 / f64::from(batch.max(1))
-        })
-        .collect();
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
+            v.push(t.elapsed().as_nanos() as f64 / f64::from(batch));
+        }
+    }
+    times.map(|mut v| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    })
 }
 
 /// The whole-list baseline: fetch every block of the request, project onto the chunk's window,
@@ -146,12 +158,12 @@ pub(crate) fn measure(args: &PlanBenchArgs) -> Result<PlanBenchReport, CliError>
     }
     let chunks = args.prompt_tokens.div_ceil(args.chunk_tokens);
     let total = args.prompt_tokens.div_ceil(args.tokens_per_block.max(1));
-    let spec = |first_region| CacheSpec {
+    let spec = |first_region: u32| CacheSpec {
         tokens_per_block: args.tokens_per_block,
         groups: groups(),
         slots_per_group: total,
         first_region,
-        slot_order_seed: None,
+        slot_order_seed: args.fragmented.then_some(u64::from(first_region)),
         materialize: false,
     };
     let mut sender = ReferenceCache::new(&spec(1))?;
@@ -193,27 +205,41 @@ pub(crate) fn measure(args: &PlanBenchArgs) -> Result<PlanBenchReport, CliError>
         return Err("the whole-list baseline planned a different last chunk".into());
     }
 
-    let mut failure: Option<CliError> = None;
-    let mut time_chunk =
-        |c: &ChunkSpec, planner: &mut ChunkPlanner, sender: &mut ReferenceCache| {
-            median_ns(args.samples, args.batch, || {
-                if let Err(e) = planner.plan_chunk(sender, REQUEST, c) {
-                    failure.get_or_insert(e.into());
-                }
-            })
-        };
-    let first_chunk_ns = time_chunk(&first, &mut planner, &mut sender);
-    let last_chunk_ns = time_chunk(&last, &mut planner, &mut sender);
-    if let Some(e) = failure {
-        return Err(e);
+    // Each timed planning starts from the cursors the previous chunk left, as in a real
+    // pipeline (chunk 0: a fresh request; the last chunk: after the one before it).
+    let fresh = vec![DstCursor::default(); planner.cursors().len()];
+    planner.restore_cursors(&fresh);
+    for i in 0..chunks - 1 {
+        planner.plan_chunk(&mut sender, REQUEST, &chunk(args, i))?;
     }
-    let mut naive_failure = None;
-    let naive_last_chunk_ns = median_ns(args.samples, args.batch, || {
-        if let Err(e) = naive(&sender, &mut naive_plan) {
-            naive_failure.get_or_insert(e);
+    let before_last = planner.cursors().to_vec();
+    let failure: std::cell::RefCell<Option<CliError>> = std::cell::RefCell::new(None);
+    let (planner, sender, naive_plan) = (
+        std::cell::RefCell::new(planner),
+        std::cell::RefCell::new(sender),
+        std::cell::RefCell::new(naive_plan),
+    );
+    let plan_from = |c: &ChunkSpec, cursors: &[DstCursor]| {
+        let mut planner = planner.borrow_mut();
+        planner.restore_cursors(cursors);
+        if let Err(e) = planner.plan_chunk(&mut *sender.borrow_mut(), REQUEST, c) {
+            failure.borrow_mut().get_or_insert(e.into());
         }
-    });
-    if let Some(e) = naive_failure {
+    };
+    let [first_chunk_ns, last_chunk_ns, naive_last_chunk_ns] = interleaved_medians(
+        args.samples,
+        args.batch,
+        &mut [
+            &mut || plan_from(&first, &fresh),
+            &mut || plan_from(&last, &before_last),
+            &mut || {
+                if let Err(e) = naive(&sender.borrow(), &mut naive_plan.borrow_mut()) {
+                    failure.borrow_mut().get_or_insert(e);
+                }
+            },
+        ],
+    );
+    if let Some(e) = failure.into_inner() {
         return Err(e);
     }
 
@@ -232,6 +258,7 @@ pub(crate) fn measure(args: &PlanBenchArgs) -> Result<PlanBenchReport, CliError>
         last_chunk_extents: bounded_plan.len() as u32,
         samples: args.samples,
         batch: args.batch,
+        fragmented: args.fragmented,
     })
 }
 
@@ -242,13 +269,18 @@ pub(crate) fn run(args: PlanBenchArgs) -> Result<ExitCode, CliError> {
         return Ok(ExitCode::SUCCESS);
     }
     println!(
-        "plan bench: {} tokens in {} chunks of {}, {} tokens per block, {} layer groups \
+        "plan bench: {} tokens in {} chunks of {}, {} tokens per block, {} layer groups{} \
          (medians of {} samples × {})",
         r.prompt_tokens,
         r.chunks,
         r.chunk_tokens,
         r.tokens_per_block,
         r.layer_groups,
+        if r.fragmented {
+            ", fragmented slots"
+        } else {
+            ""
+        },
         r.samples,
         r.batch
     );
@@ -287,6 +319,7 @@ mod tests {
             tokens_per_block: 32,
             samples: 3,
             batch: 1,
+            fragmented: false,
         };
         let r = measure(&args).unwrap();
         assert_eq!(r.chunks, 8);
@@ -294,6 +327,13 @@ mod tests {
         // Contiguous slots: one extent per pool and group (2 + 1).
         assert_eq!(r.last_chunk_extents, 3);
         assert!(r.first_chunk_ns > 0.0 && r.last_chunk_ns > 0.0 && r.naive_last_chunk_ns > 0.0);
+        // Fragmented slots: nothing coalesces, one extent per block and pool.
+        let fragmented = measure(&PlanBenchArgs {
+            fragmented: true,
+            ..args
+        })
+        .unwrap();
+        assert_eq!(fragmented.last_chunk_extents, 16 * 3);
         let json = serde_json::to_value(&r).unwrap();
         for key in [
             "prompt_tokens",

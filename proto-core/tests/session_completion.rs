@@ -1,0 +1,229 @@
+//! Completion rules: a sender session completes only after its last slice and the aux data; a
+//! receiver completes after one successful last result from each expected writer plus the aux
+//! data. Counters follow.
+
+mod session_support;
+
+use kvpipe_core::session::state::{RecvPhase, SendPhase};
+use kvpipe_core::session::{Event, SenderInput, UsageError};
+use kvpipe_core::wire::{Frame, TransferStatus};
+use kvpipe_core::RequestId;
+use session_support::*;
+
+const R: RequestId = RequestId(3);
+
+fn completed(net: &Net, side: Side) -> bool {
+    net.events(side)
+        .iter()
+        .any(|e| matches!(e, Event::Completed { request, .. } if *request == R))
+}
+
+#[test]
+fn intermediate_chunk_never_completes_the_sender() {
+    let mut net = Net::connected(1, 1);
+    let mut source = TestSource::with(R, 100, 4);
+    net.register(0, registration(R, 16, &[0]));
+    net.open(0, send_request(R, &[0]));
+    net.submit(0, R, chunk(0, 8, 16, false), &mut source);
+    net.aux(0, R);
+    assert!(!completed(&net, Side::Sender(0)));
+    assert!(!completed(&net, Side::Receiver(0)));
+    assert_eq!(net.senders[0].phase(R), Some(SendPhase::Streaming));
+    net.submit(0, R, chunk(8, 16, 16, true), &mut source);
+    assert!(completed(&net, Side::Sender(0)));
+    assert!(completed(&net, Side::Receiver(0)));
+}
+
+#[test]
+fn sender_completes_only_after_the_aux_data() {
+    let mut net = Net::connected(1, 1);
+    let mut source = TestSource::with(R, 100, 4);
+    net.register(0, registration(R, 16, &[0]));
+    net.open(0, send_request(R, &[0]));
+    net.submit(0, R, chunk(0, 16, 16, true), &mut source);
+    assert_eq!(net.senders[0].phase(R), Some(SendPhase::Finishing));
+    assert!(!completed(&net, Side::Sender(0)));
+    assert!(
+        !completed(&net, Side::Receiver(0)),
+        "the receiver waits for the aux data"
+    );
+    net.aux(0, R);
+    assert!(completed(&net, Side::Sender(0)));
+    let ev = net.events(Side::Receiver(0));
+    let aux = ev
+        .iter()
+        .find_map(|e| match e {
+            Event::Completed {
+                aux, bytes_written, ..
+            } => Some((aux.clone(), *bytes_written)),
+            _ => None,
+        })
+        .expect("receiver completed");
+    assert_eq!(aux.0.unwrap().first_tokens, vec![42]);
+    assert_eq!(aux.1, 4 * BLOCK_BYTES);
+    // Completed is followed by Quiesced on both sides, and then both may retire.
+    for side in [Side::Sender(0), Side::Receiver(0)] {
+        let ev = net.events(side);
+        let c = ev
+            .iter()
+            .position(|e| matches!(e, Event::Completed { .. }))
+            .unwrap();
+        assert_eq!(ev[c + 1], Event::Quiesced { request: R });
+    }
+    let now = net.now;
+    net.senders[0].retire(now, R).unwrap();
+    net.receivers[0].retire(now, R).unwrap();
+    assert_eq!(net.senders[0].session_count(), 0);
+    assert_eq!(net.receivers[0].session_count(), 0);
+}
+
+#[test]
+fn aux_is_sent_after_the_last_result() {
+    let mut net = Net::connected(1, 1);
+    let mut source = TestSource::with(R, 100, 4);
+    net.register(0, registration(R, 16, &[0]));
+    net.open(0, send_request(R, &[0]));
+    net.aux(0, R); // early aux data waits for the KV
+    net.submit(0, R, chunk(0, 16, 16, true), &mut source);
+    let frames = net.frames(Side::Sender(0));
+    let last = frames
+        .iter()
+        .position(|f| matches!(f, Frame::KvResult(r) if r.is_last))
+        .unwrap();
+    let aux = frames
+        .iter()
+        .position(|f| matches!(f, Frame::AuxResult(_)))
+        .unwrap();
+    assert!(last < aux);
+}
+
+#[test]
+fn receiver_waits_for_every_expected_writer() {
+    let mut net = Net::connected(2, 1);
+    let mut s0 = TestSource::with(R, 100, 4);
+    let mut s1 = TestSource::with(R, 300, 4);
+    net.register(0, registration(R, 16, &[0, 1]));
+    net.open(0, send_request(R, &[0]));
+    net.open(
+        1,
+        SendRequest {
+            sends_aux: false,
+            ..send_request(R, &[0])
+        },
+    );
+    net.submit(0, R, chunk(0, 16, 16, true), &mut s0);
+    net.aux(0, R);
+    assert!(completed(&net, Side::Sender(0)));
+    assert!(
+        !completed(&net, Side::Receiver(0)),
+        "writer 1 has not finished"
+    );
+    assert_eq!(net.receivers[0].phase(R), Some(RecvPhase::Receiving));
+    net.submit(1, R, chunk(0, 8, 16, false), &mut s1);
+    assert!(
+        !completed(&net, Side::Receiver(0)),
+        "an intermediate result is not the last"
+    );
+    net.submit(1, R, chunk(8, 16, 16, true), &mut s1);
+    assert!(
+        completed(&net, Side::Sender(1)),
+        "a sender without aux completes at its last slice"
+    );
+    assert!(completed(&net, Side::Receiver(0)));
+    assert_eq!(net.receivers[0].counters().bytes_written, 8 * BLOCK_BYTES);
+}
+
+use kvpipe_core::session::SendRequest;
+
+#[test]
+fn one_sender_writes_to_several_receivers() {
+    let mut net = Net::connected(1, 2);
+    let mut source = TestSource::with(R, 100, 4);
+    net.register(0, registration(R, 16, &[0]));
+    net.open(0, send_request(R, &[0, 1]));
+    net.submit(0, R, chunk(0, 16, 16, true), &mut source);
+    net.aux(0, R);
+    assert!(completed(&net, Side::Receiver(0)));
+    assert!(
+        !completed(&net, Side::Sender(0)),
+        "receiver 1 has not registered"
+    );
+    net.register(1, registration(R, 16, &[0]));
+    assert!(completed(&net, Side::Receiver(1)));
+    assert!(completed(&net, Side::Sender(0)));
+    // The chunk's blocks were queried once, not once per receiver.
+    assert_eq!(source.queries.len(), 1);
+}
+
+#[test]
+fn counters_report_bytes_slices_and_results() {
+    let mut net = Net::connected(1, 1);
+    let mut source = TestSource::with(R, 100, 4);
+    net.register(0, registration(R, 16, &[0]));
+    net.open(0, send_request(R, &[0]));
+    net.submit(0, R, chunk(0, 8, 16, false), &mut source);
+    net.submit(0, R, chunk(8, 16, 16, true), &mut source);
+    net.aux(0, R);
+    let now = net.now;
+    net.senders[0].retire(now, R).unwrap();
+    let c = *net.senders[0].counters();
+    assert_eq!(c.bytes_planned, 4 * BLOCK_BYTES);
+    assert_eq!(c.bytes_written, 4 * BLOCK_BYTES);
+    assert_eq!(c.slices, 2);
+    assert_eq!(c.write_batches, 2);
+    assert_eq!(c.results.get(TransferStatus::Success), 2);
+    assert_eq!(c.results.total(), 2);
+    assert_eq!(c.completions, 1);
+    assert_eq!(c.retirements, 1);
+    assert_eq!(c.failures.total(), 0);
+    let rc = *net.receivers[0].counters();
+    assert_eq!(rc.results.get(TransferStatus::Success), 2);
+    assert_eq!(rc.bytes_written, 4 * BLOCK_BYTES);
+    assert_eq!(rc.completions, 1);
+}
+
+#[test]
+fn aux_usage_errors_leave_the_session_unchanged() {
+    let mut net = Net::connected(1, 1);
+    net.open(
+        0,
+        SendRequest {
+            sends_aux: false,
+            ..send_request(R, &[0])
+        },
+    );
+    let now = net.now;
+    let data = kvpipe_core::wire::AuxData::default();
+    assert_eq!(
+        net.senders[0].handle_input(SenderInput::AuxSubmitted {
+            now,
+            request: R,
+            data: data.clone()
+        }),
+        Err(UsageError::AuxNotExpected(R))
+    );
+    assert_eq!(
+        net.senders[0].handle_input(SenderInput::AuxSubmitted {
+            now,
+            request: RequestId(99),
+            data: data.clone()
+        }),
+        Err(UsageError::UnknownRequest(RequestId(99)))
+    );
+    net.open(0, send_request(RequestId(4), &[0]));
+    net.senders[0]
+        .handle_input(SenderInput::AuxSubmitted {
+            now,
+            request: RequestId(4),
+            data: data.clone(),
+        })
+        .unwrap();
+    assert_eq!(
+        net.senders[0].handle_input(SenderInput::AuxSubmitted {
+            now,
+            request: RequestId(4),
+            data
+        }),
+        Err(UsageError::AuxAlreadySubmitted(RequestId(4)))
+    );
+}

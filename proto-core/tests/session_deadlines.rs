@@ -1,0 +1,176 @@
+//! Every wait has a deadline and a failure twin: registration, writes, results, aux (both
+//! sides), liveness; heartbeats keep idle peers alive; early timeouts are harmless.
+
+mod session_support;
+
+use kvpipe_core::session::state::{RecvPhase, SendPhase};
+use kvpipe_core::session::{CloseReason, Event, Output, ReceiverInput, SenderInput, Wait};
+use kvpipe_core::wire::{Frame, TransferStatus};
+use kvpipe_core::{Duration, RequestId};
+use session_support::*;
+
+const R: RequestId = RequestId(21);
+
+fn timed_out(net: &Net, side: Side, wait: Wait) -> bool {
+    net.events(side).contains(&Event::TimedOut {
+        request: R,
+        waiting_for: wait,
+    })
+}
+
+#[test]
+fn registration_deadline() {
+    let mut net = Net::connected(1, 1);
+    net.open(0, send_request(R, &[0]));
+    net.advance(Duration::from_millis(999));
+    assert!(!timed_out(&net, Side::Sender(0), Wait::Registration));
+    net.advance(Duration::from_millis(1));
+    assert!(timed_out(&net, Side::Sender(0), Wait::Registration));
+    // Nothing was written: the session quiesces at once, and the receiver was told.
+    assert_eq!(net.senders[0].phase(R), Some(SendPhase::Quiesced));
+    assert!(net
+        .frames(Side::Sender(0))
+        .iter()
+        .any(|f| matches!(f, Frame::Cancel(c) if c.request == R)));
+    assert_eq!(net.senders[0].counters().timeouts, 1);
+}
+
+#[test]
+fn write_completion_deadline() {
+    let mut net = Net::connected(1, 1);
+    net.auto_complete = false;
+    let mut source = TestSource::with(R, 100, 4);
+    net.register(0, registration(R, 16, &[0]));
+    net.open(0, send_request(R, &[0]));
+    net.submit(0, R, chunk(0, 16, 16, true), &mut source);
+    net.advance(Duration::from_millis(200));
+    assert!(timed_out(&net, Side::Sender(0), Wait::Writes));
+    // The receiver learns at once that the outcome is in doubt.
+    assert!(net.events(Side::Receiver(0)).iter().any(|e| matches!(
+        e,
+        Event::Failed {
+            cause: TransferStatus::InDoubt,
+            ..
+        }
+    )));
+    // The batch is still unreported: the sender keeps the blocks pinned.
+    assert_eq!(net.senders[0].phase(R), Some(SendPhase::Stopping));
+    net.complete_held(0);
+    assert_eq!(net.senders[0].phase(R), Some(SendPhase::Quiesced));
+    assert_eq!(net.receivers[0].phase(R), Some(RecvPhase::Quiesced));
+}
+
+#[test]
+fn result_wait_deadline() {
+    let mut net = Net::connected(1, 1);
+    net.register(0, registration(R, 16, &[0]));
+    net.advance(Duration::from_millis(4_999));
+    assert!(!timed_out(&net, Side::Receiver(0), Wait::Results));
+    net.advance(Duration::from_millis(1));
+    assert!(timed_out(&net, Side::Receiver(0), Wait::Results));
+    // The sender (which never opened the request) confirms the cancel at once.
+    assert_eq!(net.receivers[0].phase(R), Some(RecvPhase::Quiesced));
+}
+
+#[test]
+fn sender_aux_deadline() {
+    let mut net = Net::new(1, 1);
+    let mut cfg = sender_config(0);
+    cfg.deadlines.aux_wait = Duration::from_millis(200);
+    net.senders[0] = kvpipe_core::Sender::new(cfg);
+    net.connect(0, 0);
+    net.pump();
+    let mut source = TestSource::with(R, 100, 4);
+    net.register(0, registration(R, 16, &[0]));
+    net.open(0, send_request(R, &[0]));
+    net.submit(0, R, chunk(0, 16, 16, true), &mut source);
+    net.advance(Duration::from_millis(200));
+    assert!(timed_out(&net, Side::Sender(0), Wait::Aux));
+    // The receiver had the last result already; a failed terminal result fails it too.
+    assert!(net.events(Side::Receiver(0)).iter().any(|e| matches!(
+        e,
+        Event::Failed {
+            cause: TransferStatus::TimedOut,
+            ..
+        }
+    )));
+    assert_eq!(net.receivers[0].phase(R), Some(RecvPhase::Quiesced));
+}
+
+#[test]
+fn receiver_aux_deadline() {
+    let mut net = Net::connected(1, 1);
+    let mut source = TestSource::with(R, 100, 4);
+    net.register(0, registration(R, 16, &[0]));
+    net.open(0, send_request(R, &[0]));
+    // The aux frame is lost on the way: cut the link right after the last result.
+    net.submit(0, R, chunk(0, 16, 16, true), &mut source);
+    net.cut.insert((0, 0));
+    net.aux(0, R);
+    assert!(!net
+        .events(Side::Receiver(0))
+        .iter()
+        .any(|e| matches!(e, Event::Completed { .. })));
+    net.advance(Duration::from_millis(300));
+    assert!(timed_out(&net, Side::Receiver(0), Wait::Aux));
+    // Every writer had already sent its last result: nothing can land, quiesced at once.
+    assert_eq!(net.receivers[0].phase(R), Some(RecvPhase::Quiesced));
+}
+
+#[test]
+fn heartbeats_keep_an_idle_connection_alive() {
+    let mut net = Net::connected(1, 1);
+    net.advance(Duration::from_millis(2_000));
+    assert!(net.senders[0].counters().heartbeats_sent >= 30);
+    assert!(net.receivers[0].counters().heartbeats_sent >= 30);
+    assert!(!net
+        .log
+        .iter()
+        .any(|(_, o)| matches!(o, Output::ClosePeer { .. })));
+    assert!(net.senders[0].is_peer_ready(rx_peer(0)));
+}
+
+#[test]
+fn liveness_deadline_fails_the_peers_sessions() {
+    let mut net = Net::connected(1, 1);
+    net.register(0, registration(R, 16, &[0]));
+    net.open(0, send_request(R, &[0]));
+    net.cut.insert((0, 0));
+    net.advance(Duration::from_millis(400));
+    for side in [Side::Sender(0), Side::Receiver(0)] {
+        assert!(timed_out(&net, side, Wait::Liveness), "{side:?}");
+        assert!(net.log.iter().any(|(s, o)| *s == side
+            && matches!(
+                o,
+                Output::ClosePeer {
+                    reason: CloseReason::LivenessTimeout,
+                    ..
+                }
+            )));
+    }
+    // The closes were carried out: both sessions quiesced on the disconnect.
+    assert_eq!(net.senders[0].phase(R), Some(SendPhase::Quiesced));
+    assert_eq!(net.receivers[0].phase(R), Some(RecvPhase::Quiesced));
+}
+
+#[test]
+fn early_timeout_is_a_no_op() {
+    let mut net = Net::connected(1, 1);
+    net.register(0, registration(R, 16, &[0]));
+    net.open(0, send_request(R, &[0]));
+    let before = net.log.len();
+    let now = net.now;
+    net.senders[0]
+        .handle_input(SenderInput::Timeout { now })
+        .unwrap();
+    net.receivers[0]
+        .handle_input(ReceiverInput::Timeout { now })
+        .unwrap();
+    net.pump();
+    assert_eq!(net.log.len(), before);
+    assert_eq!(net.senders[0].phase(R), Some(SendPhase::Streaming));
+    assert_eq!(net.receivers[0].phase(R), Some(RecvPhase::Receiving));
+    // A deadline is always pending while something is awaited.
+    assert!(net.senders[0].poll_timeout().is_some());
+    assert!(net.receivers[0].poll_timeout().is_some());
+}

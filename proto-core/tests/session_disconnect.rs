@@ -1,0 +1,80 @@
+//! A peer that disconnects fails exactly the sessions that involve it; healthy peers continue.
+
+mod session_support;
+
+use kvpipe_core::session::state::{RecvPhase, SendPhase};
+use kvpipe_core::session::Event;
+use kvpipe_core::wire::TransferStatus;
+use kvpipe_core::RequestId;
+use session_support::*;
+
+#[test]
+fn disconnect_fails_exactly_the_sessions_of_that_peer() {
+    // Sender 0 writes request 1 to receiver 0 and request 2 to receiver 1.
+    let mut net = Net::connected(1, 2);
+    let (a, b) = (RequestId(1), RequestId(2));
+    let mut source = TestSource::with(a, 100, 4);
+    source.allocations.insert(b, (200, 4));
+    net.register(0, registration(a, 16, &[0]));
+    net.register(1, registration(b, 16, &[0]));
+    net.open(0, send_request(a, &[0]));
+    net.open(0, send_request(b, &[1]));
+    net.submit(0, a, chunk(0, 8, 16, false), &mut source);
+    net.submit(0, b, chunk(0, 8, 16, false), &mut source);
+    net.disconnect(0, 0);
+    net.pump();
+    let failed = |e: &Event, r| matches!(e, Event::Failed { request, cause: TransferStatus::PeerLost, .. } if *request == r);
+    assert!(net.events(Side::Sender(0)).iter().any(|e| failed(e, a)));
+    assert!(!net.events(Side::Sender(0)).iter().any(|e| failed(e, b)));
+    assert!(net.events(Side::Receiver(0)).iter().any(|e| failed(e, a)));
+    assert_eq!(net.senders[0].phase(a), Some(SendPhase::Quiesced));
+    assert_eq!(net.receivers[0].phase(a), Some(RecvPhase::Quiesced));
+    // Request 2 carries on and completes.
+    net.submit(0, b, chunk(8, 16, 16, true), &mut source);
+    net.aux(0, b);
+    assert_eq!(net.senders[0].phase(b), Some(SendPhase::Completed));
+    assert_eq!(net.receivers[1].phase(b), Some(RecvPhase::Completed));
+}
+
+#[test]
+fn disconnect_of_one_writer_fails_the_receiver_session_and_stops_the_other_writer() {
+    let mut net = Net::connected(2, 1);
+    let r = RequestId(3);
+    let mut s0 = TestSource::with(r, 100, 4);
+    net.register(0, registration(r, 16, &[0, 1]));
+    net.open(0, send_request(r, &[0]));
+    net.open(1, send_request(r, &[0]));
+    net.submit(0, r, chunk(0, 8, 16, false), &mut s0);
+    net.disconnect(1, 0);
+    net.pump();
+    assert!(net.events(Side::Receiver(0)).iter().any(|e| matches!(
+        e,
+        Event::Failed { cause: TransferStatus::PeerLost, peer: Some(p), .. } if *p == tx_peer(1)
+    )));
+    // Writer 0 was told to stop and confirmed: both ends quiesced.
+    assert_eq!(net.senders[0].phase(r), Some(SendPhase::Quiesced));
+    assert_eq!(net.receivers[0].phase(r), Some(RecvPhase::Quiesced));
+}
+
+#[test]
+fn disconnect_after_a_writer_finished_does_not_fail_the_request() {
+    let mut net = Net::connected(2, 1);
+    let r = RequestId(4);
+    let mut s0 = TestSource::with(r, 100, 4);
+    let mut s1 = TestSource::with(r, 300, 4);
+    net.register(0, registration(r, 16, &[0, 1]));
+    net.open(0, send_request(r, &[0]));
+    net.open(
+        1,
+        kvpipe_core::session::SendRequest {
+            sends_aux: false,
+            ..send_request(r, &[0])
+        },
+    );
+    net.submit(1, r, chunk(0, 16, 16, true), &mut s1);
+    net.disconnect(1, 0);
+    net.pump();
+    net.submit(0, r, chunk(0, 16, 16, true), &mut s0);
+    net.aux(0, r);
+    assert_eq!(net.receivers[0].phase(r), Some(RecvPhase::Completed));
+}

@@ -1,0 +1,224 @@
+//! Handshake: success, and clear rejections on both sides for version, compatibility and role
+//! mismatches; handshake deadline; session frames before the handshake.
+
+mod session_support;
+
+use kvpipe_core::session::{
+    CloseReason, Event, Output, ProtocolError, Receiver, ReceiverInput, Sender, SenderInput,
+};
+use kvpipe_core::wire::{Frame, RejectReason, Role, VersionRange};
+use kvpipe_core::{Duration, PeerId, RequestId};
+use session_support::*;
+
+#[test]
+fn handshake_makes_both_sides_ready() {
+    let net = Net::connected(1, 1);
+    assert!(net.senders[0].is_peer_ready(rx_peer(0)));
+    assert!(net.receivers[0].is_peer_ready(tx_peer(0)));
+    assert!(net.events(Side::Sender(0)).iter().any(|e| matches!(
+        e,
+        Event::PeerReady {
+            role: Role::Receiver,
+            ..
+        }
+    )));
+    assert!(net.events(Side::Receiver(0)).iter().any(|e| matches!(
+        e,
+        Event::PeerReady {
+            role: Role::Sender,
+            ..
+        }
+    )));
+}
+
+fn rejection(side: Side, net: &Net) -> Option<(RejectReason, String)> {
+    net.events(side).into_iter().find_map(|e| match e {
+        Event::PeerRejected {
+            reason, message, ..
+        } => Some((reason, message)),
+        _ => None,
+    })
+}
+
+#[test]
+fn version_mismatch_is_rejected_on_both_sides_naming_both_versions() {
+    let mut net = Net::new(1, 1);
+    let mut cfg = sender_config(0);
+    cfg.local.versions = VersionRange { min: 7, max: 9 };
+    net.senders[0] = Sender::new(cfg);
+    net.connect(0, 0);
+    net.pump();
+    for side in [Side::Sender(0), Side::Receiver(0)] {
+        let (reason, message) = rejection(side, &net).expect("rejected");
+        assert_eq!(reason, RejectReason::VersionMismatch, "{side:?}");
+        assert!(
+            message.contains("7..=9") && message.contains("version 1"),
+            "{message}"
+        );
+    }
+    assert!(!net.senders[0].is_peer_ready(rx_peer(0)));
+    assert!(!net.receivers[0].is_peer_ready(tx_peer(0)));
+    // Both sides asked for the connection to be closed.
+    assert!(net
+        .log
+        .iter()
+        .any(|(s, o)| *s == Side::Sender(0) && matches!(o, Output::ClosePeer { .. })));
+    assert!(net
+        .log
+        .iter()
+        .any(|(s, o)| *s == Side::Receiver(0) && matches!(o, Output::ClosePeer { .. })));
+}
+
+#[test]
+fn compatibility_mismatch_is_rejected_on_both_sides() {
+    let mut net = Net::new(1, 1);
+    let mut cfg = receiver_config(0);
+    cfg.local.compat_hash ^= 1;
+    net.receivers[0] = Receiver::new(cfg);
+    net.connect(0, 0);
+    net.pump();
+    for side in [Side::Sender(0), Side::Receiver(0)] {
+        let (reason, _) = rejection(side, &net).expect("rejected");
+        assert_eq!(reason, RejectReason::CompatibilityMismatch);
+    }
+}
+
+#[test]
+fn two_senders_reject_each_other() {
+    let mut a = Sender::new(sender_config(0));
+    let mut b = Sender::new(sender_config(1));
+    let now = kvpipe_core::Instant::from_millis(1);
+    a.handle_input(SenderInput::PeerConnected {
+        now,
+        peer: PeerId(1),
+    })
+    .unwrap();
+    b.handle_input(SenderInput::PeerConnected {
+        now,
+        peer: PeerId(0),
+    })
+    .unwrap();
+    let hello_a = match a.poll_output() {
+        Some(Output::Transmit { frame, .. }) => frame,
+        o => panic!("{o:?}"),
+    };
+    b.handle_input(SenderInput::FrameReceived {
+        now,
+        peer: PeerId(0),
+        frame: hello_a,
+    })
+    .unwrap();
+    let outs: Vec<Output> = std::iter::from_fn(|| b.poll_output()).collect();
+    assert!(outs.iter().any(|o| matches!(
+        o,
+        Output::Event(Event::PeerRejected {
+            reason: RejectReason::RoleMismatch,
+            ..
+        })
+    )));
+    assert!(outs.iter().any(|o| matches!(
+        o,
+        Output::Transmit {
+            frame: Frame::HelloReject(_),
+            ..
+        }
+    )));
+}
+
+#[test]
+fn handshake_deadline_closes_the_peer() {
+    let mut net = Net::new(1, 1);
+    net.cut.insert((0, 0));
+    net.connect(0, 0);
+    net.pump();
+    net.advance(Duration::from_millis(99));
+    assert!(!net
+        .log
+        .iter()
+        .any(|(_, o)| matches!(o, Output::ClosePeer { .. })));
+    net.advance(Duration::from_millis(2));
+    assert!(net.log.iter().any(|(_, o)| matches!(
+        o,
+        Output::ClosePeer {
+            reason: CloseReason::HandshakeTimeout,
+            ..
+        }
+    )));
+    assert_eq!(net.senders[0].counters().timeouts, 1);
+}
+
+#[test]
+fn receiver_registration_waiting_on_a_silent_peer_times_out_with_the_handshake() {
+    let mut net = Net::new(1, 1);
+    net.cut.insert((0, 0));
+    net.connect(0, 0);
+    net.register(0, registration(RequestId(1), 8, &[0]));
+    net.advance(Duration::from_millis(150));
+    assert!(net.events(Side::Receiver(0)).contains(&Event::TimedOut {
+        request: RequestId(1),
+        waiting_for: kvpipe_core::session::Wait::Handshake,
+    }));
+    // The registration never left: nothing can land, so it quiesces at once.
+    assert!(net.events(Side::Receiver(0)).contains(&Event::Quiesced {
+        request: RequestId(1)
+    }));
+}
+
+#[test]
+fn session_frame_before_handshake_is_a_violation_and_closes() {
+    let mut r = Receiver::new(receiver_config(0));
+    let now = kvpipe_core::Instant::from_millis(1);
+    r.handle_input(ReceiverInput::PeerConnected {
+        now,
+        peer: PeerId(0),
+    })
+    .unwrap();
+    r.handle_input(ReceiverInput::FrameReceived {
+        now,
+        peer: PeerId(0),
+        frame: Frame::Heartbeat(kvpipe_core::wire::Heartbeat { seq: 1 }),
+    })
+    .unwrap();
+    r.handle_input(ReceiverInput::FrameReceived {
+        now,
+        peer: PeerId(0),
+        frame: Frame::Cancel(kvpipe_core::wire::Cancel {
+            request: RequestId(1),
+            reason: kvpipe_core::wire::CancelReason::Engine,
+        }),
+    })
+    .unwrap();
+    let outs: Vec<Output> = std::iter::from_fn(|| r.poll_output()).collect();
+    assert!(outs.iter().any(|o| matches!(
+        o,
+        Output::Event(Event::ProtocolViolation {
+            error: ProtocolError::FrameBeforeHandshake { kind: "Cancel" },
+            ..
+        })
+    )));
+    assert!(outs.iter().any(|o| matches!(
+        o,
+        Output::ClosePeer {
+            reason: CloseReason::ProtocolViolation,
+            ..
+        }
+    )));
+}
+
+#[test]
+fn frames_from_an_unknown_peer_are_a_usage_error() {
+    let mut s = Sender::new(sender_config(0));
+    let now = kvpipe_core::Instant::from_millis(1);
+    let err = s
+        .handle_input(SenderInput::FrameReceived {
+            now,
+            peer: PeerId(9),
+            frame: Frame::Heartbeat(kvpipe_core::wire::Heartbeat { seq: 1 }),
+        })
+        .unwrap_err();
+    assert_eq!(
+        err,
+        kvpipe_core::session::UsageError::UnknownPeer(PeerId(9))
+    );
+    assert!(s.poll_output().is_none());
+}
