@@ -21,12 +21,12 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use arbitrary::{Arbitrary, Unstructured};
 use kvpipe_core::session::{
-    ChunkSpec, Deadlines, Event, LocalHello, Output, Receiver, ReceiverConfig, ReceiverInput,
-    Registration, SendRequest, Sender, SenderConfig, SenderInput, WriteBatchId,
+    Deadlines, Event, LocalHello, Output, Receiver, ReceiverConfig, ReceiverInput, Registration,
+    SendRequest, Sender, SenderConfig, SenderInput, WriteBatchId,
 };
 use kvpipe_core::wire::{AuxData, Frame, Topology, TransferStatus};
 use kvpipe_core::{
-    AnchoredRun, BlockId, BlockRun, BlockSource, BlockSourceError, Duration, GroupIndex,
+    AnchoredRun, BlockId, BlockRun, BlockSource, BlockSourceError, ChunkSpec, Duration, GroupIndex,
     InstanceId, Instant, LayerGroupLayout, PeerId, PoolLayout, RegionId, RequestId,
 };
 
@@ -313,7 +313,9 @@ impl Pair {
             now,
             peer: RECEIVER,
         });
-        let _ = self.receiver.handle_input(ReceiverInput::PeerConnected { now, peer: SENDER });
+        let _ = self
+            .receiver
+            .handle_input(ReceiverInput::PeerConnected { now, peer: SENDER });
         self.drain();
     }
 
@@ -530,7 +532,10 @@ impl Pair {
     fn apply(&mut self, op: Op) {
         let now = self.now;
         match op {
-            Op::Open { request: r, sends_aux } => {
+            Op::Open {
+                request: r,
+                sends_aux,
+            } => {
                 let r = request(r);
                 let res = self.sender.open_request(
                     now,
@@ -647,9 +652,9 @@ impl Pair {
                         2 => TransferStatus::PeerLost,
                         _ => TransferStatus::InDoubt,
                     };
-                    let res = self
-                        .sender
-                        .handle_input(SenderInput::WritesFailed { now, batch, status });
+                    let res =
+                        self.sender
+                            .handle_input(SenderInput::WritesFailed { now, batch, status });
                     if res.is_ok() {
                         self.batches.entry(r).or_default().2 = true;
                     }

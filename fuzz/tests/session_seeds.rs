@@ -74,8 +74,20 @@ fn session_structured_failed_write_ends_both_sides() {
 #[test]
 fn session_structured_disorder_and_timeouts_keep_the_rules() {
     let mut ops = happy_path(3);
-    ops.insert(4, Op::Duplicate { to_receiver: true, index: 0 });
-    ops.insert(6, Op::DeliverAny { to_receiver: true, index: 1 });
+    ops.insert(
+        4,
+        Op::Duplicate {
+            to_receiver: true,
+            index: 0,
+        },
+    );
+    ops.insert(
+        6,
+        Op::DeliverAny {
+            to_receiver: true,
+            index: 1,
+        },
+    );
     ops.push(Op::Advance { millis: 999 });
     ops.push(Op::Disconnect);
     ops.push(Op::Advance { millis: 999 });

@@ -5,12 +5,13 @@ use std::cmp::Ordering;
 use std::collections::{BTreeMap, BinaryHeap, HashMap};
 
 use kvpipe_core::session::{
-    ChunkSpec, Deadlines, Event, LocalHello, Output, Receiver, ReceiverConfig, ReceiverInput,
-    Registration, SendRequest, Sender, SenderConfig, SenderInput, WriteBatchId,
+    Deadlines, Event, LocalHello, Output, Receiver, ReceiverConfig, ReceiverInput, Registration,
+    SendRequest, Sender, SenderConfig, SenderInput, WriteBatchId,
 };
 use kvpipe_core::wire::{AuxData, Frame, Topology, TransferStatus};
 use kvpipe_core::{
-    Duration, GrantId, GroupIndex, InstanceId, Instant, PeerId, RegionId, RequestId, WritePlan,
+    ChunkSpec, Duration, GrantId, GroupIndex, InstanceId, Instant, PeerId, RegionId, RequestId,
+    WritePlan,
 };
 use smallvec::SmallVec;
 
