@@ -133,6 +133,9 @@ pub enum Op {
         /// Request.
         request: u8,
     },
+    /// The network and transport catch up: every pending write completes and every pending
+    /// frame is delivered in order, until nothing is left.
+    Pump,
     /// The connection drops (both sides are told; pending frames are lost).
     Disconnect,
     /// The connection comes back (both sides start a handshake).
@@ -685,6 +688,29 @@ impl Pair {
                 if self.receiver.retire(now, r).is_ok() {
                     let t = self.recv_track.entry(r).or_default();
                     assert!(t.quiesced, "the receiver retired {r} before Quiesced");
+                }
+            }
+            Op::Pump => {
+                for _ in 0..64 {
+                    if self.pending.is_empty()
+                        && self.to_receiver.is_empty()
+                        && self.to_sender.is_empty()
+                    {
+                        break;
+                    }
+                    for (batch, r) in std::mem::take(&mut self.pending) {
+                        let res = self
+                            .sender
+                            .handle_input(SenderInput::WritesCompleted { now, batch });
+                        if res.is_ok() {
+                            self.batches.entry(r).or_default().1 += 1;
+                        }
+                        self.drain();
+                    }
+                    while !self.to_receiver.is_empty() || !self.to_sender.is_empty() {
+                        self.deliver(true, 0);
+                        self.deliver(false, 0);
+                    }
                 }
             }
             Op::Disconnect => self.disconnect(),

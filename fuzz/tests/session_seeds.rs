@@ -18,6 +18,37 @@ fn session_seed_corpus_keeps_every_rule() {
     assert!(seen >= 5, "only {seen} seeds in {}", dir.display());
 }
 
+#[test]
+fn session_pump_drives_a_transfer_to_completion() {
+    let ops = vec![
+        Op::Open {
+            request: 0,
+            sends_aux: false,
+        },
+        Op::Register {
+            request: 0,
+            cached: 5,
+        },
+        Op::SubmitChunk {
+            request: 0,
+            tokens: 9,
+            last: false,
+        },
+        Op::Pump,
+        Op::SubmitChunk {
+            request: 0,
+            tokens: 0,
+            last: true,
+        },
+        Op::Pump,
+    ];
+    let stats = run_case(&SessionCase { ops });
+    // Without aux data the receiver waits for it and ends on its aux deadline later; the
+    // sender completes once its last result went out.
+    assert_eq!(stats.sender_completed, 1, "{stats:?}");
+    assert_eq!(stats.receiver_completed, 0, "{stats:?}");
+}
+
 /// A whole transfer, step by step: both sides complete.
 fn happy_path(request: u8) -> Vec<Op> {
     let mut ops = vec![
@@ -94,4 +125,33 @@ fn session_structured_disorder_and_timeouts_keep_the_rules() {
     ops.push(Op::Reconnect);
     ops.extend(happy_path(1));
     run_case(&SessionCase { ops });
+}
+
+/// Lists, for a corpus directory named by `SESSION_CORPUS`, what each case reaches (used to pick
+/// the committed seeds). Run with `--ignored --nocapture`.
+#[test]
+#[ignore]
+fn session_corpus_stats() {
+    let Ok(dir) = std::env::var("SESSION_CORPUS") else {
+        return;
+    };
+    for entry in fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        let data = fs::read(&path).unwrap();
+        let Ok(case) = <SessionCase as arbitrary::Arbitrary>::arbitrary_take_rest(
+            arbitrary::Unstructured::new(&data),
+        ) else {
+            continue;
+        };
+        let s = run_case(&case);
+        println!(
+            "{} {} {} {} {} {}",
+            path.display(),
+            case.ops.len(),
+            s.sender_completed,
+            s.receiver_completed,
+            s.ended_otherwise,
+            s.batches
+        );
+    }
 }

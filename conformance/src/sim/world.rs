@@ -1475,6 +1475,12 @@ impl Simulation {
                 if s.session_count() != 0 {
                     left.push(format!("S{r} holds {} sessions", s.session_count()));
                 }
+                if s.pending_registration_count() != 0 {
+                    left.push(format!(
+                        "S{r} holds {} registrations of unopened requests",
+                        s.pending_registration_count()
+                    ));
+                }
                 if s.batches_in_flight() != 0 {
                     left.push(format!(
                         "S{r} has {} batches in flight",
