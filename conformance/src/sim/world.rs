@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, BinaryHeap, HashMap};
 
 use kvpipe_core::session::{
     Deadlines, Event, LocalHello, Output, Receiver, ReceiverConfig, ReceiverInput, Registration,
-    SendRequest, Sender, SenderConfig, SenderInput, WriteBatchId,
+    SendRequest, Sender, SenderConfig, SenderInput, UsageError, WriteBatchId,
 };
 use kvpipe_core::wire::{AuxData, Frame, Topology, TransferStatus};
 use kvpipe_core::{
@@ -137,6 +137,8 @@ enum Action {
     Compute(usize, usize),
     Aux(usize),
     Cancel(usize, CancelSide),
+    /// The engine retires request `.0` on sender rank `Some(r)` or the receiver (`None`).
+    Retire(usize, Option<usize>),
     Deliver {
         link: usize,
         to_receiver: bool,
@@ -624,6 +626,16 @@ impl Simulation {
                 let request = self.plans[i].id;
                 let rank = self.plans[i].writers[0];
                 if self.records[i].senders[0].terminal.is_some() {
+                    // An engine that learns of the end late still submits: refused, nothing
+                    // changes.
+                    if self.rng.chance(0.3) {
+                        let res = self.senders[rank].handle_input(SenderInput::AuxSubmitted {
+                            now,
+                            request,
+                            data: AuxData::default(),
+                        });
+                        self.expect_ended(res, rank, request);
+                    }
                     return;
                 }
                 let data = AuxData {
@@ -642,6 +654,7 @@ impl Simulation {
                 self.drain();
             }
             Action::Cancel(i, side) => self.cancel(i, side),
+            Action::Retire(i, from) => self.retire(i, from),
             Action::Deliver {
                 link,
                 to_receiver,
@@ -767,6 +780,15 @@ impl Simulation {
         let mut any = false;
         for (w, &rank) in writers.iter().enumerate() {
             if self.records[i].senders[w].terminal.is_some() {
+                // An engine that learns of the end late still submits: refused, nothing
+                // changes.
+                if self.rng.chance(0.3) {
+                    let res = self.senders[rank]
+                        .submit_chunk(now, request, spec, &mut self.sender_caches[rank])
+                        .map(|_| ());
+                    self.expect_ended(res, rank, request);
+                    self.drain();
+                }
                 continue;
             }
             any = true;
@@ -797,6 +819,18 @@ impl Simulation {
         } else {
             let at = now + self.compute_time(i, k + 1);
             self.schedule(at, Action::Compute(i, k + 1));
+        }
+    }
+
+    /// A call on a request that already ended must be refused as ended (or retired).
+    fn expect_ended(&mut self, res: Result<(), UsageError>, rank: usize, request: RequestId) {
+        match res {
+            Err(UsageError::SessionEnded(r) | UsageError::Retired(r)) if r == request => {}
+            other => {
+                let line = format!("S{rank} call on ended {request} gave {other:?}");
+                self.note(|| format!("ANOMALY {line}"));
+                self.anomalies.push(line);
+            }
         }
     }
 
@@ -839,8 +873,11 @@ impl Simulation {
         match side {
             CancelSide::Sender => {
                 let writers = self.plans[i].writers.clone();
+                // Usually every writer rank's engine cancels; sometimes only one of them.
+                let only = (writers.len() > 1 && self.rng.chance(0.4))
+                    .then(|| self.rng.below(writers.len() as u64) as usize);
                 for (w, &rank) in writers.iter().enumerate() {
-                    if self.records[i].senders[w].retired {
+                    if self.records[i].senders[w].retired || only.is_some_and(|o| o != w) {
                         continue;
                     }
                     self.records[i].cancel_issued = true;
@@ -1346,18 +1383,40 @@ impl Simulation {
             ));
         }
         side.quiesced = true;
-        side.retired = true;
+        match from {
+            Some(rank) => self.sender_caches[rank].release(request),
+            None => self.receiver_cache.release(request),
+        }
+        // The engine retires at once, or a little later (late frames then meet a quiesced
+        // session).
+        if self.rng.chance(0.5) {
+            self.retire(i, from);
+        } else {
+            let at = self.now + Duration::from_nanos(self.rng.below(3_000_000));
+            self.schedule(at, Action::Retire(i, from));
+        }
+    }
+
+    fn retire(&mut self, i: usize, from: Option<usize>) {
         let now = self.now;
+        let request = self.plans[i].id;
+        let who = who(from);
         let res = match from {
             Some(rank) => {
-                self.sender_caches[rank].release(request);
+                let w = self.plans[i]
+                    .writers
+                    .iter()
+                    .position(|&r| r == rank)
+                    .expect("a writer");
+                self.records[i].senders[w].retired = true;
                 self.senders[rank].retire(now, request)
             }
             None => {
-                self.receiver_cache.release(request);
+                self.records[i].receiver.retired = true;
                 self.receiver.retire(now, request)
             }
         };
+        self.note(|| format!("engine {who} retire {request}"));
         self.check(res, || format!("{who} retire {request}"));
         let r = &self.records[i];
         if r.finished_at.is_none() && r.receiver.retired && r.senders.iter().all(|s| s.retired) {
