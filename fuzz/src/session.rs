@@ -419,7 +419,7 @@ impl Pair {
                     assert!(!t.quiesced, "sender sent {frame:?} after Quiesced");
                 }
                 if self.connected {
-                    self.to_receiver.push_back(frame);
+                    self.to_receiver.push_back(through_the_wire(frame));
                 }
             }
             Output::ExecuteWrites { batch, request, .. } => {
@@ -484,7 +484,7 @@ impl Pair {
                     assert!(!t.quiesced, "receiver sent {frame:?} after Quiesced");
                 }
                 if self.connected {
-                    self.to_sender.push_back(frame);
+                    self.to_sender.push_back(through_the_wire(frame));
                 }
             }
             Output::ExecuteWrites { .. } => panic!("a receiver emitted a write batch"),
@@ -719,6 +719,23 @@ impl Pair {
         self.drain();
         self.tick();
     }
+}
+
+/// Encodes `frame` and decodes it again: every frame an endpoint emits must cross the wire
+/// unchanged.
+fn through_the_wire(frame: Frame) -> Frame {
+    let mut buf = vec![0u8; frame.encoded_len()];
+    let written = frame
+        .emit(&mut buf)
+        .unwrap_or_else(|e| panic!("an endpoint emitted {frame:?}, which does not encode: {e}"));
+    let (decoded, used) = Frame::parse(&buf[..written])
+        .unwrap_or_else(|e| panic!("{frame:?} does not decode after encoding: {e}"));
+    assert_eq!(
+        (&decoded, used),
+        (&frame, written),
+        "the wire changed a frame"
+    );
+    decoded
 }
 
 /// The request a session frame is about (`None` for connection frames and `Cancel`, which an

@@ -286,6 +286,8 @@ pub struct Simulation {
     net: NetCounters,
     anomalies: Vec<String>,
     trace: Vec<String>,
+    /// Encoding buffer of the wire.
+    wire: Vec<u8>,
     steps: u64,
     max_steps: u64,
     last_start: Instant,
@@ -408,6 +410,7 @@ impl Simulation {
             net: NetCounters::default(),
             anomalies: Vec::new(),
             trace: Vec::new(),
+            wire: Vec::new(),
             steps: 0,
             max_steps,
             last_start: Instant::ZERO,
@@ -971,6 +974,21 @@ impl Simulation {
 
     fn send_frame(&mut self, link: usize, to_receiver: bool, frame: Frame) {
         self.net.frames += 1;
+        // Every frame crosses the wire as bytes: what the endpoint emitted must encode and
+        // decode to the same frame.
+        self.wire.resize(frame.encoded_len(), 0);
+        let frame = match frame.emit(&mut self.wire).map(|_| Frame::parse(&self.wire)) {
+            Ok(Ok((decoded, _))) if decoded == frame => decoded,
+            other => {
+                let line = format!(
+                    "frame {} does not cross the wire: {other:?}",
+                    frame_summary(&frame)
+                );
+                self.note(|| format!("ANOMALY {line}"));
+                self.anomalies.push(line);
+                return;
+            }
+        };
         if !self.links[link].up || self.links[link].broken {
             self.net.dropped += 1;
             return;
