@@ -664,7 +664,7 @@ impl Pair {
                 }
             }
             Op::Advance { millis } => {
-                self.now = self.now + Duration::from_millis(u64::from(millis % 1000));
+                self.now += Duration::from_millis(u64::from(millis % 1000));
             }
             Op::CancelSender { request: r } => {
                 let r = request(r);
