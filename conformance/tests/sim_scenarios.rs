@@ -12,6 +12,9 @@ use kvpipe_core::Duration;
 /// Runs the scenario (no random fault), returns its report and trace.
 fn run(plans: Vec<RequestPlan>, script: Vec<ScriptedFault>) -> (SimReport, String) {
     let mut cfg = SimConfig::new(7, FaultSet::NONE);
+    cfg.tokens_per_block = 4;
+    cfg.window = 24;
+    cfg.sink_tokens = 4;
     cfg.trace = true;
     let mut sim = Simulation::new(cfg, plans, script);
     let report = sim.run();

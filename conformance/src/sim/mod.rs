@@ -37,7 +37,6 @@ pub use rng::SimRng;
 pub use workload::{random_workload, CancelSide, RequestPlan, WorkloadShape};
 pub use world::{
     event_summary, frame_summary, NetCounters, ScriptedFault, SimConfig, Simulation, RECEIVER_PEER,
-    TOKENS_PER_BLOCK,
 };
 
 /// Runs `requests` random requests with `seed` under `faults` and reports.

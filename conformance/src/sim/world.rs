@@ -29,9 +29,6 @@ fn sender_peer(rank: usize) -> PeerId {
 /// How every sender rank names the receiver.
 pub const RECEIVER_PEER: PeerId = PeerId(1000);
 
-/// Tokens per block of the simulated model.
-pub const TOKENS_PER_BLOCK: u32 = 4;
-
 /// Bytes of the receiver's aux slot.
 const AUX_CAPACITY: u32 = 1024;
 
@@ -55,6 +52,12 @@ pub struct SimConfig {
     pub max_prompt: u32,
     /// Percentage of random requests the engine cancels.
     pub cancel_percent: u64,
+    /// Tokens per block of the simulated model.
+    pub tokens_per_block: u32,
+    /// Sliding window of the model's second layer group, in tokens.
+    pub window: u32,
+    /// Leading tokens the senders keep resident in the windowed group.
+    pub sink_tokens: u32,
     /// Record a readable trace of every step (scripted scenarios).
     pub trace: bool,
     /// Steps after which the run stops and unfinished requests count as hung (0: automatic).
@@ -64,8 +67,13 @@ pub struct SimConfig {
 }
 
 impl SimConfig {
-    /// Two sender ranks, short deadlines, the given seed and faults.
+    /// Two sender ranks, short deadlines, the given seed and faults. The model's block size,
+    /// window and sink tokens are drawn from the seed too, so sweeps over seeds cover several.
     pub fn new(seed: u64, faults: FaultSet) -> Self {
+        let mut rng = SimRng::new(seed).fork(3);
+        let tokens_per_block = *rng.pick(&[4, 4, 8, 16, 1]).expect("non-empty");
+        let window = *rng.pick(&[24, 12, 40, 64, 100]).expect("non-empty");
+        let sink_tokens = *rng.pick(&[0, 4, 8]).expect("non-empty");
         SimConfig {
             seed,
             senders: 2,
@@ -84,6 +92,9 @@ impl SimConfig {
             max_active: 24,
             max_prompt: 160,
             cancel_percent: 5,
+            tokens_per_block,
+            window,
+            sink_tokens,
             trace: false,
             max_steps: 0,
             time_limit: Duration::from_secs(120),
@@ -93,12 +104,12 @@ impl SimConfig {
     /// The reference cache of sender rank `rank` (`None`: the receiver's) for a workload whose
     /// longest prompt is `max_prompt` tokens.
     pub fn cache_spec(&self, rank: Option<usize>, max_prompt: u32) -> CacheSpec {
-        let blocks = max_prompt.div_ceil(TOKENS_PER_BLOCK) + 1;
+        let blocks = max_prompt.div_ceil(self.tokens_per_block) + 1;
         let mut full = GroupSpec::full(2, &[1, 1]);
         full.kv_heads = 2;
-        let windowed = GroupSpec::full(1, &[1]).windowed(24, 4);
+        let windowed = GroupSpec::full(1, &[1]).windowed(self.window, self.sink_tokens);
         CacheSpec {
-            tokens_per_block: TOKENS_PER_BLOCK,
+            tokens_per_block: self.tokens_per_block,
             groups: vec![full, windowed],
             slots_per_group: blocks * self.max_active as u32 + 8,
             first_region: rank.map_or(1000, |r| 100 * (r as u32 + 1)),
