@@ -98,3 +98,27 @@ fn sim_step_cap_reports_unfinished_requests_as_hung() {
     assert!(r.hung > 0, "{}", serde_json::to_string(&r).unwrap());
     assert_eq!(r.hung + r.completed + r.failed + r.cancelled, 40);
 }
+
+#[test]
+fn sim_sweep_faults_end_exactly_the_requests_they_touch() {
+    // Connection deaths and write failures, no engine cancel and no timing fault: a request
+    // that did not complete everywhere was touched by a fault (its connection died or one of
+    // its writes failed); requests on healthy connections carry on.
+    let faults = FaultSet::NONE
+        .with(FaultKind::PeerDeath)
+        .with(FaultKind::WriteFailure);
+    for seed in 21..=23 {
+        let mut cfg = SimConfig::new(seed, faults);
+        cfg.cancel_percent = 0;
+        cfg.rates.peer_death = 0.03;
+        let r = Simulation::random(cfg, 300).run();
+        let json = serde_json::to_string(&r).unwrap();
+        assert!(!r.has_bugs(), "{json}");
+        assert!(r.link_deaths > 0 && r.write_failures > 0, "{json}");
+        let untouched = r.outcomes.iter().filter(|o| !o.exposed).count();
+        assert!(untouched > 100, "{json}");
+        for o in &r.outcomes {
+            assert!(o.outcome == Outcome::Completed || o.exposed, "{o:?}");
+        }
+    }
+}

@@ -47,6 +47,8 @@ pub struct RequestOutcome {
     pub one_sided: bool,
     /// A fatal fault (a failed write batch, a dead connection) hit an active writer session.
     pub fatal: bool,
+    /// A fault touched it (a connection it used died, or one of its write batches failed).
+    pub exposed: bool,
     /// How the receiver's session ended.
     pub receiver: Option<Terminal>,
     /// How each writer's session ended, in writer order.

@@ -244,6 +244,8 @@ struct RequestRecord {
     /// Per writer: a fault that must fail this writer's session and the receiver's.
     fatal: SmallVec<[bool; 2]>,
     cancel_issued: bool,
+    /// A fault touched it: one of its connections died or one of its write batches failed.
+    exposed: bool,
     corrupted: bool,
     verified: bool,
 }
@@ -390,6 +392,7 @@ impl Simulation {
                 receiver: SideState::default(),
                 fatal: p.writers.iter().map(|_| false).collect(),
                 cancel_issued: false,
+                exposed: false,
                 corrupted: false,
                 verified: false,
             })
@@ -1175,6 +1178,9 @@ impl Simulation {
                     self.apply(rank, &b, part);
                     self.net.write_failures += 1;
                     self.mark_fatal(rank, b.request);
+                    if let Some(&i) = self.index.get(&b.request) {
+                        self.records[i].exposed = true;
+                    }
                 }
                 self.note(|| format!("S{rank} {batch} failed: {status:?}"));
                 SenderInput::WritesFailed { now, batch, status }
@@ -1183,6 +1189,19 @@ impl Simulation {
         let res = self.senders[rank].handle_input(input);
         self.check(res, || format!("S{rank} report {batch}"));
         self.drain();
+    }
+
+    /// Marks every started, unfinished request written by sender rank `link` as touched by a
+    /// fault of that connection.
+    fn expose_link(&mut self, link: usize) {
+        for (i, r) in self.records.iter_mut().enumerate() {
+            if r.started_at.is_some()
+                && r.finished_at.is_none()
+                && self.plans[i].writers.contains(&link)
+            {
+                r.exposed = true;
+            }
+        }
     }
 
     /// Marks `request`'s writer `rank` as hit by a fatal fault if its session is still active.
@@ -1254,6 +1273,7 @@ impl Simulation {
         self.links[link].up = false;
         self.links[link].broken = false;
         self.links[link].epoch += 1;
+        self.expose_link(link);
         self.net.link_deaths += u64::from(injected);
         self.note(|| format!("link S{link} {how}"));
         // Writes in flight either landed before the death or never will.
@@ -1294,6 +1314,8 @@ impl Simulation {
     /// could act on).
     fn notify_down(&mut self, link: usize, to_receiver: bool, injected: bool) {
         let now = self.now;
+        // Requests that started while the death was not yet noticed are touched by it too.
+        self.expose_link(link);
         if injected && !to_receiver {
             let requests: Vec<RequestId> = self
                 .records
@@ -1340,6 +1362,7 @@ impl Simulation {
         }
         l.broken = true;
         l.epoch += 1;
+        self.expose_link(link);
         self.net.link_deaths += u64::from(injected);
         self.note(|| format!("link S{link} died silently"));
         // A writer with a batch stalled on it can complete neither side.
@@ -1547,6 +1570,7 @@ impl Simulation {
                 outcome,
                 one_sided,
                 fatal,
+                exposed: rec.exposed,
                 receiver: rec.receiver.terminal,
                 senders: rec.senders.iter().map(|s| s.terminal).collect(),
                 leaks: leak.iter().map(|s| s.to_string()).collect(),
