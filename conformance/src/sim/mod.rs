@@ -36,7 +36,8 @@ pub use report::{Outcome, RequestOutcome, SimReport, Terminal};
 pub use rng::SimRng;
 pub use workload::{random_workload, CancelSide, RequestPlan, WorkloadShape};
 pub use world::{
-    event_summary, frame_summary, NetCounters, ScriptedFault, SimConfig, Simulation, RECEIVER_PEER,
+    event_summary, frame_summary, NetCounters, PlantedBug, ScriptedFault, SimConfig, Simulation,
+    RECEIVER_PEER,
 };
 
 /// Runs `requests` random requests with `seed` under `faults` and reports.

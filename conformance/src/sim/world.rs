@@ -60,6 +60,8 @@ pub struct SimConfig {
     pub sink_tokens: u32,
     /// Record a readable trace of every step (scripted scenarios).
     pub trace: bool,
+    /// A deliberate bug, to check that the simulator catches it (tests only).
+    pub planted_bug: Option<PlantedBug>,
     /// Steps after which the run stops and unfinished requests count as hung (0: automatic).
     pub max_steps: u64,
     /// Virtual time past the last start after which unfinished requests count as hung.
@@ -96,6 +98,7 @@ impl SimConfig {
             window,
             sink_tokens,
             trace: false,
+            planted_bug: None,
             max_steps: 0,
             time_limit: Duration::from_secs(120),
         }
@@ -117,6 +120,16 @@ impl SimConfig {
             materialize: true,
         }
     }
+}
+
+/// A deliberate mistake of the simulated engine or transport, for tests that show the
+/// simulator's checks catch it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum PlantedBug {
+    /// The sender engine never frees this request's blocks.
+    KeepBlocks(RequestId),
+    /// The transport flips one byte of every write of this request.
+    FlipByte(RequestId),
 }
 
 /// A fault a scripted scenario injects at an exact point.
@@ -1244,7 +1257,12 @@ impl Simulation {
                 .region_mut(e.dst_region)
                 .and_then(|m| m.get_mut(e.dst_offset as usize..(e.dst_offset + e.len) as usize));
             match (src, dst) {
-                (Some(s), Some(d)) => d.copy_from_slice(s),
+                (Some(s), Some(d)) => {
+                    d.copy_from_slice(s);
+                    if self.cfg.planted_bug == Some(PlantedBug::FlipByte(b.request)) {
+                        d[0] ^= 0x5a;
+                    }
+                }
                 _ => stray.push(None),
             }
         }
@@ -1436,6 +1454,7 @@ impl Simulation {
         }
         side.quiesced = true;
         match from {
+            Some(_) if self.cfg.planted_bug == Some(PlantedBug::KeepBlocks(request)) => {}
             Some(rank) => self.sender_caches[rank].release(request),
             None => self.receiver_cache.release(request),
         }
