@@ -145,3 +145,30 @@ fn sim_scenario_sender_cancel_before_open_is_remembered() {
     assert!(!trace.contains(" writes "), "{trace}");
     insta::assert_snapshot!(trace);
 }
+
+#[test]
+fn sim_scenario_silent_death_with_writes_in_flight_is_fenced_before_memory_is_freed() {
+    // The connection dies silently while the first slice's writes are in flight: the write
+    // deadline passes (outcome in doubt), the blocks stay pinned, and after the quiesce deadline
+    // the sender asks for the connection to be closed; only the disconnect report quiesces it.
+    let plan = RequestPlan::simple(1, 40, 4);
+    let cut = ScriptedFault::BreakLink {
+        sender: 0,
+        at: Duration::from_micros(210),
+    };
+    let (report, trace) = run(vec![plan], vec![cut]);
+    let o = &report.outcomes[0];
+    assert!(o.fatal && !o.one_sided, "{o:?}");
+    assert_eq!(o.outcome, Outcome::Failed);
+    assert_eq!(o.senders, vec![Some(Terminal::TimedOut)]);
+    assert_ne!(o.receiver, Some(Terminal::Completed));
+    let at = |needle: &str| {
+        trace
+            .lines()
+            .position(|l| l.contains(needle))
+            .unwrap_or_else(|| panic!("no `{needle}` in\n{trace}"))
+    };
+    assert!(at("S0 event TimedOut req#1 Writes") < at("S0 close link S0: QuiesceFence"));
+    assert!(at("S0 close link S0: QuiesceFence") < at("S0 event Quiesced req#1"));
+    insta::assert_snapshot!(trace);
+}

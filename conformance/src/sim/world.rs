@@ -144,8 +144,17 @@ pub enum ScriptedFault {
         /// The failure reported.
         status: TransferStatus,
     },
-    /// The connection of sender rank `sender` dies at `at` (from the origin).
+    /// The connection of sender rank `sender` dies at `at` (from the origin); both sides are
+    /// told.
     KillLink {
+        /// The sender rank.
+        sender: usize,
+        /// When.
+        at: Duration,
+    },
+    /// The connection of sender rank `sender` dies silently at `at`: nobody is told, frames
+    /// vanish and writes stall until an endpoint's deadline closes it.
+    BreakLink {
         /// The sender rank.
         sender: usize,
         /// When.
@@ -446,21 +455,22 @@ impl Simulation {
         for link in 0..senders {
             sim.schedule(Instant::ZERO, Action::Reconnect { link });
         }
-        let kills: Vec<(usize, Duration)> = sim
+        let kills: Vec<(usize, Duration, bool)> = sim
             .script
             .iter()
             .filter_map(|f| match *f {
-                ScriptedFault::KillLink { sender, at } => Some((sender, at)),
+                ScriptedFault::KillLink { sender, at } => Some((sender, at, false)),
+                ScriptedFault::BreakLink { sender, at } => Some((sender, at, true)),
                 ScriptedFault::FailBatch { .. } => None,
             })
             .collect();
-        for (link, at) in kills {
+        for (link, at, silent) in kills {
             sim.schedule(
                 Instant::ZERO + at,
                 Action::KillLink {
                     link,
                     injected: true,
-                    silent: false,
+                    silent,
                 },
             );
         }
