@@ -15,7 +15,10 @@
 //! - no write batch is emitted for a request after it was cancelled, ended or retired;
 //! - after `Quiesced`, an endpoint emits nothing more for the request (no write, no event, no
 //!   result, aux or registration frame; refusing `Cancel` frames are allowed), and `Quiesced`
-//!   comes once, after exactly one terminal event.
+//!   comes once, after exactly one terminal event;
+//! - nothing waits without a deadline: after the case, with the network and transport catching
+//!   up and ten seconds passing, every registered request ended and quiesced on the receiver,
+//!   and every request whose last chunk was submitted (or that was cancelled) on the sender.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
@@ -255,6 +258,11 @@ struct Pair {
     next_start: BTreeMap<RequestId, u32>,
     last_submitted: BTreeSet<RequestId>,
     sends_aux: BTreeMap<RequestId, bool>,
+    /// Requests opened on the sender / registered on the receiver.
+    opened: BTreeSet<RequestId>,
+    registered: BTreeSet<RequestId>,
+    /// Requests the sender engine cancelled.
+    cancelled: BTreeSet<RequestId>,
     aux_submitted: BTreeSet<RequestId>,
     batches: BTreeMap<RequestId, (u64, u64, bool)>,
     /// (request) → delivered to the receiver: a successful last result, aux data.
@@ -289,6 +297,9 @@ impl Pair {
             next_start: BTreeMap::new(),
             last_submitted: BTreeSet::new(),
             sends_aux: BTreeMap::new(),
+            opened: BTreeSet::new(),
+            registered: BTreeSet::new(),
+            cancelled: BTreeSet::new(),
             aux_submitted: BTreeSet::new(),
             batches: BTreeMap::new(),
             delivered_last: BTreeSet::new(),
@@ -550,6 +561,7 @@ impl Pair {
                 );
                 if res.is_ok() {
                     self.sends_aux.insert(r, sends_aux);
+                    self.opened.insert(r);
                 }
             }
             Op::Register { request: r, cached } => {
@@ -560,7 +572,7 @@ impl Pair {
                 let ids: Vec<BlockId> = (first..blocks)
                     .map(|o| BlockId(500 + 20 * r.0 as u32 + o))
                     .collect();
-                let _ = self.receiver.register(
+                let res = self.receiver.register(
                     now,
                     Registration {
                         request: r,
@@ -570,6 +582,9 @@ impl Pair {
                         aux_capacity: 256,
                     },
                 );
+                if res.is_ok() {
+                    self.registered.insert(r);
+                }
             }
             Op::SubmitChunk {
                 request: r,
@@ -670,6 +685,7 @@ impl Pair {
                 let r = request(r);
                 if self.sender.cancel(now, r).is_ok() {
                     self.send_track.entry(r).or_default().no_writes = true;
+                    self.cancelled.insert(r);
                 }
             }
             Op::CancelReceiver { request: r } => {
@@ -761,12 +777,44 @@ fn event_request(e: &Event) -> Option<RequestId> {
     }
 }
 
-/// Runs `case` on a fresh pair, panicking on the first broken rule.
+impl Pair {
+    /// Lets the network and transport catch up while time runs on (no engine input), then
+    /// checks that nothing waits without a deadline: every registered request ended and
+    /// quiesced on the receiver; every request opened on the sender whose last chunk was
+    /// submitted, or that the engine cancelled, ended and quiesced there. (A sender session
+    /// still waiting for its engine's chunks may wait: that wait is the engine's.)
+    fn settle(&mut self) {
+        for _ in 0..40 {
+            self.apply(Op::Pump);
+            self.apply(Op::Advance { millis: 250 });
+        }
+        self.apply(Op::Pump);
+        for r in &self.registered {
+            let t = self.recv_track.get(r).cloned().unwrap_or_default();
+            assert!(
+                t.terminal && t.quiesced,
+                "receiver: {r} registered, still waiting after 10 s: {t:?}"
+            );
+        }
+        for r in &self.opened {
+            if self.last_submitted.contains(r) || self.cancelled.contains(r) {
+                let t = self.send_track.get(r).cloned().unwrap_or_default();
+                assert!(
+                    t.terminal && t.quiesced,
+                    "sender: {r} (last chunk or cancel given) still waiting after 10 s: {t:?}"
+                );
+            }
+        }
+    }
+}
+
+/// Runs `case` on a fresh pair, then lets it settle, panicking on the first broken rule.
 pub fn run_case(case: &SessionCase) -> SessionStats {
     let mut pair = Pair::new();
     for op in &case.ops {
         pair.apply(op.clone());
     }
+    pair.settle();
     pair.stats
 }
 
