@@ -17,7 +17,7 @@
 //!   result, aux or registration frame; refusing `Cancel` frames are allowed), and `Quiesced`
 //!   comes once, after exactly one terminal event;
 //! - nothing waits without a deadline: after the case, with the network and transport catching
-//!   up and ten seconds passing, every registered request ended and quiesced on the receiver,
+//!   up and twelve seconds passing, every registered request ended and quiesced on the receiver,
 //!   and every request whose last chunk was submitted (or that was cancelled) on the sender.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
@@ -778,22 +778,22 @@ fn event_request(e: &Event) -> Option<RequestId> {
 }
 
 impl Pair {
-    /// Lets the network and transport catch up while time runs on (no engine input), then
+    /// Lets the network and transport catch up while twelve seconds pass (no engine input), then
     /// checks that nothing waits without a deadline: every registered request ended and
     /// quiesced on the receiver; every request opened on the sender whose last chunk was
     /// submitted, or that the engine cancelled, ended and quiesced there. (A sender session
     /// still waiting for its engine's chunks may wait: that wait is the engine's.)
     fn settle(&mut self) {
-        for _ in 0..40 {
+        for _ in 0..12 {
             self.apply(Op::Pump);
-            self.apply(Op::Advance { millis: 250 });
+            self.apply(Op::Advance { millis: 999 });
         }
         self.apply(Op::Pump);
         for r in &self.registered {
             let t = self.recv_track.get(r).cloned().unwrap_or_default();
             assert!(
                 t.terminal && t.quiesced,
-                "receiver: {r} registered, still waiting after 10 s: {t:?}"
+                "receiver: {r} registered, still waiting after 12 s: {t:?}"
             );
         }
         for r in &self.opened {
@@ -801,7 +801,7 @@ impl Pair {
                 let t = self.send_track.get(r).cloned().unwrap_or_default();
                 assert!(
                     t.terminal && t.quiesced,
-                    "sender: {r} (last chunk or cancel given) still waiting after 10 s: {t:?}"
+                    "sender: {r} (last chunk or cancel given) still waiting after 12 s: {t:?}"
                 );
             }
         }
