@@ -70,7 +70,7 @@ fn print_table(r: &SimReport, seed: u64, faults: FaultSet) {
         "seed {seed}, faults {faults}, {} ms of virtual time, {} steps",
         r.virtual_ms, r.steps
     );
-    let rows: [(&str, u64); 12] = [
+    let rows: [(&str, u64); 15] = [
         ("requests", r.requests),
         ("completed", r.completed),
         ("failed", r.failed),
@@ -78,6 +78,9 @@ fn print_table(r: &SimReport, seed: u64, faults: FaultSet) {
         ("hung", r.hung),
         ("corrupted", r.corrupted),
         ("leaked", r.leaked),
+        ("R failed", r.receiver_failed),
+        ("R timed out", r.receiver_timed_out),
+        ("R cancelled", r.receiver_cancelled),
         ("fatal faults", r.fatal),
         ("one-sided", r.one_sided),
         ("split", r.split),

@@ -86,6 +86,13 @@ pub struct SimReport {
     /// Requests completed on some sides only without a fatal fault (a cancel or deadline
     /// racing with the last frames, or a connection lost after the sender finished).
     pub split: u64,
+    /// Requests the receiver ended with `Failed` (a writer's failure, a lost peer, a protocol
+    /// error).
+    pub receiver_failed: u64,
+    /// Requests the receiver ended with `TimedOut`.
+    pub receiver_timed_out: u64,
+    /// Requests the receiver ended with `Cancelled` (by either engine).
+    pub receiver_cancelled: u64,
     /// Writes that touched a block not owned by their request (bug; the request counts as
     /// corrupted).
     pub stray_writes: u64,

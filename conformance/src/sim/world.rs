@@ -1593,6 +1593,12 @@ impl Simulation {
                 report.first_bugs.push(request.0);
             }
             report.fatal += u64::from(fatal);
+            match rec.receiver.terminal {
+                Some(Terminal::Failed) => report.receiver_failed += 1,
+                Some(Terminal::TimedOut) => report.receiver_timed_out += 1,
+                Some(Terminal::Cancelled) => report.receiver_cancelled += 1,
+                Some(Terminal::Completed) | None => {}
+            }
             report.split += u64::from(sides_done && any_completed && !all_completed);
             outcomes.push(RequestOutcome {
                 request,
