@@ -23,6 +23,17 @@
 //! - **Bounded driving and a leak check.** A run stops at a step cap or virtual time cap; what did
 //!   not finish is [`Outcome::Hung`]. At the end no session, write batch or block may remain.
 //!
+//! **Outcomes.** Each request is [`Outcome::Completed`] (every side, bytes verified),
+//! [`Outcome::Failed`] or [`Outcome::Cancelled`] (ended everywhere, not completed everywhere), or
+//! a bug: [`Outcome::Hung`], [`Outcome::Corrupted`], [`Outcome::Leaked`]. A fault is *fatal* for
+//! a writer when it hits the writer's session while it is still active: a write batch reported
+//! failed, a connection death the writer learns of, or a silent death that strands one of its
+//! write batches. Such a writer and the receiver must then both end without completing; if one
+//! completes the request counts as `one_sided` (a bug). A writer that completed before it could
+//! know (its last frames handed to a connection that then died, or a deadline racing with them)
+//! counts as `split`: the protocol has no acknowledgement of the last frames, so that is its
+//! inherent race, reported but not a bug.
+//!
 //! [`ReferenceCache`]: crate::cache::ReferenceCache
 
 mod faults;
