@@ -67,9 +67,10 @@ pub struct SimReport {
     pub requests: u64,
     /// Completed on every side with verified bytes.
     pub completed: u64,
-    /// Failed (ended, not completed), without an engine cancel.
+    /// Ended (quiesced and retired) everywhere, not completed everywhere, no engine cancel.
+    /// Includes the `split` requests that completed on some side only.
     pub failed: u64,
-    /// Cancelled by an engine and not completed.
+    /// As `failed`, for requests an engine cancelled.
     pub cancelled: u64,
     /// Not finished within the bounds (bug).
     pub hung: u64,
