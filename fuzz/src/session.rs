@@ -6,7 +6,8 @@
 //! not), dropped or duplicated, which write batches complete or fail, when time advances, and
 //! when either engine submits, registers, cancels or retires. Rules checked (a violation panics):
 //!
-//! - nothing panics (every input, however wrong, is answered with a value or an error);
+//! - nothing panics (every input, however wrong — including arbitrary frames from a hostile
+//!   peer — is answered with a value or an error);
 //! - a sender completes a request only after its last chunk was submitted, every write batch of
 //!   the request was reported complete (none failed), and its aux data (if it sends it) was
 //!   submitted;
@@ -139,6 +140,16 @@ pub enum Op {
     /// The network and transport catch up: every pending write completes and every pending
     /// frame is delivered in order, until nothing is left.
     Pump,
+    /// A hostile or broken peer: an arbitrary frame (its request id folded into the case's
+    /// id space) is delivered to one side.
+    Inject {
+        /// Towards the receiver.
+        to_receiver: bool,
+        /// Request the frame is about (for session frames).
+        request: u8,
+        /// The frame.
+        frame: Frame,
+    },
     /// The connection drops (both sides are told; pending frames are lost).
     Disconnect,
     /// The connection comes back (both sides start a handshake).
@@ -727,6 +738,25 @@ impl Pair {
                         self.deliver(true, 0);
                         self.deliver(false, 0);
                     }
+                }
+            }
+            Op::Inject {
+                to_receiver,
+                request: r,
+                mut frame,
+            } => {
+                let r = request(r);
+                match &mut frame {
+                    Frame::RecvRegistration(f) => f.request = r,
+                    Frame::KvResult(f) => f.request = r,
+                    Frame::AuxResult(f) => f.request = r,
+                    Frame::Cancel(f) => f.request = r,
+                    Frame::DataWrite(f) => f.request = r,
+                    _ => {}
+                }
+                if self.connected {
+                    self.queue(to_receiver).push_front(frame);
+                    self.deliver(to_receiver, 0);
                 }
             }
             Op::Disconnect => self.disconnect(),
