@@ -252,6 +252,9 @@ struct InFlightBatch {
 #[derive(Clone, Copy, Debug, Default)]
 struct SideState {
     started: bool,
+    /// (Sender) the engine submitted the last chunk / the aux data.
+    last_chunk: bool,
+    aux: bool,
     terminal: Option<Terminal>,
     quiesced: bool,
     retired: bool,
@@ -690,6 +693,7 @@ impl Simulation {
                     request,
                     data,
                 });
+                self.records[i].senders[0].aux |= res.is_ok();
                 self.check(res, || format!("S{rank} aux {request}"));
                 self.drain();
             }
@@ -845,6 +849,9 @@ impl Simulation {
             let res = self.senders[rank]
                 .submit_chunk(now, request, spec, &mut self.sender_caches[rank])
                 .map(|_| ());
+            if res.is_ok() && spec.is_last {
+                self.records[i].senders[w].last_chunk = true;
+            }
             self.check(res, || {
                 format!("S{rank} submit {request} [{}, {})", spec.start, spec.end)
             });
@@ -1444,6 +1451,23 @@ impl Simulation {
                     .push(format!("{who} second terminal event {text}"));
             } else {
                 side.terminal = Some(t);
+            }
+            if let (Some(rank), Terminal::Completed) = (from, t) {
+                // A writer completes only after its last chunk (and its aux data), with none of
+                // its write batches still in flight.
+                let w = self.plans[i].writers.iter().position(|&r| r == rank);
+                let s = w.map(|w| self.records[i].senders[w]).unwrap_or_default();
+                let in_flight = self
+                    .batches
+                    .iter()
+                    .any(|((r, _), b)| *r == rank && b.request == request);
+                if !s.last_chunk || (w == Some(0) && !s.aux) || in_flight {
+                    self.anomalies.push(format!(
+                        "{who} completed {request} early: last chunk {}, aux {}, writes in \
+                         flight {in_flight}",
+                        s.last_chunk, s.aux
+                    ));
+                }
             }
             if from.is_none() && t == Terminal::Completed {
                 self.records[i].verified = true;
