@@ -326,6 +326,8 @@ pub struct Simulation {
     trace: Vec<String>,
     /// Encoding buffer of the wire.
     wire: Vec<u8>,
+    outputs_this_step: u64,
+    livelocked: bool,
     steps: u64,
     max_steps: u64,
     last_start: Instant,
@@ -450,6 +452,8 @@ impl Simulation {
             anomalies: Vec::new(),
             trace: Vec::new(),
             wire: Vec::new(),
+            outputs_this_step: 0,
+            livelocked: false,
             steps: 0,
             max_steps,
             last_start: Instant::ZERO,
@@ -524,6 +528,7 @@ impl Simulation {
     pub fn run(&mut self) -> SimReport {
         while !self.finished() {
             if self.steps >= self.max_steps
+                || self.livelocked
                 || self.now > self.last_start + self.cfg.time_limit
                 || !self.step()
             {
@@ -566,6 +571,7 @@ impl Simulation {
         };
         self.now = self.now.max(at);
         self.steps += 1;
+        self.outputs_this_step = 0;
         let now = self.now;
         match next {
             Next::Action => {
@@ -948,23 +954,49 @@ impl Simulation {
     }
 
     /// Drains every endpoint's outputs until none has any left, carrying each one out.
+    ///
+    /// An endpoint whose outputs never run dry within one step is a livelock: the run stops
+    /// (unfinished requests then count as hung) and the anomaly is recorded.
     fn drain(&mut self) {
         loop {
             let mut any = false;
             for r in 0..self.senders.len() {
                 while let Some(o) = self.senders[r].poll_output() {
                     any = true;
+                    if self.count_output() {
+                        return;
+                    }
                     self.on_output(Some(r), o);
                 }
             }
             while let Some(o) = self.receiver.poll_output() {
                 any = true;
+                if self.count_output() {
+                    return;
+                }
                 self.on_output(None, o);
             }
             if !any {
                 return;
             }
         }
+    }
+
+    /// Counts one output of this step; `true` once the step produced too many (livelock).
+    fn count_output(&mut self) -> bool {
+        const MAX_OUTPUTS_PER_STEP: u64 = 1_000_000;
+        self.outputs_this_step += 1;
+        if self.outputs_this_step > MAX_OUTPUTS_PER_STEP {
+            if !self.livelocked {
+                self.livelocked = true;
+                self.anomalies.push(format!(
+                    "livelock at {}: outputs never ran dry within one step",
+                    self.now
+                ));
+            }
+            return true;
+        }
+        false
     }
 
     fn on_output(&mut self, from: Option<usize>, output: Output) {
