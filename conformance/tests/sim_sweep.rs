@@ -154,3 +154,35 @@ fn sim_checks_catch_planted_leaks_and_corruption() {
         .unwrap();
     assert_eq!(o.outcome, Outcome::Corrupted);
 }
+
+#[test]
+fn sim_sweep_summary_table() {
+    // The outcome counts of fixed sweeps, as a snapshot: a change in how the endpoints end
+    // requests under faults shows up as a reviewed diff.
+    let mut table = String::from(
+        "faults          requests completed failed cancelled split fatal hung corrupted leaked\n",
+    );
+    let mut sets: Vec<(String, FaultSet)> = vec![("none".into(), FaultSet::NONE)];
+    sets.extend(
+        FaultKind::ALL
+            .into_iter()
+            .map(|k| (k.to_string(), FaultSet::NONE.with(k))),
+    );
+    sets.push(("all".into(), FaultSet::all()));
+    for (name, faults) in sets {
+        let r = sweep(42, faults, 200);
+        table.push_str(&format!(
+            "{name:<15} {:>8} {:>9} {:>6} {:>9} {:>5} {:>5} {:>4} {:>9} {:>6}\n",
+            r.requests,
+            r.completed,
+            r.failed,
+            r.cancelled,
+            r.split,
+            r.fatal,
+            r.hung,
+            r.corrupted,
+            r.leaked
+        ));
+    }
+    insta::assert_snapshot!(table);
+}
