@@ -1211,6 +1211,10 @@ impl Simulation {
                 batch,
             },
         );
+        if self.links[rank].broken {
+            // It stalls on the silently dead connection: the writer cannot complete.
+            self.mark_fatal(rank, request);
+        }
     }
 
     fn write_done(&mut self, rank: usize, batch: WriteBatchId) {
