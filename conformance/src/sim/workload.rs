@@ -161,3 +161,46 @@ pub fn random_workload(rng: &mut SimRng, count: usize, shape: &WorkloadShape) ->
     }
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use super::{random_workload, WorkloadShape};
+    use crate::sim::rng::SimRng;
+    use kvpipe_core::Duration;
+
+    #[test]
+    fn random_requests_are_well_formed() {
+        let shape = WorkloadShape {
+            max_prompt: 90,
+            max_chunks: 6,
+            senders: 3,
+            mean_gap: Duration::from_micros(100),
+            cancel_percent: 20,
+        };
+        let plans = random_workload(&mut SimRng::new(5), 2000, &shape);
+        let mut two_writers = 0;
+        let mut late = 0;
+        for (i, p) in plans.iter().enumerate() {
+            assert_eq!(p.id.0, i as u64 + 1);
+            assert!((1..=90).contains(&p.prompt_len));
+            assert!(p.sender_prefix < p.prompt_len && p.receiver_prefix <= p.prompt_len);
+            assert_eq!(*p.chunk_ends.last().unwrap(), p.prompt_len);
+            assert!(p.chunk_ends.len() <= 6);
+            let mut start = p.sender_prefix;
+            for &end in &p.chunk_ends {
+                assert!(end > start, "{p:?}");
+                start = end;
+            }
+            assert!(!p.writers.is_empty() && p.writers.iter().all(|&w| w < 3));
+            if p.writers.len() == 2 {
+                assert_ne!(p.writers[0], p.writers[1]);
+                two_writers += 1;
+            }
+            late += usize::from(p.register_after > p.open_after);
+            if i > 0 {
+                assert!(p.arrival >= plans[i - 1].arrival);
+            }
+        }
+        assert!(two_writers > 400 && late > 200, "{two_writers} {late}");
+    }
+}
