@@ -15,6 +15,9 @@ fn run(plans: Vec<RequestPlan>, script: Vec<ScriptedFault>) -> (SimReport, Strin
     cfg.tokens_per_block = 4;
     cfg.window = 24;
     cfg.sink_tokens = 4;
+    cfg.sender_pool_split = vec![1, 1];
+    cfg.receiver_pool_split = vec![1, 1];
+    cfg.receiver_slot_padding = 0;
     cfg.trace = true;
     let mut sim = Simulation::new(cfg, plans, script);
     let report = sim.run();

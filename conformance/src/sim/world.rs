@@ -58,6 +58,12 @@ pub struct SimConfig {
     pub window: u32,
     /// Leading tokens the senders keep resident in the windowed group.
     pub sink_tokens: u32,
+    /// How the senders' pools split the first (full-attention) group's layers.
+    pub sender_pool_split: Vec<u16>,
+    /// How the receiver's pools split them (the planner pairs layer ranges across splits).
+    pub receiver_pool_split: Vec<u16>,
+    /// Padding bytes at the end of every receiver slot.
+    pub receiver_slot_padding: u64,
     /// Record a readable trace of every step (scripted scenarios).
     pub trace: bool,
     /// A deliberate bug, to check that the simulator catches it (tests only).
@@ -76,6 +82,10 @@ impl SimConfig {
         let tokens_per_block = *rng.pick(&[4, 4, 8, 16, 1]).expect("non-empty");
         let window = *rng.pick(&[24, 12, 40, 64, 100]).expect("non-empty");
         let sink_tokens = *rng.pick(&[0, 4, 8]).expect("non-empty");
+        let splits: [&[u16]; 4] = [&[1, 2], &[3], &[2, 1], &[1, 1, 1]];
+        let sender_pool_split = rng.pick(&splits).expect("non-empty").to_vec();
+        let receiver_pool_split = rng.pick(&splits).expect("non-empty").to_vec();
+        let receiver_slot_padding = *rng.pick(&[0, 0, 8, 24]).expect("non-empty");
         SimConfig {
             seed,
             senders: 2,
@@ -97,6 +107,9 @@ impl SimConfig {
             tokens_per_block,
             window,
             sink_tokens,
+            sender_pool_split,
+            receiver_pool_split,
+            receiver_slot_padding,
             trace: false,
             planted_bug: None,
             max_steps: 0,
@@ -108,8 +121,16 @@ impl SimConfig {
     /// longest prompt is `max_prompt` tokens.
     pub fn cache_spec(&self, rank: Option<usize>, max_prompt: u32) -> CacheSpec {
         let blocks = max_prompt.div_ceil(self.tokens_per_block) + 1;
-        let mut full = GroupSpec::full(2, &[1, 1]);
+        let split = if rank.is_some() {
+            &self.sender_pool_split
+        } else {
+            &self.receiver_pool_split
+        };
+        let mut full = GroupSpec::full(split.iter().sum(), split);
         full.kv_heads = 2;
+        if rank.is_none() {
+            full.slot_padding = self.receiver_slot_padding;
+        }
         let windowed = GroupSpec::full(1, &[1]).windowed(self.window, self.sink_tokens);
         CacheSpec {
             tokens_per_block: self.tokens_per_block,
