@@ -40,6 +40,14 @@ pub(crate) fn run(args: SimArgs) -> Result<ExitCode, CliError> {
     config.senders = args.senders;
     config.trace = !args.trace.is_empty();
     let started = WallClock::now();
+    let model = format!(
+        "{} tokens per block, window {} ({} sink tokens), pools: senders {:?}, receiver {:?}",
+        config.tokens_per_block,
+        config.window,
+        config.sink_tokens,
+        config.sender_pool_split,
+        config.receiver_pool_split
+    );
     let mut sim = Simulation::random(config, args.requests);
     let report = sim.run();
     let wall = started.elapsed();
@@ -52,6 +60,7 @@ pub(crate) fn run(args: SimArgs) -> Result<ExitCode, CliError> {
         println!("{}", serde_json::to_string(&report)?);
     } else {
         print_table(&report, args.seed, args.faults);
+        println!("  model: {model}");
     }
     eprintln!(
         "kvpipe sim: {} requests in {:.2}s wall time",
