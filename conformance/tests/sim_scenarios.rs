@@ -175,3 +175,28 @@ fn sim_scenario_silent_death_with_writes_in_flight_is_fenced_before_memory_is_fr
     assert!(at("S0 close link S0: QuiesceFence") < at("S0 event Quiesced req#1"));
     insta::assert_snapshot!(trace);
 }
+
+#[test]
+fn sim_scenario_one_writer_rank_fails_and_the_other_is_stopped() {
+    // Two writer ranks; rank 1's second write batch fails. The receiver fails the request at
+    // once, naming rank 1's slice, and tells rank 0, which stops too; both quiesce.
+    let mut plan = RequestPlan::simple(1, 40, 4);
+    plan.writers = vec![0, 1];
+    let fail = ScriptedFault::FailBatch {
+        sender: 1,
+        nth: 1,
+        status: TransferStatus::GrantViolation,
+    };
+    let (report, trace) = run(vec![plan], vec![fail]);
+    let o = &report.outcomes[0];
+    assert_eq!(o.outcome, Outcome::Failed);
+    assert!(o.fatal && !o.one_sided);
+    assert_eq!(o.receiver, Some(Terminal::Failed));
+    assert_eq!(o.senders[1], Some(Terminal::Failed));
+    assert_ne!(o.senders[0], Some(Terminal::Completed));
+    assert!(
+        trace.contains("R event Failed req#1 GrantViolation peer=peer#1 sslice=1 rslice=0"),
+        "{trace}"
+    );
+    insta::assert_snapshot!(trace);
+}
