@@ -861,8 +861,13 @@ impl Receiver {
         let mut notify = Vec::new();
         for w in session.writers.iter_mut() {
             if !w.registration_sent {
-                // The writer never got the grant: nothing of it can land.
+                // The writer never got the grant: nothing of it can land, so it is not waited
+                // for. It is still told (when connected), so that it stops computing and
+                // pinning the request instead of waiting out its registration deadline.
                 w.stopped = true;
+                if self.peers.is_ready(w.peer) {
+                    notify.push(w.peer);
+                }
             } else {
                 // Every writer that got the registration hears of it, even one that already
                 // sent its last result (it may still be waiting to send the aux data); only

@@ -22,13 +22,13 @@ impl<V> Remembered<V> {
     }
 
     /// Remembers `id`, forgetting the oldest entry when full. A capacity of 0 remembers nothing.
+    /// An id already remembered keeps its first value: the first cause of a cancel is the one
+    /// reported (a peer answering our own cancel must not turn it into the peer's).
     pub(crate) fn insert(&mut self, id: RequestId, value: V) {
-        if self.capacity == 0 {
+        if self.capacity == 0 || self.items.contains_key(&id) {
             return;
         }
-        if self.items.insert(id, value).is_some() {
-            return;
-        }
+        self.items.insert(id, value);
         self.order.push_back(id);
         while self.order.len() > self.capacity {
             if let Some(old) = self.order.pop_front() {
@@ -69,6 +69,10 @@ mod tests {
         assert!(!r.contains(RequestId(1)));
         assert!(r.contains(RequestId(2)) && r.contains(RequestId(3)));
         assert_eq!(r.take(RequestId(2)), Some(()));
+        let mut first = Remembered::new(2);
+        first.insert(RequestId(1), 'a');
+        first.insert(RequestId(1), 'b');
+        assert_eq!(first.take(RequestId(1)), Some('a'));
         assert_eq!(r.len(), 1);
         let mut zero = Remembered::new(0);
         zero.insert(RequestId(1), ());
