@@ -1,6 +1,6 @@
 //! What the simulator found in the session state machines: each test reproduces one finding
-//! with a scripted scenario and asserts the behaviour the design asks for, so it fails until the
-//! state machine is fixed.
+//! with a scripted scenario and asserts the behaviour the design asks for (both were fixed in
+//! the sessions; the tests keep them fixed).
 
 use kvpipe_conformance::sim::{CancelSide, FaultSet, RequestPlan, SimConfig, Simulation};
 use kvpipe_core::Duration;
