@@ -2,6 +2,8 @@
 //! around a function here, so the same checks run as ordinary tests over the committed seed
 //! corpus (`fuzz/seeds/`) on stable Rust.
 
+pub mod session;
+
 use kvpipe_core::wire::{
     DecodeError, EncodeError, Frame, FrameHeader, HEADER_LEN, PROTOCOL_VERSION,
 };

@@ -8,6 +8,7 @@ mod bench;
 mod demo;
 mod plan;
 mod serve;
+mod sim;
 
 /// Streams an LLM request's KV cache from prefill to decode while prefill runs.
 #[derive(Debug, Parser)]
@@ -27,6 +28,8 @@ enum Command {
     Serve(serve::ServeArgs),
     /// Run a benchmark and report its figures against a same-run baseline.
     Bench(bench::BenchArgs),
+    /// Simulate many requests over a seeded, faulty virtual network and check every outcome.
+    Sim(sim::SimArgs),
 }
 
 /// A command's failure, printed as `kvpipe: <message>` with a non-zero exit status.
@@ -39,6 +42,7 @@ impl Cli {
             Command::Plan(args) => plan::run(args),
             Command::Bench(args) => bench::run(args),
             Command::Serve(args) => serve::run(args),
+            Command::Sim(args) => sim::run(args),
         }
     }
 }

@@ -1,0 +1,57 @@
+//! The deterministic simulator: sender ranks and a receiver, their reference caches, a seeded
+//! sans-IO network between them and an engine that drives requests, all on a virtual clock.
+//!
+//! In the style of quinn's `Pair`, str0m's `netem` and smoltcp's `netsim`:
+//!
+//! - **Virtual time.** [`Simulation::step`] advances whoever has the earliest deadline: a frame
+//!   delivery, a write batch's completion, a prefill chunk's compute, an engine action (open,
+//!   register, aux data, cancel), an endpoint's timer, or the next request's arrival.
+//! - **Seeded network.** One connection per sender rank to the receiver, each ordered (the
+//!   transport contract), with latency, loss (retransmitted, or a reset after too many),
+//!   duplication, reordering (write completions out of order, connections overtaking each other),
+//!   delay spikes and connection death — each a [`FaultKind`] switched on separately, all drawn
+//!   from one [`SimRng`].
+//! - **Real memory.** Write batches are executed against the [`ReferenceCache`]s' bytes after a
+//!   latency (or fail part-way by fault injection); every write checks that its source and
+//!   destination blocks still belong to its request and that the grant is live, so a write after
+//!   a block was handed back, or a misplaced byte, is caught. The receiver's bytes are verified
+//!   when it completes.
+//! - **The engine** opens requests on the writer ranks, computes prefill chunks at a simulated
+//!   pace and submits them, registers on the receiver (usually first, sometimes late), submits
+//!   the aux data, sometimes cancels from either side, and frees a request's blocks and retires
+//!   it only on `Quiesced`.
+//! - **Bounded driving and a leak check.** A run stops at a step cap or virtual time cap; what did
+//!   not finish is [`Outcome::Hung`]. At the end no session, write batch or block may remain.
+//!
+//! **Outcomes.** Each request is [`Outcome::Completed`] (every side, bytes verified),
+//! [`Outcome::Failed`] or [`Outcome::Cancelled`] (ended everywhere, not completed everywhere), or
+//! a bug: [`Outcome::Hung`], [`Outcome::Corrupted`], [`Outcome::Leaked`]. A fault is *fatal* for
+//! a writer when it hits the writer's session while it is still active: a write batch reported
+//! failed, a connection death the writer learns of, or a silent death that strands one of its
+//! write batches. Such a writer and the receiver must then both end without completing; if one
+//! completes the request counts as `one_sided` (a bug). A writer that completed before it could
+//! know (its last frames handed to a connection that then died, or a deadline racing with them)
+//! counts as `split`: the protocol has no acknowledgement of the last frames, so that is its
+//! inherent race, reported but not a bug.
+//!
+//! [`ReferenceCache`]: crate::cache::ReferenceCache
+
+mod faults;
+mod report;
+mod rng;
+mod workload;
+mod world;
+
+pub use faults::{FaultKind, FaultParseError, FaultRates, FaultSet};
+pub use report::{Outcome, RequestOutcome, SimReport, Terminal};
+pub use rng::SimRng;
+pub use workload::{random_workload, CancelSide, RequestPlan, WorkloadShape};
+pub use world::{
+    event_summary, frame_summary, NetCounters, PlantedBug, ScriptedFault, SimConfig, Simulation,
+    RECEIVER_PEER,
+};
+
+/// Runs `requests` random requests with `seed` under `faults` and reports.
+pub fn run(requests: usize, seed: u64, faults: FaultSet) -> SimReport {
+    Simulation::random(SimConfig::new(seed, faults), requests).run()
+}
