@@ -5,5 +5,5 @@
 //! command-line program (demo, bench, plan, sim) is built from this crate too.
 
 pub mod cache;
-pub mod suite;
 pub mod sim;
+pub mod suite;
