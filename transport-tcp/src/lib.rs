@@ -23,6 +23,28 @@
 //!   whose connection fails is torn down as a whole, and reported disconnected only after its
 //!   last connection thread exited.
 //!
+//! ## Closing
+//!
+//! [`TcpSender::close`] / [`TcpReceiver::close`] (and dropping a handle, bounded by
+//! [`TcpConfig::close_grace`]) close every peer in order: each connection's writer first writes
+//! out every frame and data write queued before the close, then shuts its sending side down
+//! (FIN); its reader goes on reading — frames still reach the core, data writes are still
+//! checked and landed — until the peer ends its side. A node whose peer ends its stream closes
+//! that peer the same way (flush, FIN, read until the peer's end of stream, bounded by
+//! `close_grace`), so a receiver keeps landing the data still in flight on the other
+//! connections of a sender that closed. Reading every connection to its end before the socket
+//! is released means no socket is closed with unread bytes, so the kernel never answers with a
+//! reset that would discard data the peer has not read yet.
+//!
+//! `close` returns `Ok` once every peer's connections have all written out their queues, sent
+//! their FIN and seen the peer's: everything the node had queued is then in the kernel ahead of
+//! an orderly end of stream, which the peer's transport has read to its end — the process may
+//! exit. It is delivery to the peer's transport, not an acknowledgement from its engine (that is
+//! the protocol's `Completed` on the receiving side). At the deadline, or when a connection
+//! fails on the way, the remaining sockets are shut down at once and `close` returns
+//! [`CloseError::Unflushed`]: what was still queued may be lost. [`TcpSender::shutdown`] skips
+//! the orderly part.
+//!
 //! ## Feature flags
 //!
 //! | feature | what it enables |
@@ -44,7 +66,7 @@ mod stats;
 #[cfg(feature = "tokio")]
 pub mod tokio_driver;
 
-pub use blocking::{EndpointGuard, TcpReceiver, TcpSender};
+pub use blocking::{CloseError, EndpointGuard, TcpReceiver, TcpSender};
 pub use config::TcpConfig;
 pub use grant::{GrantedExtents, WriteRefusal};
 pub use memory::{MemoryRegion, OutOfBounds, RegionTable};

@@ -76,8 +76,13 @@ pub(crate) struct PeerLink {
     conns: Vec<ConnHandle>,
     /// Connection threads still running.
     threads: u32,
-    /// Closing: readers stop at their next wake-up, nothing new is queued.
+    /// Closing: nothing new is queued to the connections.
     pub(crate) closing: Arc<AtomicBool>,
+    /// Readers stop at their next wake-up (an abrupt close, or one the core asked for). An
+    /// orderly close leaves it unset: readers read on until the peer's end of stream.
+    pub(crate) stop: Arc<AtomicBool>,
+    /// An orderly close is under way and nothing went wrong in it so far.
+    orderly: bool,
     /// No frame or write from the peer is accepted any more.
     pub(crate) untrusted: bool,
     /// Sockets are shut down at this time if a graceful close has not finished.
@@ -95,6 +100,8 @@ impl PeerLink {
     }
 
     fn shutdown_sockets(&mut self) {
+        self.orderly = false;
+        self.stop.store(true, Ordering::Release);
         for c in &mut self.conns {
             c.tx = None;
             let _ = c.stream.shutdown(Shutdown::Both);
@@ -117,6 +124,10 @@ pub(crate) struct State<E> {
     pub(crate) timings: VecDeque<(u64, Instant, Instant)>,
     pub(crate) grants: GrantTable,
     shutdown: bool,
+    /// The node is closing: no new connection is attached.
+    closing_node: bool,
+    /// While the node closes: how each removed peer ended (`true`: orderly).
+    closed: HashMap<PeerId, bool>,
 }
 
 /// The node shared by the engine's handle and every thread.
@@ -293,6 +304,7 @@ impl<E: Endpoint> Shared<E> {
         if !link.closing.swap(true, Ordering::AcqRel) {
             bump(&self.stats.peers_closed, 1);
         }
+        link.stop.store(true, Ordering::Release);
         if graceful {
             if link.close_deadline.is_none() {
                 link.close_deadline = Some(std::time::Instant::now() + self.config.close_grace);
@@ -306,6 +318,59 @@ impl<E: Endpoint> Shared<E> {
             link.shutdown_sockets();
         }
         self.timer_cv.notify_all();
+    }
+
+    /// Starts an orderly close of `peer` unless it is closing already: every connection's
+    /// writer flushes what is queued and shuts its sending side down, readers go on reading
+    /// (and handling) until the peer's end of stream; at `until` the sockets are shut down.
+    /// Returns whether it started.
+    pub(crate) fn begin_linger(
+        &self,
+        st: &mut State<E>,
+        peer: PeerId,
+        until: std::time::Instant,
+    ) -> bool {
+        let Some(link) = st.peers.get_mut(&peer) else {
+            return false;
+        };
+        if link.closing.swap(true, Ordering::AcqRel) {
+            return false;
+        }
+        bump(&self.stats.peers_closed, 1);
+        link.orderly = true;
+        link.close_deadline = Some(until);
+        for c in &mut link.conns {
+            if let Some(tx) = c.tx.take() {
+                let _ = tx.send(Job::Close);
+            }
+        }
+        self.timer_cv.notify_all();
+        true
+    }
+
+    /// A connection reader of `peer` ended (then call [`Shared::thread_exit`]). The peer's end
+    /// of stream starts an orderly close of the whole peer; a failure spoils an orderly close
+    /// under way and shuts the peer's sockets down.
+    pub(crate) fn reader_end(&self, peer: PeerId, end: ReaderEnd) {
+        let mut st = self.lock();
+        let Some(link) = st.peers.get_mut(&peer) else {
+            return;
+        };
+        match end {
+            ReaderEnd::Eof => {
+                if !link.closing.load(Ordering::Acquire) {
+                    let until = std::time::Instant::now() + self.config.close_grace;
+                    self.begin_linger(&mut st, peer, until);
+                }
+            }
+            ReaderEnd::Stopped => {}
+            ReaderEnd::Failed => {
+                if link.orderly {
+                    link.shutdown_sockets();
+                }
+                link.orderly = false;
+            }
+        }
     }
 
     /// A frame arrived from `peer`. Frames of a request this node granted are held until the
@@ -428,6 +493,9 @@ impl<E: Endpoint> Shared<E> {
             return;
         }
         let link = st.peers.remove(&peer).expect("present");
+        if st.closing_node {
+            st.closed.insert(peer, link.orderly);
+        }
         st.tokens.remove(&link.token);
         st.batches.retain(|_, (p, _)| *p != peer);
         let State {
@@ -467,6 +535,9 @@ impl<E: Endpoint> Shared<E> {
         pre: Preamble,
         stream: TcpStream,
     ) -> Option<PeerId> {
+        if st.closing_node {
+            return None;
+        }
         let peer = if pre.index == 0 {
             if st.tokens.contains_key(&pre.token) {
                 return None;
@@ -482,6 +553,8 @@ impl<E: Endpoint> Shared<E> {
                     conns: Vec::new(),
                     threads: 0,
                     closing: Arc::new(AtomicBool::new(false)),
+                    stop: Arc::new(AtomicBool::new(false)),
+                    orderly: false,
                     untrusted: false,
                     close_deadline: None,
                     negotiated: Arc::new(AtomicU16::new(0)),
@@ -507,7 +580,7 @@ impl<E: Endpoint> Shared<E> {
             return None;
         };
         let link = st.peers.get_mut(&peer).expect("present");
-        let closing = link.closing.clone();
+        let closing = link.stop.clone();
         let negotiated = link.negotiated.clone();
         let spawned = match &self.backend {
             Backend::Threads => {
@@ -583,6 +656,8 @@ impl<E: Endpoint> Node<E> {
                 timings: VecDeque::new(),
                 grants: GrantTable::default(),
                 shutdown: false,
+                closing_node: false,
+                closed: HashMap::new(),
             })),
             events_cv: Condvar::new(),
             timer_cv: Condvar::new(),
@@ -720,7 +795,43 @@ impl<E: Endpoint> Node<E> {
         self.shared.lock().batches.len()
     }
 
-    /// Closes every peer, stops the helper threads and waits (bounded) for connection threads.
+    /// Closes every peer in order (see the crate doc), bounded by `within`, then stops the
+    /// node's threads. Peers still open at the deadline are shut down at once.
+    pub(crate) fn close(&self, within: StdDuration) -> Result<(), CloseError> {
+        let until = std::time::Instant::now() + within;
+        let mut st = self.shared.lock();
+        if st.shutdown {
+            return Ok(());
+        }
+        st.closing_node = true;
+        st.closed.clear();
+        let peers: Vec<PeerId> = st.peers.keys().copied().collect();
+        let mut lingering = Vec::new();
+        for p in peers {
+            if self.shared.begin_linger(&mut st, p, until) {
+                lingering.push(p);
+            }
+        }
+        while !st.peers.is_empty() {
+            if self.shared.events_cv.wait_until(&mut st, until).timed_out() {
+                break;
+            }
+        }
+        let spoiled = lingering
+            .iter()
+            .filter(|p| st.closed.get(p) != Some(&true))
+            .count();
+        let open = st.peers.len();
+        drop(st);
+        self.shutdown();
+        match spoiled.max(open) {
+            0 => Ok(()),
+            peers => Err(CloseError::Unflushed { peers }),
+        }
+    }
+
+    /// Closes every peer at once (queued frames and data may be lost), stops the helper threads
+    /// and waits (bounded) for connection threads.
     pub(crate) fn shutdown(&self) {
         {
             let mut st = self.shared.lock();
@@ -748,8 +859,34 @@ impl<E: Endpoint> Node<E> {
 
 impl<E: Endpoint> Drop for Node<E> {
     fn drop(&mut self) {
-        self.shutdown();
+        let _ = self.close(self.shared.config.close_grace);
     }
+}
+
+/// How a connection reader ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum ReaderEnd {
+    /// The peer ended its stream at a frame boundary.
+    Eof,
+    /// The node told it to stop.
+    Stopped,
+    /// A socket error, a truncated or malformed frame, or a refused write.
+    Failed,
+}
+
+/// An orderly close did not finish.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum CloseError {
+    /// Some peers' connections did not all flush, shut down and see the peer's end of stream
+    /// before the deadline (or failed on the way); they were shut down at once.
+    #[error("{peers} peer(s) did not close in order before the deadline")]
+    Unflushed {
+        /// How many.
+        peers: usize,
+    },
+    /// The close was interrupted (the async driver's runtime shut down first).
+    #[error("the close was interrupted before it finished")]
+    Interrupted,
 }
 
 fn timer_loop<E: Endpoint>(shared: &Shared<E>) {
@@ -794,8 +931,11 @@ fn timer_loop<E: Endpoint>(shared: &Shared<E>) {
 
 fn accept_loop<E: Endpoint>(shared: &Arc<Shared<E>>, listener: TcpListener) {
     loop {
-        if shared.lock().shutdown {
-            return;
+        {
+            let st = shared.lock();
+            if st.shutdown || st.closing_node {
+                return;
+            }
         }
         match listener.accept() {
             Ok((mut stream, _)) => {
