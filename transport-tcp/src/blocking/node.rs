@@ -51,6 +51,15 @@ impl JobTx {
     }
 }
 
+/// The receiving end of a connection writer's queue, until its writer starts.
+pub(crate) enum JobRx {
+    /// For a writer thread.
+    Thread(mpsc::Receiver<Job>),
+    /// For a writer task.
+    #[cfg(feature = "tokio")]
+    Task(tokio::sync::mpsc::UnboundedReceiver<Job>),
+}
+
 /// Where connection I/O runs.
 #[derive(Clone, Debug)]
 pub(crate) enum Backend {
@@ -67,6 +76,8 @@ pub(crate) struct ConnHandle {
     stream: TcpStream,
     /// The writer's queue (`None` once closing).
     tx: Option<JobTx>,
+    /// The reader's and writer's halves and the writer's queue, until the bundle starts.
+    pending: Option<(TcpStream, TcpStream, JobRx)>,
 }
 
 /// A connected peer: a bundle of connections.
@@ -74,6 +85,8 @@ pub(crate) struct PeerLink {
     token: u64,
     expected: usize,
     conns: Vec<ConnHandle>,
+    /// The whole bundle is attached and its threads started.
+    started: bool,
     /// Connection threads still running.
     threads: u32,
     /// Closing: nothing new is queued to the connections.
@@ -298,6 +311,7 @@ impl<E: Endpoint> Shared<E> {
     /// Starts tearing `peer` down: gracefully (queued frames are flushed first, bounded by
     /// `close_grace`) or at once.
     pub(crate) fn begin_close(&self, st: &mut State<E>, peer: PeerId, graceful: bool) {
+        self.abandon(st, peer);
         let Some(link) = st.peers.get_mut(&peer) else {
             return;
         };
@@ -330,6 +344,7 @@ impl<E: Endpoint> Shared<E> {
         peer: PeerId,
         until: std::time::Instant,
     ) -> bool {
+        self.abandon(st, peer);
         let Some(link) = st.peers.get_mut(&peer) else {
             return false;
         };
@@ -527,14 +542,16 @@ impl<E: Endpoint> Shared<E> {
         Ok(())
     }
 
-    /// Adds a connection to `peer`'s bundle (creating the peer for index 0) and starts its
-    /// threads. Returns the peer.
+    /// Adds a connection to `peer`'s bundle (creating the peer for index 0). Once the bundle
+    /// is complete every connection's threads start. Returns the peer and whether it started:
+    /// only then is the core told it connected, so no frame is read — and no data write can be
+    /// sent and lost — before the node holds every connection of the peer.
     fn attach(
         self: &Arc<Self>,
         st: &mut State<E>,
         pre: Preamble,
         stream: TcpStream,
-    ) -> Option<PeerId> {
+    ) -> Option<(PeerId, bool)> {
         if st.closing_node {
             return None;
         }
@@ -551,6 +568,7 @@ impl<E: Endpoint> Shared<E> {
                     token: pre.token,
                     expected: usize::from(pre.count),
                     conns: Vec::new(),
+                    started: false,
                     threads: 0,
                     closing: Arc::new(AtomicBool::new(false)),
                     stop: Arc::new(AtomicBool::new(false)),
@@ -564,7 +582,8 @@ impl<E: Endpoint> Shared<E> {
         } else {
             let peer = *st.tokens.get(&pre.token)?;
             let link = st.peers.get(&peer)?;
-            if link.closing.load(Ordering::Acquire)
+            if link.started
+                || link.closing.load(Ordering::Acquire)
                 || link.conns.len() != usize::from(pre.index)
                 || link.expected != usize::from(pre.count)
             {
@@ -573,40 +592,55 @@ impl<E: Endpoint> Shared<E> {
             peer
         };
         let (Ok(read_half), Ok(write_half)) = (stream.try_clone(), stream.try_clone()) else {
-            if pre.index == 0 {
-                st.peers.remove(&peer);
-                st.tokens.remove(&pre.token);
-            }
+            self.abandon(st, peer);
             return None;
         };
         let link = st.peers.get_mut(&peer).expect("present");
-        let closing = link.stop.clone();
-        let negotiated = link.negotiated.clone();
-        let spawned = match &self.backend {
+        let (tx, rx) = match &self.backend {
             Backend::Threads => {
                 let (tx, rx) = mpsc::channel();
-                link.conns.push(ConnHandle {
-                    stream,
-                    tx: Some(JobTx::Thread(tx)),
-                });
-                let node = self.clone();
-                let r = thread::Builder::new()
-                    .name(format!("kvpipe-tcp-rd-{}", peer.0))
-                    .spawn(move || reader_loop(node, peer, read_half, closing, negotiated));
-                let node = self.clone();
-                let w = thread::Builder::new()
-                    .name(format!("kvpipe-tcp-wr-{}", peer.0))
-                    .spawn(move || writer_loop(node, peer, write_half, rx));
-                u32::from(r.is_ok()) + u32::from(w.is_ok())
+                (JobTx::Thread(tx), JobRx::Thread(rx))
             }
             #[cfg(feature = "tokio")]
-            Backend::Tokio(handle) => {
+            Backend::Tokio(_) => {
                 let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-                link.conns.push(ConnHandle {
-                    stream,
-                    tx: Some(JobTx::Task(tx)),
-                });
-                crate::tokio_driver::spawn_connection(
+                (JobTx::Task(tx), JobRx::Task(rx))
+            }
+        };
+        link.conns.push(ConnHandle {
+            stream,
+            tx: Some(tx),
+            pending: Some((read_half, write_half, rx)),
+        });
+        bump(&self.stats.connections, 1);
+        if link.conns.len() < link.expected {
+            return Some((peer, false));
+        }
+        link.started = true;
+        let stop = link.stop.clone();
+        let negotiated = link.negotiated.clone();
+        let pending: Vec<_> = link
+            .conns
+            .iter_mut()
+            .filter_map(|c| c.pending.take())
+            .collect();
+        let mut spawned = 0;
+        for (read_half, write_half, rx) in pending {
+            let (closing, negotiated) = (stop.clone(), negotiated.clone());
+            spawned += match (&self.backend, rx) {
+                (Backend::Threads, JobRx::Thread(rx)) => {
+                    let node = self.clone();
+                    let r = thread::Builder::new()
+                        .name(format!("kvpipe-tcp-rd-{}", peer.0))
+                        .spawn(move || reader_loop(node, peer, read_half, closing, negotiated));
+                    let node = self.clone();
+                    let w = thread::Builder::new()
+                        .name(format!("kvpipe-tcp-wr-{}", peer.0))
+                        .spawn(move || writer_loop(node, peer, write_half, rx));
+                    u32::from(r.is_ok()) + u32::from(w.is_ok())
+                }
+                #[cfg(feature = "tokio")]
+                (Backend::Tokio(handle), JobRx::Task(rx)) => crate::tokio_driver::spawn_connection(
                     handle,
                     self.clone(),
                     peer,
@@ -615,16 +649,27 @@ impl<E: Endpoint> Shared<E> {
                     rx,
                     closing,
                     negotiated,
-                )
-            }
-        };
-        bump(&self.stats.connections, 1);
+                ),
+                #[cfg(feature = "tokio")]
+                _ => 0,
+            };
+        }
         let link = st.peers.get_mut(&peer).expect("present");
         link.threads += spawned;
-        if spawned < 2 {
+        if spawned < 2 * link.expected as u32 {
             link.shutdown_sockets();
         }
-        Some(peer)
+        Some((peer, true))
+    }
+
+    /// Drops a peer whose bundle never started (no thread runs for it, the core never heard
+    /// of it).
+    fn abandon(&self, st: &mut State<E>, peer: PeerId) {
+        if st.peers.get(&peer).is_some_and(|l| !l.started) {
+            if let Some(link) = st.peers.remove(&peer) {
+                st.tokens.remove(&link.token);
+            }
+        }
     }
 }
 
@@ -751,7 +796,14 @@ impl<E: Endpoint> Shared<E> {
                 None => break,
             }
         }
-        let peer = peer.ok_or_else(|| io::Error::other("could not start the connection"))?;
+        let peer = match peer {
+            Some((peer, true)) => peer,
+            Some((peer, false)) => {
+                shared.abandon(&mut st, peer);
+                return Err(io::Error::other("could not start the connections"));
+            }
+            None => return Err(io::Error::other("could not start the connection")),
+        };
         st.endpoint.connected(now, peer);
         shared.drain(&mut st, now);
         Ok(peer)
@@ -955,11 +1007,9 @@ fn accept_loop<E: Endpoint>(shared: &Arc<Shared<E>>, listener: TcpListener) {
                 }
                 let mut st = shared.lock();
                 let now = shared.now();
-                if let Some(peer) = shared.attach(&mut st, pre, stream) {
-                    if pre.index == 0 {
-                        st.endpoint.connected(now, peer);
-                        shared.drain(&mut st, now);
-                    }
+                if let Some((peer, true)) = shared.attach(&mut st, pre, stream) {
+                    st.endpoint.connected(now, peer);
+                    shared.drain(&mut st, now);
                 }
             }
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
