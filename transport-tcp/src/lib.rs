@@ -8,7 +8,8 @@
 //!   [`Sender`](kvpipe_core::Sender) / [`Receiver`](kvpipe_core::Receiver) over real sockets. A
 //!   node listens and/or connects; each peer is a bundle of
 //!   [`TcpConfig::connections_per_peer`] connections opened by the connecting side, each
-//!   starting with a 16-byte [`preamble`]. Control frames (the core's handshake first) travel on
+//!   starting with a 16-byte [`preamble`]. A peer starts (its threads run, the core hears of
+//!   it) only once its whole bundle is attached. Control frames (the core's handshake first) travel on
 //!   the first connection; a write batch is cut into `DataWrite` pieces spread over all of them,
 //!   each sent with one vectored write of header and source bytes.
 //! - The receiver checks each `DataWrite` against the request's grant ([`GrantedExtents`]:
