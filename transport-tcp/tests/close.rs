@@ -198,6 +198,35 @@ fn a_close_the_peer_does_not_answer_ends_at_the_deadline() {
     assert!(raw.closed_by_node());
 }
 
+/// A bundle whose other connections never come is dropped after the preamble timeout, before
+/// the core ever hears of it.
+#[test]
+fn an_incomplete_bundle_is_dropped_after_the_preamble_timeout() {
+    use std::io::Read;
+    let config = receiver_config(2);
+    let regions = regions(&config.local.groups, 8, false);
+    let tcp = kvpipe_tcp::TcpConfig {
+        preamble_timeout: Duration::from_millis(300),
+        ..tcp(1)
+    };
+    let rx = kvpipe_tcp::TcpReceiver::new(config, tcp, regions);
+    let addr = rx.listen("127.0.0.1:0").unwrap();
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    let pre = kvpipe_tcp::preamble::Preamble {
+        index: 0,
+        count: 2,
+        token: 9,
+    };
+    std::io::Write::write_all(&mut s, &pre.encode()).unwrap();
+    assert!(eventually(|| rx.peers().len() == 1));
+    // Not started: the node sends nothing (no handshake) on the lone connection.
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut buf = [0u8; 64];
+    assert!(matches!(s.read(&mut buf), Ok(0)));
+    assert!(rx.peers().is_empty());
+    assert!(rx.next_event(Duration::ZERO).is_none());
+}
+
 /// Whether `cond` holds within [`T`].
 fn eventually(cond: impl Fn() -> bool) -> bool {
     let deadline = Instant::now() + T;

@@ -87,6 +87,9 @@ pub(crate) struct PeerLink {
     conns: Vec<ConnHandle>,
     /// The whole bundle is attached and its threads started.
     started: bool,
+    /// When the first connection was attached (an unstarted bundle is dropped after the
+    /// preamble timeout).
+    attached_at: std::time::Instant,
     /// Connection threads still running.
     threads: u32,
     /// Closing: nothing new is queued to the connections.
@@ -569,6 +572,7 @@ impl<E: Endpoint> Shared<E> {
                     expected: usize::from(pre.count),
                     conns: Vec::new(),
                     started: false,
+                    attached_at: std::time::Instant::now(),
                     threads: 0,
                     closing: Arc::new(AtomicBool::new(false)),
                     stop: Arc::new(AtomicBool::new(false)),
@@ -950,7 +954,20 @@ fn timer_loop<E: Endpoint>(shared: &Shared<E>) {
         let now = shared.now();
         let wall = std::time::Instant::now();
         let mut next_close: Option<std::time::Instant> = None;
+        let stale: Vec<PeerId> = st
+            .peers
+            .iter()
+            .filter(|(_, l)| !l.started && l.attached_at + shared.config.preamble_timeout <= wall)
+            .map(|(p, _)| *p)
+            .collect();
+        for p in stale {
+            shared.abandon(&mut st, p);
+        }
         for link in st.peers.values_mut() {
+            if !link.started {
+                let at = link.attached_at + shared.config.preamble_timeout;
+                next_close = Some(next_close.map_or(at, |n| n.min(at)));
+            }
             if let Some(at) = link.close_deadline {
                 if at <= wall {
                     link.shutdown_sockets();
