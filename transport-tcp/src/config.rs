@@ -17,7 +17,9 @@ pub struct TcpConfig {
     pub poll_interval: Duration,
     /// How long an accepted connection may take to send its preamble.
     pub preamble_timeout: Duration,
-    /// How long a graceful close (flushing queued frames) may take before sockets are shut down.
+    /// How long a graceful close (flushing queued frames, then reading until the peer's end of
+    /// stream) may take before sockets are shut down: the bound of a close the core asks for, of
+    /// one a peer starts by ending its stream, and of dropping a node.
     pub close_grace: Duration,
     /// A blocked socket write failing after this long tears the peer down (`None`: never).
     pub write_stall_timeout: Option<Duration>,

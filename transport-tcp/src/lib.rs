@@ -8,7 +8,8 @@
 //!   [`Sender`](kvpipe_core::Sender) / [`Receiver`](kvpipe_core::Receiver) over real sockets. A
 //!   node listens and/or connects; each peer is a bundle of
 //!   [`TcpConfig::connections_per_peer`] connections opened by the connecting side, each
-//!   starting with a 16-byte [`preamble`]. Control frames (the core's handshake first) travel on
+//!   starting with a 16-byte [`preamble`]. A peer starts (its threads run, the core hears of
+//!   it) only once its whole bundle is attached. Control frames (the core's handshake first) travel on
 //!   the first connection; a write batch is cut into `DataWrite` pieces spread over all of them,
 //!   each sent with one vectored write of header and source bytes.
 //! - The receiver checks each `DataWrite` against the request's grant ([`GrantedExtents`]:
@@ -22,6 +23,28 @@
 //! - Liveness and every other deadline are the core's; the node delivers its timeouts. A peer
 //!   whose connection fails is torn down as a whole, and reported disconnected only after its
 //!   last connection thread exited.
+//!
+//! ## Closing
+//!
+//! [`TcpSender::close`] / [`TcpReceiver::close`] (and dropping a handle, bounded by
+//! [`TcpConfig::close_grace`]) close every peer in order: each connection's writer first writes
+//! out every frame and data write queued before the close, then shuts its sending side down
+//! (FIN); its reader goes on reading — frames still reach the core, data writes are still
+//! checked and landed — until the peer ends its side. A node whose peer ends its stream closes
+//! that peer the same way (flush, FIN, read until the peer's end of stream, bounded by
+//! `close_grace`), so a receiver keeps landing the data still in flight on the other
+//! connections of a sender that closed. Reading every connection to its end before the socket
+//! is released means no socket is closed with unread bytes, so the kernel never answers with a
+//! reset that would discard data the peer has not read yet.
+//!
+//! `close` returns `Ok` once every peer's connections have all written out their queues, sent
+//! their FIN and seen the peer's: everything the node had queued is then in the kernel ahead of
+//! an orderly end of stream, which the peer's transport has read to its end — the process may
+//! exit. It is delivery to the peer's transport, not an acknowledgement from its engine (that is
+//! the protocol's `Completed` on the receiving side). At the deadline, or when a connection
+//! fails on the way, the remaining sockets are shut down at once and `close` returns
+//! [`CloseError::Unflushed`]: what was still queued may be lost. [`TcpSender::shutdown`] skips
+//! the orderly part.
 //!
 //! ## Feature flags
 //!
@@ -44,7 +67,7 @@ mod stats;
 #[cfg(feature = "tokio")]
 pub mod tokio_driver;
 
-pub use blocking::{EndpointGuard, TcpReceiver, TcpSender};
+pub use blocking::{CloseError, EndpointGuard, TcpReceiver, TcpSender};
 pub use config::TcpConfig;
 pub use grant::{GrantedExtents, WriteRefusal};
 pub use memory::{MemoryRegion, OutOfBounds, RegionTable};

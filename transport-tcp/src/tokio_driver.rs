@@ -22,8 +22,8 @@ use kvpipe_core::{Event, PeerId, Receiver, ReceiverConfig, Sender, SenderConfig}
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::runtime::Handle;
 
-use crate::blocking::conn::{refuse, verdict, Job, DRAIN_CHUNK, PIECES_PER_CALL};
-use crate::blocking::node::{Backend, Node, Shared};
+use crate::blocking::conn::{end_of, refuse, verdict, Job, DRAIN_CHUNK, PIECES_PER_CALL};
+use crate::blocking::node::{Backend, CloseError, Node, ReaderEnd, Shared};
 use crate::config::TcpConfig;
 use crate::endpoint::Endpoint;
 use crate::grant::WriteVerdict;
@@ -62,12 +62,14 @@ pub(crate) fn spawn_connection<E: Endpoint>(
     2
 }
 
-async fn read_full(
+/// Fills `buf`, waking every poll interval to check `closing`. `Ok(false)`: the stream ended
+/// before the first byte.
+async fn read_all(
     stream: &mut tokio::net::TcpStream,
     buf: &mut [u8],
     closing: &AtomicBool,
     poll: Duration,
-) -> io::Result<()> {
+) -> io::Result<bool> {
     let mut done = 0;
     while done < buf.len() {
         match tokio::time::timeout(poll, stream.read(&mut buf[done..])).await {
@@ -76,12 +78,27 @@ async fn read_full(
                     return Err(io::ErrorKind::ConnectionAborted.into());
                 }
             }
+            Ok(Ok(0)) if done == 0 => return Ok(false),
             Ok(Ok(0)) => return Err(io::ErrorKind::UnexpectedEof.into()),
             Ok(Ok(n)) => done += n,
             Ok(Err(e)) => return Err(e),
         }
     }
-    Ok(())
+    Ok(true)
+}
+
+/// Fills `buf`; the stream ending first is an error.
+async fn read_full(
+    stream: &mut tokio::net::TcpStream,
+    buf: &mut [u8],
+    closing: &AtomicBool,
+    poll: Duration,
+) -> io::Result<()> {
+    match read_all(stream, buf, closing, poll).await {
+        Ok(true) => Ok(()),
+        Ok(false) => Err(io::ErrorKind::UnexpectedEof.into()),
+        Err(e) => Err(e),
+    }
 }
 
 async fn drain(
@@ -109,13 +126,12 @@ async fn reader_task<E: Endpoint>(
     let poll = node.config.poll_interval;
     let mut buf = vec![0u8; HEADER_LEN];
     let mut scratch = Vec::new();
-    loop {
+    let end = loop {
         buf.resize(HEADER_LEN, 0);
-        if read_full(&mut stream, &mut buf, &closing, poll)
-            .await
-            .is_err()
-        {
-            break;
+        match read_all(&mut stream, &mut buf, &closing, poll).await {
+            Ok(true) => {}
+            Ok(false) => break ReaderEnd::Eof,
+            Err(e) => break end_of(&e),
         }
         let neg = match negotiated.load(Ordering::Relaxed) {
             0 => None,
@@ -126,14 +142,11 @@ async fn reader_task<E: Endpoint>(
             .and_then(|h| h.check(neg).map(|_| h.frame_len()).map_err(|_| ()));
         let Ok(total) = checked else {
             bump(&node.stats.decode_errors, 1);
-            break;
+            break ReaderEnd::Failed;
         };
         buf.resize(total, 0);
-        if read_full(&mut stream, &mut buf[HEADER_LEN..], &closing, poll)
-            .await
-            .is_err()
-        {
-            break;
+        if let Err(e) = read_full(&mut stream, &mut buf[HEADER_LEN..], &closing, poll).await {
+            break end_of(&e);
         }
         let parsed = match neg {
             Some(v) => Frame::parse_negotiated(&buf, v),
@@ -141,7 +154,7 @@ async fn reader_task<E: Endpoint>(
         };
         let Ok((frame, _)) = parsed else {
             bump(&node.stats.decode_errors, 1);
-            break;
+            break ReaderEnd::Failed;
         };
         match frame {
             Frame::DataWrite(w) => {
@@ -149,12 +162,17 @@ async fn reader_task<E: Endpoint>(
                     scratch = vec![0u8; DRAIN_CHUNK];
                 }
                 if !data_write(&node, peer, &mut stream, w, &mut scratch, &closing).await {
-                    break;
+                    break if closing.load(Ordering::Acquire) {
+                        ReaderEnd::Stopped
+                    } else {
+                        ReaderEnd::Failed
+                    };
                 }
             }
             frame => node.deliver_frame(peer, frame),
         }
-    }
+    };
+    node.reader_end(peer, end);
     node.thread_exit(peer);
 }
 
@@ -275,8 +293,8 @@ async fn writer_task<E: Endpoint>(
                     Ok(true)
                 }
                 Job::Close => {
-                    let _ = stream.flush().await;
-                    let _ = shutdown_handle.shutdown(std::net::Shutdown::Both);
+                    stream.flush().await?;
+                    shutdown_handle.shutdown(std::net::Shutdown::Write)?;
                     Ok(false)
                 }
             }
@@ -379,6 +397,15 @@ impl TcpSender {
         self.inner.counters()
     }
 
+    /// Closes every peer in order, waiting at most `within` (see *Closing* in the crate doc),
+    /// on a blocking thread so the runtime keeps driving the connections.
+    pub async fn close(self, within: Duration) -> Result<(), CloseError> {
+        let inner = self.inner;
+        tokio::task::spawn_blocking(move || inner.close(within))
+            .await
+            .unwrap_or(Err(CloseError::Interrupted))
+    }
+
     /// The handle with the blocking event methods (its connections stay on the runtime).
     pub fn into_inner(self) -> crate::TcpSender {
         self.inner
@@ -424,6 +451,15 @@ impl TcpReceiver {
     /// The core's counters.
     pub fn counters(&self) -> Counters {
         self.inner.counters()
+    }
+
+    /// Closes every peer in order, waiting at most `within` (see *Closing* in the crate doc),
+    /// on a blocking thread so the runtime keeps driving the connections.
+    pub async fn close(self, within: Duration) -> Result<(), CloseError> {
+        let inner = self.inner;
+        tokio::task::spawn_blocking(move || inner.close(within))
+            .await
+            .unwrap_or(Err(CloseError::Interrupted))
     }
 
     /// The handle with the blocking event methods (its connections stay on the runtime).

@@ -1,5 +1,6 @@
 //! The async driver on loopback: a pipelined transfer lands every byte, and a write outside the
-//! grant is refused exactly as with the blocking driver.
+//! grant is refused exactly as with the blocking driver, and a sender closing right after its
+//! request completed loses nothing.
 #![cfg(feature = "tokio")]
 
 mod support;
@@ -170,4 +171,72 @@ async fn async_receiver_refuses_a_write_outside_the_grant() {
         .to_vec()
         .iter()
         .all(|&b| b == 0));
+}
+
+/// The async sender closes as soon as its engine saw the request complete: the receiver still
+/// lands every byte and completes it, round after round.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn async_sender_closing_right_after_completing_loses_nothing() {
+    let rt = tokio::runtime::Handle::current();
+    let (rx, rx_regions) = receiver_node(rt.clone());
+    let addr = rx.listen("127.0.0.1:0").unwrap();
+    for round in 0..20u32 {
+        let config = sender_config(10 + u64::from(round));
+        let tx_regions = regions(&config.local.groups, 64, true);
+        let tx = TcpSender::new(config, tcp(2), tx_regions.clone(), rt.clone());
+        let peer_at_tx = tx.connect(addr).await.unwrap();
+        let peer_at_rx = ready(async |t| rx.next_event(t).await).await;
+        ready(async |t| tx.next_event(t).await).await;
+        let request = RequestId(100 + u64::from(round));
+        let dst: Vec<BlockId> = (0..32).map(BlockId).collect();
+        rx.register(Registration {
+            request,
+            prompt_len: 128,
+            groups: vec![AnchoredRun::from_ids(0, &dst)],
+            writers: smallvec![peer_at_rx],
+            aux_capacity: 64,
+        })
+        .unwrap();
+        tx.open_request(SendRequest {
+            request,
+            receivers: smallvec![peer_at_tx],
+            sends_aux: true,
+        })
+        .unwrap();
+        let base = (round % 2) * 32;
+        let spec = ChunkSpec {
+            start: 0,
+            end: 128,
+            prompt_len: 128,
+            prepopulated_len: 0,
+            is_last: true,
+            prefix_sent_early: false,
+        };
+        tx.submit_chunk(request, spec, &mut Linear { base, blocks: 32 })
+            .unwrap();
+        tx.submit_aux(request, AuxData::default()).unwrap();
+        let seen = until(
+            async |t| tx.next_event(t).await,
+            |e| matches!(e, Event::Completed { .. } | Event::Failed { .. }),
+        )
+        .await;
+        assert!(
+            matches!(seen.last(), Some(Event::Completed { .. })),
+            "{seen:?}"
+        );
+        tx.close(Duration::from_secs(5)).await.unwrap();
+        let seen = until(
+            async |t| rx.next_event(t).await,
+            |e| matches!(e, Event::Quiesced { .. }),
+        )
+        .await;
+        assert!(
+            seen.iter().any(|e| matches!(e, Event::Completed { .. })),
+            "round {round}: {seen:?}"
+        );
+        for ord in 0..32 {
+            assert!(block_matches(&tx_regions, &rx_regions, base + ord, ord));
+        }
+        rx.retire(request).unwrap();
+    }
 }

@@ -215,8 +215,11 @@ pub(crate) fn run(args: ServeArgs) -> Result<ExitCode, CliError> {
     let seconds = last_completion.duration_since(start).as_secs_f64();
     let mismatched_blocks: usize = completed.iter().map(|&r| cache.verify(r).len()).sum();
     let writes_refused = rx.stats().writes_refused;
-    rx.shutdown();
-    drop(rx);
+    // An orderly close: what is still queued (the last results) reaches the other side before
+    // this process exits.
+    if let Err(e) = rx.close(Duration::from_secs(10)) {
+        eprintln!("kvpipe serve: {e}");
+    }
     let verified = mismatched_blocks == 0 && completed.len() as u32 == args.requests;
     let report = ServeReport {
         role: "decode",

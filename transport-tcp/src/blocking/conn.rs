@@ -11,7 +11,7 @@ use kvpipe_core::session::WriteBatchId;
 use kvpipe_core::wire::{DataWrite, Frame, FrameHeader, HEADER_LEN};
 use kvpipe_core::PeerId;
 
-use super::node::Shared;
+use super::node::{ReaderEnd, Shared};
 use crate::endpoint::Endpoint;
 use crate::grant::{WriteRefusal, WriteVerdict};
 use crate::pieces::Piece;
@@ -28,7 +28,7 @@ pub(crate) enum Job {
         /// The data writes, in order.
         pieces: Vec<Piece>,
     },
-    /// Flush what is queued before, then shut the socket down.
+    /// Flush what is queued before, then shut the sending side down (the reader reads on).
     Close,
 }
 
@@ -44,11 +44,22 @@ fn is_timeout(e: &io::Error) -> bool {
     )
 }
 
-/// Fills `buf`, waking every poll interval to check `closing`.
-fn read_full(stream: &mut TcpStream, buf: &mut [u8], closing: &AtomicBool) -> io::Result<()> {
+/// How a reader that stopped on `err` ended.
+pub(crate) fn end_of(err: &io::Error) -> ReaderEnd {
+    if err.kind() == io::ErrorKind::ConnectionAborted {
+        ReaderEnd::Stopped
+    } else {
+        ReaderEnd::Failed
+    }
+}
+
+/// Fills `buf`, waking every poll interval to check `closing`. `Ok(false)`: the stream ended
+/// before the first byte.
+fn read_all(stream: &mut TcpStream, buf: &mut [u8], closing: &AtomicBool) -> io::Result<bool> {
     let mut done = 0;
     while done < buf.len() {
         match stream.read(&mut buf[done..]) {
+            Ok(0) if done == 0 => return Ok(false),
             Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
             Ok(n) => done += n,
             Err(e) if is_timeout(&e) => {
@@ -59,7 +70,16 @@ fn read_full(stream: &mut TcpStream, buf: &mut [u8], closing: &AtomicBool) -> io
             Err(e) => return Err(e),
         }
     }
-    Ok(())
+    Ok(true)
+}
+
+/// Fills `buf`; the stream ending first is an error.
+fn read_full(stream: &mut TcpStream, buf: &mut [u8], closing: &AtomicBool) -> io::Result<()> {
+    match read_all(stream, buf, closing) {
+        Ok(true) => Ok(()),
+        Ok(false) => Err(io::ErrorKind::UnexpectedEof.into()),
+        Err(e) => Err(e),
+    }
 }
 
 /// Reads and discards `len` bytes.
@@ -86,10 +106,12 @@ pub(crate) fn reader_loop<E: Endpoint>(
 ) {
     let mut buf = vec![0u8; HEADER_LEN];
     let mut scratch = Vec::new();
-    loop {
+    let end = loop {
         buf.resize(HEADER_LEN, 0);
-        if read_full(&mut stream, &mut buf, &closing).is_err() {
-            break;
+        match read_all(&mut stream, &mut buf, &closing) {
+            Ok(true) => {}
+            Ok(false) => break ReaderEnd::Eof,
+            Err(e) => break end_of(&e),
         }
         let neg = match negotiated.load(Ordering::Relaxed) {
             0 => None,
@@ -100,11 +122,11 @@ pub(crate) fn reader_loop<E: Endpoint>(
             .and_then(|h| h.check(neg).map(|_| h.frame_len()).map_err(|_| ()));
         let Ok(total) = checked else {
             bump(&node.stats.decode_errors, 1);
-            break;
+            break ReaderEnd::Failed;
         };
         buf.resize(total, 0);
-        if read_full(&mut stream, &mut buf[HEADER_LEN..], &closing).is_err() {
-            break;
+        if let Err(e) = read_full(&mut stream, &mut buf[HEADER_LEN..], &closing) {
+            break end_of(&e);
         }
         let parsed = match neg {
             Some(v) => Frame::parse_negotiated(&buf, v),
@@ -114,7 +136,7 @@ pub(crate) fn reader_loop<E: Endpoint>(
             Ok((frame, _)) => frame,
             Err(_) => {
                 bump(&node.stats.decode_errors, 1);
-                break;
+                break ReaderEnd::Failed;
             }
         };
         match frame {
@@ -123,12 +145,17 @@ pub(crate) fn reader_loop<E: Endpoint>(
                     scratch = vec![0u8; DRAIN_CHUNK];
                 }
                 if !data_write(&node, peer, &mut stream, w, &mut scratch, &closing) {
-                    break;
+                    break if closing.load(Ordering::Acquire) {
+                        ReaderEnd::Stopped
+                    } else {
+                        ReaderEnd::Failed
+                    };
                 }
             }
             frame => node.deliver_frame(peer, frame),
         }
-    }
+    };
+    node.reader_end(peer, end);
     node.thread_exit(peer);
 }
 
@@ -314,8 +341,13 @@ pub(crate) fn writer_loop<E: Endpoint>(
                 }
             },
             Job::Close => {
-                let _ = stream.flush();
-                let _ = stream.shutdown(Shutdown::Both);
+                if stream
+                    .flush()
+                    .and_then(|()| stream.shutdown(Shutdown::Write))
+                    .is_err()
+                {
+                    failed = true;
+                }
                 break;
             }
         }

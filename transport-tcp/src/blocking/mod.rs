@@ -7,5 +7,5 @@ pub(crate) mod conn;
 pub(crate) mod node;
 pub(crate) mod roles;
 
-pub use node::EndpointGuard;
+pub use node::{CloseError, EndpointGuard};
 pub use roles::{TcpReceiver, TcpSender};

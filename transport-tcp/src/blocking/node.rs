@@ -51,6 +51,15 @@ impl JobTx {
     }
 }
 
+/// The receiving end of a connection writer's queue, until its writer starts.
+pub(crate) enum JobRx {
+    /// For a writer thread.
+    Thread(mpsc::Receiver<Job>),
+    /// For a writer task.
+    #[cfg(feature = "tokio")]
+    Task(tokio::sync::mpsc::UnboundedReceiver<Job>),
+}
+
 /// Where connection I/O runs.
 #[derive(Clone, Debug)]
 pub(crate) enum Backend {
@@ -67,6 +76,8 @@ pub(crate) struct ConnHandle {
     stream: TcpStream,
     /// The writer's queue (`None` once closing).
     tx: Option<JobTx>,
+    /// The reader's and writer's halves and the writer's queue, until the bundle starts.
+    pending: Option<(TcpStream, TcpStream, JobRx)>,
 }
 
 /// A connected peer: a bundle of connections.
@@ -74,10 +85,20 @@ pub(crate) struct PeerLink {
     token: u64,
     expected: usize,
     conns: Vec<ConnHandle>,
+    /// The whole bundle is attached and its threads started.
+    started: bool,
+    /// When the first connection was attached (an unstarted bundle is dropped after the
+    /// preamble timeout).
+    attached_at: std::time::Instant,
     /// Connection threads still running.
     threads: u32,
-    /// Closing: readers stop at their next wake-up, nothing new is queued.
+    /// Closing: nothing new is queued to the connections.
     pub(crate) closing: Arc<AtomicBool>,
+    /// Readers stop at their next wake-up (an abrupt close, or one the core asked for). An
+    /// orderly close leaves it unset: readers read on until the peer's end of stream.
+    pub(crate) stop: Arc<AtomicBool>,
+    /// An orderly close is under way and nothing went wrong in it so far.
+    orderly: bool,
     /// No frame or write from the peer is accepted any more.
     pub(crate) untrusted: bool,
     /// Sockets are shut down at this time if a graceful close has not finished.
@@ -95,6 +116,8 @@ impl PeerLink {
     }
 
     fn shutdown_sockets(&mut self) {
+        self.orderly = false;
+        self.stop.store(true, Ordering::Release);
         for c in &mut self.conns {
             c.tx = None;
             let _ = c.stream.shutdown(Shutdown::Both);
@@ -117,6 +140,10 @@ pub(crate) struct State<E> {
     pub(crate) timings: VecDeque<(u64, Instant, Instant)>,
     pub(crate) grants: GrantTable,
     shutdown: bool,
+    /// The node is closing: no new connection is attached.
+    closing_node: bool,
+    /// While the node closes: how each removed peer ended (`true`: orderly).
+    closed: HashMap<PeerId, bool>,
 }
 
 /// The node shared by the engine's handle and every thread.
@@ -287,12 +314,14 @@ impl<E: Endpoint> Shared<E> {
     /// Starts tearing `peer` down: gracefully (queued frames are flushed first, bounded by
     /// `close_grace`) or at once.
     pub(crate) fn begin_close(&self, st: &mut State<E>, peer: PeerId, graceful: bool) {
+        self.abandon(st, peer);
         let Some(link) = st.peers.get_mut(&peer) else {
             return;
         };
         if !link.closing.swap(true, Ordering::AcqRel) {
             bump(&self.stats.peers_closed, 1);
         }
+        link.stop.store(true, Ordering::Release);
         if graceful {
             if link.close_deadline.is_none() {
                 link.close_deadline = Some(std::time::Instant::now() + self.config.close_grace);
@@ -306,6 +335,60 @@ impl<E: Endpoint> Shared<E> {
             link.shutdown_sockets();
         }
         self.timer_cv.notify_all();
+    }
+
+    /// Starts an orderly close of `peer` unless it is closing already: every connection's
+    /// writer flushes what is queued and shuts its sending side down, readers go on reading
+    /// (and handling) until the peer's end of stream; at `until` the sockets are shut down.
+    /// Returns whether it started.
+    pub(crate) fn begin_linger(
+        &self,
+        st: &mut State<E>,
+        peer: PeerId,
+        until: std::time::Instant,
+    ) -> bool {
+        self.abandon(st, peer);
+        let Some(link) = st.peers.get_mut(&peer) else {
+            return false;
+        };
+        if link.closing.swap(true, Ordering::AcqRel) {
+            return false;
+        }
+        bump(&self.stats.peers_closed, 1);
+        link.orderly = true;
+        link.close_deadline = Some(until);
+        for c in &mut link.conns {
+            if let Some(tx) = c.tx.take() {
+                let _ = tx.send(Job::Close);
+            }
+        }
+        self.timer_cv.notify_all();
+        true
+    }
+
+    /// A connection reader of `peer` ended (then call [`Shared::thread_exit`]). The peer's end
+    /// of stream starts an orderly close of the whole peer; a failure spoils an orderly close
+    /// under way and shuts the peer's sockets down.
+    pub(crate) fn reader_end(&self, peer: PeerId, end: ReaderEnd) {
+        let mut st = self.lock();
+        let Some(link) = st.peers.get_mut(&peer) else {
+            return;
+        };
+        match end {
+            ReaderEnd::Eof => {
+                if !link.closing.load(Ordering::Acquire) {
+                    let until = std::time::Instant::now() + self.config.close_grace;
+                    self.begin_linger(&mut st, peer, until);
+                }
+            }
+            ReaderEnd::Stopped => {}
+            ReaderEnd::Failed => {
+                if link.orderly {
+                    link.shutdown_sockets();
+                }
+                link.orderly = false;
+            }
+        }
     }
 
     /// A frame arrived from `peer`. Frames of a request this node granted are held until the
@@ -428,6 +511,9 @@ impl<E: Endpoint> Shared<E> {
             return;
         }
         let link = st.peers.remove(&peer).expect("present");
+        if st.closing_node {
+            st.closed.insert(peer, link.orderly);
+        }
         st.tokens.remove(&link.token);
         st.batches.retain(|_, (p, _)| *p != peer);
         let State {
@@ -459,14 +545,19 @@ impl<E: Endpoint> Shared<E> {
         Ok(())
     }
 
-    /// Adds a connection to `peer`'s bundle (creating the peer for index 0) and starts its
-    /// threads. Returns the peer.
+    /// Adds a connection to `peer`'s bundle (creating the peer for index 0). Once the bundle
+    /// is complete every connection's threads start. Returns the peer and whether it started:
+    /// only then is the core told it connected, so no frame is read — and no data write can be
+    /// sent and lost — before the node holds every connection of the peer.
     fn attach(
         self: &Arc<Self>,
         st: &mut State<E>,
         pre: Preamble,
         stream: TcpStream,
-    ) -> Option<PeerId> {
+    ) -> Option<(PeerId, bool)> {
+        if st.closing_node {
+            return None;
+        }
         let peer = if pre.index == 0 {
             if st.tokens.contains_key(&pre.token) {
                 return None;
@@ -480,8 +571,12 @@ impl<E: Endpoint> Shared<E> {
                     token: pre.token,
                     expected: usize::from(pre.count),
                     conns: Vec::new(),
+                    started: false,
+                    attached_at: std::time::Instant::now(),
                     threads: 0,
                     closing: Arc::new(AtomicBool::new(false)),
+                    stop: Arc::new(AtomicBool::new(false)),
+                    orderly: false,
                     untrusted: false,
                     close_deadline: None,
                     negotiated: Arc::new(AtomicU16::new(0)),
@@ -491,7 +586,8 @@ impl<E: Endpoint> Shared<E> {
         } else {
             let peer = *st.tokens.get(&pre.token)?;
             let link = st.peers.get(&peer)?;
-            if link.closing.load(Ordering::Acquire)
+            if link.started
+                || link.closing.load(Ordering::Acquire)
                 || link.conns.len() != usize::from(pre.index)
                 || link.expected != usize::from(pre.count)
             {
@@ -500,40 +596,55 @@ impl<E: Endpoint> Shared<E> {
             peer
         };
         let (Ok(read_half), Ok(write_half)) = (stream.try_clone(), stream.try_clone()) else {
-            if pre.index == 0 {
-                st.peers.remove(&peer);
-                st.tokens.remove(&pre.token);
-            }
+            self.abandon(st, peer);
             return None;
         };
         let link = st.peers.get_mut(&peer).expect("present");
-        let closing = link.closing.clone();
-        let negotiated = link.negotiated.clone();
-        let spawned = match &self.backend {
+        let (tx, rx) = match &self.backend {
             Backend::Threads => {
                 let (tx, rx) = mpsc::channel();
-                link.conns.push(ConnHandle {
-                    stream,
-                    tx: Some(JobTx::Thread(tx)),
-                });
-                let node = self.clone();
-                let r = thread::Builder::new()
-                    .name(format!("kvpipe-tcp-rd-{}", peer.0))
-                    .spawn(move || reader_loop(node, peer, read_half, closing, negotiated));
-                let node = self.clone();
-                let w = thread::Builder::new()
-                    .name(format!("kvpipe-tcp-wr-{}", peer.0))
-                    .spawn(move || writer_loop(node, peer, write_half, rx));
-                u32::from(r.is_ok()) + u32::from(w.is_ok())
+                (JobTx::Thread(tx), JobRx::Thread(rx))
             }
             #[cfg(feature = "tokio")]
-            Backend::Tokio(handle) => {
+            Backend::Tokio(_) => {
                 let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-                link.conns.push(ConnHandle {
-                    stream,
-                    tx: Some(JobTx::Task(tx)),
-                });
-                crate::tokio_driver::spawn_connection(
+                (JobTx::Task(tx), JobRx::Task(rx))
+            }
+        };
+        link.conns.push(ConnHandle {
+            stream,
+            tx: Some(tx),
+            pending: Some((read_half, write_half, rx)),
+        });
+        bump(&self.stats.connections, 1);
+        if link.conns.len() < link.expected {
+            return Some((peer, false));
+        }
+        link.started = true;
+        let stop = link.stop.clone();
+        let negotiated = link.negotiated.clone();
+        let pending: Vec<_> = link
+            .conns
+            .iter_mut()
+            .filter_map(|c| c.pending.take())
+            .collect();
+        let mut spawned = 0;
+        for (read_half, write_half, rx) in pending {
+            let (closing, negotiated) = (stop.clone(), negotiated.clone());
+            spawned += match (&self.backend, rx) {
+                (Backend::Threads, JobRx::Thread(rx)) => {
+                    let node = self.clone();
+                    let r = thread::Builder::new()
+                        .name(format!("kvpipe-tcp-rd-{}", peer.0))
+                        .spawn(move || reader_loop(node, peer, read_half, closing, negotiated));
+                    let node = self.clone();
+                    let w = thread::Builder::new()
+                        .name(format!("kvpipe-tcp-wr-{}", peer.0))
+                        .spawn(move || writer_loop(node, peer, write_half, rx));
+                    u32::from(r.is_ok()) + u32::from(w.is_ok())
+                }
+                #[cfg(feature = "tokio")]
+                (Backend::Tokio(handle), JobRx::Task(rx)) => crate::tokio_driver::spawn_connection(
                     handle,
                     self.clone(),
                     peer,
@@ -542,16 +653,27 @@ impl<E: Endpoint> Shared<E> {
                     rx,
                     closing,
                     negotiated,
-                )
-            }
-        };
-        bump(&self.stats.connections, 1);
+                ),
+                #[cfg(feature = "tokio")]
+                _ => 0,
+            };
+        }
         let link = st.peers.get_mut(&peer).expect("present");
         link.threads += spawned;
-        if spawned < 2 {
+        if spawned < 2 * link.expected as u32 {
             link.shutdown_sockets();
         }
-        Some(peer)
+        Some((peer, true))
+    }
+
+    /// Drops a peer whose bundle never started (no thread runs for it, the core never heard
+    /// of it).
+    fn abandon(&self, st: &mut State<E>, peer: PeerId) {
+        if st.peers.get(&peer).is_some_and(|l| !l.started) {
+            if let Some(link) = st.peers.remove(&peer) {
+                st.tokens.remove(&link.token);
+            }
+        }
     }
 }
 
@@ -583,6 +705,8 @@ impl<E: Endpoint> Node<E> {
                 timings: VecDeque::new(),
                 grants: GrantTable::default(),
                 shutdown: false,
+                closing_node: false,
+                closed: HashMap::new(),
             })),
             events_cv: Condvar::new(),
             timer_cv: Condvar::new(),
@@ -676,7 +800,14 @@ impl<E: Endpoint> Shared<E> {
                 None => break,
             }
         }
-        let peer = peer.ok_or_else(|| io::Error::other("could not start the connection"))?;
+        let peer = match peer {
+            Some((peer, true)) => peer,
+            Some((peer, false)) => {
+                shared.abandon(&mut st, peer);
+                return Err(io::Error::other("could not start the connections"));
+            }
+            None => return Err(io::Error::other("could not start the connection")),
+        };
         st.endpoint.connected(now, peer);
         shared.drain(&mut st, now);
         Ok(peer)
@@ -720,7 +851,43 @@ impl<E: Endpoint> Node<E> {
         self.shared.lock().batches.len()
     }
 
-    /// Closes every peer, stops the helper threads and waits (bounded) for connection threads.
+    /// Closes every peer in order (see the crate doc), bounded by `within`, then stops the
+    /// node's threads. Peers still open at the deadline are shut down at once.
+    pub(crate) fn close(&self, within: StdDuration) -> Result<(), CloseError> {
+        let until = std::time::Instant::now() + within;
+        let mut st = self.shared.lock();
+        if st.shutdown {
+            return Ok(());
+        }
+        st.closing_node = true;
+        st.closed.clear();
+        let peers: Vec<PeerId> = st.peers.keys().copied().collect();
+        let mut lingering = Vec::new();
+        for p in peers {
+            if self.shared.begin_linger(&mut st, p, until) {
+                lingering.push(p);
+            }
+        }
+        while !st.peers.is_empty() {
+            if self.shared.events_cv.wait_until(&mut st, until).timed_out() {
+                break;
+            }
+        }
+        let spoiled = lingering
+            .iter()
+            .filter(|p| st.closed.get(p) != Some(&true))
+            .count();
+        let open = st.peers.len();
+        drop(st);
+        self.shutdown();
+        match spoiled.max(open) {
+            0 => Ok(()),
+            peers => Err(CloseError::Unflushed { peers }),
+        }
+    }
+
+    /// Closes every peer at once (queued frames and data may be lost), stops the helper threads
+    /// and waits (bounded) for connection threads.
     pub(crate) fn shutdown(&self) {
         {
             let mut st = self.shared.lock();
@@ -748,8 +915,34 @@ impl<E: Endpoint> Node<E> {
 
 impl<E: Endpoint> Drop for Node<E> {
     fn drop(&mut self) {
-        self.shutdown();
+        let _ = self.close(self.shared.config.close_grace);
     }
+}
+
+/// How a connection reader ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum ReaderEnd {
+    /// The peer ended its stream at a frame boundary.
+    Eof,
+    /// The node told it to stop.
+    Stopped,
+    /// A socket error, a truncated or malformed frame, or a refused write.
+    Failed,
+}
+
+/// An orderly close did not finish.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum CloseError {
+    /// Some peers' connections did not all flush, shut down and see the peer's end of stream
+    /// before the deadline (or failed on the way); they were shut down at once.
+    #[error("{peers} peer(s) did not close in order before the deadline")]
+    Unflushed {
+        /// How many.
+        peers: usize,
+    },
+    /// The close was interrupted (the async driver's runtime shut down first).
+    #[error("the close was interrupted before it finished")]
+    Interrupted,
 }
 
 fn timer_loop<E: Endpoint>(shared: &Shared<E>) {
@@ -761,7 +954,20 @@ fn timer_loop<E: Endpoint>(shared: &Shared<E>) {
         let now = shared.now();
         let wall = std::time::Instant::now();
         let mut next_close: Option<std::time::Instant> = None;
+        let stale: Vec<PeerId> = st
+            .peers
+            .iter()
+            .filter(|(_, l)| !l.started && l.attached_at + shared.config.preamble_timeout <= wall)
+            .map(|(p, _)| *p)
+            .collect();
+        for p in stale {
+            shared.abandon(&mut st, p);
+        }
         for link in st.peers.values_mut() {
+            if !link.started {
+                let at = link.attached_at + shared.config.preamble_timeout;
+                next_close = Some(next_close.map_or(at, |n| n.min(at)));
+            }
             if let Some(at) = link.close_deadline {
                 if at <= wall {
                     link.shutdown_sockets();
@@ -794,8 +1000,11 @@ fn timer_loop<E: Endpoint>(shared: &Shared<E>) {
 
 fn accept_loop<E: Endpoint>(shared: &Arc<Shared<E>>, listener: TcpListener) {
     loop {
-        if shared.lock().shutdown {
-            return;
+        {
+            let st = shared.lock();
+            if st.shutdown || st.closing_node {
+                return;
+            }
         }
         match listener.accept() {
             Ok((mut stream, _)) => {
@@ -815,11 +1024,9 @@ fn accept_loop<E: Endpoint>(shared: &Arc<Shared<E>>, listener: TcpListener) {
                 }
                 let mut st = shared.lock();
                 let now = shared.now();
-                if let Some(peer) = shared.attach(&mut st, pre, stream) {
-                    if pre.index == 0 {
-                        st.endpoint.connected(now, peer);
-                        shared.drain(&mut st, now);
-                    }
+                if let Some((peer, true)) = shared.attach(&mut st, pre, stream) {
+                    st.endpoint.connected(now, peer);
+                    shared.drain(&mut st, now);
                 }
             }
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {

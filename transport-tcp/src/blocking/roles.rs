@@ -11,7 +11,7 @@ use kvpipe_core::{
     RequestId, Sender, SenderConfig, SenderSliceId,
 };
 
-use super::node::{Backend, EndpointGuard, Node};
+use super::node::{Backend, CloseError, EndpointGuard, Node};
 use crate::config::TcpConfig;
 use crate::memory::RegionTable;
 use crate::stats::TcpStats;
@@ -165,9 +165,17 @@ impl TcpSender {
         self.node.shared.lock().endpoint.session_count()
     }
 
-    /// Closes every connection and stops the node's threads (also done on drop).
+    /// Closes every connection at once and stops the node's threads: frames and data still
+    /// queued may be lost. Prefer [`close`](Self::close) to end a transfer.
     pub fn shutdown(&self) {
         self.node.shutdown();
+    }
+
+    /// Closes every peer in order, waiting at most `within`, then stops the node's threads
+    /// (see *Closing* in the crate doc for what `Ok` guarantees). Dropping the handle does the
+    /// same, bounded by [`TcpConfig::close_grace`].
+    pub fn close(self, within: Duration) -> Result<(), CloseError> {
+        self.node.close(within)
     }
 }
 
@@ -293,8 +301,16 @@ impl TcpReceiver {
         self.node.shared.lock().endpoint.session_count()
     }
 
-    /// Closes every connection and stops the node's threads (also done on drop).
+    /// Closes every connection at once and stops the node's threads: frames and data still
+    /// queued may be lost. Prefer [`close`](Self::close) to end a transfer.
     pub fn shutdown(&self) {
         self.node.shutdown();
+    }
+
+    /// Closes every peer in order, waiting at most `within`, then stops the node's threads
+    /// (see *Closing* in the crate doc for what `Ok` guarantees). Dropping the handle does the
+    /// same, bounded by [`TcpConfig::close_grace`].
+    pub fn close(self, within: Duration) -> Result<(), CloseError> {
+        self.node.close(within)
     }
 }

@@ -181,8 +181,11 @@ pub(super) fn run(args: &DemoArgs, addr: &str) -> Result<ExitCode, CliError> {
     for &id in &ids {
         let _ = tx.retire(id);
     }
-    tx.shutdown();
-    drop(tx);
+    // An orderly close: what is still queued (the last results) reaches the other side before
+    // this process exits.
+    if let Err(e) = tx.close(Duration::from_secs(10)) {
+        eprintln!("kvpipe demo: {e}");
+    }
     let max_tail = tails.iter().copied().fold(0.0, f64::max);
     let report = PrefillReport {
         role: "prefill",
