@@ -10,7 +10,8 @@ pub struct TcpConfig {
     pub connections_per_peer: usize,
     /// Smallest piece a large extent is cut into when it is spread over several connections.
     pub min_piece_bytes: u64,
-    /// Largest piece of one data write.
+    /// Largest piece of one data write (each piece costs a grant check and a completion under
+    /// the node lock on the receiver, so large extents go in few pieces).
     pub max_piece_bytes: u64,
     /// How often a blocked reader wakes to check whether its connection is closing or the grant
     /// it writes into was revoked.
@@ -33,7 +34,7 @@ impl Default for TcpConfig {
         TcpConfig {
             connections_per_peer: 2,
             min_piece_bytes: 256 << 10,
-            max_piece_bytes: 8 << 20,
+            max_piece_bytes: 32 << 20,
             poll_interval: Duration::from_millis(20),
             preamble_timeout: Duration::from_secs(5),
             close_grace: Duration::from_millis(500),
