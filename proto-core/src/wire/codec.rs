@@ -13,7 +13,7 @@ use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout, Unaligned};
 
 use super::error::{DecodeError, EncodeError, Malformation};
 use super::frame::*;
-use super::header::{FrameHeader, FrameKind, HEADER_LEN, MAGIC};
+use super::header::{FrameHeader, FrameKind, HEADER_LEN, MAGIC, MAX_BODY_LEN};
 use crate::blocks::{AnchoredRun, IdRun};
 use crate::ids::{
     BlockId, GrantId, InstanceId, ReceiverSliceId, RegionId, RequestId, SenderSliceId,
@@ -169,6 +169,23 @@ pub(crate) mod fixed_len {
     pub(crate) const CANCEL: u32 = len::<super::CancelWire>();
     pub(crate) const HEARTBEAT: u32 = len::<super::HeartbeatWire>();
     pub(crate) const DATA_WRITE: u32 = len::<super::DataWriteWire>();
+}
+
+impl FrameKind {
+    /// The largest body this kind may declare: the exact size for fixed-size frames,
+    /// [`MAX_BODY_LEN`] or the field-imposed limit for variable ones.
+    pub fn max_body_len(self) -> u32 {
+        match self {
+            FrameKind::Hello | FrameKind::RecvRegistration | FrameKind::AuxResult => MAX_BODY_LEN,
+            FrameKind::HelloReject => fixed_len::HELLO_REJECT + u32::from(u16::MAX),
+            FrameKind::HelloAccept => fixed_len::HELLO_ACCEPT,
+            FrameKind::KvResult => fixed_len::KV_RESULT,
+            FrameKind::Cancel => fixed_len::CANCEL,
+            FrameKind::Heartbeat => fixed_len::HEARTBEAT,
+            FrameKind::DataWrite => fixed_len::DATA_WRITE,
+        }
+    }
+
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -135,21 +135,6 @@ impl FrameKind {
         )
     }
 
-    /// The largest body this kind may declare: the exact size for fixed-size frames,
-    /// [`MAX_BODY_LEN`] or the field-imposed limit for variable ones.
-    pub fn max_body_len(self) -> u32 {
-        use super::codec::fixed_len;
-        match self {
-            FrameKind::Hello | FrameKind::RecvRegistration | FrameKind::AuxResult => MAX_BODY_LEN,
-            FrameKind::HelloReject => fixed_len::HELLO_REJECT + u32::from(u16::MAX),
-            FrameKind::HelloAccept => fixed_len::HELLO_ACCEPT,
-            FrameKind::KvResult => fixed_len::KV_RESULT,
-            FrameKind::Cancel => fixed_len::CANCEL,
-            FrameKind::Heartbeat => fixed_len::HEARTBEAT,
-            FrameKind::DataWrite => fixed_len::DATA_WRITE,
-        }
-    }
-
     /// The kind's name as used in messages and `docs/PROTOCOL.md`.
     pub fn name(self) -> &'static str {
         match self {
