@@ -13,6 +13,7 @@ use crate::ids::BlockId;
 /// The buffer is owned by the caller and reused from chunk to chunk, so steady-state planning
 /// does not allocate.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
 pub struct BlockRun {
     /// Ordinal of `ids[0]` in the request.
     pub first_ordinal: u32,

@@ -150,6 +150,7 @@ pub mod layout;
 pub mod plan;
 pub mod session;
 pub mod source;
+pub mod stream;
 pub mod time;
 pub mod wire;
 
@@ -169,7 +170,8 @@ pub use plan::{
     WriteExtent, WritePlan,
 };
 pub use session::{
-    Event, Output, Receiver, ReceiverConfig, ReceiverInput, Sender, SenderConfig, SenderInput,
+    Admission, DataPath, Endpoint, Event, Output, Receiver, ReceiverConfig, ReceiverInput, Sender,
+    SenderConfig, SenderInput, TransportInput, WriteTicket,
 };
 pub use source::{BlockSource, BlockSourceError};
 pub use time::{Duration, Instant};

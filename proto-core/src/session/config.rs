@@ -1,5 +1,6 @@
 //! Endpoint configuration: deadlines, bounds and the local handshake data.
 
+use super::transport::DataPath;
 use crate::ids::InstanceId;
 use crate::layout::LayerGroupLayout;
 use crate::time::Duration;
@@ -138,6 +139,9 @@ pub struct ReceiverConfig {
     pub max_remembered_cancels: usize,
     /// How many retired request ids are remembered to refuse re-use (oldest forgotten first).
     pub max_retired: usize,
+    /// Where the transport's data writes land, which decides when a result is trusted
+    /// ([`DataPath::Landed`] unless the transport's fabric orders data before frames).
+    pub data_path: DataPath,
 }
 
 impl ReceiverConfig {
@@ -149,6 +153,7 @@ impl ReceiverConfig {
             grant_seed,
             max_remembered_cancels: 4096,
             max_retired: 65536,
+            data_path: DataPath::Landed,
         }
     }
 }

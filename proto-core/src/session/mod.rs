@@ -54,12 +54,15 @@
 //! Phases and their checked transitions are in [`state`].
 
 mod config;
+mod grants;
 mod peers;
 mod receiver;
 mod remembered;
 mod sender;
+mod shell;
 pub mod state;
 mod timers;
+mod transport;
 
 use core::fmt;
 
@@ -67,13 +70,22 @@ use thiserror::Error;
 
 pub use config::{Deadlines, LocalHello, ReceiverConfig, SenderConfig};
 pub use receiver::{Receiver, ReceiverInput, Registration};
+pub use grants::GrantedExtents;
 pub use sender::{SendRequest, Sender, SenderInput};
+pub use transport::{
+    is_data_write, Admission, DataPath, DataWriteHeaders, Endpoint, TransportInput, WriteRefusal,
+    WriteTicket,
+};
 
 use crate::geometry::GeometryError;
-use crate::ids::{GrantId, InstanceId, PeerId, ReceiverSliceId, RequestId, SenderSliceId};
+use bytes::Bytes;
+
+use crate::ids::{
+    GrantId, GroupIndex, InstanceId, PeerId, ReceiverSliceId, RequestId, SenderSliceId,
+};
 use crate::plan::{PlanError, WritePlan};
 use crate::source::BlockSourceError;
-use crate::wire::{AuxData, Frame, RejectReason, Role, TransferStatus};
+use crate::wire::{AuxData, DecodeError, Frame, RejectReason, Role, TransferStatus};
 
 /// Identifies one write batch handed to the transport by [`Output::ExecuteWrites`]; the transport
 /// reports the batch's outcome with this id. Unique per [`Sender`] endpoint, never reused.
@@ -93,16 +105,20 @@ impl fmt::Display for WriteBatchId {
 #[must_use = "outputs carry frames to send, writes to execute and events for the engine"]
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Output {
-    /// Send `frame` to `peer` on the control channel (frames to one peer keep their order).
+    /// Send `bytes` to `peer` on its control channel, after every frame sent to it before
+    /// (frames to one peer keep their order).
     Transmit {
         /// Destination peer.
         peer: PeerId,
-        /// The frame; the transport encodes it.
+        /// The frame, for inspection (tracing, tests); `bytes` is what goes on the wire.
         frame: Frame,
+        /// The frame encoded at the version negotiated with `peer`.
+        bytes: Bytes,
     },
     /// Execute the writes of one slice towards `peer` (sender only), then report the outcome with
-    /// [`SenderInput::WritesCompleted`] or [`SenderInput::WritesFailed`] naming `batch`. Until it
-    /// does (or the peer is reported disconnected), the sender keeps the source blocks pinned.
+    /// [`TransportInput::WritesCompleted`] or [`TransportInput::WritesFailed`] naming `batch`.
+    /// Until it does (or the peer is reported disconnected), the sender keeps the source blocks
+    /// pinned.
     ExecuteWrites {
         /// The receiver the bytes go to.
         peer: PeerId,
@@ -117,10 +133,12 @@ pub enum Output {
         /// The coalesced writes (source offsets in local regions, destination offsets in the
         /// receiver's regions).
         plan: WritePlan,
+        /// Encodes the `DataWrite` header of each piece (stream transports).
+        headers: DataWriteHeaders,
     },
-    /// Tear the connection to `peer` down, then report [`SenderInput::PeerDisconnected`] /
-    /// [`ReceiverInput::PeerDisconnected`]. After that report no write of that connection may
-    /// still touch memory on either side.
+    /// Tear the connection to `peer` down — after flushing the frames output before this, for
+    /// at most the transport's close grace — then report [`TransportInput::PeerDisconnected`].
+    /// After that report no write of that connection may still touch memory on either side.
     ClosePeer {
         /// The peer to disconnect.
         peer: PeerId,
@@ -142,8 +160,11 @@ pub enum CloseReason {
     HandshakeTimeout,
     /// Nothing arrived from the peer for longer than the liveness timeout.
     LivenessTimeout,
-    /// The peer broke a connection-level protocol rule (a session frame before the handshake).
+    /// The peer broke a connection-level protocol rule (a session frame before the handshake,
+    /// bytes that are no frame).
     ProtocolViolation,
+    /// A data write from the peer was refused: it is not trusted any more.
+    GrantViolation,
     /// A session could not confirm before its quiesce deadline that the peer's writes stopped:
     /// the connection is fenced so memory can be handed back safely.
     QuiesceFence,
@@ -352,6 +373,35 @@ pub enum ProtocolError {
         /// The slot's capacity.
         capacity: u32,
     },
+    /// Bytes from the peer that are no frame at the negotiated version.
+    #[error("undecodable frame: {error}")]
+    Undecodable {
+        /// The decoder's error.
+        error: DecodeError,
+    },
+    /// A data write from the peer was refused (see [`WriteRefusal`]).
+    #[error("data write refused: {refusal}")]
+    WriteRefused {
+        /// Why.
+        refusal: WriteRefusal,
+    },
+    /// A writer sent more frames than may wait for their data to land.
+    #[error("{request}: more than {held} frames wait for data that has not landed")]
+    TooManyHeldFrames {
+        /// The request.
+        request: RequestId,
+        /// The bound.
+        held: usize,
+    },
+    /// Every writer reported its last result, yet writes are still landing: bytes nobody
+    /// reported.
+    #[error("{request}: {writes} data write(s) still landing after every writer's last result")]
+    UnreportedWrites {
+        /// The request.
+        request: RequestId,
+        /// Writes still in flight.
+        writes: u32,
+    },
     /// The blocks of the registration cannot be paired with the local ones.
     #[error("{request}: cannot plan writes into the registration: {error}")]
     Unplannable {
@@ -458,6 +508,47 @@ pub enum UsageError {
     /// The peer is not connected.
     #[error("{0} is not connected")]
     UnknownPeer(PeerId),
+    /// The input belongs to the other role's endpoint.
+    #[error("{input} is not an input of a {role:?} endpoint")]
+    WrongRole {
+        /// What was given.
+        input: &'static str,
+        /// This endpoint's role.
+        role: Role,
+    },
+    /// A chunk's block runs do not answer its block windows group by group.
+    #[error("chunk for {request}: runs given for groups {given:?}, its windows need {expected:?}")]
+    RunsDoNotMatchChunk {
+        /// The request.
+        request: RequestId,
+        /// Groups whose windows are non-empty, in order.
+        expected: Vec<GroupIndex>,
+        /// Groups the runs were given for.
+        given: Vec<GroupIndex>,
+    },
+    /// The aux data does not fit in one frame.
+    #[error("aux data for {request} takes {len} bytes, a frame carries at most {max}")]
+    AuxTooLarge {
+        /// The request.
+        request: RequestId,
+        /// Encoded body length.
+        len: u64,
+        /// The frame body cap.
+        max: u64,
+    },
+    /// The registration does not fit in one frame.
+    #[error("registration of {request} takes {len} bytes, a frame carries at most {max}")]
+    RegistrationTooLarge {
+        /// The request.
+        request: RequestId,
+        /// Encoded body length.
+        len: u64,
+        /// The frame body cap.
+        max: u64,
+    },
+    /// No data write was ever admitted with that ticket.
+    #[error("{0} was never issued")]
+    UnknownTicket(WriteTicket),
     /// A write failure was reported with [`TransferStatus::Success`].
     #[error("write failure for {0} reported with status Success")]
     FailureWithSuccessStatus(WriteBatchId),
@@ -561,6 +652,16 @@ pub struct Counters {
     pub peers_rejected: u64,
     /// Heartbeats sent.
     pub heartbeats_sent: u64,
+    /// Frames the codec refused to encode (not sent).
+    pub encode_errors: u64,
+    /// Frames from peers that did not decode.
+    pub decode_errors: u64,
+    /// Data writes refused by admission (receiver).
+    pub writes_refused: u64,
+    /// Data writes discarded because their request had ended (receiver).
+    pub late_writes: u64,
+    /// Payload bytes of admitted writes reported landed (receiver).
+    pub bytes_landed: u64,
 }
 
 /// The kind of a frame, for messages.

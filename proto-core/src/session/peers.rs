@@ -1,22 +1,25 @@
-//! Connections shared by both endpoints: the handshake and liveness of every peer.
+//! Connections shared by both endpoints: the handshake, the negotiated version (every frame is
+//! encoded and decoded here, so a driver never learns it) and liveness of every peer.
 
 use std::collections::{BTreeMap, VecDeque};
 
+use bytes::Bytes;
+
 use super::config::Deadlines;
+use super::state::{PeerEvent, PeerPhase, Transition};
 use super::timers::{TimerKey, Timers};
-use super::{frame_kind, CloseReason, Counters, Event, Output, ProtocolError, UsageError};
+use super::{CloseReason, Counters, Event, Output, ProtocolError, UsageError};
 use crate::ids::PeerId;
 use crate::time::Instant;
-use crate::wire::{negotiate, Frame, Heartbeat, Hello};
+use crate::wire::{negotiate, DecodeError, Frame, Heartbeat, Hello, PROTOCOL_VERSION};
 
 #[derive(Clone, Debug)]
 pub(crate) struct PeerEntry {
+    phase: PeerPhase,
     /// The peer's Hello, once validated.
-    pub(crate) remote: Option<Hello>,
-    /// A close was requested; waiting for the transport's disconnect report.
-    pub(crate) closing: bool,
-    /// The handshake was refused (by either side): frames are dropped.
-    rejected: bool,
+    remote: Option<Hello>,
+    /// The version negotiated at the handshake (this build's newest before it).
+    version: u16,
     connected_at: Instant,
     last_rx: Instant,
     last_tx: Instant,
@@ -31,6 +34,8 @@ pub(crate) enum Route {
     BecameReady,
     /// A session frame from a ready peer.
     Session(Frame),
+    /// Bytes from a ready peer that are no frame: the peer is being closed; its sessions fail.
+    Malformed,
 }
 
 /// What a peer's deadline did.
@@ -60,15 +65,37 @@ impl PeerTable {
     pub(crate) fn is_ready(&self, peer: PeerId) -> bool {
         self.peers
             .get(&peer)
-            .is_some_and(|p| p.remote.is_some() && !p.rejected)
+            .is_some_and(|p| p.phase == PeerPhase::Ready)
+    }
+
+    pub(crate) fn phase(&self, peer: PeerId) -> Option<PeerPhase> {
+        self.peers.get(&peer).map(|p| p.phase)
     }
 
     pub(crate) fn remote(&self, peer: PeerId) -> Option<&Hello> {
         self.peers.get(&peer).and_then(|p| p.remote.as_ref())
     }
 
+    /// The version negotiated with `peer` (if its handshake completed).
+    pub(crate) fn version(&self, peer: PeerId) -> Option<u16> {
+        self.peers
+            .get(&peer)
+            .filter(|p| p.remote.is_some())
+            .map(|p| p.version)
+    }
+
     pub(crate) fn len(&self) -> usize {
         self.peers.len()
+    }
+
+    fn step(entry: &mut PeerEntry, event: PeerEvent) -> bool {
+        match entry.phase.on(event) {
+            Transition::To(p) => {
+                entry.phase = p;
+                true
+            }
+            Transition::Ignored | Transition::Refused => false,
+        }
     }
 
     pub(crate) fn connected(
@@ -76,6 +103,7 @@ impl PeerTable {
         now: Instant,
         peer: PeerId,
         out: &mut VecDeque<Output>,
+        counters: &mut Counters,
         timers: &mut Timers,
     ) -> Result<(), UsageError> {
         if self.peers.contains_key(&peer) {
@@ -84,19 +112,17 @@ impl PeerTable {
         self.peers.insert(
             peer,
             PeerEntry {
+                phase: PeerPhase::Handshaking,
                 remote: None,
-                closing: false,
-                rejected: false,
+                version: PROTOCOL_VERSION,
                 connected_at: now,
                 last_rx: now,
                 last_tx: now,
                 heartbeat_seq: 0,
             },
         );
-        out.push_back(Output::Transmit {
-            peer,
-            frame: Frame::Hello(self.local.clone()),
-        });
+        let hello = Frame::Hello(self.local.clone());
+        self.emit(peer, hello, out, counters);
         timers.arm(now + self.deadlines.handshake, TimerKey::Peer(peer));
         Ok(())
     }
@@ -107,24 +133,55 @@ impl PeerTable {
             .ok_or(UsageError::UnknownPeer(peer))
     }
 
-    /// Queues `frame` for `peer` if it is connected and not closing.
+    /// Encodes `frame` at the peer's version and queues it. Returns false (and counts it) if
+    /// the codec refused it.
+    fn emit(
+        &mut self,
+        peer: PeerId,
+        frame: Frame,
+        out: &mut VecDeque<Output>,
+        counters: &mut Counters,
+    ) -> bool {
+        let version = self.peers.get(&peer).map_or(PROTOCOL_VERSION, |p| p.version);
+        let mut buf = vec![0u8; frame.encoded_len()];
+        match frame.emit_versioned(version, &mut buf) {
+            Ok(n) => {
+                buf.truncate(n);
+                out.push_back(Output::Transmit {
+                    peer,
+                    frame,
+                    bytes: Bytes::from(buf),
+                });
+                true
+            }
+            Err(_) => {
+                counters.encode_errors += 1;
+                false
+            }
+        }
+    }
+
+    /// Queues `frame` for `peer` if it is connected and not closing. Returns false when the
+    /// frame cannot be encoded (the caller fails what depended on it).
     pub(crate) fn transmit(
         &mut self,
         now: Instant,
         peer: PeerId,
         frame: Frame,
         out: &mut VecDeque<Output>,
-    ) {
-        if let Some(p) = self.peers.get_mut(&peer) {
-            if p.closing || p.rejected {
-                return;
-            }
-            p.last_tx = now;
-            out.push_back(Output::Transmit { peer, frame });
+        counters: &mut Counters,
+    ) -> bool {
+        let Some(p) = self.peers.get_mut(&peer) else {
+            return true;
+        };
+        if !matches!(p.phase, PeerPhase::Handshaking | PeerPhase::Ready) {
+            return true;
         }
+        p.last_tx = now;
+        self.emit(peer, frame, out, counters)
     }
 
-    /// Asks the transport to close `peer` (once).
+    /// Asks the transport to close `peer` (once); from now on nothing from it is accepted.
     pub(crate) fn close(
         &mut self,
         peer: PeerId,
@@ -133,15 +190,74 @@ impl PeerTable {
         counters: &mut Counters,
     ) {
         if let Some(p) = self.peers.get_mut(&peer) {
-            if !p.closing {
-                p.closing = true;
+            if Self::step(p, PeerEvent::Close) {
                 counters.peers_closed += 1;
                 out.push_back(Output::ClosePeer { peer, reason });
             }
         }
     }
 
-    pub(crate) fn on_frame(
+    /// Decodes and routes the bytes of one frame from `peer`.
+    pub(crate) fn on_bytes(
+        &mut self,
+        now: Instant,
+        peer: PeerId,
+        bytes: &[u8],
+        out: &mut VecDeque<Output>,
+        counters: &mut Counters,
+        timers: &mut Timers,
+    ) -> Result<Route, UsageError> {
+        let entry = self
+            .peers
+            .get_mut(&peer)
+            .ok_or(UsageError::UnknownPeer(peer))?;
+        if !matches!(entry.phase, PeerPhase::Handshaking | PeerPhase::Ready) {
+            // Rejected or closing: the peer is no longer listened to.
+            return Ok(Route::Done);
+        }
+        entry.last_rx = now;
+        let decoded = match entry.remote {
+            Some(_) => Frame::parse_negotiated(bytes, entry.version),
+            None => Frame::parse(bytes),
+        };
+        let frame = match decoded {
+            Ok((frame, n)) if n == bytes.len() => frame,
+            Ok((frame, n)) => {
+                let error = DecodeError::TrailingBytes {
+                    kind: frame.kind(),
+                    extra: bytes.len() - n,
+                };
+                return Ok(self.malformed(peer, error, out, counters));
+            }
+            Err(error) => return Ok(self.malformed(peer, error, out, counters)),
+        };
+        self.on_frame(now, peer, frame, out, counters, timers)
+    }
+
+    /// Bytes that are no frame: the connection cannot be trusted any more.
+    fn malformed(
+        &mut self,
+        peer: PeerId,
+        error: DecodeError,
+        out: &mut VecDeque<Output>,
+        counters: &mut Counters,
+    ) -> Route {
+        counters.decode_errors += 1;
+        counters.protocol_errors += 1;
+        let ready = self.is_ready(peer);
+        out.push_back(Output::Event(Event::ProtocolViolation {
+            peer,
+            error: ProtocolError::Undecodable { error },
+        }));
+        self.close(peer, CloseReason::ProtocolViolation, out, counters);
+        if ready {
+            Route::Malformed
+        } else {
+            Route::Done
+        }
+    }
+
+    fn on_frame(
         &mut self,
         now: Instant,
         peer: PeerId,
@@ -150,15 +266,7 @@ impl PeerTable {
         counters: &mut Counters,
         timers: &mut Timers,
     ) -> Result<Route, UsageError> {
-        let local = &self.local;
-        let entry = self
-            .peers
-            .get_mut(&peer)
-            .ok_or(UsageError::UnknownPeer(peer))?;
-        if entry.rejected {
-            return Ok(Route::Done);
-        }
-        entry.last_rx = now;
+        let entry = self.peers.get_mut(&peer).expect("checked by on_bytes");
         match frame {
             Frame::Hello(remote) => {
                 if let Some(known) = &entry.remote {
@@ -173,16 +281,15 @@ impl PeerTable {
                     }
                     return Ok(Route::Done);
                 }
-                match negotiate(local, &remote) {
+                match negotiate(&self.local, &remote) {
                     Ok(accept) => {
                         let instance = remote.instance;
                         let role = remote.role;
                         entry.remote = Some(remote);
+                        entry.version = accept.version;
                         entry.last_tx = now;
-                        out.push_back(Output::Transmit {
-                            peer,
-                            frame: Frame::HelloAccept(accept),
-                        });
+                        Self::step(entry, PeerEvent::HelloAccepted);
+                        self.emit(peer, Frame::HelloAccept(accept), out, counters);
                         out.push_back(Output::Event(Event::PeerReady {
                             peer,
                             instance,
@@ -192,42 +299,47 @@ impl PeerTable {
                         Ok(Route::BecameReady)
                     }
                     Err(reject) => {
-                        entry.rejected = true;
+                        Self::step(entry, PeerEvent::Rejected);
                         counters.peers_rejected += 1;
-                        out.push_back(Output::Transmit {
-                            peer,
-                            frame: Frame::HelloReject(reject.clone()),
-                        });
+                        self.emit(peer, Frame::HelloReject(reject.clone()), out, counters);
                         out.push_back(Output::Event(Event::PeerRejected {
                             peer,
                             reason: reject.reason,
                             message: reject.message,
                         }));
-                        self.close(peer, CloseReason::HandshakeRejected, out, counters);
+                        counters.peers_closed += 1;
+                        out.push_back(Output::ClosePeer {
+                            peer,
+                            reason: CloseReason::HandshakeRejected,
+                        });
                         Ok(Route::Done)
                     }
                 }
             }
             Frame::HelloReject(reject) => {
-                entry.rejected = true;
+                Self::step(entry, PeerEvent::Rejected);
                 counters.peers_rejected += 1;
                 out.push_back(Output::Event(Event::PeerRejected {
                     peer,
                     reason: reject.reason,
                     message: reject.message,
                 }));
-                self.close(peer, CloseReason::RejectedByPeer, out, counters);
+                counters.peers_closed += 1;
+                out.push_back(Output::ClosePeer {
+                    peer,
+                    reason: CloseReason::RejectedByPeer,
+                });
                 Ok(Route::Done)
             }
             Frame::HelloAccept(_) | Frame::Heartbeat(_) => Ok(Route::Done),
             Frame::DataWrite(_) => {
-                // Data writes are the transport's business; one reaching the core is dropped.
+                // Data writes reach a receiver through admission, never as control frames.
                 counters.protocol_errors += 1;
                 out.push_back(Output::Event(Event::ProtocolViolation {
                     peer,
                     error: ProtocolError::UnexpectedFrame {
                         kind: "DataWrite",
-                        role: local.role,
+                        role: self.local.role,
                     },
                 }));
                 Ok(Route::Done)
@@ -238,7 +350,7 @@ impl PeerTable {
                     out.push_back(Output::Event(Event::ProtocolViolation {
                         peer,
                         error: ProtocolError::FrameBeforeHandshake {
-                            kind: frame_kind(&other),
+                            kind: super::frame_kind(&other),
                         },
                     }));
                     self.close(peer, CloseReason::ProtocolViolation, out, counters);
@@ -250,19 +362,17 @@ impl PeerTable {
     }
 
     /// The peer's next deadline: the handshake's before it completes, then the heartbeat's and
-    /// the liveness timeout's. A closing peer has none (it waits for the transport).
+    /// the liveness timeout's. A rejected or closing peer has none (it waits for the transport).
     pub(crate) fn next_deadline(&self, peer: PeerId) -> Option<Instant> {
         let p = self.peers.get(&peer)?;
-        if p.closing || p.rejected {
-            return None;
+        match p.phase {
+            PeerPhase::Handshaking => Some(p.connected_at + self.deadlines.handshake),
+            PeerPhase::Ready => Some(
+                (p.last_tx + self.deadlines.heartbeat_interval)
+                    .min(p.last_rx + self.deadlines.liveness_timeout),
+            ),
+            PeerPhase::Rejected | PeerPhase::Closing => None,
         }
-        if p.remote.is_none() {
-            return Some(p.connected_at + self.deadlines.handshake);
-        }
-        Some(
-            (p.last_tx + self.deadlines.heartbeat_interval)
-                .min(p.last_rx + self.deadlines.liveness_timeout),
-        )
     }
 
     /// Fires the peer's due deadlines: sends a heartbeat when idle, closes the peer when its
@@ -275,35 +385,29 @@ impl PeerTable {
         counters: &mut Counters,
         timers: &mut Timers,
     ) -> PeerExpiry {
+        let d = self.deadlines;
         let Some(p) = self.peers.get_mut(&peer) else {
             return PeerExpiry::None;
         };
-        if p.closing || p.rejected {
-            return PeerExpiry::None;
-        }
-        let d = self.deadlines;
-        let expiry = if p.remote.is_none() {
-            if now >= p.connected_at + d.handshake {
-                PeerExpiry::Handshake
-            } else {
+        let mut heartbeat = None;
+        let expiry = match p.phase {
+            PeerPhase::Rejected | PeerPhase::Closing => return PeerExpiry::None,
+            PeerPhase::Handshaking if now >= p.connected_at + d.handshake => PeerExpiry::Handshake,
+            PeerPhase::Handshaking => PeerExpiry::None,
+            PeerPhase::Ready if now >= p.last_rx + d.liveness_timeout => PeerExpiry::Liveness,
+            PeerPhase::Ready => {
+                if now >= p.last_tx + d.heartbeat_interval {
+                    p.heartbeat_seq += 1;
+                    p.last_tx = now;
+                    heartbeat = Some(p.heartbeat_seq);
+                }
                 PeerExpiry::None
             }
-        } else if now >= p.last_rx + d.liveness_timeout {
-            PeerExpiry::Liveness
-        } else {
-            if now >= p.last_tx + d.heartbeat_interval {
-                p.heartbeat_seq += 1;
-                p.last_tx = now;
-                counters.heartbeats_sent += 1;
-                out.push_back(Output::Transmit {
-                    peer,
-                    frame: Frame::Heartbeat(Heartbeat {
-                        seq: p.heartbeat_seq,
-                    }),
-                });
-            }
-            PeerExpiry::None
         };
+        if let Some(seq) = heartbeat {
+            counters.heartbeats_sent += 1;
+            self.emit(peer, Frame::Heartbeat(Heartbeat { seq }), out, counters);
+        }
         match expiry {
             PeerExpiry::Handshake => {
                 counters.timeouts += 1;

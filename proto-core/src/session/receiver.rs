@@ -2,13 +2,17 @@
 
 use std::collections::{BTreeMap, VecDeque};
 
+use bytes::Bytes;
 use smallvec::SmallVec;
 
 use super::config::ReceiverConfig;
-use super::peers::{PeerExpiry, PeerTable, Route};
+use super::grants::{Flight, GrantedExtents, WritesInFlight};
+use super::peers::Route;
 use super::remembered::Remembered;
-use super::state::{RecvEvent, RecvPhase, Transition};
-use super::timers::{TimerKey, Timers};
+use super::shell::{Due, Shell};
+use super::state::{RecvEvent, RecvPhase, Transition, WriterEvent, WriterPhase};
+use super::timers::TimerKey;
+use super::transport::{Admission, DataPath, Endpoint, TransportInput, WriteRefusal};
 use super::{
     frame_kind, CancelOrigin, CloseReason, Counters, Event, Output, ProtocolError, UsageError, Wait,
 };
@@ -16,36 +20,29 @@ use crate::blocks::AnchoredRun;
 use crate::ids::{GrantId, PeerId, ReceiverSliceId, RequestId, SenderSliceId};
 use crate::time::Instant;
 use crate::wire::{
-    AuxData, AuxResult, Cancel, CancelReason, Frame, KvResult, RecvRegistration, Role,
-    TransferStatus,
+    AuxData, AuxResult, Cancel, CancelReason, DataWrite, Frame, KvResult, RecvRegistration, Role,
+    TransferStatus, MAX_BODY_LEN,
 };
 
-/// One input to a [`Receiver`]. Every input carries `now`.
+/// One input to a [`Receiver`]: everything that can change its state, as data, so a recorded
+/// list of inputs replays into a fresh receiver with the same outputs. Every input carries
+/// `now`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
 pub enum ReceiverInput {
-    /// The transport connected `peer`; the receiver starts the handshake.
-    PeerConnected {
+    /// What the transport saw (see [`TransportInput`]).
+    Transport {
         /// Current time.
         now: Instant,
-        /// The new peer.
-        peer: PeerId,
+        /// The report.
+        input: TransportInput,
     },
-    /// The transport lost or closed `peer`; no write from it can still land.
-    PeerDisconnected {
+    /// The engine registers the destination of a request ([`Receiver::register`]).
+    Register {
         /// Current time.
         now: Instant,
-        /// The peer.
-        peer: PeerId,
-    },
-    /// A frame arrived from `peer`.
-    FrameReceived {
-        /// Current time.
-        now: Instant,
-        /// The sending peer.
-        peer: PeerId,
-        /// The decoded frame.
-        frame: Frame,
+        /// The destination blocks and the writers.
+        registration: Registration,
     },
     /// The engine cancels `request` (remembered if it is not registered yet).
     Cancel {
@@ -60,23 +57,6 @@ pub enum ReceiverInput {
         now: Instant,
         /// The request.
         request: RequestId,
-    },
-    /// The transport refused a data write from `peer` for `request` (outside the grant, wrong
-    /// grant, unknown region, …) and applied none of it. The request fails on both sides with
-    /// [`TransferStatus::GrantViolation`]; the transport stops trusting the connection (closes
-    /// it and reports the disconnect). Unknown or already stopped requests are ignored.
-    WriteRefused {
-        /// Current time.
-        now: Instant,
-        /// The writer whose write was refused.
-        peer: PeerId,
-        /// The request the write named.
-        request: RequestId,
-    },
-    /// The deadline from [`Receiver::poll_timeout`] passed (early delivery is harmless).
-    Timeout {
-        /// Current time.
-        now: Instant,
     },
 }
 
@@ -97,29 +77,58 @@ pub struct Registration {
     pub aux_capacity: u32,
 }
 
+/// Most frames held per writer while they wait for the data they report to land.
+const MAX_HELD_FRAMES: usize = 1024;
+
+/// One sender rank of a request, as the receiver tracks it.
 #[derive(Clone, Debug)]
 struct Writer {
     peer: PeerId,
-    registration_sent: bool,
+    phase: WriterPhase,
     /// The highest (slice, is_last) seen, to drop duplicates.
     last_seen: Option<(SenderSliceId, bool)>,
-    /// A successful last result arrived.
-    done: bool,
-    /// The writer confirmed no write is in flight (terminal result or cancel), or it is gone.
-    stopped: bool,
-    fence_requested: bool,
+    /// Payload bytes of this writer's admitted writes that landed.
+    landed: u64,
+    /// Bytes this writer's successful results reported (held ones included).
+    reported: u64,
+    /// Frames that arrived before the data they report landed, each with the landed count it
+    /// needs ([`DataPath::Landed`]).
+    held: VecDeque<(u64, Frame)>,
+}
+
+impl Writer {
+    fn on(&mut self, event: WriterEvent) -> bool {
+        match self.phase.on(event) {
+            Transition::To(p) => {
+                self.phase = p;
+                true
+            }
+            Transition::Ignored | Transition::Refused => false,
+        }
+    }
 }
 
 #[derive(Clone, Debug)]
 struct RecvSession {
     phase: RecvPhase,
     frame: RecvRegistration,
+    extents: GrantedExtents,
     writers: SmallVec<[Writer; 2]>,
+    /// Admitted writes of the request still being applied.
+    writes_in_flight: u32,
     aux: Option<AuxData>,
     result_deadline: Instant,
     aux_deadline: Option<Instant>,
     quiesce_deadline: Option<Instant>,
     bytes_written: u64,
+}
+
+/// What the receiver remembers of a retired request: late writes carrying its grant from one
+/// of its writers are discarded, anything else naming it is refused.
+#[derive(Clone, Debug)]
+struct RetiredGrant {
+    grant: GrantId,
+    writers: SmallVec<[PeerId; 2]>,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -138,16 +147,25 @@ enum Stop {
 /// # Contract
 ///
 /// **Getters**: [`counters`](Self::counters), [`phase`](Self::phase),
-/// [`grant`](Self::grant), [`session_count`](Self::session_count),
+/// [`writer_phase`](Self::writer_phase), [`grant`](Self::grant),
+/// [`granted_extents`](Self::granted_extents), [`session_count`](Self::session_count),
 /// [`peer_count`](Self::peer_count), [`is_peer_ready`](Self::is_peer_ready),
-/// [`config`](Self::config).
+/// [`writes_in_flight`](Self::writes_in_flight), [`config`](Self::config).
 ///
 /// **Inputs** (each carries `now`): [`handle_input`](Self::handle_input) with a
-/// [`ReceiverInput`] — peer connected/disconnected, frame received, cancel, retire, timeout.
+/// [`ReceiverInput`] — what the transport saw ([`TransportInput`], also through the
+/// [`Endpoint`] trait, including the admission of data writes), and the engine's register,
+/// cancel and retire. [`record_inputs`](Self::record_inputs) captures a run that replays
+/// exactly into a fresh receiver.
 ///
-/// **Commands**: [`register`](Self::register) (the destination blocks of a request and its
-/// writers; sends a `RecvRegistration` to each writer once its handshake is done),
-/// [`cancel`](Self::cancel), [`retire`](Self::retire).
+/// **Commands** (sugar for inputs): [`register`](Self::register) (the destination blocks of a
+/// request and its writers; sends a `RecvRegistration` to each writer once its handshake is
+/// done), [`cancel`](Self::cancel), [`retire`](Self::retire).
+///
+/// **Admission** ([`DataPath::Landed`] transports): before applying a data write the transport
+/// asks [`Endpoint::admit_write`]; the receiver admits it only for a registered request, with
+/// its grant, from one of its writers, inside the granted extents and overlapping no write in
+/// flight, and holds each writer's results until the bytes they report have landed.
 ///
 /// **Outputs**: after every input, call [`poll_output`](Self::poll_output) until it returns
 /// `None`, then [`poll_timeout`](Self::poll_timeout) and arm a timer for it. Outputs come out in
@@ -157,24 +175,23 @@ enum Stop {
 ///
 /// **Memory**: the destination blocks stay pinned until [`Event::Quiesced`]: after a failure,
 /// timeout or cancel that is when every writer confirmed it stopped (its terminal `KvResult`
-/// or a `Cancel`) or was reported disconnected. A writer that does not confirm before the
-/// quiesce deadline is fenced with [`Output::ClosePeer`]; the blocks are handed back only once
-/// the transport reports the disconnect, so no remote write can land in reused memory.
+/// or a `Cancel`) or was reported disconnected, and no admitted write is still being applied.
+/// A writer that does not confirm before the quiesce deadline is fenced with
+/// [`Output::ClosePeer`]; the blocks are handed back only once the transport reports the
+/// disconnect, so no remote write can land in reused memory.
 ///
 /// **Errors**: [`UsageError`] for caller bugs (nothing changed); peer misbehaviour fails the
 /// session ([`TransferStatus::ProtocolError`]) or is reported as [`Event::ProtocolViolation`].
 #[derive(Debug)]
 pub struct Receiver {
     config: ReceiverConfig,
-    peers: PeerTable,
+    shell: Shell,
     sessions: BTreeMap<RequestId, RecvSession>,
-    remembered_cancels: Remembered<CancelOrigin>,
-    retired: Remembered<()>,
+    retired: Remembered<RetiredGrant>,
+    writes: WritesInFlight,
     next_slice: u32,
     grant_state: u64,
-    outputs: VecDeque<Output>,
-    timers: Timers,
-    counters: Counters,
+    recorded: Option<Vec<ReceiverInput>>,
 }
 
 impl Receiver {
@@ -182,15 +199,13 @@ impl Receiver {
     pub fn new(config: ReceiverConfig) -> Self {
         let hello = config.local.to_hello(Role::Receiver);
         Receiver {
-            peers: PeerTable::new(hello, config.deadlines),
+            shell: Shell::new(hello, config.deadlines, config.max_remembered_cancels),
             sessions: BTreeMap::new(),
-            remembered_cancels: Remembered::new(config.max_remembered_cancels),
             retired: Remembered::new(config.max_retired),
+            writes: WritesInFlight::default(),
             next_slice: 0,
             grant_state: config.grant_seed,
-            outputs: VecDeque::new(),
-            timers: Timers::default(),
-            counters: Counters::default(),
+            recorded: None,
             config,
         }
     }
@@ -204,7 +219,7 @@ impl Receiver {
 
     /// What the receiver has done so far.
     pub fn counters(&self) -> &Counters {
-        &self.counters
+        &self.shell.counters
     }
 
     /// The phase of `request`'s session: `None` if unknown, [`RecvPhase::Retired`] if retired
@@ -219,9 +234,24 @@ impl Receiver {
         }
     }
 
-    /// The memory grant of `request`'s registration (transports check data writes against it).
+    /// The phase of writer `peer` within `request`'s session.
+    pub fn writer_phase(&self, request: RequestId, peer: PeerId) -> Option<WriterPhase> {
+        let session = self.sessions.get(&request)?;
+        session
+            .writers
+            .iter()
+            .find(|w| w.peer == peer)
+            .map(|w| w.phase)
+    }
+
+    /// The memory grant of `request`'s registration.
     pub fn grant(&self, request: RequestId) -> Option<GrantId> {
         self.sessions.get(&request).map(|s| s.frame.grant)
+    }
+
+    /// The destination bytes granted to `request`.
+    pub fn granted_extents(&self, request: RequestId) -> Option<&GrantedExtents> {
+        self.sessions.get(&request).map(|s| &s.extents)
     }
 
     /// Sessions held (not yet retired).
@@ -231,30 +261,50 @@ impl Receiver {
 
     /// Connected peers (handshaking, ready or closing).
     pub fn peer_count(&self) -> usize {
-        self.peers.len()
+        self.shell.peers.len()
     }
 
     /// Whether the handshake with `peer` completed.
     pub fn is_peer_ready(&self, peer: PeerId) -> bool {
-        self.peers.is_ready(peer)
+        self.shell.peers.is_ready(peer)
+    }
+
+    /// Admitted data writes not reported finished yet.
+    pub fn writes_in_flight(&self) -> usize {
+        self.writes.len()
     }
 
     // ----- outputs -----
 
     /// The next output, or `None` when there is nothing to do until the next input.
     pub fn poll_output(&mut self) -> Option<Output> {
-        self.outputs.pop_front()
+        self.shell.outputs.pop_front()
     }
 
-    /// When to deliver [`ReceiverInput::Timeout`] next (`None`: no deadline pending).
+    /// When to deliver [`TransportInput::Timeout`] next (`None`: no deadline pending).
     pub fn poll_timeout(&mut self) -> Option<Instant> {
-        self.timers.next()
+        self.shell.timers.next()
+    }
+
+    // ----- recording -----
+
+    /// Starts (or stops, with `false`) recording every input applied, for
+    /// [`take_recorded_inputs`](Self::take_recorded_inputs). Inputs refused with a usage error
+    /// are not recorded (they changed nothing).
+    pub fn record_inputs(&mut self, on: bool) {
+        self.recorded = on.then(Vec::new);
+    }
+
+    /// The inputs applied since recording started (recording goes on).
+    pub fn take_recorded_inputs(&mut self) -> Vec<ReceiverInput> {
+        self.recorded.as_mut().map(std::mem::take).unwrap_or_default()
     }
 
     // ----- commands -----
 
-    /// Registers the destination of a request and sends it to every writer whose handshake is
-    /// done (the others get it when theirs completes). Returns the receiver's slice id for it.
+    /// Registers the destination of a request (see [`ReceiverInput::Register`]) and sends it to
+    /// every writer whose handshake is done (the others get it when theirs completes). Returns
+    /// the receiver's slice id for it.
     ///
     /// A cancel that arrived before (from the engine or a writer) cancels it at once.
     pub fn register(
@@ -262,6 +312,102 @@ impl Receiver {
         now: Instant,
         reg: Registration,
     ) -> Result<ReceiverSliceId, UsageError> {
+        let request = reg.request;
+        self.handle_input(ReceiverInput::Register {
+            now,
+            registration: reg,
+        })?;
+        Ok(self
+            .sessions
+            .get(&request)
+            .map(|s| s.frame.slice)
+            .expect("registered above"))
+    }
+
+    /// Cancels `request` (see [`ReceiverInput::Cancel`]).
+    pub fn cancel(&mut self, now: Instant, request: RequestId) -> Result<(), UsageError> {
+        self.handle_input(ReceiverInput::Cancel { now, request })
+    }
+
+    /// Retires `request` (see [`ReceiverInput::Retire`]).
+    pub fn retire(&mut self, now: Instant, request: RequestId) -> Result<(), UsageError> {
+        self.handle_input(ReceiverInput::Retire { now, request })
+    }
+
+    // ----- inputs -----
+
+    /// Applies one input. Returns a usage error, with nothing changed, for a caller bug.
+    pub fn handle_input(&mut self, input: ReceiverInput) -> Result<(), UsageError> {
+        let recorded = self.recorded.is_some().then(|| input.clone());
+        match input {
+            ReceiverInput::Transport { now, input } => self.on_transport(now, input).map(|_| ()),
+            ReceiverInput::Register { now, registration } => self.on_register(now, registration),
+            ReceiverInput::Cancel { now, request } => self.on_cancel(now, request),
+            ReceiverInput::Retire { now: _, request } => self.on_retire(request),
+        }?;
+        if let (Some(log), Some(input)) = (&mut self.recorded, recorded) {
+            log.push(input);
+        }
+        Ok(())
+    }
+
+    // ----- internals -----
+
+    /// Applies a transport input; for [`TransportInput::WriteArrived`] returns the admission.
+    fn on_transport(
+        &mut self,
+        now: Instant,
+        input: TransportInput,
+    ) -> Result<Option<Admission>, UsageError> {
+        match input {
+            TransportInput::PeerConnected { peer } => self.shell.connected(now, peer)?,
+            TransportInput::PeerDisconnected { peer } => self.on_disconnected(now, peer)?,
+            TransportInput::FrameReceived { peer, bytes } => {
+                match self.shell.frame(now, peer, &bytes)? {
+                    Route::Done => {}
+                    Route::BecameReady => self.on_peer_ready(now, peer),
+                    Route::Session(frame) => self.on_session_frame(now, peer, frame),
+                    Route::Malformed => self.fail_peer_sessions(
+                        now,
+                        peer,
+                        Stop::Failed {
+                            cause: TransferStatus::ProtocolError,
+                            peer: Some(peer),
+                            slice: None,
+                        },
+                    ),
+                }
+            }
+            TransportInput::WritesCompleted { .. } | TransportInput::WritesFailed { .. } => {
+                return Err(UsageError::WrongRole {
+                    input: "a write batch report",
+                    role: Role::Receiver,
+                });
+            }
+            TransportInput::WriteArrived { peer, header } => {
+                return Ok(Some(self.on_write_arrived(now, peer, &header)?));
+            }
+            TransportInput::WriteFinished { ticket, landed } => {
+                self.on_write_finished(now, ticket, landed)?
+            }
+            TransportInput::Timeout => {
+                for due in self.shell.due(now) {
+                    match due {
+                        Due::Handshake(peer) => {
+                            self.fail_peer_sessions(now, peer, Stop::TimedOut(Wait::Handshake))
+                        }
+                        Due::Liveness(peer) => {
+                            self.fail_peer_sessions(now, peer, Stop::TimedOut(Wait::Liveness))
+                        }
+                        Due::Request(request) => self.on_request_timeout(now, request),
+                    }
+                }
+            }
+        }
+        Ok(None)
+    }
+
+    fn on_register(&mut self, now: Instant, reg: Registration) -> Result<(), UsageError> {
         let request = reg.request;
         if self.retired.contains(request) {
             return Err(UsageError::Retired(request));
@@ -286,34 +432,50 @@ impl Receiver {
             });
         }
         let slice = ReceiverSliceId(self.next_slice);
-        self.next_slice = self.next_slice.wrapping_add(1);
-        let grant = GrantId(self.next_grant());
-        let result_deadline = now + self.config.deadlines.result_wait;
         let frame = RecvRegistration {
             request,
             slice,
             prompt_len: reg.prompt_len,
-            grant,
+            grant: GrantId(0),
             aux_capacity: reg.aux_capacity,
             groups: reg.groups,
         };
+        let frame = Frame::RecvRegistration(frame);
+        let len = frame.body_len() as u64;
+        if len > u64::from(MAX_BODY_LEN) {
+            return Err(UsageError::RegistrationTooLarge {
+                request,
+                len,
+                max: u64::from(MAX_BODY_LEN),
+            });
+        }
+        let Frame::RecvRegistration(mut frame) = frame else {
+            unreachable!("built above")
+        };
+        // Validated: from here on the state changes.
+        self.next_slice = self.next_slice.wrapping_add(1);
+        frame.grant = GrantId(self.next_grant());
+        let extents = GrantedExtents::compute(&self.config.local.groups, &frame.groups);
+        let result_deadline = now + self.config.deadlines.result_wait;
         self.sessions.insert(
             request,
             RecvSession {
                 phase: RecvPhase::Receiving,
                 frame,
+                extents,
                 writers: reg
                     .writers
                     .iter()
                     .map(|&peer| Writer {
                         peer,
-                        registration_sent: false,
+                        phase: WriterPhase::Unregistered,
                         last_seen: None,
-                        done: false,
-                        stopped: false,
-                        fence_requested: false,
+                        landed: 0,
+                        reported: 0,
+                        held: VecDeque::new(),
                     })
                     .collect(),
+                writes_in_flight: 0,
                 aux: None,
                 result_deadline,
                 aux_deadline: None,
@@ -321,135 +483,62 @@ impl Receiver {
                 bytes_written: 0,
             },
         );
-        self.timers.arm(result_deadline, TimerKey::Request(request));
-        if let Some(origin) = self.remembered_cancels.take(request) {
+        self.shell
+            .timers
+            .arm(result_deadline, TimerKey::Request(request));
+        if let Some(origin) = self.shell.remembered_cancels.take(request) {
             self.stop(now, request, Stop::Cancelled(origin));
-            return Ok(slice);
+            return Ok(());
         }
-        let writers: Vec<PeerId> = reg.writers.to_vec();
-        for peer in writers {
-            if self.peers.is_ready(peer) {
+        for peer in reg.writers {
+            if self.shell.peers.is_ready(peer) {
                 self.send_registration(now, request, peer);
             }
         }
-        Ok(slice)
+        Ok(())
     }
 
-    /// Cancels `request` (see [`ReceiverInput::Cancel`]).
-    pub fn cancel(&mut self, now: Instant, request: RequestId) -> Result<(), UsageError> {
-        self.handle_input(ReceiverInput::Cancel { now, request })
+    fn on_cancel(&mut self, now: Instant, request: RequestId) -> Result<(), UsageError> {
+        if self.retired.contains(request) {
+            return Err(UsageError::Retired(request));
+        }
+        match self.sessions.get(&request) {
+            None => self
+                .shell
+                .remembered_cancels
+                .insert(request, CancelOrigin::Local),
+            Some(s) if s.phase.is_active() => {
+                self.stop(now, request, Stop::Cancelled(CancelOrigin::Local))
+            }
+            Some(_) => {}
+        }
+        Ok(())
     }
 
-    /// Retires `request` (see [`ReceiverInput::Retire`]).
-    pub fn retire(&mut self, now: Instant, request: RequestId) -> Result<(), UsageError> {
-        self.handle_input(ReceiverInput::Retire { now, request })
-    }
-
-    // ----- inputs -----
-
-    /// Applies one input. Returns a usage error, with nothing changed, for a caller bug.
-    pub fn handle_input(&mut self, input: ReceiverInput) -> Result<(), UsageError> {
-        match input {
-            ReceiverInput::PeerConnected { now, peer } => {
-                self.peers
-                    .connected(now, peer, &mut self.outputs, &mut self.timers)
-            }
-            ReceiverInput::PeerDisconnected { now, peer } => self.on_disconnected(now, peer),
-            ReceiverInput::FrameReceived { now, peer, frame } => {
-                let route = self.peers.on_frame(
-                    now,
-                    peer,
-                    frame,
-                    &mut self.outputs,
-                    &mut self.counters,
-                    &mut self.timers,
-                )?;
-                match route {
-                    Route::Done => {}
-                    Route::BecameReady => self.on_peer_ready(now, peer),
-                    Route::Session(frame) => self.on_session_frame(now, peer, frame),
-                }
+    fn on_retire(&mut self, request: RequestId) -> Result<(), UsageError> {
+        if self.retired.contains(request) {
+            return Err(UsageError::Retired(request));
+        }
+        let s = self
+            .sessions
+            .get(&request)
+            .ok_or(UsageError::UnknownRequest(request))?;
+        match s.phase.on(RecvEvent::Retire) {
+            Transition::To(_) => {
+                let s = self.sessions.remove(&request).expect("present");
+                self.retired.insert(
+                    request,
+                    RetiredGrant {
+                        grant: s.frame.grant,
+                        writers: s.writers.iter().map(|w| w.peer).collect(),
+                    },
+                );
+                self.shell.counters.retirements += 1;
                 Ok(())
             }
-            ReceiverInput::Cancel { now, request } => {
-                if self.retired.contains(request) {
-                    return Err(UsageError::Retired(request));
-                }
-                match self.sessions.get(&request) {
-                    None => self.remembered_cancels.insert(request, CancelOrigin::Local),
-                    Some(s) if s.phase.is_active() => {
-                        self.stop(now, request, Stop::Cancelled(CancelOrigin::Local))
-                    }
-                    Some(_) => {}
-                }
-                Ok(())
-            }
-            ReceiverInput::WriteRefused { now, peer, request } => {
-                if self
-                    .sessions
-                    .get(&request)
-                    .is_some_and(|s| s.phase.is_active())
-                {
-                    self.stop(
-                        now,
-                        request,
-                        Stop::Failed {
-                            cause: TransferStatus::GrantViolation,
-                            peer: Some(peer),
-                            slice: None,
-                        },
-                    );
-                }
-                Ok(())
-            }
-            ReceiverInput::Retire { now: _, request } => {
-                if self.retired.contains(request) {
-                    return Err(UsageError::Retired(request));
-                }
-                let s = self
-                    .sessions
-                    .get(&request)
-                    .ok_or(UsageError::UnknownRequest(request))?;
-                match s.phase.on(RecvEvent::Retire) {
-                    Transition::To(_) => {
-                        self.sessions.remove(&request);
-                        self.retired.insert(request, ());
-                        self.counters.retirements += 1;
-                        Ok(())
-                    }
-                    _ => Err(UsageError::NotQuiesced(request)),
-                }
-            }
-            ReceiverInput::Timeout { now } => {
-                for key in self.timers.due(now) {
-                    match key {
-                        TimerKey::Peer(peer) => {
-                            let expiry = self.peers.on_timeout(
-                                now,
-                                peer,
-                                &mut self.outputs,
-                                &mut self.counters,
-                                &mut self.timers,
-                            );
-                            match expiry {
-                                PeerExpiry::None => {}
-                                PeerExpiry::Handshake => {
-                                    self.fail_peer_sessions(now, peer, Wait::Handshake)
-                                }
-                                PeerExpiry::Liveness => {
-                                    self.fail_peer_sessions(now, peer, Wait::Liveness)
-                                }
-                            }
-                        }
-                        TimerKey::Request(request) => self.on_request_timeout(now, request),
-                    }
-                }
-                Ok(())
-            }
+            _ => Err(UsageError::NotQuiesced(request)),
         }
     }
-
-    // ----- internals -----
 
     /// splitmix64: a seeded, well-mixed sequence; never zero.
     fn next_grant(&mut self) -> u64 {
@@ -465,32 +554,21 @@ impl Receiver {
         }
     }
 
-    fn send(&mut self, now: Instant, peer: PeerId, frame: Frame) {
-        self.peers.transmit(now, peer, frame, &mut self.outputs);
-    }
-
-    fn event(&mut self, event: Event) {
-        self.outputs.push_back(Output::Event(event));
-    }
-
-    fn violation(&mut self, peer: PeerId, error: ProtocolError) {
-        self.counters.protocol_errors += 1;
-        self.event(Event::ProtocolViolation { peer, error });
-    }
-
     fn send_registration(&mut self, now: Instant, request: RequestId, peer: PeerId) {
         let Some(session) = self.sessions.get_mut(&request) else {
             return;
         };
+        if !session.phase.is_active() {
+            return;
+        }
         let Some(w) = session.writers.iter_mut().find(|w| w.peer == peer) else {
             return;
         };
-        if w.registration_sent || !session.phase.is_active() {
+        if !w.on(WriterEvent::RegistrationSent) {
             return;
         }
-        w.registration_sent = true;
         let frame = Frame::RecvRegistration(session.frame.clone());
-        self.send(now, peer, frame);
+        self.shell.send(now, peer, frame);
     }
 
     fn on_peer_ready(&mut self, now: Instant, peer: PeerId) {
@@ -501,7 +579,7 @@ impl Receiver {
                 s.phase.is_active()
                     && s.writers
                         .iter()
-                        .any(|w| w.peer == peer && !w.registration_sent)
+                        .any(|w| w.peer == peer && w.phase == WriterPhase::Unregistered)
             })
             .map(|(r, _)| *r)
             .collect();
@@ -510,18 +588,251 @@ impl Receiver {
         }
     }
 
+    // ----- admission -----
+
+    fn on_write_arrived(
+        &mut self,
+        now: Instant,
+        peer: PeerId,
+        header: &Bytes,
+    ) -> Result<Admission, UsageError> {
+        let Some(phase) = self.shell.peers.phase(peer) else {
+            return Err(UsageError::UnknownPeer(peer));
+        };
+        let refusal = match self.config.data_path {
+            DataPath::Ordered => Err(WriteRefusal::NotAccepted),
+            DataPath::Landed => self.check_write(peer, header),
+        };
+        match refusal {
+            Ok(admission) => Ok(admission),
+            Err(refusal) => {
+                self.shell.counters.writes_refused += 1;
+                if matches!(
+                    phase,
+                    super::state::PeerPhase::Handshaking | super::state::PeerPhase::Ready
+                ) {
+                    self.refuse(now, peer, refusal);
+                }
+                Ok(Admission::Refuse(refusal))
+            }
+        }
+    }
+
+    /// Decides on a data write; admits it (recording the flight) or says why not.
+    fn check_write(&mut self, peer: PeerId, header: &[u8]) -> Result<Admission, WriteRefusal> {
+        let version = match self.shell.peers.version(peer) {
+            Some(v) if self.shell.peers.is_ready(peer) => v,
+            _ => return Err(WriteRefusal::PeerNotReady(peer)),
+        };
+        let w: DataWrite = match Frame::parse_negotiated(header, version) {
+            Ok((Frame::DataWrite(w), n)) if n == header.len() => w,
+            _ => return Err(WriteRefusal::Malformed),
+        };
+        let request = w.request;
+        let Some(session) = self.sessions.get_mut(&request) else {
+            return match self.retired.get(request) {
+                Some(r) if r.grant == w.grant && r.writers.contains(&peer) => {
+                    self.shell.counters.late_writes += 1;
+                    Ok(Admission::Discard { len: w.len })
+                }
+                _ => Err(WriteRefusal::UnknownRequest(request)),
+            };
+        };
+        if session.frame.grant != w.grant {
+            return Err(WriteRefusal::WrongGrant {
+                request,
+                got: w.grant,
+            });
+        }
+        if !session
+            .writers
+            .iter()
+            .any(|x| x.peer == peer && x.phase != WriterPhase::Unregistered)
+        {
+            return Err(WriteRefusal::NotAWriter { request, peer });
+        }
+        if !session.extents.contains(w.region, w.offset, w.len) {
+            return Err(WriteRefusal::OutsideGrant {
+                request,
+                region: w.region,
+                offset: w.offset,
+                len: w.len,
+            });
+        }
+        if !session.phase.is_active() {
+            self.shell.counters.late_writes += 1;
+            return Ok(Admission::Discard { len: w.len });
+        }
+        let end = w.offset + w.len; // `contains` checked it does not overflow
+        if self.writes.overlaps(w.region, w.offset, end) {
+            return Err(WriteRefusal::Overlap {
+                request,
+                region: w.region,
+                offset: w.offset,
+                len: w.len,
+            });
+        }
+        session.writes_in_flight += 1;
+        let ticket = self.writes.admit(Flight {
+            request,
+            peer,
+            region: w.region,
+            offset: w.offset,
+            len: w.len,
+        });
+        Ok(Admission::Apply {
+            ticket,
+            region: w.region,
+            offset: w.offset,
+            len: w.len,
+        })
+    }
+
+    /// A refused write: the peer is not trusted any more. The request it named fails on both
+    /// sides (when the peer is one of its writers), then the peer is closed.
+    fn refuse(&mut self, now: Instant, peer: PeerId, refusal: WriteRefusal) {
+        let named = match refusal {
+            WriteRefusal::WrongGrant { request, .. }
+            | WriteRefusal::OutsideGrant { request, .. }
+            | WriteRefusal::Overlap { request, .. } => Some(request),
+            _ => None,
+        };
+        if let Some(request) = named {
+            let writer = self
+                .sessions
+                .get(&request)
+                .is_some_and(|s| s.phase.is_active() && s.writers.iter().any(|w| w.peer == peer));
+            if writer {
+                self.stop(
+                    now,
+                    request,
+                    Stop::Failed {
+                        cause: TransferStatus::GrantViolation,
+                        peer: Some(peer),
+                        slice: None,
+                    },
+                );
+            }
+        }
+        self.shell.violation(peer, ProtocolError::WriteRefused { refusal });
+        self.shell.close(peer, CloseReason::GrantViolation);
+    }
+
+    fn on_write_finished(
+        &mut self,
+        now: Instant,
+        ticket: super::transport::WriteTicket,
+        landed: bool,
+    ) -> Result<(), UsageError> {
+        let Some(flight) = self.writes.finish(ticket) else {
+            if self.writes.issued(ticket) {
+                // Forgotten when its peer disconnected: a late report is harmless.
+                return Ok(());
+            }
+            return Err(UsageError::UnknownTicket(ticket));
+        };
+        let request = flight.request;
+        let Some(session) = self.sessions.get_mut(&request) else {
+            return Ok(());
+        };
+        session.writes_in_flight = session.writes_in_flight.saturating_sub(1);
+        if landed {
+            self.shell.counters.bytes_landed += flight.len;
+            if let Some(w) = session.writers.iter_mut().find(|w| w.peer == flight.peer) {
+                w.landed = w.landed.saturating_add(flight.len);
+            }
+            self.release_held(now, request, flight.peer);
+        }
+        if self
+            .sessions
+            .get(&request)
+            .is_some_and(|s| s.phase == RecvPhase::Stopping)
+        {
+            self.check_drained(now, request);
+        }
+        Ok(())
+    }
+
+    // ----- session frames -----
+
     fn on_session_frame(&mut self, now: Instant, peer: PeerId, frame: Frame) {
+        let request = match &frame {
+            Frame::KvResult(r) => r.request,
+            Frame::AuxResult(a) => a.request,
+            Frame::Cancel(c) => c.request,
+            other => {
+                self.shell.violation(
+                    peer,
+                    ProtocolError::UnexpectedFrame {
+                        kind: frame_kind(other),
+                        role: Role::Receiver,
+                    },
+                );
+                return;
+            }
+        };
+        if self.config.data_path == DataPath::Landed {
+            if let Some(w) = self
+                .sessions
+                .get_mut(&request)
+                .and_then(|s| s.writers.iter_mut().find(|w| w.peer == peer))
+            {
+                // Data and frames may travel on different connections: a frame waits until the
+                // bytes its writer reported so far have landed.
+                let need = match &frame {
+                    Frame::KvResult(r) if r.status == TransferStatus::Success => {
+                        w.reported.saturating_add(r.bytes_written)
+                    }
+                    _ => w.reported,
+                };
+                if !w.held.is_empty() || w.landed < need {
+                    if w.held.len() >= MAX_HELD_FRAMES {
+                        self.stop_protocol(
+                            now,
+                            request,
+                            peer,
+                            ProtocolError::TooManyHeldFrames {
+                                request,
+                                held: MAX_HELD_FRAMES,
+                            },
+                        );
+                        return;
+                    }
+                    w.reported = need;
+                    w.held.push_back((need, frame));
+                    return;
+                }
+                w.reported = need;
+            }
+        }
+        self.process_frame(now, peer, frame);
+    }
+
+    /// Processes the held frames of (`request`, `peer`) whose data has landed.
+    fn release_held(&mut self, now: Instant, request: RequestId, peer: PeerId) {
+        loop {
+            let Some(w) = self
+                .sessions
+                .get_mut(&request)
+                .and_then(|s| s.writers.iter_mut().find(|w| w.peer == peer))
+            else {
+                return;
+            };
+            match w.held.front() {
+                Some((need, _)) if *need <= w.landed => {}
+                _ => return,
+            }
+            let (_, frame) = w.held.pop_front().expect("checked");
+            self.process_frame(now, peer, frame);
+        }
+    }
+
+    fn process_frame(&mut self, now: Instant, peer: PeerId, frame: Frame) {
         match frame {
             Frame::KvResult(result) => self.on_result(now, peer, result),
             Frame::AuxResult(aux) => self.on_aux(now, peer, aux),
             Frame::Cancel(cancel) => self.on_peer_cancel(now, peer, cancel),
-            other => self.violation(
-                peer,
-                ProtocolError::UnexpectedFrame {
-                    kind: frame_kind(&other),
-                    role: Role::Receiver,
-                },
-            ),
+            _ => {}
         }
     }
 
@@ -541,17 +852,19 @@ impl Receiver {
             reason: CancelReason::Failure,
         });
         if self.retired.contains(request) {
-            self.counters.duplicates += 1;
-            self.send(now, peer, stop);
+            self.shell.counters.duplicates += 1;
+            self.shell.send(now, peer, stop);
             return None;
         }
         let Some(session) = self.sessions.get(&request) else {
-            self.violation(peer, ProtocolError::UnknownRequest { kind, request });
-            self.send(now, peer, stop);
+            self.shell
+                .violation(peer, ProtocolError::UnknownRequest { kind, request });
+            self.shell.send(now, peer, stop);
             return None;
         };
         let Some(w) = session.writers.iter().position(|w| w.peer == peer) else {
-            self.violation(peer, ProtocolError::NotAParticipant { kind, request });
+            self.shell
+                .violation(peer, ProtocolError::NotAParticipant { kind, request });
             return None;
         };
         Some(w)
@@ -565,15 +878,14 @@ impl Receiver {
         let session = self.sessions.get_mut(&request).expect("located");
         let expected = session.frame.slice;
         if r.receiver_slice != expected {
-            self.counters.protocol_errors += 1;
-            self.event(Event::ProtocolViolation {
+            self.shell.violation(
                 peer,
-                error: ProtocolError::UnknownSlice {
+                ProtocolError::UnknownSlice {
                     request,
                     expected,
                     got: r.receiver_slice,
                 },
-            });
+            );
             self.stop(
                 now,
                 request,
@@ -590,21 +902,24 @@ impl Receiver {
         // A failure is never a duplicate: it may follow the writer's successful last result
         // (the aux data failed), and a stopping session needs its terminal confirmation.
         if r.status == TransferStatus::Success && writer.last_seen.is_some_and(|seen| key <= seen) {
-            self.counters.duplicates += 1;
+            self.shell.counters.duplicates += 1;
             return;
         }
         let after_last = writer.last_seen.is_some_and(|(_, last)| last);
         writer.last_seen = Some(writer.last_seen.map_or(key, |seen| seen.max(key)));
-        self.counters.results.bump(r.status);
-        if r.is_last {
-            writer.stopped = true;
-        }
+        self.shell.counters.results.bump(r.status);
         if !session.phase.is_active() {
             // Stopping: a terminal result is the writer's confirmation that it stopped.
+            if r.is_last {
+                writer.on(WriterEvent::Confirmed);
+            }
             self.check_drained(now, request);
             return;
         }
         if r.status != TransferStatus::Success {
+            if r.is_last {
+                writer.on(WriterEvent::Confirmed);
+            }
             self.stop(
                 now,
                 request,
@@ -617,11 +932,8 @@ impl Receiver {
             return;
         }
         if after_last {
-            self.counters.protocol_errors += 1;
-            self.event(Event::ProtocolViolation {
-                peer,
-                error: ProtocolError::ResultAfterLast { request },
-            });
+            self.shell
+                .violation(peer, ProtocolError::ResultAfterLast { request });
             self.stop(
                 now,
                 request,
@@ -634,9 +946,9 @@ impl Receiver {
             return;
         }
         session.bytes_written += r.bytes_written;
-        self.counters.bytes_written += r.bytes_written;
+        self.shell.counters.bytes_written += r.bytes_written;
         if r.is_last {
-            session.writers[w].done = true;
+            session.writers[w].on(WriterEvent::LastResult);
         }
         self.progress(now, request);
     }
@@ -648,7 +960,7 @@ impl Receiver {
         };
         let session = self.sessions.get_mut(&request).expect("located");
         if !session.phase.is_active() || session.aux.is_some() {
-            self.counters.duplicates += 1;
+            self.shell.counters.duplicates += 1;
             return;
         }
         if aux.status != TransferStatus::Success {
@@ -666,22 +978,14 @@ impl Receiver {
         let len = aux_encoded_len(&aux.data);
         let capacity = session.frame.aux_capacity;
         if len > u64::from(capacity) {
-            self.counters.protocol_errors += 1;
-            self.event(Event::ProtocolViolation {
+            self.stop_protocol(
+                now,
+                request,
                 peer,
-                error: ProtocolError::AuxTooLarge {
+                ProtocolError::AuxTooLarge {
                     request,
                     len,
                     capacity,
-                },
-            });
-            self.stop(
-                now,
-                request,
-                Stop::Failed {
-                    cause: TransferStatus::ProtocolError,
-                    peer: Some(peer),
-                    slice: None,
                 },
             );
             return;
@@ -694,17 +998,18 @@ impl Receiver {
     fn on_peer_cancel(&mut self, now: Instant, peer: PeerId, cancel: Cancel) {
         let request = cancel.request;
         if self.retired.contains(request) {
-            self.counters.duplicates += 1;
+            self.shell.counters.duplicates += 1;
             return;
         }
         let Some(session) = self.sessions.get_mut(&request) else {
             // Not registered yet: remember it and cancel the registration when it comes.
-            self.remembered_cancels
+            self.shell
+                .remembered_cancels
                 .insert(request, CancelOrigin::Peer(peer));
             return;
         };
-        let Some(w) = session.writers.iter().position(|w| w.peer == peer) else {
-            self.violation(
+        let Some(w) = session.writers.iter_mut().find(|w| w.peer == peer) else {
+            self.shell.violation(
                 peer,
                 ProtocolError::NotAParticipant {
                     kind: "Cancel",
@@ -714,7 +1019,7 @@ impl Receiver {
             return;
         };
         // A sender sends Cancel only when none of its writes for the request is in flight.
-        session.writers[w].stopped = true;
+        w.on(WriterEvent::Confirmed);
         if session.phase.is_active() {
             self.stop(now, request, Stop::Cancelled(CancelOrigin::Peer(peer)));
         } else {
@@ -723,7 +1028,13 @@ impl Receiver {
     }
 
     fn on_disconnected(&mut self, now: Instant, peer: PeerId) -> Result<(), UsageError> {
-        self.peers.disconnected(peer)?;
+        self.shell.peers.disconnected(peer)?;
+        // The transport promises none of the peer's admitted writes still applies.
+        for flight in self.writes.remove_peer(peer) {
+            if let Some(s) = self.sessions.get_mut(&flight.request) {
+                s.writes_in_flight = s.writes_in_flight.saturating_sub(1);
+            }
+        }
         let involved: Vec<RequestId> = self
             .sessions
             .iter()
@@ -737,8 +1048,9 @@ impl Receiver {
                 .iter_mut()
                 .find(|w| w.peer == peer)
                 .expect("listed");
-            w.stopped = true;
-            let done = w.done;
+            let done = w.phase == WriterPhase::Done;
+            w.on(WriterEvent::Disconnected);
+            w.held.clear();
             if session.phase.is_active() && !done {
                 self.stop(
                     now,
@@ -756,17 +1068,20 @@ impl Receiver {
         Ok(())
     }
 
-    fn fail_peer_sessions(&mut self, now: Instant, peer: PeerId, wait: Wait) {
+    fn fail_peer_sessions(&mut self, now: Instant, peer: PeerId, why: Stop) {
         let involved: Vec<RequestId> = self
             .sessions
             .iter()
             .filter(|(_, s)| {
-                s.phase.is_active() && s.writers.iter().any(|w| w.peer == peer && !w.done)
+                s.phase.is_active()
+                    && s.writers
+                        .iter()
+                        .any(|w| w.peer == peer && w.phase != WriterPhase::Done)
             })
             .map(|(r, _)| *r)
             .collect();
         for request in involved {
-            self.stop(now, request, Stop::TimedOut(wait));
+            self.stop(now, request, why);
         }
     }
 
@@ -775,7 +1090,22 @@ impl Receiver {
         let Some(session) = self.sessions.get_mut(&request) else {
             return;
         };
-        let all_done = session.writers.iter().all(|w| w.done);
+        let all_done = session.writers.iter().all(|w| w.phase == WriterPhase::Done);
+        if all_done && session.writes_in_flight > 0 {
+            // Every writer reported its last result, yet bytes are still landing: they were
+            // never reported.
+            let writes = session.writes_in_flight;
+            let peer = session.writers.first().map(|w| w.peer);
+            if let Some(peer) = peer {
+                self.stop_protocol(
+                    now,
+                    request,
+                    peer,
+                    ProtocolError::UnreportedWrites { request, writes },
+                );
+            }
+            return;
+        }
         let event = if all_done && session.aux.is_some() {
             RecvEvent::Finished
         } else {
@@ -784,21 +1114,21 @@ impl Receiver {
         if all_done && session.aux.is_none() && session.aux_deadline.is_none() {
             let at = now + self.config.deadlines.aux_wait;
             session.aux_deadline = Some(at);
-            self.timers.arm(at, TimerKey::Request(request));
+            self.shell.timers.arm(at, TimerKey::Request(request));
         }
         if let Transition::To(p) = session.phase.on(event) {
             session.phase = p;
             if p == RecvPhase::Completed {
                 let bytes = session.bytes_written;
                 let aux = session.aux.clone();
-                self.counters.completions += 1;
-                self.counters.quiesced += 1;
-                self.event(Event::Completed {
+                self.shell.counters.completions += 1;
+                self.shell.counters.quiesced += 1;
+                self.shell.event(Event::Completed {
                     request,
                     bytes_written: bytes,
                     aux,
                 });
-                self.event(Event::Quiesced { request });
+                self.shell.event(Event::Quiesced { request });
             }
         }
     }
@@ -808,7 +1138,7 @@ impl Receiver {
             return;
         };
         if session.phase.is_active() {
-            let all_done = session.writers.iter().all(|w| w.done);
+            let all_done = session.writers.iter().all(|w| w.phase == WriterPhase::Done);
             if !all_done && session.result_deadline <= now {
                 self.stop(now, request, Stop::TimedOut(Wait::Results));
                 return;
@@ -822,31 +1152,48 @@ impl Receiver {
             } else {
                 Some(session.result_deadline)
             };
-            self.timers.arm_opt(next, TimerKey::Request(request));
+            self.shell.timers.arm_opt(next, TimerKey::Request(request));
         } else if session.phase == RecvPhase::Stopping {
             if session.quiesce_deadline.is_some_and(|at| at <= now) {
                 let fence: Vec<PeerId> = session
                     .writers
                     .iter_mut()
-                    .filter(|w| !w.stopped && !w.fence_requested)
-                    .map(|w| {
-                        w.fence_requested = true;
-                        w.peer
-                    })
+                    .filter_map(|w| w.on(WriterEvent::FenceRequested).then_some(w.peer))
                     .collect();
-                for peer in fence {
-                    self.peers.close(
-                        peer,
-                        CloseReason::QuiesceFence,
-                        &mut self.outputs,
-                        &mut self.counters,
-                    );
+                // Writes still landing from writers that did confirm are fenced too.
+                let landing: Vec<PeerId> = if session.writes_in_flight > 0 {
+                    session.writers.iter().map(|w| w.peer).collect()
+                } else {
+                    Vec::new()
+                };
+                for peer in fence.into_iter().chain(landing) {
+                    self.shell.close(peer, CloseReason::QuiesceFence);
                 }
             } else {
-                self.timers
+                self.shell
+                    .timers
                     .arm_opt(session.quiesce_deadline, TimerKey::Request(request));
             }
         }
+    }
+
+    fn stop_protocol(
+        &mut self,
+        now: Instant,
+        request: RequestId,
+        peer: PeerId,
+        error: ProtocolError,
+    ) {
+        self.shell.violation(peer, error);
+        self.stop(
+            now,
+            request,
+            Stop::Failed {
+                cause: TransferStatus::ProtocolError,
+                peer: Some(peer),
+                slice: None,
+            },
+        );
     }
 
     /// Ends an active session: reports it, tells every writer that has not stopped, and waits
@@ -890,12 +1237,13 @@ impl Receiver {
         session.quiesce_deadline = Some(quiesce_at);
         let mut notify = Vec::new();
         for w in session.writers.iter_mut() {
-            if !w.registration_sent {
+            w.held.clear();
+            if w.phase == WriterPhase::Unregistered {
                 // The writer never got the grant: nothing of it can land, so it is not waited
                 // for. It is still told (when connected), so that it stops computing and
                 // pinning the request instead of waiting out its registration deadline.
-                w.stopped = true;
-                if self.peers.is_ready(w.peer) {
+                w.on(WriterEvent::SessionStopped);
+                if self.shell.peers.is_ready(w.peer) {
                     notify.push(w.peer);
                 }
             } else {
@@ -905,17 +1253,20 @@ impl Receiver {
                 notify.push(w.peer);
             }
         }
-        self.counters.failures.bump(status);
+        self.shell.counters.failures.bump(status);
         match why {
-            Stop::TimedOut(_) => self.counters.timeouts += 1,
-            Stop::Cancelled(_) => self.counters.cancellations += 1,
+            Stop::TimedOut(_) => self.shell.counters.timeouts += 1,
+            Stop::Cancelled(_) => self.shell.counters.cancellations += 1,
             Stop::Failed { .. } => {}
         }
-        self.event(event);
+        self.shell.event(event);
         for peer in notify {
-            self.send(now, peer, Frame::Cancel(Cancel { request, reason }));
+            self.shell
+                .send(now, peer, Frame::Cancel(Cancel { request, reason }));
         }
-        self.timers.arm(quiesce_at, TimerKey::Request(request));
+        self.shell
+            .timers
+            .arm(quiesce_at, TimerKey::Request(request));
         self.check_drained(now, request);
     }
 
@@ -923,15 +1274,72 @@ impl Receiver {
         let Some(session) = self.sessions.get_mut(&request) else {
             return;
         };
-        if session.phase != RecvPhase::Stopping || !session.writers.iter().all(|w| w.stopped) {
+        if session.phase != RecvPhase::Stopping
+            || session.writes_in_flight > 0
+            || !session.writers.iter().all(|w| w.phase.has_stopped())
+        {
             return;
         }
         if let Transition::To(p) = session.phase.on(RecvEvent::Drained) {
             session.phase = p;
             session.quiesce_deadline = None;
-            self.counters.quiesced += 1;
-            self.event(Event::Quiesced { request });
+            self.shell.counters.quiesced += 1;
+            self.shell.event(Event::Quiesced { request });
         }
+    }
+}
+
+impl Endpoint for Receiver {
+    fn role(&self) -> Role {
+        Role::Receiver
+    }
+
+    fn handle_transport(&mut self, now: Instant, input: TransportInput) -> Result<(), UsageError> {
+        self.handle_input(ReceiverInput::Transport { now, input })
+    }
+
+    fn admit_write(&mut self, now: Instant, peer: PeerId, header: &[u8]) -> Admission {
+        let input = TransportInput::WriteArrived {
+            peer,
+            header: Bytes::copy_from_slice(header),
+        };
+        let recorded = self.recorded.is_some().then(|| ReceiverInput::Transport {
+            now,
+            input: input.clone(),
+        });
+        match self.on_transport(now, input) {
+            Ok(Some(admission)) => {
+                if let (Some(log), Some(input)) = (&mut self.recorded, recorded) {
+                    log.push(input);
+                }
+                admission
+            }
+            Ok(None) | Err(_) => Admission::Refuse(WriteRefusal::PeerNotReady(peer)),
+        }
+    }
+
+    fn poll_output(&mut self) -> Option<Output> {
+        Receiver::poll_output(self)
+    }
+
+    fn poll_timeout(&mut self) -> Option<Instant> {
+        Receiver::poll_timeout(self)
+    }
+
+    fn counters(&self) -> &Counters {
+        Receiver::counters(self)
+    }
+
+    fn is_peer_ready(&self, peer: PeerId) -> bool {
+        Receiver::is_peer_ready(self, peer)
+    }
+
+    fn peer_count(&self) -> usize {
+        Receiver::peer_count(self)
+    }
+
+    fn session_count(&self) -> usize {
+        Receiver::session_count(self)
     }
 }
 

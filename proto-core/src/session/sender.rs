@@ -1,14 +1,16 @@
 //! The prefill-side endpoint.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::BTreeMap;
 
 use smallvec::SmallVec;
 
 use super::config::SenderConfig;
-use super::peers::{PeerExpiry, PeerTable, Route};
+use super::peers::Route;
 use super::remembered::Remembered;
-use super::state::{SendEvent, SendPhase, Transition};
-use super::timers::{TimerKey, Timers};
+use super::shell::{Due, Shell};
+use super::state::{SendEvent, SendPhase, TargetEvent, TargetPhase, Transition};
+use super::timers::TimerKey;
+use super::transport::{Admission, DataWriteHeaders, Endpoint, TransportInput, WriteRefusal};
 use super::{
     frame_kind, CancelOrigin, CloseReason, Counters, Event, Output, ProtocolError, UsageError,
     Wait, WriteBatchId,
@@ -21,54 +23,43 @@ use crate::source::BlockSource;
 use crate::time::Instant;
 use crate::wire::{
     AuxData, AuxResult, Cancel, CancelReason, Frame, KvResult, RecvRegistration, Role,
-    TransferStatus,
+    TransferStatus, MAX_BODY_LEN,
 };
 
-/// One input to a [`Sender`]. Every input carries `now`.
+/// One input to a [`Sender`]: everything that can change its state, as data, so a recorded list
+/// of inputs replays into a fresh sender with the same outputs. Every input carries `now`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
 pub enum SenderInput {
-    /// The transport connected `peer` (either direction); the sender starts the handshake.
-    PeerConnected {
+    /// What the transport saw (see [`TransportInput`]).
+    Transport {
         /// Current time.
         now: Instant,
-        /// The new peer.
-        peer: PeerId,
+        /// The report.
+        input: TransportInput,
     },
-    /// The transport lost or closed `peer`; no write batch towards it can still read memory.
-    PeerDisconnected {
+    /// The engine opens a request before its first chunk ([`Sender::open_request`]).
+    Open {
         /// Current time.
         now: Instant,
-        /// The peer.
-        peer: PeerId,
+        /// The request and its receivers.
+        request: SendRequest,
     },
-    /// A frame arrived from `peer`.
-    FrameReceived {
+    /// The engine computed a prefill chunk; `runs` are the block source's answers for the
+    /// chunk's block windows, one per group that sends something, in group order
+    /// ([`Sender::submit_chunk`] queries the source and builds this input).
+    Chunk {
         /// Current time.
         now: Instant,
-        /// The sending peer.
-        peer: PeerId,
-        /// The decoded frame.
-        frame: Frame,
-    },
-    /// Every write of `batch` completed.
-    WritesCompleted {
-        /// Current time.
-        now: Instant,
-        /// The batch from [`Output::ExecuteWrites`].
-        batch: WriteBatchId,
-    },
-    /// A write of `batch` failed; no write of the batch is still in flight.
-    WritesFailed {
-        /// Current time.
-        now: Instant,
-        /// The batch from [`Output::ExecuteWrites`].
-        batch: WriteBatchId,
-        /// Why ([`TransferStatus::WriteFailed`], [`TransferStatus::GrantViolation`], …).
-        status: TransferStatus,
+        /// The request.
+        request: RequestId,
+        /// The chunk.
+        spec: ChunkSpec,
+        /// The block source's runs.
+        runs: Vec<(GroupIndex, BlockRun)>,
     },
     /// The engine's aux data for `request` (first tokens, draft tokens, counts).
-    AuxSubmitted {
+    Aux {
         /// Current time.
         now: Instant,
         /// The request.
@@ -90,11 +81,6 @@ pub enum SenderInput {
         /// The request.
         request: RequestId,
     },
-    /// The deadline from [`Sender::poll_timeout`] passed (early delivery is harmless).
-    Timeout {
-        /// Current time.
-        now: Instant,
-    },
 }
 
 /// A request the engine opens on the sender before submitting its chunks.
@@ -107,7 +93,7 @@ pub struct SendRequest {
     /// registration.
     pub receivers: SmallVec<[PeerId; 2]>,
     /// Whether this rank sends the aux data (the session then completes only after
-    /// [`SenderInput::AuxSubmitted`]).
+    /// [`SenderInput::Aux`]).
     pub sends_aux: bool,
 }
 
@@ -127,42 +113,46 @@ struct TargetSlice {
     deadline: Option<Instant>,
 }
 
+/// One receiver of a request: its registration, where planning stopped, and its slices.
 #[derive(Clone, Debug)]
 struct Target {
     peer: PeerId,
+    phase: TargetPhase,
     registration: Option<RecvRegistration>,
     /// Where planning stopped in each group's anchored run (successive chunks cost O(chunk)).
     cursors: SmallVec<[DstCursor; 2]>,
     slices: Vec<TargetSlice>,
     results_sent: usize,
+    /// Write batches towards the receiver not reported yet.
     inflight: u32,
-    last_result_sent: bool,
-    aux_sent: bool,
-    /// The terminal frame (last KvResult or Cancel) went out: nothing more for this request.
-    stop_sent: bool,
-    disconnected: bool,
-    fence_requested: bool,
 }
 
 impl Target {
     fn new(peer: PeerId) -> Self {
         Target {
             peer,
+            phase: TargetPhase::AwaitingRegistration,
             registration: None,
             cursors: SmallVec::new(),
             slices: Vec::new(),
             results_sent: 0,
             inflight: 0,
-            last_result_sent: false,
-            aux_sent: false,
-            stop_sent: false,
-            disconnected: false,
-            fence_requested: false,
         }
     }
 
     fn receiver_slice(&self) -> Option<ReceiverSliceId> {
         self.registration.as_ref().map(|r| r.slice)
+    }
+
+    /// Moves the target's phase; an event its phase does not take changes nothing.
+    fn on(&mut self, event: TargetEvent) -> bool {
+        match self.phase.on(event) {
+            Transition::To(p) => {
+                self.phase = p;
+                true
+            }
+            Transition::Ignored | Transition::Refused => false,
+        }
     }
 }
 
@@ -261,14 +251,16 @@ enum Stop {
 /// A leak check at the end of a run expects no session, batch or pending registration.
 ///
 /// **Inputs** (each carries `now`): [`handle_input`](Self::handle_input) with a
-/// [`SenderInput`] — peer connected/disconnected, frame received, write batch completed/failed,
-/// aux data, cancel, retire, timeout — and [`submit_chunk`](Self::submit_chunk), which also
-/// takes the engine's [`BlockSource`]: the sender queries it at once for the chunk's bounded
-/// block windows and keeps the runs until every receiver's registration has planned them.
+/// [`SenderInput`] — what the transport saw ([`TransportInput`], also through the
+/// [`Endpoint`] trait), and the engine's open, chunk, aux data, cancel and retire. Every state
+/// change is one of these inputs, so [`record_inputs`](Self::record_inputs) captures a run that
+/// replays exactly into a fresh sender.
 ///
-/// **Commands**: [`open_request`](Self::open_request) (before the first chunk; names the
-/// receivers), and [`cancel`](Self::cancel) / [`retire`](Self::retire) (shorthands for the
-/// inputs).
+/// **Commands** (sugar for inputs): [`open_request`](Self::open_request) (before the first
+/// chunk; names the receivers), [`submit_chunk`](Self::submit_chunk) (queries the engine's
+/// [`BlockSource`] for the chunk's bounded block windows, then applies
+/// [`SenderInput::Chunk`]), [`submit_aux`](Self::submit_aux), [`cancel`](Self::cancel),
+/// [`retire`](Self::retire).
 ///
 /// **Outputs**: after every input, call [`poll_output`](Self::poll_output) until it returns
 /// `None`, then [`poll_timeout`](Self::poll_timeout) and arm a timer for it. Outputs come out in
@@ -290,17 +282,14 @@ enum Stop {
 #[derive(Debug)]
 pub struct Sender {
     config: SenderConfig,
-    peers: PeerTable,
+    shell: Shell,
     sessions: BTreeMap<RequestId, SendSession>,
     pending_registrations: PendingRegistrations,
-    remembered_cancels: Remembered<CancelOrigin>,
     retired: Remembered<()>,
     batches: BTreeMap<WriteBatchId, BatchRef>,
     next_batch: u64,
-    outputs: VecDeque<Output>,
-    timers: Timers,
-    counters: Counters,
     plan_buffer: WritePlan,
+    recorded: Option<Vec<SenderInput>>,
 }
 
 impl Sender {
@@ -308,17 +297,14 @@ impl Sender {
     pub fn new(config: SenderConfig) -> Self {
         let hello = config.local.to_hello(Role::Sender);
         Sender {
-            peers: PeerTable::new(hello, config.deadlines),
+            shell: Shell::new(hello, config.deadlines, config.max_remembered_cancels),
             sessions: BTreeMap::new(),
             pending_registrations: PendingRegistrations::default(),
-            remembered_cancels: Remembered::new(config.max_remembered_cancels),
             retired: Remembered::new(config.max_retired),
             batches: BTreeMap::new(),
             next_batch: 0,
-            outputs: VecDeque::new(),
-            timers: Timers::default(),
-            counters: Counters::default(),
             plan_buffer: WritePlan::new(),
+            recorded: None,
             config,
         }
     }
@@ -332,7 +318,7 @@ impl Sender {
 
     /// What the sender has done so far.
     pub fn counters(&self) -> &Counters {
-        &self.counters
+        &self.shell.counters
     }
 
     /// The phase of `request`'s session: `None` if unknown, [`SendPhase::Retired`] if retired
@@ -347,6 +333,16 @@ impl Sender {
         }
     }
 
+    /// The phase of `peer` within `request`'s session (`None`: no such session or receiver).
+    pub fn target_phase(&self, request: RequestId, peer: PeerId) -> Option<TargetPhase> {
+        let session = self.sessions.get(&request)?;
+        session
+            .targets
+            .iter()
+            .find(|t| t.peer == peer)
+            .map(|t| t.phase)
+    }
+
     /// Sessions held (not yet retired).
     pub fn session_count(&self) -> usize {
         self.sessions.len()
@@ -354,12 +350,12 @@ impl Sender {
 
     /// Connected peers (handshaking, ready or closing).
     pub fn peer_count(&self) -> usize {
-        self.peers.len()
+        self.shell.peers.len()
     }
 
     /// Whether the handshake with `peer` completed.
     pub fn is_peer_ready(&self, peer: PeerId) -> bool {
-        self.peers.is_ready(peer)
+        self.shell.peers.is_ready(peer)
     }
 
     /// Write batches handed to the transport and not reported yet.
@@ -376,19 +372,196 @@ impl Sender {
 
     /// The next output, or `None` when there is nothing to do until the next input.
     pub fn poll_output(&mut self) -> Option<Output> {
-        self.outputs.pop_front()
+        self.shell.outputs.pop_front()
     }
 
-    /// When to deliver [`SenderInput::Timeout`] next (`None`: no deadline pending).
+    /// When to deliver [`TransportInput::Timeout`] next (`None`: no deadline pending).
     pub fn poll_timeout(&mut self) -> Option<Instant> {
-        self.timers.next()
+        self.shell.timers.next()
+    }
+
+    // ----- recording -----
+
+    /// Starts (or stops, with `false`) recording every input applied, for
+    /// [`take_recorded_inputs`](Self::take_recorded_inputs). Inputs refused with a usage error
+    /// are not recorded (they changed nothing).
+    pub fn record_inputs(&mut self, on: bool) {
+        self.recorded = on.then(Vec::new);
+    }
+
+    /// The inputs applied since recording started (recording goes on).
+    pub fn take_recorded_inputs(&mut self) -> Vec<SenderInput> {
+        self.recorded.as_mut().map(std::mem::take).unwrap_or_default()
     }
 
     // ----- commands -----
 
-    /// Opens `req` before its first chunk. Registrations that arrived before are adopted now; a
-    /// cancel that arrived before cancels it at once.
+    /// Opens `req` before its first chunk (see [`SenderInput::Open`]). Registrations that
+    /// arrived before are adopted now; a cancel that arrived before cancels it at once.
     pub fn open_request(&mut self, now: Instant, req: SendRequest) -> Result<(), UsageError> {
+        self.handle_input(SenderInput::Open { now, request: req })
+    }
+
+    /// Submits one computed prefill chunk of `request`. The sender asks `source` for the chunk's
+    /// bounded block windows (only those) and applies [`SenderInput::Chunk`] with its answers:
+    /// a slice is created and written to every receiver that has registered (the others get
+    /// it, in order, when their registration arrives).
+    ///
+    /// Returns the slice's id, or `None` when the chunk completes no block (it sends nothing).
+    pub fn submit_chunk(
+        &mut self,
+        now: Instant,
+        request: RequestId,
+        spec: ChunkSpec,
+        source: &mut impl BlockSource,
+    ) -> Result<Option<SenderSliceId>, UsageError> {
+        self.check_chunk(request, &spec)?;
+        let mut runs = Vec::new();
+        for (g, layout) in self.config.local.groups.iter().enumerate() {
+            let window = chunk_window(&spec, layout)
+                .map_err(|error| UsageError::Geometry { request, error })?;
+            if let Some(w) = window {
+                let group = GroupIndex(g as u16);
+                let mut run = BlockRun::default();
+                source
+                    .block_run(request, group, w.begin, w.end, &mut run)
+                    .map_err(|error| UsageError::BlockSource { request, error })?;
+                runs.push((group, run));
+            }
+        }
+        let slice = self.on_chunk(now, request, spec, runs.clone())?;
+        self.record(SenderInput::Chunk {
+            now,
+            request,
+            spec,
+            runs,
+        });
+        Ok(slice)
+    }
+
+    /// Submits the request's aux data (see [`SenderInput::Aux`]).
+    pub fn submit_aux(
+        &mut self,
+        now: Instant,
+        request: RequestId,
+        data: AuxData,
+    ) -> Result<(), UsageError> {
+        self.handle_input(SenderInput::Aux { now, request, data })
+    }
+
+    /// Cancels `request` (see [`SenderInput::Cancel`]).
+    pub fn cancel(&mut self, now: Instant, request: RequestId) -> Result<(), UsageError> {
+        self.handle_input(SenderInput::Cancel { now, request })
+    }
+
+    /// Retires `request` (see [`SenderInput::Retire`]).
+    pub fn retire(&mut self, now: Instant, request: RequestId) -> Result<(), UsageError> {
+        self.handle_input(SenderInput::Retire { now, request })
+    }
+
+    // ----- inputs -----
+
+    /// Applies one input. Returns a usage error, with nothing changed, for a caller bug.
+    pub fn handle_input(&mut self, input: SenderInput) -> Result<(), UsageError> {
+        let recorded = self.recorded.is_some().then(|| input.clone());
+        match input {
+            SenderInput::Transport { now, input } => self.on_transport(now, input),
+            SenderInput::Open { now, request } => self.on_open(now, request),
+            SenderInput::Chunk {
+                now,
+                request,
+                spec,
+                runs,
+            } => self.on_chunk(now, request, spec, runs).map(|_| ()),
+            SenderInput::Aux { now, request, data } => self.on_aux_submitted(now, request, data),
+            SenderInput::Cancel { now, request } => self.on_cancel(now, request),
+            SenderInput::Retire { now: _, request } => self.on_retire(request),
+        }?;
+        if let Some(input) = recorded {
+            self.record(input);
+        }
+        Ok(())
+    }
+
+    // ----- internals -----
+
+    fn record(&mut self, input: SenderInput) {
+        if let Some(log) = &mut self.recorded {
+            log.push(input);
+        }
+    }
+
+    fn on_transport(&mut self, now: Instant, input: TransportInput) -> Result<(), UsageError> {
+        match input {
+            TransportInput::PeerConnected { peer } => self.shell.connected(now, peer),
+            TransportInput::PeerDisconnected { peer } => self.on_disconnected(now, peer),
+            TransportInput::FrameReceived { peer, bytes } => {
+                match self.shell.frame(now, peer, &bytes)? {
+                    Route::Session(frame) => self.on_session_frame(now, peer, frame),
+                    Route::Malformed => self.fail_peer_sessions(
+                        now,
+                        peer,
+                        Stop::Failed {
+                            cause: TransferStatus::ProtocolError,
+                            peer: Some(peer),
+                            slice: None,
+                            receiver_slice: None,
+                        },
+                    ),
+                    Route::Done | Route::BecameReady => {}
+                }
+                Ok(())
+            }
+            TransportInput::WritesCompleted { batch } => {
+                self.on_batch_report(now, batch, TransferStatus::Success)
+            }
+            TransportInput::WritesFailed { batch, status } => {
+                if status == TransferStatus::Success {
+                    return Err(UsageError::FailureWithSuccessStatus(batch));
+                }
+                self.on_batch_report(now, batch, status)
+            }
+            TransportInput::WriteArrived { peer, .. } => {
+                self.refuse_write(peer);
+                Ok(())
+            }
+            TransportInput::WriteFinished { .. } => Err(UsageError::WrongRole {
+                input: "WriteFinished",
+                role: Role::Sender,
+            }),
+            TransportInput::Timeout => {
+                for due in self.shell.due(now) {
+                    match due {
+                        Due::Liveness(peer) => {
+                            self.fail_peer_sessions(now, peer, Stop::TimedOut(Wait::Liveness))
+                        }
+                        Due::Request(request) => self.on_request_timeout(now, request),
+                        // A session waits for its receiver's registration under its own
+                        // deadline.
+                        Due::Handshake(_) => {}
+                    }
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// A data write towards a sender: a receiver never writes, so the peer is not trusted any
+    /// more.
+    fn refuse_write(&mut self, peer: PeerId) {
+        if self.shell.peers.phase(peer).is_some() {
+            self.shell.violation(
+                peer,
+                ProtocolError::UnexpectedFrame {
+                    kind: "DataWrite",
+                    role: Role::Sender,
+                },
+            );
+            self.shell.close(peer, CloseReason::ProtocolViolation);
+        }
+    }
+
+    fn on_open(&mut self, now: Instant, req: SendRequest) -> Result<(), UsageError> {
         let request = req.request;
         if self.retired.contains(request) {
             return Err(UsageError::Retired(request));
@@ -423,9 +596,10 @@ impl Sender {
                 bytes_written: 0,
             },
         );
-        self.timers
+        self.shell
+            .timers
             .arm(registration_deadline, TimerKey::Request(request));
-        if let Some(origin) = self.remembered_cancels.take(request) {
+        if let Some(origin) = self.shell.remembered_cancels.take(request) {
             self.pending_registrations.take(request);
             self.stop(now, request, Stop::Cancelled(origin));
             return Ok(());
@@ -436,18 +610,8 @@ impl Sender {
         Ok(())
     }
 
-    /// Submits one computed prefill chunk of `request`. The sender asks `source` for the chunk's
-    /// bounded block windows (only those), creates a slice, and writes it to every receiver that
-    /// has registered (the others get it, in order, when their registration arrives).
-    ///
-    /// Returns the slice's id, or `None` when the chunk completes no block (it sends nothing).
-    pub fn submit_chunk(
-        &mut self,
-        now: Instant,
-        request: RequestId,
-        spec: ChunkSpec,
-        source: &mut impl BlockSource,
-    ) -> Result<Option<SenderSliceId>, UsageError> {
+    /// The checks on a chunk that need no block run; the state is not changed.
+    fn check_chunk(&self, request: RequestId, spec: &ChunkSpec) -> Result<SendPhase, UsageError> {
         if self.retired.contains(request) {
             return Err(UsageError::Retired(request));
         }
@@ -488,18 +652,35 @@ impl Sender {
                 });
             }
         }
-        let mut runs = Vec::new();
+        spec.validate()
+            .map_err(|error| UsageError::Geometry { request, error })?;
+        Ok(next_phase)
+    }
+
+    fn on_chunk(
+        &mut self,
+        now: Instant,
+        request: RequestId,
+        spec: ChunkSpec,
+        runs: Vec<(GroupIndex, BlockRun)>,
+    ) -> Result<Option<SenderSliceId>, UsageError> {
+        let next_phase = self.check_chunk(request, &spec)?;
+        // The runs must answer exactly the chunk's block windows, group by group.
+        let mut expected = Vec::new();
         for (g, layout) in self.config.local.groups.iter().enumerate() {
             let window = chunk_window(&spec, layout)
                 .map_err(|error| UsageError::Geometry { request, error })?;
-            if let Some(w) = window {
-                let group = GroupIndex(g as u16);
-                let mut run = BlockRun::default();
-                source
-                    .block_run(request, group, w.begin, w.end, &mut run)
-                    .map_err(|error| UsageError::BlockSource { request, error })?;
-                runs.push((group, run));
+            if window.is_some() {
+                expected.push(GroupIndex(g as u16));
             }
+        }
+        let given: Vec<GroupIndex> = runs.iter().map(|(g, _)| *g).collect();
+        if given != expected {
+            return Err(UsageError::RunsDoNotMatchChunk {
+                request,
+                expected,
+                given,
+            });
         }
         // Validated: from here on the state changes.
         let session = self.sessions.get_mut(&request).expect("checked above");
@@ -516,11 +697,11 @@ impl Sender {
             runs,
             planned_by: 0,
         });
-        self.counters.slices += 1;
+        self.shell.counters.slices += 1;
         if spec.is_last && session.sends_aux && session.aux.is_none() {
             let at = now + self.config.deadlines.aux_wait;
             session.aux_deadline = Some(at);
-            self.timers.arm(at, TimerKey::Request(request));
+            self.shell.timers.arm(at, TimerKey::Request(request));
         }
         for t in 0..session.targets.len() {
             self.issue_pending(now, request, t);
@@ -529,137 +710,57 @@ impl Sender {
         Ok(Some(id))
     }
 
-    /// Cancels `request` (see [`SenderInput::Cancel`]).
-    pub fn cancel(&mut self, now: Instant, request: RequestId) -> Result<(), UsageError> {
-        self.handle_input(SenderInput::Cancel { now, request })
-    }
-
-    /// Retires `request` (see [`SenderInput::Retire`]).
-    pub fn retire(&mut self, now: Instant, request: RequestId) -> Result<(), UsageError> {
-        self.handle_input(SenderInput::Retire { now, request })
-    }
-
-    // ----- inputs -----
-
-    /// Applies one input. Returns a usage error, with nothing changed, for a caller bug.
-    pub fn handle_input(&mut self, input: SenderInput) -> Result<(), UsageError> {
-        match input {
-            SenderInput::PeerConnected { now, peer } => {
-                self.peers
-                    .connected(now, peer, &mut self.outputs, &mut self.timers)
-            }
-            SenderInput::PeerDisconnected { now, peer } => self.on_disconnected(now, peer),
-            SenderInput::FrameReceived { now, peer, frame } => {
-                let route = self.peers.on_frame(
-                    now,
-                    peer,
-                    frame,
-                    &mut self.outputs,
-                    &mut self.counters,
-                    &mut self.timers,
-                )?;
-                if let Route::Session(frame) = route {
-                    self.on_session_frame(now, peer, frame);
-                }
-                Ok(())
-            }
-            SenderInput::WritesCompleted { now, batch } => {
-                self.on_batch_report(now, batch, TransferStatus::Success)
-            }
-            SenderInput::WritesFailed { now, batch, status } => {
-                if status == TransferStatus::Success {
-                    return Err(UsageError::FailureWithSuccessStatus(batch));
-                }
-                self.on_batch_report(now, batch, status)
-            }
-            SenderInput::AuxSubmitted { now, request, data } => {
-                self.on_aux_submitted(now, request, data)
-            }
-            SenderInput::Cancel { now, request } => {
-                if self.retired.contains(request) {
-                    return Err(UsageError::Retired(request));
-                }
-                match self.sessions.get(&request) {
-                    None => {
-                        self.remembered_cancels.insert(request, CancelOrigin::Local);
-                        // Receivers that already registered learn at once.
-                        let waiting = self.pending_registrations.take(request);
-                        for (peer, _) in waiting {
-                            let frame = Frame::Cancel(Cancel {
-                                request,
-                                reason: CancelReason::Engine,
-                            });
-                            self.send(now, peer, frame);
-                        }
-                    }
-                    Some(s) if s.phase.is_active() => {
-                        self.stop(now, request, Stop::Cancelled(CancelOrigin::Local))
-                    }
-                    Some(_) => {}
-                }
-                Ok(())
-            }
-            SenderInput::Retire { now: _, request } => {
-                if self.retired.contains(request) {
-                    return Err(UsageError::Retired(request));
-                }
-                let s = self
-                    .sessions
-                    .get(&request)
-                    .ok_or(UsageError::UnknownRequest(request))?;
-                match s.phase.on(SendEvent::Retire) {
-                    Transition::To(_) => {
-                        self.sessions.remove(&request);
-                        self.retired.insert(request, ());
-                        self.counters.retirements += 1;
-                        Ok(())
-                    }
-                    _ => Err(UsageError::NotQuiesced(request)),
-                }
-            }
-            SenderInput::Timeout { now } => {
-                for key in self.timers.due(now) {
-                    match key {
-                        TimerKey::Peer(peer) => {
-                            let expiry = self.peers.on_timeout(
-                                now,
-                                peer,
-                                &mut self.outputs,
-                                &mut self.counters,
-                                &mut self.timers,
-                            );
-                            if expiry == PeerExpiry::Liveness {
-                                self.fail_peer_sessions(now, peer, Stop::TimedOut(Wait::Liveness));
-                            }
-                        }
-                        TimerKey::Request(request) => self.on_request_timeout(now, request),
-                    }
-                }
-                Ok(())
-            }
+    fn on_cancel(&mut self, now: Instant, request: RequestId) -> Result<(), UsageError> {
+        if self.retired.contains(request) {
+            return Err(UsageError::Retired(request));
         }
+        match self.sessions.get(&request) {
+            None => {
+                self.shell
+                    .remembered_cancels
+                    .insert(request, CancelOrigin::Local);
+                // Receivers that already registered learn at once.
+                let waiting = self.pending_registrations.take(request);
+                for (peer, _) in waiting {
+                    let frame = Frame::Cancel(Cancel {
+                        request,
+                        reason: CancelReason::Engine,
+                    });
+                    self.shell.send(now, peer, frame);
+                }
+            }
+            Some(s) if s.phase.is_active() => {
+                self.stop(now, request, Stop::Cancelled(CancelOrigin::Local))
+            }
+            Some(_) => {}
+        }
+        Ok(())
     }
 
-    // ----- internals -----
-
-    fn send(&mut self, now: Instant, peer: PeerId, frame: Frame) {
-        self.peers.transmit(now, peer, frame, &mut self.outputs);
-    }
-
-    fn event(&mut self, event: Event) {
-        self.outputs.push_back(Output::Event(event));
-    }
-
-    fn violation(&mut self, peer: PeerId, error: ProtocolError) {
-        self.counters.protocol_errors += 1;
-        self.event(Event::ProtocolViolation { peer, error });
+    fn on_retire(&mut self, request: RequestId) -> Result<(), UsageError> {
+        if self.retired.contains(request) {
+            return Err(UsageError::Retired(request));
+        }
+        let s = self
+            .sessions
+            .get(&request)
+            .ok_or(UsageError::UnknownRequest(request))?;
+        match s.phase.on(SendEvent::Retire) {
+            Transition::To(_) => {
+                self.sessions.remove(&request);
+                self.retired.insert(request, ());
+                self.shell.counters.retirements += 1;
+                Ok(())
+            }
+            _ => Err(UsageError::NotQuiesced(request)),
+        }
     }
 
     fn on_session_frame(&mut self, now: Instant, peer: PeerId, frame: Frame) {
         match frame {
             Frame::RecvRegistration(reg) => self.on_registration(now, peer, reg),
             Frame::Cancel(cancel) => self.on_peer_cancel(now, peer, cancel),
-            other => self.violation(
+            other => self.shell.violation(
                 peer,
                 ProtocolError::UnexpectedFrame {
                     kind: frame_kind(&other),
@@ -676,26 +777,26 @@ impl Sender {
             reason: CancelReason::Failure,
         });
         if self.retired.contains(request) {
-            self.send(now, peer, refuse);
+            self.shell.send(now, peer, refuse);
             return;
         }
         let Some(session) = self.sessions.get_mut(&request) else {
-            if self.remembered_cancels.contains(request) {
+            if self.shell.remembered_cancels.contains(request) {
                 let frame = Frame::Cancel(Cancel {
                     request,
                     reason: CancelReason::Engine,
                 });
-                self.send(now, peer, frame);
+                self.shell.send(now, peer, frame);
             } else if self.pending_registrations.len < self.config.max_pending_registrations {
                 self.pending_registrations.push(peer, reg);
             } else {
-                self.send(now, peer, refuse);
+                self.shell.send(now, peer, refuse);
             }
             return;
         };
         let Some(t) = session.targets.iter().position(|t| t.peer == peer) else {
-            self.send(now, peer, refuse);
-            self.violation(
+            self.shell.send(now, peer, refuse);
+            self.shell.violation(
                 peer,
                 ProtocolError::NotAParticipant {
                     kind: "RecvRegistration",
@@ -706,9 +807,9 @@ impl Sender {
         };
         if let Some(known) = &session.targets[t].registration {
             if *known == reg {
-                self.counters.duplicates += 1;
+                self.shell.counters.duplicates += 1;
             } else {
-                self.counters.protocol_errors += 1;
+                self.shell.counters.protocol_errors += 1;
                 self.stop_protocol(
                     now,
                     request,
@@ -720,20 +821,21 @@ impl Sender {
         }
         if !session.phase.is_active() {
             // The session ended before this receiver registered: nothing was or will be written.
-            if !session.targets[t].stop_sent {
-                session.targets[t].stop_sent = true;
+            let target = &mut session.targets[t];
+            if target.on(TargetEvent::TerminalSent) {
                 let frame = Frame::Cancel(Cancel {
                     request,
                     reason: status_reason(session.stop_status),
                 });
-                self.send(now, peer, frame);
+                self.shell.send(now, peer, frame);
             }
             return;
         }
         let expected = self.config.local.groups.len();
         if reg.groups.len() != expected {
-            session.targets[t].registration = Some(reg.clone());
-            self.counters.protocol_errors += 1;
+            let got = reg.groups.len();
+            self.adopt_registration(request, t, reg);
+            self.shell.counters.protocol_errors += 1;
             self.stop_protocol(
                 now,
                 request,
@@ -741,22 +843,23 @@ impl Sender {
                 ProtocolError::GroupCountMismatch {
                     request,
                     expected,
-                    got: reg.groups.len(),
+                    got,
                 },
             );
             return;
         }
         if let Some(local) = session.prompt_len {
             if local != reg.prompt_len {
-                session.targets[t].registration = Some(reg.clone());
-                self.counters.protocol_errors += 1;
+                let registered = reg.prompt_len;
+                self.adopt_registration(request, t, reg);
+                self.shell.counters.protocol_errors += 1;
                 self.stop_protocol(
                     now,
                     request,
                     peer,
                     ProtocolError::PromptLenMismatch {
                         request,
-                        registered: reg.prompt_len,
+                        registered,
                         local,
                     },
                 );
@@ -764,14 +867,25 @@ impl Sender {
             }
         }
         let receiver_slice = reg.slice;
-        session.targets[t].registration = Some(reg);
-        self.event(Event::Registered {
+        self.adopt_registration(request, t, reg);
+        self.shell.event(Event::Registered {
             request,
             peer,
             receiver_slice,
         });
         self.issue_pending(now, request, t);
         self.progress(now, request);
+    }
+
+    fn adopt_registration(&mut self, request: RequestId, t: usize, reg: RecvRegistration) {
+        if let Some(target) = self
+            .sessions
+            .get_mut(&request)
+            .and_then(|s| s.targets.get_mut(t))
+        {
+            target.registration = Some(reg);
+            target.on(TargetEvent::Registered);
+        }
     }
 
     /// Plans and hands to the transport every slice target `t` has not been given yet, in order.
@@ -792,7 +906,10 @@ impl Sender {
                 return;
             }
             let peer = target.peer;
-            let Some(remote) = self.peers.remote(peer) else {
+            let (Some(remote), Some(version)) = (
+                self.shell.peers.remote(peer),
+                self.shell.peers.version(peer),
+            ) else {
                 return;
             };
             let slice = &session.slices[k];
@@ -824,7 +941,7 @@ impl Sender {
                 }
             }
             if let Some(error) = error {
-                self.counters.protocol_errors += 1;
+                self.shell.counters.protocol_errors += 1;
                 self.stop_protocol(now, request, peer, error);
                 return;
             }
@@ -864,16 +981,21 @@ impl Sender {
                     slice: k,
                 },
             );
-            self.counters.bytes_planned += bytes;
-            self.counters.write_batches += 1;
-            self.timers.arm(deadline, TimerKey::Request(request));
-            self.outputs.push_back(Output::ExecuteWrites {
+            self.shell.counters.bytes_planned += bytes;
+            self.shell.counters.write_batches += 1;
+            self.shell.timers.arm(deadline, TimerKey::Request(request));
+            self.shell.outputs.push_back(Output::ExecuteWrites {
                 peer,
                 batch,
                 request,
                 slice: slice_id,
                 grant,
                 plan: self.plan_buffer.clone(),
+                headers: DataWriteHeaders {
+                    version,
+                    request,
+                    grant,
+                },
             });
         }
     }
@@ -889,9 +1011,16 @@ impl Sender {
         }
         let mut frames: Vec<(PeerId, Frame)> = Vec::new();
         for target in session.targets.iter_mut() {
+            if !matches!(
+                target.phase,
+                TargetPhase::Streaming | TargetPhase::AwaitingAux
+            ) {
+                continue;
+            }
             let Some(reg) = &target.registration else {
                 continue;
             };
+            let receiver_slice = reg.slice;
             while target.results_sent < target.slices.len()
                 && target.slices[target.results_sent].done
             {
@@ -903,7 +1032,7 @@ impl Sender {
                     Frame::KvResult(KvResult {
                         request,
                         sender_slice: slice.id,
-                        receiver_slice: reg.slice,
+                        receiver_slice,
                         is_last: slice.is_last,
                         status: TransferStatus::Success,
                         bytes_written: ts.bytes,
@@ -911,14 +1040,15 @@ impl Sender {
                 ));
                 target.results_sent += 1;
                 if slice.is_last {
-                    target.last_result_sent = true;
-                    if !session.sends_aux {
-                        target.stop_sent = true;
-                    }
+                    target.on(if session.sends_aux {
+                        TargetEvent::LastResultSent
+                    } else {
+                        TargetEvent::Finished
+                    });
                 }
             }
-            if target.last_result_sent && !target.aux_sent {
-                if let (true, Some(aux)) = (session.sends_aux, &session.aux) {
+            if target.phase == TargetPhase::AwaitingAux {
+                if let Some(aux) = &session.aux {
                     frames.push((
                         target.peer,
                         Frame::AuxResult(AuxResult {
@@ -927,15 +1057,11 @@ impl Sender {
                             data: aux.clone(),
                         }),
                     ));
-                    target.aux_sent = true;
-                    target.stop_sent = true;
+                    target.on(TargetEvent::Finished);
                 }
             }
         }
-        let finished = session
-            .targets
-            .iter()
-            .all(|t| t.last_result_sent && (!session.sends_aux || t.aux_sent));
+        let finished = session.targets.iter().all(|t| t.phase.is_finished());
         let bytes = session.bytes_written;
         let mut transition = None;
         if finished {
@@ -944,21 +1070,25 @@ impl Sender {
                 transition = Some(p);
             }
         }
-        for (peer, frame) in frames {
-            if let Frame::KvResult(r) = &frame {
-                self.counters.results.bump(r.status);
-            }
-            self.send(now, peer, frame);
-        }
+        self.send_frames(now, frames);
         if transition == Some(SendPhase::Completed) {
-            self.counters.completions += 1;
-            self.counters.quiesced += 1;
-            self.event(Event::Completed {
+            self.shell.counters.completions += 1;
+            self.shell.counters.quiesced += 1;
+            self.shell.event(Event::Completed {
                 request,
                 bytes_written: bytes,
                 aux: None,
             });
-            self.event(Event::Quiesced { request });
+            self.shell.event(Event::Quiesced { request });
+        }
+    }
+
+    fn send_frames(&mut self, now: Instant, frames: Vec<(PeerId, Frame)>) {
+        for (peer, frame) in frames {
+            if let Frame::KvResult(r) = &frame {
+                self.shell.counters.results.bump(r.status);
+            }
+            self.shell.send(now, peer, frame);
         }
     }
 
@@ -988,7 +1118,7 @@ impl Sender {
             ts.done = true;
             let bytes = ts.bytes;
             session.bytes_written += bytes;
-            self.counters.bytes_written += bytes;
+            self.shell.counters.bytes_written += bytes;
             if session.phase.is_active() {
                 self.progress(now, r.request);
             } else {
@@ -1034,6 +1164,22 @@ impl Sender {
         if !session.phase.is_active() {
             return Err(UsageError::SessionEnded(request));
         }
+        let frame = Frame::AuxResult(AuxResult {
+            request,
+            status: TransferStatus::Success,
+            data,
+        });
+        let len = frame.body_len() as u64;
+        if len > u64::from(MAX_BODY_LEN) {
+            return Err(UsageError::AuxTooLarge {
+                request,
+                len,
+                max: u64::from(MAX_BODY_LEN),
+            });
+        }
+        let Frame::AuxResult(AuxResult { data, .. }) = frame else {
+            unreachable!("built above")
+        };
         session.aux = Some(data);
         session.aux_deadline = None;
         self.progress(now, request);
@@ -1048,19 +1194,20 @@ impl Sender {
         });
         if self.retired.contains(request) {
             // Nothing of a retired request is in flight: confirm at once.
-            self.send(now, peer, confirm);
+            self.shell.send(now, peer, confirm);
             return;
         }
         let Some(session) = self.sessions.get_mut(&request) else {
             // Not opened yet: nothing is in flight. Confirm, and cancel it when it opens.
-            self.remembered_cancels
+            self.shell
+                .remembered_cancels
                 .insert(request, CancelOrigin::Peer(peer));
             self.pending_registrations.remove(request, peer);
-            self.send(now, peer, confirm);
+            self.shell.send(now, peer, confirm);
             return;
         };
-        let Some(t) = session.targets.iter().position(|t| t.peer == peer) else {
-            self.violation(
+        if !session.targets.iter().any(|t| t.peer == peer) {
+            self.shell.violation(
                 peer,
                 ProtocolError::NotAParticipant {
                     kind: "Cancel",
@@ -1068,31 +1215,24 @@ impl Sender {
                 },
             );
             return;
-        };
+        }
         if session.phase.is_active() {
             self.stop(now, request, Stop::Cancelled(CancelOrigin::Peer(peer)));
-        } else if session.targets[t].inflight == 0 && !session.targets[t].stop_sent {
+        } else {
             self.check_drained(now, request);
         }
     }
 
     fn on_disconnected(&mut self, now: Instant, peer: PeerId) -> Result<(), UsageError> {
-        self.peers.disconnected(peer)?;
+        self.shell.peers.disconnected(peer)?;
         self.pending_registrations.remove_peer(peer);
         // Batches towards the peer can no longer touch memory.
-        let dropped: Vec<WriteBatchId> = self
-            .batches
-            .iter()
-            .filter(|(_, r)| {
-                self.sessions
-                    .get(&r.request)
-                    .is_some_and(|s| s.targets[r.target].peer == peer)
-            })
-            .map(|(b, _)| *b)
-            .collect();
-        for b in dropped {
-            self.batches.remove(&b);
-        }
+        let sessions = &self.sessions;
+        self.batches.retain(|_, r| {
+            sessions
+                .get(&r.request)
+                .is_none_or(|s| s.targets[r.target].peer != peer)
+        });
         let involved: Vec<RequestId> = self
             .sessions
             .iter()
@@ -1101,19 +1241,18 @@ impl Sender {
             .collect();
         for request in involved {
             let session = self.sessions.get_mut(&request).expect("listed");
-            let t = session
+            let target = session
                 .targets
-                .iter()
-                .position(|t| t.peer == peer)
+                .iter_mut()
+                .find(|t| t.peer == peer)
                 .expect("listed");
-            let target = &mut session.targets[t];
-            target.disconnected = true;
+            let finished_here = target.phase.is_finished();
+            target.on(TargetEvent::Disconnected);
             target.inflight = 0;
             for ts in &mut target.slices {
                 ts.deadline = None;
             }
             let receiver_slice = target.receiver_slice();
-            let finished_here = target.stop_sent && target.last_result_sent;
             if session.phase.is_active() && !finished_here {
                 self.stop(
                     now,
@@ -1140,11 +1279,30 @@ impl Sender {
                 s.phase.is_active()
                     && s.targets
                         .iter()
-                        .any(|t| t.peer == peer && !(t.stop_sent && t.last_result_sent))
+                        .any(|t| t.peer == peer && !t.phase.is_finished())
             })
             .map(|(r, _)| *r)
             .collect();
         for request in involved {
+            let why = match why {
+                Stop::Failed {
+                    cause,
+                    peer,
+                    slice,
+                    receiver_slice: None,
+                } => Stop::Failed {
+                    cause,
+                    peer,
+                    slice,
+                    receiver_slice: self.sessions.get(&request).and_then(|s| {
+                        s.targets
+                            .iter()
+                            .find(|t| Some(t.peer) == peer)
+                            .and_then(Target::receiver_slice)
+                    }),
+                },
+                other => other,
+            };
             self.stop(now, request, why);
         }
     }
@@ -1166,7 +1324,7 @@ impl Sender {
             let unregistered = session
                 .targets
                 .iter()
-                .any(|t| t.registration.is_none() && !t.disconnected);
+                .any(|t| t.phase == TargetPhase::AwaitingRegistration);
             if unregistered && session.registration_deadline <= now {
                 self.stop(now, request, Stop::TimedOut(Wait::Registration));
                 return;
@@ -1181,19 +1339,11 @@ impl Sender {
             let fence: Vec<PeerId> = session
                 .targets
                 .iter_mut()
-                .filter(|t| t.inflight > 0 && !t.disconnected && !t.fence_requested)
-                .map(|t| {
-                    t.fence_requested = true;
-                    t.peer
-                })
+                .filter(|t| t.inflight > 0)
+                .filter_map(|t| t.on(TargetEvent::FenceRequested).then_some(t.peer))
                 .collect();
             for peer in fence {
-                self.peers.close(
-                    peer,
-                    CloseReason::QuiesceFence,
-                    &mut self.outputs,
-                    &mut self.counters,
-                );
+                self.shell.close(peer, CloseReason::QuiesceFence);
             }
             return;
         }
@@ -1220,7 +1370,7 @@ impl Sender {
             if session
                 .targets
                 .iter()
-                .any(|t| t.registration.is_none() && !t.disconnected)
+                .any(|t| t.phase == TargetPhase::AwaitingRegistration)
             {
                 consider(Some(session.registration_deadline));
             }
@@ -1228,7 +1378,7 @@ impl Sender {
         } else if session.phase == SendPhase::Stopping {
             consider(session.quiesce_deadline);
         }
-        self.timers.arm_opt(next, TimerKey::Request(request));
+        self.shell.timers.arm_opt(next, TimerKey::Request(request));
     }
 
     fn stop_protocol(
@@ -1244,7 +1394,7 @@ impl Sender {
                 .find(|t| t.peer == peer)
                 .and_then(Target::receiver_slice)
         });
-        self.event(Event::ProtocolViolation { peer, error });
+        self.shell.event(Event::ProtocolViolation { peer, error });
         self.stop(
             now,
             request,
@@ -1314,19 +1464,21 @@ impl Sender {
             for ts in &mut target.slices {
                 ts.deadline = None;
             }
-            if target.disconnected || target.stop_sent {
+            if !target.on(TargetEvent::SessionStopped) {
                 continue;
             }
-            match &target.registration {
-                Some(reg) => {
+            match target.receiver_slice() {
+                Some(receiver_slice) => {
                     let is_last = target.inflight == 0;
-                    target.stop_sent = is_last;
+                    if is_last {
+                        target.on(TargetEvent::TerminalSent);
+                    }
                     frames.push((
                         target.peer,
                         Frame::KvResult(KvResult {
                             request,
                             sender_slice: failed_slice,
-                            receiver_slice: reg.slice,
+                            receiver_slice,
                             is_last,
                             status,
                             bytes_written: 0,
@@ -1334,7 +1486,7 @@ impl Sender {
                     ));
                 }
                 None => {
-                    target.stop_sent = true;
+                    target.on(TargetEvent::TerminalSent);
                     frames.push((
                         target.peer,
                         Frame::Cancel(Cancel {
@@ -1345,20 +1497,17 @@ impl Sender {
                 }
             }
         }
-        self.counters.failures.bump(status);
+        self.shell.counters.failures.bump(status);
         match why {
-            Stop::TimedOut(_) => self.counters.timeouts += 1,
-            Stop::Cancelled(_) => self.counters.cancellations += 1,
+            Stop::TimedOut(_) => self.shell.counters.timeouts += 1,
+            Stop::Cancelled(_) => self.shell.counters.cancellations += 1,
             Stop::Failed { .. } => {}
         }
-        self.event(event);
-        for (peer, frame) in frames {
-            if let Frame::KvResult(r) = &frame {
-                self.counters.results.bump(r.status);
-            }
-            self.send(now, peer, frame);
-        }
-        self.timers.arm(quiesce_at, TimerKey::Request(request));
+        self.shell.event(event);
+        self.send_frames(now, frames);
+        self.shell
+            .timers
+            .arm(quiesce_at, TimerKey::Request(request));
         self.check_drained(now, request);
     }
 
@@ -1378,24 +1527,27 @@ impl Sender {
             .unwrap_or_default();
         let mut frames = Vec::new();
         for target in session.targets.iter_mut() {
-            if target.inflight == 0 && !target.stop_sent && !target.disconnected {
-                target.stop_sent = true;
-                let frame = match &target.registration {
-                    Some(reg) => Frame::KvResult(KvResult {
-                        request,
-                        sender_slice: failed_slice,
-                        receiver_slice: reg.slice,
-                        is_last: true,
-                        status,
-                        bytes_written: 0,
-                    }),
-                    None => Frame::Cancel(Cancel {
-                        request,
-                        reason: status_reason(status),
-                    }),
-                };
-                frames.push((target.peer, frame));
+            if target.inflight > 0
+                || !matches!(target.phase, TargetPhase::Draining | TargetPhase::Fencing)
+            {
+                continue;
             }
+            target.on(TargetEvent::TerminalSent);
+            let frame = match target.receiver_slice() {
+                Some(receiver_slice) => Frame::KvResult(KvResult {
+                    request,
+                    sender_slice: failed_slice,
+                    receiver_slice,
+                    is_last: true,
+                    status,
+                    bytes_written: 0,
+                }),
+                None => Frame::Cancel(Cancel {
+                    request,
+                    reason: status_reason(status),
+                }),
+            };
+            frames.push((target.peer, frame));
         }
         let drained = session.targets.iter().all(|t| t.inflight == 0);
         let mut quiesced = false;
@@ -1406,16 +1558,54 @@ impl Sender {
                 quiesced = true;
             }
         }
-        for (peer, frame) in frames {
-            if let Frame::KvResult(r) = &frame {
-                self.counters.results.bump(r.status);
-            }
-            self.send(now, peer, frame);
-        }
+        self.send_frames(now, frames);
         if quiesced {
-            self.counters.quiesced += 1;
-            self.event(Event::Quiesced { request });
+            self.shell.counters.quiesced += 1;
+            self.shell.event(Event::Quiesced { request });
         }
+    }
+}
+
+impl Endpoint for Sender {
+    fn role(&self) -> Role {
+        Role::Sender
+    }
+
+    fn handle_transport(&mut self, now: Instant, input: TransportInput) -> Result<(), UsageError> {
+        self.handle_input(SenderInput::Transport { now, input })
+    }
+
+    fn admit_write(&mut self, now: Instant, peer: PeerId, header: &[u8]) -> Admission {
+        let input = TransportInput::WriteArrived {
+            peer,
+            header: bytes::Bytes::copy_from_slice(header),
+        };
+        let _ = self.handle_transport(now, input);
+        Admission::Refuse(WriteRefusal::NotAccepted)
+    }
+
+    fn poll_output(&mut self) -> Option<Output> {
+        Sender::poll_output(self)
+    }
+
+    fn poll_timeout(&mut self) -> Option<Instant> {
+        Sender::poll_timeout(self)
+    }
+
+    fn counters(&self) -> &Counters {
+        Sender::counters(self)
+    }
+
+    fn is_peer_ready(&self, peer: PeerId) -> bool {
+        Sender::is_peer_ready(self, peer)
+    }
+
+    fn peer_count(&self) -> usize {
+        Sender::peer_count(self)
+    }
+
+    fn session_count(&self) -> usize {
+        Sender::session_count(self)
     }
 }
 

@@ -180,6 +180,250 @@ impl RecvEvent {
     ];
 }
 
+/// Phase of one connected peer, on either endpoint.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum PeerPhase {
+    /// Connected; the Hellos are being exchanged.
+    Handshaking,
+    /// The handshake succeeded: session frames flow.
+    Ready,
+    /// The handshake was refused (by either side); waiting for the transport's disconnect.
+    Rejected,
+    /// This endpoint asked the transport to close the peer; nothing from it is accepted.
+    Closing,
+}
+
+/// Something that moves a peer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum PeerEvent {
+    /// The peer's Hello was accepted.
+    HelloAccepted,
+    /// The handshake was refused by either side.
+    Rejected,
+    /// The endpoint asks the transport to close the peer.
+    Close,
+}
+
+impl PeerPhase {
+    /// Every phase, in table order.
+    pub const ALL: [PeerPhase; 4] = [
+        PeerPhase::Handshaking,
+        PeerPhase::Ready,
+        PeerPhase::Rejected,
+        PeerPhase::Closing,
+    ];
+
+    /// Applies `event`.
+    pub fn on(self, event: PeerEvent) -> Transition<PeerPhase> {
+        use PeerEvent as E;
+        use PeerPhase as P;
+        use Transition::{Ignored, To};
+        match (self, event) {
+            (P::Handshaking, E::HelloAccepted) => To(P::Ready),
+            (P::Handshaking | P::Ready, E::Rejected) => To(P::Rejected),
+            (P::Handshaking | P::Ready, E::Close) => To(P::Closing),
+            (P::Ready, E::HelloAccepted) => Ignored,
+            (P::Rejected | P::Closing, _) => Ignored,
+        }
+    }
+}
+
+impl PeerEvent {
+    /// Every event, in table order.
+    pub const ALL: [PeerEvent; 3] = [PeerEvent::HelloAccepted, PeerEvent::Rejected, PeerEvent::Close];
+}
+
+/// Phase of one receiver within a sender session (the sender's view of a target).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum TargetPhase {
+    /// The receiver's registration has not arrived; slices queue for it.
+    AwaitingRegistration,
+    /// Registered: slices are written and their results sent in order.
+    Streaming,
+    /// The last successful result went out; the aux data is still to be sent.
+    AwaitingAux,
+    /// Everything went out (the last result, and the aux data if this rank sends it).
+    Finished,
+    /// The session stopped; the terminal frame waits until no batch towards the receiver is in
+    /// flight.
+    Draining,
+    /// The terminal frame (a failed last result or a cancel) went out.
+    Stopped,
+    /// Still draining after the quiesce deadline: the transport was asked to close the peer.
+    Fencing,
+    /// The peer was reported disconnected.
+    Gone,
+}
+
+/// Something that moves a target.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum TargetEvent {
+    /// The receiver's registration arrived.
+    Registered,
+    /// The last slice's successful result went out and the aux data is still due.
+    LastResultSent,
+    /// The last successful result (and the aux data, if due) went out.
+    Finished,
+    /// The session stopped (failure, timeout, cancel).
+    SessionStopped,
+    /// The terminal frame went out.
+    TerminalSent,
+    /// The quiesce deadline passed with batches in flight; the peer is being closed.
+    FenceRequested,
+    /// The transport reported the peer disconnected.
+    Disconnected,
+}
+
+impl TargetPhase {
+    /// Every phase, in table order.
+    pub const ALL: [TargetPhase; 8] = [
+        TargetPhase::AwaitingRegistration,
+        TargetPhase::Streaming,
+        TargetPhase::AwaitingAux,
+        TargetPhase::Finished,
+        TargetPhase::Draining,
+        TargetPhase::Stopped,
+        TargetPhase::Fencing,
+        TargetPhase::Gone,
+    ];
+
+    /// Applies `event`.
+    pub fn on(self, event: TargetEvent) -> Transition<TargetPhase> {
+        use TargetEvent as E;
+        use TargetPhase as P;
+        use Transition::{Ignored, Refused, To};
+        match (self, event) {
+            (_, E::Disconnected) => To(P::Gone),
+            (P::Gone, _) => Ignored,
+            (P::AwaitingRegistration, E::Registered) => To(P::Streaming),
+            (_, E::Registered) => Refused,
+            (P::Streaming, E::LastResultSent) => To(P::AwaitingAux),
+            (P::Streaming | P::AwaitingAux, E::Finished) => To(P::Finished),
+            (_, E::LastResultSent | E::Finished) => Refused,
+            (P::AwaitingRegistration | P::Streaming | P::AwaitingAux, E::SessionStopped) => {
+                To(P::Draining)
+            }
+            (P::Finished | P::Draining | P::Stopped | P::Fencing, E::SessionStopped) => Ignored,
+            (P::Draining | P::Fencing, E::TerminalSent) => To(P::Stopped),
+            // A receiver registering after the session ended hears of it at once.
+            (P::AwaitingRegistration, E::TerminalSent) => To(P::Stopped),
+            (_, E::TerminalSent) => Refused,
+            (P::Draining, E::FenceRequested) => To(P::Fencing),
+            (_, E::FenceRequested) => Ignored,
+        }
+    }
+
+    /// Whether this receiver got everything the session had for it (a later loss of the peer
+    /// does not fail the session).
+    pub fn is_finished(self) -> bool {
+        self == TargetPhase::Finished
+    }
+
+    /// Whether nothing more goes to this receiver for the request.
+    pub fn is_done(self) -> bool {
+        matches!(
+            self,
+            TargetPhase::Finished | TargetPhase::Stopped | TargetPhase::Gone
+        )
+    }
+}
+
+impl TargetEvent {
+    /// Every event, in table order.
+    pub const ALL: [TargetEvent; 7] = [
+        TargetEvent::Registered,
+        TargetEvent::LastResultSent,
+        TargetEvent::Finished,
+        TargetEvent::SessionStopped,
+        TargetEvent::TerminalSent,
+        TargetEvent::FenceRequested,
+        TargetEvent::Disconnected,
+    ];
+}
+
+/// Phase of one writer within a receiver session (the receiver's view of a sender rank).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum WriterPhase {
+    /// The registration has not been sent to the writer yet (its handshake is pending).
+    Unregistered,
+    /// The writer has the registration; results are counted.
+    Registered,
+    /// A successful last result arrived (the writer stopped writing).
+    Done,
+    /// The writer confirmed it stopped without finishing (a failed last result or a cancel),
+    /// never got the registration before the session ended, or is gone.
+    Stopped,
+    /// The quiesce deadline passed before the writer confirmed; the peer is being closed.
+    Fencing,
+}
+
+/// Something that moves a writer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum WriterEvent {
+    /// The registration was sent to the writer.
+    RegistrationSent,
+    /// A successful last result arrived.
+    LastResult,
+    /// A failed last result or a cancel arrived: the writer stopped.
+    Confirmed,
+    /// The session stopped.
+    SessionStopped,
+    /// The quiesce deadline passed before the writer confirmed.
+    FenceRequested,
+    /// The transport reported the writer disconnected.
+    Disconnected,
+}
+
+impl WriterPhase {
+    /// Every phase, in table order.
+    pub const ALL: [WriterPhase; 5] = [
+        WriterPhase::Unregistered,
+        WriterPhase::Registered,
+        WriterPhase::Done,
+        WriterPhase::Stopped,
+        WriterPhase::Fencing,
+    ];
+
+    /// Applies `event`.
+    pub fn on(self, event: WriterEvent) -> Transition<WriterPhase> {
+        use Transition::{Ignored, Refused, To};
+        use WriterEvent as E;
+        use WriterPhase as P;
+        match (self, event) {
+            (P::Unregistered, E::RegistrationSent) => To(P::Registered),
+            (_, E::RegistrationSent) => Refused,
+            (P::Registered, E::LastResult) => To(P::Done),
+            (_, E::LastResult) => Ignored,
+            (P::Registered | P::Fencing, E::Confirmed) => To(P::Stopped),
+            (P::Unregistered | P::Done | P::Stopped, E::Confirmed) => Ignored,
+            // A writer that never got the registration cannot write: nothing to wait for.
+            (P::Unregistered, E::SessionStopped) => To(P::Stopped),
+            (_, E::SessionStopped) => Ignored,
+            (P::Registered, E::FenceRequested) => To(P::Fencing),
+            (_, E::FenceRequested) => Ignored,
+            (P::Done, E::Disconnected) => Ignored,
+            (_, E::Disconnected) => To(P::Stopped),
+        }
+    }
+
+    /// Whether the writer can no longer write into the request's memory.
+    pub fn has_stopped(self) -> bool {
+        matches!(self, WriterPhase::Done | WriterPhase::Stopped)
+    }
+}
+
+impl WriterEvent {
+    /// Every event, in table order.
+    pub const ALL: [WriterEvent; 6] = [
+        WriterEvent::RegistrationSent,
+        WriterEvent::LastResult,
+        WriterEvent::Confirmed,
+        WriterEvent::SessionStopped,
+        WriterEvent::FenceRequested,
+        WriterEvent::Disconnected,
+    ];
+}
+
 impl<P: fmt::Debug> fmt::Display for Transition<P> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
@@ -202,7 +446,7 @@ fn table<P: Copy + fmt::Debug, E: Copy + fmt::Debug>(
         for &e in events {
             let _ = writeln!(
                 out,
-                "  {:<10} + {:<9} {}",
+                "  {:<20} + {:<16} {}",
                 format!("{p:?}"),
                 format!("{e:?}"),
                 on(p, e)
@@ -226,6 +470,27 @@ pub fn transition_table() -> String {
         "receiver",
         &RecvPhase::ALL,
         &RecvEvent::ALL,
+        |p, e| p.on(e).to_string(),
+    );
+    table(
+        &mut out,
+        "peer (either endpoint)",
+        &PeerPhase::ALL,
+        &PeerEvent::ALL,
+        |p, e| p.on(e).to_string(),
+    );
+    table(
+        &mut out,
+        "sender target (one receiver of a request)",
+        &TargetPhase::ALL,
+        &TargetEvent::ALL,
+        |p, e| p.on(e).to_string(),
+    );
+    table(
+        &mut out,
+        "receiver writer (one sender rank of a request)",
+        &WriterPhase::ALL,
+        &WriterEvent::ALL,
         |p, e| p.on(e).to_string(),
     );
     out

@@ -254,6 +254,9 @@ impl VersionRange {
     }
 }
 
+/// Encoded length of a [`DataWrite`] frame, header and body (the payload follows it).
+pub const DATA_WRITE_FRAME_LEN: usize = HEADER_LEN + fixed_len::DATA_WRITE as usize;
+
 /// Longest [`HelloReject::message`] in bytes.
 pub const MAX_REJECT_MESSAGE: usize = u16::MAX as usize;
 

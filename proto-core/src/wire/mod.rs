@@ -31,7 +31,7 @@ pub mod handshake;
 mod header;
 pub mod samples;
 
-pub use codec::MAX_REJECT_MESSAGE;
+pub use codec::{DATA_WRITE_FRAME_LEN, MAX_REJECT_MESSAGE};
 pub use error::{DecodeError, EncodeError, Malformation};
 pub use frame::*;
 pub use handshake::{compat_hash, negotiate};

@@ -1,0 +1,236 @@
+//! Write grants on the receiver: which destination bytes a registered request may receive
+//! ([`GrantedExtents`]) and the admitted data writes still being applied
+//! ([`WritesInFlight`]), so the receiver can answer every incoming write from its own
+//! registrations and never hand memory back while a write may still land in it.
+
+use std::collections::BTreeMap;
+
+use crate::blocks::AnchoredRun;
+use crate::ids::{PeerId, RegionId, RequestId};
+use crate::layout::LayerGroupLayout;
+
+use super::transport::WriteTicket;
+
+/// A request's granted byte ranges, sorted and merged: `(region, start, end)`.
+///
+/// For every id run `[first, first + len)` of group `g` and every pool of `g`, the bytes
+/// `[first * slot_bytes, (first + len) * slot_bytes)` of the pool's region.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct GrantedExtents {
+    ranges: Vec<(RegionId, u64, u64)>,
+}
+
+impl GrantedExtents {
+    /// The extents granted by `groups` (one anchored run per layer group) over `layout`.
+    /// Groups or ranges that overflow are skipped (nothing is granted for them).
+    pub fn compute(layout: &[LayerGroupLayout], groups: &[AnchoredRun]) -> Self {
+        let mut ranges = Vec::new();
+        for (g, run) in groups.iter().enumerate() {
+            let Some(group) = layout.get(g) else { continue };
+            for id_run in &run.runs {
+                for pool in &group.pools {
+                    let start = u64::from(id_run.first.0).checked_mul(pool.slot_bytes);
+                    let end = (u64::from(id_run.first.0) + u64::from(id_run.len))
+                        .checked_mul(pool.slot_bytes);
+                    if let (Some(start), Some(end)) = (start, end) {
+                        if start < end {
+                            ranges.push((pool.region, start, end));
+                        }
+                    }
+                }
+            }
+        }
+        ranges.sort_unstable();
+        let mut merged: Vec<(RegionId, u64, u64)> = Vec::with_capacity(ranges.len());
+        for r in ranges {
+            match merged.last_mut() {
+                Some(last) if last.0 == r.0 && r.1 <= last.2 => last.2 = last.2.max(r.2),
+                _ => merged.push(r),
+            }
+        }
+        GrantedExtents { ranges: merged }
+    }
+
+    /// Whether `[offset, offset + len)` of `region` lies inside one granted extent.
+    pub fn contains(&self, region: RegionId, offset: u64, len: u64) -> bool {
+        let Some(end) = offset.checked_add(len) else {
+            return false;
+        };
+        // The last range starting at or before (region, offset).
+        let idx = self
+            .ranges
+            .partition_point(|&(r, s, _)| (r, s) <= (region, offset));
+        idx > 0 && {
+            let (r, s, e) = self.ranges[idx - 1];
+            r == region && s <= offset && end <= e
+        }
+    }
+
+    /// The merged ranges.
+    pub fn ranges(&self) -> &[(RegionId, u64, u64)] {
+        &self.ranges
+    }
+
+    /// Total granted bytes.
+    pub fn total_bytes(&self) -> u64 {
+        self.ranges.iter().map(|&(_, s, e)| e - s).sum()
+    }
+}
+
+/// One admitted write being applied.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Flight {
+    pub(crate) request: RequestId,
+    pub(crate) peer: PeerId,
+    pub(crate) region: RegionId,
+    pub(crate) offset: u64,
+    pub(crate) len: u64,
+}
+
+/// The admitted writes not reported finished yet. No two overlap, so a transport may hold one
+/// `&mut [u8]` per write.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct WritesInFlight {
+    /// Destination start → (destination end, ticket).
+    by_dest: BTreeMap<(RegionId, u64), (u64, WriteTicket)>,
+    by_ticket: BTreeMap<WriteTicket, Flight>,
+    next: u64,
+}
+
+impl WritesInFlight {
+    /// Whether `[offset, end)` of `region` overlaps a write in flight.
+    pub(crate) fn overlaps(&self, region: RegionId, offset: u64, end: u64) -> bool {
+        // Writes in flight are disjoint: only the last one starting before `end` can reach
+        // past `offset`.
+        self.by_dest
+            .range((region, 0)..(region, end))
+            .next_back()
+            .is_some_and(|(_, &(e, _))| e > offset)
+    }
+
+    /// Records an admitted write and returns its ticket. The caller checked for overlaps.
+    pub(crate) fn admit(&mut self, flight: Flight) -> WriteTicket {
+        let ticket = WriteTicket(self.next);
+        self.next += 1;
+        self.by_dest.insert(
+            (flight.region, flight.offset),
+            (flight.offset + flight.len, ticket),
+        );
+        self.by_ticket.insert(ticket, flight);
+        ticket
+    }
+
+    /// Forgets a finished write.
+    pub(crate) fn finish(&mut self, ticket: WriteTicket) -> Option<Flight> {
+        let flight = self.by_ticket.remove(&ticket)?;
+        self.by_dest.remove(&(flight.region, flight.offset));
+        Some(flight)
+    }
+
+    /// Whether `ticket` was ever issued.
+    pub(crate) fn issued(&self, ticket: WriteTicket) -> bool {
+        ticket.0 < self.next
+    }
+
+    /// Forgets every write of `peer` (it was reported disconnected: none of them still
+    /// applies) and returns them.
+    pub(crate) fn remove_peer(&mut self, peer: PeerId) -> Vec<Flight> {
+        let gone: Vec<WriteTicket> = self
+            .by_ticket
+            .iter()
+            .filter(|(_, f)| f.peer == peer)
+            .map(|(t, _)| *t)
+            .collect();
+        gone.into_iter().filter_map(|t| self.finish(t)).collect()
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.by_ticket.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ids::BlockId;
+    use crate::layout::PoolLayout;
+    use smallvec::smallvec;
+
+    fn layout() -> Vec<LayerGroupLayout> {
+        vec![LayerGroupLayout {
+            layers: 2,
+            kv_factor: 2,
+            kv_heads: 1,
+            head_dim: 2,
+            elem_bytes: 1,
+            tokens_per_block: 4,
+            window: None,
+            block_layout: Default::default(),
+            pools: smallvec![
+                PoolLayout {
+                    region: RegionId(1),
+                    layer_begin: 0,
+                    layers: 1,
+                    slot_bytes: 16
+                },
+                PoolLayout {
+                    region: RegionId(2),
+                    layer_begin: 1,
+                    layers: 1,
+                    slot_bytes: 16
+                },
+            ],
+        }]
+    }
+
+    #[test]
+    fn extents_follow_runs_and_pools() {
+        let run = AnchoredRun::from_ids(3, &[5, 6, 7, 2].map(BlockId));
+        let g = GrantedExtents::compute(&layout(), &[run]);
+        assert_eq!(
+            g.ranges(),
+            &[
+                (RegionId(1), 32, 48),
+                (RegionId(1), 80, 128),
+                (RegionId(2), 32, 48),
+                (RegionId(2), 80, 128)
+            ]
+        );
+        assert!(g.contains(RegionId(1), 80, 48));
+        assert!(g.contains(RegionId(2), 100, 28));
+        assert!(!g.contains(RegionId(1), 80, 49));
+        assert!(!g.contains(RegionId(1), 48, 1));
+        assert!(!g.contains(RegionId(1), 31, 2));
+        assert!(!g.contains(RegionId(3), 80, 1));
+        assert!(!g.contains(RegionId(1), u64::MAX, 2));
+        assert_eq!(g.total_bytes(), 128);
+    }
+
+    #[test]
+    fn writes_in_flight_never_overlap() {
+        let mut w = WritesInFlight::default();
+        let f = |region, offset, len| Flight {
+            request: RequestId(1),
+            peer: PeerId(1),
+            region: RegionId(region),
+            offset,
+            len,
+        };
+        assert!(!w.overlaps(RegionId(1), 100, 200));
+        let a = w.admit(f(1, 100, 100));
+        assert!(w.overlaps(RegionId(1), 150, 160));
+        assert!(w.overlaps(RegionId(1), 0, 101));
+        assert!(w.overlaps(RegionId(1), 199, 300));
+        assert!(!w.overlaps(RegionId(1), 200, 300));
+        assert!(!w.overlaps(RegionId(1), 0, 100));
+        assert!(!w.overlaps(RegionId(2), 100, 200));
+        let b = w.admit(f(1, 300, 10));
+        assert!(w.overlaps(RegionId(1), 250, 301));
+        assert_eq!(w.len(), 2);
+        assert_eq!(w.finish(a).map(|x| x.offset), Some(100));
+        assert!(!w.overlaps(RegionId(1), 100, 200));
+        assert!(w.issued(a) && w.issued(b) && !w.issued(WriteTicket(9)));
+        assert_eq!(w.remove_peer(PeerId(1)).len(), 1);
+        assert_eq!(w.len(), 0);
+    }
+}

@@ -1,0 +1,121 @@
+//! What both endpoints hold around their sessions: the peers (handshake, codec, liveness), the
+//! timers, the output queue, the counters and the remembered cancels — and the handling of the
+//! transport inputs that do not depend on the role.
+
+use std::collections::VecDeque;
+
+use bytes::Bytes;
+
+use super::config::Deadlines;
+use super::peers::{PeerExpiry, PeerTable, Route};
+use super::remembered::Remembered;
+use super::timers::{TimerKey, Timers};
+use super::{CancelOrigin, CloseReason, Counters, Event, Output, ProtocolError, UsageError};
+use crate::ids::{PeerId, RequestId};
+use crate::time::Instant;
+use crate::wire::{Frame, Hello};
+
+/// A deadline that passed and concerns the role's sessions.
+pub(crate) enum Due {
+    /// The peer's handshake did not finish in time (it is being closed).
+    Handshake(PeerId),
+    /// Nothing arrived from the peer for the liveness timeout: fail the sessions that need it.
+    Liveness(PeerId),
+    /// One of the request's deadlines may have passed.
+    Request(RequestId),
+}
+
+#[derive(Debug)]
+pub(crate) struct Shell {
+    pub(crate) peers: PeerTable,
+    pub(crate) timers: Timers,
+    pub(crate) outputs: VecDeque<Output>,
+    pub(crate) counters: Counters,
+    /// Cancels for requests not opened or registered yet (oldest forgotten first).
+    pub(crate) remembered_cancels: Remembered<CancelOrigin>,
+}
+
+impl Shell {
+    pub(crate) fn new(local: Hello, deadlines: Deadlines, max_remembered_cancels: usize) -> Self {
+        Shell {
+            peers: PeerTable::new(local, deadlines),
+            timers: Timers::default(),
+            outputs: VecDeque::new(),
+            counters: Counters::default(),
+            remembered_cancels: Remembered::new(max_remembered_cancels),
+        }
+    }
+
+    /// Queues `frame` for `peer` (encoded at its version). Returns false if it could not be
+    /// encoded; the caller fails what depended on it.
+    pub(crate) fn send(&mut self, now: Instant, peer: PeerId, frame: Frame) -> bool {
+        self.peers
+            .transmit(now, peer, frame, &mut self.outputs, &mut self.counters)
+    }
+
+    pub(crate) fn event(&mut self, event: Event) {
+        self.outputs.push_back(Output::Event(event));
+    }
+
+    pub(crate) fn violation(&mut self, peer: PeerId, error: ProtocolError) {
+        self.counters.protocol_errors += 1;
+        self.event(Event::ProtocolViolation { peer, error });
+    }
+
+    pub(crate) fn close(&mut self, peer: PeerId, reason: CloseReason) {
+        self.peers
+            .close(peer, reason, &mut self.outputs, &mut self.counters);
+    }
+
+    pub(crate) fn connected(&mut self, now: Instant, peer: PeerId) -> Result<(), UsageError> {
+        self.peers.connected(
+            now,
+            peer,
+            &mut self.outputs,
+            &mut self.counters,
+            &mut self.timers,
+        )
+    }
+
+    /// Decodes one frame from `peer` and handles what the connection layer owns.
+    pub(crate) fn frame(
+        &mut self,
+        now: Instant,
+        peer: PeerId,
+        bytes: &Bytes,
+    ) -> Result<Route, UsageError> {
+        self.peers.on_bytes(
+            now,
+            peer,
+            bytes,
+            &mut self.outputs,
+            &mut self.counters,
+            &mut self.timers,
+        )
+    }
+
+    /// Fires the due timers: peers' deadlines here, request deadlines for the role.
+    pub(crate) fn due(&mut self, now: Instant) -> Vec<Due> {
+        let mut out = Vec::new();
+        for key in self.timers.due(now) {
+            match key {
+                TimerKey::Peer(peer) => {
+                    let expiry = self.peers.on_timeout(
+                        now,
+                        peer,
+                        &mut self.outputs,
+                        &mut self.counters,
+                        &mut self.timers,
+                    );
+                    match expiry {
+                        PeerExpiry::None => {}
+                        PeerExpiry::Handshake => out.push(Due::Handshake(peer)),
+                        PeerExpiry::Liveness => out.push(Due::Liveness(peer)),
+                    }
+                }
+                TimerKey::Request(request) => out.push(Due::Request(request)),
+            }
+        }
+        out
+    }
+}
