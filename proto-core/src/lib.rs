@@ -9,26 +9,32 @@
 //!
 //! ## The run loop
 //!
-//! A transport owns the sockets, the memory and the clock. Whenever something happens it hands
-//! the endpoint one input carrying `now` ([`SenderInput`], [`ReceiverInput`], or the named
-//! methods such as [`Sender::submit_chunk`] and [`Receiver::register`]), then drains
-//! `poll_output()` until it returns `None` and carries out each [`Output`]:
+//! A transport owns the sockets, the memory and the clock, and drives both endpoints the same
+//! way ([`Endpoint`]; `docs/TRANSPORT.md` is the whole contract). Whenever something happens it
+//! hands the endpoint one input carrying `now` — a [`TransportInput`] (a peer connected, the
+//! bytes of a frame arrived, a write batch completed, the timer fired), or an engine command
+//! ([`Sender::open_request`], [`Sender::submit_chunk`], [`Receiver::register`], …, each sugar
+//! for a [`SenderInput`] / [`ReceiverInput`]) — then drains `poll_output()` until it returns
+//! `None` and carries out each [`Output`]:
 //!
-//! - [`Output::Transmit`]: encode the frame and send it to the peer;
+//! - [`Output::Transmit`]: send its `bytes` (encoded at the negotiated version) to the peer;
 //! - [`Output::ExecuteWrites`] (sender): copy the plan's extents into the receiver's memory,
-//!   then report [`SenderInput::WritesCompleted`] or [`SenderInput::WritesFailed`];
-//! - [`Output::ClosePeer`]: tear the connection down, then report the disconnect;
+//!   then report [`TransportInput::WritesCompleted`] or [`TransportInput::WritesFailed`]. A
+//!   receiving transport that applies the bytes itself asks [`Receiver::admit_write`] for each
+//!   and reports [`TransportInput::WriteFinished`] when it landed;
+//! - [`Output::ClosePeer`]: flush what was sent before, tear the connection down, then report
+//!   [`TransportInput::PeerDisconnected`];
 //! - [`Output::Event`]: hand it to the engine ([`Event::Quiesced`] means the request's blocks
 //!   may be freed).
 //!
-//! Finally it arms a timer for `poll_timeout()` and delivers `Timeout { now }` when it fires
-//! (early is harmless). The example drives one sender and one receiver by hand through a
-//! two-chunk transfer; a real transport does the same with sockets and a clock.
+//! Finally it arms a timer for `poll_timeout()` and delivers [`TransportInput::Timeout`] when
+//! it fires (early is harmless). The example drives one sender and one receiver by hand through
+//! a two-chunk transfer; a real transport does the same with sockets and a clock.
 //!
 //! ```
 //! use kvpipe_core::session::{
-//!     LocalHello, Registration, SendRequest, Sender, SenderConfig, Receiver, ReceiverConfig,
-//!     ReceiverInput, SenderInput, Event, Output,
+//!     Admission, LocalHello, Registration, SendRequest, Sender, SenderConfig, Receiver,
+//!     ReceiverConfig, Event, Output, TransportInput,
 //! };
 //! use kvpipe_core::wire::{AuxData, Topology};
 //! use kvpipe_core::{
@@ -71,13 +77,22 @@
 //!         while let Some(out) = s.poll_output() {
 //!             idle = false;
 //!             match out {
-//!                 Output::Transmit { frame, .. } => r
-//!                     .handle_input(ReceiverInput::FrameReceived { now, peer: PeerId(0), frame })
+//!                 Output::Transmit { bytes, .. } => r
+//!                     .handle_transport(now, TransportInput::FrameReceived { peer: PeerId(0), bytes })
 //!                     .unwrap(),
-//!                 // A transport copies `plan.extents()` here; this one pretends it did.
-//!                 Output::ExecuteWrites { batch, .. } => s
-//!                     .handle_input(SenderInput::WritesCompleted { now, batch })
-//!                     .unwrap(),
+//!                 Output::ExecuteWrites { batch, plan, headers, .. } => {
+//!                     // A byte-stream transport sends each extent behind its header; the
+//!                     // receiving side asks for admission, copies, and reports it landed.
+//!                     for e in plan.extents() {
+//!                         let header = headers.encode(e.dst_region, e.dst_offset, e.len);
+//!                         let Admission::Apply { ticket, .. } = r.admit_write(now, PeerId(0), &header)
+//!                             else { panic!("inside the grant") };
+//!                         // (copy e.len bytes here)
+//!                         r.handle_transport(now, TransportInput::WriteFinished { ticket, landed: true })
+//!                             .unwrap();
+//!                     }
+//!                     s.handle_transport(now, TransportInput::WritesCompleted { batch }).unwrap();
+//!                 }
 //!                 Output::Event(e) => events.push(e),
 //!                 Output::ClosePeer { .. } => unreachable!("nothing fails here"),
 //!             }
@@ -85,8 +100,8 @@
 //!         while let Some(out) = r.poll_output() {
 //!             idle = false;
 //!             match out {
-//!                 Output::Transmit { frame, .. } => s
-//!                     .handle_input(SenderInput::FrameReceived { now, peer: PeerId(1), frame })
+//!                 Output::Transmit { bytes, .. } => s
+//!                     .handle_transport(now, TransportInput::FrameReceived { peer: PeerId(1), bytes })
 //!                     .unwrap(),
 //!                 Output::Event(e) => events.push(e),
 //!                 _ => unreachable!("a receiver only transmits and reports"),
@@ -99,8 +114,8 @@
 //! let mut events = Vec::new();
 //! let mut now = Instant::from_millis(1);
 //! // Connect: both sides send a Hello and check the other's.
-//! sender.handle_input(SenderInput::PeerConnected { now, peer: to_receiver }).unwrap();
-//! receiver.handle_input(ReceiverInput::PeerConnected { now, peer: to_sender }).unwrap();
+//! sender.handle_transport(now, TransportInput::PeerConnected { peer: to_receiver }).unwrap();
+//! receiver.handle_transport(now, TransportInput::PeerConnected { peer: to_sender }).unwrap();
 //! pump(now, &mut sender, &mut receiver, &mut events);
 //! assert!(sender.is_peer_ready(to_receiver) && receiver.is_peer_ready(to_sender));
 //!
@@ -126,7 +141,7 @@
 //! sender.submit_chunk(now, request, chunk(8, 16, true), &mut Cache).unwrap();
 //! // The first generated token travels inline after the KV.
 //! let aux = AuxData { prompt_tokens: 16, cached_tokens: 0, first_tokens: vec![7], draft_tokens: vec![] };
-//! sender.handle_input(SenderInput::AuxSubmitted { now, request, data: aux }).unwrap();
+//! sender.submit_aux(now, request, aux).unwrap();
 //! pump(now, &mut sender, &mut receiver, &mut events);
 //!
 //! // Both sides completed, then quiesced: the blocks may be freed and the request retired.
@@ -137,6 +152,7 @@
 //! sender.retire(now, request).unwrap();
 //! receiver.retire(now, request).unwrap();
 //! assert_eq!(sender.counters().bytes_written, 4 * 128);
+//! assert_eq!(receiver.counters().bytes_landed, 4 * 128);
 //! // Nothing is pending but the heartbeats' deadline.
 //! assert!(sender.poll_timeout().is_some());
 //! ```

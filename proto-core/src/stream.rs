@@ -92,8 +92,14 @@ pub enum StreamEnd {
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum State {
-    Header { filled: usize },
-    Body { total: usize, filled: usize, data: bool },
+    Header {
+        filled: usize,
+    },
+    Body {
+        total: usize,
+        filled: usize,
+        data: bool,
+    },
     AwaitingAdmission,
     Payload {
         ticket: WriteTicket,
@@ -101,7 +107,9 @@ enum State {
         offset: u64,
         left: u64,
     },
-    Discard { left: u64 },
+    Discard {
+        left: u64,
+    },
     Stopped,
 }
 
@@ -461,7 +469,13 @@ mod tests {
         let mut r = StreamReader::new();
         let mut garbage = [0u8; HEADER_LEN];
         garbage[..4].copy_from_slice(b"HTTP");
-        let err = feed(&mut r, &garbage, 64, &mut |_| unreachable!(), &mut Vec::new());
+        let err = feed(
+            &mut r,
+            &garbage,
+            64,
+            &mut |_| unreachable!(),
+            &mut Vec::new(),
+        );
         assert!(matches!(err, Err(StreamError::Header(_))));
         // A Hello header announcing the largest body, followed by one byte: the reader holds a
         // buffer of one step, not the announced length.

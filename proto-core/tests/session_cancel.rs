@@ -223,13 +223,16 @@ fn peer_cancel_before_the_request_exists_is_remembered() {
     net.connect(0, 0);
     net.pump();
     net.receivers[0]
-        .handle_input(ReceiverInput::FrameReceived {
+        .handle_input(ReceiverInput::Transport {
             now,
-            peer: tx_peer(0),
-            frame: Frame::Cancel(Cancel {
-                request: R,
-                reason: CancelReason::Engine,
-            }),
+            input: kvpipe_core::session::TransportInput::FrameReceived {
+                peer: tx_peer(0),
+                bytes: kvpipe_core::wire::Frame::to_bytes(&Frame::Cancel(Cancel {
+                    request: R,
+                    reason: CancelReason::Engine,
+                }))
+                .unwrap(),
+            },
         })
         .unwrap();
     net.register(0, registration(R, 16, &[0]));

@@ -195,7 +195,7 @@ fn aux_usage_errors_leave_the_session_unchanged() {
     let now = net.now;
     let data = kvpipe_core::wire::AuxData::default();
     assert_eq!(
-        net.senders[0].handle_input(SenderInput::AuxSubmitted {
+        net.senders[0].handle_input(SenderInput::Aux {
             now,
             request: R,
             data: data.clone()
@@ -203,7 +203,7 @@ fn aux_usage_errors_leave_the_session_unchanged() {
         Err(UsageError::AuxNotExpected(R))
     );
     assert_eq!(
-        net.senders[0].handle_input(SenderInput::AuxSubmitted {
+        net.senders[0].handle_input(SenderInput::Aux {
             now,
             request: RequestId(99),
             data: data.clone()
@@ -212,14 +212,14 @@ fn aux_usage_errors_leave_the_session_unchanged() {
     );
     net.open(0, send_request(RequestId(4), &[0]));
     net.senders[0]
-        .handle_input(SenderInput::AuxSubmitted {
+        .handle_input(SenderInput::Aux {
             now,
             request: RequestId(4),
             data: data.clone(),
         })
         .unwrap();
     assert_eq!(
-        net.senders[0].handle_input(SenderInput::AuxSubmitted {
+        net.senders[0].handle_input(SenderInput::Aux {
             now,
             request: RequestId(4),
             data

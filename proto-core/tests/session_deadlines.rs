@@ -161,10 +161,16 @@ fn early_timeout_is_a_no_op() {
     let before = net.log.len();
     let now = net.now;
     net.senders[0]
-        .handle_input(SenderInput::Timeout { now })
+        .handle_input(SenderInput::Transport {
+            now,
+            input: kvpipe_core::session::TransportInput::Timeout,
+        })
         .unwrap();
     net.receivers[0]
-        .handle_input(ReceiverInput::Timeout { now })
+        .handle_input(ReceiverInput::Transport {
+            now,
+            input: kvpipe_core::session::TransportInput::Timeout,
+        })
         .unwrap();
     net.pump();
     assert_eq!(net.log.len(), before);

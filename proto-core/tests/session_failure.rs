@@ -5,7 +5,8 @@ mod session_support;
 
 use kvpipe_core::session::state::{RecvPhase, SendPhase};
 use kvpipe_core::session::{
-    Event, Output, ProtocolError, ReceiverInput, SenderInput, UsageError, WriteBatchId,
+    Admission, Event, Output, ProtocolError, ReceiverInput, SenderInput, UsageError, WriteBatchId,
+    WriteRefusal,
 };
 use kvpipe_core::wire::{Frame, KvResult, TransferStatus};
 use kvpipe_core::{ReceiverSliceId, RequestId, SenderSliceId};
@@ -115,17 +116,20 @@ fn result_for_an_unknown_slice_fails_the_session_as_a_protocol_error() {
     net.register(0, registration(R, 16, &[0]));
     let now = net.now;
     net.receivers[0]
-        .handle_input(ReceiverInput::FrameReceived {
+        .handle_input(ReceiverInput::Transport {
             now,
-            peer: tx_peer(0),
-            frame: Frame::KvResult(KvResult {
-                request: R,
-                sender_slice: SenderSliceId(0),
-                receiver_slice: ReceiverSliceId(77),
-                is_last: false,
-                status: TransferStatus::Success,
-                bytes_written: 0,
-            }),
+            input: kvpipe_core::session::TransportInput::FrameReceived {
+                peer: tx_peer(0),
+                bytes: kvpipe_core::wire::Frame::to_bytes(&Frame::KvResult(KvResult {
+                    request: R,
+                    sender_slice: SenderSliceId(0),
+                    receiver_slice: ReceiverSliceId(77),
+                    is_last: false,
+                    status: TransferStatus::Success,
+                    bytes_written: 0,
+                }))
+                .unwrap(),
+            },
         })
         .unwrap();
     net.pump();
@@ -160,17 +164,20 @@ fn frames_about_unknown_requests_are_violations_without_side_effects() {
     let mut net = Net::connected(1, 1);
     let now = net.now;
     net.receivers[0]
-        .handle_input(ReceiverInput::FrameReceived {
+        .handle_input(ReceiverInput::Transport {
             now,
-            peer: tx_peer(0),
-            frame: Frame::KvResult(KvResult {
-                request: RequestId(404),
-                sender_slice: SenderSliceId(0),
-                receiver_slice: ReceiverSliceId(0),
-                is_last: true,
-                status: TransferStatus::Success,
-                bytes_written: 0,
-            }),
+            input: kvpipe_core::session::TransportInput::FrameReceived {
+                peer: tx_peer(0),
+                bytes: kvpipe_core::wire::Frame::to_bytes(&Frame::KvResult(KvResult {
+                    request: RequestId(404),
+                    sender_slice: SenderSliceId(0),
+                    receiver_slice: ReceiverSliceId(0),
+                    is_last: true,
+                    status: TransferStatus::Success,
+                    bytes_written: 0,
+                }))
+                .unwrap(),
+            },
         })
         .unwrap();
     net.pump();
@@ -195,17 +202,22 @@ fn registration_with_the_wrong_group_count_fails_the_request() {
     net.open(0, send_request(R, &[0]));
     let now = net.now;
     net.senders[0]
-        .handle_input(SenderInput::FrameReceived {
+        .handle_input(SenderInput::Transport {
             now,
-            peer: rx_peer(0),
-            frame: Frame::RecvRegistration(kvpipe_core::wire::RecvRegistration {
-                request: R,
-                slice: ReceiverSliceId(5),
-                prompt_len: 16,
-                grant: kvpipe_core::GrantId(1),
-                aux_capacity: 64,
-                groups: vec![],
-            }),
+            input: kvpipe_core::session::TransportInput::FrameReceived {
+                peer: rx_peer(0),
+                bytes: kvpipe_core::wire::Frame::to_bytes(&Frame::RecvRegistration(
+                    kvpipe_core::wire::RecvRegistration {
+                        request: R,
+                        slice: ReceiverSliceId(5),
+                        prompt_len: 16,
+                        grant: kvpipe_core::GrantId(1),
+                        aux_capacity: 64,
+                        groups: vec![],
+                    },
+                ))
+                .unwrap(),
+            },
         })
         .unwrap();
     net.pump();
@@ -280,25 +292,29 @@ fn usage_errors_change_nothing() {
         Err(UsageError::ChunkAfterLast(R))
     );
     assert_eq!(
-        s.handle_input(SenderInput::WritesCompleted {
+        s.handle_input(SenderInput::Transport {
             now,
-            batch: WriteBatchId(999)
+            input: kvpipe_core::session::TransportInput::WritesCompleted {
+                batch: WriteBatchId(999)
+            }
         }),
         Err(UsageError::UnknownBatch(WriteBatchId(999)))
     );
     assert_eq!(
-        s.handle_input(SenderInput::WritesFailed {
+        s.handle_input(SenderInput::Transport {
             now,
-            batch: WriteBatchId(0),
-            status: TransferStatus::Success
+            input: kvpipe_core::session::TransportInput::WritesFailed {
+                batch: WriteBatchId(0),
+                status: TransferStatus::Success
+            }
         }),
         Err(UsageError::FailureWithSuccessStatus(WriteBatchId(0)))
     );
     assert_eq!(s.retire(now, R), Err(UsageError::NotQuiesced(R)));
     assert_eq!(
-        s.handle_input(SenderInput::PeerConnected {
+        s.handle_input(SenderInput::Transport {
             now,
-            peer: rx_peer(0)
+            input: kvpipe_core::session::TransportInput::PeerConnected { peer: rx_peer(0) }
         }),
         Err(UsageError::PeerAlreadyConnected(rx_peer(0)))
     );
@@ -335,15 +351,21 @@ fn refused_write_fails_both_sides_as_a_grant_violation() {
     net.register(0, registration(R, 24, &[0]));
     net.open(0, send_request(R, &[0]));
     net.submit(0, R, chunk(0, 8, 24, false), &mut source);
-    // The receiver's transport refuses one of the writer's data writes.
+    // The writer's transport sends a data write outside the grant (block 500 + 100 was never
+    // registered); the receiver refuses it.
+    let held = net.held[0].clone();
+    let header = held
+        .headers
+        .encode(kvpipe_core::RegionId(2), 600 * BLOCK_BYTES, BLOCK_BYTES);
     let now = net.now;
-    net.receivers[0]
-        .handle_input(ReceiverInput::WriteRefused {
-            now,
-            peer: tx_peer(0),
-            request: R,
-        })
-        .unwrap();
+    let admission = net.receivers[0].admit_write(now, tx_peer(0), &header);
+    assert!(
+        matches!(
+            admission,
+            Admission::Refuse(WriteRefusal::OutsideGrant { request, .. }) if request == R
+        ),
+        "{admission:?}"
+    );
     net.pump();
     assert!(net.events(Side::Receiver(0)).contains(&Event::Failed {
         request: R,
@@ -359,29 +381,20 @@ fn refused_write_fails_both_sides_as_a_grant_violation() {
             .get(TransferStatus::GrantViolation),
         1
     );
-    // The writer hears of it at once and stops; both keep the blocks until the batch is reported.
+    assert_eq!(net.receivers[0].counters().writes_refused, 1);
+    // The writer hears of it before the connection is closed; the close ends both sides'
+    // sessions and hands the memory back once nothing can land.
+    let cancel_at = net.position(|(side, o)| {
+        *side == Side::Receiver(0)
+            && matches!(o, Output::Transmit { frame: Frame::Cancel(c), .. } if c.request == R)
+    });
+    let close_at = net
+        .position(|(side, o)| *side == Side::Receiver(0) && matches!(o, Output::ClosePeer { .. }));
+    assert!(cancel_at.unwrap() < close_at.unwrap());
     assert!(net
         .events(Side::Sender(0))
         .iter()
         .any(|e| matches!(e, Event::Failed { request, .. } | Event::Cancelled { request, .. } if *request == R)));
-    assert_eq!(net.receivers[0].phase(R), Some(RecvPhase::Stopping));
-    net.complete_held(0);
     assert_eq!(net.senders[0].phase(R), Some(SendPhase::Quiesced));
     assert_eq!(net.receivers[0].phase(R), Some(RecvPhase::Quiesced));
-    // A refusal for a request that is not active changes nothing.
-    let now = net.now;
-    net.receivers[0]
-        .handle_input(ReceiverInput::WriteRefused {
-            now,
-            peer: tx_peer(0),
-            request: RequestId(999),
-        })
-        .unwrap();
-    assert_eq!(
-        net.receivers[0]
-            .counters()
-            .failures
-            .get(TransferStatus::GrantViolation),
-        1
-    );
 }

@@ -88,24 +88,26 @@ fn two_senders_reject_each_other() {
     let mut a = Sender::new(sender_config(0));
     let mut b = Sender::new(sender_config(1));
     let now = kvpipe_core::Instant::from_millis(1);
-    a.handle_input(SenderInput::PeerConnected {
+    a.handle_input(SenderInput::Transport {
         now,
-        peer: PeerId(1),
+        input: kvpipe_core::session::TransportInput::PeerConnected { peer: PeerId(1) },
     })
     .unwrap();
-    b.handle_input(SenderInput::PeerConnected {
+    b.handle_input(SenderInput::Transport {
         now,
-        peer: PeerId(0),
+        input: kvpipe_core::session::TransportInput::PeerConnected { peer: PeerId(0) },
     })
     .unwrap();
     let hello_a = match a.poll_output() {
         Some(Output::Transmit { frame, .. }) => frame,
         o => panic!("{o:?}"),
     };
-    b.handle_input(SenderInput::FrameReceived {
+    b.handle_input(SenderInput::Transport {
         now,
-        peer: PeerId(0),
-        frame: hello_a,
+        input: kvpipe_core::session::TransportInput::FrameReceived {
+            peer: PeerId(0),
+            bytes: kvpipe_core::wire::Frame::to_bytes(&hello_a).unwrap(),
+        },
     })
     .unwrap();
     let outs: Vec<Output> = std::iter::from_fn(|| b.poll_output()).collect();
@@ -168,24 +170,32 @@ fn receiver_registration_waiting_on_a_silent_peer_times_out_with_the_handshake()
 fn session_frame_before_handshake_is_a_violation_and_closes() {
     let mut r = Receiver::new(receiver_config(0));
     let now = kvpipe_core::Instant::from_millis(1);
-    r.handle_input(ReceiverInput::PeerConnected {
+    r.handle_input(ReceiverInput::Transport {
         now,
-        peer: PeerId(0),
+        input: kvpipe_core::session::TransportInput::PeerConnected { peer: PeerId(0) },
     })
     .unwrap();
-    r.handle_input(ReceiverInput::FrameReceived {
+    r.handle_input(ReceiverInput::Transport {
         now,
-        peer: PeerId(0),
-        frame: Frame::Heartbeat(kvpipe_core::wire::Heartbeat { seq: 1 }),
+        input: kvpipe_core::session::TransportInput::FrameReceived {
+            peer: PeerId(0),
+            bytes: kvpipe_core::wire::Frame::to_bytes(&Frame::Heartbeat(
+                kvpipe_core::wire::Heartbeat { seq: 1 },
+            ))
+            .unwrap(),
+        },
     })
     .unwrap();
-    r.handle_input(ReceiverInput::FrameReceived {
+    r.handle_input(ReceiverInput::Transport {
         now,
-        peer: PeerId(0),
-        frame: Frame::Cancel(kvpipe_core::wire::Cancel {
-            request: RequestId(1),
-            reason: kvpipe_core::wire::CancelReason::Engine,
-        }),
+        input: kvpipe_core::session::TransportInput::FrameReceived {
+            peer: PeerId(0),
+            bytes: kvpipe_core::wire::Frame::to_bytes(&Frame::Cancel(kvpipe_core::wire::Cancel {
+                request: RequestId(1),
+                reason: kvpipe_core::wire::CancelReason::Engine,
+            }))
+            .unwrap(),
+        },
     })
     .unwrap();
     let outs: Vec<Output> = std::iter::from_fn(|| r.poll_output()).collect();
@@ -210,10 +220,15 @@ fn frames_from_an_unknown_peer_are_a_usage_error() {
     let mut s = Sender::new(sender_config(0));
     let now = kvpipe_core::Instant::from_millis(1);
     let err = s
-        .handle_input(SenderInput::FrameReceived {
+        .handle_input(SenderInput::Transport {
             now,
-            peer: PeerId(9),
-            frame: Frame::Heartbeat(kvpipe_core::wire::Heartbeat { seq: 1 }),
+            input: kvpipe_core::session::TransportInput::FrameReceived {
+                peer: PeerId(9),
+                bytes: kvpipe_core::wire::Frame::to_bytes(&Frame::Heartbeat(
+                    kvpipe_core::wire::Heartbeat { seq: 1 },
+                ))
+                .unwrap(),
+            },
         })
         .unwrap_err();
     assert_eq!(

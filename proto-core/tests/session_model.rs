@@ -119,7 +119,7 @@ fn run(ops: Vec<Op>) {
                 }
             }
             Op::Aux(r) => {
-                let _ = net.senders[0].handle_input(SenderInput::AuxSubmitted {
+                let _ = net.senders[0].handle_input(SenderInput::Aux {
                     now,
                     request: req(r),
                     data: Default::default(),
@@ -155,17 +155,21 @@ fn run(ops: Vec<Op>) {
                 }
             }
             Op::ToSender(frame) => {
-                let _ = net.senders[0].handle_input(SenderInput::FrameReceived {
+                let _ = net.senders[0].handle_input(SenderInput::Transport {
                     now,
-                    peer: rx_peer(0),
-                    frame,
+                    input: kvpipe_core::session::TransportInput::FrameReceived {
+                        peer: rx_peer(0),
+                        bytes: kvpipe_core::wire::Frame::to_bytes(&frame).unwrap(),
+                    },
                 });
             }
             Op::ToReceiver(frame) => {
-                let _ = net.receivers[0].handle_input(ReceiverInput::FrameReceived {
+                let _ = net.receivers[0].handle_input(ReceiverInput::Transport {
                     now,
-                    peer: tx_peer(0),
-                    frame,
+                    input: kvpipe_core::session::TransportInput::FrameReceived {
+                        peer: tx_peer(0),
+                        bytes: kvpipe_core::wire::Frame::to_bytes(&frame).unwrap(),
+                    },
                 });
             }
         }

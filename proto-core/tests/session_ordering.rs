@@ -164,10 +164,12 @@ fn late_registration_replays_queued_slices_in_order_exactly_once() {
         net.log.push((Side::Receiver(0), o));
     }
     net.senders[0]
-        .handle_input(kvpipe_core::session::SenderInput::FrameReceived {
+        .handle_input(kvpipe_core::session::SenderInput::Transport {
             now,
-            peer: rx_peer(0),
-            frame: reg_frame.unwrap(),
+            input: kvpipe_core::session::TransportInput::FrameReceived {
+                peer: rx_peer(0),
+                bytes: kvpipe_core::wire::Frame::to_bytes(&reg_frame.unwrap()).unwrap(),
+            },
         })
         .unwrap();
     net.senders[0]
@@ -205,10 +207,12 @@ fn duplicate_registration_replays_nothing() {
         .unwrap();
     let now = net.now;
     net.senders[0]
-        .handle_input(kvpipe_core::session::SenderInput::FrameReceived {
+        .handle_input(kvpipe_core::session::SenderInput::Transport {
             now,
-            peer: rx_peer(0),
-            frame: reg,
+            input: kvpipe_core::session::TransportInput::FrameReceived {
+                peer: rx_peer(0),
+                bytes: kvpipe_core::wire::Frame::to_bytes(&reg).unwrap(),
+            },
         })
         .unwrap();
     net.pump();

@@ -40,7 +40,7 @@ fn retired_request_is_a_usage_error_everywhere() {
     assert_eq!(s.cancel(now, R), Err(UsageError::Retired(R)));
     assert_eq!(s.retire(now, R), Err(UsageError::Retired(R)));
     assert_eq!(
-        s.handle_input(SenderInput::AuxSubmitted {
+        s.handle_input(SenderInput::Aux {
             now,
             request: R,
             data: Default::default()
@@ -70,10 +70,12 @@ fn a_late_registration_never_recreates_a_retired_send_session() {
         .unwrap();
     let now = net.now;
     net.senders[0]
-        .handle_input(SenderInput::FrameReceived {
+        .handle_input(SenderInput::Transport {
             now,
-            peer: rx_peer(0),
-            frame: reg,
+            input: kvpipe_core::session::TransportInput::FrameReceived {
+                peer: rx_peer(0),
+                bytes: kvpipe_core::wire::Frame::to_bytes(&reg).unwrap(),
+            },
         })
         .unwrap();
     net.pump();

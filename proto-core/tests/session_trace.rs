@@ -20,7 +20,7 @@ fn render(net: &Net) -> String {
             Side::Receiver(j) => format!("R{j}"),
         };
         let _ = match o {
-            Output::Transmit { peer, frame } => writeln!(out, "{who} -> {peer}: {frame}"),
+            Output::Transmit { peer, frame, .. } => writeln!(out, "{who} -> {peer}: {frame}"),
             Output::ExecuteWrites {
                 peer,
                 batch,
@@ -28,6 +28,7 @@ fn render(net: &Net) -> String {
                 slice,
                 grant,
                 plan,
+                ..
             } => writeln!(
                 out,
                 "{who} execute {batch} to {peer}: {request} {slice} {grant} {} extents {} bytes",

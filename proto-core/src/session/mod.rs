@@ -69,8 +69,8 @@ use core::fmt;
 use thiserror::Error;
 
 pub use config::{Deadlines, LocalHello, ReceiverConfig, SenderConfig};
-pub use receiver::{Receiver, ReceiverInput, Registration};
 pub use grants::GrantedExtents;
+pub use receiver::{Receiver, ReceiverInput, Registration};
 pub use sender::{SendRequest, Sender, SenderInput};
 pub use transport::{
     is_data_write, Admission, DataPath, DataWriteHeaders, Endpoint, TransportInput, WriteRefusal,

@@ -142,7 +142,10 @@ impl PeerTable {
         out: &mut VecDeque<Output>,
         counters: &mut Counters,
     ) -> bool {
-        let version = self.peers.get(&peer).map_or(PROTOCOL_VERSION, |p| p.version);
+        let version = self
+            .peers
+            .get(&peer)
+            .map_or(PROTOCOL_VERSION, |p| p.version);
         let mut buf = vec![0u8; frame.encoded_len()];
         match frame.emit_versioned(version, &mut buf) {
             Ok(n) => {

@@ -297,7 +297,10 @@ impl Receiver {
 
     /// The inputs applied since recording started (recording goes on).
     pub fn take_recorded_inputs(&mut self) -> Vec<ReceiverInput> {
-        self.recorded.as_mut().map(std::mem::take).unwrap_or_default()
+        self.recorded
+            .as_mut()
+            .map(std::mem::take)
+            .unwrap_or_default()
     }
 
     // ----- commands -----
@@ -349,6 +352,39 @@ impl Receiver {
             log.push(input);
         }
         Ok(())
+    }
+
+    /// Applies what the transport saw (see [`ReceiverInput::Transport`]).
+    pub fn handle_transport(
+        &mut self,
+        now: Instant,
+        input: TransportInput,
+    ) -> Result<(), UsageError> {
+        self.handle_input(ReceiverInput::Transport { now, input })
+    }
+
+    /// Asks whether the data write whose encoded `DataWrite` frame is `header` may be applied
+    /// (see [`Admission`]); recorded as [`TransportInput::WriteArrived`]. A refusal has already
+    /// failed the request it named (when `peer` is one of its writers) and asked to close the
+    /// peer.
+    pub fn admit_write(&mut self, now: Instant, peer: PeerId, header: &[u8]) -> Admission {
+        let input = TransportInput::WriteArrived {
+            peer,
+            header: Bytes::copy_from_slice(header),
+        };
+        let recorded = self.recorded.is_some().then(|| ReceiverInput::Transport {
+            now,
+            input: input.clone(),
+        });
+        match self.on_transport(now, input) {
+            Ok(Some(admission)) => {
+                if let (Some(log), Some(input)) = (&mut self.recorded, recorded) {
+                    log.push(input);
+                }
+                admission
+            }
+            Ok(None) | Err(_) => Admission::Refuse(WriteRefusal::PeerNotReady(peer)),
+        }
     }
 
     // ----- internals -----
@@ -714,7 +750,8 @@ impl Receiver {
                 );
             }
         }
-        self.shell.violation(peer, ProtocolError::WriteRefused { refusal });
+        self.shell
+            .violation(peer, ProtocolError::WriteRefused { refusal });
         self.shell.close(peer, CloseReason::GrantViolation);
     }
 
@@ -1295,27 +1332,11 @@ impl Endpoint for Receiver {
     }
 
     fn handle_transport(&mut self, now: Instant, input: TransportInput) -> Result<(), UsageError> {
-        self.handle_input(ReceiverInput::Transport { now, input })
+        Receiver::handle_transport(self, now, input)
     }
 
     fn admit_write(&mut self, now: Instant, peer: PeerId, header: &[u8]) -> Admission {
-        let input = TransportInput::WriteArrived {
-            peer,
-            header: Bytes::copy_from_slice(header),
-        };
-        let recorded = self.recorded.is_some().then(|| ReceiverInput::Transport {
-            now,
-            input: input.clone(),
-        });
-        match self.on_transport(now, input) {
-            Ok(Some(admission)) => {
-                if let (Some(log), Some(input)) = (&mut self.recorded, recorded) {
-                    log.push(input);
-                }
-                admission
-            }
-            Ok(None) | Err(_) => Admission::Refuse(WriteRefusal::PeerNotReady(peer)),
-        }
+        Receiver::admit_write(self, now, peer, header)
     }
 
     fn poll_output(&mut self) -> Option<Output> {

@@ -391,7 +391,10 @@ impl Sender {
 
     /// The inputs applied since recording started (recording goes on).
     pub fn take_recorded_inputs(&mut self) -> Vec<SenderInput> {
-        self.recorded.as_mut().map(std::mem::take).unwrap_or_default()
+        self.recorded
+            .as_mut()
+            .map(std::mem::take)
+            .unwrap_or_default()
     }
 
     // ----- commands -----
@@ -481,6 +484,26 @@ impl Sender {
             self.record(input);
         }
         Ok(())
+    }
+
+    /// Applies what the transport saw (see [`SenderInput::Transport`]).
+    pub fn handle_transport(
+        &mut self,
+        now: Instant,
+        input: TransportInput,
+    ) -> Result<(), UsageError> {
+        self.handle_input(SenderInput::Transport { now, input })
+    }
+
+    /// A sender accepts no data writes: the answer is always a refusal, and a connected peer
+    /// that sends one is closed.
+    pub fn admit_write(&mut self, now: Instant, peer: PeerId, header: &[u8]) -> Admission {
+        let input = TransportInput::WriteArrived {
+            peer,
+            header: bytes::Bytes::copy_from_slice(header),
+        };
+        let _ = self.handle_transport(now, input);
+        Admission::Refuse(WriteRefusal::NotAccepted)
     }
 
     // ----- internals -----
@@ -1572,16 +1595,11 @@ impl Endpoint for Sender {
     }
 
     fn handle_transport(&mut self, now: Instant, input: TransportInput) -> Result<(), UsageError> {
-        self.handle_input(SenderInput::Transport { now, input })
+        Sender::handle_transport(self, now, input)
     }
 
     fn admit_write(&mut self, now: Instant, peer: PeerId, header: &[u8]) -> Admission {
-        let input = TransportInput::WriteArrived {
-            peer,
-            header: bytes::Bytes::copy_from_slice(header),
-        };
-        let _ = self.handle_transport(now, input);
-        Admission::Refuse(WriteRefusal::NotAccepted)
+        Sender::admit_write(self, now, peer, header)
     }
 
     fn poll_output(&mut self) -> Option<Output> {

@@ -230,7 +230,11 @@ impl PeerPhase {
 
 impl PeerEvent {
     /// Every event, in table order.
-    pub const ALL: [PeerEvent; 3] = [PeerEvent::HelloAccepted, PeerEvent::Rejected, PeerEvent::Close];
+    pub const ALL: [PeerEvent; 3] = [
+        PeerEvent::HelloAccepted,
+        PeerEvent::Rejected,
+        PeerEvent::Close,
+    ];
 }
 
 /// Phase of one receiver within a sender session (the sender's view of a target).

@@ -76,7 +76,9 @@ pub enum TransportInput {
 
 #[cfg(feature = "arbitrary")]
 fn arbitrary_bytes(u: &mut arbitrary::Unstructured<'_>) -> arbitrary::Result<Bytes> {
-    Ok(Bytes::from(<Vec<u8> as arbitrary::Arbitrary>::arbitrary(u)?))
+    Ok(Bytes::from(<Vec<u8> as arbitrary::Arbitrary>::arbitrary(
+        u,
+    )?))
 }
 
 /// Identifies one admitted data write until the transport reports it finished. Unique per

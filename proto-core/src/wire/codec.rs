@@ -185,7 +185,6 @@ impl FrameKind {
             FrameKind::DataWrite => fixed_len::DATA_WRITE,
         }
     }
-
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -848,6 +847,12 @@ impl Frame {
         let mut out = vec![0; self.encoded_len()];
         self.emit(&mut out)?;
         Ok(out)
+    }
+
+    /// The frame encoded in this build's newest version, as shared bytes (what a peer on this
+    /// build's version receives before the handshake, and tests feed to endpoints).
+    pub fn to_bytes(&self) -> Result<bytes::Bytes, EncodeError> {
+        self.to_vec().map(bytes::Bytes::from)
     }
 
     fn emit_body(&self, w: &mut BodyWriter<'_>) -> Result<(), EncodeError> {

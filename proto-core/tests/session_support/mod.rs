@@ -6,10 +6,12 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use kvpipe_core::session::{
-    Deadlines, Event, LocalHello, Output, Receiver, ReceiverConfig, ReceiverInput, Registration,
-    SendRequest, Sender, SenderConfig, SenderInput, WriteBatchId,
+    Admission, DataWriteHeaders, Deadlines, Endpoint, Event, LocalHello, Output, Receiver,
+    ReceiverConfig, ReceiverInput, Registration, SendRequest, Sender, SenderConfig, SenderInput,
+    TransportInput, WriteBatchId,
 };
 use kvpipe_core::wire::{Frame, Topology};
+use kvpipe_core::WritePlan;
 use kvpipe_core::{
     AnchoredRun, BlockId, BlockRun, BlockSource, BlockSourceError, ChunkSpec, GroupIndex,
     InstanceId, LayerGroupLayout, PeerId, PoolLayout, RegionId, RequestId, SenderSliceId,
@@ -173,10 +175,13 @@ pub enum Side {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Held {
     pub sender: usize,
+    pub receiver: usize,
     pub batch: WriteBatchId,
     pub request: RequestId,
     pub slice: SenderSliceId,
     pub bytes: u64,
+    pub plan: WritePlan,
+    pub headers: DataWriteHeaders,
 }
 
 /// Senders and receivers connected in memory.
@@ -228,15 +233,15 @@ impl Net {
         let now = self.now;
         self.connected.insert((i, j));
         self.senders[i]
-            .handle_input(SenderInput::PeerConnected {
+            .handle_input(SenderInput::Transport {
                 now,
-                peer: rx_peer(j),
+                input: TransportInput::PeerConnected { peer: rx_peer(j) },
             })
             .unwrap();
         self.receivers[j]
-            .handle_input(ReceiverInput::PeerConnected {
+            .handle_input(ReceiverInput::Transport {
                 now,
-                peer: tx_peer(i),
+                input: TransportInput::PeerConnected { peer: tx_peer(i) },
             })
             .unwrap();
     }
@@ -247,15 +252,15 @@ impl Net {
         }
         let now = self.now;
         self.senders[i]
-            .handle_input(SenderInput::PeerDisconnected {
+            .handle_input(SenderInput::Transport {
                 now,
-                peer: rx_peer(j),
+                input: TransportInput::PeerDisconnected { peer: rx_peer(j) },
             })
             .unwrap();
         self.receivers[j]
-            .handle_input(ReceiverInput::PeerDisconnected {
+            .handle_input(ReceiverInput::Transport {
                 now,
-                peer: tx_peer(i),
+                input: TransportInput::PeerDisconnected { peer: tx_peer(i) },
             })
             .unwrap();
     }
@@ -288,36 +293,48 @@ impl Net {
     fn route_sender(&mut self, i: usize, o: Output) {
         let now = self.now;
         match o {
-            Output::Transmit { peer, frame } => {
+            Output::Transmit { peer, bytes, .. } => {
                 let j = (peer.0 - 1000) as usize;
                 if self.connected.contains(&(i, j)) && !self.cut.contains(&(i, j)) {
                     self.receivers[j]
-                        .handle_input(ReceiverInput::FrameReceived {
+                        .handle_input(ReceiverInput::Transport {
                             now,
-                            peer: tx_peer(i),
-                            frame,
+                            input: TransportInput::FrameReceived {
+                                peer: tx_peer(i),
+                                bytes,
+                            },
                         })
                         .unwrap();
                 }
             }
             Output::ExecuteWrites {
+                peer,
                 batch,
                 request,
                 slice,
                 plan,
+                headers,
                 ..
             } => {
+                let j = (peer.0 - 1000) as usize;
                 if self.auto_complete {
+                    self.land(i, j, &plan, &headers);
                     self.senders[i]
-                        .handle_input(SenderInput::WritesCompleted { now, batch })
+                        .handle_input(SenderInput::Transport {
+                            now,
+                            input: TransportInput::WritesCompleted { batch },
+                        })
                         .unwrap();
                 } else {
                     self.held.push(Held {
                         sender: i,
+                        receiver: j,
                         batch,
                         request,
                         slice,
                         bytes: plan.total_bytes(),
+                        plan,
+                        headers,
                     });
                 }
             }
@@ -332,14 +349,16 @@ impl Net {
     fn route_receiver(&mut self, j: usize, o: Output) {
         let now = self.now;
         match o {
-            Output::Transmit { peer, frame } => {
+            Output::Transmit { peer, bytes, .. } => {
                 let i = peer.0 as usize;
                 if self.connected.contains(&(i, j)) && !self.cut.contains(&(i, j)) {
                     self.senders[i]
-                        .handle_input(SenderInput::FrameReceived {
+                        .handle_input(SenderInput::Transport {
                             now,
-                            peer: rx_peer(j),
-                            frame,
+                            input: TransportInput::FrameReceived {
+                                peer: rx_peer(j),
+                                bytes,
+                            },
                         })
                         .unwrap();
                 }
@@ -350,14 +369,48 @@ impl Net {
         }
     }
 
-    /// Reports held batch `index` (in issue order) as completed.
+    /// Carries a plan's writes into receiver `j` as a stream transport would: each extent is
+    /// admitted by the receiver, "copied", and reported landed. Returns the admissions.
+    pub fn land(
+        &mut self,
+        i: usize,
+        j: usize,
+        plan: &WritePlan,
+        headers: &DataWriteHeaders,
+    ) -> Vec<Admission> {
+        let now = self.now;
+        let mut out = Vec::new();
+        if !self.connected.contains(&(i, j)) {
+            return out;
+        }
+        for e in plan.extents() {
+            let header = headers.encode(e.dst_region, e.dst_offset, e.len);
+            let admission = self.receivers[j].admit_write(now, tx_peer(i), &header);
+            if let Admission::Apply { ticket, .. } = admission {
+                self.receivers[j]
+                    .handle_transport(
+                        now,
+                        TransportInput::WriteFinished {
+                            ticket,
+                            landed: true,
+                        },
+                    )
+                    .unwrap();
+            }
+            out.push(admission);
+        }
+        out
+    }
+
+    /// Reports held batch `index` (in issue order) as completed (its writes land first).
     pub fn complete_held(&mut self, index: usize) {
         let h = self.held.remove(index);
+        self.land(h.sender, h.receiver, &h.plan, &h.headers);
         let now = self.now;
         self.senders[h.sender]
-            .handle_input(SenderInput::WritesCompleted {
+            .handle_input(SenderInput::Transport {
                 now,
-                batch: h.batch,
+                input: TransportInput::WritesCompleted { batch: h.batch },
             })
             .unwrap();
         self.pump();
@@ -368,10 +421,12 @@ impl Net {
         let h = self.held.remove(index);
         let now = self.now;
         self.senders[h.sender]
-            .handle_input(SenderInput::WritesFailed {
+            .handle_input(SenderInput::Transport {
                 now,
-                batch: h.batch,
-                status,
+                input: TransportInput::WritesFailed {
+                    batch: h.batch,
+                    status,
+                },
             })
             .unwrap();
         self.pump();
@@ -392,12 +447,20 @@ impl Net {
                     let now = self.now;
                     for s in &mut self.senders {
                         if s.poll_timeout().is_some_and(|t| t <= now) {
-                            s.handle_input(SenderInput::Timeout { now }).unwrap();
+                            s.handle_input(SenderInput::Transport {
+                                now,
+                                input: TransportInput::Timeout,
+                            })
+                            .unwrap();
                         }
                     }
                     for r in &mut self.receivers {
                         if r.poll_timeout().is_some_and(|t| t <= now) {
-                            r.handle_input(ReceiverInput::Timeout { now }).unwrap();
+                            r.handle_input(ReceiverInput::Transport {
+                                now,
+                                input: TransportInput::Timeout,
+                            })
+                            .unwrap();
                         }
                     }
                     self.pump();
@@ -462,7 +525,7 @@ impl Net {
     pub fn aux(&mut self, i: usize, request: RequestId) {
         let now = self.now;
         self.senders[i]
-            .handle_input(SenderInput::AuxSubmitted {
+            .handle_input(SenderInput::Aux {
                 now,
                 request,
                 data: kvpipe_core::wire::AuxData {
