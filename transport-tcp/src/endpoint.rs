@@ -27,22 +27,46 @@ pub(crate) trait Endpoint: Send + 'static {
 
 impl Endpoint for Sender {
     fn connected(&mut self, now: Instant, peer: PeerId) {
-        let _ = self.handle_input(SenderInput::PeerConnected { now, peer });
+        let _ = self.handle_input(SenderInput::Transport {
+            now,
+            input: kvpipe_core::session::TransportInput::PeerConnected { peer },
+        });
     }
     fn disconnected(&mut self, now: Instant, peer: PeerId) {
-        let _ = self.handle_input(SenderInput::PeerDisconnected { now, peer });
+        let _ = self.handle_input(SenderInput::Transport {
+            now,
+            input: kvpipe_core::session::TransportInput::PeerDisconnected { peer },
+        });
     }
     fn frame(&mut self, now: Instant, peer: PeerId, frame: Frame) {
-        let _ = self.handle_input(SenderInput::FrameReceived { now, peer, frame });
+        let _ = self.handle_input(SenderInput::Transport {
+            now,
+            input: kvpipe_core::session::TransportInput::FrameReceived {
+                peer,
+                bytes: match frame.to_bytes() {
+                    Ok(b) => b,
+                    Err(_) => return,
+                },
+            },
+        });
     }
     fn timeout(&mut self, now: Instant) {
-        let _ = self.handle_input(SenderInput::Timeout { now });
+        let _ = self.handle_input(SenderInput::Transport {
+            now,
+            input: kvpipe_core::session::TransportInput::Timeout,
+        });
     }
     fn writes_done(&mut self, now: Instant, batch: WriteBatchId, status: TransferStatus) {
         let input = if status == TransferStatus::Success {
-            SenderInput::WritesCompleted { now, batch }
+            SenderInput::Transport {
+                now,
+                input: kvpipe_core::session::TransportInput::WritesCompleted { batch },
+            }
         } else {
-            SenderInput::WritesFailed { now, batch, status }
+            SenderInput::Transport {
+                now,
+                input: kvpipe_core::session::TransportInput::WritesFailed { batch, status },
+            }
         };
         let _ = self.handle_input(input);
     }
@@ -65,16 +89,34 @@ impl Endpoint for Sender {
 
 impl Endpoint for Receiver {
     fn connected(&mut self, now: Instant, peer: PeerId) {
-        let _ = self.handle_input(ReceiverInput::PeerConnected { now, peer });
+        let _ = self.handle_input(ReceiverInput::Transport {
+            now,
+            input: kvpipe_core::session::TransportInput::PeerConnected { peer },
+        });
     }
     fn disconnected(&mut self, now: Instant, peer: PeerId) {
-        let _ = self.handle_input(ReceiverInput::PeerDisconnected { now, peer });
+        let _ = self.handle_input(ReceiverInput::Transport {
+            now,
+            input: kvpipe_core::session::TransportInput::PeerDisconnected { peer },
+        });
     }
     fn frame(&mut self, now: Instant, peer: PeerId, frame: Frame) {
-        let _ = self.handle_input(ReceiverInput::FrameReceived { now, peer, frame });
+        let _ = self.handle_input(ReceiverInput::Transport {
+            now,
+            input: kvpipe_core::session::TransportInput::FrameReceived {
+                peer,
+                bytes: match frame.to_bytes() {
+                    Ok(b) => b,
+                    Err(_) => return,
+                },
+            },
+        });
     }
     fn timeout(&mut self, now: Instant) {
-        let _ = self.handle_input(ReceiverInput::Timeout { now });
+        let _ = self.handle_input(ReceiverInput::Transport {
+            now,
+            input: kvpipe_core::session::TransportInput::Timeout,
+        });
     }
     fn writes_done(&mut self, _now: Instant, _batch: WriteBatchId, _status: TransferStatus) {}
     fn poll_output(&mut self) -> Option<Output> {
@@ -87,7 +129,8 @@ impl Endpoint for Receiver {
         Receiver::is_peer_ready(self, peer)
     }
     fn write_refused(&mut self, now: Instant, peer: PeerId, request: RequestId) {
-        let _ = self.handle_input(ReceiverInput::WriteRefused { now, peer, request });
+        let _ = peer;
+        let _ = self.handle_input(ReceiverInput::Cancel { now, request });
     }
     fn local_groups(&self) -> &[LayerGroupLayout] {
         &self.config().local.groups

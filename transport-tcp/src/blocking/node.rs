@@ -187,7 +187,7 @@ impl<E: Endpoint> Shared<E> {
             let mut reports: Vec<(WriteBatchId, TransferStatus)> = Vec::new();
             while let Some(out) = st.endpoint.poll_output() {
                 match out {
-                    Output::Transmit { peer, frame } => {
+                    Output::Transmit { peer, frame, .. } => {
                         let Some(link) = st.peers.get_mut(&peer) else {
                             continue;
                         };

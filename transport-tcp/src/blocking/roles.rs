@@ -87,7 +87,7 @@ impl TcpSender {
     pub fn submit_aux(&self, request: RequestId, data: AuxData) -> Result<(), UsageError> {
         self.node.shared.with(|st, now| {
             st.endpoint
-                .handle_input(kvpipe_core::SenderInput::AuxSubmitted { now, request, data })
+                .handle_input(kvpipe_core::SenderInput::Aux { now, request, data })
         })
     }
 
@@ -190,7 +190,9 @@ pub struct TcpReceiver {
 
 impl TcpReceiver {
     /// A node around a core receiver, landing payloads in `regions`.
-    pub fn new(config: ReceiverConfig, tcp: TcpConfig, regions: RegionTable) -> Self {
+    pub fn new(mut config: ReceiverConfig, tcp: TcpConfig, regions: RegionTable) -> Self {
+        // This node still holds results until their data landed itself.
+        config.data_path = kvpipe_core::DataPath::Ordered;
         TcpReceiver {
             node: Node::new(Receiver::new(config), tcp, regions, Backend::Threads),
         }
@@ -198,11 +200,12 @@ impl TcpReceiver {
 
     #[cfg(feature = "tokio")]
     pub(crate) fn with_backend(
-        config: ReceiverConfig,
+        mut config: ReceiverConfig,
         tcp: TcpConfig,
         regions: RegionTable,
         backend: Backend,
     ) -> Self {
+        config.data_path = kvpipe_core::DataPath::Ordered;
         TcpReceiver {
             node: Node::new(Receiver::new(config), tcp, regions, backend),
         }
