@@ -1,6 +1,7 @@
 //! Endpoint configuration: deadlines, bounds and the local handshake data.
 
 use super::transport::DataPath;
+use crate::config::PipelineConfig;
 use crate::ids::InstanceId;
 use crate::layout::LayerGroupLayout;
 use crate::time::Duration;
@@ -110,6 +111,9 @@ pub struct SenderConfig {
     /// How many registrations for not-yet-opened requests are held (newer ones are refused
     /// with a `Cancel`).
     pub max_pending_registrations: usize,
+    /// The engine settings pipelined transfer depends on; [`Sender::new`](super::Sender::new)
+    /// refuses an unsupported one.
+    pub pipeline: PipelineConfig,
 }
 
 impl SenderConfig {
@@ -121,6 +125,7 @@ impl SenderConfig {
             max_remembered_cancels: 4096,
             max_retired: 65536,
             max_pending_registrations: 4096,
+            pipeline: PipelineConfig::default(),
         }
     }
 }
@@ -142,6 +147,9 @@ pub struct ReceiverConfig {
     /// Where the transport's data writes land, which decides when a result is trusted
     /// ([`DataPath::Landed`] unless the transport's fabric orders data before frames).
     pub data_path: DataPath,
+    /// The engine settings pipelined transfer depends on;
+    /// [`Receiver::new`](super::Receiver::new) refuses an unsupported one.
+    pub pipeline: PipelineConfig,
 }
 
 impl ReceiverConfig {
@@ -154,6 +162,7 @@ impl ReceiverConfig {
             max_remembered_cancels: 4096,
             max_retired: 65536,
             data_path: DataPath::Landed,
+            pipeline: PipelineConfig::default(),
         }
     }
 }
