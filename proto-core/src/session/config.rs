@@ -106,7 +106,8 @@ pub struct SenderConfig {
     pub deadlines: Deadlines,
     /// How many cancels for not-yet-opened requests are remembered (oldest forgotten first).
     pub max_remembered_cancels: usize,
-    /// How many retired request ids are remembered to refuse re-use (oldest forgotten first).
+    /// How many retired request ids are remembered exactly; when more retire, the smallest is
+    /// forgotten and every id at or below it counts as retired from then on (never re-created).
     pub max_retired: usize,
     /// How many registrations for not-yet-opened requests are held (newer ones are refused
     /// with a `Cancel`).
@@ -142,7 +143,8 @@ pub struct ReceiverConfig {
     pub grant_seed: u64,
     /// How many cancels for not-yet-registered requests are remembered (oldest forgotten first).
     pub max_remembered_cancels: usize,
-    /// How many retired request ids are remembered to refuse re-use (oldest forgotten first).
+    /// How many retired request ids are remembered exactly; when more retire, the smallest is
+    /// forgotten and every id at or below it counts as retired from then on (never re-created).
     pub max_retired: usize,
     /// Where the transport's data writes land, which decides when a result is trusted
     /// ([`DataPath::Landed`] unless the transport's fabric orders data before frames).

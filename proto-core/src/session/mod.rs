@@ -46,7 +46,9 @@
 //!   A sender answers a peer's cancel for a request it does not hold with a `Cancel` at once.
 //! - **Retirement.** [`Sender::retire`] / [`Receiver::retire`] are accepted after the request
 //!   quiesced (or completed); a retired id is refused with [`UsageError::Retired`] and frames
-//!   about it never re-create it (remembered up to `max_retired` ids).
+//!   about it never re-create it. The last `max_retired` retired ids are remembered exactly;
+//!   older ones raise a floor at or below which every id counts as retired, so memory stays
+//!   bounded and no id is ever re-created (request ids should increase, as engine counters do).
 //! - **Disconnects** end exactly the active sessions that still needed that peer, with
 //!   [`TransferStatus::PeerLost`]. The transport promises that after it reports a disconnect no
 //!   write of that connection touches memory on either side.
@@ -58,6 +60,7 @@ mod grants;
 mod peers;
 mod receiver;
 mod remembered;
+mod retired;
 mod sender;
 mod shell;
 pub mod state;

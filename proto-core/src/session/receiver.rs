@@ -8,7 +8,7 @@ use smallvec::SmallVec;
 use super::config::ReceiverConfig;
 use super::grants::{Flight, GrantedExtents, WritesInFlight};
 use super::peers::Route;
-use super::remembered::Remembered;
+use super::retired::Retired;
 use super::shell::{Due, Shell};
 use super::state::{RecvEvent, RecvPhase, Transition, WriterEvent, WriterPhase};
 use super::timers::TimerKey;
@@ -197,7 +197,7 @@ pub struct Receiver {
     config: ReceiverConfig,
     shell: Shell,
     sessions: BTreeMap<RequestId, RecvSession>,
-    retired: Remembered<RetiredGrant>,
+    retired: Retired<RetiredGrant>,
     writes: WritesInFlight,
     next_slice: u32,
     grant_state: u64,
@@ -213,7 +213,7 @@ impl Receiver {
         Ok(Receiver {
             shell: Shell::new(hello, config.deadlines, config.max_remembered_cancels),
             sessions: BTreeMap::new(),
-            retired: Remembered::new(config.max_retired),
+            retired: Retired::new(config.max_retired),
             writes: WritesInFlight::default(),
             next_slice: 0,
             grant_state: config.grant_seed,

@@ -6,7 +6,7 @@ use smallvec::SmallVec;
 
 use super::config::SenderConfig;
 use super::peers::Route;
-use super::remembered::Remembered;
+use super::retired::Retired;
 use super::shell::{Due, Shell};
 use super::state::{SendEvent, SendPhase, TargetEvent, TargetPhase, Transition};
 use super::timers::TimerKey;
@@ -297,7 +297,7 @@ pub struct Sender {
     shell: Shell,
     sessions: BTreeMap<RequestId, SendSession>,
     pending_registrations: PendingRegistrations,
-    retired: Remembered<()>,
+    retired: Retired<()>,
     batches: BTreeMap<WriteBatchId, BatchRef>,
     next_batch: u64,
     plan_buffer: WritePlan,
@@ -314,7 +314,7 @@ impl Sender {
             shell: Shell::new(hello, config.deadlines, config.max_remembered_cancels),
             sessions: BTreeMap::new(),
             pending_registrations: PendingRegistrations::default(),
-            retired: Remembered::new(config.max_retired),
+            retired: Retired::new(config.max_retired),
             batches: BTreeMap::new(),
             next_batch: 0,
             plan_buffer: WritePlan::new(),
