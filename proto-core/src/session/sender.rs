@@ -17,7 +17,7 @@ use super::{
 };
 use crate::blocks::BlockRun;
 use crate::config::{ConfigError, PipelineConfig};
-use crate::geometry::{chunk_window, BlockWindow, ChunkSpec};
+use crate::geometry::{chunk_window, early_prefix_window, BlockWindow, ChunkSpec};
 use crate::ids::{GroupIndex, PeerId, ReceiverSliceId, RequestId, SenderSliceId};
 use crate::plan::{plan_group_with_cursor, DstCursor, WritePlan};
 use crate::source::BlockSource;
@@ -57,6 +57,22 @@ pub enum SenderInput {
         /// The chunk.
         spec: ChunkSpec,
         /// The block source's runs.
+        runs: Vec<(GroupIndex, BlockRun)>,
+    },
+    /// Before the first chunk: the engine sends the request's cached prefix early
+    /// ([`Sender::submit_prefix`] queries the source and builds this input). Chunks then carry
+    /// `prefix_sent_early` and skip those blocks.
+    Prefix {
+        /// Current time.
+        now: Instant,
+        /// The request.
+        request: RequestId,
+        /// Tokens in the whole prompt.
+        prompt_len: u32,
+        /// Prefix tokens cached on the sender.
+        prepopulated_len: u32,
+        /// The block source's runs for the prefix's block windows, one per group that sends
+        /// something, in group order.
         runs: Vec<(GroupIndex, BlockRun)>,
     },
     /// The engine's aux data for `request` (first tokens, draft tokens, counts).
@@ -174,8 +190,10 @@ struct SendSession {
     slices: Vec<Slice>,
     next_start: Option<u32>,
     prompt_len: Option<u32>,
-    /// The prefix length the first chunk declared; later chunks must agree.
+    /// The prefix length the first chunk (or the early prefix) declared; later chunks agree.
     prepopulated_len: Option<u32>,
+    /// The cached prefix was sent before the first chunk.
+    prefix_sent_early: bool,
     aux: Option<AuxData>,
     registration_deadline: Instant,
     aux_deadline: Option<Instant>,
@@ -456,6 +474,39 @@ impl Sender {
         outcome
     }
 
+    /// Sends the request's cached prefix before its first chunk (see [`SenderInput::Prefix`]):
+    /// the fully cached blocks `[0, prepopulated_len / tpb)` (from the stale boundary in a
+    /// windowed group), so only the computed part waits for prefill. The request's chunks must
+    /// then set [`ChunkSpec::prefix_sent_early`]. Returns the slice's id, or `None` when the
+    /// prefix fills no whole block.
+    pub fn submit_prefix(
+        &mut self,
+        now: Instant,
+        request: RequestId,
+        prompt_len: u32,
+        prepopulated_len: u32,
+        source: &mut impl BlockSource,
+    ) -> Result<Option<SenderSliceId>, UsageError> {
+        let windows = self.check_prefix(request, prompt_len, prepopulated_len)?;
+        let mut runs = Vec::with_capacity(windows.len());
+        for (group, w) in windows {
+            let mut run = BlockRun::default();
+            source
+                .block_run(request, group, w.begin, w.end, &mut run)
+                .map_err(|error| UsageError::BlockSource { request, error })?;
+            runs.push((group, run));
+        }
+        let outcome = self.on_prefix(now, request, prompt_len, prepopulated_len, runs.clone())?;
+        self.record(SenderInput::Prefix {
+            now,
+            request,
+            prompt_len,
+            prepopulated_len,
+            runs,
+        });
+        outcome
+    }
+
     /// Submits the request's aux data (see [`SenderInput::Aux`]).
     pub fn submit_aux(
         &mut self,
@@ -491,6 +542,15 @@ impl Sender {
                 runs,
             } => self.on_chunk(now, request, spec, runs).map(|_| ()),
             // (An engine error inside `on_chunk` ended the session: the input was applied.)
+            SenderInput::Prefix {
+                now,
+                request,
+                prompt_len,
+                prepopulated_len,
+                runs,
+            } => self
+                .on_prefix(now, request, prompt_len, prepopulated_len, runs)
+                .map(|_| ()),
             SenderInput::Aux { now, request, data } => self.on_aux_submitted(now, request, data),
             SenderInput::Cancel { now, request } => self.on_cancel(now, request),
             SenderInput::Retire { now: _, request } => self.on_retire(request),
@@ -632,6 +692,7 @@ impl Sender {
                 next_start: None,
                 prompt_len: None,
                 prepopulated_len: None,
+                prefix_sent_early: false,
                 aux: None,
                 registration_deadline,
                 aux_deadline: None,
@@ -697,9 +758,81 @@ impl Sender {
                 });
             }
         }
+        if spec.prefix_sent_early != session.prefix_sent_early {
+            return Err(UsageError::EarlyPrefixMismatch {
+                request,
+                sent_early: session.prefix_sent_early,
+            });
+        }
         spec.validate()
             .map_err(|error| UsageError::Geometry { request, error })?;
         Ok(next_phase)
+    }
+
+    /// The checks on an early prefix that need no block run, and its block windows.
+    fn check_prefix(
+        &self,
+        request: RequestId,
+        prompt_len: u32,
+        prepopulated_len: u32,
+    ) -> Result<Vec<(GroupIndex, BlockWindow)>, UsageError> {
+        if self.retired.contains(request) {
+            return Err(UsageError::Retired(request));
+        }
+        let session = self
+            .sessions
+            .get(&request)
+            .ok_or(UsageError::UnknownRequest(request))?;
+        if !session.phase.is_active() {
+            return Err(UsageError::SessionEnded(request));
+        }
+        if session.next_start.is_some() || session.prefix_sent_early {
+            return Err(UsageError::PrefixAfterChunks(request));
+        }
+        let mut windows = Vec::new();
+        for (g, layout) in self.config.local.groups.iter().enumerate() {
+            let window = early_prefix_window(prompt_len, prepopulated_len, layout)
+                .map_err(|error| UsageError::Geometry { request, error })?;
+            if let Some(w) = window {
+                windows.push((GroupIndex(g as u16), w));
+            }
+        }
+        Ok(windows)
+    }
+
+    /// Applies an early prefix (errors as in [`Self::on_chunk`]).
+    fn on_prefix(
+        &mut self,
+        now: Instant,
+        request: RequestId,
+        prompt_len: u32,
+        prepopulated_len: u32,
+        runs: Vec<(GroupIndex, BlockRun)>,
+    ) -> Result<Result<Option<SenderSliceId>, UsageError>, UsageError> {
+        let windows = self.check_prefix(request, prompt_len, prepopulated_len)?;
+        let given: Vec<GroupIndex> = runs.iter().map(|(g, _)| *g).collect();
+        if given.len() != windows.len() || given.iter().zip(&windows).any(|(a, (b, _))| a != b) {
+            return Err(UsageError::RunsDoNotMatchChunk {
+                request,
+                expected: windows.iter().map(|(g, _)| *g).collect(),
+                given,
+            });
+        }
+        for ((group, run), (_, asked)) in runs.iter().zip(&windows) {
+            let layout = &self.config.local.groups[usize::from(group.0)];
+            if let Some(error) = check_run(request, *group, *asked, run, layout, prompt_len) {
+                self.fail_engine(now, request);
+                return Ok(Err(UsageError::BlockRun(error)));
+            }
+        }
+        let session = self.sessions.get_mut(&request).expect("checked above");
+        session.prefix_sent_early = true;
+        session.prompt_len = Some(prompt_len);
+        session.prepopulated_len = Some(prepopulated_len);
+        if runs.is_empty() {
+            return Ok(Ok(None));
+        }
+        Ok(Ok(Some(self.add_slice(now, request, false, runs))))
     }
 
     /// Applies a chunk. The outer error is a usage error (nothing changed); the inner one an
@@ -743,7 +876,7 @@ impl Sender {
         }
         for ((group, run), (_, asked)) in runs.iter().zip(&windows) {
             let layout = &self.config.local.groups[usize::from(group.0)];
-            if let Some(error) = check_run(request, *group, *asked, run, layout, &spec) {
+            if let Some(error) = check_run(request, *group, *asked, run, layout, spec.prompt_len) {
                 self.fail_engine(now, request);
                 return Ok(Err(UsageError::BlockRun(error)));
             }
@@ -756,15 +889,28 @@ impl Sender {
             return Ok(Ok(None));
         }
         session.phase = next_phase;
+        Ok(Ok(Some(self.add_slice(now, request, spec.is_last, runs))))
+    }
+
+    /// Creates a slice of the request from its block runs and writes it to every receiver that
+    /// has registered.
+    fn add_slice(
+        &mut self,
+        now: Instant,
+        request: RequestId,
+        is_last: bool,
+        runs: Vec<(GroupIndex, BlockRun)>,
+    ) -> SenderSliceId {
+        let session = self.sessions.get_mut(&request).expect("the caller checked");
         let id = SenderSliceId(session.slices.len() as u32);
         session.slices.push(Slice {
             id,
-            is_last: spec.is_last,
+            is_last,
             runs,
             planned_by: 0,
         });
         self.shell.counters.slices += 1;
-        if spec.is_last && session.aux.is_none() {
+        if is_last && session.aux.is_none() {
             let at = now + self.config.deadlines.aux_wait;
             session.aux_deadline = Some(at);
             self.shell.timers.arm(at, TimerKey::Request(request));
@@ -773,7 +919,7 @@ impl Sender {
             self.issue_pending(now, request, t);
         }
         self.progress(now, request);
-        Ok(Ok(Some(id)))
+        id
     }
 
     /// The engine broke its contract for `request`: the KV cannot be trusted, so the request
@@ -1687,7 +1833,7 @@ fn check_run(
     asked: BlockWindow,
     run: &BlockRun,
     layout: &crate::layout::LayerGroupLayout,
-    spec: &ChunkSpec,
+    prompt_len: u32,
 ) -> Option<BlockRunError> {
     let len = u32::try_from(run.ids.len()).unwrap_or(u32::MAX);
     let returned = BlockWindow {
@@ -1698,7 +1844,7 @@ fn check_run(
         BlockRunFault::TooLong
     } else if returned.end != asked.end || run.first_ordinal.checked_add(len).is_none() {
         BlockRunFault::WrongEnd
-    } else if len < asked.len() && !layout.is_windowed_for(spec.prompt_len) {
+    } else if len < asked.len() && !layout.is_windowed_for(prompt_len) {
         BlockRunFault::TooShort
     } else {
         return None;
