@@ -182,6 +182,8 @@ pub(crate) fn suite_deadlines() -> Deadlines {
         registration: Duration::from_secs(5),
         write_completion: Duration::from_secs(10),
         result_wait: Duration::from_secs(15),
+        result_per_token: Duration::ZERO,
+        result_idle: Duration::from_secs(15),
         aux_wait: Duration::from_secs(5),
         heartbeat_interval: Duration::from_millis(200),
         liveness_timeout: Duration::from_secs(5),
