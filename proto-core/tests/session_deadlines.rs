@@ -64,11 +64,13 @@ fn write_completion_deadline() {
 fn result_wait_deadline() {
     let mut net = Net::connected(1, 1);
     net.register(0, registration(R, 16, &[0]));
+    // The prefill side opened the request but never computes a chunk.
+    net.open(0, send_request(R, &[0]));
     net.advance(Duration::from_millis(4_999));
     assert!(!timed_out(&net, Side::Receiver(0), Wait::Results));
     net.advance(Duration::from_millis(1));
     assert!(timed_out(&net, Side::Receiver(0), Wait::Results));
-    // The sender (which never opened the request) confirms the cancel at once.
+    // The sender (which wrote nothing) confirms the cancel at once.
     assert_eq!(net.receivers[0].phase(R), Some(RecvPhase::Quiesced));
 }
 
@@ -231,6 +233,7 @@ fn a_stalled_prefill_fails_within_the_idle_deadline() {
 fn the_cap_bounds_a_request_that_never_progresses() {
     let mut net = progress_net();
     net.register(0, registration(R, 64, &[0]));
+    net.open(0, send_request(R, &[0]));
     net.advance(Duration::from_millis(7_399));
     assert!(!timed_out(&net, Side::Receiver(0), Wait::Results));
     net.advance(Duration::from_millis(1));

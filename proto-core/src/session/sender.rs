@@ -207,28 +207,42 @@ struct SendSession {
 /// Registrations that arrived before the engine opened their request, by request.
 #[derive(Clone, Debug, Default)]
 struct PendingRegistrations {
-    by_request: BTreeMap<RequestId, SmallVec<[(PeerId, RecvRegistration); 1]>>,
+    /// Per request: when its first registration arrived, and the registrations.
+    by_request: BTreeMap<RequestId, (Instant, SmallVec<[(PeerId, RecvRegistration); 1]>)>,
     len: usize,
 }
 
 impl PendingRegistrations {
-    fn push(&mut self, peer: PeerId, reg: RecvRegistration) {
-        self.by_request
-            .entry(reg.request)
-            .or_default()
-            .push((peer, reg));
+    /// Holds `reg`; returns true for the request's first registration (its deadline starts).
+    fn push(&mut self, now: Instant, peer: PeerId, reg: RecvRegistration) -> bool {
+        let mut first = false;
+        let (_, list) = self.by_request.entry(reg.request).or_insert_with(|| {
+            first = true;
+            (now, SmallVec::new())
+        });
+        list.push((peer, reg));
         self.len += 1;
+        first
     }
 
     /// Removes and returns the request's registrations, in arrival order.
     fn take(&mut self, request: RequestId) -> SmallVec<[(PeerId, RecvRegistration); 1]> {
-        let taken = self.by_request.remove(&request).unwrap_or_default();
+        let taken = self
+            .by_request
+            .remove(&request)
+            .map(|(_, list)| list)
+            .unwrap_or_default();
         self.len -= taken.len();
         taken
     }
 
+    /// When the request's first held registration arrived.
+    fn since(&self, request: RequestId) -> Option<Instant> {
+        self.by_request.get(&request).map(|(at, _)| *at)
+    }
+
     fn remove(&mut self, request: RequestId, peer: PeerId) {
-        if let Some(list) = self.by_request.get_mut(&request) {
+        if let Some((_, list)) = self.by_request.get_mut(&request) {
             let before = list.len();
             list.retain(|(p, _)| *p != peer);
             self.len -= before - list.len();
@@ -240,7 +254,7 @@ impl PendingRegistrations {
 
     fn remove_peer(&mut self, peer: PeerId) {
         let mut removed = 0;
-        self.by_request.retain(|_, list| {
+        self.by_request.retain(|_, (_, list)| {
             let before = list.len();
             list.retain(|(p, _)| *p != peer);
             removed += before - list.len();
@@ -1015,7 +1029,10 @@ impl Sender {
                 });
                 self.shell.send(now, peer, frame);
             } else if self.pending_registrations.len < self.config.max_pending_registrations {
-                self.pending_registrations.push(peer, reg);
+                if self.pending_registrations.push(now, peer, reg) {
+                    let at = now + self.config.deadlines.registration;
+                    self.shell.timers.arm(at, TimerKey::Request(request));
+                }
             } else {
                 self.shell.send(now, peer, refuse);
             }
@@ -1169,7 +1186,13 @@ impl Sender {
             }
             if let Some(error) = error {
                 self.shell.counters.protocol_errors += 1;
-                self.stop_protocol(now, request, peer, error);
+                // Attributed to the slice being planned, on both sides.
+                let slice = self
+                    .sessions
+                    .get(&request)
+                    .and_then(|s| s.slices.get(k))
+                    .map(|s| s.id);
+                self.stop_protocol_at(now, request, peer, error, slice);
                 return;
             }
             let slice_id = slice.id;
@@ -1529,6 +1552,21 @@ impl Sender {
 
     fn on_request_timeout(&mut self, now: Instant, request: RequestId) {
         let Some(session) = self.sessions.get_mut(&request) else {
+            // Registrations held for a request the engine never opened: after the registration
+            // deadline nobody will write them; their receivers learn at once.
+            let expired = self
+                .pending_registrations
+                .since(request)
+                .is_some_and(|at| at + self.config.deadlines.registration <= now);
+            if expired {
+                for (peer, _) in self.pending_registrations.take(request) {
+                    let frame = Frame::Cancel(Cancel {
+                        request,
+                        reason: CancelReason::Timeout,
+                    });
+                    self.shell.send(now, peer, frame);
+                }
+            }
             return;
         };
         if session.phase.is_active() {
@@ -1608,6 +1646,18 @@ impl Sender {
         peer: PeerId,
         error: ProtocolError,
     ) {
+        self.stop_protocol_at(now, request, peer, error, None);
+    }
+
+    /// Fails the session for a peer's protocol error, attributed to `slice` when one is known.
+    fn stop_protocol_at(
+        &mut self,
+        now: Instant,
+        request: RequestId,
+        peer: PeerId,
+        error: ProtocolError,
+        slice: Option<SenderSliceId>,
+    ) {
         let receiver_slice = self.sessions.get(&request).and_then(|s| {
             s.targets
                 .iter()
@@ -1621,7 +1671,7 @@ impl Sender {
             Stop::Failed {
                 cause: TransferStatus::ProtocolError,
                 peer: Some(peer),
-                slice: None,
+                slice,
                 receiver_slice,
             },
         );
@@ -1673,10 +1723,9 @@ impl Sender {
             ),
         };
         session.stop_status = status;
-        let failed_slice = session
-            .stop_slice
-            .or_else(|| session.slices.last().map(|s| s.id))
-            .unwrap_or(SenderSliceId::NONE);
+        // The slice the failure is attributed to, named the same on both sides (none when the
+        // failure is not a slice's).
+        let failed_slice = session.stop_slice.unwrap_or(SenderSliceId::NONE);
         let quiesce_at = now + self.config.deadlines.quiesce;
         session.quiesce_deadline = Some(quiesce_at);
         let mut frames = Vec::new();
@@ -1741,10 +1790,9 @@ impl Sender {
             return;
         }
         let status = session.stop_status;
-        let failed_slice = session
-            .stop_slice
-            .or_else(|| session.slices.last().map(|s| s.id))
-            .unwrap_or(SenderSliceId::NONE);
+        // The slice the failure is attributed to, named the same on both sides (none when the
+        // failure is not a slice's).
+        let failed_slice = session.stop_slice.unwrap_or(SenderSliceId::NONE);
         let mut frames = Vec::new();
         for target in session.targets.iter_mut() {
             if target.inflight > 0
