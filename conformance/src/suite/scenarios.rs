@@ -219,6 +219,45 @@ const SCENARIOS: &[Scenario] = &[
         check: all_verified,
     },
     Scenario {
+        name: "geometry_mla",
+        about: "MLA: one latent KV plane (kv_factor 1) of one head, verified byte for byte",
+        needs: &[],
+        build: || {
+            let mut w = small(45, 8);
+            let mut g = GroupSpec::full(3, &[3]);
+            g.kv_factor = 1;
+            g.kv_heads = 1;
+            g.head_dim = 72;
+            g.elem_bytes = 2;
+            w.groups = vec![g];
+            w
+        },
+        check: all_verified,
+    },
+    Scenario {
+        name: "geometry_empty_prompt",
+        about: "a request with an empty prompt completes on both sides",
+        needs: &[],
+        build: || small(0, 8),
+        check: all_verified,
+    },
+    Scenario {
+        name: "sender_prefix_sent_early",
+        about: "the sender's cached prefix leaves before the first chunk, in a full and a windowed group",
+        needs: &[],
+        build: || {
+            let mut w = small(90, 16);
+            w.requests[0].sender_prefix = 37;
+            w.requests[0].prefix_early = true;
+            w.groups = vec![
+                GroupSpec::full(2, &[2]),
+                GroupSpec::full(2, &[2]).windowed(24, 0),
+            ];
+            w
+        },
+        check: all_verified,
+    },
+    Scenario {
         name: "sender_prefix_reuse",
         about: "the sender starts from a cached prefix: the first chunk reaches back to block 0",
         needs: &[],
