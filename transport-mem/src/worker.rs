@@ -1,6 +1,14 @@
-//! The copy worker: a thread that executes write batches in the order they were issued and
-//! reports each one's outcome, so the driver and the engine keep running while bytes move.
+//! The copy worker: a thread that starts write batches in the order they were issued and
+//! reports each one's outcome in that order, so the driver and the engine keep running while
+//! bytes move.
+//!
+//! A host batch is copied on the worker's threads before the next job is taken. With the
+//! `cuda` feature, a batch touching device memory is submitted to the worker's copy engine and
+//! left running: the worker takes further jobs meanwhile and polls the batches in flight
+//! through their CUDA events (spinning for a short while after progress, then sleeping in
+//! short steps on the job queue), reporting each once it and every earlier batch are done.
 
+use std::collections::VecDeque;
 use std::sync::mpsc;
 use std::thread::JoinHandle;
 
@@ -37,6 +45,208 @@ pub(crate) struct Done {
     pub(crate) finished: Instant,
 }
 
+/// How long the worker spins on batches in flight after the last progress before it sleeps
+/// between polls.
+const SPIN: std::time::Duration = std::time::Duration::from_millis(2);
+/// The longest sleep between two polls of batches in flight.
+const POLL: std::time::Duration = std::time::Duration::from_micros(100);
+
+/// A batch's copy: finished (host copies, or a batch that failed to start) or running.
+#[derive(Debug)]
+enum Copying {
+    Finished {
+        ok: bool,
+        at: Instant,
+    },
+    #[cfg(feature = "cuda")]
+    Device(crate::copy::InFlight),
+}
+
+/// A started batch waiting to be reported.
+#[derive(Debug)]
+struct Started {
+    batch: WriteBatchId,
+    sender: usize,
+    receiver: usize,
+    bytes: u64,
+    fail: Option<TransferStatus>,
+    started: Instant,
+    copying: Copying,
+}
+
+impl Started {
+    /// `Some((ok, finished))` once the copy is over.
+    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+    fn poll(&self, clock: &Clock) -> Option<(bool, Instant)> {
+        match &self.copying {
+            Copying::Finished { ok, at } => Some((*ok, *at)),
+            #[cfg(feature = "cuda")]
+            Copying::Device(f) => match f.is_complete() {
+                Ok(false) => None,
+                Ok(true) => Some((true, clock.now())),
+                Err(_) => Some((false, clock.now())),
+            },
+        }
+    }
+}
+
+/// The worker thread's state: the copy settings, the engine (created on the first device
+/// batch) and the batches started but not reported yet.
+struct Worker {
+    clock: Clock,
+    threads: usize,
+    parallel_threshold: u64,
+    #[cfg(feature = "cuda")]
+    engine: Option<kvpipe_cuda::CopyEngine>,
+    started: VecDeque<Started>,
+}
+
+impl Worker {
+    fn start(&mut self, job: Job) {
+        let started = self.clock.now();
+        let bytes = job.writes.bytes();
+        #[cfg(feature = "cuda")]
+        let copying = if job.writes.touches_device() {
+            self.start_device(job.writes)
+        } else {
+            self.copy_host(job.writes)
+        };
+        #[cfg(not(feature = "cuda"))]
+        let copying = self.copy_host(job.writes);
+        self.started.push_back(Started {
+            batch: job.batch,
+            sender: job.sender,
+            receiver: job.receiver,
+            bytes,
+            fail: job.fail,
+            started,
+            copying,
+        });
+    }
+
+    fn copy_host(&self, writes: ResolvedBatch) -> Copying {
+        let ok = writes
+            .execute(self.threads, self.parallel_threshold)
+            .is_ok();
+        // Release the registrations before reporting, so a region is free to deregister
+        // once its batches are reported.
+        drop(writes);
+        Copying::Finished {
+            ok,
+            at: self.clock.now(),
+        }
+    }
+
+    #[cfg(feature = "cuda")]
+    fn start_device(&mut self, writes: ResolvedBatch) -> Copying {
+        if self.engine.is_none() {
+            // Created on the first device batch; a failure (no driver) fails this batch and
+            // the next device batch tries again.
+            self.engine = kvpipe_cuda::CopyEngine::new(crate::copy::DEVICE_STREAMS).ok();
+        }
+        let Some(engine) = self.engine.as_mut() else {
+            return Copying::Finished {
+                ok: false,
+                at: self.clock.now(),
+            };
+        };
+        match writes.start(engine, self.threads, self.parallel_threshold) {
+            Ok(in_flight) => Copying::Device(in_flight),
+            Err(_) => Copying::Finished {
+                ok: false,
+                at: self.clock.now(),
+            },
+        }
+    }
+
+    /// Reports every finished batch at the front of the queue, in issue order. `Err` when the
+    /// driver is gone; `Ok(true)` when something was reported.
+    fn report(&mut self, done_tx: &mpsc::Sender<Done>) -> Result<bool, ()> {
+        let mut any = false;
+        while let Some((ok, finished)) = self.started.front().and_then(|s| s.poll(&self.clock)) {
+            // The batch (and its registrations: the copies are over) is released at the end
+            // of this block, before the report.
+            let done = {
+                let Some(s) = self.started.pop_front() else {
+                    break;
+                };
+                Done {
+                    batch: s.batch,
+                    sender: s.sender,
+                    receiver: s.receiver,
+                    bytes: s.bytes,
+                    status: match (ok, s.fail) {
+                        (true, None) => TransferStatus::Success,
+                        (true, Some(status)) => status,
+                        (false, _) => TransferStatus::WriteFailed,
+                    },
+                    started: s.started,
+                    finished,
+                }
+            };
+            done_tx.send(done).map_err(|_| ())?;
+            any = true;
+        }
+        Ok(any)
+    }
+
+    /// Takes jobs and reports outcomes until the job queue is closed and every started batch
+    /// is reported (copies are never abandoned: their memory must outlive them).
+    fn run(mut self, jobs_rx: mpsc::Receiver<Job>, done_tx: mpsc::Sender<Done>) {
+        let mut open = true;
+        let mut progress = std::time::Instant::now();
+        loop {
+            match self.report(&done_tx) {
+                Err(()) => return,
+                Ok(true) => progress = std::time::Instant::now(),
+                Ok(false) => {}
+            }
+            if self.started.is_empty() {
+                if !open {
+                    return;
+                }
+                match jobs_rx.recv() {
+                    Ok(job) => self.start(job),
+                    Err(_) => return,
+                }
+                progress = std::time::Instant::now();
+                continue;
+            }
+            // Batches are running on a GPU (nothing else stays unreported): take new jobs
+            // without blocking for long, so their completion is seen soon.
+            let job = if progress.elapsed() < SPIN {
+                match jobs_rx.try_recv() {
+                    Ok(job) => Some(job),
+                    Err(mpsc::TryRecvError::Empty) => {
+                        std::thread::yield_now();
+                        None
+                    }
+                    Err(mpsc::TryRecvError::Disconnected) => {
+                        open = false;
+                        None
+                    }
+                }
+            } else if open {
+                match jobs_rx.recv_timeout(POLL) {
+                    Ok(job) => Some(job),
+                    Err(mpsc::RecvTimeoutError::Timeout) => None,
+                    Err(mpsc::RecvTimeoutError::Disconnected) => {
+                        open = false;
+                        None
+                    }
+                }
+            } else {
+                std::thread::sleep(POLL);
+                None
+            };
+            if let Some(job) = job {
+                self.start(job);
+                progress = std::time::Instant::now();
+            }
+        }
+    }
+}
+
 #[derive(Debug)]
 pub(crate) struct CopyWorker {
     jobs: Option<mpsc::Sender<Job>>,
@@ -48,30 +258,17 @@ impl CopyWorker {
     pub(crate) fn spawn(clock: Clock, threads: usize, parallel_threshold: u64) -> Self {
         let (jobs_tx, jobs_rx) = mpsc::channel::<Job>();
         let (done_tx, done_rx) = mpsc::channel();
+        let worker = Worker {
+            clock,
+            threads,
+            parallel_threshold,
+            #[cfg(feature = "cuda")]
+            engine: None,
+            started: VecDeque::new(),
+        };
         let thread = std::thread::Builder::new()
             .name("kvpipe-mem-copy".into())
-            .spawn(move || {
-                while let Ok(job) = jobs_rx.recv() {
-                    let started = clock.now();
-                    job.writes.execute(threads, parallel_threshold);
-                    let finished = clock.now();
-                    let done = Done {
-                        batch: job.batch,
-                        sender: job.sender,
-                        receiver: job.receiver,
-                        bytes: job.writes.bytes(),
-                        status: job.fail.unwrap_or(TransferStatus::Success),
-                        started,
-                        finished,
-                    };
-                    // Release the registrations before reporting, so a region is free to
-                    // deregister once its batches are reported.
-                    drop(job.writes);
-                    if done_tx.send(done).is_err() {
-                        return;
-                    }
-                }
-            })
+            .spawn(move || worker.run(jobs_rx, done_tx))
             .expect("spawning the copy worker thread");
         CopyWorker {
             jobs: Some(jobs_tx),
