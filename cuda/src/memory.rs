@@ -87,31 +87,60 @@ impl DeviceBuffer {
         &self.device
     }
 
-    /// Sets every byte to `byte` and waits for it (`cuMemsetD8`).
-    pub fn fill(&mut self, byte: u8) -> Result<(), CudaError> {
+    /// Runs `op` on a fresh non-blocking stream and waits for that stream, so the operation
+    /// has landed in device memory when this returns. (`cuMemsetD8` and `cuMemcpyHtoD` from
+    /// pageable memory may return before the device is done, and they run on the legacy default
+    /// stream, which the copy engine's non-blocking streams do not wait for.)
+    fn on_own_stream(
+        &self,
+        call: &'static str,
+        op: impl FnOnce(sys::CUstream) -> Result<(), cudarc::driver::DriverError>,
+    ) -> Result<(), CudaError> {
         self.device.bind()?;
-        // SAFETY: the range is this allocation; `&mut self` means no copy of ours touches it.
-        unsafe { result::memset_d8_sync(self.ptr, byte, self.len) }
-            .map_err(CudaError::driver("cuMemsetD8"))
+        let stream = result::stream::create(result::stream::StreamKind::NonBlocking)
+            .map_err(CudaError::driver("cuStreamCreate"))?;
+        let r = op(stream).map_err(CudaError::driver(call)).and_then(|()| {
+            // SAFETY: the stream was created above and is live.
+            unsafe { result::stream::synchronize(stream) }
+                .map_err(CudaError::driver("cuStreamSynchronize"))
+        });
+        // SAFETY: created above, destroyed once; its work is done or failed.
+        let _ = unsafe { result::stream::destroy(stream) };
+        r
     }
 
-    /// Copies `src` to bytes `offset..offset + src.len()` and waits for it (`cuMemcpyHtoD`).
+    /// Sets every byte to `byte` and waits for it (`cuMemsetD8Async` on a stream of its own).
+    pub fn fill(&mut self, byte: u8) -> Result<(), CudaError> {
+        let (ptr, len) = (self.ptr, self.len);
+        self.on_own_stream("cuMemsetD8Async", |stream| {
+            // SAFETY: the range is this allocation; `&mut self` means no copy of ours touches
+            // it, and the stream is waited for before returning.
+            unsafe { result::memset_d8_async(ptr, byte, len, stream) }
+        })
+    }
+
+    /// Copies `src` to bytes `offset..offset + src.len()` and waits until the bytes are in
+    /// device memory (`cuMemcpyHtoDAsync` on a stream of its own).
     pub fn upload(&mut self, offset: usize, src: &[u8]) -> Result<(), CudaError> {
         check_range(offset, src.len(), self.len)?;
-        self.device.bind()?;
-        // SAFETY: the range was checked against the allocation; the call is synchronous, so
-        // `src` is not used after it returns.
-        unsafe { result::memcpy_htod_sync(self.ptr + offset as u64, src) }
-            .map_err(CudaError::driver("cuMemcpyHtoD"))
+        let dst = self.ptr + offset as u64;
+        self.on_own_stream("cuMemcpyHtoDAsync", |stream| {
+            // SAFETY: the range was checked against the allocation; the stream is waited for
+            // before returning, so `src` is not read afterwards.
+            unsafe { result::memcpy_htod_async(dst, src, stream) }
+        })
     }
 
-    /// Copies bytes `offset..offset + dst.len()` into `dst` and waits for it (`cuMemcpyDtoH`).
+    /// Copies bytes `offset..offset + dst.len()` into `dst` and waits for it
+    /// (`cuMemcpyDtoHAsync` on a stream of its own).
     pub fn download(&self, offset: usize, dst: &mut [u8]) -> Result<(), CudaError> {
         check_range(offset, dst.len(), self.len)?;
-        self.device.bind()?;
-        // SAFETY: the range was checked against the allocation; the call is synchronous.
-        unsafe { result::memcpy_dtoh_sync(dst, self.ptr + offset as u64) }
-            .map_err(CudaError::driver("cuMemcpyDtoH"))
+        let src = self.ptr + offset as u64;
+        self.on_own_stream("cuMemcpyDtoHAsync", |stream| {
+            // SAFETY: the range was checked against the allocation; the stream is waited for
+            // before returning, so `dst` is not written afterwards.
+            unsafe { result::memcpy_dtoh_async(dst, src, stream) }
+        })
     }
 }
 

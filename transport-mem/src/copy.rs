@@ -258,7 +258,16 @@ impl ResolvedBatch {
     /// is one of them) when the batch holds at least `parallel_threshold` bytes.
     fn copy_host(&self, threads: usize, parallel_threshold: u64) {
         let threads = threads.max(1);
-        if threads == 1 || self.bytes < parallel_threshold {
+        let host_bytes: u64 = self
+            .segments
+            .iter()
+            .filter(|s| s.is_host())
+            .map(|s| s.len as u64)
+            .sum();
+        if host_bytes == 0 {
+            return;
+        }
+        if threads == 1 || host_bytes < parallel_threshold {
             for s in self.segments.iter().filter(|s| s.is_host()) {
                 copy_segment(s, 0, s.len);
             }
