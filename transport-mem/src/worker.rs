@@ -3,10 +3,14 @@
 //! bytes move.
 //!
 //! A host batch is copied on the worker's threads before the next job is taken. With the
-//! `cuda` feature, a batch touching device memory is submitted to the worker's copy engine and
-//! left running: the worker takes further jobs meanwhile and polls the batches in flight
-//! through their CUDA events (spinning for a short while after progress, then sleeping in
-//! short steps on the job queue), reporting each once it and every earlier batch are done.
+//! `cuda` feature, a batch whose segments all touch device memory is submitted to the copy
+//! engine right where it is issued, on the driver's thread (issuing async copies takes
+//! microseconds, and the GPU starts without waiting for the worker to wake up); the worker then
+//! only watches it. A batch mixing host → host segments with device ones goes to the worker,
+//! which copies the host part and submits the rest. Either way the copies are left running: the
+//! worker takes further jobs meanwhile and polls the batches in flight through their CUDA
+//! events (spinning for a short while after progress, then sleeping in short steps on the job
+//! queue), reporting each once it and every earlier batch are done.
 
 use std::collections::VecDeque;
 use std::sync::mpsc;
@@ -43,6 +47,15 @@ pub(crate) struct Done {
     /// When the copy began and ended.
     pub(crate) started: Instant,
     pub(crate) finished: Instant,
+}
+
+/// What the worker is handed: a batch to carry out, or one already started (device copies
+/// issued on the driver's thread) to watch and report.
+#[derive(Debug)]
+enum Work {
+    Run(Job),
+    #[cfg(feature = "cuda")]
+    Watch(Started),
 }
 
 /// How long the worker spins on batches in flight after the last progress before it sleeps
@@ -90,6 +103,34 @@ impl Started {
     }
 }
 
+/// Copies the host → host segments of `writes` and submits the rest to `engine` (created on
+/// first use; a failure, e.g. no driver, fails this batch and the next one tries again).
+#[cfg(feature = "cuda")]
+fn start_device(
+    engine: &mut Option<kvpipe_cuda::CopyEngine>,
+    clock: &Clock,
+    writes: ResolvedBatch,
+    threads: usize,
+    parallel_threshold: u64,
+) -> Copying {
+    if engine.is_none() {
+        *engine = kvpipe_cuda::CopyEngine::new(crate::copy::DEVICE_STREAMS).ok();
+    }
+    let Some(engine) = engine.as_mut() else {
+        return Copying::Finished {
+            ok: false,
+            at: clock.now(),
+        };
+    };
+    match writes.start(engine, threads, parallel_threshold) {
+        Ok(in_flight) => Copying::Device(in_flight),
+        Err(_) => Copying::Finished {
+            ok: false,
+            at: clock.now(),
+        },
+    }
+}
+
 /// The worker thread's state: the copy settings, the engine (created on the first device
 /// batch) and the batches started but not reported yet.
 struct Worker {
@@ -107,7 +148,13 @@ impl Worker {
         let bytes = job.writes.bytes();
         #[cfg(feature = "cuda")]
         let copying = if job.writes.touches_device() {
-            self.start_device(job.writes)
+            start_device(
+                &mut self.engine,
+                &self.clock,
+                job.writes,
+                self.threads,
+                self.parallel_threshold,
+            )
         } else {
             self.copy_host(job.writes)
         };
@@ -134,28 +181,6 @@ impl Worker {
         Copying::Finished {
             ok,
             at: self.clock.now(),
-        }
-    }
-
-    #[cfg(feature = "cuda")]
-    fn start_device(&mut self, writes: ResolvedBatch) -> Copying {
-        if self.engine.is_none() {
-            // Created on the first device batch; a failure (no driver) fails this batch and
-            // the next device batch tries again.
-            self.engine = kvpipe_cuda::CopyEngine::new(crate::copy::DEVICE_STREAMS).ok();
-        }
-        let Some(engine) = self.engine.as_mut() else {
-            return Copying::Finished {
-                ok: false,
-                at: self.clock.now(),
-            };
-        };
-        match writes.start(engine, self.threads, self.parallel_threshold) {
-            Ok(in_flight) => Copying::Device(in_flight),
-            Err(_) => Copying::Finished {
-                ok: false,
-                at: self.clock.now(),
-            },
         }
     }
 
@@ -192,7 +217,15 @@ impl Worker {
 
     /// Takes jobs and reports outcomes until the job queue is closed and every started batch
     /// is reported (copies are never abandoned: their memory must outlive them).
-    fn run(mut self, jobs_rx: mpsc::Receiver<Job>, done_tx: mpsc::Sender<Done>) {
+    fn take(&mut self, work: Work) {
+        match work {
+            Work::Run(job) => self.start(job),
+            #[cfg(feature = "cuda")]
+            Work::Watch(started) => self.started.push_back(started),
+        }
+    }
+
+    fn run(mut self, jobs_rx: mpsc::Receiver<Work>, done_tx: mpsc::Sender<Done>) {
         let mut open = true;
         let mut progress = std::time::Instant::now();
         loop {
@@ -206,7 +239,7 @@ impl Worker {
                     return;
                 }
                 match jobs_rx.recv() {
-                    Ok(job) => self.start(job),
+                    Ok(work) => self.take(work),
                     Err(_) => return,
                 }
                 progress = std::time::Instant::now();
@@ -239,8 +272,8 @@ impl Worker {
                 std::thread::sleep(POLL);
                 None
             };
-            if let Some(job) = job {
-                self.start(job);
+            if let Some(work) = job {
+                self.take(work);
                 progress = std::time::Instant::now();
             }
         }
@@ -249,14 +282,19 @@ impl Worker {
 
 #[derive(Debug)]
 pub(crate) struct CopyWorker {
-    jobs: Option<mpsc::Sender<Job>>,
+    jobs: Option<mpsc::Sender<Work>>,
     pub(crate) done: mpsc::Receiver<Done>,
     thread: Option<JoinHandle<()>>,
+    /// The copy engine of the driver's thread, for batches started where they are issued.
+    #[cfg(feature = "cuda")]
+    engine: Option<kvpipe_cuda::CopyEngine>,
+    #[cfg(feature = "cuda")]
+    clock: Clock,
 }
 
 impl CopyWorker {
     pub(crate) fn spawn(clock: Clock, threads: usize, parallel_threshold: u64) -> Self {
-        let (jobs_tx, jobs_rx) = mpsc::channel::<Job>();
+        let (jobs_tx, jobs_rx) = mpsc::channel::<Work>();
         let (done_tx, done_rx) = mpsc::channel();
         let worker = Worker {
             clock,
@@ -274,13 +312,39 @@ impl CopyWorker {
             jobs: Some(jobs_tx),
             done: done_rx,
             thread: Some(thread),
+            #[cfg(feature = "cuda")]
+            engine: None,
+            #[cfg(feature = "cuda")]
+            clock,
         }
     }
 
-    pub(crate) fn submit(&self, job: Job) {
+    pub(crate) fn submit(&mut self, job: Job) {
+        #[cfg(feature = "cuda")]
+        let work =
+            if job.writes.touches_device() && !job.writes.segments().iter().any(|s| s.is_host()) {
+                // Device copies only: issue them now (they run asynchronously) and let the worker
+                // watch them.
+                let started = self.clock.now();
+                let bytes = job.writes.bytes();
+                let copying = start_device(&mut self.engine, &self.clock, job.writes, 1, u64::MAX);
+                Work::Watch(Started {
+                    batch: job.batch,
+                    sender: job.sender,
+                    receiver: job.receiver,
+                    bytes,
+                    fail: job.fail,
+                    started,
+                    copying,
+                })
+            } else {
+                Work::Run(job)
+            };
+        #[cfg(not(feature = "cuda"))]
+        let work = Work::Run(job);
         if let Some(tx) = &self.jobs {
             // The worker only stops when this handle is dropped.
-            let _ = tx.send(job);
+            let _ = tx.send(work);
         }
     }
 }
