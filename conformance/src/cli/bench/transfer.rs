@@ -68,6 +68,10 @@ pub(crate) struct TransferBenchArgs {
     /// the same extents; needs the `cuda` feature).
     #[arg(long, default_value = "host")]
     memory: String,
+    /// With --memory device: wait for the transfer by polling the driver (poll) or by sleeping
+    /// on the copy worker's reports (block).
+    #[arg(long, default_value = "poll")]
+    driver_wait: String,
 }
 
 /// The figures `kvpipe bench transfer` prints.

@@ -7,10 +7,14 @@
 //! fastest a hand-written loop gets. One untimed warm-up of each, then `--runs` rounds, the
 //! transport and the baseline back to back in alternating order; `ratio` is the median of the
 //! runs' own ratios. Every run zeroes the destination first and verifies every copied byte
-//! after the transport's copy (read back to the host). `copy_span_runs_s` is, per run, from the
-//! first batch's issue to the last batch's copy end as the copy worker saw it: the difference
-//! to `transport_runs_s` is the time spent in the sessions, frames and reports around the
-//! copies. Needs a kvpipe built with the `cuda` feature; without a driver it fails with "no
+//! after the transport's copy (read back to the host). While a transfer runs the bench polls the
+//! driver (`MemPair::pump` in a loop, as an engine's busy loop would, and as the baseline's
+//! `cuStreamSynchronize` spins); `--driver-wait block` sleeps in `drive_until` instead, on the
+//! copy worker's reports. `copy_span_runs_s` is, per run, from the first batch's issue to the
+//! last batch's copy end as the copy worker saw it; `start_lag_runs_s` and `end_lag_runs_s` are
+//! the time from the first chunk's submission to the first copy's start and from the last
+//! copy's end to the receiver's completion: what the sessions, frames and reports add around
+//! the copies. Needs a kvpipe built with the `cuda` feature; without a driver it fails with "no
 //! CUDA driver".
 
 use std::process::ExitCode;
@@ -78,6 +82,14 @@ mod gpu {
         transport_runs_s: Vec<f64>,
         baseline_runs_s: Vec<f64>,
         copy_span_runs_s: Vec<f64>,
+        /// Per run: from the first chunk's submission to the first batch's copy start, and
+        /// from the last batch's copy end (as the copy worker saw it) to the receiver's
+        /// completion.
+        start_lag_runs_s: Vec<f64>,
+        end_lag_runs_s: Vec<f64>,
+        /// How the bench waited for the completion: `poll` (pump in a loop) or `block`
+        /// (`drive_until`, sleeping on the copy worker's reports).
+        driver_wait: String,
     }
 
     /// The baseline: `cuMemcpyDtoDAsync` of every extent of every plan on one stream, then one
@@ -132,6 +144,9 @@ mod gpu {
                 args.transport
             )
             .into());
+        }
+        if !matches!(args.driver_wait.as_str(), "poll" | "block") {
+            return Err(format!("--driver-wait {:?}: use poll or block", args.driver_wait).into());
         }
         kvpipe_cuda::check_driver()?;
         let device = Device::open(0)?;
@@ -230,6 +245,7 @@ mod gpu {
         let mut source = ContiguousSource { blocks };
         let runs = args.runs.max(1);
         let (mut t_transport, mut t_baseline, mut t_span) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut t_start_lag, mut t_end_lag) = (Vec::new(), Vec::new());
         let mut verified = true;
         // Round 0 warms both paths up (stream and event creation, first copies) untimed.
         for round in 0..=runs {
@@ -267,6 +283,7 @@ mod gpu {
             .map_err(|e| format!("registration: {e}"))?;
             let timings_before = pair.batch_timings().len();
             let t0 = Instant::now();
+            let t0_core = pair.now();
             for spec in &specs {
                 let now = pair.now();
                 pair.sender_mut()
@@ -285,7 +302,7 @@ mod gpu {
             let mut completed = false;
             let mut failed = None;
             let mut quiesced = 0;
-            pair.drive_until(Duration::from_secs(600), |p| {
+            let mut seen = |p: &mut MemPair| {
                 for (side, _, e) in p.take_events() {
                     match e {
                         Event::Completed { .. } if side == Endpoint::Receiver => completed = true,
@@ -297,8 +314,26 @@ mod gpu {
                     }
                 }
                 completed || failed.is_some()
-            })
-            .map_err(|e| format!("transfer: {e}"))?;
+            };
+            if args.driver_wait == "block" {
+                pair.drive_until(Duration::from_secs(600), seen)
+                    .map_err(|e| format!("transfer: {e}"))?;
+            } else {
+                // Poll the driver, as an engine's busy loop would (and as the baseline's
+                // stream synchronize spins), within the same deadline.
+                let limit = Instant::now() + Duration::from_secs(600);
+                loop {
+                    pair.pump()?;
+                    if seen(&mut pair) {
+                        break;
+                    }
+                    if Instant::now() > limit {
+                        return Err("transfer: no completion within 600 s".into());
+                    }
+                    std::hint::spin_loop();
+                }
+            }
+            let end_core = pair.now();
             let elapsed = t0.elapsed().as_secs_f64();
             if let Some(f) = failed {
                 return Err(format!("the transfer failed: {f}").into());
@@ -316,17 +351,25 @@ mod gpu {
             pair.sender_mut().retire(now, request)?;
             pair.receiver_mut().retire(now, request)?;
             let timings = &pair.batch_timings()[timings_before..];
-            let span = match (
+            let secs = |d: kvpipe_core::Duration| d.as_nanos() as f64 / 1e9;
+            let (span, start_lag, end_lag) = match (
                 timings.iter().map(|t| t.issued).min(),
+                timings.iter().map(|t| t.copy_started).min(),
                 timings.iter().map(|t| t.copy_finished).max(),
             ) {
-                (Some(a), Some(b)) => b.saturating_duration_since(a).as_nanos() as f64 / 1e9,
-                _ => 0.0,
+                (Some(issued), Some(first), Some(last)) => (
+                    secs(last.saturating_duration_since(issued)),
+                    secs(first.saturating_duration_since(t0_core)),
+                    secs(end_core.saturating_duration_since(last)),
+                ),
+                _ => (0.0, 0.0, 0.0),
             };
             verified &= verify(&host_src, &dst, &plans)?;
             if round > 0 {
                 t_transport.push(elapsed);
                 t_span.push(span);
+                t_start_lag.push(start_lag);
+                t_end_lag.push(end_lag);
             }
             if round % 2 == 0 {
                 let t = baseline_run(&stream, &src, &mut dst, &plans)?;
@@ -370,6 +413,9 @@ mod gpu {
             transport_runs_s: t_transport,
             baseline_runs_s: t_baseline,
             copy_span_runs_s: t_span,
+            start_lag_runs_s: t_start_lag,
+            end_lag_runs_s: t_end_lag,
+            driver_wait: args.driver_wait.clone(),
         };
         if args.json {
             println!("{}", serde_json::to_string(&report)?);
