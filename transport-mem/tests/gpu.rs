@@ -207,17 +207,26 @@ fn transfer(pair: &mut MemPair) -> Result<Vec<(Endpoint, Event)>, Failed> {
         pair.sender_mut()
             .submit_chunk(now, request, spec, &mut ContiguousSource)?;
         pair.pump()?;
+        for (side, _, e) in pair.take_events() {
+            events.push((side, e));
+        }
         start = end;
+        // A failed request takes no more chunks (the engine learns it from the event).
+        if failed(&events) {
+            break;
+        }
     }
-    let now = pair.now();
-    pair.sender_mut().handle_input(SenderInput::AuxSubmitted {
-        now,
-        request,
-        data: AuxData {
-            prompt_tokens: tokens,
-            ..AuxData::default()
-        },
-    })?;
+    if !failed(&events) {
+        let now = pair.now();
+        pair.sender_mut().handle_input(SenderInput::AuxSubmitted {
+            now,
+            request,
+            data: AuxData {
+                prompt_tokens: tokens,
+                ..AuxData::default()
+            },
+        })?;
+    }
     pair.drive_until(Duration::from_secs(30), |p| {
         for (side, _, e) in p.take_events() {
             events.push((side, e));
@@ -229,6 +238,12 @@ fn transfer(pair: &mut MemPair) -> Result<Vec<(Endpoint, Event)>, Failed> {
         quiesced >= 2
     })?;
     Ok(events)
+}
+
+fn failed(events: &[(Endpoint, Event)]) -> bool {
+    events
+        .iter()
+        .any(|(s, e)| *s == Endpoint::Sender && matches!(e, Event::Failed { .. }))
 }
 
 fn completed(events: &[(Endpoint, Event)]) -> bool {
