@@ -41,11 +41,13 @@ mod dmabuf;
 mod engine;
 mod error;
 mod memory;
+mod stream;
 
 pub use device::{check_driver, device_count, driver_version, Device};
 pub use dmabuf::{dmabuf_window, export_dmabuf, host_page_size, Dmabuf};
 pub use engine::{
-    coalesce, least_loaded, CopyEngine, CopyExtent, CopyOp, CopyTicket, Direction, Memory, Stream,
+    coalesce, least_loaded, CopyEngine, CopyExtent, CopyOp, CopyTicket, Direction, Memory,
 };
 pub use error::CudaError;
 pub use memory::{DeviceBuffer, PinnedBuffer};
+pub use stream::Stream;
