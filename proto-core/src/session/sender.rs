@@ -205,10 +205,13 @@ struct SendSession {
 }
 
 /// Registrations that arrived before the engine opened their request, by request.
+/// Registrations held for one request, from the peers that sent them, in arrival order.
+type Held = SmallVec<[(PeerId, RecvRegistration); 1]>;
+
 #[derive(Clone, Debug, Default)]
 struct PendingRegistrations {
     /// Per request: when its first registration arrived, and the registrations.
-    by_request: BTreeMap<RequestId, (Instant, SmallVec<[(PeerId, RecvRegistration); 1]>)>,
+    by_request: BTreeMap<RequestId, (Instant, Held)>,
     len: usize,
 }
 
@@ -226,7 +229,7 @@ impl PendingRegistrations {
     }
 
     /// Removes and returns the request's registrations, in arrival order.
-    fn take(&mut self, request: RequestId) -> SmallVec<[(PeerId, RecvRegistration); 1]> {
+    fn take(&mut self, request: RequestId) -> Held {
         let taken = self
             .by_request
             .remove(&request)
