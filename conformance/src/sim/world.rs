@@ -1893,6 +1893,7 @@ pub fn event_summary(event: &Event) -> String {
             request,
             bytes_written,
             aux,
+            ..
         } => format!(
             "Completed {request} {bytes_written}B{}",
             if aux.is_some() { " +aux" } else { "" }

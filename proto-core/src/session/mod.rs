@@ -89,6 +89,7 @@ use crate::ids::{
 };
 use crate::plan::{PlanError, WritePlan};
 use crate::source::BlockSourceError;
+use crate::time::{Duration, Instant};
 use crate::wire::{AuxData, DecodeError, Frame, RejectReason, Role, TransferStatus};
 
 /// Identifies one write batch handed to the transport by [`Output::ExecuteWrites`]; the transport
@@ -248,6 +249,8 @@ pub enum Event {
         bytes_written: u64,
         /// (Receiver) the aux data received; `None` on the sender.
         aux: Option<AuxData>,
+        /// When the request's milestones happened on this endpoint.
+        timings: RequestTimings,
     },
     /// The transfer failed. Both sides learn at once; the blocks stay pinned until
     /// [`Event::Quiesced`].
@@ -283,6 +286,44 @@ pub enum Event {
         /// The request.
         request: RequestId,
     },
+}
+
+/// When the milestones of one request happened, on the endpoint's own clock (the `now` of its
+/// inputs). Each side records what it can see; the two clocks are not comparable unless the
+/// transport gives both endpoints the same origin.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct RequestTimings {
+    /// Sender: the request was opened. Receiver: it was registered.
+    pub started: Instant,
+    /// Sender: the first chunk was submitted (prefill's first output). Receiver: `None`.
+    pub first_chunk: Option<Instant>,
+    /// Sender: the first write batch was handed to the transport (first byte sent).
+    /// Receiver: the first admitted write landed (first byte landed; with
+    /// [`DataPath::Ordered`], the first result arrived).
+    pub first_byte: Option<Instant>,
+    /// Sender: the last chunk was submitted (prefill finished). Receiver: `None`.
+    pub last_chunk: Option<Instant>,
+    /// Sender: the last write batch was reported complete. Receiver: the last admitted write
+    /// landed (with [`DataPath::Ordered`], the last result arrived).
+    pub last_byte: Option<Instant>,
+    /// The request completed.
+    pub ended: Instant,
+    /// Write batches handed to the transport (sender) or data writes admitted (receiver).
+    pub writes: u64,
+}
+
+impl RequestTimings {
+    /// From the first byte to the last (`None` if nothing moved).
+    pub fn transfer(&self) -> Option<Duration> {
+        Some(self.last_byte? - self.first_byte?)
+    }
+
+    /// (Sender) from the last chunk computed to the completion: the part of the transfer
+    /// prefill did not hide, as this side sees it (the last batch plus its result and the aux
+    /// data going out).
+    pub fn tail(&self) -> Option<Duration> {
+        Some(self.ended - self.last_chunk?)
+    }
 }
 
 /// A rule a peer broke. Inside a session it fails the session and travels on the wire as

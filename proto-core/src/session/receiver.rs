@@ -14,7 +14,8 @@ use super::state::{RecvEvent, RecvPhase, Transition, WriterEvent, WriterPhase};
 use super::timers::TimerKey;
 use super::transport::{Admission, DataPath, Endpoint, TransportInput, WriteRefusal};
 use super::{
-    frame_kind, CancelOrigin, CloseReason, Counters, Event, Output, ProtocolError, UsageError, Wait,
+    frame_kind, CancelOrigin, CloseReason, Counters, Event, Output, ProtocolError, RequestTimings,
+    UsageError, Wait,
 };
 use crate::blocks::AnchoredRun;
 use crate::ids::{GrantId, PeerId, ReceiverSliceId, RequestId, SenderSliceId};
@@ -130,6 +131,7 @@ struct RecvSession {
     /// Admitted writes of the request still being applied.
     writes_in_flight: u32,
     aux: Option<AuxData>,
+    timings: RequestTimings,
     /// The overall cap: registration + `result_wait` + prompt × `result_per_token`.
     result_cap: Instant,
     /// When a result, landed data or aux data last arrived.
@@ -561,6 +563,11 @@ impl Receiver {
                     .collect(),
                 writes_in_flight: 0,
                 aux: None,
+                timings: RequestTimings {
+                    started: now,
+                    ended: now,
+                    ..RequestTimings::default()
+                },
                 result_cap,
                 last_progress: None,
                 result_armed: Some(result_cap),
@@ -759,6 +766,7 @@ impl Receiver {
             });
         }
         session.writes_in_flight += 1;
+        session.timings.writes += 1;
         let ticket = self.writes.admit(Flight {
             request,
             peer,
@@ -824,6 +832,8 @@ impl Receiver {
         };
         session.writes_in_flight = session.writes_in_flight.saturating_sub(1);
         if landed {
+            session.timings.first_byte.get_or_insert(now);
+            session.timings.last_byte = Some(now);
             self.note_progress(now, request);
             let session = self.sessions.get_mut(&request).expect("present");
             self.shell.counters.bytes_landed += flight.len;
@@ -1059,6 +1069,11 @@ impl Receiver {
             writer.on(WriterEvent::LastResult);
         }
         session.bytes_written += r.bytes_written;
+        if self.config.data_path == DataPath::Ordered {
+            // No landing reports: a result is the moment its bytes are known to be placed.
+            session.timings.first_byte.get_or_insert(now);
+            session.timings.last_byte = Some(now);
+        }
         self.shell.counters.bytes_written += r.bytes_written;
         self.note_progress(now, request);
         self.progress(now, request);
@@ -1249,12 +1264,15 @@ impl Receiver {
             if p == RecvPhase::Completed {
                 let bytes = session.bytes_written;
                 let aux = session.aux.clone();
+                session.timings.ended = now;
+                let timings = session.timings;
                 self.shell.counters.completions += 1;
                 self.shell.counters.quiesced += 1;
                 self.shell.event(Event::Completed {
                     request,
                     bytes_written: bytes,
                     aux,
+                    timings,
                 });
                 self.shell.event(Event::Quiesced { request });
             }

@@ -13,7 +13,7 @@ use super::timers::TimerKey;
 use super::transport::{Admission, DataWriteHeaders, Endpoint, TransportInput, WriteRefusal};
 use super::{
     frame_kind, BlockRunError, BlockRunFault, CancelOrigin, CloseReason, Counters, Event, Output,
-    ProtocolError, UsageError, Wait, WriteBatchId,
+    ProtocolError, RequestTimings, UsageError, Wait, WriteBatchId,
 };
 use crate::blocks::BlockRun;
 use crate::config::{ConfigError, PipelineConfig};
@@ -202,6 +202,7 @@ struct SendSession {
     stop_status: TransferStatus,
     stop_slice: Option<SenderSliceId>,
     bytes_written: u64,
+    timings: RequestTimings,
 }
 
 /// Registrations that arrived before the engine opened their request, by request.
@@ -717,6 +718,11 @@ impl Sender {
                 stop_status: TransferStatus::Success,
                 stop_slice: None,
                 bytes_written: 0,
+                timings: RequestTimings {
+                    started: now,
+                    ended: now,
+                    ..RequestTimings::default()
+                },
             },
         );
         self.shell
@@ -927,6 +933,10 @@ impl Sender {
         session.next_start = Some(spec.end);
         session.prompt_len = Some(spec.prompt_len);
         session.prepopulated_len = Some(spec.prepopulated_len);
+        session.timings.first_chunk.get_or_insert(now);
+        if spec.is_last {
+            session.timings.last_chunk = Some(now);
+        }
         if runs.is_empty() && !spec.is_last {
             return Ok(Ok(None));
         }
@@ -1263,6 +1273,8 @@ impl Sender {
                 deadline: Some(deadline),
             });
             target.inflight += 1;
+            session.timings.first_byte.get_or_insert(now);
+            session.timings.writes += 1;
             self.batches.insert(
                 batch,
                 BatchRef {
@@ -1349,6 +1361,8 @@ impl Sender {
         }
         let finished = session.targets.iter().all(|t| t.phase.is_finished());
         let bytes = session.bytes_written;
+        session.timings.ended = now;
+        let timings = session.timings;
         let mut transition = None;
         if finished {
             if let Transition::To(p) = session.phase.on(SendEvent::Finished) {
@@ -1364,6 +1378,7 @@ impl Sender {
                 request,
                 bytes_written: bytes,
                 aux: None,
+                timings,
             });
             self.shell.event(Event::Quiesced { request });
         }
@@ -1404,6 +1419,7 @@ impl Sender {
             ts.done = true;
             let bytes = ts.bytes;
             session.bytes_written += bytes;
+            session.timings.last_byte = Some(now);
             self.shell.counters.bytes_written += bytes;
             if session.phase.is_active() {
                 self.progress(now, r.request);
