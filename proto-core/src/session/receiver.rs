@@ -942,7 +942,7 @@ impl Receiver {
                 Stop::Failed {
                     cause: TransferStatus::ProtocolError,
                     peer: Some(peer),
-                    slice: Some(r.sender_slice),
+                    slice: r.sender_slice.get(),
                 },
             );
             return;
@@ -970,15 +970,17 @@ impl Receiver {
             if r.is_last {
                 writer.on(WriterEvent::Confirmed);
             }
-            self.stop(
-                now,
-                request,
+            let why = if r.status == TransferStatus::Cancelled {
+                // The writer's engine cancelled: a cancel, not a failure of the transfer.
+                Stop::Cancelled(CancelOrigin::Peer(peer))
+            } else {
                 Stop::Failed {
                     cause: r.status,
                     peer: Some(peer),
-                    slice: Some(r.sender_slice),
-                },
-            );
+                    slice: r.sender_slice.get(),
+                }
+            };
+            self.stop(now, request, why);
             return;
         }
         if after_last {
@@ -990,7 +992,7 @@ impl Receiver {
                 Stop::Failed {
                     cause: TransferStatus::ProtocolError,
                     peer: Some(peer),
-                    slice: Some(r.sender_slice),
+                    slice: r.sender_slice.get(),
                 },
             );
             return;
