@@ -36,20 +36,24 @@
 //!
 //! [`ReferenceCache`]: crate::cache::ReferenceCache
 
+mod config;
+mod engine;
 mod faults;
+mod network;
+mod oracle;
 mod report;
-mod rng;
+mod scheduler;
 mod workload;
 mod world;
 
+pub use config::{PlantedBug, ScriptedFault, SimConfig};
 pub use faults::{FaultKind, FaultParseError, FaultRates, FaultSet};
+/// The simulator's seeded generator (the network emulation's).
+pub use kvpipe_mem::netem::SeededRng as SimRng;
+pub use network::NetCounters;
 pub use report::{Outcome, RequestOutcome, SimReport, Terminal};
-pub use rng::SimRng;
 pub use workload::{random_workload, CancelSide, RequestPlan, WorkloadShape};
-pub use world::{
-    event_summary, frame_summary, NetCounters, PlantedBug, ScriptedFault, SimConfig, Simulation,
-    RECEIVER_PEER,
-};
+pub use world::{event_summary, frame_summary, Simulation, RECEIVER_PEER};
 
 /// Runs `requests` random requests with `seed` under `faults` and reports.
 pub fn run(requests: usize, seed: u64, faults: FaultSet) -> SimReport {
