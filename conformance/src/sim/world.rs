@@ -75,11 +75,14 @@ pub(crate) struct Hosts {
     pub(crate) slots_per_group: u32,
 }
 
-/// A readable line per step, when asked for.
+/// What the run leaves for a reader: a readable line per step, and every output drained from
+/// each endpoint, when asked for.
 #[derive(Debug, Default)]
 pub(crate) struct Trace {
     on: bool,
     lines: Vec<String>,
+    /// Outputs drained, with their endpoint (sender rank, or `None`: the receiver).
+    outputs: Option<Vec<(Option<usize>, Output)>>,
 }
 
 impl Trace {
@@ -186,6 +189,7 @@ impl Simulation {
             trace: Trace {
                 on: cfg.trace,
                 lines: Vec::new(),
+                outputs: None,
             },
             cfg,
         };
@@ -243,14 +247,38 @@ impl Simulation {
         &self.hosts.receiver
     }
 
-    /// The receiver endpoint, for tests that switch on input recording before a run.
+    /// The receiver endpoint (for its recorded inputs).
     pub fn receiver_mut(&mut self) -> &mut Receiver {
         &mut self.hosts.receiver
     }
 
-    /// The sender endpoint of rank `rank`, for tests that switch on input recording.
+    /// The sender endpoint of rank `rank` (for its recorded inputs).
     pub fn sender_mut(&mut self, rank: usize) -> &mut Sender {
         &mut self.hosts.senders[rank]
+    }
+
+    /// Switches recording on or off: every endpoint records its inputs
+    /// ([`Sender::record_inputs`]) and the simulation keeps every output it drains, so an
+    /// endpoint can be replayed and compared ([`take_outputs`](Self::take_outputs)).
+    pub fn record(&mut self, on: bool) {
+        for s in &mut self.hosts.senders {
+            s.record_inputs(on);
+        }
+        self.hosts.receiver.record_inputs(on);
+        self.trace.outputs = on.then(Vec::new);
+    }
+
+    /// The outputs drained from sender rank `Some(r)` (`None`: the receiver) since recording
+    /// started, in order; the others are kept.
+    pub fn take_outputs(&mut self, from: Option<usize>) -> Vec<Output> {
+        let Some(all) = &mut self.trace.outputs else {
+            return Vec::new();
+        };
+        let (taken, kept) = std::mem::take(all)
+            .into_iter()
+            .partition::<Vec<_>, _>(|(f, _)| *f == from);
+        *all = kept;
+        taken.into_iter().map(|(_, o)| o).collect()
     }
 
     /// Whether every request was admitted and finished (retired on every side).
@@ -430,6 +458,9 @@ impl Simulation {
     }
 
     fn on_output(&mut self, from: Option<usize>, output: Output) {
+        if let Some(all) = &mut self.trace.outputs {
+            all.push((from, output.clone()));
+        }
         let who = who(from);
         match output {
             Output::Transmit { peer, frame, bytes } => {
