@@ -615,11 +615,6 @@ impl Netem {
             reconnect_after,
         }
     }
-
-    /// The generator, for a caller that draws its own choices from the same stream.
-    pub fn rng(&mut self) -> &mut SeededRng {
-        &mut self.rng
-    }
 }
 
 /// Whether `bytes` is a handshake frame (hello, accept, reject).

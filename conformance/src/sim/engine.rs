@@ -22,6 +22,9 @@ const AUX_CAPACITY: u32 = 1024;
 pub(crate) struct Engine {
     /// The requests, in arrival order.
     pub(crate) plans: Vec<RequestPlan>,
+    /// The engines' own choices (late submits, partial cancels, when to retire), a stream
+    /// apart from the network's, so a change of fault rates does not move them.
+    rng: SimRng,
     /// The next request to admit.
     pub(crate) next_admit: usize,
     /// Requests admitted and not finished on every side.
@@ -31,10 +34,11 @@ pub(crate) struct Engine {
 }
 
 impl Engine {
-    pub(crate) fn new(mut plans: Vec<RequestPlan>) -> Self {
+    pub(crate) fn new(mut plans: Vec<RequestPlan>, rng: SimRng) -> Self {
         plans.sort_by_key(|p| p.arrival);
         Engine {
             plans,
+            rng,
             next_admit: 0,
             active: 0,
             last_start: Instant::ZERO,
@@ -361,7 +365,7 @@ impl Simulation {
 
     /// The engines' generator.
     fn engine_rng(&mut self) -> &mut SimRng {
-        self.net.netem.rng()
+        &mut self.engine.rng
     }
 }
 

@@ -173,7 +173,7 @@ impl Simulation {
         } else {
             cfg.max_steps
         };
-        let engine = Engine::new(plans);
+        let engine = Engine::new(plans, SimRng::new(cfg.seed).fork(4));
         let mut sim = Simulation {
             sched: Scheduler::new(max_steps),
             hosts: Hosts {
