@@ -14,7 +14,7 @@ fn replay_sender(sim: &mut Simulation, rank: usize) -> (usize, Vec<Output>, Vec<
             ..
         }
     )));
-    let mut fresh = Sender::new(sim.sender(rank).config().clone());
+    let mut fresh = Sender::new(sim.sender(rank).config().clone()).unwrap();
     let mut outputs = Vec::new();
     for input in &inputs {
         fresh
@@ -27,7 +27,7 @@ fn replay_sender(sim: &mut Simulation, rank: usize) -> (usize, Vec<Output>, Vec<
 
 fn replay_receiver(sim: &mut Simulation) -> (usize, Vec<Output>, Vec<Output>) {
     let inputs = sim.receiver_mut().take_recorded_inputs();
-    let mut fresh = Receiver::new(sim.receiver().config().clone());
+    let mut fresh = Receiver::new(sim.receiver().config().clone()).unwrap();
     let mut outputs = Vec::new();
     for input in &inputs {
         fresh

@@ -21,8 +21,7 @@
 //! - nothing panics (every input, however wrong — including arbitrary bytes from a hostile
 //!   peer — is answered with a value or an error);
 //! - a sender completes a request only after its last chunk was submitted, every write batch of
-//!   the request was reported complete (none failed), and its aux data (if it sends it) was
-//!   submitted;
+//!   the request was reported complete (none failed), and its aux data was submitted;
 //! - a receiver completes a request only after a successful last result and the aux data for it
 //!   were delivered to it;
 //! - no write batch is emitted for a request after it was cancelled, ended or retired;
@@ -109,8 +108,8 @@ pub enum Step {
     Open {
         /// Request (folded).
         request: u8,
-        /// Whether the sender sends the aux data.
-        sends_aux: bool,
+        /// Two beams instead of one (pipelined transfer refuses it).
+        several_beams: bool,
     },
     /// The prefill engine submits the next chunk of a request, its runs from a fixed block
     /// source (a real [`SenderInput::Chunk`]).
@@ -234,6 +233,8 @@ fn deadlines() -> Deadlines {
         registration: Duration::from_millis(1_000),
         write_completion: Duration::from_millis(200),
         result_wait: Duration::from_millis(2_000),
+        result_per_token: Duration::ZERO,
+        result_idle: Duration::from_millis(2_000),
         aux_wait: Duration::from_millis(300),
         heartbeat_interval: Duration::from_millis(50),
         liveness_timeout: Duration::from_millis(400),
@@ -345,7 +346,6 @@ struct Pair {
     applying: Vec<Applying>,
     next_start: BTreeMap<RequestId, u32>,
     last_submitted: BTreeSet<RequestId>,
-    sends_aux: BTreeMap<RequestId, bool>,
     /// Requests opened on the sender / registered on the receiver.
     opened: BTreeSet<RequestId>,
     registered: BTreeSet<RequestId>,
@@ -367,8 +367,8 @@ struct Pair {
 
 impl Pair {
     fn new(netem: NetemCase) -> Self {
-        let mut sender = Sender::new(sender_config());
-        let mut receiver = Receiver::new(receiver_config());
+        let mut sender = Sender::new(sender_config()).expect("a supported configuration");
+        let mut receiver = Receiver::new(receiver_config()).expect("a supported configuration");
         sender.record_inputs(true);
         receiver.record_inputs(true);
         let mut netem = Netem::new(netem.config());
@@ -386,7 +386,6 @@ impl Pair {
             applying: Vec::new(),
             next_start: BTreeMap::new(),
             last_submitted: BTreeSet::new(),
-            sends_aux: BTreeMap::new(),
             opened: BTreeSet::new(),
             registered: BTreeSet::new(),
             cancelled: BTreeSet::new(),
@@ -601,12 +600,10 @@ impl Pair {
                             "sender completed {r} with {issued} batches issued, {done} complete, \
                              failed {failed}"
                         );
-                        if self.sends_aux.get(&r).copied().unwrap_or(false) {
-                            assert!(
-                                self.aux_submitted.contains(&r),
-                                "sender completed {r} before its aux data was submitted"
-                            );
-                        }
+                        assert!(
+                            self.aux_submitted.contains(&r),
+                            "sender completed {r} before its aux data was submitted"
+                        );
                         self.stats.sender_completed += 1;
                         self.mark_terminal(true, r);
                     }
@@ -822,13 +819,13 @@ impl Pair {
             }
             Step::Open {
                 request: r,
-                sends_aux,
+                several_beams,
             } => self.sender_input(SenderInput::Open {
                 now,
                 request: SendRequest {
                     request: request(r),
                     receivers: [RECEIVER].into_iter().collect(),
-                    sends_aux,
+                    beam_width: if several_beams { 2 } else { 1 },
                 },
             }),
             Step::Aux { request: r } => self.sender_input(SenderInput::Aux {
@@ -940,6 +937,19 @@ impl Pair {
                 spec,
                 runs,
             },
+            SenderInput::Prefix {
+                request,
+                prompt_len,
+                prepopulated_len,
+                runs,
+                ..
+            } => SenderInput::Prefix {
+                now,
+                request: fold(request),
+                prompt_len,
+                prepopulated_len,
+                runs,
+            },
             SenderInput::Aux { request, data, .. } => SenderInput::Aux {
                 now,
                 request: fold(request),
@@ -958,7 +968,6 @@ impl Pair {
         if res.is_ok() {
             match input {
                 SenderInput::Open { request, .. } => {
-                    self.sends_aux.insert(request.request, request.sends_aux);
                     self.opened.insert(request.request);
                 }
                 SenderInput::Chunk { request, spec, .. } if spec.is_last => {
@@ -1142,7 +1151,7 @@ impl Pair {
 
     /// Replays each endpoint's recorded inputs into a fresh one: the outputs are the same.
     fn check_replay(&mut self) {
-        let mut sender = Sender::new(sender_config());
+        let mut sender = Sender::new(sender_config()).expect("a supported configuration");
         let mut outputs = Vec::new();
         for input in self.sender.take_recorded_inputs() {
             sender
@@ -1154,7 +1163,7 @@ impl Pair {
             outputs == self.sender_outputs,
             "the replayed sender's outputs differ"
         );
-        let mut receiver = Receiver::new(receiver_config());
+        let mut receiver = Receiver::new(receiver_config()).expect("a supported configuration");
         let mut outputs = Vec::new();
         for input in self.receiver.take_recorded_inputs() {
             receiver

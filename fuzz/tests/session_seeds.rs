@@ -20,8 +20,11 @@ fn rid(r: u8) -> RequestId {
     RequestId(u64::from(r) % 4 + 1)
 }
 
-fn open(request: u8, sends_aux: bool) -> Step {
-    Step::Open { request, sends_aux }
+fn open(request: u8) -> Step {
+    Step::Open {
+        request,
+        several_beams: false,
+    }
 }
 
 fn aux(request: u8) -> Step {
@@ -66,7 +69,7 @@ fn session_seed_corpus_keeps_every_rule() {
 #[test]
 fn session_pump_drives_a_transfer_to_completion() {
     let steps = vec![
-        open(0, false),
+        open(0),
         Step::Register {
             request: 0,
             cached: 5,
@@ -83,12 +86,12 @@ fn session_pump_drives_a_transfer_to_completion() {
             last: true,
         },
         Step::Pump,
+        aux(0),
+        Step::Pump,
     ];
     let stats = run_case(&case(steps));
-    // Without aux data the receiver waits for it and ends on its aux deadline later; the
-    // sender completes once its last result went out.
     assert_eq!(stats.sender_completed, 1, "{stats:?}");
-    assert_eq!(stats.receiver_completed, 0, "{stats:?}");
+    assert_eq!(stats.receiver_completed, 1, "{stats:?}");
 }
 
 /// A whole transfer, step by step: both sides complete.
@@ -96,7 +99,7 @@ fn happy_path(request: u8) -> Vec<Step> {
     let mut steps = vec![
         Step::Register { request, cached: 0 },
         Step::Deliver,
-        open(request, true),
+        open(request),
     ];
     for last in [false, false, true] {
         steps.push(Step::Chunk {
@@ -204,7 +207,10 @@ fn encode(case: &SessionCase) -> Vec<u8> {
     out.extend([n.loss, n.duplicate, n.reorder, n.delay]);
     for step in &case.steps {
         let (variant, fields): (u64, Vec<u8>) = match *step {
-            Step::Open { request, sends_aux } => (2, vec![request, sends_aux.into()]),
+            Step::Open {
+                request,
+                several_beams,
+            } => (2, vec![request, several_beams.into()]),
             Step::Chunk {
                 request,
                 tokens,
@@ -227,10 +233,10 @@ fn encode(case: &SessionCase) -> Vec<u8> {
             Step::Advance { millis } => (10, millis.to_le_bytes().to_vec()),
             Step::Pump => (11, vec![]),
             Step::Sender(SenderInput::Cancel { now, request }) => {
-                (0, [enum_index(4, 6), now_and(now, request)].concat())
+                (0, [enum_index(5, 7), now_and(now, request)].concat())
             }
             Step::Sender(SenderInput::Retire { now, request }) => {
-                (0, [enum_index(5, 6), now_and(now, request)].concat())
+                (0, [enum_index(6, 7), now_and(now, request)].concat())
             }
             Step::Receiver(ReceiverInput::Cancel { now, request }) => {
                 (1, [enum_index(2, 4), now_and(now, request)].concat())

@@ -11,7 +11,7 @@ use kvpipe_core::session::{
 };
 use kvpipe_core::wire::TransferStatus;
 use kvpipe_core::{
-    Event, Instant, PeerId, Receiver, ReceiverConfig, RegionId, Sender, SenderConfig,
+    ConfigError, Event, Instant, PeerId, Receiver, ReceiverConfig, RegionId, Sender, SenderConfig,
 };
 use thiserror::Error;
 
@@ -191,10 +191,21 @@ pub struct MemNetwork {
 }
 
 impl MemNetwork {
-    /// A network with no memory registered and no connection yet.
-    pub fn new(config: NetworkConfig) -> Self {
+    /// A network with no memory registered and no connection yet, or the first endpoint
+    /// configuration that cannot run pipelined transfer.
+    pub fn new(config: NetworkConfig) -> Result<Self, ConfigError> {
         let clock = Clock::new();
         let (s, r) = (config.senders.len(), config.receivers.len());
+        let senders = config
+            .senders
+            .into_iter()
+            .map(Sender::new)
+            .collect::<Result<_, _>>()?;
+        let receivers = config
+            .receivers
+            .into_iter()
+            .map(Receiver::new)
+            .collect::<Result<_, _>>()?;
         let mut netem = Netem::new(config.faults);
         let links = (0..s * r)
             .map(|_| LinkState {
@@ -205,10 +216,10 @@ impl MemNetwork {
                 in_flight: 0,
             })
             .collect();
-        MemNetwork {
+        Ok(MemNetwork {
             clock,
-            senders: config.senders.into_iter().map(Sender::new).collect(),
-            receivers: config.receivers.into_iter().map(Receiver::new).collect(),
+            senders,
+            receivers,
             sender_regions: (0..s).map(|_| RegionTable::new()).collect(),
             receiver_regions: (0..r).map(|_| RegionTable::new()).collect(),
             links,
@@ -224,7 +235,7 @@ impl MemNetwork {
             netem,
             events: VecDeque::new(),
             stats: PairStats::default(),
-        }
+        })
     }
 
     fn link(&self, s: usize, r: usize) -> usize {
@@ -270,7 +281,8 @@ impl MemNetwork {
         }
     }
 
-    fn regions_mut(&mut self, node: Node) -> Option<&mut RegionTable> {
+    /// The regions of `node`, to register memory of another kind (e.g. device memory).
+    pub fn regions_mut(&mut self, node: Node) -> Option<&mut RegionTable> {
         match node {
             Node::Sender(i) => self.sender_regions.get_mut(i),
             Node::Receiver(j) => self.receiver_regions.get_mut(j),

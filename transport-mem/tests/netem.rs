@@ -22,7 +22,7 @@ fn a_damaged_frame_closes_its_connection_as_a_protocol_violation() {
         corrupt: 1.0,
         ..NetemConfig::default()
     };
-    let mut pair = MemPair::new(c);
+    let mut pair = MemPair::new(c).unwrap();
     pair.connect().unwrap();
     pair.drive_until(Duration::from_secs(5), |p| {
         p.sender().is_peer_ready(RECEIVER_PEER) || p.receiver().is_peer_ready(SENDER_PEER)

@@ -53,7 +53,7 @@ fn a_sender_closing_right_after_completing_loses_nothing() {
         tx.open_request(SendRequest {
             request,
             receivers: smallvec![at_tx],
-            sends_aux: true,
+            beam_width: 1,
         })
         .unwrap();
         // Alternate the source slots so every round lands different bytes.

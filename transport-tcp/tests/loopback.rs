@@ -58,7 +58,7 @@ fn run_transfer(connections: usize) {
         tx.open_request(SendRequest {
             request: RequestId(100 + i as u64),
             receivers: smallvec![peer_at_tx],
-            sends_aux: true,
+            beam_width: 1,
         })
         .unwrap();
     }

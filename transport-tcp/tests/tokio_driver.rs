@@ -73,7 +73,7 @@ async fn async_transfer_lands_every_byte() {
     tx.open_request(SendRequest {
         request: RequestId(1),
         receivers: smallvec![peer_at_tx],
-        sends_aux: true,
+        beam_width: 1,
     })
     .unwrap();
     for (start, end) in [(0, 12), (12, 30), (30, 40)] {
@@ -200,7 +200,7 @@ async fn async_sender_closing_right_after_completing_loses_nothing() {
         tx.open_request(SendRequest {
             request,
             receivers: smallvec![peer_at_tx],
-            sends_aux: true,
+            beam_width: 1,
         })
         .unwrap();
         let base = (round % 2) * 32;

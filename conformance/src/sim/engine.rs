@@ -144,7 +144,7 @@ impl Simulation {
                 SendRequest {
                     request: plan.id,
                     receivers: [RECEIVER_PEER].into_iter().collect(),
-                    sends_aux: w == 0,
+                    beam_width: 1,
                 },
             );
             self.check(res, || format!("S{rank} open {}", plan.id));
@@ -208,34 +208,38 @@ impl Simulation {
         }
     }
 
-    /// The first writer rank submits request `i`'s aux data.
+    /// Every writer rank submits request `i`'s aux data.
     pub(crate) fn aux(&mut self, i: usize) {
         let now = self.sched.now();
         let request = self.engine.plans[i].id;
-        let rank = self.engine.plans[i].writers[0];
-        if self.oracle.records[i].senders[0].terminal.is_some() {
-            // An engine that learns of the end late still submits: refused, nothing changes.
-            if self.engine_rng().chance(0.3) {
-                let res = self.hosts.senders[rank].handle_input(SenderInput::Aux {
-                    now,
-                    request,
-                    data: AuxData::default(),
-                });
-                self.expect_ended(res, rank, request);
+        for w in 0..self.engine.plans[i].writers.len() {
+            let rank = self.engine.plans[i].writers[w];
+            if self.oracle.records[i].senders[w].terminal.is_some() {
+                // An engine that learns of the end late still submits: refused, nothing
+                // changes.
+                if self.engine_rng().chance(0.3) {
+                    let res = self.hosts.senders[rank].handle_input(SenderInput::Aux {
+                        now,
+                        request,
+                        data: AuxData::default(),
+                    });
+                    self.expect_ended(res, rank, request);
+                }
+                continue;
             }
-            return;
+            let data = AuxData {
+                prompt_tokens: self.engine.plans[i].prompt_len,
+                cached_tokens: self.engine.plans[i].sender_prefix,
+                first_tokens: vec![(request.0 % 50_000) as u32],
+                draft_tokens: vec![],
+            };
+            self.note(|| format!("engine S{rank} aux {request}"));
+            let res =
+                self.hosts.senders[rank].handle_input(SenderInput::Aux { now, request, data });
+            self.oracle.records[i].senders[w].aux |= res.is_ok();
+            self.check(res, || format!("S{rank} aux {request}"));
+            self.drain();
         }
-        let data = AuxData {
-            prompt_tokens: self.engine.plans[i].prompt_len,
-            cached_tokens: self.engine.plans[i].sender_prefix,
-            first_tokens: vec![(request.0 % 50_000) as u32],
-            draft_tokens: vec![],
-        };
-        self.note(|| format!("engine S{rank} aux {request}"));
-        let res = self.hosts.senders[rank].handle_input(SenderInput::Aux { now, request, data });
-        self.oracle.records[i].senders[0].aux |= res.is_ok();
-        self.check(res, || format!("S{rank} aux {request}"));
-        self.drain();
     }
 
     /// A call on a request that already ended must be refused as ended (or retired).

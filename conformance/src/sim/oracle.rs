@@ -291,7 +291,7 @@ impl Simulation {
                     .map(|w| self.oracle.records[i].senders[w])
                     .unwrap_or_default();
                 let in_flight = self.net.has_batch(rank, request);
-                if !s.last_chunk || (w == Some(0) && !s.aux) || in_flight {
+                if !s.last_chunk || !s.aux || in_flight {
                     self.oracle.anomalies.push(format!(
                         "{who} completed {request} early: last chunk {}, aux {}, writes in \
                          flight {in_flight}",

@@ -159,7 +159,7 @@ impl Simulation {
                     sender_caches[r].layouts(),
                 ));
                 c.deadlines = cfg.deadlines;
-                Sender::new(c)
+                Sender::new(c).expect("the simulator's endpoint configurations are supported")
             })
             .collect();
         let mut rc = ReceiverConfig::new(
@@ -178,7 +178,8 @@ impl Simulation {
             sched: Scheduler::new(max_steps),
             hosts: Hosts {
                 senders: sender_endpoints,
-                receiver: Receiver::new(rc),
+                receiver: Receiver::new(rc)
+                    .expect("the simulator's endpoint configurations are supported"),
                 sender_caches,
                 receiver_cache,
                 slots_per_group: receiver_spec.slots_per_group,

@@ -84,7 +84,7 @@ impl Harness for MemHarness {
             config.copy_threads = t;
         }
         config.faults = netem_config(faults);
-        let mut pair = MemPair::new(config);
+        let mut pair = MemPair::new(config).map_err(|e| LinkError::Transport(e.to_string()))?;
         for (side, cache) in [
             (Endpoint::Sender, &mut *sender_cache),
             (Endpoint::Receiver, &mut *receiver_cache),

@@ -1,6 +1,7 @@
 //! Endpoint configuration: deadlines, bounds and the local handshake data.
 
 use super::transport::DataPath;
+use crate::config::PipelineConfig;
 use crate::ids::InstanceId;
 use crate::layout::LayerGroupLayout;
 use crate::time::Duration;
@@ -17,8 +18,16 @@ pub struct Deadlines {
     pub registration: Duration,
     /// (Sender) from handing a write batch to the transport to its report.
     pub write_completion: Duration,
-    /// (Receiver) from registering a request to every writer's last result.
+    /// (Receiver) the base of the overall cap on a request, from its registration to every
+    /// writer's last result: `result_wait + prompt_len × result_per_token` (prefill queueing and
+    /// compute grow with the prompt).
     pub result_wait: Duration,
+    /// (Receiver) what the overall cap adds per prompt token.
+    pub result_per_token: Duration,
+    /// (Receiver) once a request made progress (a result, landed data or aux data arrived), it
+    /// fails when no further progress comes for this long — a stalled transfer ends well before
+    /// the cap, a slow one that keeps progressing is never cut off by it.
+    pub result_idle: Duration,
     /// Sender: from the last chunk to the engine's aux data. Receiver: from the last writer's
     /// last result to the aux data.
     pub aux_wait: Duration,
@@ -39,6 +48,8 @@ impl Default for Deadlines {
             registration: Duration::from_secs(60),
             write_completion: Duration::from_secs(10),
             result_wait: Duration::from_secs(120),
+            result_per_token: Duration::from_millis(2),
+            result_idle: Duration::from_secs(30),
             aux_wait: Duration::from_secs(30),
             heartbeat_interval: Duration::from_secs(1),
             liveness_timeout: Duration::from_secs(10),
@@ -105,11 +116,15 @@ pub struct SenderConfig {
     pub deadlines: Deadlines,
     /// How many cancels for not-yet-opened requests are remembered (oldest forgotten first).
     pub max_remembered_cancels: usize,
-    /// How many retired request ids are remembered to refuse re-use (oldest forgotten first).
+    /// How many retired request ids are remembered exactly; when more retire, the smallest is
+    /// forgotten and every id at or below it counts as retired from then on (never re-created).
     pub max_retired: usize,
     /// How many registrations for not-yet-opened requests are held (newer ones are refused
     /// with a `Cancel`).
     pub max_pending_registrations: usize,
+    /// The engine settings pipelined transfer depends on; [`Sender::new`](super::Sender::new)
+    /// refuses an unsupported one.
+    pub pipeline: PipelineConfig,
 }
 
 impl SenderConfig {
@@ -121,6 +136,7 @@ impl SenderConfig {
             max_remembered_cancels: 4096,
             max_retired: 65536,
             max_pending_registrations: 4096,
+            pipeline: PipelineConfig::default(),
         }
     }
 }
@@ -137,11 +153,15 @@ pub struct ReceiverConfig {
     pub grant_seed: u64,
     /// How many cancels for not-yet-registered requests are remembered (oldest forgotten first).
     pub max_remembered_cancels: usize,
-    /// How many retired request ids are remembered to refuse re-use (oldest forgotten first).
+    /// How many retired request ids are remembered exactly; when more retire, the smallest is
+    /// forgotten and every id at or below it counts as retired from then on (never re-created).
     pub max_retired: usize,
     /// Where the transport's data writes land, which decides when a result is trusted
     /// ([`DataPath::Landed`] unless the transport's fabric orders data before frames).
     pub data_path: DataPath,
+    /// The engine settings pipelined transfer depends on;
+    /// [`Receiver::new`](super::Receiver::new) refuses an unsupported one.
+    pub pipeline: PipelineConfig,
 }
 
 impl ReceiverConfig {
@@ -154,6 +174,7 @@ impl ReceiverConfig {
             max_remembered_cancels: 4096,
             max_retired: 65536,
             data_path: DataPath::Landed,
+            pipeline: PipelineConfig::default(),
         }
     }
 }

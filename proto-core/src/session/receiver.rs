@@ -8,7 +8,7 @@ use smallvec::SmallVec;
 use super::config::ReceiverConfig;
 use super::grants::{Flight, GrantedExtents, WritesInFlight};
 use super::peers::Route;
-use super::remembered::Remembered;
+use super::retired::Retired;
 use super::shell::{Due, Shell};
 use super::state::{RecvEvent, RecvPhase, Transition, WriterEvent, WriterPhase};
 use super::timers::TimerKey;
@@ -97,9 +97,16 @@ struct Writer {
     /// Frames that arrived before the data they report landed, each with the landed count it
     /// needs ([`DataPath::Landed`]).
     held: VecDeque<(u64, Frame)>,
+    /// The writer's aux data arrived.
+    aux: bool,
 }
 
 impl Writer {
+    /// Everything of this writer arrived: its successful last result and its aux data.
+    fn finished(&self) -> bool {
+        self.phase == WriterPhase::Done && self.aux
+    }
+
     fn on(&mut self, event: WriterEvent) -> bool {
         match self.phase.on(event) {
             Transition::To(p) => {
@@ -120,10 +127,27 @@ struct RecvSession {
     /// Admitted writes of the request still being applied.
     writes_in_flight: u32,
     aux: Option<AuxData>,
-    result_deadline: Instant,
+    /// The overall cap: registration + `result_wait` + prompt × `result_per_token`.
+    result_cap: Instant,
+    /// When a result, landed data or aux data last arrived.
+    last_progress: Option<Instant>,
+    /// The earliest timer armed for the result deadline and not fired yet (progress arms a
+    /// timer only when it brings the deadline before it, so the queue stays small).
+    result_armed: Option<Instant>,
     aux_deadline: Option<Instant>,
     quiesce_deadline: Option<Instant>,
     bytes_written: u64,
+}
+
+impl RecvSession {
+    /// When the results are due: the overall cap, and once progress was made, the idle
+    /// deadline after the last progress, whichever comes first.
+    fn result_deadline(&self, idle: crate::time::Duration) -> Instant {
+        match self.last_progress {
+            Some(at) => self.result_cap.min(at + idle),
+            None => self.result_cap,
+        }
+    }
 }
 
 /// What the receiver remembers of a retired request: late writes carrying its grant from one
@@ -190,7 +214,7 @@ pub struct Receiver {
     config: ReceiverConfig,
     shell: Shell,
     sessions: BTreeMap<RequestId, RecvSession>,
-    retired: Remembered<RetiredGrant>,
+    retired: Retired<RetiredGrant>,
     writes: WritesInFlight,
     next_slice: u32,
     grant_state: u64,
@@ -198,19 +222,21 @@ pub struct Receiver {
 }
 
 impl Receiver {
-    /// A receiver with no peers and no sessions.
-    pub fn new(config: ReceiverConfig) -> Self {
+    /// A receiver with no peers and no sessions, or the first reason its configuration cannot
+    /// run pipelined transfer.
+    pub fn new(config: ReceiverConfig) -> Result<Self, crate::config::ConfigError> {
+        config.pipeline.validate()?;
         let hello = config.local.to_hello(Role::Receiver);
-        Receiver {
+        Ok(Receiver {
             shell: Shell::new(hello, config.deadlines, config.max_remembered_cancels),
             sessions: BTreeMap::new(),
-            retired: Remembered::new(config.max_retired),
+            retired: Retired::new(config.max_retired),
             writes: WritesInFlight::default(),
             next_slice: 0,
             grant_state: config.grant_seed,
             recorded: None,
             config,
-        }
+        })
     }
 
     // ----- getters -----
@@ -495,7 +521,13 @@ impl Receiver {
         self.next_slice = self.next_slice.wrapping_add(1);
         frame.grant = GrantId(self.next_grant());
         let extents = GrantedExtents::compute(&self.config.local.groups, &frame.groups);
-        let result_deadline = now + self.config.deadlines.result_wait;
+        let d = self.config.deadlines;
+        let per_token = d.result_per_token.as_nanos();
+        let result_cap = now
+            + d.result_wait
+            + crate::time::Duration::from_nanos(
+                per_token.saturating_mul(u64::from(frame.prompt_len)),
+            );
         self.sessions.insert(
             request,
             RecvSession {
@@ -513,11 +545,14 @@ impl Receiver {
                         landed: 0,
                         reported: 0,
                         held: VecDeque::new(),
+                        aux: false,
                     })
                     .collect(),
                 writes_in_flight: 0,
                 aux: None,
-                result_deadline,
+                result_cap,
+                last_progress: None,
+                result_armed: Some(result_cap),
                 aux_deadline: None,
                 quiesce_deadline: None,
                 bytes_written: 0,
@@ -525,7 +560,7 @@ impl Receiver {
         );
         self.shell
             .timers
-            .arm(result_deadline, TimerKey::Request(request));
+            .arm(result_cap, TimerKey::Request(request));
         if let Some(origin) = self.shell.remembered_cancels.take(request) {
             self.stop(now, request, Stop::Cancelled(origin));
             return Ok(());
@@ -778,6 +813,8 @@ impl Receiver {
         };
         session.writes_in_flight = session.writes_in_flight.saturating_sub(1);
         if landed {
+            self.note_progress(now, request);
+            let session = self.sessions.get_mut(&request).expect("present");
             self.shell.counters.bytes_landed += flight.len;
             if let Some(w) = session.writers.iter_mut().find(|w| w.peer == flight.peer) {
                 w.landed = w.landed.saturating_add(flight.len);
@@ -1002,16 +1039,17 @@ impl Receiver {
         if r.is_last {
             session.writers[w].on(WriterEvent::LastResult);
         }
+        self.note_progress(now, request);
         self.progress(now, request);
     }
 
     fn on_aux(&mut self, now: Instant, peer: PeerId, aux: AuxResult) {
         let request = aux.request;
-        let Some(_) = self.locate(now, peer, request, "AuxResult") else {
+        let Some(w) = self.locate(now, peer, request, "AuxResult") else {
             return;
         };
         let session = self.sessions.get_mut(&request).expect("located");
-        if !session.phase.is_active() || session.aux.is_some() {
+        if !session.phase.is_active() || session.writers[w].aux {
             self.shell.counters.duplicates += 1;
             return;
         }
@@ -1042,8 +1080,13 @@ impl Receiver {
             );
             return;
         }
-        session.aux = Some(aux.data);
-        session.aux_deadline = None;
+        if session.aux.as_ref().is_some_and(|known| *known != aux.data) {
+            self.stop_protocol(now, request, peer, ProtocolError::AuxMismatch { request });
+            return;
+        }
+        session.writers[w].aux = true;
+        session.aux.get_or_insert(aux.data);
+        self.note_progress(now, request);
         self.progress(now, request);
     }
 
@@ -1100,7 +1143,7 @@ impl Receiver {
                 .iter_mut()
                 .find(|w| w.peer == peer)
                 .expect("listed");
-            let done = w.phase == WriterPhase::Done;
+            let done = w.finished();
             w.on(WriterEvent::Disconnected);
             w.held.clear();
             if session.phase.is_active() && !done {
@@ -1125,15 +1168,26 @@ impl Receiver {
             .sessions
             .iter()
             .filter(|(_, s)| {
-                s.phase.is_active()
-                    && s.writers
-                        .iter()
-                        .any(|w| w.peer == peer && w.phase != WriterPhase::Done)
+                s.phase.is_active() && s.writers.iter().any(|w| w.peer == peer && !w.finished())
             })
             .map(|(r, _)| *r)
             .collect();
         for request in involved {
             self.stop(now, request, why);
+        }
+    }
+
+    /// Something of the request arrived: the idle deadline restarts from `now`.
+    fn note_progress(&mut self, now: Instant, request: RequestId) {
+        let idle = self.config.deadlines.result_idle;
+        let Some(session) = self.sessions.get_mut(&request) else {
+            return;
+        };
+        session.last_progress = Some(now);
+        let due = session.result_deadline(idle);
+        if session.result_armed.is_none_or(|armed| due < armed) {
+            session.result_armed = Some(due);
+            self.shell.timers.arm(due, TimerKey::Request(request));
         }
     }
 
@@ -1158,12 +1212,13 @@ impl Receiver {
             }
             return;
         }
-        let event = if all_done && session.aux.is_some() {
+        let all_aux = session.writers.iter().all(|w| w.aux);
+        let event = if all_done && all_aux {
             RecvEvent::Finished
         } else {
             RecvEvent::Progress
         };
-        if all_done && session.aux.is_none() && session.aux_deadline.is_none() {
+        if all_done && !all_aux && session.aux_deadline.is_none() {
             let at = now + self.config.deadlines.aux_wait;
             session.aux_deadline = Some(at);
             self.shell.timers.arm(at, TimerKey::Request(request));
@@ -1191,7 +1246,8 @@ impl Receiver {
         };
         if session.phase.is_active() {
             let all_done = session.writers.iter().all(|w| w.phase == WriterPhase::Done);
-            if !all_done && session.result_deadline <= now {
+            let result_deadline = session.result_deadline(self.config.deadlines.result_idle);
+            if !all_done && result_deadline <= now {
                 self.stop(now, request, Stop::TimedOut(Wait::Results));
                 return;
             }
@@ -1202,7 +1258,8 @@ impl Receiver {
             let next = if all_done {
                 session.aux_deadline
             } else {
-                Some(session.result_deadline)
+                session.result_armed = Some(result_deadline);
+                Some(result_deadline)
             };
             self.shell.timers.arm_opt(next, TimerKey::Request(request));
         } else if session.phase == RecvPhase::Stopping {

@@ -31,7 +31,12 @@ impl TcpSender {
     /// A node around a core sender, reading source bytes from `regions`.
     pub fn new(config: SenderConfig, tcp: TcpConfig, regions: RegionTable) -> Self {
         TcpSender {
-            node: Node::new(Sender::new(config), tcp, regions, Backend::Threads),
+            node: Node::new(
+                Sender::new(config).expect("a supported configuration"),
+                tcp,
+                regions,
+                Backend::Threads,
+            ),
         }
     }
 
@@ -43,7 +48,12 @@ impl TcpSender {
         backend: Backend,
     ) -> Self {
         TcpSender {
-            node: Node::new(Sender::new(config), tcp, regions, backend),
+            node: Node::new(
+                Sender::new(config).expect("a supported configuration"),
+                tcp,
+                regions,
+                backend,
+            ),
         }
     }
 
@@ -194,7 +204,12 @@ impl TcpReceiver {
         // This node still holds results until their data landed itself.
         config.data_path = kvpipe_core::DataPath::Ordered;
         TcpReceiver {
-            node: Node::new(Receiver::new(config), tcp, regions, Backend::Threads),
+            node: Node::new(
+                Receiver::new(config).expect("a supported configuration"),
+                tcp,
+                regions,
+                Backend::Threads,
+            ),
         }
     }
 
@@ -207,7 +222,12 @@ impl TcpReceiver {
     ) -> Self {
         config.data_path = kvpipe_core::DataPath::Ordered;
         TcpReceiver {
-            node: Node::new(Receiver::new(config), tcp, regions, backend),
+            node: Node::new(
+                Receiver::new(config).expect("a supported configuration"),
+                tcp,
+                regions,
+                backend,
+            ),
         }
     }
 

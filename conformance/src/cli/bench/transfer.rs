@@ -33,6 +33,7 @@ use serde::Serialize;
 
 use crate::cli::CliError;
 
+mod device;
 mod tcp;
 
 /// Arguments of `kvpipe bench transfer`.
@@ -63,6 +64,14 @@ pub(crate) struct TransferBenchArgs {
     /// Connections per peer (tcp; the tcp-raw baseline uses as many plain sockets).
     #[arg(long, default_value_t = 4)]
     connections: usize,
+    /// Where both sides' KV pools live: host, or device (GPU 0, against cuMemcpyDtoDAsync of
+    /// the same extents; needs the `cuda` feature).
+    #[arg(long, default_value = "host")]
+    memory: String,
+    /// With --memory device: wait for the transfer by polling the driver (poll) or by sleeping
+    /// on the copy worker's reports (block).
+    #[arg(long, default_value = "poll")]
+    driver_wait: String,
 }
 
 /// The figures `kvpipe bench transfer` prints.
@@ -172,6 +181,11 @@ fn chunks(tokens: u32, chunk: u32) -> Vec<ChunkSpec> {
 }
 
 pub(crate) fn run(args: TransferBenchArgs) -> Result<ExitCode, CliError> {
+    match args.memory.as_str() {
+        "host" => {}
+        "device" => return device::run(args),
+        other => return Err(format!("--memory {other:?}: use host or device").into()),
+    }
     if args.transport == "tcp" {
         return tcp::run(args);
     }
@@ -219,7 +233,7 @@ pub(crate) fn run(args: TransferBenchArgs) -> Result<ExitCode, CliError> {
     }
     let threads = config.copy_threads;
     let threshold = config.parallel_threshold;
-    let mut pair = MemPair::new(config);
+    let mut pair = MemPair::new(config)?;
     // SAFETY: `src` and `dst` outlive `pair` (dropped before them at the end of this
     // function), are never resized, and are only touched here between transfers (zeroing and
     // verification happen after the receiver completed, when no write batch is in flight).
@@ -294,7 +308,7 @@ pub(crate) fn run(args: TransferBenchArgs) -> Result<ExitCode, CliError> {
             SendRequest {
                 request,
                 receivers: std::iter::once(RECEIVER_PEER).collect(),
-                sends_aux: true,
+                beam_width: 1,
             },
         )?;
         let mut registered = false;

@@ -219,7 +219,7 @@ pub(super) fn run(args: TransferBenchArgs) -> Result<ExitCode, CliError> {
         tx.open_request(SendRequest {
             request,
             receivers: std::iter::once(receiver_peer).collect(),
-            sends_aux: true,
+            beam_width: 1,
         })?;
         wait_event(
             |t| tx.next_event(t),
