@@ -406,6 +406,23 @@ pub enum ProtocolError {
         /// Writes still in flight.
         writes: u32,
     },
+    /// A registration names block ordinals past its prompt's blocks.
+    #[error(
+        "registration of {request} {group} reaches block ordinal {end}, but a prompt of \
+         {prompt_len} tokens has {blocks} blocks"
+    )]
+    RegistrationPastPrompt {
+        /// The request.
+        request: RequestId,
+        /// The group.
+        group: GroupIndex,
+        /// One past the last ordinal registered.
+        end: u64,
+        /// The prompt's length in tokens.
+        prompt_len: u32,
+        /// Blocks of the prompt.
+        blocks: u32,
+    },
     /// Two writers of one request sent different aux data.
     #[error("{request}: the writers' aux data differ (first tokens, draft tokens or counts)")]
     AuxMismatch {
@@ -591,6 +608,24 @@ pub enum UsageError {
     /// The early prefix goes before the first chunk, once.
     #[error("the prefix of {0} can only be sent early once, before its first chunk")]
     PrefixAfterChunks(RequestId),
+    /// The registration names block ordinals past its prompt's blocks (see
+    /// [`ProtocolError::RegistrationPastPrompt`]).
+    #[error(transparent)]
+    RegistrationPastPrompt(ProtocolError),
+    /// A chunk's prompt length differs from what a receiver registered; the request was failed
+    /// on both sides (the KV of the other tokens would never move).
+    #[error(
+        "chunk for {request} has a prompt of {local} tokens, the receiver registered \
+         {registered}; the request was failed on both sides"
+    )]
+    PromptLenDiffersFromRegistration {
+        /// The request.
+        request: RequestId,
+        /// Prompt length the receiver registered.
+        registered: u32,
+        /// Prompt length of the chunk.
+        local: u32,
+    },
     /// The request asks for something pipelined transfer cannot do.
     #[error("{request} cannot be transferred: {error}")]
     Unsupported {
@@ -768,4 +803,27 @@ pub(crate) fn frame_kind(frame: &Frame) -> &'static str {
         Frame::Heartbeat(_) => "Heartbeat",
         Frame::DataWrite(_) => "DataWrite",
     }
+}
+
+/// Checks that every group's registered ordinals lie inside the prompt's blocks.
+pub(crate) fn check_registration_ordinals(
+    request: RequestId,
+    prompt_len: u32,
+    groups: &[crate::blocks::AnchoredRun],
+    layout: &[crate::layout::LayerGroupLayout],
+) -> Result<(), ProtocolError> {
+    for (g, (run, l)) in groups.iter().zip(layout).enumerate() {
+        let blocks = crate::geometry::total_blocks(prompt_len, l.tokens_per_block).unwrap_or(0);
+        let end = run.end_ordinal();
+        if run.block_count() > 0 && end > u64::from(blocks) {
+            return Err(ProtocolError::RegistrationPastPrompt {
+                request,
+                group: GroupIndex(g as u16),
+                end,
+                prompt_len,
+                blocks,
+            });
+        }
+    }
+    Ok(())
 }

@@ -881,6 +881,31 @@ impl Sender {
         }
         // From here on the input is applied: an engine error fails the session.
         let session = self.sessions.get_mut(&request).expect("checked above");
+        let mismatch = session.targets.iter().find_map(|t| {
+            t.registration
+                .as_ref()
+                .filter(|reg| reg.prompt_len != spec.prompt_len)
+                .map(|reg| (t.peer, reg.prompt_len))
+        });
+        if let Some((peer, registered)) = mismatch {
+            self.shell.counters.protocol_errors += 1;
+            self.stop_protocol(
+                now,
+                request,
+                peer,
+                ProtocolError::PromptLenMismatch {
+                    request,
+                    registered,
+                    local: spec.prompt_len,
+                },
+            );
+            return Ok(Err(UsageError::PromptLenDiffersFromRegistration {
+                request,
+                registered,
+                local: spec.prompt_len,
+            }));
+        }
+        let session = self.sessions.get_mut(&request).expect("checked above");
         if let Some(expected) = session.prepopulated_len {
             if spec.prepopulated_len != expected {
                 self.fail_engine(now, request);
@@ -1095,6 +1120,18 @@ impl Sender {
             );
             return;
         }
+        if let Err(error) = super::check_registration_ordinals(
+            request,
+            reg.prompt_len,
+            &reg.groups,
+            &self.config.local.groups,
+        ) {
+            self.adopt_registration(request, t, reg);
+            self.shell.counters.protocol_errors += 1;
+            self.stop_protocol(now, request, peer, error);
+            return;
+        }
+        let session = self.sessions.get_mut(&request).expect("checked above");
         if let Some(local) = session.prompt_len {
             if local != reg.prompt_len {
                 let registered = reg.prompt_len;
