@@ -65,8 +65,9 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(512))]
 
     /// Every ordinal of `[0, total)` (windowed groups: `[stale, total)`) is sent by exactly one
-    /// chunk (or by the early prefix send), nothing else is sent, and a windowed group sends only
-    /// in the final chunk.
+    /// chunk (or by the early prefix send), nothing else is sent, and each block is sent by the
+    /// first chunk that has it computed (the final chunk: every block left): a windowed group
+    /// streams from its stale boundary instead of waiting for the final chunk.
     #[test]
     fn block_windows_tile_the_prompt_exactly_once(
         (prompt, prefix, cuts) in chunking(),
@@ -83,18 +84,26 @@ proptest! {
         let mut sent = vec![0u32; total as usize];
         if early {
             if let Some(w) = early_prefix_window(prompt, prefix, &g).unwrap() {
+                prop_assert!(w.begin >= stale);
                 for o in w.begin..w.end { sent[o as usize] += 1; }
             }
         }
         for c in chunks(prompt, prefix, &cuts, early) {
             let w = chunk_window(&c, &g).unwrap();
-            if let Some(w) = w {
-                prop_assert!(!w.is_empty());
-                prop_assert!(w.end <= total);
-                if windowed {
-                    prop_assert!(c.is_last, "windowed group sent in a non-final chunk");
+            // The model: every block at or above the boundary not sent yet whose tokens are
+            // all computed by the end of this chunk (at the final chunk: every one left).
+            let due: Vec<u32> = (stale..total)
+                .filter(|&o| sent[o as usize] == 0 && (c.is_last || (o + 1) * tpb <= c.end))
+                .collect();
+            match w {
+                None => prop_assert!(due.is_empty(), "chunk {:?} skipped {:?}", c, due),
+                Some(w) => {
+                    prop_assert!(!w.is_empty());
+                    prop_assert!(w.begin >= stale, "sent below the stale boundary");
+                    prop_assert!(w.end <= total);
+                    prop_assert_eq!((w.begin..w.end).collect::<Vec<_>>(), due);
+                    for o in w.begin..w.end { sent[o as usize] += 1; }
                 }
-                for o in w.begin..w.end { sent[o as usize] += 1; }
             }
         }
         for (o, &n) in sent.iter().enumerate() {
