@@ -43,6 +43,7 @@
 //!         tokens_per_block: 4, window: None, block_layout: Default::default(),
 //!         pools: [PoolLayout { region: RegionId(region), layer_begin: 0, layers: 2, slot_bytes: 128 }]
 //!             .into_iter().collect(),
+//!         shard: Default::default(), // this rank holds the whole model
 //!     }]
 //! }
 //!
@@ -163,7 +164,7 @@ pub use ids::{
     BlockId, GrantId, GroupIndex, InstanceId, PeerId, ReceiverSliceId, RegionId, RequestId,
     SenderSliceId,
 };
-pub use layout::{BlockLayout, LayerGroupLayout, PoolLayout};
+pub use layout::{BlockLayout, GroupShard, LayerGroupLayout, PoolLayout};
 pub use plan::{
     check_pairable, plan_group, plan_group_with_cursor, DstCursor, PairStats, PlanError, Side,
     WriteExtent, WritePlan,
