@@ -13,11 +13,13 @@
 //! block only when the chunk that computes it runs (whatever the [`AllocationStyle`]), never
 //! allocates the blocks of a reused prefix that already left the window, and frees a block's
 //! slot as soon as the window slides past it. Free slots are reused last-freed first, so a
-//! slot id is recycled — possibly for another request — right after its eviction. A pool's
-//! memory is allocated zeroed and each slot is written for the first time when it is first
-//! handed out, so the operating system commits only the slots ever used: with last-freed-first
-//! reuse, that is the most blocks the group ever held at once ([`ReferenceCache::peak_slots`]),
-//! and a demo's memory is about the live KV both sides hold.
+//! slot id is recycled — possibly for another request — right after its eviction. A windowed
+//! pool's memory is allocated zeroed and each slot is written for the first time when it is
+//! first handed out, so the operating system commits only the slots ever used: with
+//! last-freed-first reuse, that is the most blocks the group ever held at once
+//! ([`ReferenceCache::peak_slots`]). (A full-attention pool is written whole when the cache is
+//! built, before any transfer: its requests keep every block.) A demo's memory is thus about
+//! the live KV both sides hold.
 //!
 //! Memory holds deterministic content ([`content_byte`]) written token by token as chunks are
 //! computed, and [`filler_byte`] in a slot's bytes no request wrote since the slot was first
@@ -295,10 +297,16 @@ impl ReferenceCache {
                 });
                 layer_begin += layers;
                 let bytes = if spec.materialize {
-                    // Zeroed memory the OS commits page by page as slots are first handed out
-                    // (each gets its filler then).
                     let len = slot_bytes * u64::from(spec.slots_per_group);
-                    vec![0u8; len as usize]
+                    let mut bytes = vec![0u8; len as usize];
+                    // A full-attention pool keeps every block of its requests: it gets its
+                    // filler now, before any transfer runs. A windowed pool stays zeroed memory
+                    // the OS commits page by page as slots are first handed out (each gets its
+                    // filler then): it holds only a window of blocks.
+                    if gs.window.is_none() {
+                        fill_filler(region, 0, &mut bytes);
+                    }
+                    bytes
                 } else {
                     Vec::new()
                 };
@@ -314,7 +322,7 @@ impl ReferenceCache {
                 sink_tokens: gs.sink_tokens,
                 free,
                 owner: vec![None; spec.slots_per_group as usize],
-                touched: vec![false; spec.slots_per_group as usize],
+                touched: vec![gs.window.is_none(); spec.slots_per_group as usize],
                 held: 0,
                 peak: 0,
                 block_bytes,
@@ -360,8 +368,8 @@ impl ReferenceCache {
     }
 
     /// The most slots `group` held at once since the cache was built. Slots are reused
-    /// last-freed first, so this is also how many distinct slots were ever used: the part of
-    /// the group's memory the OS committed.
+    /// last-freed first, so this is also how many distinct slots were ever used: for a
+    /// windowed group, the part of its memory the OS committed.
     pub fn peak_slots(&self, group: GroupIndex) -> u32 {
         self.groups.get(usize::from(group.0)).map_or(0, |g| g.peak)
     }
@@ -374,9 +382,10 @@ impl ReferenceCache {
             .sum()
     }
 
-    /// Bytes of the slots ever used, over every group and pool: each group's
-    /// [`ReferenceCache::peak_slots`] times its block bytes. With materialised memory this is
-    /// what the caches' pools occupy in RAM.
+    /// The most bytes each group held at once, summed over the groups: each group's
+    /// [`ReferenceCache::peak_slots`] times its block bytes (its pools' slot bytes). It is the
+    /// live KV the cache holds at its peak; a windowed pool's memory in RAM is exactly its part
+    /// (a full-attention pool is committed whole, and its requests use it whole).
     pub fn peak_resident_bytes(&self) -> u64 {
         self.groups
             .iter()
