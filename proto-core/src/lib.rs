@@ -2,7 +2,8 @@
 //!
 //! The sans-IO protocol core of kvpipe: it streams an LLM request's KV cache from a prefill
 //! server to a decode server while prefill is still running. This crate holds the wire frames
-//! ([`wire`]), the chunk geometry ([`geometry`]), write planning ([`plan`]) and the two endpoint
+//! ([`wire`]), the chunk geometry ([`geometry`]), write planning ([`plan`]; between ranks split
+//! differently by tensor and pipeline parallelism: [`shard`]) and the two endpoint
 //! state machines ([`session`]): a [`Sender`] per prefill rank and a [`Receiver`] per decode
 //! rank. It does no I/O, reads no clock, spawns no threads and contains no `unsafe`; transports
 //! drive it.
@@ -150,6 +151,7 @@ pub mod ids;
 pub mod layout;
 pub mod plan;
 pub mod session;
+pub mod shard;
 pub mod source;
 pub mod time;
 pub mod wire;
@@ -166,11 +168,12 @@ pub use ids::{
 };
 pub use layout::{BlockLayout, GroupShard, LayerGroupLayout, PoolLayout};
 pub use plan::{
-    check_pairable, plan_group, plan_group_with_cursor, DstCursor, PairStats, PlanError, Side,
-    WriteExtent, WritePlan,
+    check_pairable, plan_group, plan_group_with_cursor, plan_rank_group, DstCursor, GroupPairing,
+    PairStats, PlanError, RankGroup, Side, WriteExtent, WritePlan,
 };
 pub use session::{
     Event, Output, Receiver, ReceiverConfig, ReceiverInput, Sender, SenderConfig, SenderInput,
 };
+pub use shard::{check_shard, writes_group, writes_to, ShardError};
 pub use source::{BlockSource, BlockSourceError};
 pub use time::{Duration, Instant};
