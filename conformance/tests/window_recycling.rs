@@ -1,6 +1,7 @@
 //! Windowed pools that hold only live blocks: evicted slots are recycled at once (possibly for
 //! another request), and no write is ever planned from or into a slot that was recycled under
-//! it. Several requests are prefilled chunk by chunk, interleaved, on one sender cache; every
+//! it — also when the receiver keeps a larger window than the sender, so that the blocks the
+//! sender evicts have somewhere to go. Several requests are prefilled chunk by chunk, interleaved, on one sender cache; every
 //! chunk's plan is carried out only a few chunks later (a transfer in flight while prefill goes
 //! on and windows slide), and each of its bytes is checked to still belong to the block it was
 //! planned for, on both sides, when it is written.
@@ -12,7 +13,7 @@ use kvpipe_conformance::cache::{
 };
 use kvpipe_core::{
     chunk_window, plan_group, AnchoredRun, BlockId, BlockRun, BlockSource, ChunkSpec, GroupIndex,
-    RequestId, WritePlan,
+    RequestId, StaleBoundary, WritePlan,
 };
 use proptest::prelude::*;
 
@@ -29,6 +30,8 @@ struct Req {
 struct Case {
     tpb: u32,
     window: u32,
+    /// How much larger the receiver's window is (it keeps blocks the sender evicts).
+    receiver_extra_window: u32,
     sinks: u32,
     style: AllocationStyle,
     seed: Option<u64>,
@@ -61,7 +64,11 @@ fn spec(c: &Case, receiver: bool) -> CacheSpec {
         tokens_per_block: c.tpb,
         groups: vec![
             GroupSpec::full(2, &[1, 1]),
-            GroupSpec::full(1, &[1]).windowed(c.window, c.sinks),
+            if receiver {
+                GroupSpec::full(1, &[1]).windowed(c.window + c.receiver_extra_window, 0)
+            } else {
+                GroupSpec::full(1, &[1]).windowed(c.window, c.sinks)
+            },
         ],
         slots_per_group: blocks + 2,
         first_region: if receiver { 100 } else { 1 },
@@ -245,9 +252,18 @@ fn run(c: &Case) -> Result<Seen, TestCaseError> {
         }
     }
     seen.sender_window_peak = sender.peak_slots(GroupIndex(1));
-    for &id in &ids {
+    for (r, &id) in c.requests.iter().zip(&ids) {
         note(&receiver, false, id, &mut seen);
-        prop_assert_eq!(receiver.verify(id), vec![], "{} arrived wrong", id);
+        // Every block at or above the sender's stale boundary arrived right (a larger
+        // receiver window's older blocks are the receiver's own business).
+        for (g, layout) in ls.iter().enumerate() {
+            let stale = StaleBoundary::for_group(r.prompt, layout)
+                .unwrap()
+                .ordinal();
+            let blocks = r.prompt.div_ceil(c.tpb);
+            let bad = receiver.verify_blocks(id, GroupIndex(g as u16), stale..blocks);
+            prop_assert_eq!(bad, vec![], "{} arrived wrong", id);
+        }
     }
     Ok(seen)
 }
@@ -270,6 +286,7 @@ fn case() -> impl Strategy<Value = Case> {
     (
         1u32..=4,
         1u32..=20,
+        prop_oneof![Just(0u32), 1u32..=12],
         0u32..=6,
         any::<bool>(),
         proptest::option::of(any::<u64>()),
@@ -277,9 +294,10 @@ fn case() -> impl Strategy<Value = Case> {
         proptest::collection::vec(0u8..=3, 1..6),
     )
         .prop_map(
-            |(tpb, window, sinks, incremental, seed, requests, delays)| Case {
+            |(tpb, window, extra, sinks, incremental, seed, requests, delays)| Case {
                 tpb,
                 window,
+                receiver_extra_window: extra,
                 sinks,
                 style: if incremental {
                     AllocationStyle::Incremental
@@ -318,6 +336,7 @@ fn evicted_slots_are_recycled_while_transfers_are_in_flight() {
     let c = Case {
         tpb: 2,
         window: 8,
+        receiver_extra_window: 6,
         sinks: 2,
         style: AllocationStyle::FullPrompt,
         seed: None,

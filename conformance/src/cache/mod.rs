@@ -29,17 +29,19 @@
 
 mod content;
 mod planner;
+mod split;
 
 use std::collections::HashMap;
 
 use kvpipe_core::{
     stale_boundary, AnchoredRun, BlockId, BlockRun, BlockSource, BlockSourceError, GroupIndex,
-    LayerGroupLayout, PoolLayout, RegionId, RequestId, StaleBoundary, WritePlan,
+    GroupShard, LayerGroupLayout, PoolLayout, RegionId, RequestId, StaleBoundary, WritePlan,
 };
 use thiserror::Error;
 
 pub use content::{content_byte, fill_content, fill_filler, filler_byte};
 pub use planner::{ChunkPlanError, ChunkPlanner, GroupChunkPlan};
+pub use split::{pipeline_layers, split_rank, writers_of, RankShape};
 
 /// One layer group of a [`CacheSpec`].
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -242,9 +244,19 @@ pub struct ReferenceCache {
 }
 
 impl ReferenceCache {
-    /// Builds an empty cache: all slots free, memory (if materialised) filled with
-    /// [`filler_byte`].
+    /// Builds an empty cache holding the whole model: all slots free, memory (if materialised)
+    /// filled with [`filler_byte`] (windowed pools: as slots are first handed out).
     pub fn new(spec: &CacheSpec) -> Result<Self, CacheError> {
+        Self::with_shards(spec, &[])
+    }
+
+    /// Builds an empty cache of one rank of a tensor/pipeline split: `spec`'s groups are what
+    /// the rank holds (its layers and KV heads) and `shards[g]` where they sit in the whole
+    /// model's group `g` (a missing entry: the whole group). The content it computes and
+    /// verifies is the whole model's ([`content_byte`] of the model layer and of the byte's
+    /// place in the model's `[K|V][head][token][dim]` layer), so ranks split differently on
+    /// the two sides hold equal bytes for equal model coordinates.
+    pub fn with_shards(spec: &CacheSpec, shards: &[GroupShard]) -> Result<Self, CacheError> {
         if spec.tokens_per_block == 0 {
             return Err(CacheError::InvalidSpec {
                 group: 0,
@@ -277,8 +289,16 @@ impl ReferenceCache {
                 elem_bytes: gs.elem_bytes,
                 tokens_per_block: spec.tokens_per_block,
                 window: gs.window,
+                shard: shards.get(g).copied().unwrap_or_default(),
                 ..LayerGroupLayout::default()
             };
+            if layout.layer_range().end > u32::from(layout.model_layers())
+                || layout.head_range().end > u32::from(layout.model_kv_heads())
+            {
+                return Err(invalid(
+                    "the shard's layers and heads must lie inside the model's",
+                ));
+            }
             let layer_bytes = layout
                 .layer_block_bytes()
                 .ok_or(invalid("block bytes overflow"))?;
@@ -848,7 +868,10 @@ fn shuffle(v: &mut [u32], seed: u64) {
 }
 
 /// Calls `f(pool, slot_byte_offset, layer, byte_in_layer, len)` for every row (one head's
-/// elements of one token) of tokens `tokens` of block `slot` in every pool of `group`.
+/// elements of one token) of tokens `tokens` of block `slot` in every pool of `group`. `layer`
+/// is the model's layer of the group and `byte_in_layer` the row's place in the model's layer
+/// (`[K|V][head][token][dim]` over all the model's KV heads), so a rank holding part of the
+/// model sees the same coordinates as one holding all of it.
 fn for_each_row(
     group: &GroupState,
     slot: BlockId,
@@ -858,17 +881,23 @@ fn for_each_row(
 ) {
     let layout = &group.layout;
     let row = u64::from(layout.head_dim) * u64::from(layout.elem_bytes);
-    let rows = u64::from(layout.kv_factor) * u64::from(layout.kv_heads) * u64::from(tpb);
+    let tpb = u64::from(tpb);
+    let heads = u64::from(layout.kv_heads);
+    let model_heads = u64::from(layout.model_kv_heads());
+    let first_head = u64::from(layout.shard.first_head);
+    let rows = u64::from(layout.kv_factor) * heads * tpb;
     let layer_bytes = rows * row;
     for (p, pool) in layout.pools.iter().enumerate() {
         let base = u64::from(slot.0) * pool.slot_bytes;
         for i in 0..pool.layers {
-            let layer = pool.layer_begin + i;
+            let layer = layout.shard.first_layer + pool.layer_begin + i;
             let layer_base = base + u64::from(i) * layer_bytes;
             for r in 0..rows {
-                let token = (r % u64::from(tpb)) as u32;
+                let token = (r % tpb) as u32;
                 if tokens.contains(&token) {
-                    f(p, layer_base + r * row, layer, r * row, row);
+                    let (kv, head) = (r / (heads * tpb), (r / tpb) % heads);
+                    let model_row = (kv * model_heads + first_head + head) * tpb + r % tpb;
+                    f(p, layer_base + r * row, layer, model_row * row, row);
                 }
             }
         }
