@@ -41,7 +41,7 @@ use thiserror::Error;
 
 pub use content::{content_byte, fill_content, fill_filler, filler_byte};
 pub use planner::{ChunkPlanError, ChunkPlanner, GroupChunkPlan};
-pub use split::{pipeline_layers, split_rank, writers_of, RankShape};
+pub use split::{pipeline_layers, split_rank, writers_of, RankShape, RankSplit};
 
 /// One layer group of a [`CacheSpec`].
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -6,7 +6,7 @@
 use kvpipe_core::wire::Topology;
 use kvpipe_core::{writes_to, GroupShard, LayerGroupLayout};
 
-use super::{CacheError, GroupSpec};
+use super::{CacheError, CacheSpec, GroupSpec, ReferenceCache};
 
 /// One rank of a split model: its topology, the groups it holds (its layers and KV heads, for
 /// a [`CacheSpec`](super::CacheSpec)) and where they sit in the model (for
@@ -91,6 +91,101 @@ pub fn split_rank(
     })
 }
 
+/// How a model is spread over a set of sender ranks and one receiver rank (the simulator's
+/// world): the senders are the tensor-parallel ranks of one prefill instance (`sender_tp` of
+/// them) or, with `sender_tp` 1, separate instances each holding the whole model; the receiver
+/// is one rank of a tensor × pipeline split.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct RankSplit {
+    /// Tensor-parallel size of the sender ranks (1: each holds the whole model).
+    pub sender_tp: u16,
+    /// Tensor-parallel size of the decode side.
+    pub receiver_tp: u16,
+    /// The receiver's tensor-parallel rank.
+    pub receiver_tp_rank: u16,
+    /// Pipeline-parallel size of the decode side.
+    pub receiver_pp: u16,
+    /// The receiver's pipeline-parallel rank.
+    pub receiver_pp_rank: u16,
+}
+
+impl RankSplit {
+    /// Every rank holds the whole model.
+    pub const WHOLE: RankSplit = RankSplit {
+        sender_tp: 1,
+        receiver_tp: 1,
+        receiver_tp_rank: 0,
+        receiver_pp: 1,
+        receiver_pp_rank: 0,
+    };
+
+    /// The splits of two sender ranks a simulation draws from: separate instances; tensor
+    /// parallelism 2 against a decode side of 1, or of 2 (either rank), or 1 against 2; and a
+    /// receiver pipeline split of 2 (either rank).
+    pub const SIMULATED: [RankSplit; 7] = [
+        RankSplit::WHOLE,
+        RankSplit::tensor(2, 1, 0),
+        RankSplit::tensor(2, 2, 0),
+        RankSplit::tensor(2, 2, 1),
+        RankSplit::tensor(1, 2, 1),
+        RankSplit::pipeline(2, 2, 0),
+        RankSplit::pipeline(2, 2, 1),
+    ];
+
+    /// Sender tensor parallelism `sender_tp` against receiver rank `rank` of `receiver_tp`.
+    pub const fn tensor(sender_tp: u16, receiver_tp: u16, rank: u16) -> Self {
+        RankSplit {
+            sender_tp,
+            receiver_tp,
+            receiver_tp_rank: rank,
+            ..RankSplit::WHOLE
+        }
+    }
+
+    /// Sender tensor parallelism `sender_tp` against pipeline rank `rank` of `receiver_pp`.
+    pub const fn pipeline(sender_tp: u16, receiver_pp: u16, rank: u16) -> Self {
+        RankSplit {
+            sender_tp,
+            receiver_pp,
+            receiver_pp_rank: rank,
+            ..RankSplit::WHOLE
+        }
+    }
+
+    /// What sender rank `Some(r)` (or the receiver, `None`) holds of `model`.
+    pub fn shape(&self, rank: Option<usize>, model: &[GroupSpec]) -> Result<RankShape, CacheError> {
+        match rank {
+            Some(_) if self.sender_tp <= 1 => split_rank(model, 1, 0, 1, 0),
+            Some(r) => split_rank(model, self.sender_tp, r as u16, 1, 0),
+            None => split_rank(
+                model,
+                self.receiver_tp,
+                self.receiver_tp_rank,
+                self.receiver_pp,
+                self.receiver_pp_rank,
+            ),
+        }
+    }
+
+    /// The topology and cache of sender rank `Some(r)` (or the receiver) when `spec`'s groups
+    /// are the whole model's.
+    pub fn cache(
+        &self,
+        rank: Option<usize>,
+        spec: &CacheSpec,
+    ) -> Result<(Topology, ReferenceCache), CacheError> {
+        let shape = self.shape(rank, &spec.groups)?;
+        let spec = CacheSpec {
+            groups: shape.groups,
+            ..spec.clone()
+        };
+        Ok((
+            shape.topology,
+            ReferenceCache::with_shards(&spec, &shape.shards)?,
+        ))
+    }
+}
+
 /// The sender ranks (indices into `senders`: each a topology and its layouts) that write the
 /// receiver rank, i.e. its expected writers: see [`kvpipe_core::writes_to`].
 pub fn writers_of(
@@ -116,6 +211,48 @@ mod tests {
         assert_eq!(pipeline_layers(5, 2, 1), (3, 2));
         assert_eq!(pipeline_layers(1, 2, 1), (1, 0));
         assert_eq!(pipeline_layers(7, 1, 0), (0, 7));
+    }
+
+    #[test]
+    fn simulated_splits_give_every_receiver_byte_a_writer() {
+        let model = vec![
+            GroupSpec {
+                kv_heads: 2,
+                ..GroupSpec::full(3, &[1, 2])
+            },
+            GroupSpec::full(1, &[1]).windowed(24, 4),
+        ];
+        for split in RankSplit::SIMULATED {
+            let shape = |rank| split.shape(rank, &model).unwrap();
+            let senders: Vec<_> = (0..2)
+                .map(|r| {
+                    let s = shape(Some(r));
+                    (s.topology, layouts(&s))
+                })
+                .collect();
+            let r = shape(None);
+            let writers = writers_of(&senders, &(r.topology, layouts(&r)));
+            let expected = match split.sender_tp {
+                1 => vec![0, 1],
+                _ if split.receiver_tp == 2 => vec![usize::from(split.receiver_tp_rank)],
+                _ => vec![0, 1],
+            };
+            assert_eq!(writers, expected, "{split:?}");
+        }
+    }
+
+    fn layouts(shape: &RankShape) -> Vec<LayerGroupLayout> {
+        let spec = CacheSpec {
+            tokens_per_block: 4,
+            groups: shape.groups.clone(),
+            slots_per_group: 1,
+            first_region: 1,
+            slot_order_seed: None,
+            materialize: false,
+        };
+        ReferenceCache::with_shards(&spec, &shape.shards)
+            .unwrap()
+            .layouts()
     }
 
     #[test]
