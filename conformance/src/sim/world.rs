@@ -19,7 +19,7 @@ use super::faults::{FaultKind, FaultRates, FaultSet};
 use super::report::{Outcome, RequestOutcome, SimReport, Terminal};
 use super::rng::SimRng;
 use super::workload::{random_workload, CancelSide, RequestPlan, WorkloadShape};
-use crate::cache::{CacheSpec, GroupSpec, ReferenceCache};
+use crate::cache::{writers_of, CacheSpec, GroupSpec, RankSplit, ReferenceCache};
 
 /// How the receiver names sender rank `r`.
 fn sender_peer(rank: usize) -> PeerId {
@@ -37,8 +37,8 @@ const AUX_CAPACITY: u32 = 1024;
 pub struct SimConfig {
     /// Seed of every random choice (workload and faults).
     pub seed: u64,
-    /// Sender ranks (each writes some requests; some requests are written by two, as under
-    /// tensor parallelism).
+    /// Sender ranks (separate instances that each write some requests, or the tensor-parallel
+    /// ranks of one instance, which write each request together: see `split`).
     pub senders: usize,
     /// Faults switched on.
     pub faults: FaultSet,
@@ -64,6 +64,8 @@ pub struct SimConfig {
     pub receiver_pool_split: Vec<u16>,
     /// Padding bytes at the end of every receiver slot.
     pub receiver_slot_padding: u64,
+    /// How the model is spread over the sender ranks and the receiver (random runs draw it).
+    pub split: RankSplit,
     /// Record a readable trace of every step (scripted scenarios).
     pub trace: bool,
     /// A deliberate bug, to check that the simulator catches it (tests only).
@@ -110,6 +112,7 @@ impl SimConfig {
             sender_pool_split,
             receiver_pool_split,
             receiver_slot_padding,
+            split: RankSplit::WHOLE,
             trace: false,
             planted_bug: None,
             max_steps: 0,
@@ -365,7 +368,20 @@ impl Simulation {
             mean_gap: Duration::from_micros(400),
             cancel_percent: cfg.cancel_percent,
         };
-        let plans = random_workload(&mut rng, count, &shape);
+        let mut plans = random_workload(&mut rng, count, &shape);
+        let mut cfg = cfg;
+        let splits: Vec<_> = (RankSplit::SIMULATED.iter())
+            .filter(|s| s.sender_tp <= 1 || usize::from(s.sender_tp) == cfg.senders)
+            .collect();
+        cfg.split = **SimRng::new(cfg.seed)
+            .fork(4)
+            .pick(&splits)
+            .expect("non-empty");
+        for p in &mut plans {
+            // Separate instances: one writes the whole model (tensor-parallel ranks: the
+            // ranks that hold the receiver's part, set by `Simulation::new`).
+            p.writers.truncate(1);
+        }
         Simulation::new(cfg, plans, Vec::new())
     }
 
@@ -378,28 +394,32 @@ impl Simulation {
             .unwrap_or(1)
             .max(cfg.max_prompt);
         let senders = cfg.senders.max(1);
-        let sender_caches: Vec<ReferenceCache> = (0..senders)
+        let valid = "the simulated model and split are valid";
+        let (topologies, sender_caches): (Vec<Topology>, Vec<ReferenceCache>) = (0..senders)
             .map(|r| {
-                ReferenceCache::new(&cfg.cache_spec(Some(r), max_prompt))
-                    .expect("the simulated model is valid")
+                cfg.split
+                    .cache(Some(r), &cfg.cache_spec(Some(r), max_prompt))
+                    .expect(valid)
             })
-            .collect();
+            .unzip();
         let receiver_spec = cfg.cache_spec(None, max_prompt);
-        let receiver_cache =
-            ReferenceCache::new(&receiver_spec).expect("the simulated model is valid");
-        let topology = |rank: usize, size: usize| Topology {
-            tp_size: size as u16,
-            tp_rank: rank as u16,
-            pp_size: 1,
-            pp_rank: 0,
-            layer_begin: 0,
-            layer_end: 3,
-        };
+        let (receiver_topology, receiver_cache) =
+            cfg.split.cache(None, &receiver_spec).expect(valid);
+        let mut plans = plans;
+        if cfg.split.sender_tp > 1 {
+            // Tensor-parallel senders: a request is written by every rank holding part of
+            // what the receiver holds.
+            let shapes: Vec<_> = (topologies.iter().copied())
+                .zip(sender_caches.iter().map(ReferenceCache::layouts))
+                .collect();
+            let writers = writers_of(&shapes, &(receiver_topology, receiver_cache.layouts()));
+            plans.iter_mut().for_each(|p| p.writers = writers.clone());
+        }
         let sender_endpoints = (0..senders)
             .map(|r| {
                 let mut c = SenderConfig::new(LocalHello::new(
                     InstanceId(10 + r as u64),
-                    topology(r, senders),
+                    topologies[r],
                     sender_caches[r].layouts(),
                 ));
                 c.deadlines = cfg.deadlines;
@@ -407,7 +427,7 @@ impl Simulation {
             })
             .collect();
         let mut rc = ReceiverConfig::new(
-            LocalHello::new(InstanceId(1), topology(0, 1), receiver_cache.layouts()),
+            LocalHello::new(InstanceId(1), receiver_topology, receiver_cache.layouts()),
             cfg.seed ^ 0x5eed,
         );
         rc.deadlines = cfg.deadlines;
@@ -427,7 +447,6 @@ impl Simulation {
                 last_write: Instant::ZERO,
             })
             .collect();
-        let mut plans = plans;
         plans.sort_by_key(|p| p.arrival);
         let index: HashMap<RequestId, usize> =
             plans.iter().enumerate().map(|(i, p)| (p.id, i)).collect();
