@@ -356,3 +356,38 @@ proptest! {
         );
     }
 }
+
+/// Each side's part of the model must match its tensor rank: another rank's heads, heads that
+/// cannot be split over the ranks, or layers past the model are refused at the handshake,
+/// naming the side and the group, with the same verdict on both ends.
+#[test]
+fn a_shard_that_does_not_match_its_rank_is_a_topology_mismatch() {
+    type Edit = fn(&mut Hello);
+    let cases: [(Edit, &str); 3] = [
+        (|h| h.topology.tp_rank = 0, "holds KV heads 0..+8"),
+        (|h| h.topology.tp_size = 3, "cannot be split over 3"),
+        (
+            |h| h.groups[1].shard.first_layer = 1,
+            "layers 1..+4 of a group of 4",
+        ),
+    ];
+    for (edit, text) in cases {
+        let (s, mut r) = pair();
+        edit(&mut r);
+        for (local, remote, side) in [(&s, &r, "remote"), (&r, &s, "local")] {
+            let reject = negotiate(local, remote).unwrap_err();
+            assert_eq!(
+                reject.reason,
+                RejectReason::TopologyMismatch,
+                "{}",
+                reject.message
+            );
+            assert!(reject.message.contains(text), "{}", reject.message);
+            assert!(
+                reject.message.contains(&format!("{side} group#")),
+                "{}",
+                reject.message
+            );
+        }
+    }
+}

@@ -11,6 +11,7 @@ use super::codec::MAX_REJECT_MESSAGE;
 use super::frame::{Hello, HelloAccept, HelloReject, RejectReason, Role, VersionRange};
 use crate::ids::GroupIndex;
 use crate::layout::LayerGroupLayout;
+use crate::shard::check_shard;
 
 /// The highest version both ranges contain, if any.
 pub fn common_version(a: VersionRange, b: VersionRange) -> Option<u16> {
@@ -212,8 +213,10 @@ fn reject(reason: RejectReason, mut message: String) -> HelloReject {
 /// ranges), opposite roles (`RoleMismatch`), then the model layout: the compatibility hashes
 /// and the whole-model geometry fields must agree, and the receiver's window must be at least
 /// the sender's in every group (`CompatibilityMismatch`, naming every field that differs). The
-/// two sides may hold different parts of the model (tensor and pipeline parallelism). On
-/// success the accept carries the version and `local`'s instance.
+/// two sides may hold different parts of the model (tensor and pipeline parallelism), but each
+/// side's part of every group must lie inside the model and hold the heads its tensor rank
+/// holds ([`check_shard`]; `TopologyMismatch`, naming the side, the group and both values).
+/// On success the accept carries the version and `local`'s instance.
 ///
 /// ```
 /// use kvpipe_core::wire::samples::sample_hello;
@@ -279,6 +282,30 @@ pub fn negotiate(local: &Hello, remote: &Hello) -> Result<HelloAccept, HelloReje
             }
         }
         return Err(reject(RejectReason::CompatibilityMismatch, message));
+    }
+    let shards = [("local", local), ("remote", remote)]
+        .into_iter()
+        .flat_map(|(side, hello)| {
+            hello
+                .groups
+                .iter()
+                .enumerate()
+                .filter_map(move |(g, layout)| {
+                    check_shard(&hello.topology, layout).err().map(|e| {
+                        let group = GroupIndex(u16::try_from(g).unwrap_or(u16::MAX));
+                        format!("{side} {group}: {e}")
+                    })
+                })
+        })
+        .collect::<Vec<_>>();
+    if !shards.is_empty() {
+        return Err(reject(
+            RejectReason::TopologyMismatch,
+            format!(
+                "a rank's part of the model does not match its parallel topology: {}",
+                shards.join("; ")
+            ),
+        ));
     }
     Ok(HelloAccept {
         version,
