@@ -7,13 +7,13 @@ use thiserror::Error;
 
 use crate::region::{RegionMemory, RegionTable, Registration};
 
-/// One extent of a write batch, resolved to the registrations it reads and writes. Holding it
-/// keeps both registrations in use.
+/// One extent of a write batch, resolved to the registrations it reads and writes (indices
+/// into its batch's registrations, which the batch keeps in use).
 #[derive(Clone, Debug)]
 pub struct Segment {
-    src: Arc<Registration>,
+    src: u32,
     src_offset: usize,
-    dst: Arc<Registration>,
+    dst: u32,
     dst_offset: usize,
     len: usize,
 }
@@ -31,9 +31,11 @@ impl Segment {
 }
 
 /// A write plan resolved against the two sides' registrations, bounds-checked: executing it
-/// cannot touch memory outside them.
+/// cannot touch memory outside them. Holding it keeps every registration it touches in use.
 #[derive(Clone, Debug, Default)]
 pub struct ResolvedBatch {
+    /// The registrations the segments read and write (a handful per batch).
+    regions: Vec<Arc<Registration>>,
     segments: Vec<Segment>,
     bytes: u64,
 }
@@ -65,27 +67,13 @@ pub enum WriteError {
     },
 }
 
-fn checked(
-    side: &'static str,
-    table: &RegionTable,
-    region: RegionId,
-    offset: u64,
-    len: u64,
-) -> Result<(Arc<Registration>, usize), WriteError> {
-    let reg = table
-        .get(region)
-        .ok_or(WriteError::UnknownRegion { side, region })?;
-    let size = reg.memory.len() as u64;
-    if offset.checked_add(len).is_none_or(|end| end > size) {
-        return Err(WriteError::OutOfBounds {
-            side,
-            region,
-            offset,
-            len,
-            size,
-        });
-    }
-    Ok((Arc::clone(reg), offset as usize))
+/// The last region one side of a batch resolved: consecutive extents almost always name the
+/// same regions, so most extents skip the table lookup.
+#[derive(Clone, Copy)]
+struct Recent {
+    id: RegionId,
+    index: u32,
+    size: u64,
 }
 
 impl ResolvedBatch {
@@ -95,13 +83,31 @@ impl ResolvedBatch {
         src: &RegionTable,
         dst: &RegionTable,
     ) -> Result<Self, WriteError> {
-        let mut segments = Vec::with_capacity(plan.len());
-        let mut bytes = 0;
+        let mut batch = ResolvedBatch {
+            regions: Vec::new(),
+            segments: Vec::with_capacity(plan.len()),
+            bytes: 0,
+        };
+        let (mut recent_src, mut recent_dst) = (None, None);
         for e in plan.extents() {
-            let (s, so) = checked("sender", src, e.src_region, e.src_offset, e.len)?;
-            let (d, doff) = checked("receiver", dst, e.dst_region, e.dst_offset, e.len)?;
-            bytes += e.len;
-            segments.push(Segment {
+            let (s, so) = batch.checked(
+                "sender",
+                src,
+                &mut recent_src,
+                e.src_region,
+                e.src_offset,
+                e.len,
+            )?;
+            let (d, doff) = batch.checked(
+                "receiver",
+                dst,
+                &mut recent_dst,
+                e.dst_region,
+                e.dst_offset,
+                e.len,
+            )?;
+            batch.bytes += e.len;
+            batch.segments.push(Segment {
                 src: s,
                 src_offset: so,
                 dst: d,
@@ -109,7 +115,52 @@ impl ResolvedBatch {
                 len: e.len as usize,
             });
         }
-        Ok(ResolvedBatch { segments, bytes })
+        Ok(batch)
+    }
+
+    /// The index of `region` (of `table`) among the batch's registrations, with `offset + len`
+    /// checked against its size.
+    fn checked(
+        &mut self,
+        side: &'static str,
+        table: &RegionTable,
+        recent: &mut Option<Recent>,
+        region: RegionId,
+        offset: u64,
+        len: u64,
+    ) -> Result<(u32, usize), WriteError> {
+        let r = match *recent {
+            Some(r) if r.id == region => r,
+            _ => {
+                let reg = table
+                    .get(region)
+                    .ok_or(WriteError::UnknownRegion { side, region })?;
+                let index = match self.regions.iter().position(|x| Arc::ptr_eq(x, reg)) {
+                    Some(i) => i,
+                    None => {
+                        self.regions.push(Arc::clone(reg));
+                        self.regions.len() - 1
+                    }
+                };
+                let r = Recent {
+                    id: region,
+                    index: index as u32,
+                    size: reg.memory.len() as u64,
+                };
+                *recent = Some(r);
+                r
+            }
+        };
+        if offset.checked_add(len).is_none_or(|end| end > r.size) {
+            return Err(WriteError::OutOfBounds {
+                side,
+                region,
+                offset,
+                len,
+                size: r.size,
+            });
+        }
+        Ok((r.index, offset as usize))
     }
 
     /// Total bytes.
@@ -139,13 +190,35 @@ impl ResolvedBatch {
         self.segments = out;
     }
 
+    /// Copies bytes `offset..offset + len` of segment `s`, dispatching on the pair of memory
+    /// kinds.
+    fn copy_segment(&self, s: &Segment, offset: usize, len: usize) {
+        let (src, dst) = (&self.regions[s.src as usize], &self.regions[s.dst as usize]);
+        match (&src.memory, &dst.memory) {
+            (RegionMemory::Host(src), RegionMemory::Host(dst)) => {
+                // SAFETY: `resolve` checked both ranges against the registrations, which the
+                // batch keeps alive; the registration contract guarantees the memory is valid
+                // and that nothing else touches these bytes while the batch is in flight.
+                // `ptr::copy` tolerates a source and destination registered over the same
+                // memory.
+                unsafe {
+                    std::ptr::copy(
+                        src.as_ptr().add(s.src_offset + offset),
+                        dst.as_ptr().add(s.dst_offset + offset),
+                        len,
+                    );
+                }
+            }
+        }
+    }
+
     /// Copies every segment, split evenly over `threads` threads (the calling thread is one of
     /// them) when the batch holds at least `parallel_threshold` bytes.
     pub fn execute(&self, threads: usize, parallel_threshold: u64) {
         let threads = threads.max(1);
         if threads == 1 || self.bytes < parallel_threshold {
             for s in &self.segments {
-                copy_segment(s, 0, s.len);
+                self.copy_segment(s, 0, s.len);
             }
             return;
         }
@@ -157,12 +230,12 @@ impl ResolvedBatch {
             for share in shares {
                 scope.spawn(move || {
                     for p in share {
-                        copy_segment(&self.segments[p.index], p.offset, p.len);
+                        self.copy_segment(&self.segments[p.index], p.offset, p.len);
                     }
                 });
             }
             for p in first {
-                copy_segment(&self.segments[p.index], p.offset, p.len);
+                self.copy_segment(&self.segments[p.index], p.offset, p.len);
             }
         });
     }
@@ -207,25 +280,6 @@ pub fn split_even(lens: &[usize], parts: usize) -> Vec<Vec<Piece>> {
         }
     }
     out
-}
-
-/// Copies bytes `offset..offset + len` of segment `s`, dispatching on the pair of memory kinds.
-fn copy_segment(s: &Segment, offset: usize, len: usize) {
-    match (&s.src.memory, &s.dst.memory) {
-        (RegionMemory::Host(src), RegionMemory::Host(dst)) => {
-            // SAFETY: `resolve` checked both ranges against the registrations, which the
-            // segment keeps alive; the registration contract guarantees the memory is valid
-            // and that nothing else touches these bytes while the batch is in flight.
-            // `ptr::copy` tolerates a source and destination registered over the same memory.
-            unsafe {
-                std::ptr::copy(
-                    src.as_ptr().add(s.src_offset + offset),
-                    dst.as_ptr().add(s.dst_offset + offset),
-                    len,
-                );
-            }
-        }
-    }
 }
 
 #[cfg(test)]
