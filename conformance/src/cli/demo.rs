@@ -71,7 +71,7 @@ pub(crate) struct DemoArgs {
     corrupt_one_byte: bool,
 }
 
-fn parse_model(s: &str) -> Result<Model, String> {
+pub(crate) fn parse_model(s: &str) -> Result<Model, String> {
     Model::ALL
         .iter()
         .find(|(n, _)| *n == s)
