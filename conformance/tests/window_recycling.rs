@@ -243,7 +243,7 @@ fn run(c: &Case) -> Result<Seen, TestCaseError> {
         }
         if !any {
             step += 1;
-            let due: Vec<InFlight> = in_flight.drain(..).collect();
+            let due = std::mem::take(&mut in_flight);
             for w in due {
                 apply_plan(&sender, &mut receiver, &w.plan).unwrap();
                 let i = ids.iter().position(|r| *r == w.request).unwrap();
