@@ -3,8 +3,14 @@
 //! whole model), `bench fragments`, and `bench pipeline` with another model and over TCP.
 
 use std::process::Command;
+use std::sync::Mutex;
+
+/// One `kvpipe` at a time: the runs keep deadlines of seconds, and several at once on a small,
+/// shared machine can starve each other past them.
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
 fn kvpipe(args: &[&str]) -> (bool, String, String) {
+    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let out = Command::new(env!("CARGO_BIN_EXE_kvpipe"))
         .args(args)
         .output()
@@ -118,7 +124,7 @@ fn demo_reports_memory_against_the_live_kv() {
     let mut args = vec!["demo", "--json", "--model", "gemma3-swa", "--window", "50"];
     args.extend(SMALL);
     let (ok, out, err) = kvpipe(&args);
-    assert!(ok, "{err}");
+    assert!(ok, "{err}{out}");
     let v = json(&out);
     assert_eq!(v["verified"], true);
     let live = v["live_kv_bytes"].as_u64().unwrap();
@@ -173,7 +179,7 @@ fn bench_pipeline_runs_other_models_and_tcp() {
             "--runs",
             "1",
         ]);
-        assert!(ok, "{model} {transport}: {err}");
+        assert!(ok, "{model} {transport}: {err}{out}");
         let v = json(&out);
         assert_eq!(v["verified"], true);
         assert_eq!(v["model"], model);
