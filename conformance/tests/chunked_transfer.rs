@@ -406,12 +406,19 @@ fn reused_prefix_is_sent_with_the_first_chunk() {
 }
 
 #[test]
-fn windowed_group_with_sinks_sends_its_active_window_last() {
-    // prompt 32, W 10, tpb 4: stale 5; sinks keep block 0 resident (gap at 1..5).
-    let s = fixed(32, 4, vec![(None, 0), (Some(10), 3)], &[2, 6, 7, 12]);
+fn windowed_group_with_sinks_streams_from_the_stale_boundary() {
+    // prompt 32, W 10, tpb 4: stale 5; sinks keep block 0 resident (gap at 1..5). Chunks below
+    // the boundary send nothing for the windowed group; from there each chunk sends its own
+    // computed blocks.
+    let s = fixed(
+        32,
+        4,
+        vec![(None, 0), (Some(10), 3)],
+        &[2, 6, 7, 12, 22, 26],
+    );
     let sent = run(&s).unwrap();
-    assert_eq!(sent[0], vec![w(0, 1), w(1, 3), w(3, 8)]);
-    assert_eq!(sent[1], vec![w(5, 8)]);
+    assert_eq!(sent[0], vec![w(0, 1), w(1, 3), w(3, 5), w(5, 6), w(6, 8)]);
+    assert_eq!(sent[1], vec![w(5, 6), w(6, 8)]);
     // A window covering the prompt streams like full attention.
     let s = fixed(32, 4, vec![(Some(32), 3)], &[6, 12]);
     assert_eq!(run(&s).unwrap(), vec![vec![w(0, 1), w(1, 3), w(3, 8)]]);

@@ -216,6 +216,7 @@ fn layout(region: u32) -> Vec<LayerGroupLayout> {
         tokens_per_block: TPB,
         window: None,
         block_layout: Default::default(),
+        shard: Default::default(),
         pools: [PoolLayout {
             region: RegionId(region),
             layer_begin: 0,

@@ -9,8 +9,13 @@
 //!    it is the first, else at `floor(start / tpb)`.
 //! 3. A non-final chunk that completes no block sends nothing ([`chunk_window`] is `None`).
 //! 4. A windowed group (window `W < prompt_len`) never sends blocks below the
-//!    [`StaleBoundary`] and is deferred to the final chunk, which carries its whole active
-//!    window `[stale, total_blocks)`.
+//!    [`StaleBoundary`] `stale` of the whole prompt: its range starts there. Each chunk sends
+//!    its own computed blocks at or above `stale` — rules 1–3 applied to
+//!    `[max(stale, begin), end)` — as soon as they are computed, and a chunk that lies wholly
+//!    below `stale` sends nothing (the cache is not queried). Blocks at or above `stale` never
+//!    leave the final window (the boundary is computed from the whole prompt), so sending them
+//!    early is safe, and only the last chunk's own blocks are left on the time-to-first-token
+//!    path.
 //! 5. Over any sequence of chunks, the windows tile `[0, total_blocks)` (windowed groups:
 //!    `[stale, total_blocks)`) exactly once per group.
 //!
@@ -179,9 +184,9 @@ fn check_tpb(tpb: u32) -> Result<(), GeometryError> {
 /// The block ordinals `group` sends for `chunk`, or `None` when the group sends nothing in this
 /// chunk — the cache must then not be queried.
 ///
-/// Full-attention groups (and windows of at least the prompt) follow rules 1–3 of the module
-/// doc; windowed groups send nothing before the final chunk, which carries
-/// `[stale, total_blocks)` (minus what an early prefix send already carried).
+/// Rules 1–3 of the module doc give `[begin, end)`; a windowed group sends
+/// `[max(stale, begin), end)` (rule 4), so a chunk wholly below its stale boundary sends
+/// nothing. Full attention and windows of at least the prompt have `stale == 0`.
 pub fn chunk_window(
     chunk: &ChunkSpec,
     group: &LayerGroupLayout,
@@ -189,25 +194,7 @@ pub fn chunk_window(
     chunk.validate()?;
     let tpb = group.tokens_per_block;
     let total = total_blocks(chunk.prompt_len, tpb)?;
-    // Blocks an early prefix send already carried; chunks never send them again.
-    let sent_early = if chunk.prefix_sent_early {
-        chunk.prepopulated_len / tpb
-    } else {
-        0
-    };
-    if let Some(w) = group.window {
-        let stale = stale_boundary(chunk.prompt_len, w, tpb)?;
-        if group.is_windowed_for(chunk.prompt_len) {
-            if !chunk.is_last {
-                return Ok(None);
-            }
-            let window = BlockWindow {
-                begin: stale.max(sent_early),
-                end: total,
-            };
-            return Ok(window.non_empty());
-        }
-    }
+    let stale = StaleBoundary::for_group(chunk.prompt_len, group)?.ordinal();
     let begin = if chunk.is_first() {
         0
     } else {
@@ -218,7 +205,11 @@ pub fn chunk_window(
     } else {
         chunk.end / tpb
     };
-    Ok(BlockWindow { begin, end }.non_empty())
+    Ok(BlockWindow {
+        begin: begin.max(stale),
+        end,
+    }
+    .non_empty())
 }
 
 /// The blocks of `group` an early send of the sender's reused prefix carries, before the first
@@ -379,15 +370,39 @@ mod tests {
     }
 
     #[test]
-    fn windowed_group_is_deferred_to_the_final_chunk() {
+    fn windowed_group_streams_from_the_stale_boundary() {
         // W = 10, prompt 32: stale = (32 + 1 - 10) / 4 = 5.
         let g = group(4, Some(10));
         assert_eq!(stale_boundary(32, 10, 4), Ok(5));
+        // Wholly below the boundary: nothing, and the cache is not queried.
         assert_eq!(chunk_window(&chunk(0, 6, 32, 0), &g).unwrap(), None);
-        assert_eq!(chunk_window(&chunk(6, 28, 32, 0), &g).unwrap(), None);
-        assert_eq!(chunk_window(&chunk(28, 32, 32, 0), &g).unwrap(), win(5, 8));
-        // The whole active window, even when the final chunk starts above it.
-        assert_eq!(chunk_window(&chunk(31, 32, 32, 0), &g).unwrap(), win(5, 8));
+        assert_eq!(chunk_window(&chunk(6, 20, 32, 0), &g).unwrap(), None);
+        // Crossing it: the chunk's own computed blocks from the boundary on.
+        assert_eq!(chunk_window(&chunk(20, 28, 32, 0), &g).unwrap(), win(5, 7));
+        assert_eq!(chunk_window(&chunk(28, 32, 32, 0), &g).unwrap(), win(7, 8));
+        // A final chunk that starts above the boundary carries only its own blocks.
+        assert_eq!(chunk_window(&chunk(31, 32, 32, 0), &g).unwrap(), win(7, 8));
+        // One chunk over the whole prompt: exactly the final window.
+        assert_eq!(chunk_window(&chunk(0, 32, 32, 0), &g).unwrap(), win(5, 8));
+        // A first chunk reaches back over the reused prefix, but never below the boundary.
+        assert_eq!(chunk_window(&chunk(18, 26, 32, 18), &g).unwrap(), win(5, 6));
+        // The same chunk after an early prefix send starts at its own first block.
+        let early = ChunkSpec {
+            prefix_sent_early: true,
+            ..chunk(18, 26, 32, 18)
+        };
+        assert_eq!(chunk_window(&early, &g).unwrap(), win(5, 6));
+        assert_eq!(early_prefix_window(32, 18, &g).unwrap(), None);
+        assert_eq!(early_prefix_window(32, 24, &g).unwrap(), win(5, 6));
+    }
+
+    #[test]
+    fn a_final_window_of_no_block_sends_nothing() {
+        // W = 1, prompt 32, tpb 4: stale = 32 / 4 = 8 = total blocks.
+        let g = group(4, Some(1));
+        assert_eq!(stale_boundary(32, 1, 4), Ok(8));
+        assert_eq!(chunk_window(&chunk(0, 32, 32, 0), &g).unwrap(), None);
+        assert_eq!(chunk_window(&chunk(24, 32, 32, 0), &g).unwrap(), None);
     }
 
     #[test]

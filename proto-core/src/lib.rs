@@ -2,7 +2,8 @@
 //!
 //! The sans-IO protocol core of kvpipe: it streams an LLM request's KV cache from a prefill
 //! server to a decode server while prefill is still running. This crate holds the wire frames
-//! ([`wire`]), the chunk geometry ([`geometry`]), write planning ([`plan`]) and the two endpoint
+//! ([`wire`]), the chunk geometry ([`geometry`]), write planning ([`plan`]; between ranks split
+//! differently by tensor and pipeline parallelism: [`shard`]) and the two endpoint
 //! state machines ([`session`]): a [`Sender`] per prefill rank and a [`Receiver`] per decode
 //! rank. It does no I/O, reads no clock, spawns no threads and contains no `unsafe`; transports
 //! drive it.
@@ -49,6 +50,7 @@
 //!         tokens_per_block: 4, window: None, block_layout: Default::default(),
 //!         pools: [PoolLayout { region: RegionId(region), layer_begin: 0, layers: 2, slot_bytes: 128 }]
 //!             .into_iter().collect(),
+//!         shard: Default::default(), // this rank holds the whole model
 //!     }]
 //! }
 //!
@@ -163,6 +165,7 @@ pub mod ids;
 pub mod layout;
 pub mod plan;
 pub mod session;
+pub mod shard;
 pub mod source;
 pub mod stream;
 pub mod time;
@@ -178,14 +181,15 @@ pub use ids::{
     BlockId, GrantId, GroupIndex, InstanceId, PeerId, ReceiverSliceId, RegionId, RequestId,
     SenderSliceId,
 };
-pub use layout::{BlockLayout, LayerGroupLayout, PoolLayout};
+pub use layout::{BlockLayout, GroupShard, LayerGroupLayout, PoolLayout};
 pub use plan::{
-    check_pairable, plan_group, plan_group_with_cursor, DstCursor, PairStats, PlanError, Side,
-    WriteExtent, WritePlan,
+    check_pairable, plan_group, plan_group_with_cursor, plan_rank_group, DstCursor, GroupPairing,
+    PairStats, PlanError, RankGroup, Side, WriteExtent, WritePlan,
 };
 pub use session::{
     Admission, DataPath, Endpoint, Event, Output, Receiver, ReceiverConfig, ReceiverInput, Sender,
     SenderConfig, SenderInput, TransportInput, WriteTicket,
 };
+pub use shard::{check_shard, writes_group, writes_to, ShardError};
 pub use source::{BlockSource, BlockSourceError};
 pub use time::{Duration, Instant};

@@ -1,12 +1,16 @@
 //! Write plans: the byte extents a slice copies from sender memory to receiver memory, and
 //! [`plan_group`], which pairs one chunk's source blocks with the receiver's blocks by ordinal
-//! and turns the pairs into coalesced extents.
+//! and turns the pairs into coalesced extents — whole layers when both ranks hold the same
+//! part of the model, layer ranges and head slices when tensor or pipeline parallelism differs
+//! between the sides ([`plan_rank_group`], [`shard`](crate::shard)).
 
 use thiserror::Error;
 
 use crate::blocks::{AnchoredRun, BlockRun};
 use crate::ids::{BlockId, RegionId};
 use crate::layout::{LayerGroupLayout, PoolLayout};
+use crate::shard::writes_group;
+use crate::wire::Topology;
 
 /// One write: `len` bytes from `src_region + src_offset` (sender) to
 /// `dst_region + dst_offset` (receiver).
@@ -223,7 +227,7 @@ impl Iterator for Overlaps<'_> {
 struct SegmentSide {
     region: RegionId,
     slot_bytes: u64,
-    /// Byte offset of the segment inside the slot.
+    /// Byte offset of the segment's first layer inside the slot.
     base: u64,
 }
 
@@ -247,20 +251,26 @@ impl SegmentSide {
     }
 }
 
-/// A layer range held by one sender pool and one receiver pool: `len` bytes per block.
+/// A range of model layers held by one sender pool and one receiver pool, both ranks holding
+/// them: `layers` consecutive layers from the segment's base on each side.
 #[derive(Clone, Copy, Debug)]
 struct Segment {
     src: SegmentSide,
     dst: SegmentSide,
-    len: u64,
+    layers: u64,
 }
 
-/// The layer ranges where the sender's and the receiver's pools overlap, in layer order
-/// (a merge of the two pool lists; both tile the group's layers, see [`check_pairable`]).
+/// The model-layer ranges where the sender's and the receiver's pools overlap, in layer order:
+/// a merge of the two pool lists, each pool placed at its rank's first layer (both lists tile
+/// their rank's layers, see [`check_pairable`]). Layers only one rank holds yield nothing.
 struct Segments<'a> {
     src: &'a [PoolLayout],
     dst: &'a [PoolLayout],
-    layer_bytes: u64,
+    /// Model layer of each side's pool layer 0 (the rank's first layer).
+    src_first: u32,
+    dst_first: u32,
+    src_layer_bytes: u64,
+    dst_layer_bytes: u64,
 }
 
 impl Iterator for Segments<'_> {
@@ -269,9 +279,11 @@ impl Iterator for Segments<'_> {
     fn next(&mut self) -> Option<Segment> {
         loop {
             let (a, b) = (self.src.first()?, self.dst.first()?);
-            let a_end = u32::from(a.layer_begin) + u32::from(a.layers);
-            let b_end = u32::from(b.layer_begin) + u32::from(b.layers);
-            let lo = a.layer_begin.max(b.layer_begin);
+            let a_begin = self.src_first + u32::from(a.layer_begin);
+            let b_begin = self.dst_first + u32::from(b.layer_begin);
+            let a_end = a_begin + u32::from(a.layers);
+            let b_end = b_begin + u32::from(b.layers);
+            let lo = a_begin.max(b_begin);
             let hi = a_end.min(b_end);
             if a_end <= b_end {
                 self.src = &self.src[1..];
@@ -279,31 +291,92 @@ impl Iterator for Segments<'_> {
             if b_end <= a_end {
                 self.dst = &self.dst[1..];
             }
-            if u32::from(lo) < hi {
+            if lo < hi {
                 // Layer counts and byte sizes were checked for overflow in `check_pairable`.
-                let side = |p: &PoolLayout| SegmentSide {
+                let side = |p: &PoolLayout, begin: u32, layer_bytes: u64| SegmentSide {
                     region: p.region,
                     slot_bytes: p.slot_bytes,
-                    base: u64::from(lo - p.layer_begin) * self.layer_bytes,
+                    base: u64::from(lo - begin) * layer_bytes,
                 };
                 return Some(Segment {
-                    src: side(a),
-                    dst: side(b),
-                    len: (u64::from(hi) - u64::from(lo)) * self.layer_bytes,
+                    src: side(a, a_begin, self.src_layer_bytes),
+                    dst: side(b, b_begin, self.dst_layer_bytes),
+                    layers: u64::from(hi - lo),
                 });
             }
         }
     }
 }
 
-/// Checks that the two sides describe the same group geometry and that each side's pools tile
-/// the group's layers in order with slots large enough; returns the bytes one layer adds to a
-/// block.
-pub fn check_pairable(src: &LayerGroupLayout, dst: &LayerGroupLayout) -> Result<u64, PlanError> {
+/// How one layer group of a sender rank maps onto a receiver rank, from [`check_pairable`]: the
+/// model layers and KV heads both hold, and the byte sizes the extents are built from.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct GroupPairing {
+    /// First model layer of the group both ranks hold.
+    pub layer_begin: u32,
+    /// One past the last one (`layer_begin` when they hold no layer in common).
+    pub layer_end: u32,
+    /// First model KV head both ranks hold.
+    pub head_begin: u32,
+    /// One past the last one (`head_begin` when they hold no head in common).
+    pub head_end: u32,
+    /// Bytes one layer adds to a sender block (`kv_factor * kv_heads * head bytes`).
+    pub src_layer_bytes: u64,
+    /// Bytes one layer adds to a receiver block.
+    pub dst_layer_bytes: u64,
+    /// Bytes of one head's part of one K or V plane of a block (`tpb * head_dim * elem`).
+    pub head_bytes: u64,
+    /// K and V planes per layer (1 for MLA).
+    pub kv_factor: u32,
+    /// First model head the sender holds.
+    pub src_first_head: u32,
+    /// KV heads the sender holds.
+    pub src_heads: u32,
+    /// First model head the receiver holds.
+    pub dst_first_head: u32,
+    /// KV heads the receiver holds.
+    pub dst_heads: u32,
+}
+
+impl GroupPairing {
+    /// Whether the two ranks hold no byte of the group in common.
+    pub fn is_empty(&self) -> bool {
+        self.layer_begin >= self.layer_end || self.head_begin >= self.head_end
+    }
+
+    /// Whether both ranks hold exactly the same heads, so whole layers are copied; otherwise
+    /// each (block, layer, K/V plane) is a head slice.
+    pub fn whole_layers(&self) -> bool {
+        self.src_first_head == self.dst_first_head && self.src_heads == self.dst_heads
+    }
+
+    /// Bytes of one head slice: the common heads of one K or V plane of one layer of a block.
+    pub fn slice_bytes(&self) -> u64 {
+        u64::from(self.head_end - self.head_begin) * self.head_bytes
+    }
+}
+
+/// Checks that the two sides describe the same group of the same model (whole-model layers and
+/// KV heads, K/V planes, head size, element size, tokens per block, byte layout), each within
+/// the model, that the receiver's window is at least the sender's, and that each side's pools
+/// tile its rank's layers in order with slots large enough; returns what the two ranks hold in
+/// common ([`GroupPairing`]).
+pub fn check_pairable(
+    src: &LayerGroupLayout,
+    dst: &LayerGroupLayout,
+) -> Result<GroupPairing, PlanError> {
     let fields: [(&'static str, u64, u64); 7] = [
-        ("layers", src.layers.into(), dst.layers.into()),
+        (
+            "model_layers",
+            src.model_layers().into(),
+            dst.model_layers().into(),
+        ),
         ("kv_factor", src.kv_factor.into(), dst.kv_factor.into()),
-        ("kv_heads", src.kv_heads.into(), dst.kv_heads.into()),
+        (
+            "model_kv_heads",
+            src.model_kv_heads().into(),
+            dst.model_kv_heads().into(),
+        ),
         ("head_dim", src.head_dim.into(), dst.head_dim.into()),
         ("elem_bytes", src.elem_bytes.into(), dst.elem_bytes.into()),
         (
@@ -326,16 +399,46 @@ pub fn check_pairable(src: &LayerGroupLayout, dst: &LayerGroupLayout) -> Result<
             });
         }
     }
-    if src.window != dst.window {
+    let smaller_window = match (src.window, dst.window) {
+        (_, None) => false,
+        (None, Some(_)) => true,
+        (Some(s), Some(d)) => d < s,
+    };
+    if smaller_window {
         return Err(PlanError::WindowMismatch {
             sender: src.window,
             receiver: dst.window,
         });
     }
-    let layer_bytes = src
+    for (side, layout) in [(Side::Sender, src), (Side::Receiver, dst)] {
+        let (layers, heads) = (layout.layer_range(), layout.head_range());
+        if layers.end > u32::from(layout.model_layers())
+            || heads.end > u32::from(layout.model_kv_heads())
+        {
+            return Err(PlanError::ShardPastModel {
+                side,
+                first_layer: layout.shard.first_layer,
+                layers: layout.layers,
+                model_layers: layout.model_layers(),
+                first_head: layout.shard.first_head,
+                kv_heads: layout.kv_heads,
+                model_kv_heads: layout.model_kv_heads(),
+            });
+        }
+    }
+    let head_bytes = src
+        .head_block_bytes()
+        .ok_or(PlanError::BlockBytesOverflow)?;
+    let src_layer_bytes = src
         .layer_block_bytes()
         .ok_or(PlanError::BlockBytesOverflow)?;
-    for (side, layout) in [(Side::Sender, src), (Side::Receiver, dst)] {
+    let dst_layer_bytes = dst
+        .layer_block_bytes()
+        .ok_or(PlanError::BlockBytesOverflow)?;
+    for (side, layout, layer_bytes) in [
+        (Side::Sender, src, src_layer_bytes),
+        (Side::Receiver, dst, dst_layer_bytes),
+    ] {
         let mut next = 0u32;
         for (pool, p) in layout.pools.iter().enumerate() {
             if u32::from(p.layer_begin) != next || p.layers == 0 {
@@ -368,7 +471,24 @@ pub fn check_pairable(src: &LayerGroupLayout, dst: &LayerGroupLayout) -> Result<
             });
         }
     }
-    Ok(layer_bytes)
+    let (sl, dl) = (src.layer_range(), dst.layer_range());
+    let (sh, dh) = (src.head_range(), dst.head_range());
+    let layer_begin = sl.start.max(dl.start);
+    let head_begin = sh.start.max(dh.start);
+    Ok(GroupPairing {
+        layer_begin,
+        layer_end: sl.end.min(dl.end).max(layer_begin),
+        head_begin,
+        head_end: sh.end.min(dh.end).max(head_begin),
+        src_layer_bytes,
+        dst_layer_bytes,
+        head_bytes,
+        kv_factor: u32::from(src.kv_factor),
+        src_first_head: sh.start,
+        src_heads: u32::from(src.kv_heads),
+        dst_first_head: dh.start,
+        dst_heads: u32::from(dst.kv_heads),
+    })
 }
 
 /// Pairs one chunk's source blocks with the receiver's blocks **by ordinal** and appends the
@@ -377,19 +497,22 @@ pub fn check_pairable(src: &LayerGroupLayout, dst: &LayerGroupLayout) -> Result<
 /// `src` is the chunk's run from the [`BlockSource`](crate::source::BlockSource); `dst` is the
 /// receiver's registration for the same group. Only ordinals in both are written: the
 /// receiver's cached prefix is not in its run, so it is not sent, and a chunk inside that prefix
-/// plans nothing. Each paired block becomes one extent per layer range held by one sender pool
-/// and one receiver pool (one per pool when both sides split the group alike). Extents are
-/// emitted range by range, block by block, so consecutive slots coalesce into one write.
+/// plans nothing. Of each paired block only what both ranks hold is written: the layers both
+/// hold (layer-range extents, one per layer range held by one sender pool and one receiver
+/// pool) and, when the two ranks hold different KV heads (another tensor-parallel size), the
+/// heads both hold (head-slice extents: one per block, layer and K/V plane, merged wherever
+/// they are contiguous on both sides). Extents are emitted range by range, block by block, so
+/// consecutive slots coalesce into one write.
 ///
-/// Costs O(paired blocks × pools + receiver id runs before the chunk's end); use
-/// [`plan_group_with_cursor`] to drop the second term across chunks. Allocates nothing when
-/// `plan` has room for the extents (see [`WritePlan::reserve`]). On error `plan` is left as it
-/// was.
+/// Every head both ranks hold is written. When the sender's heads are replicated over several
+/// ranks, use [`plan_rank_group`], which lets only one replica write each receiver.
 ///
-/// Both layouts must describe the same group geometry (see [`check_pairable`]); otherwise a
-/// [`PlanError`] says what differs. A different number of KV heads on the two sides
-/// (heterogeneous tensor parallelism) is rejected for now: it maps onto the same plan type as
-/// head-slice extents inside each layer, i.e. a further split of each segment.
+/// Costs O(extents + receiver id runs before the chunk's end); use [`plan_group_with_cursor`]
+/// to drop the second term across chunks. Allocates nothing when `plan` has room for the
+/// extents (see [`WritePlan::reserve`]). On error `plan` is left as it was.
+///
+/// Both layouts must describe the same group of the same model (see [`check_pairable`]);
+/// otherwise a [`PlanError`] says what differs.
 pub fn plan_group(
     src_layout: &LayerGroupLayout,
     dst_layout: &LayerGroupLayout,
@@ -412,7 +535,63 @@ pub fn plan_group_with_cursor(
     cursor: &mut DstCursor,
     plan: &mut WritePlan,
 ) -> Result<PairStats, PlanError> {
-    let layer_bytes = check_pairable(src_layout, dst_layout)?;
+    let pairing = check_pairable(src_layout, dst_layout)?;
+    plan_pairing(&pairing, src_layout, dst_layout, src, dst, cursor, plan)
+}
+
+/// One rank's side of a pairing: its parallel topology and its layout of one layer group.
+#[derive(Clone, Copy, Debug)]
+pub struct RankGroup<'a> {
+    /// The rank's tensor- and pipeline-parallel position.
+    pub topology: &'a Topology,
+    /// Its layout of the group.
+    pub layout: &'a LayerGroupLayout,
+}
+
+/// [`plan_group_with_cursor`] between two ranks that may be split differently (tensor and
+/// pipeline parallelism, see [`shard`](crate::shard)): when this sender rank does not write the
+/// group to this receiver rank ([`writes_group`]: no layer or head in common, or another
+/// replica of its heads writes them), nothing is paired and the plan is left as it was.
+pub fn plan_rank_group(
+    src_rank: RankGroup<'_>,
+    dst_rank: RankGroup<'_>,
+    src: &BlockRun,
+    dst: &AnchoredRun,
+    cursor: &mut DstCursor,
+    plan: &mut WritePlan,
+) -> Result<PairStats, PlanError> {
+    let pairing = check_pairable(src_rank.layout, dst_rank.layout)?;
+    if !writes_group(
+        src_rank.topology,
+        src_rank.layout,
+        dst_rank.topology,
+        dst_rank.layout,
+    ) {
+        return Ok(PairStats {
+            unpaired_src_blocks: u32::try_from(src.ids.len()).unwrap_or(u32::MAX),
+            ..PairStats::default()
+        });
+    }
+    plan_pairing(
+        &pairing,
+        src_rank.layout,
+        dst_rank.layout,
+        src,
+        dst,
+        cursor,
+        plan,
+    )
+}
+
+fn plan_pairing(
+    pairing: &GroupPairing,
+    src_layout: &LayerGroupLayout,
+    dst_layout: &LayerGroupLayout,
+    src: &BlockRun,
+    dst: &AnchoredRun,
+    cursor: &mut DstCursor,
+    plan: &mut WritePlan,
+) -> Result<PairStats, PlanError> {
     let src_begin = u64::from(src.first_ordinal);
     let src_end = src_begin + src.ids.len() as u64;
     cursor.seek(dst, src_begin);
@@ -427,26 +606,39 @@ pub fn plan_group_with_cursor(
 
     let mut stats = PairStats::default();
     let mut paired = 0u64;
-    for (i, o) in overlaps().enumerate() {
-        if i == 0 {
-            stats.first_ordinal = u32::try_from(o.ordinal).unwrap_or(u32::MAX);
+    if !pairing.is_empty() {
+        for (i, o) in overlaps().enumerate() {
+            if i == 0 {
+                stats.first_ordinal = u32::try_from(o.ordinal).unwrap_or(u32::MAX);
+            }
+            paired += o.len;
         }
-        paired += o.len;
     }
     stats.paired_blocks = u32::try_from(paired).unwrap_or(u32::MAX);
     stats.unpaired_src_blocks = u32::try_from(src.ids.len() as u64 - paired).unwrap_or(u32::MAX);
 
     let before = plan.len();
     let last_before = plan.extents.last().copied();
-    let segments = Segments {
+    let mut segments = Segments {
         src: &src_layout.pools,
         dst: &dst_layout.pools,
-        layer_bytes,
+        src_first: src_layout.layer_range().start,
+        dst_first: dst_layout.layer_range().start,
+        src_layer_bytes: pairing.src_layer_bytes,
+        dst_layer_bytes: pairing.dst_layer_bytes,
     };
+    if pairing.is_empty() {
+        segments.src = &[];
+    }
     let mut bytes = 0u64;
     let mut result = Ok(());
     for segment in segments {
-        match plan_segment(&segment, &src.ids, overlaps(), plan) {
+        let planned = if pairing.whole_layers() {
+            plan_segment(&segment, pairing, &src.ids, overlaps(), plan)
+        } else {
+            plan_head_slices(&segment, pairing, &src.ids, overlaps(), plan)
+        };
+        match planned {
             Ok(b) => bytes += b,
             Err(e) => {
                 result = Err(e);
@@ -470,18 +662,21 @@ pub fn plan_group_with_cursor(
     Ok(stats)
 }
 
-/// Appends one segment's extents for every overlap; returns the bytes. When the segment fills
-/// whole slots on both sides, runs of consecutive source slots (the receiver's are consecutive
-/// inside an overlap) become one extent each; otherwise one extent per block, which
-/// [`WritePlan::push`] coalesces when both sides happen to be contiguous.
+/// Appends one segment's extents for every overlap when both ranks hold the same heads (whole
+/// layers); returns the bytes. When the segment fills whole slots on both sides, runs of
+/// consecutive source slots (the receiver's are consecutive inside an overlap) become one
+/// extent each; otherwise one extent per block, which [`WritePlan::push`] coalesces when both
+/// sides happen to be contiguous.
 fn plan_segment(
     segment: &Segment,
+    pairing: &GroupPairing,
     src_ids: &[BlockId],
     overlaps: Overlaps<'_>,
     plan: &mut WritePlan,
 ) -> Result<u64, PlanError> {
-    let whole_slots =
-        segment.len == segment.src.slot_bytes && segment.len == segment.dst.slot_bytes;
+    // The same heads on both sides: a layer has the same bytes on both.
+    let len = segment.layers * pairing.src_layer_bytes;
+    let whole_slots = len == segment.src.slot_bytes && len == segment.dst.slot_bytes;
     let mut bytes = 0;
     for o in overlaps {
         let ids = &src_ids[o.src_index..o.src_index + o.len as usize];
@@ -495,24 +690,72 @@ fn plan_segment(
                 }
             }
             let blocks = n as u64;
-            let src_offset = segment
-                .src
-                .offset(Side::Sender, first, blocks, segment.len)?;
+            let src_offset = segment.src.offset(Side::Sender, first, blocks, len)?;
             let dst_first = o.dst_first + k as u64;
-            let dst_offset = segment
-                .dst
-                .offset(Side::Receiver, dst_first, blocks, segment.len)?;
+            let dst_offset = segment.dst.offset(Side::Receiver, dst_first, blocks, len)?;
             // Both ends were checked addressable, so the length fits too.
-            let len = segment.len * blocks;
+            let run_len = len * blocks;
             plan.push(WriteExtent {
                 src_region: segment.src.region,
                 src_offset,
                 dst_region: segment.dst.region,
                 dst_offset,
-                len,
+                len: run_len,
             });
-            bytes += len;
+            bytes += run_len;
             k += n;
+        }
+    }
+    Ok(bytes)
+}
+
+/// Appends one segment's head-slice extents for every overlap when the ranks hold different
+/// heads: per block, layer and K/V plane, the heads both hold (contiguous inside a plane on
+/// each side: `[K|V][head][token][dim]`). [`WritePlan::push`] merges consecutive slices that
+/// are contiguous on both sides (e.g. a receiver that holds exactly the sender's heads of a
+/// plane, in consecutive slots); returns the bytes.
+fn plan_head_slices(
+    segment: &Segment,
+    pairing: &GroupPairing,
+    src_ids: &[BlockId],
+    overlaps: Overlaps<'_>,
+    plan: &mut WritePlan,
+) -> Result<u64, PlanError> {
+    let slice = pairing.slice_bytes();
+    let src_len = segment.layers * pairing.src_layer_bytes;
+    let dst_len = segment.layers * pairing.dst_layer_bytes;
+    let hb = pairing.head_bytes;
+    // Where the common heads start inside a plane, and how far apart the planes are.
+    let src_head = u64::from(pairing.head_begin - pairing.src_first_head) * hb;
+    let dst_head = u64::from(pairing.head_begin - pairing.dst_first_head) * hb;
+    let src_plane = u64::from(pairing.src_heads) * hb;
+    let dst_plane = u64::from(pairing.dst_heads) * hb;
+    let planes = u64::from(pairing.kv_factor) * segment.layers;
+    let mut bytes = 0;
+    for o in overlaps {
+        let ids = &src_ids[o.src_index..o.src_index + o.len as usize];
+        for (k, id) in ids.iter().enumerate() {
+            let src_at = segment
+                .src
+                .offset(Side::Sender, u64::from(id.0), 1, src_len)?
+                + src_head;
+            let dst_at = segment
+                .dst
+                .offset(Side::Receiver, o.dst_first + k as u64, 1, dst_len)?
+                + dst_head;
+            // Planes are consecutive inside a layer and layers inside the segment, so plane
+            // `p` of the segment is at `p * plane` on each side (all inside the slots checked
+            // above).
+            for p in 0..planes {
+                plan.push(WriteExtent {
+                    src_region: segment.src.region,
+                    src_offset: src_at + p * src_plane,
+                    dst_region: segment.dst.region,
+                    dst_offset: dst_at + p * dst_plane,
+                    len: slice,
+                });
+            }
+            bytes += slice * planes;
         }
     }
     Ok(bytes)
@@ -521,11 +764,10 @@ fn plan_segment(
 /// Two layer-group layouts that cannot be paired, or a block whose bytes cannot be addressed.
 #[derive(Clone, Debug, PartialEq, Eq, Error)]
 pub enum PlanError {
-    /// A geometry field differs between the two sides.
+    /// A whole-model geometry field differs between the two sides.
     #[error(
         "layer groups cannot be paired: {field} is {sender} on the sender and {receiver} on the \
-         receiver; both sides must use the same model geometry and block size (different \
-         kv_heads, i.e. heterogeneous tensor parallelism, is not supported yet)"
+         receiver; both sides must run the same model with the same block size"
     )]
     LayoutMismatch {
         /// The differing field of [`LayerGroupLayout`].
@@ -535,16 +777,38 @@ pub enum PlanError {
         /// Its value on the receiver.
         receiver: u64,
     },
-    /// The sliding window differs between the two sides.
+    /// The receiver keeps a smaller window than the sender.
     #[error(
         "layer groups cannot be paired: the sender's window is {sender:?} tokens and the \
-         receiver's {receiver:?}; both sides must run the same model"
+         receiver's {receiver:?} (None: full attention); a receiver keeps at least the sender's \
+         window"
     )]
     WindowMismatch {
         /// Sender's window (`None`: full attention).
         sender: Option<u32>,
         /// Receiver's window (`None`: full attention).
         receiver: Option<u32>,
+    },
+    /// A side's layers or heads lie outside the model's.
+    #[error(
+        "the {side} holds layers {first_layer}..+{layers} of {model_layers} and KV heads \
+         {first_head}..+{kv_heads} of {model_kv_heads}: a rank's part must lie inside the model"
+    )]
+    ShardPastModel {
+        /// Which side's layout is wrong.
+        side: Side,
+        /// First model layer it holds.
+        first_layer: u16,
+        /// Layers it holds.
+        layers: u16,
+        /// The group's layers in the model.
+        model_layers: u16,
+        /// First model KV head it holds.
+        first_head: u16,
+        /// KV heads it holds.
+        kv_heads: u16,
+        /// The model's KV heads.
+        model_kv_heads: u16,
     },
     /// The bytes of one block overflow `u64`.
     #[error(
@@ -781,19 +1045,39 @@ mod plan_group_tests {
         assert_eq!(
             err,
             PlanError::LayoutMismatch {
-                field: "kv_heads",
+                field: "model_kv_heads",
                 sender: 1,
                 receiver: 2
             }
         );
         assert!(err
             .to_string()
-            .contains("kv_heads is 1 on the sender and 2"));
+            .contains("model_kv_heads is 1 on the sender and 2"));
         let mut d = layout(&[2, 2], 3);
         d.window = Some(8);
         assert!(matches!(
             check_pairable(&s, &d),
             Err(PlanError::WindowMismatch { .. })
+        ));
+        // A receiver may keep a larger window than the sender.
+        let mut s = layout(&[2, 2], 1);
+        s.window = Some(8);
+        for w in [Some(8), Some(9), None] {
+            d.window = w;
+            assert!(check_pairable(&s, &d).is_ok(), "{w:?}");
+        }
+        d.window = Some(7);
+        assert!(check_pairable(&s, &d).is_err());
+        let s = layout(&[2, 2], 1);
+        let mut d = layout(&[2, 2], 3);
+        d.shard.model_layers = 4;
+        d.shard.first_layer = 1;
+        assert!(matches!(
+            check_pairable(&s, &d),
+            Err(PlanError::ShardPastModel {
+                side: Side::Receiver,
+                ..
+            })
         ));
         let mut d = layout(&[2, 2], 3);
         d.pools[1].layer_begin = 3;
@@ -837,5 +1121,181 @@ mod plan_group_tests {
             }
         ));
         assert_eq!(plan, before);
+    }
+}
+
+#[cfg(test)]
+mod heterogeneous_tests {
+    use smallvec::smallvec;
+
+    use super::*;
+    use crate::ids::BlockId;
+    use crate::layout::GroupShard;
+
+    /// A rank of a 4-layer, 4-head group (head dim 2, 1-byte elements, 2 tokens per block: a
+    /// head's plane of a block is 4 bytes): `layers` layers from `first_layer`, `heads` heads
+    /// from `first_head`, one pool.
+    fn rank(
+        first_layer: u16,
+        layers: u16,
+        first_head: u16,
+        heads: u16,
+        region: u32,
+    ) -> LayerGroupLayout {
+        LayerGroupLayout {
+            layers,
+            kv_factor: 2,
+            kv_heads: heads,
+            head_dim: 2,
+            elem_bytes: 1,
+            tokens_per_block: 2,
+            window: None,
+            pools: smallvec![PoolLayout {
+                region: RegionId(region),
+                layer_begin: 0,
+                layers,
+                slot_bytes: u64::from(layers) * 2 * u64::from(heads) * 4,
+            }],
+            shard: GroupShard {
+                model_layers: 4,
+                first_layer,
+                model_kv_heads: 4,
+                first_head,
+            },
+            ..LayerGroupLayout::default()
+        }
+    }
+
+    fn run(first: u32, ids: &[u32]) -> BlockRun {
+        BlockRun {
+            first_ordinal: first,
+            ids: ids.iter().copied().map(BlockId).collect(),
+        }
+    }
+
+    fn ext(src: u64, dst: u64, len: u64) -> WriteExtent {
+        WriteExtent {
+            src_region: RegionId(1),
+            src_offset: src,
+            dst_region: RegionId(2),
+            dst_offset: dst,
+            len,
+        }
+    }
+
+    #[test]
+    fn a_receiver_with_fewer_heads_gets_one_slice_per_layer_and_plane() {
+        // Sender: all 4 heads (32 bytes a layer); receiver: heads 2..3 of tensor rank 2 of 4
+        // (8 bytes a layer), all layers.
+        let (s, d) = (rank(0, 4, 0, 4, 1), rank(0, 4, 2, 1, 2));
+        let pairing = check_pairable(&s, &d).unwrap();
+        assert_eq!((pairing.head_begin, pairing.head_end), (2, 3));
+        assert!(!pairing.whole_layers());
+        let dst = AnchoredRun::from_ids(0, &[10].map(BlockId));
+        let mut plan = WritePlan::new();
+        let stats = plan_group(&s, &d, &run(0, &[3]), &dst, &mut plan).unwrap();
+        // The receiver's block is contiguous; the sender's slices are 16 bytes apart (a
+        // plane of 4 heads): one 4-byte slice per (layer, plane), nothing merges.
+        let expected: Vec<WriteExtent> = (0..8)
+            .map(|p| ext(3 * 128 + 2 * 4 + p * 16, 10 * 32 + p * 4, 4))
+            .collect();
+        assert_eq!(plan.extents(), &expected[..]);
+        assert_eq!(stats.bytes, 32);
+        assert_eq!(stats.paired_blocks, 1);
+    }
+
+    #[test]
+    fn extents_merge_only_where_both_sides_are_contiguous() {
+        // The same single head on both sides (another tensor rank of the same size): whole
+        // layers, and consecutive slots merge into one extent.
+        let (s, d) = (rank(0, 4, 1, 1, 1), rank(0, 4, 1, 1, 2));
+        assert!(check_pairable(&s, &d).unwrap().whole_layers());
+        let dst = AnchoredRun::from_ids(0, &[20, 21, 22].map(BlockId));
+        let mut plan = WritePlan::new();
+        plan_group(&s, &d, &run(0, &[5, 6, 7]), &dst, &mut plan).unwrap();
+        assert_eq!(plan.extents(), &[ext(5 * 32, 20 * 32, 96)]);
+        // A sender holding heads 0..2, a receiver holding all 4 (single plane): the slices are
+        // contiguous at the source but 8 bytes apart at the destination (its other heads):
+        // one extent per layer.
+        let mut s = rank(0, 4, 0, 2, 1);
+        let mut d = rank(0, 4, 0, 4, 2);
+        s.kv_factor = 1;
+        d.kv_factor = 1;
+        s.pools[0].slot_bytes = 4 * 8;
+        d.pools[0].slot_bytes = 4 * 16;
+        let dst = AnchoredRun::from_ids(0, &[1].map(BlockId));
+        let mut plan = WritePlan::new();
+        plan_group(&s, &d, &run(0, &[0]), &dst, &mut plan).unwrap();
+        assert_eq!(
+            plan.extents(),
+            &[
+                ext(0, 64, 8),
+                ext(8, 80, 8),
+                ext(16, 96, 8),
+                ext(24, 112, 8)
+            ]
+        );
+    }
+
+    #[test]
+    fn a_pipeline_rank_receives_its_layer_range() {
+        // Receiver: layers 2..4 (pipeline rank 1 of 2), all heads: one whole-layer extent
+        // from the sender's layer 2 on.
+        let (s, d) = (rank(0, 4, 0, 4, 1), rank(2, 2, 0, 4, 2));
+        let dst = AnchoredRun::from_ids(0, &[0, 1].map(BlockId));
+        let mut plan = WritePlan::new();
+        let stats = plan_group(&s, &d, &run(0, &[4, 5]), &dst, &mut plan).unwrap();
+        assert_eq!(
+            plan.extents(),
+            &[ext(4 * 128 + 64, 0, 64), ext(5 * 128 + 64, 64, 64)]
+        );
+        assert_eq!(stats.bytes, 128);
+        // Layers the receiver does not hold plan nothing.
+        let d = rank(2, 2, 0, 4, 2);
+        let s = rank(0, 2, 0, 4, 1);
+        let mut plan = WritePlan::new();
+        let stats = plan_group(&s, &d, &run(0, &[4]), &dst, &mut plan).unwrap();
+        assert!(plan.is_empty());
+        assert_eq!((stats.paired_blocks, stats.unpaired_src_blocks), (0, 1));
+    }
+
+    #[test]
+    fn only_the_chosen_replica_writes_duplicated_heads() {
+        // 1 KV head over 4 sender ranks (4 replicas); the receiver is rank 3 of 4 (replica 3
+        // of the same head): only sender rank 3 writes it.
+        let one_head = |region| {
+            let mut l = rank(0, 4, 0, 1, region);
+            l.shard.model_kv_heads = 1;
+            l
+        };
+        let topo = |tp_size, tp_rank| Topology {
+            tp_size,
+            tp_rank,
+            ..Topology::default()
+        };
+        let (s, d) = (one_head(1), one_head(2));
+        let dst = AnchoredRun::from_ids(0, &[0].map(BlockId));
+        let dt = topo(4, 3);
+        for r in 0..4 {
+            let st = topo(4, r);
+            let mut plan = WritePlan::new();
+            let stats = plan_rank_group(
+                RankGroup {
+                    topology: &st,
+                    layout: &s,
+                },
+                RankGroup {
+                    topology: &dt,
+                    layout: &d,
+                },
+                &run(0, &[0]),
+                &dst,
+                &mut DstCursor::default(),
+                &mut plan,
+            )
+            .unwrap();
+            assert_eq!(plan.is_empty(), r != 3, "sender rank {r}");
+            assert_eq!(stats.paired_blocks, u32::from(r == 3));
+        }
     }
 }

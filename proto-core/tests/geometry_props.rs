@@ -4,9 +4,9 @@
 use std::collections::BTreeMap;
 
 use kvpipe_core::{
-    chunk_window, early_prefix_window, plan_group, plan_group_with_cursor, total_blocks,
-    AnchoredRun, BlockId, BlockRun, ChunkSpec, DstCursor, LayerGroupLayout, PoolLayout, RegionId,
-    StaleBoundary, WritePlan,
+    chunk_window, early_prefix_window, plan_group, plan_group_with_cursor, plan_rank_group,
+    total_blocks, AnchoredRun, BlockId, BlockRun, ChunkSpec, DstCursor, LayerGroupLayout,
+    PoolLayout, RankGroup, RegionId, StaleBoundary, WritePlan,
 };
 use proptest::prelude::*;
 
@@ -65,8 +65,9 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(512))]
 
     /// Every ordinal of `[0, total)` (windowed groups: `[stale, total)`) is sent by exactly one
-    /// chunk (or by the early prefix send), nothing else is sent, and a windowed group sends only
-    /// in the final chunk.
+    /// chunk (or by the early prefix send), nothing else is sent, and each block is sent by the
+    /// first chunk that has it computed (the final chunk: every block left): a windowed group
+    /// streams from its stale boundary instead of waiting for the final chunk.
     #[test]
     fn block_windows_tile_the_prompt_exactly_once(
         (prompt, prefix, cuts) in chunking(),
@@ -83,18 +84,26 @@ proptest! {
         let mut sent = vec![0u32; total as usize];
         if early {
             if let Some(w) = early_prefix_window(prompt, prefix, &g).unwrap() {
+                prop_assert!(w.begin >= stale);
                 for o in w.begin..w.end { sent[o as usize] += 1; }
             }
         }
         for c in chunks(prompt, prefix, &cuts, early) {
             let w = chunk_window(&c, &g).unwrap();
-            if let Some(w) = w {
-                prop_assert!(!w.is_empty());
-                prop_assert!(w.end <= total);
-                if windowed {
-                    prop_assert!(c.is_last, "windowed group sent in a non-final chunk");
+            // The model: every block at or above the boundary not sent yet whose tokens are
+            // all computed by the end of this chunk (at the final chunk: every one left).
+            let due: Vec<u32> = (stale..total)
+                .filter(|&o| sent[o as usize] == 0 && (c.is_last || (o + 1) * tpb <= c.end))
+                .collect();
+            match w {
+                None => prop_assert!(due.is_empty(), "chunk {:?} skipped {:?}", c, due),
+                Some(w) => {
+                    prop_assert!(!w.is_empty());
+                    prop_assert!(w.begin >= stale, "sent below the stale boundary");
+                    prop_assert!(w.end <= total);
+                    prop_assert_eq!((w.begin..w.end).collect::<Vec<_>>(), due);
+                    for o in w.begin..w.end { sent[o as usize] += 1; }
                 }
-                for o in w.begin..w.end { sent[o as usize] += 1; }
             }
         }
         for (o, &n) in sent.iter().enumerate() {
@@ -204,5 +213,148 @@ proptest! {
             prop_assert_eq!(sa, sb);
             start = c;
         }
+    }
+}
+
+/// One rank of a tensor/pipeline split of a group of `layers` layers and `heads` KV heads
+/// (tokens per block `tpb`, head dim 1, 1-byte elements), with its pools split as `split`
+/// (layer counts summing to the rank's layers).
+fn shard_rank(
+    layers: (u16, u16, u16),
+    heads: u16,
+    tp: (u16, u16),
+    tpb: u32,
+    split: &[u16],
+    first_region: u32,
+) -> (kvpipe_core::wire::Topology, LayerGroupLayout) {
+    let (model_layers, first_layer, n) = layers;
+    let (shard, kv_heads) =
+        kvpipe_core::GroupShard::for_rank(model_layers, first_layer, heads, tp.0, tp.1).unwrap();
+    let layer_bytes = 2 * u64::from(kv_heads) * u64::from(tpb);
+    let mut pools = smallvec::SmallVec::new();
+    let mut begin = 0;
+    for (i, &l) in split.iter().enumerate() {
+        pools.push(PoolLayout {
+            region: RegionId(first_region + i as u32),
+            layer_begin: begin,
+            layers: l,
+            // A little padding, so slots never line up by accident.
+            slot_bytes: u64::from(l) * layer_bytes + 3,
+        });
+        begin += l;
+    }
+    let layout = LayerGroupLayout {
+        layers: n,
+        kv_factor: 2,
+        kv_heads,
+        head_dim: 1,
+        elem_bytes: 1,
+        tokens_per_block: tpb,
+        window: None,
+        pools,
+        shard,
+        ..LayerGroupLayout::default()
+    };
+    let topology = kvpipe_core::wire::Topology {
+        tp_size: tp.0,
+        tp_rank: tp.1,
+        ..Default::default()
+    };
+    (topology, layout)
+}
+
+/// What byte `offset` of a slot of `pool` of `layout` holds, in model coordinates:
+/// (layer, K/V plane, head, byte inside the head's plane); `None` in the padding.
+fn model_coords(
+    layout: &LayerGroupLayout,
+    pool: &PoolLayout,
+    in_slot: u64,
+) -> Option<(u32, u64, u32, u64)> {
+    let head = u64::from(layout.tokens_per_block);
+    let plane = u64::from(layout.kv_heads) * head;
+    let layer_bytes = 2 * plane;
+    if in_slot >= u64::from(pool.layers) * layer_bytes {
+        return None;
+    }
+    let layer =
+        layout.shard.first_layer as u64 + u64::from(pool.layer_begin) + in_slot / layer_bytes;
+    let kv = (in_slot % layer_bytes) / plane;
+    let h = u64::from(layout.shard.first_head) + (in_slot % plane) / head;
+    Some((layer as u32, kv, h as u32, in_slot % head))
+}
+
+/// Pool of `layout` holding `region`.
+fn pool_of(layout: &LayerGroupLayout, region: RegionId) -> PoolLayout {
+    *layout.pools.iter().find(|p| p.region == region).unwrap()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    /// Heterogeneous tensor and pipeline parallelism: planning every sender rank's chunk
+    /// against one receiver rank writes each byte the receiver holds exactly once, from the
+    /// sender byte of the same block ordinal, model layer, K/V plane, head and offset — in both
+    /// directions of tensor-parallel mismatch, with duplicated heads and any layer split.
+    #[test]
+    fn every_receiver_byte_is_written_once_from_the_same_model_coordinates(
+        heads_log in 0u32..4,
+        s_tp_log in 0u32..4,
+        r_tp_log in 0u32..4,
+        r_pp in 1u16..4,
+        layers in 3u16..7,
+        tpb in 1u32..4,
+        r_rank_seed in any::<u16>(),
+        split_seed in any::<bool>(),
+        blocks in 1u32..5,
+    ) {
+        let (heads, s_tp, r_tp) = (1u16 << heads_log, 1u16 << s_tp_log, 1u16 << r_tp_log);
+        // The receiver: tensor rank `rr` of `r_tp`, pipeline rank `rp` of `r_pp` (the last
+        // rank takes the remainder of the layers).
+        let (rr, rp) = (r_rank_seed % r_tp, (r_rank_seed / 16) % r_pp);
+        let per = layers / r_pp;
+        let first = rp * per;
+        let n = if rp + 1 == r_pp { layers - first } else { per };
+        let rsplit: Vec<u16> = if split_seed && n > 1 { vec![1, n - 1] } else { vec![n] };
+        let (rt, rl) = shard_rank((layers, first, n), heads, (r_tp, rr), tpb, &rsplit, 100);
+        prop_assert_eq!(kvpipe_core::check_shard(&rt, &rl), Ok(()));
+        let dst_ids: Vec<BlockId> = (0..blocks).map(|b| BlockId(b * 2 + 1)).collect();
+        let dst = AnchoredRun::from_ids(0, &dst_ids);
+        let mut written: BTreeMap<(u32, u64), u32> = BTreeMap::new();
+        let mut writers = 0;
+        for sr in 0..s_tp {
+            let ssplit: Vec<u16> = if split_seed { vec![layers] } else { vec![2, layers - 2] };
+            let (st, sl) = shard_rank((layers, 0, layers), heads, (s_tp, sr), tpb, &ssplit, 10);
+            let src = BlockRun { first_ordinal: 0, ids: (0..blocks).map(|b| BlockId(7 + b)).collect() };
+            let mut plan = WritePlan::new();
+            plan_rank_group(
+                RankGroup { topology: &st, layout: &sl },
+                RankGroup { topology: &rt, layout: &rl },
+                &src, &dst, &mut DstCursor::default(), &mut plan,
+            ).unwrap();
+            prop_assert_eq!(!plan.is_empty(), kvpipe_core::writes_group(&st, &sl, &rt, &rl));
+            writers += usize::from(!plan.is_empty());
+            for e in plan.extents() {
+                let (sp, dp) = (pool_of(&sl, e.src_region), pool_of(&rl, e.dst_region));
+                for k in 0..e.len {
+                    let (so, doff) = (e.src_offset + k, e.dst_offset + k);
+                    let s_coord = model_coords(&sl, &sp, so % sp.slot_bytes);
+                    let d_coord = model_coords(&rl, &dp, doff % dp.slot_bytes);
+                    prop_assert!(s_coord.is_some() && d_coord.is_some(), "padding copied");
+                    prop_assert_eq!(s_coord, d_coord, "byte moved in the model");
+                    let s_ord = (so / sp.slot_bytes) as u32 - 7;
+                    let d_ord = dst_ids.iter().position(|id| u64::from(id.0) == doff / dp.slot_bytes).unwrap() as u32;
+                    prop_assert_eq!(s_ord, d_ord, "ordinal moved");
+                    *written.entry((e.dst_region.0, doff)).or_default() += 1;
+                }
+            }
+        }
+        // Every byte the receiver holds (not padding), exactly once.
+        let mut expected = 0u64;
+        for p in &rl.pools {
+            expected += u64::from(blocks) * u64::from(p.layers) * 2 * u64::from(rl.kv_heads) * u64::from(tpb);
+        }
+        prop_assert_eq!(written.len() as u64, expected);
+        prop_assert!(written.values().all(|&n| n == 1));
+        prop_assert!(writers >= 1);
     }
 }

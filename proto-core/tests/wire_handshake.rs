@@ -114,24 +114,22 @@ fn same_roles_are_rejected() {
     assert!(reject.message.contains("sender"), "{}", reject.message);
 }
 
-/// Each geometry field, changed on the remote side, is named with both values.
+/// Each whole-model geometry field, changed on the remote side, is named with both values.
 #[test]
 fn each_layout_difference_is_named() {
     type Edit = fn(&mut LayerGroupLayout);
-    let cases: [(&str, Edit, &str, &str); 8] = [
+    let cases: [(&str, Edit, &str, &str); 6] = [
         ("tokens per block", |g| g.tokens_per_block = 64, "32", "64"),
         ("element bytes", |g| g.elem_bytes = 1, "2", "1"),
-        ("layers", |g| g.layers = 27, "28", "27"),
-        ("KV heads", |g| g.kv_heads = 4, "8", "4"),
-        ("head dim", |g| g.head_dim = 64, "128", "64"),
+        ("model layers", |g| g.shard.model_layers = 56, "28", "56"),
         (
-            "window",
-            |g| g.window = Some(1024),
-            "full attention",
-            "1024 tokens",
+            "model KV heads",
+            |g| g.shard.model_kv_heads = 32,
+            "16",
+            "32",
         ),
+        ("head dim", |g| g.head_dim = 64, "128", "64"),
         ("kv factor", |g| g.kv_factor = 1, "2", "1"),
-        ("layers", |g| g.layers = 0, "28", "0"),
     ];
     for (field, edit, local, remote) in cases {
         let (s, mut r) = pair();
@@ -178,7 +176,7 @@ fn a_different_number_of_groups_is_named() {
 fn several_differences_are_all_named() {
     let (s, mut r) = pair();
     r.groups[0].tokens_per_block = 16;
-    r.groups[1].window = None;
+    r.groups[1].window = Some(2048);
     r.compat_hash = compat_hash(&r.groups);
     let message = negotiate(&s, &r).unwrap_err().message;
     assert!(
@@ -186,9 +184,73 @@ fn several_differences_are_all_named() {
         "{message}"
     );
     assert!(
-        message.contains("group#1 window: local 4096 tokens, remote full attention"),
+        message.contains(
+            "group#1 window (a receiver keeps at least the sender's): local sender 4096 \
+             tokens, remote receiver 2048 tokens"
+        ),
         "{message}"
     );
+}
+
+/// A receiver may keep a larger window than the sender (or full attention), never a smaller
+/// one; both ends reach the same verdict.
+#[test]
+fn a_receiver_window_may_be_larger_never_smaller() {
+    for (sender, receiver, ok) in [
+        (Some(4096), Some(4096), true),
+        (Some(4096), Some(8192), true),
+        (Some(4096), None, true),
+        (Some(4096), Some(4095), false),
+        (None, Some(1 << 20), false),
+    ] {
+        let (mut s, mut r) = pair();
+        s.groups[1].window = sender;
+        r.groups[1].window = receiver;
+        // The window is not part of the hash: only the direction rule decides.
+        assert_eq!(compat_hash(&s.groups), compat_hash(&r.groups));
+        for (local, remote) in [(&s, &r), (&r, &s)] {
+            let verdict = negotiate(local, remote);
+            assert_eq!(
+                verdict.is_ok(),
+                ok,
+                "{sender:?} -> {receiver:?}: {verdict:?}"
+            );
+            if let Err(reject) = verdict {
+                assert_eq!(reject.reason, RejectReason::CompatibilityMismatch);
+                assert!(
+                    reject.message.contains("group#1 window"),
+                    "{}",
+                    reject.message
+                );
+            }
+        }
+    }
+}
+
+/// Tensor and pipeline parallelism may differ between the sides: only the whole model's
+/// geometry is compared, not which layers and heads each rank holds.
+#[test]
+fn ranks_holding_other_parts_of_the_model_are_compatible() {
+    let (s, mut r) = pair();
+    for g in &mut r.groups {
+        // Pipeline rank 1 of 2, tensor rank 3 of 4: half the layers, 4 of the 16 heads.
+        g.layers /= 2;
+        g.shard.first_layer = g.layers;
+        g.kv_heads = 4;
+        g.shard.first_head = 12;
+        let per_pool = g.layers / g.pools.len() as u16;
+        for (i, p) in g.pools.iter_mut().enumerate() {
+            p.layer_begin = i as u16 * per_pool;
+            p.layers = per_pool;
+        }
+    }
+    r.topology.tp_size = 4;
+    r.topology.tp_rank = 3;
+    r.compat_hash = compat_hash(&r.groups);
+    assert_eq!(r.compat_hash, s.compat_hash);
+    assert!(layout_differences(&s.groups, &r.groups).is_empty());
+    assert!(negotiate(&s, &r).is_ok());
+    assert!(negotiate(&r, &s).is_ok());
 }
 
 #[test]
@@ -231,24 +293,39 @@ fn pool_details_do_not_affect_compatibility() {
 fn every_geometry_field_feeds_the_hash() {
     let base = sample_groups();
     let h = compat_hash(&base);
-    let edits: [fn(&mut LayerGroupLayout); 8] = [
-        |g| g.layers += 1,
+    let edits: [fn(&mut LayerGroupLayout); 6] = [
+        |g| g.shard.model_layers += 1,
         |g| g.kv_factor = 1,
-        |g| g.kv_heads += 1,
+        |g| g.shard.model_kv_heads += 1,
         |g| g.head_dim += 1,
         |g| g.elem_bytes = 1,
         |g| g.tokens_per_block += 1,
-        |g| g.window = Some(g.window.map_or(1, |w| w + 1)),
-        |g| g.window = None,
     ];
     for (i, edit) in edits.iter().enumerate() {
         let mut groups = base.clone();
         edit(&mut groups[1]);
-        if groups == base {
-            continue;
-        }
         assert_ne!(compat_hash(&groups), h, "edit {i}");
     }
+    // What a rank holds and its window are not model geometry: they leave the hash alone.
+    let same: [fn(&mut LayerGroupLayout); 5] = [
+        |g| g.layers -= 1,
+        |g| g.shard.first_layer += 1,
+        |g| g.kv_heads = 2,
+        |g| g.shard.first_head = 0,
+        |g| g.window = None,
+    ];
+    for (i, edit) in same.iter().enumerate() {
+        let mut groups = base.clone();
+        edit(&mut groups[1]);
+        assert_eq!(compat_hash(&groups), h, "edit {i}");
+    }
+    // A whole-model shard left at its default hashes as the explicit one.
+    let mut groups = base.clone();
+    for g in &mut groups {
+        g.kv_heads = g.shard.model_kv_heads;
+        g.shard = Default::default();
+    }
+    assert_eq!(compat_hash(&groups), h);
     // Order matters: swapping the groups changes the hash.
     let mut swapped = base.clone();
     swapped.swap(0, 1);
@@ -277,5 +354,40 @@ proptest! {
             negotiate(&s, &r).map(|a| a.version).map_err(|r| r.reason),
             negotiate(&r, &s).map(|a| a.version).map_err(|r| r.reason)
         );
+    }
+}
+
+/// Each side's part of the model must match its tensor rank: another rank's heads, heads that
+/// cannot be split over the ranks, or layers past the model are refused at the handshake,
+/// naming the side and the group, with the same verdict on both ends.
+#[test]
+fn a_shard_that_does_not_match_its_rank_is_a_topology_mismatch() {
+    type Edit = fn(&mut Hello);
+    let cases: [(Edit, &str); 3] = [
+        (|h| h.topology.tp_rank = 0, "holds KV heads 0..+8"),
+        (|h| h.topology.tp_size = 3, "cannot be split over 3"),
+        (
+            |h| h.groups[1].shard.first_layer = 1,
+            "layers 1..+4 of a group of 4",
+        ),
+    ];
+    for (edit, text) in cases {
+        let (s, mut r) = pair();
+        edit(&mut r);
+        for (local, remote, side) in [(&s, &r, "remote"), (&r, &s, "local")] {
+            let reject = negotiate(local, remote).unwrap_err();
+            assert_eq!(
+                reject.reason,
+                RejectReason::TopologyMismatch,
+                "{}",
+                reject.message
+            );
+            assert!(reject.message.contains(text), "{}", reject.message);
+            assert!(
+                reject.message.contains(&format!("{side} group#")),
+                "{}",
+                reject.message
+            );
+        }
     }
 }

@@ -123,27 +123,54 @@ pub const DEVICE_STREAMS: usize = 2;
 #[cfg(feature = "cuda")]
 const EXECUTE_LIMIT: std::time::Duration = std::time::Duration::from_secs(60);
 
-fn checked(
+/// Resolves one side's extents against its table, remembering the last region: consecutive
+/// extents almost always name the same region, so most skip the table lookup.
+struct Resolver<'a> {
     side: &'static str,
-    table: &RegionTable,
-    region: RegionId,
-    offset: u64,
-    len: u64,
-) -> Result<(Arc<Registration>, usize), WriteError> {
-    let reg = table
-        .get(region)
-        .ok_or(WriteError::UnknownRegion { side, region })?;
-    let size = reg.memory.len() as u64;
-    if offset.checked_add(len).is_none_or(|end| end > size) {
-        return Err(WriteError::OutOfBounds {
+    table: &'a RegionTable,
+    recent: Option<(RegionId, Arc<Registration>)>,
+}
+
+impl<'a> Resolver<'a> {
+    fn new(side: &'static str, table: &'a RegionTable) -> Self {
+        Resolver {
             side,
-            region,
-            offset,
-            len,
-            size,
-        });
+            table,
+            recent: None,
+        }
     }
-    Ok((Arc::clone(reg), offset as usize))
+
+    /// The registration of `region` with `offset + len` checked against its size.
+    fn checked(
+        &mut self,
+        region: RegionId,
+        offset: u64,
+        len: u64,
+    ) -> Result<(Arc<Registration>, usize), WriteError> {
+        let side = self.side;
+        let reg = match &self.recent {
+            Some((id, reg)) if *id == region => Arc::clone(reg),
+            _ => {
+                let reg = self
+                    .table
+                    .get(region)
+                    .ok_or(WriteError::UnknownRegion { side, region })?;
+                self.recent = Some((region, Arc::clone(reg)));
+                Arc::clone(reg)
+            }
+        };
+        let size = reg.memory.len() as u64;
+        if offset.checked_add(len).is_none_or(|end| end > size) {
+            return Err(WriteError::OutOfBounds {
+                side,
+                region,
+                offset,
+                len,
+                size,
+            });
+        }
+        Ok((reg, offset as usize))
+    }
 }
 
 impl ResolvedBatch {
@@ -155,9 +182,10 @@ impl ResolvedBatch {
     ) -> Result<Self, WriteError> {
         let mut segments = Vec::with_capacity(plan.len());
         let mut bytes = 0;
+        let (mut src, mut dst) = (Resolver::new("sender", src), Resolver::new("receiver", dst));
         for e in plan.extents() {
-            let (s, so) = checked("sender", src, e.src_region, e.src_offset, e.len)?;
-            let (d, doff) = checked("receiver", dst, e.dst_region, e.dst_offset, e.len)?;
+            let (s, so) = src.checked(e.src_region, e.src_offset, e.len)?;
+            let (d, doff) = dst.checked(e.dst_region, e.dst_offset, e.len)?;
             bytes += e.len;
             segments.push(Segment {
                 src: s,

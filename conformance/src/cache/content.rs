@@ -28,9 +28,16 @@ pub fn content_byte(
 }
 
 /// The byte a slot holds before any request wrote it: different per region and offset, so a
-/// stray or missing write shows up.
+/// stray or missing write shows up. One multiply per 8-byte word (not a hash, unlike
+/// [`content_byte`]): slots get it when first handed out, while a transfer may be running.
 pub fn filler_byte(region: RegionId, offset: u64) -> u8 {
-    (mix(0xf111_e4ed ^ (u64::from(region.0) << 40) ^ (offset / 8)) >> ((offset % 8) * 8)) as u8
+    (filler_word(region, offset / 8) >> ((offset % 8) * 8)) as u8
+}
+
+/// The filler of 8-byte word `word` of `region`: distinct per region and word (an odd
+/// multiplier is a bijection on `u64`).
+fn filler_word(region: RegionId, word: u64) -> u64 {
+    (0xf111_e4ed ^ (u64::from(region.0) << 40) ^ word).wrapping_mul(0x9e37_79b9_7f4a_7c15)
 }
 
 /// Fills `out` with the bytes `word_at(w)` yields for the 8-byte words covering
@@ -74,8 +81,7 @@ pub fn fill_content(
 
 /// Writes [`filler_byte`]`(region, offset + i)` into `out[i]` for every `i`, a word at a time.
 pub fn fill_filler(region: RegionId, offset: u64, out: &mut [u8]) {
-    let base = 0xf111_e4ed ^ (u64::from(region.0) << 40);
-    fill_words(offset, out, |w| mix(base ^ w));
+    fill_words(offset, out, |w| filler_word(region, w));
 }
 
 #[cfg(test)]

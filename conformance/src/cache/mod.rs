@@ -6,27 +6,42 @@
 //! (one [`RegionId`] each, plain `Vec<u8>` memory). Full-attention groups keep every block;
 //! windowed groups evict blocks that leave the window as prefill advances, except the blocks
 //! holding the first `sink_tokens` tokens, which stay resident (leaving a gap). Either side may
-//! start from a reused prefix; the sender allocates a request's blocks for the whole prompt up
-//! front or chunk by chunk ([`AllocationStyle`]).
+//! start from a reused prefix; the sender allocates a request's full-attention blocks for the
+//! whole prompt up front or chunk by chunk ([`AllocationStyle`]).
+//!
+//! **Windowed pools hold only live blocks**, as an engine's do: a windowed group allocates a
+//! block only when the chunk that computes it runs (whatever the [`AllocationStyle`]), never
+//! allocates the blocks of a reused prefix that already left the window, and frees a block's
+//! slot as soon as the window slides past it. Free slots are reused last-freed first, so a
+//! slot id is recycled — possibly for another request — right after its eviction. A windowed
+//! pool's memory is allocated zeroed and each slot is written for the first time when it is
+//! first handed out, so the operating system commits only the slots ever used: with
+//! last-freed-first reuse, that is the most blocks the group ever held at once
+//! ([`ReferenceCache::peak_slots`]). (A full-attention pool is written whole when the cache is
+//! built, before any transfer: its requests keep every block.) A demo's memory is thus about
+//! the live KV both sides hold.
 //!
 //! Memory holds deterministic content ([`content_byte`]) written token by token as chunks are
-//! computed, and [`filler_byte`] elsewhere, so a block sent before it was complete, a byte
-//! written to the wrong slot or a stray write are all detectable ([`ReferenceCache::verify`],
+//! computed, and [`filler_byte`] in a slot's bytes no request wrote since the slot was first
+//! handed out, so a block sent before it was complete, a byte written to the wrong slot or a
+//! stray write are all detectable ([`ReferenceCache::verify`],
 //! [`ReferenceCache::changed_slots`]). [`apply_plan`] carries out a [`WritePlan`] by memcpy.
 
 mod content;
 mod planner;
+mod split;
 
 use std::collections::HashMap;
 
 use kvpipe_core::{
     stale_boundary, AnchoredRun, BlockId, BlockRun, BlockSource, BlockSourceError, GroupIndex,
-    LayerGroupLayout, PoolLayout, RegionId, RequestId, StaleBoundary, WritePlan,
+    GroupShard, LayerGroupLayout, PoolLayout, RegionId, RequestId, StaleBoundary, WritePlan,
 };
 use thiserror::Error;
 
 pub use content::{content_byte, fill_content, fill_filler, filler_byte};
 pub use planner::{ChunkPlanError, ChunkPlanner, GroupChunkPlan};
+pub use split::{pipeline_layers, split_rank, writers_of, RankShape, RankSplit};
 
 /// One layer group of a [`CacheSpec`].
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -94,7 +109,8 @@ pub struct CacheSpec {
     pub materialize: bool,
 }
 
-/// How the sender allocates a request's blocks.
+/// How the sender allocates a request's full-attention blocks (a windowed group always
+/// allocates a block when the chunk that computes it runs: its pool holds only live blocks).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum AllocationStyle {
     /// Every block of the prompt when prefill begins.
@@ -108,12 +124,67 @@ pub enum AllocationStyle {
 struct GroupState {
     layout: LayerGroupLayout,
     sink_tokens: u32,
-    /// Free slots, used as a stack.
+    /// Free slots, used as a stack: the last freed is handed out first, so slots never used
+    /// stay at the bottom and are taken only when every used one is held.
     free: Vec<u32>,
     /// slot → (request, ordinal) it currently holds.
     owner: Vec<Option<(RequestId, u32)>>,
+    /// slot → whether it was ever handed out (its memory then holds filler or content).
+    touched: Vec<bool>,
+    /// Slots held now.
+    held: u32,
+    /// The most slots held at once.
+    peak: u32,
+    /// Bytes of one block over all pools of the group.
+    block_bytes: u64,
     /// One memory buffer per pool (empty when not materialised).
     memory: Vec<Vec<u8>>,
+}
+
+impl GroupState {
+    /// Hands out a free slot for `(request, ordinal)`; writes filler over it the first time.
+    fn take(&mut self, request: RequestId, ordinal: u32) -> Option<BlockId> {
+        let slot = self.free.pop()?;
+        let s = slot as usize;
+        self.owner[s] = Some((request, ordinal));
+        if !self.touched[s] {
+            self.touched[s] = true;
+            for (pool, bytes) in self.layout.pools.iter().zip(&mut self.memory) {
+                if bytes.is_empty() {
+                    continue;
+                }
+                let at = u64::from(slot) * pool.slot_bytes;
+                let range = at as usize..(at + pool.slot_bytes) as usize;
+                fill_filler(pool.region, at, &mut bytes[range]);
+            }
+        }
+        self.held += 1;
+        self.peak = self.peak.max(self.held);
+        Some(BlockId(slot))
+    }
+
+    /// Gives `slot` back (it is handed out again before any slot never used).
+    fn give_back(&mut self, slot: BlockId) {
+        self.owner[slot.0 as usize] = None;
+        self.free.push(slot.0);
+        self.held -= 1;
+    }
+
+    /// Whether a request of `prompt_len` tokens keeps only a window of this group's blocks.
+    fn windowed_for(&self, prompt_len: u32) -> bool {
+        self.layout.is_windowed_for(prompt_len)
+    }
+
+    /// The first ordinal of a windowed group still live once `tokens` tokens are computed (its
+    /// sink blocks aside); 0 for a group that keeps every block.
+    fn live_from(&self, prompt_len: u32, tokens: u32) -> u32 {
+        match self.layout.window {
+            Some(w) if self.windowed_for(prompt_len) => {
+                stale_boundary(tokens, w, self.layout.tokens_per_block).unwrap_or(0)
+            }
+            _ => 0,
+        }
+    }
 }
 
 /// One request's block tables.
@@ -173,9 +244,19 @@ pub struct ReferenceCache {
 }
 
 impl ReferenceCache {
-    /// Builds an empty cache: all slots free, memory (if materialised) filled with
-    /// [`filler_byte`].
+    /// Builds an empty cache holding the whole model: all slots free, memory (if materialised)
+    /// filled with [`filler_byte`] (windowed pools: as slots are first handed out).
     pub fn new(spec: &CacheSpec) -> Result<Self, CacheError> {
+        Self::with_shards(spec, &[])
+    }
+
+    /// Builds an empty cache of one rank of a tensor/pipeline split: `spec`'s groups are what
+    /// the rank holds (its layers and KV heads) and `shards[g]` where they sit in the whole
+    /// model's group `g` (a missing entry: the whole group). The content it computes and
+    /// verifies is the whole model's ([`content_byte`] of the model layer and of the byte's
+    /// place in the model's `[K|V][head][token][dim]` layer), so ranks split differently on
+    /// the two sides hold equal bytes for equal model coordinates.
+    pub fn with_shards(spec: &CacheSpec, shards: &[GroupShard]) -> Result<Self, CacheError> {
         if spec.tokens_per_block == 0 {
             return Err(CacheError::InvalidSpec {
                 group: 0,
@@ -208,8 +289,16 @@ impl ReferenceCache {
                 elem_bytes: gs.elem_bytes,
                 tokens_per_block: spec.tokens_per_block,
                 window: gs.window,
+                shard: shards.get(g).copied().unwrap_or_default(),
                 ..LayerGroupLayout::default()
             };
+            if layout.layer_range().end > u32::from(layout.model_layers())
+                || layout.head_range().end > u32::from(layout.model_kv_heads())
+            {
+                return Err(invalid(
+                    "the shard's layers and heads must lie inside the model's",
+                ));
+            }
             let layer_bytes = layout
                 .layer_block_bytes()
                 .ok_or(invalid("block bytes overflow"))?;
@@ -230,7 +319,13 @@ impl ReferenceCache {
                 let bytes = if spec.materialize {
                     let len = slot_bytes * u64::from(spec.slots_per_group);
                     let mut bytes = vec![0u8; len as usize];
-                    fill_filler(region, 0, &mut bytes);
+                    // A full-attention pool keeps every block of its requests: it gets its
+                    // filler now, before any transfer runs. A windowed pool stays zeroed memory
+                    // the OS commits page by page as slots are first handed out (each gets its
+                    // filler then): it holds only a window of blocks.
+                    if gs.window.is_none() {
+                        fill_filler(region, 0, &mut bytes);
+                    }
                     bytes
                 } else {
                     Vec::new()
@@ -241,11 +336,16 @@ impl ReferenceCache {
             if let Some(seed) = spec.slot_order_seed {
                 shuffle(&mut free, seed ^ ((g as u64) << 32));
             }
+            let block_bytes = layout.pools.iter().map(|p| p.slot_bytes).sum();
             groups.push(GroupState {
                 layout,
                 sink_tokens: gs.sink_tokens,
                 free,
                 owner: vec![None; spec.slots_per_group as usize],
+                touched: vec![gs.window.is_none(); spec.slots_per_group as usize],
+                held: 0,
+                peak: 0,
+                block_bytes,
                 memory,
             });
         }
@@ -285,6 +385,32 @@ impl ReferenceCache {
         self.groups
             .get(usize::from(group.0))
             .map_or(0, |g| g.free.len())
+    }
+
+    /// The most slots `group` held at once since the cache was built. Slots are reused
+    /// last-freed first, so this is also how many distinct slots were ever used: for a
+    /// windowed group, the part of its memory the OS committed.
+    pub fn peak_slots(&self, group: GroupIndex) -> u32 {
+        self.groups.get(usize::from(group.0)).map_or(0, |g| g.peak)
+    }
+
+    /// Bytes of the blocks held now, over every group and pool.
+    pub fn resident_bytes(&self) -> u64 {
+        self.groups
+            .iter()
+            .map(|g| u64::from(g.held) * g.block_bytes)
+            .sum()
+    }
+
+    /// The most bytes each group held at once, summed over the groups: each group's
+    /// [`ReferenceCache::peak_slots`] times its block bytes (its pools' slot bytes). It is the
+    /// live KV the cache holds at its peak; a windowed pool's memory in RAM is exactly its part
+    /// (a full-attention pool is committed whole, and its requests use it whole).
+    pub fn peak_resident_bytes(&self) -> u64 {
+        self.groups
+            .iter()
+            .map(|g| u64::from(g.peak) * g.block_bytes)
+            .sum()
     }
 
     /// Table entries read by [`BlockSource::block_run`] since the cache was built: the bounded
@@ -417,8 +543,14 @@ impl ReferenceCache {
             AllocationStyle::FullPrompt => prompt_len,
             AllocationStyle::Incremental => prefix_tokens,
         };
+        // The reused prefix is already cached: a windowed group holds only its live part.
         let result = self
-            .allocate_to(request, allocate_to.div_ceil(self.tpb))
+            .allocate_to(
+                request,
+                allocate_to.div_ceil(self.tpb),
+                prefix_tokens.div_ceil(self.tpb),
+                prefix_tokens,
+            )
             .and_then(|()| self.compute(request, 0, prefix_tokens));
         if result.is_err() {
             self.release(request);
@@ -452,7 +584,8 @@ impl ReferenceCache {
                 prompt_len: req.prompt_len,
             });
         }
-        self.allocate_to(request, end.div_ceil(self.tpb))?;
+        let blocks = end.div_ceil(self.tpb);
+        self.allocate_to(request, blocks, blocks, start)?;
         self.compute(request, start, end)
     }
 
@@ -475,11 +608,20 @@ impl ReferenceCache {
             if self.materialized {
                 let first_block = start / tpb;
                 let end_block = token_end.div_ceil(tpb);
+                let windowed = group.windowed_for(prompt_len);
                 for ordinal in first_block..end_block {
-                    let slot = table[ordinal as usize].ok_or(CacheError::NotAllocated {
-                        group: GroupIndex(g as u16),
-                        ordinal,
-                    })?;
+                    let slot = match table[ordinal as usize] {
+                        Some(slot) => slot,
+                        // A windowed group never allocated what had left its window before the
+                        // computation began (a reused prefix's head): nothing to write there.
+                        None if windowed => continue,
+                        None => {
+                            return Err(CacheError::NotAllocated {
+                                group: GroupIndex(g as u16),
+                                ordinal,
+                            })
+                        }
+                    };
                     let lo = start.max(ordinal * tpb) - ordinal * tpb;
                     let hi = token_end.min((ordinal + 1) * tpb) - ordinal * tpb;
                     write_content(group, request, g, ordinal, slot, lo..hi, tpb);
@@ -494,8 +636,7 @@ impl ReferenceCache {
                     let table = &mut req.tables[g];
                     for ordinal in from..stale.min(table.len() as u32) {
                         if let Some(slot) = table[ordinal as usize].take() {
-                            group.owner[slot.0 as usize] = None;
-                            group.free.push(slot.0);
+                            group.give_back(slot);
                         }
                     }
                     req.evict_from[g] = req.evict_from[g].max(stale);
@@ -506,21 +647,40 @@ impl ReferenceCache {
         Ok(())
     }
 
-    /// Grows every group's table of `request` to `blocks` ordinals, taking free slots.
-    fn allocate_to(&mut self, request: RequestId, blocks: u32) -> Result<(), CacheError> {
+    /// Grows the tables of `request` to `blocks` ordinals (a windowed group's to
+    /// `windowed_blocks`: only what is being computed), taking free slots. A windowed group
+    /// leaves the ordinals that were out of its window before token `from_token` unallocated
+    /// (its sink blocks aside).
+    fn allocate_to(
+        &mut self,
+        request: RequestId,
+        blocks: u32,
+        windowed_blocks: u32,
+        from_token: u32,
+    ) -> Result<(), CacheError> {
         let req = self
             .requests
             .get_mut(&request)
             .ok_or(CacheError::UnknownRequest(request))?;
+        let prompt_len = req.prompt_len;
         for (g, group) in self.groups.iter_mut().enumerate() {
             let table = &mut req.tables[g];
+            let (blocks, live_from) = if group.windowed_for(prompt_len) {
+                (windowed_blocks, group.live_from(prompt_len, from_token))
+            } else {
+                (blocks, 0)
+            };
+            let sinks = group.sink_tokens.div_ceil(self.tpb);
             while (table.len() as u32) < blocks {
                 let ordinal = table.len() as u32;
-                let slot = group.free.pop().ok_or(CacheError::OutOfSlots {
+                if ordinal >= sinks && ordinal < live_from {
+                    table.push(None);
+                    continue;
+                }
+                let slot = group.take(request, ordinal).ok_or(CacheError::OutOfSlots {
                     group: GroupIndex(g as u16),
                 })?;
-                group.owner[slot as usize] = Some((request, ordinal));
-                table.push(Some(BlockId(slot)));
+                table.push(Some(slot));
             }
         }
         Ok(())
@@ -563,20 +723,19 @@ impl ReferenceCache {
             let mut table = vec![None; total as usize];
             let mut run = AnchoredRun::empty(stale.max(prefix_blocks).min(total));
             for ordinal in stale..total {
-                let Some(slot) = group.free.pop() else {
+                let Some(slot) = group.take(request, ordinal) else {
                     failed = Some(CacheError::OutOfSlots {
                         group: GroupIndex(g as u16),
                     });
                     break;
                 };
-                group.owner[slot as usize] = Some((request, ordinal));
-                table[ordinal as usize] = Some(BlockId(slot));
+                table[ordinal as usize] = Some(slot);
                 if ordinal < prefix_blocks {
                     if self.materialized {
-                        write_content(group, request, g, ordinal, BlockId(slot), 0..tpb, tpb);
+                        write_content(group, request, g, ordinal, slot, 0..tpb, tpb);
                     }
                 } else {
-                    run.push(BlockId(slot));
+                    run.push(slot);
                 }
             }
             state.tables.push(table);
@@ -598,8 +757,7 @@ impl ReferenceCache {
         if let Some(req) = self.requests.remove(&request) {
             for (g, table) in req.tables.into_iter().enumerate() {
                 for slot in table.into_iter().flatten() {
-                    self.groups[g].owner[slot.0 as usize] = None;
-                    self.groups[g].free.push(slot.0);
+                    self.groups[g].give_back(slot);
                 }
             }
         }
@@ -710,7 +868,10 @@ fn shuffle(v: &mut [u32], seed: u64) {
 }
 
 /// Calls `f(pool, slot_byte_offset, layer, byte_in_layer, len)` for every row (one head's
-/// elements of one token) of tokens `tokens` of block `slot` in every pool of `group`.
+/// elements of one token) of tokens `tokens` of block `slot` in every pool of `group`. `layer`
+/// is the model's layer of the group and `byte_in_layer` the row's place in the model's layer
+/// (`[K|V][head][token][dim]` over all the model's KV heads), so a rank holding part of the
+/// model sees the same coordinates as one holding all of it.
 fn for_each_row(
     group: &GroupState,
     slot: BlockId,
@@ -720,17 +881,23 @@ fn for_each_row(
 ) {
     let layout = &group.layout;
     let row = u64::from(layout.head_dim) * u64::from(layout.elem_bytes);
-    let rows = u64::from(layout.kv_factor) * u64::from(layout.kv_heads) * u64::from(tpb);
+    let tpb = u64::from(tpb);
+    let heads = u64::from(layout.kv_heads);
+    let model_heads = u64::from(layout.model_kv_heads());
+    let first_head = u64::from(layout.shard.first_head);
+    let rows = u64::from(layout.kv_factor) * heads * tpb;
     let layer_bytes = rows * row;
     for (p, pool) in layout.pools.iter().enumerate() {
         let base = u64::from(slot.0) * pool.slot_bytes;
         for i in 0..pool.layers {
-            let layer = pool.layer_begin + i;
+            let layer = layout.shard.first_layer + pool.layer_begin + i;
             let layer_base = base + u64::from(i) * layer_bytes;
             for r in 0..rows {
-                let token = (r % u64::from(tpb)) as u32;
+                let token = (r % tpb) as u32;
                 if tokens.contains(&token) {
-                    f(p, layer_base + r * row, layer, r * row, row);
+                    let (kv, head) = (r / (heads * tpb), (r / tpb) % heads);
+                    let model_row = (kv * model_heads + first_head + head) * tpb + r % tpb;
+                    f(p, layer_base + r * row, layer, model_row * row, row);
                 }
             }
         }

@@ -6,11 +6,14 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use kvpipe_conformance::cache::{CacheSpec, ReferenceCache};
 use kvpipe_conformance::suite::demo::{run_demo, DemoConfig, DemoSummary, Model};
 use kvpipe_conformance::suite::{MemHarness, TcpHarness, TransferMode};
+use serde::Serialize;
 
 use super::CliError;
 
+mod parallel;
 mod prefill;
 
 /// Arguments of `kvpipe demo`.
@@ -46,6 +49,17 @@ pub(crate) struct DemoArgs {
     /// and caches (e.g. 8 with llama3-70b-tp8 for the whole model).
     #[arg(long, default_value_t = 1)]
     ranks: u32,
+    /// Tensor-parallel ranks of the prefill side: with --receiver-tp/--receiver-pp, the whole
+    /// model's KV moves between two sides split differently, every rank side by side (mem
+    /// transport), and each decode rank's bytes are checked against the whole model.
+    #[arg(long)]
+    sender_tp: Option<u16>,
+    /// Tensor-parallel ranks of the decode side (see --sender-tp).
+    #[arg(long)]
+    receiver_tp: Option<u16>,
+    /// Pipeline-parallel ranks of the decode side (see --sender-tp).
+    #[arg(long)]
+    receiver_pp: Option<u16>,
     /// Simulated compute time of one prefill chunk, in milliseconds.
     #[arg(long, default_value_t = 20)]
     prefill_ms_per_chunk: u64,
@@ -71,7 +85,7 @@ pub(crate) struct DemoArgs {
     corrupt_one_byte: bool,
 }
 
-fn parse_model(s: &str) -> Result<Model, String> {
+pub(crate) fn parse_model(s: &str) -> Result<Model, String> {
     Model::ALL
         .iter()
         .find(|(n, _)| *n == s)
@@ -118,6 +132,14 @@ pub(crate) fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
             return Err("--connect needs --transport tcp".into());
         }
         return prefill::run(&args, addr);
+    }
+    if args.sender_tp.is_some() || args.receiver_tp.is_some() || args.receiver_pp.is_some() {
+        return parallel::run(
+            &args,
+            args.sender_tp.unwrap_or(1),
+            args.receiver_tp.unwrap_or(1),
+            args.receiver_pp.unwrap_or(1),
+        );
     }
     let config = DemoConfig {
         model: args.model,
@@ -174,10 +196,20 @@ pub(crate) fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
         run_demo(&harness, &config, progress)?
     };
     bar.finish_and_clear();
+    let memory = Memory {
+        live_kv_bytes: live_kv_bytes(&config)? * u64::from(config.ranks),
+        peak_rss_bytes: parallel::peak_rss_bytes(),
+    };
     if args.json {
-        println!("{}", serde_json::to_string(&summary)?);
+        println!(
+            "{}",
+            serde_json::to_string(&WithMemory {
+                summary: &summary,
+                memory: &memory
+            })?
+        );
     } else {
-        print_table(&summary);
+        print_table(&summary, &memory);
     }
     Ok(if summary.verified {
         ExitCode::SUCCESS
@@ -186,7 +218,70 @@ pub(crate) fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
     })
 }
 
-fn print_table(s: &DemoSummary) {
+/// How much memory the run took against the KV its caches held.
+#[derive(Debug, Serialize)]
+struct Memory {
+    /// The most KV both sides' caches held at once (each cache's peak, summed; all ranks).
+    live_kv_bytes: u64,
+    /// This process's peak resident memory (Linux `VmHWM`), when known.
+    peak_rss_bytes: Option<u64>,
+}
+
+/// The demo's JSON: its summary and the memory figures.
+#[derive(Serialize)]
+struct WithMemory<'a> {
+    #[serde(flatten)]
+    summary: &'a DemoSummary,
+    #[serde(flatten)]
+    memory: &'a Memory,
+}
+
+/// The most KV the demo's two caches (of one rank) hold at once: the run's allocations
+/// replayed on table-only caches — every request begun and registered up front, then the
+/// chunks in the engine's order (round-robin when pipelined, request by request when
+/// monolithic) — and each cache's peak summed.
+fn live_kv_bytes(config: &DemoConfig) -> Result<u64, CliError> {
+    let w = config.workload();
+    let blocks: u32 = w
+        .requests
+        .iter()
+        .map(|r| r.prompt.div_ceil(w.tokens_per_block))
+        .sum();
+    let spec = |receiver: bool| CacheSpec {
+        tokens_per_block: w.tokens_per_block,
+        groups: w.groups.clone(),
+        slots_per_group: blocks + w.spare_slots,
+        first_region: if receiver { 1000 } else { 1 },
+        slot_order_seed: None,
+        materialize: false,
+    };
+    let mut sender = ReferenceCache::new(&spec(false))?;
+    let mut receiver = ReferenceCache::new(&spec(true))?;
+    for r in &w.requests {
+        sender.begin_prefill(r.id, r.prompt, r.sender_prefix, w.allocation)?;
+        receiver.register_destination(r.id, r.prompt, r.receiver_prefix)?;
+    }
+    let chunks: Vec<_> = w.requests.iter().map(|r| r.chunks()).collect();
+    let order: Vec<(usize, usize)> = match w.mode {
+        TransferMode::Pipelined => {
+            let most = chunks.iter().map(Vec::len).max().unwrap_or(0);
+            (0..most)
+                .flat_map(|k| (0..chunks.len()).map(move |i| (i, k)))
+                .filter(|&(i, k)| k < chunks[i].len())
+                .collect()
+        }
+        TransferMode::Monolithic => (0..chunks.len())
+            .flat_map(|i| (0..chunks[i].len()).map(move |k| (i, k)))
+            .collect(),
+    };
+    for (i, k) in order {
+        let (start, end) = chunks[i][k];
+        sender.compute_chunk(w.requests[i].id, start, end)?;
+    }
+    Ok(sender.peak_resident_bytes() + receiver.peak_resident_bytes())
+}
+
+fn print_table(s: &DemoSummary, memory: &Memory) {
     let gib = s.bytes as f64 / f64::from(1u32 << 30);
     let rows = [
         ("transport", s.transport.clone()),
@@ -230,6 +325,19 @@ fn print_table(s: &DemoSummary) {
             format!(
                 "{:.2} ms median, {:.2} ms max (last chunk computed → decode side complete)",
                 s.exposed_tail_ms, s.max_exposed_tail_ms
+            ),
+        ),
+        (
+            "memory",
+            format!(
+                "{:.2} GiB live KV on both sides at most, peak RSS {}",
+                memory.live_kv_bytes as f64 / f64::from(1u32 << 30),
+                memory
+                    .peak_rss_bytes
+                    .map_or("unknown".to_string(), |b| format!(
+                        "{:.2} GiB",
+                        b as f64 / f64::from(1u32 << 30)
+                    ))
             ),
         ),
         (

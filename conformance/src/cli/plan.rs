@@ -264,7 +264,8 @@ pub(crate) fn run(args: PlanArgs) -> Result<ExitCode, CliError> {
             (None, _) => "full attention".to_string(),
             (Some(w), false) => format!("window {w} tokens (covers the prompt: full attention)"),
             (Some(w), true) => format!(
-                "window {w} tokens, stale boundary {}: sent in the final chunk",
+                "window {w} tokens, stale boundary {}: blocks from there on are sent by the \
+                 chunk that computes them, blocks below it never",
                 g.stale_boundary
             ),
         };
@@ -361,6 +362,22 @@ mod tests {
         assert!(serde_json::to_string(&r)
             .unwrap()
             .contains("\"block_begin\":3"));
+    }
+
+    #[test]
+    fn windowed_group_streams_from_its_stale_boundary() {
+        let r = report(&args(
+            "kvpipe plan --prompt-tokens 32 --tokens-per-block 4 --chunks 0:6,6:22,22:26,26:32 \
+             --window 10",
+        ))
+        .unwrap();
+        assert_eq!(r.groups[1].stale_boundary, 5);
+        // Below the boundary nothing; from there each chunk sends the blocks it computed.
+        assert_eq!(windows(&r, 1), [None, None, Some((5, 6)), Some((6, 8))]);
+        assert_eq!(
+            windows(&r, 0),
+            [Some((0, 1)), Some((1, 5)), Some((5, 6)), Some((6, 8))]
+        );
     }
 
     #[test]

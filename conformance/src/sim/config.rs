@@ -9,15 +9,15 @@ use kvpipe_mem::netem::{BatchFault, LossModel, NetemConfig, ScriptedBatch};
 
 use super::faults::{FaultKind, FaultRates, FaultSet};
 use super::SimRng;
-use crate::cache::{CacheSpec, GroupSpec};
+use crate::cache::{CacheSpec, GroupSpec, RankSplit};
 
 /// Everything a simulation run is parameterised by.
 #[derive(Clone, Debug, PartialEq)]
 pub struct SimConfig {
     /// Seed of every random choice (workload and faults).
     pub seed: u64,
-    /// Sender ranks (each writes some requests; some requests are written by two, as under
-    /// tensor parallelism).
+    /// Sender ranks (separate instances that each write some requests, or the tensor-parallel
+    /// ranks of one instance, which write each request together: see `split`).
     pub senders: usize,
     /// Faults switched on.
     pub faults: FaultSet,
@@ -43,6 +43,8 @@ pub struct SimConfig {
     pub receiver_pool_split: Vec<u16>,
     /// Padding bytes at the end of every receiver slot.
     pub receiver_slot_padding: u64,
+    /// How the model is spread over the sender ranks and the receiver (random runs draw it).
+    pub split: RankSplit,
     /// Record a readable trace of every step (scripted scenarios).
     pub trace: bool,
     /// A deliberate bug, to check that the simulator catches it (tests only).
@@ -91,6 +93,7 @@ impl SimConfig {
             sender_pool_split,
             receiver_pool_split,
             receiver_slot_padding,
+            split: RankSplit::WHOLE,
             trace: false,
             planted_bug: None,
             max_steps: 0,

@@ -18,7 +18,7 @@ use super::report::SimReport;
 use super::scheduler::Scheduler;
 use super::workload::{random_workload, CancelSide, RequestPlan, WorkloadShape};
 use super::SimRng;
-use crate::cache::ReferenceCache;
+use crate::cache::{writers_of, RankSplit, ReferenceCache};
 
 /// How the receiver names sender rank `r`.
 pub(crate) fn sender_peer(rank: usize) -> PeerId {
@@ -121,7 +121,20 @@ impl Simulation {
             mean_gap: Duration::from_micros(400),
             cancel_percent: cfg.cancel_percent,
         };
-        let plans = random_workload(&mut rng, count, &shape);
+        let mut plans = random_workload(&mut rng, count, &shape);
+        let mut cfg = cfg;
+        let splits: Vec<_> = (RankSplit::SIMULATED.iter())
+            .filter(|s| s.sender_tp <= 1 || usize::from(s.sender_tp) == cfg.senders)
+            .collect();
+        cfg.split = **SimRng::new(cfg.seed)
+            .fork(5)
+            .pick(&splits)
+            .expect("non-empty");
+        for p in &mut plans {
+            // Separate instances: one writes the whole model (tensor-parallel ranks: the
+            // ranks that hold the receiver's part, set by `Simulation::new`).
+            p.writers.truncate(1);
+        }
         Simulation::new(cfg, plans, Vec::new())
     }
 
@@ -134,28 +147,32 @@ impl Simulation {
             .unwrap_or(1)
             .max(cfg.max_prompt);
         let senders = cfg.senders.max(1);
-        let sender_caches: Vec<ReferenceCache> = (0..senders)
+        let valid = "the simulated model and split are valid";
+        let (topologies, sender_caches): (Vec<Topology>, Vec<ReferenceCache>) = (0..senders)
             .map(|r| {
-                ReferenceCache::new(&cfg.cache_spec(Some(r), max_prompt))
-                    .expect("the simulated model is valid")
+                cfg.split
+                    .cache(Some(r), &cfg.cache_spec(Some(r), max_prompt))
+                    .expect(valid)
             })
-            .collect();
+            .unzip();
         let receiver_spec = cfg.cache_spec(None, max_prompt);
-        let receiver_cache =
-            ReferenceCache::new(&receiver_spec).expect("the simulated model is valid");
-        let topology = |rank: usize, size: usize| Topology {
-            tp_size: size as u16,
-            tp_rank: rank as u16,
-            pp_size: 1,
-            pp_rank: 0,
-            layer_begin: 0,
-            layer_end: 3,
-        };
+        let (receiver_topology, receiver_cache) =
+            cfg.split.cache(None, &receiver_spec).expect(valid);
+        let mut plans = plans;
+        if cfg.split.sender_tp > 1 {
+            // Tensor-parallel senders: a request is written by every rank holding part of
+            // what the receiver holds.
+            let shapes: Vec<_> = (topologies.iter().copied())
+                .zip(sender_caches.iter().map(ReferenceCache::layouts))
+                .collect();
+            let writers = writers_of(&shapes, &(receiver_topology, receiver_cache.layouts()));
+            plans.iter_mut().for_each(|p| p.writers = writers.clone());
+        }
         let sender_endpoints = (0..senders)
             .map(|r| {
                 let mut c = SenderConfig::new(LocalHello::new(
                     InstanceId(10 + r as u64),
-                    topology(r, senders),
+                    topologies[r],
                     sender_caches[r].layouts(),
                 ));
                 c.deadlines = cfg.deadlines;
@@ -163,7 +180,7 @@ impl Simulation {
             })
             .collect();
         let mut rc = ReceiverConfig::new(
-            LocalHello::new(InstanceId(1), topology(0, 1), receiver_cache.layouts()),
+            LocalHello::new(InstanceId(1), receiver_topology, receiver_cache.layouts()),
             cfg.seed ^ 0x5eed,
         );
         rc.deadlines = cfg.deadlines;

@@ -19,6 +19,7 @@
 pub mod demo;
 mod engine;
 mod mem;
+pub mod parallel;
 mod scenarios;
 mod tcp;
 
@@ -223,6 +224,31 @@ macro_rules! conformance_tests {
             receiver_death, registration_timeout, write_failure, write_timeout, duplicated_frames, delayed_frames, reordered_frames,
             chaos, version_mismatch, monolithic_transfer
         );
+        $crate::conformance_tests!(@parallel $harness;
+            parallel_fewer_prefill_ranks, parallel_more_prefill_ranks, parallel_duplicated_heads,
+            parallel_decode_pipeline, parallel_tensor_and_pipeline, parallel_larger_decode_window
+        );
+    };
+    (@parallel $harness:expr; $($name:ident),* $(,)?) => {
+        /// Every heterogeneous scenario of the suite has a test here.
+        #[test]
+        fn conformance_covers_every_parallel_scenario() {
+            let tested = [$(stringify!($name)),*];
+            let all = $crate::suite::parallel::parallel_scenarios();
+            for s in &all {
+                assert!(tested.contains(&s.name), "scenario {} has no test", s.name);
+            }
+            assert_eq!(tested.len(), all.len());
+        }
+        $(
+            #[test]
+            fn $name() {
+                let harness = $harness;
+                if let Err(e) = $crate::suite::parallel::run_parallel(&harness, stringify!($name)) {
+                    panic!("{} over {}: {e}", stringify!($name), $crate::suite::Harness::name(&harness));
+                }
+            }
+        )*
     };
     (@each $harness:expr; $($name:ident),* $(,)?) => {
         /// Every scenario of the suite has a test here.

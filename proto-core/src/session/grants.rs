@@ -166,6 +166,7 @@ mod tests {
             tokens_per_block: 4,
             window: None,
             block_layout: Default::default(),
+            shard: Default::default(),
             pools: smallvec![
                 PoolLayout {
                     region: RegionId(1),

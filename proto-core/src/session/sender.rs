@@ -19,7 +19,7 @@ use crate::blocks::BlockRun;
 use crate::config::{ConfigError, PipelineConfig};
 use crate::geometry::{chunk_window, early_prefix_window, BlockWindow, ChunkSpec};
 use crate::ids::{GroupIndex, PeerId, ReceiverSliceId, RequestId, SenderSliceId};
-use crate::plan::{plan_group_with_cursor, DstCursor, WritePlan};
+use crate::plan::{plan_rank_group, DstCursor, RankGroup, WritePlan};
 use crate::source::BlockSource;
 use crate::time::Instant;
 use crate::wire::{
@@ -1229,7 +1229,15 @@ impl Sender {
                     });
                     break;
                 };
-                if let Err(e) = plan_group_with_cursor(src, dst, run, dst_run, cursor, plan) {
+                let src = RankGroup {
+                    topology: &self.config.local.topology,
+                    layout: src,
+                };
+                let dst = RankGroup {
+                    topology: &remote.topology,
+                    layout: dst,
+                };
+                if let Err(e) = plan_rank_group(src, dst, run, dst_run, cursor, plan) {
                     error = Some(ProtocolError::Unplannable { request, error: e });
                     break;
                 }

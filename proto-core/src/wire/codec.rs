@@ -18,7 +18,7 @@ use crate::blocks::{AnchoredRun, IdRun};
 use crate::ids::{
     BlockId, GrantId, InstanceId, ReceiverSliceId, RegionId, RequestId, SenderSliceId,
 };
-use crate::layout::{BlockLayout, LayerGroupLayout, PoolLayout};
+use crate::layout::{BlockLayout, GroupShard, LayerGroupLayout, PoolLayout};
 
 // ---------------------------------------------------------------------------------------------
 // Fixed body parts. Field order is the wire order; every field is little-endian and unaligned.
@@ -52,6 +52,10 @@ struct GroupWire {
     tokens_per_block: U32,
     window: U32,
     block_layout: u8,
+    model_layers: U16,
+    first_layer: U16,
+    model_kv_heads: U16,
+    first_head: U16,
     pool_count: U16,
 }
 
@@ -623,6 +627,12 @@ fn decode_hello(r: &mut BodyReader<'_>) -> Result<Hello, DecodeError> {
                     slot_bytes: p.slot_bytes.get(),
                 })
                 .collect(),
+            shard: GroupShard {
+                model_layers: g.model_layers.get(),
+                first_layer: g.first_layer.get(),
+                model_kv_heads: g.model_kv_heads.get(),
+                first_head: g.first_head.get(),
+            },
         });
     }
     Ok(Hello {
@@ -898,6 +908,10 @@ impl Frame {
                             tokens_per_block: U32::new(g.tokens_per_block),
                             window: U32::new(window),
                             block_layout: g.block_layout as u8,
+                            model_layers: U16::new(g.shard.model_layers),
+                            first_layer: U16::new(g.shard.first_layer),
+                            model_kv_heads: U16::new(g.shard.model_kv_heads),
+                            first_head: U16::new(g.shard.first_head),
                             pool_count: U16::new(pool_count),
                         }
                         .as_bytes(),

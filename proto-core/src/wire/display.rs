@@ -4,7 +4,7 @@ use core::fmt;
 
 use super::frame::*;
 use crate::blocks::AnchoredRun;
-use crate::layout::{BlockLayout, LayerGroupLayout};
+use crate::layout::{BlockLayout, GroupShard, LayerGroupLayout};
 
 impl fmt::Display for VersionRange {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -81,6 +81,14 @@ impl fmt::Display for GroupDisplay<'_> {
         }
         match g.block_layout {
             BlockLayout::LayerKvHeadTokenDim => {}
+        }
+        if g.shard != GroupShard::default() {
+            let s = &g.shard;
+            write!(
+                f,
+                " of model L{}+{}/{} h{}+{}/{}",
+                s.first_layer, g.layers, s.model_layers, s.first_head, g.kv_heads, s.model_kv_heads
+            )?;
         }
         f.write_str(" [")?;
         for (i, p) in g.pools.iter().enumerate() {

@@ -8,9 +8,10 @@
 use core::fmt;
 
 use super::codec::MAX_REJECT_MESSAGE;
-use super::frame::{Hello, HelloAccept, HelloReject, RejectReason, VersionRange};
+use super::frame::{Hello, HelloAccept, HelloReject, RejectReason, Role, VersionRange};
 use crate::ids::GroupIndex;
 use crate::layout::LayerGroupLayout;
+use crate::shard::check_shard;
 
 /// The highest version both ranges contain, if any.
 pub fn common_version(a: VersionRange, b: VersionRange) -> Option<u16> {
@@ -23,14 +24,19 @@ const FNV_OFFSET_BASIS: u64 = 0xcbf2_9ce4_8422_2325;
 const FNV_PRIME: u64 = 0x0000_0100_0000_01b3;
 
 /// The compatibility hash of a model layout: FNV-1a 64 over a canonical little-endian encoding
-/// of the model geometry, so two endpoints agree on it exactly when [`layout_differences`]
-/// finds nothing.
+/// of the **whole model's** geometry, so two endpoints agree on it exactly when
+/// [`layout_differences`] finds nothing — whatever part of the model each rank holds.
 ///
-/// Covered, in this order: the number of groups (u16), then per group `layers` (u16),
-/// `kv_factor` (u8), `kv_heads` (u16), `head_dim` (u16), `elem_bytes` (u8),
-/// `tokens_per_block` (u32), `window` (u32, 0 for full attention) and `block_layout` (u8).
-/// Not covered: the pools (region ids, how layers are split over pools, slot padding), which
-/// are local memory details each side plans around.
+/// Covered, in this order: the number of groups (u16), then per group the model's layers
+/// ([`LayerGroupLayout::model_layers`], u16), `kv_factor` (u8), the model's KV heads
+/// ([`LayerGroupLayout::model_kv_heads`], u16), `head_dim` (u16), `elem_bytes` (u8),
+/// `tokens_per_block` (u32) and `block_layout` (u8).
+/// Not covered: which layers and heads this rank holds (the [`GroupShard`] ranges: tensor and
+/// pipeline parallelism may differ between the sides), the window (a receiver may keep a
+/// larger one; [`negotiate`] checks it), and the pools (region ids, how layers are split over
+/// pools, slot padding), which are local memory details each side plans around.
+///
+/// [`GroupShard`]: crate::layout::GroupShard
 pub fn compat_hash(groups: &[LayerGroupLayout]) -> u64 {
     let mut hash = FNV_OFFSET_BASIS;
     let mut feed = |bytes: &[u8]| {
@@ -46,13 +52,12 @@ pub fn compat_hash(groups: &[LayerGroupLayout]) -> u64 {
             .to_le_bytes(),
     );
     for g in groups {
-        feed(&g.layers.to_le_bytes());
+        feed(&g.model_layers().to_le_bytes());
         feed(&[g.kv_factor]);
-        feed(&g.kv_heads.to_le_bytes());
+        feed(&g.model_kv_heads().to_le_bytes());
         feed(&g.head_dim.to_le_bytes());
         feed(&[g.elem_bytes]);
         feed(&g.tokens_per_block.to_le_bytes());
-        feed(&g.window.unwrap_or(0).to_le_bytes());
         feed(&[g.block_layout as u8]);
     }
     hash
@@ -91,9 +96,9 @@ fn window_text(window: Option<u32>) -> String {
     }
 }
 
-/// Every model-geometry field (the ones [`compat_hash`] covers) that differs between `local`
-/// and `remote`, group by group; groups beyond the shorter list are reported only as a
-/// different number of groups.
+/// Every model-geometry field (the ones [`compat_hash`] covers, whole-model values) that differs
+/// between `local` and `remote`, group by group; groups beyond the shorter list are reported
+/// only as a different number of groups.
 pub fn layout_differences(
     local: &[LayerGroupLayout],
     remote: &[LayerGroupLayout],
@@ -119,13 +124,21 @@ pub fn layout_differences(
                 });
             }
         };
-        diff("layers", l.layers.to_string(), r.layers.to_string());
+        diff(
+            "model layers",
+            l.model_layers().to_string(),
+            r.model_layers().to_string(),
+        );
         diff(
             "kv factor",
             l.kv_factor.to_string(),
             r.kv_factor.to_string(),
         );
-        diff("KV heads", l.kv_heads.to_string(), r.kv_heads.to_string());
+        diff(
+            "model KV heads",
+            l.model_kv_heads().to_string(),
+            r.model_kv_heads().to_string(),
+        );
         diff("head dim", l.head_dim.to_string(), r.head_dim.to_string());
         diff(
             "element bytes",
@@ -137,12 +150,47 @@ pub fn layout_differences(
             l.tokens_per_block.to_string(),
             r.tokens_per_block.to_string(),
         );
-        diff("window", window_text(l.window), window_text(r.window));
         diff(
             "block layout",
             format!("{:?}", l.block_layout),
             format!("{:?}", r.block_layout),
         );
+    }
+    out
+}
+
+/// The groups where the receiver keeps a smaller window than the sender (full attention
+/// counts as an unbounded window), `local` playing `local_role` and `remote` the other role. A
+/// receiver may keep a larger window than the sender (blocks the sender no longer holds are
+/// simply not written), never a smaller one.
+pub fn window_differences(
+    local: &[LayerGroupLayout],
+    remote: &[LayerGroupLayout],
+    local_role: Role,
+) -> Vec<LayoutDifference> {
+    let mut out = Vec::new();
+    let remote_role = match local_role {
+        Role::Sender => Role::Receiver,
+        Role::Receiver => Role::Sender,
+    };
+    for (i, (l, r)) in local.iter().zip(remote).enumerate() {
+        let (sender, receiver) = match local_role {
+            Role::Sender => (l.window, r.window),
+            Role::Receiver => (r.window, l.window),
+        };
+        let smaller = match (sender, receiver) {
+            (_, None) => false,
+            (None, Some(_)) => true,
+            (Some(a), Some(b)) => b < a,
+        };
+        if smaller {
+            out.push(LayoutDifference {
+                group: Some(GroupIndex(u16::try_from(i).unwrap_or(u16::MAX))),
+                field: "window (a receiver keeps at least the sender's)",
+                local: format!("{local_role} {}", window_text(l.window)),
+                remote: format!("{remote_role} {}", window_text(r.window)),
+            });
+        }
     }
     out
 }
@@ -163,8 +211,12 @@ fn reject(reason: RejectReason, mut message: String) -> HelloReject {
 ///
 /// Checks, in order: a common version (the highest wins; none → `VersionMismatch` naming both
 /// ranges), opposite roles (`RoleMismatch`), then the model layout: the compatibility hashes
-/// and the geometry fields must agree (`CompatibilityMismatch`, naming every field that
-/// differs). On success the accept carries the version and `local`'s instance.
+/// and the whole-model geometry fields must agree, and the receiver's window must be at least
+/// the sender's in every group (`CompatibilityMismatch`, naming every field that differs). The
+/// two sides may hold different parts of the model (tensor and pipeline parallelism), but each
+/// side's part of every group must lie inside the model and hold the heads its tensor rank
+/// holds ([`check_shard`]; `TopologyMismatch`, naming the side, the group and both values).
+/// On success the accept carries the version and `local`'s instance.
 ///
 /// ```
 /// use kvpipe_core::wire::samples::sample_hello;
@@ -208,7 +260,12 @@ pub fn negotiate(local: &Hello, remote: &Hello) -> Result<HelloAccept, HelloReje
             ),
         ));
     }
-    let differences = layout_differences(&local.groups, &remote.groups);
+    let mut differences = layout_differences(&local.groups, &remote.groups);
+    differences.extend(window_differences(
+        &local.groups,
+        &remote.groups,
+        local.role,
+    ));
     if local.compat_hash != remote.compat_hash || !differences.is_empty() {
         let mut message = format!(
             "model layouts are incompatible (compat hash local 0x{:016x}, remote 0x{:016x})",
@@ -225,6 +282,30 @@ pub fn negotiate(local: &Hello, remote: &Hello) -> Result<HelloAccept, HelloReje
             }
         }
         return Err(reject(RejectReason::CompatibilityMismatch, message));
+    }
+    let shards = [("local", local), ("remote", remote)]
+        .into_iter()
+        .flat_map(|(side, hello)| {
+            hello
+                .groups
+                .iter()
+                .enumerate()
+                .filter_map(move |(g, layout)| {
+                    check_shard(&hello.topology, layout).err().map(|e| {
+                        let group = GroupIndex(u16::try_from(g).unwrap_or(u16::MAX));
+                        format!("{side} {group}: {e}")
+                    })
+                })
+        })
+        .collect::<Vec<_>>();
+    if !shards.is_empty() {
+        return Err(reject(
+            RejectReason::TopologyMismatch,
+            format!(
+                "a rank's part of the model does not match its parallel topology: {}",
+                shards.join("; ")
+            ),
+        ));
     }
     Ok(HelloAccept {
         version,

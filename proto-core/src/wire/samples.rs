@@ -10,10 +10,11 @@ use crate::blocks::{AnchoredRun, IdRun};
 use crate::ids::{
     BlockId, GrantId, InstanceId, ReceiverSliceId, RegionId, RequestId, SenderSliceId,
 };
-use crate::layout::{BlockLayout, LayerGroupLayout, PoolLayout};
+use crate::layout::{BlockLayout, GroupShard, LayerGroupLayout, PoolLayout};
 
-/// A two-group model layout: 28 full-attention layers split over two pools, and 4 layers with
-/// a 4096-token sliding window.
+/// A two-group model layout as tensor-parallel rank 1 of 2 holds it: 28 full-attention layers
+/// split over two pools, and 4 layers with a 4096-token sliding window; of the model's 16 KV
+/// heads the rank holds heads 8..16.
 pub fn sample_groups() -> Vec<LayerGroupLayout> {
     vec![
         LayerGroupLayout {
@@ -39,6 +40,12 @@ pub fn sample_groups() -> Vec<LayerGroupLayout> {
                     slot_bytes: 14 * 131_072 + 4096,
                 },
             ],
+            shard: GroupShard {
+                model_layers: 28,
+                first_layer: 0,
+                model_kv_heads: 16,
+                first_head: 8,
+            },
         },
         LayerGroupLayout {
             layers: 4,
@@ -55,6 +62,12 @@ pub fn sample_groups() -> Vec<LayerGroupLayout> {
                 layers: 4,
                 slot_bytes: 4 * 131_072,
             }],
+            shard: GroupShard {
+                model_layers: 4,
+                first_layer: 0,
+                model_kv_heads: 16,
+                first_head: 8,
+            },
         },
     ]
 }

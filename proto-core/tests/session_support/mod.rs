@@ -33,6 +33,7 @@ pub fn layout(region: u32) -> Vec<LayerGroupLayout> {
         tokens_per_block: TPB,
         window: None,
         block_layout: Default::default(),
+        shard: Default::default(),
         pools: smallvec![PoolLayout {
             region: RegionId(region),
             layer_begin: 0,

@@ -6,8 +6,8 @@ use std::fmt::Write as _;
 
 use kvpipe_core::wire::*;
 use kvpipe_core::{
-    AnchoredRun, BlockId, BlockLayout, GrantId, IdRun, InstanceId, LayerGroupLayout, PoolLayout,
-    ReceiverSliceId, RegionId, RequestId, SenderSliceId,
+    AnchoredRun, BlockId, BlockLayout, GrantId, GroupShard, IdRun, InstanceId, LayerGroupLayout,
+    PoolLayout, ReceiverSliceId, RegionId, RequestId, SenderSliceId,
 };
 use proptest::prelude::*;
 
@@ -94,9 +94,10 @@ pub(crate) fn arb_group() -> impl Strategy<Value = LayerGroupLayout> {
         any::<u32>(),
         prop::option::of(1u32..),
         prop::collection::vec(arb_pool(), 0..4),
+        prop::array::uniform4(any::<u16>()),
     )
         .prop_map(
-            |((layers, kv_factor, kv_heads, head_dim, elem_bytes), tpb, window, pools)| {
+            |((layers, kv_factor, kv_heads, head_dim, elem_bytes), tpb, window, pools, shard)| {
                 LayerGroupLayout {
                     layers,
                     kv_factor,
@@ -107,6 +108,12 @@ pub(crate) fn arb_group() -> impl Strategy<Value = LayerGroupLayout> {
                     window,
                     block_layout: BlockLayout::LayerKvHeadTokenDim,
                     pools: pools.into_iter().collect(),
+                    shard: GroupShard {
+                        model_layers: shard[0],
+                        first_layer: shard[1],
+                        model_kv_heads: shard[2],
+                        first_head: shard[3],
+                    },
                 }
             },
         )

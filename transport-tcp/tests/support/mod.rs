@@ -32,6 +32,7 @@ pub fn layout(first_region: u32) -> Vec<LayerGroupLayout> {
         tokens_per_block: TPB,
         window: None,
         block_layout: Default::default(),
+        shard: Default::default(),
         pools: smallvec![
             PoolLayout {
                 region: RegionId(first_region),

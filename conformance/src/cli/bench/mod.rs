@@ -5,6 +5,7 @@ use std::process::ExitCode;
 
 use super::CliError;
 
+mod fragments;
 mod pipeline;
 mod plan;
 mod transfer;
@@ -28,6 +29,9 @@ enum Bench {
     /// Exposed tail of a pipelined transfer (last chunk computed → decode side complete)
     /// against sending everything after prefill.
     Pipeline(pipeline::PipelineBenchArgs),
+    /// Planning + posting 100 000 head-slice writes of 8 KiB (heterogeneous tensor
+    /// parallelism) against their transfer time on the in-process transport.
+    Fragments(fragments::FragmentsBenchArgs),
 }
 
 pub(crate) fn run(args: BenchArgs) -> Result<ExitCode, CliError> {
@@ -35,5 +39,6 @@ pub(crate) fn run(args: BenchArgs) -> Result<ExitCode, CliError> {
         Bench::Plan(a) => plan::run(a),
         Bench::Transfer(a) => transfer::run(a),
         Bench::Pipeline(a) => pipeline::run(a),
+        Bench::Fragments(a) => fragments::run(a),
     }
 }

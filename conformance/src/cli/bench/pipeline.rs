@@ -1,8 +1,10 @@
 //! `kvpipe bench pipeline`: how much of the transfer is left on the time-to-first-token path.
 //!
-//! One llama3-8b request is prefilled chunk by chunk on the reference cache (each chunk's
-//! content written, then the rest of a simulated compute time) and moved over the transport
-//! twice per run: pipelined (each chunk's blocks as soon as it is computed) and monolithic
+//! One request of a model preset (`--model`, llama3-8b by default) is prefilled chunk by chunk
+//! on the reference cache (each chunk's content written, then the rest of a simulated compute
+//! time) and moved over the transport (`--transport mem`, or `tcp`: two nodes over loopback
+//! sockets in this process) twice per run: pipelined (each chunk's blocks as soon as it is
+//! computed; a sliding-window model's local layers from their stale boundary on) and monolithic
 //! (everything after prefill), in alternation. The exposed tail is the time from the last
 //! chunk's compute finishing to the receiver's completion. The pipelined tail should be about
 //! one chunk's transfer (target ≤ 1.25 × `chunk_transfer_ms`, the median time the transport
@@ -14,8 +16,8 @@
 use std::process::ExitCode;
 use std::time::Duration;
 
-use kvpipe_conformance::suite::demo::{median, run_demo, DemoConfig, Model};
-use kvpipe_conformance::suite::{MemHarness, RunReport, TransferMode};
+use kvpipe_conformance::suite::demo::{median, run_demo, DemoConfig, DemoSummary, Model};
+use kvpipe_conformance::suite::{MemHarness, RunReport, SuiteError, TcpHarness, TransferMode};
 use serde::Serialize;
 
 use crate::cli::CliError;
@@ -23,15 +25,23 @@ use crate::cli::CliError;
 /// Arguments of `kvpipe bench pipeline`.
 #[derive(Debug, clap::Args)]
 pub(crate) struct PipelineBenchArgs {
-    /// Transport to measure (mem).
+    /// Transport to measure: mem, or tcp (two nodes over loopback sockets in this process).
     #[arg(long, default_value = "mem")]
     transport: String,
+    /// Model whose KV cache is moved: llama3-8b, llama3-70b-tp8 or gemma3-swa.
+    #[arg(long, default_value = "llama3-8b", value_parser = crate::cli::demo::parse_model)]
+    model: Model,
+    /// With --transport tcp: connections per peer.
+    #[arg(long, default_value_t = 2)]
+    connections: usize,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
-    /// Tokens in the prompt.
-    #[arg(long, default_value_t = 8192)]
-    prompt_tokens: u32,
+    /// Tokens in the prompt (default 8192; 32768 for gemma3-swa, whose 40 local layers keep
+    /// a 1024-token window: a sliding-window model's prompts are long, and the final window's
+    /// blocks are computed by the last chunk whatever the pipelining).
+    #[arg(long)]
+    prompt_tokens: Option<u32>,
     /// Tokens per prefill chunk.
     #[arg(long, default_value_t = 1024)]
     chunk_tokens: u32,
@@ -66,6 +76,8 @@ struct PipelineBenchReport {
     /// `exposed_tail_ms / last_chunk_transfer_ms`.
     tail_over_last_chunk: f64,
     verified: bool,
+    /// `monolithic_tail_ms / exposed_tail_ms` (how much of the tail pipelining removes).
+    monolithic_over_pipelined: f64,
     model: &'static str,
     prompt_tokens: u32,
     chunk_tokens: u32,
@@ -75,16 +87,20 @@ struct PipelineBenchReport {
 }
 
 pub(crate) fn run(args: PipelineBenchArgs) -> Result<ExitCode, CliError> {
-    if args.transport != "mem" {
+    if args.transport != "mem" && args.transport != "tcp" {
         return Err(format!(
-            "transport {:?} has no pipeline bench yet; use --transport mem",
+            "transport {:?} has no pipeline bench; use --transport mem or tcp",
             args.transport
         )
         .into());
     }
+    let prompt_tokens = args.prompt_tokens.unwrap_or(match args.model {
+        Model::Gemma3Swa => 32_768,
+        _ => 8192,
+    });
     let base = DemoConfig {
-        model: Model::Llama3_8b,
-        prompt_tokens: args.prompt_tokens,
+        model: args.model,
+        prompt_tokens,
         chunk_tokens: args.chunk_tokens,
         tokens_per_block: args.tokens_per_block,
         window: None,
@@ -96,13 +112,20 @@ pub(crate) fn run(args: PipelineBenchArgs) -> Result<ExitCode, CliError> {
         mode: TransferMode::Pipelined,
         corrupt_one_byte: false,
     };
-    let harness = MemHarness::default();
+    let tcp = TcpHarness::blocking(args.connections.clamp(1, 255));
+    let demo = |config: &DemoConfig| -> Result<(DemoSummary, RunReport), SuiteError> {
+        if args.transport == "tcp" {
+            run_demo(&tcp, config, |_, _| {})
+        } else {
+            run_demo(&MemHarness::default(), config, |_, _| {})
+        }
+    };
     let (mut chunk_ms, mut tails, mut mono_tails) = (Vec::new(), Vec::new(), Vec::new());
     let mut last_ms = Vec::new();
     let mut verified = true;
     let (mut chunks, mut bytes) = (0, 0);
     for _ in 0..args.runs.max(1) {
-        let (pipelined, rep) = run_demo(&harness, &base, |_, _| {})?;
+        let (pipelined, rep) = demo(&base)?;
         if args.timeline {
             print_timeline(&rep);
         }
@@ -110,7 +133,7 @@ pub(crate) fn run(args: PipelineBenchArgs) -> Result<ExitCode, CliError> {
             mode: TransferMode::Monolithic,
             ..base.clone()
         };
-        let (mono, _) = run_demo(&harness, &mono_config, |_, _| {})?;
+        let (mono, _) = demo(&mono_config)?;
         verified &= pipelined.verified && mono.verified;
         chunk_ms.push(pipelined.chunk_transfer_ms);
         last_ms.push(pipelined.last_chunk_transfer_ms);
@@ -134,8 +157,9 @@ pub(crate) fn run(args: PipelineBenchArgs) -> Result<ExitCode, CliError> {
         tail_over_chunk: exposed_tail_ms / chunk_transfer_ms,
         tail_over_last_chunk: exposed_tail_ms / last_chunk_transfer_ms,
         verified,
-        model: "llama3-8b",
-        prompt_tokens: args.prompt_tokens,
+        monolithic_over_pipelined: monolithic_tail_ms / exposed_tail_ms,
+        model: args.model.name(),
+        prompt_tokens,
         chunk_tokens: args.chunk_tokens,
         prefill_ms_per_chunk: args.prefill_ms_per_chunk,
         bytes,
@@ -145,8 +169,13 @@ pub(crate) fn run(args: PipelineBenchArgs) -> Result<ExitCode, CliError> {
         println!("{}", serde_json::to_string(&report)?);
     } else {
         println!(
-            "{} tokens of llama3-8b in {} chunks over {} ({} bytes), {} ms compute per chunk",
-            report.prompt_tokens, chunks, report.transport, bytes, report.prefill_ms_per_chunk
+            "{} tokens of {} in {} chunks over {} ({} bytes), {} ms compute per chunk",
+            report.prompt_tokens,
+            report.model,
+            chunks,
+            report.transport,
+            bytes,
+            report.prefill_ms_per_chunk
         );
         println!("chunk transfer     {chunk_transfer_ms:.2} ms (median write batch)");
         println!("last chunk alone   {last_chunk_transfer_ms:.2} ms");

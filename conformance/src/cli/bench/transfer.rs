@@ -103,8 +103,9 @@ struct TransferBenchReport {
 }
 
 /// A block source over one contiguous allocation: ordinal `o` lives in slot `o`.
-struct ContiguousSource {
-    blocks: u32,
+pub(super) struct ContiguousSource {
+    /// Blocks allocated.
+    pub(super) blocks: u32,
 }
 
 impl BlockSource for ContiguousSource {
@@ -155,14 +156,15 @@ fn layout(region: u32, tpb: u32) -> LayerGroupLayout {
 }
 
 /// Bytes of memory the kernel says are available.
-fn mem_available() -> Option<u64> {
+pub(super) fn mem_available() -> Option<u64> {
     let info = std::fs::read_to_string("/proc/meminfo").ok()?;
     let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kib * 1024)
 }
 
-fn chunks(tokens: u32, chunk: u32) -> Vec<ChunkSpec> {
+/// The chunks of a prompt of `tokens` tokens in chunks of `chunk`, no prefix.
+pub(super) fn chunks(tokens: u32, chunk: u32) -> Vec<ChunkSpec> {
     let mut out = Vec::new();
     let mut start = 0;
     while start < tokens {
