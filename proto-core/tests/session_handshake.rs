@@ -113,10 +113,7 @@ fn an_unsound_topology_is_rejected_at_the_handshake() {
     for side in [Side::Sender(0), Side::Receiver(0)] {
         let (reason, message) = rejection(side, &net).expect("rejected");
         assert_eq!(reason, RejectReason::TopologyMismatch, "{message}");
-        assert!(
-            message.contains("tensor-parallel rank 2 of size 2"),
-            "{message}"
-        );
+        assert!(message.contains("rank 2"), "{message}");
     }
 }
 
