@@ -262,10 +262,14 @@ impl Shared {
         }
         let id = LinkId(self.next_link.fetch_add(1, Ordering::Relaxed));
         let link = Link::establish(id, &self.device, self.memory.clone(), &self.config, socket)?;
+        let link = Arc::new(link);
+        // In the table first, so the handler can send on it while it hears of it; polled
+        // only once announced, so nothing of the link reaches the handler before that.
+        lock(&self.links).insert(id, link.clone());
         if let Some(h) = self.handler() {
             h.handle(FabricEvent::Connected { link: id });
         }
-        lock(&self.links).insert(id, Arc::new(link));
+        link.announced.store(true, Ordering::Release);
         self.wake();
         Ok(id)
     }
@@ -463,7 +467,10 @@ fn poll_loop(shared: &Shared) {
             }
         }
         let mut did = false;
-        for l in &links {
+        for l in links
+            .iter()
+            .filter(|l| stopping || l.announced.load(Ordering::Acquire))
+        {
             did |= l.progress(&mut events);
             if l.is_closed() {
                 lock(&shared.links).remove(&l.id);

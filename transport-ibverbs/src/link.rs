@@ -13,8 +13,10 @@
 //! slot posted up to it (RC completes a send queue in order).
 //!
 //! Teardown ([`Link::fail`], or a graceful close once everything queued is acknowledged): the
-//! queue pair is moved to the error state (every posted work request flushes), the bootstrap
-//! socket is shut down (the peer's link sees its end and tears down too), the receive flushes
+//! queue pair is moved to the error state (every posted work request flushes; when the peer
+//! closed first, only after [`PEER_CLOSE_GRACE`], so errors already on their way are reported
+//! as themselves), the bootstrap socket is shut down (the peer's link sees its end and tears
+//! down too), the receive flushes
 //! are reaped (bounded by [`FLUSH_WAIT`]), then the queue pair is destroyed — after that the
 //! adapter touches no memory for this link, neither reading sources nor placing a peer's
 //! writes — and only then is the link reported disconnected.
@@ -22,7 +24,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::io;
 use std::net::{Shutdown, TcpStream};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -55,6 +57,11 @@ pub(crate) const SIGNAL_EVERY: u32 = 32;
 /// Longest wait for a failed link's receive buffers to flush before its queue pair is
 /// destroyed anyway.
 pub(crate) const FLUSH_WAIT: Duration = Duration::from_millis(500);
+/// After the peer's bootstrap socket ends, how long the queue pair keeps running before it is
+/// moved to the error state: completions already on their way (a remote access error that
+/// made the peer tear down, acknowledgements of the last writes) are still reported as what
+/// they are rather than as flushes.
+const PEER_CLOSE_GRACE: Duration = Duration::from_millis(100);
 /// How often a live link checks its bootstrap socket for the peer's end.
 const SOCKET_CHECK: Duration = Duration::from_millis(1);
 
@@ -110,8 +117,11 @@ enum State {
     Draining {
         deadline: Instant,
     },
-    /// Torn down: waiting for the flushes, then the queue pair is destroyed.
+    /// Torn down: the queue pair goes to the error state at `error_at`, then the flushes are
+    /// reaped (until `deadline`), then it is destroyed.
     Failing {
+        error_at: Instant,
+        errored: bool,
         deadline: Instant,
     },
     /// The queue pair is destroyed; the link was reported disconnected.
@@ -152,6 +162,8 @@ struct Inner {
 /// One RC link to a peer.
 pub(crate) struct Link {
     pub(crate) id: LinkId,
+    /// Its `Connected` event was delivered: the poller may now report anything else of it.
+    pub(crate) announced: AtomicBool,
     cq: Arc<BasicCompletionQueue>,
     inner: Mutex<Inner>,
     socket: TcpStream,
@@ -339,6 +351,7 @@ impl Link {
         };
         Ok(Link {
             id,
+            announced: AtomicBool::new(false),
             cq,
             inner: Mutex::new(inner),
             socket,
@@ -443,21 +456,46 @@ impl Link {
         self.lock().state == State::Closed
     }
 
-    fn teardown(&self, inner: &mut Inner, cause: LinkFailure, now: Instant) {
+    /// Starts the teardown (see the module documentation); the queue pair goes to the error
+    /// state after `grace`.
+    fn teardown_after(&self, inner: &mut Inner, cause: LinkFailure, now: Instant, grace: Duration) {
         if matches!(inner.state, State::Failing { .. } | State::Closed) {
             return;
-        }
-        if let Some(qp) = inner.qp.as_mut() {
-            let mut attr = QueuePairAttribute::new();
-            attr.setup_state(QueuePairState::Error);
-            let _ = qp.modify(&attr);
         }
         let _ = self.socket.shutdown(Shutdown::Both);
         inner.cause = Some(cause);
         inner.ops.clear();
         inner.state = State::Failing {
-            deadline: now + FLUSH_WAIT,
+            error_at: now + grace,
+            errored: false,
+            deadline: now + grace + FLUSH_WAIT,
         };
+        if grace.is_zero() {
+            Self::to_error(inner, now);
+        }
+    }
+
+    fn teardown(&self, inner: &mut Inner, cause: LinkFailure, now: Instant) {
+        self.teardown_after(inner, cause, now, Duration::ZERO);
+    }
+
+    /// Moves the queue pair of a failing link to the error state once its grace is over.
+    fn to_error(inner: &mut Inner, now: Instant) {
+        if let State::Failing {
+            error_at,
+            errored: errored @ false,
+            ..
+        } = &mut inner.state
+        {
+            if now >= *error_at {
+                *errored = true;
+                if let Some(qp) = inner.qp.as_mut() {
+                    let mut attr = QueuePairAttribute::new();
+                    attr.setup_state(QueuePairState::Error);
+                    let _ = qp.modify(&attr);
+                }
+            }
+        }
     }
 
     /// Reaps completions, delivers messages, posts what waits, checks the peer's liveness and
@@ -487,7 +525,7 @@ impl Link {
                 if now.saturating_duration_since(inner.last_socket_check) >= SOCKET_CHECK {
                     inner.last_socket_check = now;
                     if let Some(cause) = self.peer_gone() {
-                        self.teardown(&mut inner, cause, now);
+                        self.teardown_after(&mut inner, cause, now, PEER_CLOSE_GRACE);
                         return true;
                     }
                 }
@@ -500,8 +538,15 @@ impl Link {
                     }
                 }
             }
-            State::Failing { deadline } => {
-                if inner.recv_posted == 0 || now >= deadline {
+            State::Failing { .. } => {
+                Self::to_error(&mut inner, now);
+                let State::Failing {
+                    errored, deadline, ..
+                } = inner.state
+                else {
+                    unreachable!("matched above")
+                };
+                if errored && (inner.recv_posted == 0 || now >= deadline) {
                     // The fence: once the queue pair is destroyed the adapter neither reads
                     // this side's sources nor places the peer's writes for this link.
                     inner.qp = None;
@@ -581,10 +626,16 @@ impl Link {
             reposts.push(slot);
             return;
         }
-        if failing {
+        if inner.state == State::Closed {
             return;
         }
         if !ok {
+            // Flushes only echo a failure already being handled; any other error is the
+            // failure itself (also when it arrives while the link is going down).
+            let flushed = status == WorkCompletionStatus::WorkRequestFlushedError as u32;
+            if failing && flushed {
+                return;
+            }
             if kind == WR_WRITE {
                 events.push(FabricEvent::WritesDone {
                     link: self.id,
@@ -597,7 +648,15 @@ impl Link {
                 WR_WRITE => "RDMA write",
                 _ => "credit write",
             };
-            self.teardown(inner, LinkFailure::completion(op, status), now);
+            let cause = LinkFailure::completion(op, status);
+            if failing {
+                // The peer closed because of this error: it is the better cause.
+                if inner.cause == Some(LinkFailure::PeerClosed) {
+                    inner.cause = Some(cause);
+                }
+            } else {
+                self.teardown(inner, cause, now);
+            }
             return;
         }
         // A successful completion is of the oldest signaled work request.

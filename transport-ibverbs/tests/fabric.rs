@@ -211,9 +211,20 @@ fn a_queue_pair_in_error_flushes_its_work_and_takes_only_its_link_down() {
         .collect();
     assert_eq!(a.fabric.post_writes(doomed, 1, &plan), Ok(Posted::Queued));
     a.fabric.inject_error_state(doomed).expect("QP to ERR");
-    // The batch either finished before the error or was flushed; the link goes down either
-    // way, on both sides.
-    a.wait_disconnected(doomed, WAIT);
+    // The batch either finished before the error or was flushed; the link goes down on the
+    // first flushed completion (its receive buffers flush even when no write is left), on
+    // both sides.
+    assert!(
+        matches!(
+            a.wait_disconnected(doomed, WAIT),
+            LinkFailure::Completion {
+                name: "WR_FLUSH_ERR",
+                ..
+            }
+        ),
+        "{:?}",
+        a.events()
+    );
     b.wait_disconnected(doomed_b, WAIT);
     assert!(a.fabric.send(doomed, vec![1]).is_err());
     // The other link carries on.

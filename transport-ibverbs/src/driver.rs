@@ -1,0 +1,598 @@
+//! The driver: the one place that feeds the core's [`Sender`] / [`Receiver`] from the fabric
+//! and carries out what they ask. Everything verbs-specific is in the [`Fabric`] below it;
+//! this module maps its events onto the endpoints' inputs and their outputs onto fabric calls:
+//!
+//! | fabric → core | core → fabric |
+//! |---|---|
+//! | `Connected` → `PeerConnected` | `Transmit` → encode, [`Fabric::send`] |
+//! | `Message` → decode → `FrameReceived` | `ExecuteWrites` → [`Fabric::post_writes`] |
+//! | `WritesDone` → `WritesCompleted` / `WritesFailed` | `ClosePeer` → [`Fabric::close`] |
+//! | `Disconnected` → `PeerDisconnected` | `Event` → the engine's queue |
+//! | timer → `Timeout` at `poll_timeout()` | |
+//!
+//! A peer is a link: `PeerId(n)` is `LinkId(n)`. Nothing here holds a frame back or checks a
+//! write: a result frame travels on the same queue pair after the writes it reports, and RC
+//! places those writes first; a peer is reported disconnected only after its queue pair is
+//! destroyed.
+
+use std::collections::{HashMap, VecDeque};
+use std::io;
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::thread::{self, JoinHandle};
+use std::time::Duration as StdDuration;
+
+use kvpipe_core::session::{
+    CloseReason, Counters, Registration, SendRequest, UsageError, WriteBatchId,
+};
+use kvpipe_core::wire::{AuxData, Frame, TransferStatus, PROTOCOL_VERSION};
+use kvpipe_core::{
+    BlockSource, ChunkSpec, Event, Instant, Output, PeerId, Receiver, ReceiverConfig,
+    ReceiverInput, ReceiverSliceId, RequestId, Sender, SenderConfig, SenderInput, SenderSliceId,
+};
+use parking_lot::{Condvar, Mutex};
+
+use crate::device::VerbsDevice;
+use crate::fabric::{
+    Fabric, FabricConfig, FabricEvent, FabricHandler, LinkId, Posted, WriteFailure,
+};
+use crate::memory::MemoryTable;
+
+/// What the driver needs from a core endpoint. Usage errors from these inputs would be driver
+/// bugs (an unknown peer, a batch reported twice); the core leaves its state unchanged on them,
+/// so they are ignored.
+pub(crate) trait Endpoint: Send + 'static {
+    fn input_connected(&mut self, now: Instant, peer: PeerId);
+    fn input_disconnected(&mut self, now: Instant, peer: PeerId);
+    fn input_frame(&mut self, now: Instant, peer: PeerId, frame: Frame);
+    fn input_timeout(&mut self, now: Instant);
+    fn input_writes(&mut self, now: Instant, batch: WriteBatchId, status: TransferStatus);
+    fn next_output(&mut self) -> Option<Output>;
+    fn next_timeout(&mut self) -> Option<Instant>;
+}
+
+impl Endpoint for Sender {
+    fn input_connected(&mut self, now: Instant, peer: PeerId) {
+        let _ = self.handle_input(SenderInput::PeerConnected { now, peer });
+    }
+    fn input_disconnected(&mut self, now: Instant, peer: PeerId) {
+        let _ = self.handle_input(SenderInput::PeerDisconnected { now, peer });
+    }
+    fn input_frame(&mut self, now: Instant, peer: PeerId, frame: Frame) {
+        let _ = self.handle_input(SenderInput::FrameReceived { now, peer, frame });
+    }
+    fn input_timeout(&mut self, now: Instant) {
+        let _ = self.handle_input(SenderInput::Timeout { now });
+    }
+    fn input_writes(&mut self, now: Instant, batch: WriteBatchId, status: TransferStatus) {
+        let _ = self.handle_input(if status == TransferStatus::Success {
+            SenderInput::WritesCompleted { now, batch }
+        } else {
+            SenderInput::WritesFailed { now, batch, status }
+        });
+    }
+    fn next_output(&mut self) -> Option<Output> {
+        self.poll_output()
+    }
+    fn next_timeout(&mut self) -> Option<Instant> {
+        self.poll_timeout()
+    }
+}
+
+impl Endpoint for Receiver {
+    fn input_connected(&mut self, now: Instant, peer: PeerId) {
+        let _ = self.handle_input(ReceiverInput::PeerConnected { now, peer });
+    }
+    fn input_disconnected(&mut self, now: Instant, peer: PeerId) {
+        let _ = self.handle_input(ReceiverInput::PeerDisconnected { now, peer });
+    }
+    fn input_frame(&mut self, now: Instant, peer: PeerId, frame: Frame) {
+        let _ = self.handle_input(ReceiverInput::FrameReceived { now, peer, frame });
+    }
+    fn input_timeout(&mut self, now: Instant) {
+        let _ = self.handle_input(ReceiverInput::Timeout { now });
+    }
+    fn input_writes(&mut self, _: Instant, _: WriteBatchId, _: TransferStatus) {}
+    fn next_output(&mut self) -> Option<Output> {
+        self.poll_output()
+    }
+    fn next_timeout(&mut self) -> Option<Instant> {
+        self.poll_timeout()
+    }
+}
+
+/// Configuration of a verbs node.
+#[derive(Clone, Debug, Default)]
+pub struct VerbsConfig {
+    /// The fabric's sizes and timeouts.
+    pub fabric: FabricConfig,
+    /// The instant the node's clock counts from (default: when the node is made). Nodes that
+    /// compare event times share one.
+    pub origin: Option<std::time::Instant>,
+}
+
+/// Write batches whose timings are kept (the most recent ones).
+const MAX_TIMINGS: usize = 1 << 16;
+
+/// Everything behind the node's lock.
+pub(crate) struct State<E> {
+    endpoint: E,
+    /// Session-frame version negotiated with each peer (set when our HelloAccept leaves).
+    versions: HashMap<PeerId, u16>,
+    events: VecDeque<(Instant, Event)>,
+    /// Batches posted and not reported: peer, bytes, issue time.
+    in_flight: HashMap<WriteBatchId, (PeerId, u64, Instant)>,
+    /// (bytes, issued, reported) of recent batches.
+    timings: VecDeque<(u64, Instant, Instant)>,
+}
+
+pub(crate) struct Shared<E> {
+    state: Arc<Mutex<State<E>>>,
+    events_cv: Condvar,
+    timer_cv: Condvar,
+    stop: AtomicBool,
+    origin: std::time::Instant,
+    fabric: OnceLock<Fabric>,
+}
+
+fn link(peer: PeerId) -> LinkId {
+    LinkId(peer.0)
+}
+
+impl<E: Endpoint> Shared<E> {
+    fn now(&self) -> Instant {
+        Instant::from_nanos(u64::try_from(self.origin.elapsed().as_nanos()).unwrap_or(u64::MAX))
+    }
+
+    /// Carries out every pending output of the core.
+    fn drain(&self, st: &mut State<E>, now: Instant) {
+        let Some(fabric) = self.fabric.get() else {
+            return;
+        };
+        loop {
+            let mut reports: Vec<(WriteBatchId, TransferStatus)> = Vec::new();
+            while let Some(out) = st.endpoint.next_output() {
+                match out {
+                    Output::Transmit { peer, frame } => {
+                        if let Frame::HelloAccept(a) = &frame {
+                            st.versions.insert(peer, a.version);
+                        }
+                        let version = st.versions.get(&peer).copied().unwrap_or(PROTOCOL_VERSION);
+                        let mut bytes = vec![0; frame.encoded_len()];
+                        if frame.emit_versioned(version, &mut bytes).is_ok() {
+                            // A link that is down reports its disconnect; nothing to do here.
+                            let _ = fabric.send(link(peer), bytes);
+                        }
+                    }
+                    Output::ExecuteWrites {
+                        peer, batch, plan, ..
+                    } => match fabric.post_writes(link(peer), batch.0, plan.extents()) {
+                        Ok(Posted::Queued) => {
+                            st.in_flight.insert(batch, (peer, plan.total_bytes(), now));
+                        }
+                        Ok(Posted::Done) => reports.push((batch, TransferStatus::Success)),
+                        Err(WriteFailure::LinkDown(_)) => {}
+                        Err(_) => reports.push((batch, TransferStatus::WriteFailed)),
+                    },
+                    Output::ClosePeer { peer, reason } => {
+                        // After a refused handshake the peer should still read why.
+                        let graceful = matches!(
+                            reason,
+                            CloseReason::HandshakeRejected
+                                | CloseReason::RejectedByPeer
+                                | CloseReason::ProtocolViolation
+                        );
+                        fabric.close(link(peer), graceful);
+                    }
+                    Output::Event(event) => {
+                        st.events.push_back((now, event));
+                        self.events_cv.notify_all();
+                    }
+                }
+            }
+            if reports.is_empty() {
+                break;
+            }
+            for (batch, status) in reports {
+                st.endpoint.input_writes(now, batch, status);
+            }
+        }
+        self.timer_cv.notify_all();
+    }
+}
+
+impl<E: Endpoint> FabricHandler for Shared<E> {
+    fn handle(&self, event: FabricEvent) {
+        let mut st = self.state.lock();
+        let now = self.now();
+        let st = &mut *st;
+        match event {
+            FabricEvent::Connected { link } => st.endpoint.input_connected(now, PeerId(link.0)),
+            FabricEvent::Message { link, bytes } => {
+                let peer = PeerId(link.0);
+                let parsed = match st.versions.get(&peer) {
+                    Some(&v) => Frame::parse_negotiated(&bytes, v),
+                    None => Frame::parse(&bytes),
+                };
+                match parsed {
+                    Ok((frame, used)) if used == bytes.len() => {
+                        st.endpoint.input_frame(now, peer, frame);
+                    }
+                    // Bytes that are not one frame: the peer is not trusted any more.
+                    _ => {
+                        if let Some(f) = self.fabric.get() {
+                            f.close(link, false);
+                        }
+                    }
+                }
+            }
+            FabricEvent::WritesDone { token, result, .. } => {
+                let batch = WriteBatchId(token);
+                if let Some((_, bytes, issued)) = st.in_flight.remove(&batch) {
+                    if st.timings.len() >= MAX_TIMINGS {
+                        st.timings.pop_front();
+                    }
+                    st.timings.push_back((bytes, issued, now));
+                }
+                let status = match result {
+                    Ok(()) => TransferStatus::Success,
+                    Err(_) => TransferStatus::WriteFailed,
+                };
+                st.endpoint.input_writes(now, batch, status);
+            }
+            FabricEvent::Disconnected { link, .. } => {
+                let peer = PeerId(link.0);
+                st.in_flight.retain(|_, (p, _, _)| *p != peer);
+                st.versions.remove(&peer);
+                st.endpoint.input_disconnected(now, peer);
+            }
+        }
+        self.drain(st, now);
+    }
+}
+
+fn timer_loop<E: Endpoint>(shared: &Shared<E>) {
+    let mut st = shared.state.lock();
+    while !shared.stop.load(Ordering::Acquire) {
+        let now = shared.now();
+        let next = st.endpoint.next_timeout();
+        if next.is_some_and(|at| at <= now) {
+            st.endpoint.input_timeout(now);
+            shared.drain(&mut st, now);
+            continue;
+        }
+        let wait = next.map_or(StdDuration::from_millis(500), |at| {
+            StdDuration::from(at - now).min(StdDuration::from_millis(500))
+        });
+        shared
+            .timer_cv
+            .wait_for(&mut st, wait.max(StdDuration::from_micros(100)));
+    }
+}
+
+/// A core endpoint driven over RDMA verbs: [`VerbsSender`] (prefill side) or
+/// [`VerbsReceiver`] (decode side).
+///
+/// Make one with [`VerbsNode::sender`] / [`VerbsNode::receiver`] over an opened device and
+/// the node's registered memory, then [`listen`](Self::listen) and/or
+/// [`connect`](Self::connect); every link is a peer. Engine commands go through the named
+/// methods or the [`endpoint`](Self::endpoint) guard; events come from
+/// [`next_event`](Self::next_event).
+#[allow(private_bounds)]
+pub struct VerbsNode<E: Endpoint> {
+    shared: Arc<Shared<E>>,
+    timer: Option<JoinHandle<()>>,
+}
+
+/// A prefill-side node: a core [`Sender`] over verbs. Its regions are registered
+/// [`Exposure::Local`](crate::Exposure::Local).
+pub type VerbsSender = VerbsNode<Sender>;
+/// A decode-side node: a core [`Receiver`] over verbs. Its regions are registered
+/// [`Exposure::RemoteWrite`](crate::Exposure::RemoteWrite).
+pub type VerbsReceiver = VerbsNode<Receiver>;
+
+#[allow(private_bounds)]
+impl<E: Endpoint> VerbsNode<E> {
+    fn start(
+        endpoint: E,
+        device: VerbsDevice,
+        memory: MemoryTable,
+        config: VerbsConfig,
+    ) -> io::Result<Self> {
+        let shared = Arc::new(Shared {
+            state: Arc::new(Mutex::new(State {
+                endpoint,
+                versions: HashMap::new(),
+                events: VecDeque::new(),
+                in_flight: HashMap::new(),
+                timings: VecDeque::new(),
+            })),
+            events_cv: Condvar::new(),
+            timer_cv: Condvar::new(),
+            stop: AtomicBool::new(false),
+            origin: config.origin.unwrap_or_else(std::time::Instant::now),
+            fabric: OnceLock::new(),
+        });
+        let fabric = Fabric::new(device, memory, config.fabric, shared.clone())?;
+        let _ = shared.fabric.set(fabric);
+        let timer = {
+            let shared = shared.clone();
+            thread::Builder::new()
+                .name("kvpipe-verbs-timer".into())
+                .spawn(move || timer_loop(&shared))?
+        };
+        Ok(VerbsNode {
+            shared,
+            timer: Some(timer),
+        })
+    }
+
+    /// The fabric under the node (links, device, failure injection for tests).
+    pub fn fabric(&self) -> &Fabric {
+        self.shared.fabric.get().expect("set at start")
+    }
+
+    /// Accepts connections on `addr`; each becomes a peer.
+    pub fn listen(&self, addr: impl ToSocketAddrs) -> io::Result<SocketAddr> {
+        self.fabric().listen(addr)
+    }
+
+    /// Connects to a node listening at `addr`; the handshake starts at once. Peers are numbered
+    /// from 0 in the order links come up. Do not call it while holding an
+    /// [`EndpointGuard`].
+    pub fn connect(&self, addr: impl ToSocketAddrs) -> io::Result<PeerId> {
+        self.fabric().connect(addr).map(|l| PeerId(l.0))
+    }
+
+    /// Exclusive access to the core endpoint; outputs are carried out when the guard drops.
+    pub fn endpoint(&self) -> EndpointGuard<E> {
+        EndpointGuard {
+            guard: Some(self.shared.state.lock_arc()),
+            shared: self.shared.clone(),
+        }
+    }
+
+    fn with<R>(&self, f: impl FnOnce(&mut E, Instant) -> R) -> R {
+        let mut st = self.shared.state.lock();
+        let now = self.shared.now();
+        let r = f(&mut st.endpoint, now);
+        self.shared.drain(&mut st, now);
+        r
+    }
+
+    /// The node's current time.
+    pub fn now(&self) -> Instant {
+        self.shared.now()
+    }
+
+    /// The next event, waiting up to `timeout`.
+    pub fn next_event(&self, timeout: StdDuration) -> Option<Event> {
+        self.next_event_at(timeout).map(|(_, e)| e)
+    }
+
+    /// The next event and the time it was reported at, waiting up to `timeout`.
+    pub fn next_event_at(&self, timeout: StdDuration) -> Option<(Instant, Event)> {
+        let deadline = std::time::Instant::now() + timeout;
+        let mut st = self.shared.state.lock();
+        loop {
+            if let Some(e) = st.events.pop_front() {
+                return Some(e);
+            }
+            if self
+                .shared
+                .events_cv
+                .wait_until(&mut st, deadline)
+                .timed_out()
+            {
+                return st.events.pop_front();
+            }
+        }
+    }
+
+    /// Every queued event with its time, without waiting.
+    pub fn take_events(&self) -> Vec<(Instant, Event)> {
+        self.shared.state.lock().events.drain(..).collect()
+    }
+
+    /// The peers whose links are up or closing.
+    pub fn peers(&self) -> Vec<PeerId> {
+        self.fabric()
+            .links()
+            .into_iter()
+            .map(|l| PeerId(l.0))
+            .collect()
+    }
+
+    /// Write batches posted and not reported yet.
+    pub fn writes_in_flight(&self) -> usize {
+        self.shared.state.lock().in_flight.len()
+    }
+
+    /// `(bytes, issued, reported)` of recent write batches, in report order.
+    pub fn batch_timings(&self) -> Vec<(u64, Instant, Instant)> {
+        self.shared.state.lock().timings.iter().copied().collect()
+    }
+
+    /// Closes every link, gracefully within `within` (queued frames and writes are sent and
+    /// acknowledged first), then stops the node. Returns whether every link closed in order.
+    pub fn close(mut self, within: StdDuration) -> bool {
+        let clean = self.fabric().close_all(true, within);
+        self.stop();
+        clean
+    }
+
+    /// Closes every link at once and stops the node (what dropping it does).
+    pub fn shutdown(&self) {
+        self.fabric().shutdown();
+    }
+
+    fn stop(&mut self) {
+        self.fabric().shutdown();
+        self.shared.stop.store(true, Ordering::Release);
+        self.shared.timer_cv.notify_all();
+        if let Some(t) = self.timer.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+#[allow(private_bounds)]
+impl<E: Endpoint> Drop for VerbsNode<E> {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+impl VerbsNode<Sender> {
+    /// A prefill-side node on `device` reading sources from `memory`.
+    pub fn sender(
+        config: SenderConfig,
+        device: VerbsDevice,
+        memory: MemoryTable,
+        verbs: VerbsConfig,
+    ) -> io::Result<Self> {
+        Self::start(Sender::new(config), device, memory, verbs)
+    }
+
+    /// Opens a request (see [`Sender::open_request`]).
+    pub fn open_request(&self, req: SendRequest) -> Result<(), UsageError> {
+        self.with(|ep, now| ep.open_request(now, req))
+    }
+
+    /// Submits a computed chunk (see [`Sender::submit_chunk`]).
+    pub fn submit_chunk(
+        &self,
+        request: RequestId,
+        spec: ChunkSpec,
+        source: &mut impl BlockSource,
+    ) -> Result<Option<SenderSliceId>, UsageError> {
+        self.with(|ep, now| ep.submit_chunk(now, request, spec, source))
+    }
+
+    /// Submits the request's aux data.
+    pub fn submit_aux(&self, request: RequestId, data: AuxData) -> Result<(), UsageError> {
+        self.with(|ep, now| ep.handle_input(SenderInput::AuxSubmitted { now, request, data }))
+    }
+
+    /// Cancels a request.
+    pub fn cancel(&self, request: RequestId) -> Result<(), UsageError> {
+        self.with(|ep, now| ep.cancel(now, request))
+    }
+
+    /// Retires a request after its `Quiesced` event.
+    pub fn retire(&self, request: RequestId) -> Result<(), UsageError> {
+        self.with(|ep, now| ep.retire(now, request))
+    }
+
+    /// The core's counters.
+    pub fn counters(&self) -> Counters {
+        *self.shared.state.lock().endpoint.counters()
+    }
+
+    /// Whether the handshake with `peer` completed.
+    pub fn is_peer_ready(&self, peer: PeerId) -> bool {
+        self.shared.state.lock().endpoint.is_peer_ready(peer)
+    }
+
+    /// Sessions the core still holds.
+    pub fn session_count(&self) -> usize {
+        self.shared.state.lock().endpoint.session_count()
+    }
+}
+
+impl VerbsNode<Receiver> {
+    /// A decode-side node on `device` exposing `memory`'s remote-write regions to its peers.
+    pub fn receiver(
+        config: ReceiverConfig,
+        device: VerbsDevice,
+        memory: MemoryTable,
+        verbs: VerbsConfig,
+    ) -> io::Result<Self> {
+        Self::start(Receiver::new(config), device, memory, verbs)
+    }
+
+    /// Registers a request's destination blocks (see [`Receiver::register`]).
+    pub fn register(&self, reg: Registration) -> Result<ReceiverSliceId, UsageError> {
+        self.with(|ep, now| ep.register(now, reg))
+    }
+
+    /// Cancels a request.
+    pub fn cancel(&self, request: RequestId) -> Result<(), UsageError> {
+        self.with(|ep, now| ep.cancel(now, request))
+    }
+
+    /// Retires a request after its `Quiesced` event.
+    pub fn retire(&self, request: RequestId) -> Result<(), UsageError> {
+        self.with(|ep, now| ep.retire(now, request))
+    }
+
+    /// The core's counters.
+    pub fn counters(&self) -> Counters {
+        *self.shared.state.lock().endpoint.counters()
+    }
+
+    /// Whether the handshake with `peer` completed.
+    pub fn is_peer_ready(&self, peer: PeerId) -> bool {
+        self.shared.state.lock().endpoint.is_peer_ready(peer)
+    }
+
+    /// Sessions the core still holds.
+    pub fn session_count(&self) -> usize {
+        self.shared.state.lock().endpoint.session_count()
+    }
+}
+
+/// Exclusive access to a node's core endpoint, for engine commands the node does not wrap.
+/// While it lives the node's threads wait; when it drops, every output the commands produced
+/// is carried out.
+#[allow(private_bounds)]
+pub struct EndpointGuard<E: Endpoint> {
+    guard: Option<parking_lot::ArcMutexGuard<parking_lot::RawMutex, State<E>>>,
+    shared: Arc<Shared<E>>,
+}
+
+#[allow(private_bounds)]
+impl<E: Endpoint> EndpointGuard<E> {
+    /// The node's current time.
+    pub fn now(&self) -> Instant {
+        self.shared.now()
+    }
+
+    /// Write batches posted and not reported yet.
+    pub fn writes_in_flight(&self) -> usize {
+        self.guard.as_ref().map_or(0, |st| st.in_flight.len())
+    }
+
+    /// `(bytes, issued, reported)` of recent write batches, in report order.
+    pub fn batch_timings(&self) -> Vec<(u64, Instant, Instant)> {
+        self.guard
+            .as_ref()
+            .map_or_else(Vec::new, |st| st.timings.iter().copied().collect())
+    }
+}
+
+#[allow(private_bounds)]
+impl<E: Endpoint> std::ops::Deref for EndpointGuard<E> {
+    type Target = E;
+    fn deref(&self) -> &E {
+        &self.guard.as_ref().expect("held until drop").endpoint
+    }
+}
+
+#[allow(private_bounds)]
+impl<E: Endpoint> std::ops::DerefMut for EndpointGuard<E> {
+    fn deref_mut(&mut self) -> &mut E {
+        &mut self.guard.as_mut().expect("held until drop").endpoint
+    }
+}
+
+#[allow(private_bounds)]
+impl<E: Endpoint> Drop for EndpointGuard<E> {
+    fn drop(&mut self) {
+        if let Some(mut st) = self.guard.take() {
+            let now = self.shared.now();
+            self.shared.drain(&mut st, now);
+        }
+    }
+}
