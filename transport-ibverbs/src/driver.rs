@@ -14,11 +14,17 @@
 //! write: a result frame travels on the same queue pair after the writes it reports, and RC
 //! places those writes first; a peer is reported disconnected only after its queue pair is
 //! destroyed.
+//!
+//! The completion poller never waits for the engine: fabric events go to an inbox, applied at
+//! once if the node's lock is free, else by whoever takes the lock next — every taker applies
+//! the inbox first (the engine's guard also when it is released), so a frame that arrived while
+//! the engine held its endpoint is seen before any deadline is checked. The poller retries
+//! the lock on every round while the inbox is not empty.
 
 use std::collections::{HashMap, VecDeque};
 use std::io;
 use std::net::{SocketAddr, ToSocketAddrs};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::thread::{self, JoinHandle};
 use std::time::Duration as StdDuration;
@@ -31,7 +37,7 @@ use kvpipe_core::{
     BlockSource, ChunkSpec, Event, Instant, Output, PeerId, Receiver, ReceiverConfig,
     ReceiverInput, ReceiverSliceId, RequestId, Sender, SenderConfig, SenderInput, SenderSliceId,
 };
-use parking_lot::{Condvar, Mutex};
+use parking_lot::{Condvar, Mutex, MutexGuard};
 
 use crate::device::VerbsDevice;
 use crate::fabric::{
@@ -129,6 +135,9 @@ pub(crate) struct State<E> {
 
 pub(crate) struct Shared<E> {
     state: Arc<Mutex<State<E>>>,
+    /// Fabric events not applied yet, in order.
+    inbox: std::sync::Mutex<VecDeque<FabricEvent>>,
+    inbox_len: AtomicUsize,
     events_cv: Condvar,
     timer_cv: Condvar,
     stop: AtomicBool,
@@ -143,6 +152,36 @@ fn link(peer: PeerId) -> LinkId {
 impl<E: Endpoint> Shared<E> {
     fn now(&self) -> Instant {
         Instant::from_nanos(u64::try_from(self.origin.elapsed().as_nanos()).unwrap_or(u64::MAX))
+    }
+
+    /// Takes the node's lock and applies the inbox.
+    fn lock(&self) -> MutexGuard<'_, State<E>> {
+        let mut st = self.state.lock();
+        self.settle(&mut st);
+        st
+    }
+
+    /// Applies every fabric event in the inbox (the caller holds the lock), then carries out
+    /// what the core asked.
+    fn settle(&self, st: &mut State<E>) {
+        if self.inbox_len.load(Ordering::Acquire) == 0 {
+            return;
+        }
+        let now = self.now();
+        loop {
+            let batch: Vec<FabricEvent> = {
+                let mut inbox = self.inbox.lock().unwrap_or_else(|e| e.into_inner());
+                self.inbox_len.store(0, Ordering::Release);
+                inbox.drain(..).collect()
+            };
+            if batch.is_empty() {
+                break;
+            }
+            for event in batch {
+                self.apply(st, now, event);
+            }
+        }
+        self.drain(st, now);
     }
 
     /// Carries out every pending output of the core.
@@ -204,9 +243,26 @@ impl<E: Endpoint> Shared<E> {
 
 impl<E: Endpoint> FabricHandler for Shared<E> {
     fn handle(&self, event: FabricEvent) {
-        let mut st = self.state.lock();
-        let now = self.now();
-        let st = &mut *st;
+        {
+            let mut inbox = self.inbox.lock().unwrap_or_else(|e| e.into_inner());
+            inbox.push_back(event);
+            self.inbox_len.store(inbox.len(), Ordering::Release);
+        }
+        self.idle();
+    }
+
+    fn idle(&self) {
+        if self.inbox_len.load(Ordering::Acquire) > 0 {
+            if let Some(mut st) = self.state.try_lock() {
+                self.settle(&mut st);
+            }
+        }
+    }
+}
+
+impl<E: Endpoint> Shared<E> {
+    /// Feeds one fabric event to the core (outputs are carried out by the caller's drain).
+    fn apply(&self, st: &mut State<E>, now: Instant, event: FabricEvent) {
         match event {
             FabricEvent::Connected { link } => st.endpoint.input_connected(now, PeerId(link.0)),
             FabricEvent::Message { link, bytes } => {
@@ -248,13 +304,14 @@ impl<E: Endpoint> FabricHandler for Shared<E> {
                 st.endpoint.input_disconnected(now, peer);
             }
         }
-        self.drain(st, now);
     }
 }
 
 fn timer_loop<E: Endpoint>(shared: &Shared<E>) {
-    let mut st = shared.state.lock();
+    let mut st = shared.lock();
     while !shared.stop.load(Ordering::Acquire) {
+        // What arrived while others held the lock counts before any deadline does.
+        shared.settle(&mut st);
         let now = shared.now();
         let next = st.endpoint.next_timeout();
         if next.is_some_and(|at| at <= now) {
@@ -301,6 +358,8 @@ impl<E: Endpoint> VerbsNode<E> {
         config: VerbsConfig,
     ) -> io::Result<Self> {
         let shared = Arc::new(Shared {
+            inbox: std::sync::Mutex::new(VecDeque::new()),
+            inbox_len: AtomicUsize::new(0),
             state: Arc::new(Mutex::new(State {
                 endpoint,
                 versions: HashMap::new(),
@@ -347,14 +406,16 @@ impl<E: Endpoint> VerbsNode<E> {
 
     /// Exclusive access to the core endpoint; outputs are carried out when the guard drops.
     pub fn endpoint(&self) -> EndpointGuard<E> {
+        let mut guard = self.shared.state.lock_arc();
+        self.shared.settle(&mut guard);
         EndpointGuard {
-            guard: Some(self.shared.state.lock_arc()),
+            guard: Some(guard),
             shared: self.shared.clone(),
         }
     }
 
     fn with<R>(&self, f: impl FnOnce(&mut E, Instant) -> R) -> R {
-        let mut st = self.shared.state.lock();
+        let mut st = self.shared.lock();
         let now = self.shared.now();
         let r = f(&mut st.endpoint, now);
         self.shared.drain(&mut st, now);
@@ -374,7 +435,7 @@ impl<E: Endpoint> VerbsNode<E> {
     /// The next event and the time it was reported at, waiting up to `timeout`.
     pub fn next_event_at(&self, timeout: StdDuration) -> Option<(Instant, Event)> {
         let deadline = std::time::Instant::now() + timeout;
-        let mut st = self.shared.state.lock();
+        let mut st = self.shared.lock();
         loop {
             if let Some(e) = st.events.pop_front() {
                 return Some(e);
@@ -392,7 +453,7 @@ impl<E: Endpoint> VerbsNode<E> {
 
     /// Every queued event with its time, without waiting.
     pub fn take_events(&self) -> Vec<(Instant, Event)> {
-        self.shared.state.lock().events.drain(..).collect()
+        self.shared.lock().events.drain(..).collect()
     }
 
     /// The peers whose links are up or closing.
@@ -406,12 +467,12 @@ impl<E: Endpoint> VerbsNode<E> {
 
     /// Write batches posted and not reported yet.
     pub fn writes_in_flight(&self) -> usize {
-        self.shared.state.lock().in_flight.len()
+        self.shared.lock().in_flight.len()
     }
 
     /// `(bytes, issued, reported)` of recent write batches, in report order.
     pub fn batch_timings(&self) -> Vec<(u64, Instant, Instant)> {
-        self.shared.state.lock().timings.iter().copied().collect()
+        self.shared.lock().timings.iter().copied().collect()
     }
 
     /// Closes every link, gracefully within `within` (queued frames and writes are sent and
@@ -487,17 +548,17 @@ impl VerbsNode<Sender> {
 
     /// The core's counters.
     pub fn counters(&self) -> Counters {
-        *self.shared.state.lock().endpoint.counters()
+        *self.shared.lock().endpoint.counters()
     }
 
     /// Whether the handshake with `peer` completed.
     pub fn is_peer_ready(&self, peer: PeerId) -> bool {
-        self.shared.state.lock().endpoint.is_peer_ready(peer)
+        self.shared.lock().endpoint.is_peer_ready(peer)
     }
 
     /// Sessions the core still holds.
     pub fn session_count(&self) -> usize {
-        self.shared.state.lock().endpoint.session_count()
+        self.shared.lock().endpoint.session_count()
     }
 }
 
@@ -529,17 +590,17 @@ impl VerbsNode<Receiver> {
 
     /// The core's counters.
     pub fn counters(&self) -> Counters {
-        *self.shared.state.lock().endpoint.counters()
+        *self.shared.lock().endpoint.counters()
     }
 
     /// Whether the handshake with `peer` completed.
     pub fn is_peer_ready(&self, peer: PeerId) -> bool {
-        self.shared.state.lock().endpoint.is_peer_ready(peer)
+        self.shared.lock().endpoint.is_peer_ready(peer)
     }
 
     /// Sessions the core still holds.
     pub fn session_count(&self) -> usize {
-        self.shared.state.lock().endpoint.session_count()
+        self.shared.lock().endpoint.session_count()
     }
 }
 
@@ -591,6 +652,7 @@ impl<E: Endpoint> std::ops::DerefMut for EndpointGuard<E> {
 impl<E: Endpoint> Drop for EndpointGuard<E> {
     fn drop(&mut self) {
         if let Some(mut st) = self.guard.take() {
+            self.shared.settle(&mut st);
             let now = self.shared.now();
             self.shared.drain(&mut st, now);
         }

@@ -146,6 +146,9 @@ pub enum FabricEvent {
 pub trait FabricHandler: Send + Sync + 'static {
     /// One event; called with no fabric lock held.
     fn handle(&self, event: FabricEvent);
+
+    /// Called by the poller on every round (a handler that defers work can finish it here).
+    fn idle(&self) {}
 }
 
 /// Sizes and timeouts of a fabric.
@@ -164,6 +167,10 @@ pub struct FabricConfig {
     /// Bytes per RDMA WRITE (longer extents are split; capped by the port's maximum message
     /// size).
     pub max_write_bytes: u64,
+    /// Bytes of RDMA WRITEs a link keeps posted at once; the rest waits in the link's queue,
+    /// where control messages overtake it. Bounds how long a control message (a heartbeat, a
+    /// cancel) waits behind data: a window at the link's rate.
+    pub write_window: u64,
     /// Longest control message accepted.
     pub max_message: usize,
     /// RC ACK timeout exponent (4.096 µs × 2^n).
@@ -186,7 +193,9 @@ impl Default for FabricConfig {
             send_buffers: 32,
             send_queue_depth: 256,
             max_sge: 16,
-            max_write_bytes: 1 << 30,
+            // Large enough for line rate, small enough to interleave control messages.
+            max_write_bytes: 1 << 20,
+            write_window: 4 << 20,
             max_message: (16 << 20) + 64,
             // 4.096 µs × 2^16 ≈ 268 ms per try, so a peer whose responses stall under
             // emulation is not given up on too early; a dead peer is noticed through its
@@ -476,14 +485,18 @@ fn poll_loop(shared: &Shared) {
                 lock(&shared.links).remove(&l.id);
             }
         }
+        let handler = shared.handler();
         if !events.is_empty() {
             did = true;
-            if let Some(h) = shared.handler() {
+            if let Some(h) = &handler {
                 for e in events.drain(..) {
                     h.handle(e);
                 }
             }
             events.clear();
+        }
+        if let Some(h) = &handler {
+            h.idle();
         }
         if did {
             backoff.worked();

@@ -1,25 +1,28 @@
 //! One RC link to a peer: its queue pair and completion queue, the control channel (receive
-//! buffers kept posted, send buffers, credits), the queue of operations waiting for send-queue
-//! room, and its teardown.
+//! buffers kept posted, send buffers, credits), the queues of what waits for credits or
+//! send-queue room, and its teardown.
 //!
-//! Everything a link posts goes through one FIFO of operations ([`Op`]), so control messages
-//! and RDMA WRITEs reach the queue pair in the order they were handed over: with RC, writes
-//! posted before a SEND are placed in the peer's memory before the SEND is delivered. All
-//! posts of one [`Link::progress`] or submission are chained into one `ibv_post_send` (one
-//! doorbell).
+//! A link queues control messages and write batches apart, each in order. Control messages
+//! are posted first (as credits and send buffers allow); RDMA WRITEs are posted while the bytes
+//! of posted writes stay within the write window. A control message so waits behind at most a
+//! window of data, never behind whole batches (a heartbeat stuck behind a slow batch would
+//! look like a dead peer), and overtakes only writes not posted yet. The protocol allows it: a
+//! result frame is produced only after every write it reports completed, and RC places the
+//! writes posted before a SEND before the SEND is delivered. All posts of one
+//! [`Link::progress`] or submission are chained into one `ibv_post_send` (one doorbell).
 //!
 //! Send-queue accounting: every SEND and credit write is signaled; of a write batch's work
-//! requests the last one and every [`SIGNAL_EVERY`]th are. A signaled completion frees every
-//! slot posted up to it (RC completes a send queue in order).
+//! requests the last one is, and one at least every [`SIGNAL_EVERY`] requests and every
+//! quarter window of bytes. A signaled completion frees every slot (and window byte) posted up
+//! to it (RC completes a send queue in order).
 //!
 //! Teardown ([`Link::fail`], or a graceful close once everything queued is acknowledged): the
 //! queue pair is moved to the error state (every posted work request flushes; when the peer
 //! closed first, only after [`PEER_CLOSE_GRACE`], so errors already on their way are reported
 //! as themselves), the bootstrap socket is shut down (the peer's link sees its end and tears
-//! down too), the receive flushes
-//! are reaped (bounded by [`FLUSH_WAIT`]), then the queue pair is destroyed — after that the
-//! adapter touches no memory for this link, neither reading sources nor placing a peer's
-//! writes — and only then is the link reported disconnected.
+//! down too), the receive flushes are reaped (bounded by [`FLUSH_WAIT`]), then the queue pair
+//! is destroyed — after that the adapter touches no memory for this link, neither reading
+//! sources nor placing a peer's writes — and only then is the link reported disconnected.
 
 use std::collections::{HashMap, VecDeque};
 use std::io;
@@ -87,23 +90,26 @@ fn sq_depth(config: &FabricConfig, device: &VerbsDevice) -> u32 {
         .clamp(floor, device.max_qp_wr.max(floor))
 }
 
-/// What waits for send-queue room, in order.
-enum Op {
-    /// A control message; `sent` bytes of it went out already.
-    Send { message: Vec<u8>, sent: usize },
-    /// A write batch; work requests `next..` are not posted yet.
-    Batch {
-        token: u64,
-        wrs: Vec<WriteRequest>,
-        segments: Vec<Segment>,
-        next: usize,
-    },
+/// A control message waiting for credits or room; `sent` bytes of it went out already.
+struct PendingSend {
+    message: Vec<u8>,
+    sent: usize,
+}
+
+/// A write batch; work requests `next..` are not posted yet.
+struct PendingBatch {
+    token: u64,
+    wrs: Vec<WriteRequest>,
+    segments: Vec<Segment>,
+    next: usize,
 }
 
 /// A signaled work request on the send queue.
 struct Signaled {
     /// Send-queue slots its completion frees.
     covered: u32,
+    /// Write bytes (of the window) its completion frees.
+    write_bytes: u64,
     /// A send buffer its completion frees.
     send_slot: Option<u32>,
     /// The write batch its completion completes.
@@ -134,7 +140,13 @@ struct Inner {
     qp: Option<BasicQueuePair>,
     state: State,
     cause: Option<LinkFailure>,
-    ops: VecDeque<Op>,
+    sends: VecDeque<PendingSend>,
+    batches: VecDeque<PendingBatch>,
+    /// Bytes of RDMA WRITEs on the send queue (not yet freed by a signaled completion).
+    posted_write_bytes: u64,
+    /// Of those, bytes of unsignaled writes since the last signaled work request.
+    unsignaled_bytes: u64,
+    write_window: u64,
     signaled: VecDeque<Signaled>,
     /// Work requests on the send queue not yet freed by a signaled completion.
     sq_outstanding: u32,
@@ -326,7 +338,11 @@ impl Link {
             qp: Some(qp),
             state: State::Live,
             cause: None,
-            ops: VecDeque::new(),
+            sends: VecDeque::new(),
+            batches: VecDeque::new(),
+            posted_write_bytes: 0,
+            unsignaled_bytes: 0,
+            write_window: config.write_window.max(1),
             signaled: VecDeque::new(),
             sq_outstanding: 0,
             sq_depth,
@@ -371,7 +387,7 @@ impl Link {
         if inner.state != State::Live {
             return Err(inner.cause.clone().unwrap_or(LinkFailure::Closed));
         }
-        inner.ops.push_back(Op::Send { message, sent: 0 });
+        inner.sends.push_back(PendingSend { message, sent: 0 });
         self.pump(&mut inner);
         Ok(())
     }
@@ -403,7 +419,7 @@ impl Link {
         if wrs.is_empty() {
             return Ok(Posted::Done);
         }
-        inner.ops.push_back(Op::Batch {
+        inner.batches.push_back(PendingBatch {
             token,
             wrs,
             segments,
@@ -464,7 +480,8 @@ impl Link {
         }
         let _ = self.socket.shutdown(Shutdown::Both);
         inner.cause = Some(cause);
-        inner.ops.clear();
+        inner.sends.clear();
+        inner.batches.clear();
         inner.state = State::Failing {
             error_at: now + grace,
             errored: false,
@@ -531,7 +548,9 @@ impl Link {
                 }
                 did |= self.pump(&mut inner);
                 if let State::Draining { deadline } = inner.state {
-                    let idle = inner.ops.is_empty() && inner.signaled.is_empty();
+                    let idle = inner.sends.is_empty()
+                        && inner.batches.is_empty()
+                        && inner.signaled.is_empty();
                     if idle || now >= deadline {
                         self.teardown(&mut inner, LinkFailure::Closed, now);
                         did = true;
@@ -662,6 +681,7 @@ impl Link {
         // A successful completion is of the oldest signaled work request.
         if let Some(done) = inner.signaled.pop_front() {
             inner.sq_outstanding = inner.sq_outstanding.saturating_sub(done.covered);
+            inner.posted_write_bytes = inner.posted_write_bytes.saturating_sub(done.write_bytes);
             if let Some(slot) = done.send_slot {
                 inner.free_send_slots.push(slot);
             }
@@ -724,11 +744,15 @@ impl Link {
         let returned = inner.credit_word.load(Ordering::Acquire);
         let Inner {
             qp,
-            ops,
+            sends,
+            batches,
             signaled,
             sq_outstanding,
             sq_depth,
             unsignaled,
+            posted_write_bytes,
+            unsignaled_bytes,
+            write_window,
             free_send_slots,
             credits,
             returns,
@@ -744,16 +768,20 @@ impl Link {
         let mut guard = qp.start_post_send();
         let mut posted = 0u32;
         let room = |posted: u32| *sq_outstanding + posted < *sq_depth;
+        // Closes the run of unsignaled work requests with a signaled one.
         let sign = |signaled: &mut VecDeque<Signaled>,
                     unsignaled: &mut u32,
+                    unsignaled_bytes: &mut u64,
                     send_slot: Option<u32>,
                     batch_done: Option<u64>| {
             signaled.push_back(Signaled {
                 covered: *unsignaled + 1,
+                write_bytes: *unsignaled_bytes,
                 send_slot,
                 batch_done,
             });
             *unsignaled = 0;
+            *unsignaled_bytes = 0;
         };
         if let Some(count) = returns.due() {
             if room(posted) {
@@ -764,98 +792,106 @@ impl Link {
                     )
                     .setup_write(peer_credit.1, peer_credit.0)
                     .setup_inline_data(&count.to_le_bytes());
-                sign(signaled, unsignaled, None, None);
+                sign(signaled, unsignaled, unsignaled_bytes, None, None);
                 returns.written(count);
                 posted += 1;
             }
         }
-        let mut sges: Vec<ibv_sge> = Vec::new();
-        'ops: while let Some(op) = ops.front_mut() {
-            match op {
-                Op::Send { message, sent } => loop {
-                    if !room(posted)
-                        || credits.available(returned) == 0
-                        || free_send_slots.is_empty()
-                    {
-                        break 'ops;
-                    }
-                    let Some((header, payload)) =
-                        fragments(&message[*sent..], self.frag_len).next()
-                    else {
-                        ops.pop_front();
-                        continue 'ops;
-                    };
-                    let slot = free_send_slots.pop().expect("checked non-empty");
-                    let start = slot as usize * self.slot_len;
-                    let buf = &mut ctrl_buf[start..start + 1 + payload.len()];
-                    buf[0] = header;
-                    buf[1..].copy_from_slice(payload);
-                    let addr = buf.as_ptr() as u64;
-                    // SAFETY: the send buffer lies inside the registered control buffer and is
-                    // not reused before this send's completion frees it.
-                    unsafe {
-                        guard
-                            .construct_wr(wr_id(WR_SEND, slot.into()), WorkRequestFlags::Signaled)
-                            .setup_send()
-                            .setup_sge(lkey, addr, (1 + payload.len()) as u32);
-                    }
-                    sign(signaled, unsignaled, Some(slot), None);
-                    credits.spend();
-                    posted += 1;
-                    *sent += payload.len();
-                    if *sent >= message.len() {
-                        ops.pop_front();
-                        continue 'ops;
-                    }
-                },
-                Op::Batch {
-                    token,
-                    wrs,
-                    segments,
-                    next,
-                } => {
-                    while *next < wrs.len() {
-                        if !room(posted) {
-                            break 'ops;
-                        }
-                        let w = wrs[*next];
-                        let last = *next + 1 == wrs.len();
-                        let signal = last || *unsignaled + 1 >= SIGNAL_EVERY;
-                        let flags = if signal {
-                            WorkRequestFlags::Signaled
-                        } else {
-                            WorkRequestFlags::none()
-                        };
-                        sges.clear();
-                        sges.extend(
-                            segments[w.first..w.first + w.count]
-                                .iter()
-                                .map(|s| ibv_sge {
-                                    addr: s.addr,
-                                    length: s.len,
-                                    lkey: s.lkey,
-                                }),
-                        );
-                        // SAFETY: every segment lies inside a registered local region (checked
-                        // by the mapping); the sessions keep the source blocks pinned until
-                        // the batch is reported or the link disconnected.
-                        unsafe {
-                            guard
-                                .construct_wr(wr_id(WR_WRITE, *token), flags)
-                                .setup_write(w.rkey, w.remote_addr)
-                                .setup_sge_list(&sges);
-                        }
-                        if signal {
-                            sign(signaled, unsignaled, None, last.then_some(*token));
-                        } else {
-                            *unsignaled += 1;
-                        }
-                        posted += 1;
-                        *next += 1;
-                    }
-                    ops.pop_front();
+        // Control messages first: they overtake writes not posted yet (never posted ones: RC
+        // keeps the order of what is on the queue pair).
+        'sends: while let Some(op) = sends.front_mut() {
+            loop {
+                if !room(posted) || credits.available(returned) == 0 || free_send_slots.is_empty() {
+                    break 'sends;
+                }
+                let Some((header, payload)) =
+                    fragments(&op.message[op.sent..], self.frag_len).next()
+                else {
+                    sends.pop_front();
+                    continue 'sends;
+                };
+                let slot = free_send_slots.pop().expect("checked non-empty");
+                let start = slot as usize * self.slot_len;
+                let buf = &mut ctrl_buf[start..start + 1 + payload.len()];
+                buf[0] = header;
+                buf[1..].copy_from_slice(payload);
+                let addr = buf.as_ptr() as u64;
+                // SAFETY: the send buffer lies inside the registered control buffer and is not
+                // reused before this send's completion frees it.
+                unsafe {
+                    guard
+                        .construct_wr(wr_id(WR_SEND, slot.into()), WorkRequestFlags::Signaled)
+                        .setup_send()
+                        .setup_sge(lkey, addr, (1 + payload.len()) as u32);
+                }
+                sign(signaled, unsignaled, unsignaled_bytes, Some(slot), None);
+                credits.spend();
+                posted += 1;
+                op.sent += payload.len();
+                if op.sent >= op.message.len() {
+                    sends.pop_front();
+                    continue 'sends;
                 }
             }
+        }
+        // Then writes, in order, while the window of posted write bytes has room (at least one
+        // work request may always be posted), so control messages never wait behind more than
+        // a window of data.
+        let mut sges: Vec<ibv_sge> = Vec::new();
+        'batches: while let Some(b) = batches.front_mut() {
+            while b.next < b.wrs.len() {
+                let w = b.wrs[b.next];
+                let window_full =
+                    *posted_write_bytes > 0 && *posted_write_bytes + w.len > *write_window;
+                if !room(posted) || window_full {
+                    break 'batches;
+                }
+                let last = b.next + 1 == b.wrs.len();
+                // Signal often enough that completions free both the send queue and the window.
+                let signal = last
+                    || *unsignaled + 1 >= SIGNAL_EVERY
+                    || *unsignaled_bytes + w.len >= *write_window / 4;
+                let flags = if signal {
+                    WorkRequestFlags::Signaled
+                } else {
+                    WorkRequestFlags::none()
+                };
+                sges.clear();
+                sges.extend(
+                    b.segments[w.first..w.first + w.count]
+                        .iter()
+                        .map(|s| ibv_sge {
+                            addr: s.addr,
+                            length: s.len,
+                            lkey: s.lkey,
+                        }),
+                );
+                // SAFETY: every segment lies inside a registered local region (checked by the
+                // mapping); the sessions keep the source blocks pinned until the batch is
+                // reported or the link disconnected.
+                unsafe {
+                    guard
+                        .construct_wr(wr_id(WR_WRITE, b.token), flags)
+                        .setup_write(w.rkey, w.remote_addr)
+                        .setup_sge_list(&sges);
+                }
+                *posted_write_bytes += w.len;
+                *unsignaled_bytes += w.len;
+                if signal {
+                    sign(
+                        signaled,
+                        unsignaled,
+                        unsignaled_bytes,
+                        None,
+                        last.then_some(b.token),
+                    );
+                } else {
+                    *unsignaled += 1;
+                }
+                posted += 1;
+                b.next += 1;
+            }
+            batches.pop_front();
         }
         if posted == 0 {
             // Nothing was added to the guard (posting an empty list is not allowed).
