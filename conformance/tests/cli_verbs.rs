@@ -105,3 +105,29 @@ fn serve_and_demo_over_verbs_transfer_and_verify_across_processes() {
     assert_eq!(decode["bytes"], prefill["bytes"], "{decode} {prefill}");
     assert_eq!(decode["bytes"], 2 * 4 * 32 * 40 * 1024, "{decode}");
 }
+
+#[test]
+#[ignore = "needs an RDMA device and perftest: runs in the Soft-RoCE guest (scripts/test-verbs)"]
+fn bench_transfer_over_verbs_reports_against_ib_write_bw() {
+    // One small run: the figures themselves are the bench's business, not a test's.
+    let out = Command::new(KVPIPE)
+        .args(["bench", "transfer", "--transport", "verbs", "--json"])
+        .args(["--tokens", "256", "--chunk-tokens", "128", "--runs", "1"])
+        .args(device_args())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "bench: {stdout} {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let r: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+    assert_eq!(r["transport"], "verbs", "{r}");
+    assert_eq!(r["baseline"], "ib_write_bw", "{r}");
+    assert_eq!(r["verified"], true, "{r}");
+    assert_eq!(r["bytes"], 256 * 128 * 1024, "{r}");
+    assert_eq!(r["qps"], 1, "{r}");
+    assert!(r["ratio"].as_f64().is_some_and(|x| x > 0.0), "{r}");
+    assert!(r["baseline_gbps"].as_f64().is_some_and(|x| x > 0.0), "{r}");
+}

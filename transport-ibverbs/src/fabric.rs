@@ -341,6 +341,12 @@ impl Fabric {
         &self.shared.config
     }
 
+    /// Bytes of the largest RDMA WRITE the fabric posts: the configured size, capped by the
+    /// port's maximum message size.
+    pub fn write_request_bytes(&self) -> u64 {
+        crate::link::write_request_bytes(&self.shared.config, &self.shared.device)
+    }
+
     /// Accepts bootstrap connections on `addr`; each becomes a link.
     pub fn listen(&self, addr: impl ToSocketAddrs) -> io::Result<SocketAddr> {
         let listener = TcpListener::bind(addr)?;

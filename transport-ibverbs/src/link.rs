@@ -90,6 +90,11 @@ fn sq_depth(config: &FabricConfig, device: &VerbsDevice) -> u32 {
         .clamp(floor, device.max_qp_wr.max(floor))
 }
 
+/// Bytes per RDMA WRITE: the configured size capped by the port's maximum message size.
+pub(crate) fn write_request_bytes(config: &FabricConfig, device: &VerbsDevice) -> u64 {
+    config.max_write_bytes.clamp(1, device.max_msg.max(4096))
+}
+
 /// A control message waiting for credits or room; `sent` bytes of it went out already.
 struct PendingSend {
     message: Vec<u8>,
@@ -356,7 +361,7 @@ impl Link {
             peer_credit: (peer.credit_addr, peer.credit_rkey),
             limits: WrLimits {
                 max_sge: max_sge as usize,
-                max_bytes: config.max_write_bytes.min(device.max_msg.max(4096)),
+                max_bytes: write_request_bytes(config, device),
             },
             memory,
             last_socket_check: Instant::now(),
