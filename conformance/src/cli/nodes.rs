@@ -4,6 +4,7 @@
 use std::time::Duration;
 
 use kvpipe_conformance::cache::ReferenceCache;
+use kvpipe_conformance::suite::VerbsHarness;
 use kvpipe_core::session::{Registration, SendRequest, UsageError};
 use kvpipe_core::wire::AuxData;
 use kvpipe_core::{
@@ -62,19 +63,13 @@ pub(crate) fn open_device(device: Option<&str>) -> Result<VerbsDevice, CliError>
 ///
 /// # Safety
 /// As [`regions_of`]: `cache` outlives the node and never moves its regions.
-pub(crate) unsafe fn verbs_regions(
+unsafe fn verbs_regions(
     cache: &mut ReferenceCache,
     device: &VerbsDevice,
     exposure: Exposure,
 ) -> Result<MemoryTable, CliError> {
-    let ids: Vec<_> = cache.region_ids().collect();
-    let mut table = MemoryTable::new();
-    for id in ids {
-        let bytes = cache.region_mut(id).unwrap_or_default();
-        // SAFETY: forwarded from the caller.
-        unsafe { table.register_host(device, id, bytes.as_mut_ptr(), bytes.len(), exposure)? };
-    }
-    Ok(table)
+    // SAFETY: forwarded from the caller.
+    Ok(unsafe { VerbsHarness::register_cache(cache, device, exposure)? })
 }
 
 /// The prefill side's node.

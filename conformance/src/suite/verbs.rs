@@ -33,6 +33,28 @@ impl VerbsHarness {
         }
     }
 
+    /// Registers every region of `cache` with `device`, by address.
+    ///
+    /// # Safety
+    ///
+    /// The cache must outlive every node built on the table and keep its regions where they are
+    /// (the reference cache never reallocates a region).
+    pub unsafe fn register_cache(
+        cache: &mut ReferenceCache,
+        device: &VerbsDevice,
+        exposure: Exposure,
+    ) -> Result<MemoryTable, LinkError> {
+        let ids: Vec<_> = cache.region_ids().collect();
+        let mut table = MemoryTable::new();
+        for id in ids {
+            let bytes = cache.region_mut(id).unwrap_or_default();
+            // SAFETY: forwarded from the caller; the sessions pin blocks until quiesced.
+            unsafe { table.register_host(device, id, bytes.as_mut_ptr(), bytes.len(), exposure) }
+                .map_err(transport)?;
+        }
+        Ok(table)
+    }
+
     /// Opens the harness's device.
     pub fn open_device(&self) -> Result<VerbsDevice, LinkError> {
         let name = self
@@ -57,27 +79,6 @@ pub struct VerbsLink {
 
 fn transport(e: impl std::fmt::Display) -> LinkError {
     LinkError::Transport(e.to_string())
-}
-
-/// Registers every region of `cache` by address.
-///
-/// # Safety
-/// The cache must outlive the node and keep its regions where they are (see
-/// [`Harness::connect`]).
-unsafe fn regions_of(
-    cache: &mut ReferenceCache,
-    device: &VerbsDevice,
-    exposure: Exposure,
-) -> Result<MemoryTable, LinkError> {
-    let ids: Vec<_> = cache.region_ids().collect();
-    let mut table = MemoryTable::new();
-    for id in ids {
-        let bytes = cache.region_mut(id).unwrap_or_default();
-        // SAFETY: forwarded from the caller; the sessions pin blocks until quiesced.
-        unsafe { table.register_host(device, id, bytes.as_mut_ptr(), bytes.len(), exposure) }
-            .map_err(transport)?;
-    }
-    Ok(table)
 }
 
 impl Harness for VerbsHarness {
@@ -111,8 +112,8 @@ impl Harness for VerbsHarness {
         // SAFETY: the caller keeps both caches alive and unmoved while the link lives.
         let (tx_regions, rx_regions) = unsafe {
             (
-                regions_of(sender_cache, &device, Exposure::Local)?,
-                regions_of(receiver_cache, &device, Exposure::RemoteWrite)?,
+                Self::register_cache(sender_cache, &device, Exposure::Local)?,
+                Self::register_cache(receiver_cache, &device, Exposure::RemoteWrite)?,
             )
         };
         let rx = VerbsReceiver::receiver(receiver, device.clone(), rx_regions, verbs.clone())
