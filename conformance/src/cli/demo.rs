@@ -8,7 +8,7 @@ use std::time::Duration;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use kvpipe_conformance::cache::{CacheSpec, ReferenceCache};
 use kvpipe_conformance::suite::demo::{run_demo, DemoConfig, DemoSummary, Model};
-use kvpipe_conformance::suite::{MemHarness, TcpHarness, TransferMode};
+use kvpipe_conformance::suite::{MemHarness, TcpHarness, TransferMode, VerbsHarness};
 use serde::Serialize;
 
 use super::CliError;
@@ -23,8 +23,13 @@ pub(crate) struct DemoArgs {
     /// gemma3-swa (8 global + 40 local layers, window 1024).
     #[arg(long, default_value = "llama3-8b", value_parser = parse_model)]
     model: Model,
-    /// Tokens in each request's prompt.
-    #[arg(long, default_value_t = 4096)]
+    /// Tokens in each request's prompt (default 4096; 1024 with --transport verbs, so that both
+    /// sides' caches fit the 2 GiB Soft-RoCE test guest).
+    #[arg(
+        long,
+        default_value_t = 4096,
+        default_value_if("transport", "verbs", "1024")
+    )]
     prompt_tokens: u32,
     /// Tokens per prefill chunk.
     #[arg(long, default_value_t = 512)]
@@ -66,14 +71,18 @@ pub(crate) struct DemoArgs {
     /// Send everything after prefill instead of chunk by chunk (the baseline).
     #[arg(long)]
     monolithic: bool,
-    /// Transport: mem (in-process) or tcp (two nodes over loopback sockets in this process, or
-    /// with --connect the prefill side only).
+    /// Transport: mem (in-process), tcp (two nodes over loopback sockets in this process, or
+    /// with --connect the prefill side only) or verbs (two RDMA nodes on --device in this
+    /// process, or with --connect the prefill side only).
     #[arg(long, default_value = "mem")]
     transport: String,
-    /// With --transport tcp: run only the prefill side, against `kvpipe serve` listening at
-    /// this address (give both the same workload flags).
+    /// With --transport tcp or verbs: run only the prefill side, against `kvpipe serve`
+    /// listening at this address (give both the same workload flags).
     #[arg(long)]
     connect: Option<String>,
+    /// With --transport verbs: the RDMA device (default: the first with an active port).
+    #[arg(long)]
+    device: Option<String>,
     /// With --transport tcp: connections per peer.
     #[arg(long, default_value_t = 2)]
     connections: usize,
@@ -97,9 +106,9 @@ pub(crate) fn parse_model(s: &str) -> Result<Model, String> {
 }
 
 pub(crate) fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
-    if args.transport != "mem" && args.transport != "tcp" {
+    if !["mem", "tcp", "verbs"].contains(&args.transport.as_str()) {
         return Err(format!(
-            "transport {:?} is not available to the demo; use --transport mem or tcp",
+            "transport {:?} is not available to the demo; use --transport mem, tcp or verbs",
             args.transport
         )
         .into());
@@ -128,8 +137,8 @@ pub(crate) fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
         }
     }
     if let Some(addr) = &args.connect {
-        if args.transport != "tcp" {
-            return Err("--connect needs --transport tcp".into());
+        if args.transport == "mem" {
+            return Err("--connect needs --transport tcp or verbs".into());
         }
         return prefill::run(&args, addr);
     }
@@ -191,6 +200,11 @@ pub(crate) fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
     };
     let (summary, _report) = if args.transport == "tcp" {
         let harness = TcpHarness::blocking(args.connections.clamp(1, 255));
+        run_demo(&harness, &config, progress)?
+    } else if args.transport == "verbs" {
+        let harness = VerbsHarness {
+            device: args.device.clone(),
+        };
         run_demo(&harness, &config, progress)?
     } else {
         run_demo(&harness, &config, progress)?

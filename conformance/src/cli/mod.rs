@@ -6,6 +6,7 @@ use clap::{Parser, Subcommand};
 
 mod bench;
 mod demo;
+mod nodes;
 mod plan;
 mod serve;
 mod sim;
@@ -24,7 +25,7 @@ enum Command {
     Demo(demo::DemoArgs),
     /// Show, per prefill chunk and layer group, the block window and the coalesced writes.
     Plan(plan::PlanArgs),
-    /// Decode side of a two-process transfer over TCP: listen, receive, verify.
+    /// Decode side of a two-process transfer over TCP or RDMA verbs: listen, receive, verify.
     Serve(serve::ServeArgs),
     /// Run a benchmark and report its figures against a same-run baseline.
     Bench(bench::BenchArgs),

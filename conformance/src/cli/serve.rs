@@ -1,6 +1,7 @@
-//! `kvpipe serve --listen ADDR`: the decode side of a two-process transfer over TCP. It builds
-//! the decode engine's reference cache, waits for a prefill node (`kvpipe demo --transport tcp
-//! --connect ADDR`, given the same workload flags) to connect, registers the workload's
+//! `kvpipe serve --listen ADDR`: the decode side of a two-process transfer over TCP or RDMA
+//! verbs (`--transport`). It builds the decode engine's reference cache, waits for a prefill
+//! node (`kvpipe demo --transport tcp|verbs --connect ADDR`, given the same workload flags) to
+//! connect, registers the workload's
 //! requests with it, and verifies every byte that arrives against the deterministic content the
 //! prefill side computed.
 
@@ -12,9 +13,10 @@ use kvpipe_conformance::suite::demo::Model;
 use kvpipe_core::session::{Deadlines, LocalHello, Registration};
 use kvpipe_core::wire::{Role, Topology};
 use kvpipe_core::{Event, InstanceId, PeerId, RequestId};
-use kvpipe_tcp::{MemoryRegion, RegionTable, TcpConfig, TcpReceiver};
+use kvpipe_tcp::{MemoryRegion, RegionTable};
 use serde::Serialize;
 
+use super::nodes::{DecodeNode, TransportChoice};
 use super::CliError;
 
 /// Arguments of `kvpipe serve`.
@@ -24,11 +26,23 @@ pub(crate) struct ServeArgs {
     /// stderr).
     #[arg(long)]
     listen: String,
+    /// Transport: tcp, or verbs (RDMA: the bootstrap listens on --listen, data moves by RDMA
+    /// WRITE on --device).
+    #[arg(long, default_value = "tcp")]
+    transport: String,
+    /// With --transport verbs: the RDMA device (default: the first with an active port).
+    #[arg(long)]
+    device: Option<String>,
     /// Model whose KV cache is received (as `kvpipe demo --model`).
     #[arg(long, default_value = "llama3-8b", value_parser = parse_model)]
     model: Model,
-    /// Tokens in each request's prompt.
-    #[arg(long, default_value_t = 4096)]
+    /// Tokens in each request's prompt (default 4096; 1024 with --transport verbs, so that both
+    /// sides' caches fit the 2 GiB Soft-RoCE test guest).
+    #[arg(
+        long,
+        default_value_t = 4096,
+        default_value_if("transport", "verbs", "1024")
+    )]
     prompt_tokens: u32,
     /// Tokens per KV block.
     #[arg(long, default_value_t = 32)]
@@ -134,6 +148,7 @@ struct ServeReport {
 }
 
 pub(crate) fn run(args: ServeArgs) -> Result<ExitCode, CliError> {
+    let transport = TransportChoice::parse(&args.transport, 1, args.device.as_deref())?;
     let mut cache = two_process_cache(
         args.model.groups(args.window),
         args.tokens_per_block,
@@ -146,8 +161,7 @@ pub(crate) fn run(args: ServeArgs) -> Result<ExitCode, CliError> {
     config.deadlines = two_process_deadlines();
     // SAFETY: `cache` outlives the node (shut down below) and is touched only for registrations
     // and for verification after each request quiesced.
-    let regions = unsafe { regions_of(&mut cache) };
-    let rx = TcpReceiver::new(config, TcpConfig::default(), regions);
+    let rx = unsafe { DecodeNode::new(&transport, config, &mut cache)? };
     let addr = rx.listen(args.listen.as_str())?;
     eprintln!("kvpipe serve: listening on {addr}");
 
@@ -216,7 +230,7 @@ pub(crate) fn run(args: ServeArgs) -> Result<ExitCode, CliError> {
     }
     let seconds = last_completion.duration_since(start).as_secs_f64();
     let mismatched_blocks: usize = completed.iter().map(|&r| cache.verify(r).len()).sum();
-    let writes_refused = rx.stats().writes_refused;
+    let writes_refused = rx.writes_refused();
     // An orderly close: what is still queued (the last results) reaches the other side before
     // this process exits.
     if let Err(e) = rx.close(Duration::from_secs(10)) {
@@ -225,7 +239,7 @@ pub(crate) fn run(args: ServeArgs) -> Result<ExitCode, CliError> {
     let verified = mismatched_blocks == 0 && completed.len() as u32 == args.requests;
     let report = ServeReport {
         role: "decode",
-        transport: "tcp",
+        transport: transport.name(),
         model: args.model.name(),
         requests: args.requests,
         completed: completed.len() as u32,

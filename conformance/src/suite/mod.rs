@@ -22,6 +22,7 @@ mod mem;
 pub mod parallel;
 mod scenarios;
 mod tcp;
+mod verbs;
 
 use kvpipe_core::session::{ReceiverConfig, SenderConfig};
 use kvpipe_core::wire::Role;
@@ -37,6 +38,7 @@ pub use engine::{
 pub use mem::MemHarness;
 pub use scenarios::{check_clean, scenario, scenarios, Scenario};
 pub use tcp::{TcpHarness, TcpLink};
+pub use verbs::{VerbsHarness, VerbsLink};
 
 /// Faults a scenario asks the transport to inject (transport-neutral; a harness maps it onto
 /// its transport's fault wrapper).

@@ -35,13 +35,17 @@ use crate::cli::CliError;
 
 mod device;
 mod tcp;
+mod verbs;
 
 /// Arguments of `kvpipe bench transfer`.
 #[derive(Debug, clap::Args)]
 pub(crate) struct TransferBenchArgs {
-    /// Transport to measure (mem or tcp).
+    /// Transport to measure (mem, tcp or verbs).
     #[arg(long, default_value = "mem")]
     transport: String,
+    /// With --transport verbs: the RDMA device (default: the first with an active port).
+    #[arg(long)]
+    device: Option<String>,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
@@ -191,9 +195,12 @@ pub(crate) fn run(args: TransferBenchArgs) -> Result<ExitCode, CliError> {
     if args.transport == "tcp" {
         return tcp::run(args);
     }
+    if args.transport == "verbs" {
+        return verbs::run(args);
+    }
     if args.transport != "mem" {
         return Err(format!(
-            "transport {:?} has no transfer bench yet; use --transport mem",
+            "transport {:?} has no transfer bench yet; use --transport mem, tcp or verbs",
             args.transport
         )
         .into());

@@ -1,4 +1,4 @@
-//! `kvpipe demo --transport tcp --connect ADDR`: the prefill side of a two-process transfer. It
+//! `kvpipe demo --transport tcp|verbs --connect ADDR`: the prefill side of a two-process transfer. It
 //! connects to `kvpipe serve` (the decode side), prefills the workload's requests chunk by chunk
 //! into its reference cache, and pushes every chunk's blocks as soon as they are computed.
 
@@ -10,11 +10,11 @@ use kvpipe_conformance::suite::demo::median;
 use kvpipe_core::session::{LocalHello, SendRequest};
 use kvpipe_core::wire::{AuxData, Topology};
 use kvpipe_core::{ChunkSpec, Event, RequestId, SenderConfig};
-use kvpipe_tcp::{TcpConfig, TcpSender};
 use serde::Serialize;
 
 use super::DemoArgs;
-use crate::cli::serve::{instance_id, regions_of, two_process_cache, two_process_deadlines};
+use crate::cli::nodes::{PrefillNode, TransportChoice};
+use crate::cli::serve::{instance_id, two_process_cache, two_process_deadlines};
 use crate::cli::CliError;
 
 #[derive(Debug, Serialize)]
@@ -48,17 +48,10 @@ pub(super) fn run(args: &DemoArgs, addr: &str) -> Result<ExitCode, CliError> {
     let mut config = SenderConfig::new(local);
     config.deadlines = two_process_deadlines();
     let connections = args.connections.clamp(1, 255);
+    let transport = TransportChoice::parse(&args.transport, connections, args.device.as_deref())?;
     // SAFETY: `cache` outlives the node (shut down below); the engine computes only blocks no
     // transfer reads (a chunk's blocks are sent after they are computed, and stay untouched).
-    let regions = unsafe { regions_of(&mut cache) };
-    let tx = TcpSender::new(
-        config,
-        TcpConfig {
-            connections_per_peer: connections,
-            ..TcpConfig::default()
-        },
-        regions,
-    );
+    let tx = unsafe { PrefillNode::new(&transport, config, &mut cache)? };
     let peer = tx.connect(addr)?;
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
@@ -189,7 +182,7 @@ pub(super) fn run(args: &DemoArgs, addr: &str) -> Result<ExitCode, CliError> {
     let max_tail = tails.iter().copied().fold(0.0, f64::max);
     let report = PrefillReport {
         role: "prefill",
-        transport: "tcp",
+        transport: transport.name(),
         peer: addr.to_string(),
         model: args.model.name(),
         requests: args.requests,

@@ -53,7 +53,7 @@ struct TcpTransferReport {
     baseline_runs_s: Vec<f64>,
 }
 
-fn wait_event(
+pub(super) fn wait_event(
     next: impl Fn(Duration) -> Option<Event>,
     limit: Duration,
     mut pred: impl FnMut(&Event) -> bool,

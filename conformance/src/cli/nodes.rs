@@ -1,0 +1,265 @@
+//! The prefill and decode nodes of a two-process transfer (`kvpipe demo --connect`, `kvpipe
+//! serve`), over TCP or RDMA verbs: one enum per role, so the commands drive either the same way.
+
+use std::time::Duration;
+
+use kvpipe_conformance::cache::ReferenceCache;
+use kvpipe_conformance::suite::VerbsHarness;
+use kvpipe_core::session::{Registration, SendRequest, UsageError};
+use kvpipe_core::wire::AuxData;
+use kvpipe_core::{
+    BlockSource, ChunkSpec, Event, Instant, PeerId, ReceiverConfig, ReceiverSliceId, RequestId,
+    SenderConfig, SenderSliceId,
+};
+use kvpipe_ibverbs::{
+    DeviceSpec, Exposure, MemoryTable, VerbsConfig, VerbsDevice, VerbsReceiver, VerbsSender,
+};
+use kvpipe_tcp::{TcpConfig, TcpReceiver, TcpSender};
+
+use super::serve::regions_of;
+use super::CliError;
+
+/// A transport of the two-process commands.
+#[derive(Clone, Debug)]
+pub(crate) enum TransportChoice {
+    /// TCP with this many connections per peer.
+    Tcp(usize),
+    /// RDMA verbs on this device (`None`: the first active one).
+    Verbs(Option<String>),
+}
+
+impl TransportChoice {
+    /// Parses `--transport` (with `--connections` and `--device`).
+    pub(crate) fn parse(
+        transport: &str,
+        connections: usize,
+        device: Option<&str>,
+    ) -> Result<Self, CliError> {
+        match transport {
+            "tcp" => Ok(TransportChoice::Tcp(connections.clamp(1, 255))),
+            "verbs" => Ok(TransportChoice::Verbs(device.map(str::to_string))),
+            t => {
+                Err(format!("transport {t:?} cannot run across processes; use tcp or verbs").into())
+            }
+        }
+    }
+
+    /// The transport's name in reports.
+    pub(crate) fn name(&self) -> &'static str {
+        match self {
+            TransportChoice::Tcp(_) => "tcp",
+            TransportChoice::Verbs(_) => "verbs",
+        }
+    }
+}
+
+/// Opens the device `--device` names, or the first active one.
+pub(crate) fn open_device(device: Option<&str>) -> Result<VerbsDevice, CliError> {
+    let spec = device.map_or_else(DeviceSpec::default, DeviceSpec::named);
+    Ok(VerbsDevice::open(&spec)?)
+}
+
+/// Registers every region of `cache` with `device`.
+///
+/// # Safety
+/// As [`regions_of`]: `cache` outlives the node and never moves its regions.
+unsafe fn verbs_regions(
+    cache: &mut ReferenceCache,
+    device: &VerbsDevice,
+    exposure: Exposure,
+) -> Result<MemoryTable, CliError> {
+    // SAFETY: forwarded from the caller.
+    Ok(unsafe { VerbsHarness::register_cache(cache, device, exposure)? })
+}
+
+/// The prefill side's node.
+pub(crate) enum PrefillNode {
+    Tcp(TcpSender),
+    Verbs(VerbsSender),
+}
+
+impl PrefillNode {
+    /// A node over `cache`'s regions.
+    ///
+    /// # Safety
+    /// As [`regions_of`].
+    pub(crate) unsafe fn new(
+        transport: &TransportChoice,
+        config: SenderConfig,
+        cache: &mut ReferenceCache,
+    ) -> Result<Self, CliError> {
+        Ok(match transport {
+            TransportChoice::Tcp(connections) => {
+                let tcp = TcpConfig {
+                    connections_per_peer: *connections,
+                    ..TcpConfig::default()
+                };
+                // SAFETY: forwarded from the caller.
+                PrefillNode::Tcp(TcpSender::new(config, tcp, unsafe { regions_of(cache) }))
+            }
+            TransportChoice::Verbs(device) => {
+                let device = open_device(device.as_deref())?;
+                // SAFETY: forwarded from the caller.
+                let table = unsafe { verbs_regions(cache, &device, Exposure::Local)? };
+                PrefillNode::Verbs(VerbsSender::sender(
+                    config,
+                    device,
+                    table,
+                    VerbsConfig::default(),
+                )?)
+            }
+        })
+    }
+
+    pub(crate) fn connect(&self, addr: &str) -> Result<PeerId, CliError> {
+        Ok(match self {
+            PrefillNode::Tcp(n) => n.connect(addr)?,
+            PrefillNode::Verbs(n) => n.connect(addr)?,
+        })
+    }
+
+    pub(crate) fn next_event(&self, timeout: Duration) -> Option<Event> {
+        match self {
+            PrefillNode::Tcp(n) => n.next_event(timeout),
+            PrefillNode::Verbs(n) => n.next_event(timeout),
+        }
+    }
+
+    pub(crate) fn next_event_at(&self, timeout: Duration) -> Option<(Instant, Event)> {
+        match self {
+            PrefillNode::Tcp(n) => n.next_event_at(timeout),
+            PrefillNode::Verbs(n) => n.next_event_at(timeout),
+        }
+    }
+
+    pub(crate) fn open_request(&self, req: SendRequest) -> Result<(), UsageError> {
+        match self {
+            PrefillNode::Tcp(n) => n.open_request(req),
+            PrefillNode::Verbs(n) => n.open_request(req),
+        }
+    }
+
+    pub(crate) fn submit_chunk(
+        &self,
+        request: RequestId,
+        spec: ChunkSpec,
+        source: &mut impl BlockSource,
+    ) -> Result<Option<SenderSliceId>, UsageError> {
+        match self {
+            PrefillNode::Tcp(n) => n.submit_chunk(request, spec, source),
+            PrefillNode::Verbs(n) => n.submit_chunk(request, spec, source),
+        }
+    }
+
+    pub(crate) fn submit_aux(&self, request: RequestId, data: AuxData) -> Result<(), UsageError> {
+        match self {
+            PrefillNode::Tcp(n) => n.submit_aux(request, data),
+            PrefillNode::Verbs(n) => n.submit_aux(request, data),
+        }
+    }
+
+    pub(crate) fn retire(&self, request: RequestId) -> Result<(), UsageError> {
+        match self {
+            PrefillNode::Tcp(n) => n.retire(request),
+            PrefillNode::Verbs(n) => n.retire(request),
+        }
+    }
+
+    /// Closes in order (what is queued reaches the peer first), bounded by `within`.
+    pub(crate) fn close(self, within: Duration) -> Result<(), CliError> {
+        match self {
+            PrefillNode::Tcp(n) => Ok(n.close(within)?),
+            PrefillNode::Verbs(n) => close_verbs(n.close(within)),
+        }
+    }
+}
+
+fn close_verbs(clean: bool) -> Result<(), CliError> {
+    if clean {
+        Ok(())
+    } else {
+        Err("some links did not close in order before the deadline".into())
+    }
+}
+
+/// The decode side's node.
+pub(crate) enum DecodeNode {
+    Tcp(TcpReceiver),
+    Verbs(VerbsReceiver),
+}
+
+impl DecodeNode {
+    /// A node over `cache`'s regions.
+    ///
+    /// # Safety
+    /// As [`regions_of`].
+    pub(crate) unsafe fn new(
+        transport: &TransportChoice,
+        config: ReceiverConfig,
+        cache: &mut ReferenceCache,
+    ) -> Result<Self, CliError> {
+        Ok(match transport {
+            TransportChoice::Tcp(_) => {
+                // SAFETY: forwarded from the caller.
+                let regions = unsafe { regions_of(cache) };
+                DecodeNode::Tcp(TcpReceiver::new(config, TcpConfig::default(), regions))
+            }
+            TransportChoice::Verbs(device) => {
+                let device = open_device(device.as_deref())?;
+                // SAFETY: forwarded from the caller.
+                let table = unsafe { verbs_regions(cache, &device, Exposure::RemoteWrite)? };
+                DecodeNode::Verbs(VerbsReceiver::receiver(
+                    config,
+                    device,
+                    table,
+                    VerbsConfig::default(),
+                )?)
+            }
+        })
+    }
+
+    pub(crate) fn listen(&self, addr: &str) -> Result<std::net::SocketAddr, CliError> {
+        Ok(match self {
+            DecodeNode::Tcp(n) => n.listen(addr)?,
+            DecodeNode::Verbs(n) => n.listen(addr)?,
+        })
+    }
+
+    pub(crate) fn next_event(&self, timeout: Duration) -> Option<Event> {
+        match self {
+            DecodeNode::Tcp(n) => n.next_event(timeout),
+            DecodeNode::Verbs(n) => n.next_event(timeout),
+        }
+    }
+
+    pub(crate) fn register(&self, reg: Registration) -> Result<ReceiverSliceId, UsageError> {
+        match self {
+            DecodeNode::Tcp(n) => n.register(reg),
+            DecodeNode::Verbs(n) => n.register(reg),
+        }
+    }
+
+    pub(crate) fn retire(&self, request: RequestId) -> Result<(), UsageError> {
+        match self {
+            DecodeNode::Tcp(n) => n.retire(request),
+            DecodeNode::Verbs(n) => n.retire(request),
+        }
+    }
+
+    /// Writes the transport refused (TCP's grant check; the verbs adapter's refusals fail the
+    /// link instead and are not counted here).
+    pub(crate) fn writes_refused(&self) -> u64 {
+        match self {
+            DecodeNode::Tcp(n) => n.stats().writes_refused,
+            DecodeNode::Verbs(_) => 0,
+        }
+    }
+
+    /// Closes in order, bounded by `within`.
+    pub(crate) fn close(self, within: Duration) -> Result<(), CliError> {
+        match self {
+            DecodeNode::Tcp(n) => Ok(n.close(within)?),
+            DecodeNode::Verbs(n) => close_verbs(n.close(within)),
+        }
+    }
+}

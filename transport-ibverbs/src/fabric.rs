@@ -1,0 +1,533 @@
+//! The verbs fabric of one node: its links to peers (RC queue pairs set up over a TCP
+//! bootstrap), the accept thread, and the completion poller that drives every link. It knows
+//! nothing of sessions: it moves opaque control messages and executes write plans, and
+//! reports what happened as [`FabricEvent`]s to one [`FabricHandler`].
+//!
+//! # Threads and locks
+//!
+//! One poller thread reaps every link's completion queue, delivers messages, posts what waits
+//! for credits or send-queue room, watches each link's bootstrap socket and advances
+//! teardowns; it idles by the bounded spin-then-sleep [`IdlePolicy`], and is woken early by
+//! every submission. The handler is called from the poller (and from `connect` / the accept
+//! thread for [`FabricEvent::Connected`]) with no fabric lock held, so it may call back into
+//! the fabric (`send`, `post_writes`, `close`). A link is polled only after its `Connected`
+//! event returned, so nothing of a link reaches the handler before its `Connected`.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::io;
+use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::{self, JoinHandle, Thread};
+use std::time::{Duration, Instant};
+
+use kvpipe_core::WriteExtent;
+use sideway::ibverbs::completion::WorkCompletionStatus;
+use thiserror::Error;
+
+use crate::device::VerbsDevice;
+use crate::idle::{Backoff, IdlePolicy, IdleStep};
+use crate::link::Link;
+use crate::memory::MemoryTable;
+
+/// A link to one peer, numbered from 0 by the node in the order links come up.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct LinkId(pub u32);
+
+impl fmt::Display for LinkId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "link#{}", self.0)
+    }
+}
+
+/// Why a link went down.
+#[derive(Clone, Debug, PartialEq, Eq, Error)]
+pub enum LinkFailure {
+    /// This side closed it.
+    #[error("closed by this side")]
+    Closed,
+    /// The peer's bootstrap socket ended: its process died or it tore the link down.
+    #[error("the peer closed the link (its bootstrap socket ended)")]
+    PeerClosed,
+    /// A work request completed with an error (the queue pair is in the error state).
+    #[error("{op} completed with {name} (status {status})")]
+    Completion {
+        /// What completed.
+        op: &'static str,
+        /// The status's name.
+        name: &'static str,
+        /// The verbs status code.
+        status: u32,
+    },
+    /// The peer broke the control channel's framing.
+    #[error("the peer broke the control channel: {0}")]
+    Protocol(String),
+    /// The bootstrap socket failed.
+    #[error("bootstrap socket failed: {0}")]
+    Socket(String),
+    /// A verbs call failed.
+    #[error("verbs call failed: {0}")]
+    Verbs(String),
+    /// The fabric shut down.
+    #[error("the fabric shut down")]
+    Shutdown,
+}
+
+impl LinkFailure {
+    pub(crate) fn completion(op: &'static str, status: u32) -> Self {
+        LinkFailure::Completion {
+            op,
+            name: status_name(status),
+            status,
+        }
+    }
+}
+
+/// Why a write batch failed.
+#[derive(Clone, Debug, PartialEq, Eq, Error)]
+pub enum WriteFailure {
+    /// The link is down (nothing was posted).
+    #[error("the link is down: {0}")]
+    LinkDown(LinkFailure),
+    /// The plan names memory that is not registered or announced (nothing was posted).
+    #[error("the plan cannot be posted: {0}")]
+    Unmappable(String),
+    /// A write completed with an error; the link fails with it.
+    #[error("an RDMA write completed with {0} (status {1})")]
+    Completion(&'static str, u32),
+}
+
+/// Whether a submitted write batch is done already.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Posted {
+    /// Posted (or queued); a [`FabricEvent::WritesDone`] reports it.
+    Queued,
+    /// It writes nothing: done at once, no event follows.
+    Done,
+}
+
+/// What the fabric reports.
+#[derive(Debug)]
+pub enum FabricEvent {
+    /// A link is up (both queue pairs ready, receive buffers posted).
+    Connected {
+        /// The link.
+        link: LinkId,
+    },
+    /// A whole control message arrived.
+    Message {
+        /// The link.
+        link: LinkId,
+        /// The message.
+        bytes: Vec<u8>,
+    },
+    /// A write batch finished: every write was acknowledged by the peer's adapter (placed in
+    /// its memory), or one failed.
+    WritesDone {
+        /// The link.
+        link: LinkId,
+        /// The token the batch was posted with.
+        token: u64,
+        /// The outcome.
+        result: Result<(), WriteFailure>,
+    },
+    /// The link is gone: its queue pair is destroyed, no write of it can still read local
+    /// memory or land in it. Batches not reported yet never will be.
+    Disconnected {
+        /// The link.
+        link: LinkId,
+        /// Why.
+        cause: LinkFailure,
+    },
+}
+
+/// Receives the fabric's events.
+pub trait FabricHandler: Send + Sync + 'static {
+    /// One event; called with no fabric lock held.
+    fn handle(&self, event: FabricEvent);
+
+    /// Called by the poller on every round (a handler that defers work can finish it here).
+    fn idle(&self) {}
+}
+
+/// Sizes and timeouts of a fabric.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FabricConfig {
+    /// Receive buffers each link keeps posted for control messages (the peer's credits).
+    pub recv_depth: u32,
+    /// Size of each control buffer; longer messages are fragmented.
+    pub recv_buf_len: u32,
+    /// Send buffers per link (control messages in flight).
+    pub send_buffers: u32,
+    /// Work requests per link's send queue.
+    pub send_queue_depth: u32,
+    /// Scatter/gather entries per RDMA WRITE (capped by the device).
+    pub max_sge: u32,
+    /// Bytes per RDMA WRITE (longer extents are split; capped by the port's maximum message
+    /// size).
+    pub max_write_bytes: u64,
+    /// Bytes of RDMA WRITEs a link keeps posted at once; the rest waits in the link's queue,
+    /// where control messages overtake it. Bounds how long a control message (a heartbeat, a
+    /// cancel) waits behind data: a window at the link's rate.
+    pub write_window: u64,
+    /// Longest control message accepted.
+    pub max_message: usize,
+    /// RC ACK timeout exponent (4.096 µs × 2^n).
+    pub ack_timeout: u8,
+    /// RC retransmissions before a work request fails.
+    pub retry_count: u8,
+    /// Bound on the bootstrap exchange.
+    pub handshake_timeout: Duration,
+    /// Bound on a graceful close.
+    pub close_grace: Duration,
+    /// The poller's idle policy.
+    pub idle: IdlePolicy,
+}
+
+impl Default for FabricConfig {
+    fn default() -> Self {
+        FabricConfig {
+            recv_depth: 64,
+            recv_buf_len: 4096,
+            send_buffers: 32,
+            send_queue_depth: 256,
+            max_sge: 16,
+            // Large enough for line rate, small enough to interleave control messages.
+            max_write_bytes: 1 << 20,
+            write_window: 4 << 20,
+            max_message: (16 << 20) + 64,
+            // 4.096 µs × 2^16 ≈ 268 ms per try, so a peer whose responses stall under
+            // emulation is not given up on too early; a dead peer is noticed through its
+            // bootstrap socket long before.
+            ack_timeout: 16,
+            retry_count: 7,
+            handshake_timeout: Duration::from_secs(10),
+            close_grace: Duration::from_secs(2),
+            idle: IdlePolicy::default(),
+        }
+    }
+}
+
+pub(crate) fn status_name(status: u32) -> &'static str {
+    use WorkCompletionStatus as S;
+    const NAMES: [(WorkCompletionStatus, &str); 12] = [
+        (S::Success, "SUCCESS"),
+        (S::LocalLengthError, "LOC_LEN_ERR"),
+        (S::LocalQueuePairOperationError, "LOC_QP_OP_ERR"),
+        (S::LocalProtectionError, "LOC_PROT_ERR"),
+        (S::WorkRequestFlushedError, "WR_FLUSH_ERR"),
+        (S::LocalAccessError, "LOC_ACCESS_ERR"),
+        (S::RemoteInvalidRequestError, "REM_INV_REQ_ERR"),
+        (S::RemoteAccessError, "REM_ACCESS_ERR"),
+        (S::RemoteOperationError, "REM_OP_ERR"),
+        (S::RetryCounterExceededError, "RETRY_EXC_ERR"),
+        (
+            S::ResponderNotReadyRetryCounterExceededError,
+            "RNR_RETRY_EXC_ERR",
+        ),
+        (S::FatalError, "FATAL_ERR"),
+    ];
+    NAMES
+        .iter()
+        .find(|(s, _)| *s as u32 == status)
+        .map_or("error", |(_, n)| n)
+}
+
+struct Shared {
+    device: VerbsDevice,
+    memory: Arc<MemoryTable>,
+    config: FabricConfig,
+    links: Mutex<HashMap<LinkId, Arc<Link>>>,
+    next_link: AtomicU32,
+    handler: Mutex<Option<Arc<dyn FabricHandler>>>,
+    poller: Mutex<Option<Thread>>,
+    stop: AtomicBool,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Shared {
+    fn handler(&self) -> Option<Arc<dyn FabricHandler>> {
+        lock(&self.handler).clone()
+    }
+
+    fn link(&self, link: LinkId) -> Option<Arc<Link>> {
+        lock(&self.links).get(&link).cloned()
+    }
+
+    fn wake(&self) {
+        if let Some(t) = lock(&self.poller).as_ref() {
+            t.unpark();
+        }
+    }
+
+    /// Sets a link up on a connected socket, reports it, then hands it to the poller.
+    fn adopt(&self, socket: TcpStream) -> io::Result<LinkId> {
+        if self.stop.load(Ordering::Acquire) {
+            return Err(io::Error::other("the fabric is shut down"));
+        }
+        let id = LinkId(self.next_link.fetch_add(1, Ordering::Relaxed));
+        let link = Link::establish(id, &self.device, self.memory.clone(), &self.config, socket)?;
+        let link = Arc::new(link);
+        // In the table first, so the handler can send on it while it hears of it; polled
+        // only once announced, so nothing of the link reaches the handler before that.
+        lock(&self.links).insert(id, link.clone());
+        if let Some(h) = self.handler() {
+            h.handle(FabricEvent::Connected { link: id });
+        }
+        link.announced.store(true, Ordering::Release);
+        self.wake();
+        Ok(id)
+    }
+}
+
+/// The verbs fabric of one node (see the module documentation).
+pub struct Fabric {
+    shared: Arc<Shared>,
+    threads: Mutex<Vec<JoinHandle<()>>>,
+}
+
+impl fmt::Debug for Fabric {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Fabric")
+            .field("device", &self.shared.device)
+            .field("links", &self.links())
+            .finish()
+    }
+}
+
+impl Fabric {
+    /// A fabric on `device` exposing `memory`'s remote-write regions to every peer, reporting
+    /// to `handler`. Starts the poller thread.
+    pub fn new(
+        device: VerbsDevice,
+        memory: MemoryTable,
+        config: FabricConfig,
+        handler: Arc<dyn FabricHandler>,
+    ) -> io::Result<Fabric> {
+        let shared = Arc::new(Shared {
+            device,
+            memory: Arc::new(memory),
+            config,
+            links: Mutex::new(HashMap::new()),
+            next_link: AtomicU32::new(0),
+            handler: Mutex::new(Some(handler)),
+            poller: Mutex::new(None),
+            stop: AtomicBool::new(false),
+        });
+        let poller = {
+            let shared = shared.clone();
+            thread::Builder::new()
+                .name("kvpipe-verbs-cq".into())
+                .spawn(move || poll_loop(&shared))?
+        };
+        *lock(&shared.poller) = Some(poller.thread().clone());
+        Ok(Fabric {
+            shared,
+            threads: Mutex::new(vec![poller]),
+        })
+    }
+
+    /// The device the fabric runs on.
+    pub fn device(&self) -> &VerbsDevice {
+        &self.shared.device
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &FabricConfig {
+        &self.shared.config
+    }
+
+    /// Bytes of the largest RDMA WRITE the fabric posts: the configured size, capped by the
+    /// port's maximum message size.
+    pub fn write_request_bytes(&self) -> u64 {
+        crate::link::write_request_bytes(&self.shared.config, &self.shared.device)
+    }
+
+    /// Accepts bootstrap connections on `addr`; each becomes a link.
+    pub fn listen(&self, addr: impl ToSocketAddrs) -> io::Result<SocketAddr> {
+        let listener = TcpListener::bind(addr)?;
+        let local = listener.local_addr()?;
+        listener.set_nonblocking(true)?;
+        let shared = self.shared.clone();
+        let handle = thread::Builder::new()
+            .name("kvpipe-verbs-accept".into())
+            .spawn(move || accept_loop(&shared, &listener))?;
+        lock(&self.threads).push(handle);
+        Ok(local)
+    }
+
+    /// Connects to a listening fabric at `addr` and sets the link up. Its
+    /// [`FabricEvent::Connected`] is delivered before this returns. Do not call it while
+    /// holding a lock the handler takes.
+    pub fn connect(&self, addr: impl ToSocketAddrs) -> io::Result<LinkId> {
+        let addr = addr
+            .to_socket_addrs()?
+            .next()
+            .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "no address"))?;
+        let socket = TcpStream::connect_timeout(&addr, self.shared.config.handshake_timeout)?;
+        self.shared.adopt(socket)
+    }
+
+    /// Queues a control message on `link` (delivered in order, as one message).
+    pub fn send(&self, link: LinkId, message: Vec<u8>) -> Result<(), LinkFailure> {
+        let l = self.shared.link(link).ok_or(LinkFailure::Closed)?;
+        let r = l.send_message(message);
+        self.shared.wake();
+        r
+    }
+
+    /// Executes a write plan on `link`: RDMA WRITEs from local regions into the peer's
+    /// announced regions, reported as `token` by [`FabricEvent::WritesDone`].
+    pub fn post_writes(
+        &self,
+        link: LinkId,
+        token: u64,
+        extents: &[WriteExtent],
+    ) -> Result<Posted, WriteFailure> {
+        let l = self
+            .shared
+            .link(link)
+            .ok_or(WriteFailure::LinkDown(LinkFailure::Closed))?;
+        let r = l.post_writes(token, extents);
+        self.shared.wake();
+        r
+    }
+
+    /// Closes `link`: gracefully (queued messages and writes are sent and acknowledged first,
+    /// bounded by [`FabricConfig::close_grace`]) or at once. A
+    /// [`FabricEvent::Disconnected`] follows.
+    pub fn close(&self, link: LinkId, graceful: bool) {
+        if let Some(l) = self.shared.link(link) {
+            l.close(graceful, self.shared.config.close_grace);
+            self.shared.wake();
+        }
+    }
+
+    /// Fails `link` as a fabric error would: its queue pair is moved to the error state
+    /// (every posted work request flushes) and the link is torn down like after any failed
+    /// completion. For failure tests.
+    pub fn inject_error_state(&self, link: LinkId) -> io::Result<()> {
+        let l = self
+            .shared
+            .link(link)
+            .ok_or_else(|| io::Error::other(format!("{link} is gone")))?;
+        l.force_error_state()?;
+        self.shared.wake();
+        Ok(())
+    }
+
+    /// The links that are up or closing, in id order.
+    pub fn links(&self) -> Vec<LinkId> {
+        let mut v: Vec<LinkId> = lock(&self.shared.links).keys().copied().collect();
+        v.sort_unstable();
+        v
+    }
+
+    /// Closes every link at once, waits (bounded) until each is torn down, stops the threads
+    /// and drops the handler. Idempotent.
+    pub fn shutdown(&self) {
+        self.close_all(false, Duration::ZERO);
+    }
+
+    /// Closes every link gracefully within `within`, then as [`Fabric::shutdown`]. Returns
+    /// whether every link closed before the deadline.
+    pub fn close_all(&self, graceful: bool, within: Duration) -> bool {
+        let shared = &self.shared;
+        let links: Vec<Arc<Link>> = lock(&shared.links).values().cloned().collect();
+        for l in &links {
+            l.close(graceful, within);
+        }
+        shared.wake();
+        let deadline = Instant::now() + within + crate::link::FLUSH_WAIT + Duration::from_secs(1);
+        while !lock(&shared.links).is_empty() && Instant::now() < deadline {
+            thread::sleep(Duration::from_millis(1));
+        }
+        let clean = lock(&shared.links).is_empty();
+        shared.stop.store(true, Ordering::Release);
+        shared.wake();
+        let handles: Vec<JoinHandle<()>> = std::mem::take(&mut *lock(&self.threads));
+        for h in handles {
+            let _ = h.join();
+        }
+        *lock(&shared.handler) = None;
+        clean
+    }
+}
+
+impl Drop for Fabric {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+fn poll_loop(shared: &Shared) {
+    let mut backoff = Backoff::new(shared.config.idle);
+    let mut events: Vec<FabricEvent> = Vec::new();
+    let mut links: Vec<Arc<Link>> = Vec::new();
+    loop {
+        links.clear();
+        links.extend(lock(&shared.links).values().cloned());
+        let stopping = shared.stop.load(Ordering::Acquire);
+        if stopping {
+            // Whatever is still up is torn down now (and reported) before the thread ends.
+            for l in &links {
+                l.fail(LinkFailure::Shutdown);
+            }
+            if links.is_empty() {
+                return;
+            }
+        }
+        let mut did = false;
+        for l in links
+            .iter()
+            .filter(|l| stopping || l.announced.load(Ordering::Acquire))
+        {
+            did |= l.progress(&mut events);
+            if l.is_closed() {
+                lock(&shared.links).remove(&l.id);
+            }
+        }
+        let handler = shared.handler();
+        if !events.is_empty() {
+            did = true;
+            if let Some(h) = &handler {
+                for e in events.drain(..) {
+                    h.handle(e);
+                }
+            }
+            events.clear();
+        }
+        if let Some(h) = &handler {
+            h.idle();
+        }
+        if did {
+            backoff.worked();
+            continue;
+        }
+        match backoff.idle(Instant::now()) {
+            IdleStep::Spin => std::hint::spin_loop(),
+            IdleStep::Sleep(d) => thread::park_timeout(d),
+        }
+    }
+}
+
+fn accept_loop(shared: &Shared, listener: &TcpListener) {
+    while !shared.stop.load(Ordering::Acquire) {
+        match listener.accept() {
+            Ok((socket, _)) => {
+                if socket.set_nonblocking(false).is_ok() {
+                    // A failed setup only loses that connection attempt.
+                    let _ = shared.adopt(socket);
+                }
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                thread::sleep(Duration::from_millis(2));
+            }
+            Err(_) => thread::sleep(Duration::from_millis(10)),
+        }
+    }
+}
