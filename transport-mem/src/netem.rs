@@ -619,15 +619,9 @@ impl Netem {
 
 /// Whether `bytes` is a handshake frame (hello, accept, reject).
 fn is_handshake(bytes: &[u8]) -> bool {
-    FrameHeader::view(bytes).is_some_and(|h| {
-        [
-            FrameKind::Hello,
-            FrameKind::HelloAccept,
-            FrameKind::HelloReject,
-        ]
-        .iter()
-        .any(|k| k.code() == h.kind)
-    })
+    FrameHeader::view(bytes)
+        .and_then(|h| FrameKind::from_code(h.kind))
+        .is_some_and(FrameKind::is_handshake)
 }
 
 /// The frames in flight one way on one link, each with the time it is due, in delivery order.
