@@ -11,11 +11,16 @@ use kvpipe_core::{
     RequestId, Sender, SenderConfig, SenderSliceId,
 };
 
-use super::node::{Backend, CloseError, EndpointGuard, Node};
+use kvpipe_core::session::Registration;
+use kvpipe_core::DataPath;
+
+use crate::blocking::Threads;
 use crate::config::TcpConfig;
 use crate::memory::RegionTable;
+use crate::node::guard::EndpointGuard;
+use crate::node::lifecycle::{CloseError, Node};
+use crate::node::Spawn;
 use crate::stats::TcpStats;
-use kvpipe_core::session::Registration;
 
 /// A prefill-side node: a core [`Sender`] driven over TCP with std threads.
 ///
@@ -30,20 +35,18 @@ pub struct TcpSender {
 impl TcpSender {
     /// A node around a core sender, reading source bytes from `regions`.
     pub fn new(config: SenderConfig, tcp: TcpConfig, regions: RegionTable) -> Self {
-        TcpSender {
-            node: Node::new(Sender::new(config), tcp, regions, Backend::Threads),
-        }
+        Self::with_spawn(config, tcp, regions, Box::new(Threads))
     }
 
-    #[cfg(feature = "tokio")]
-    pub(crate) fn with_backend(
+    /// A node whose connection halves run where `spawn` starts them.
+    pub(crate) fn with_spawn(
         config: SenderConfig,
         tcp: TcpConfig,
         regions: RegionTable,
-        backend: Backend,
+        spawn: Box<dyn Spawn>,
     ) -> Self {
         TcpSender {
-            node: Node::new(Sender::new(config), tcp, regions, backend),
+            node: Node::new(Sender::new(config), tcp, regions, spawn),
         }
     }
 
@@ -66,9 +69,7 @@ impl TcpSender {
 
     /// Opens a request (see [`Sender::open_request`]).
     pub fn open_request(&self, req: SendRequest) -> Result<(), UsageError> {
-        self.node
-            .shared
-            .with(|st, now| st.endpoint.open_request(now, req))
+        self.node.shared.with(|ep, now| ep.open_request(now, req))
     }
 
     /// Submits a computed chunk (see [`Sender::submit_chunk`]).
@@ -80,29 +81,24 @@ impl TcpSender {
     ) -> Result<Option<SenderSliceId>, UsageError> {
         self.node
             .shared
-            .with(|st, now| st.endpoint.submit_chunk(now, request, spec, source))
+            .with(|ep, now| ep.submit_chunk(now, request, spec, source))
     }
 
     /// Submits the request's aux data.
     pub fn submit_aux(&self, request: RequestId, data: AuxData) -> Result<(), UsageError> {
-        self.node.shared.with(|st, now| {
-            st.endpoint
-                .handle_input(kvpipe_core::SenderInput::AuxSubmitted { now, request, data })
-        })
+        self.node
+            .shared
+            .with(|ep, now| ep.submit_aux(now, request, data))
     }
 
     /// Cancels a request.
     pub fn cancel(&self, request: RequestId) -> Result<(), UsageError> {
-        self.node
-            .shared
-            .with(|st, now| st.endpoint.cancel(now, request))
+        self.node.shared.with(|ep, now| ep.cancel(now, request))
     }
 
     /// Retires a request after its `Quiesced` event.
     pub fn retire(&self, request: RequestId) -> Result<(), UsageError> {
-        self.node
-            .shared
-            .with(|st, now| st.endpoint.retire(now, request))
+        self.node.shared.with(|ep, now| ep.retire(now, request))
     }
 
     /// The next event, waiting up to `timeout`.
@@ -137,7 +133,7 @@ impl TcpSender {
 
     /// `(bytes, issued, written out)` of recent write batches, in completion order.
     pub fn batch_timings(&self) -> Vec<(u64, Instant, Instant)> {
-        self.node.shared.lock().timings.iter().copied().collect()
+        self.node.batch_timings()
     }
 
     /// Write batches handed to connections and not written out yet.
@@ -147,12 +143,12 @@ impl TcpSender {
 
     /// Whether the handshake with `peer` completed.
     pub fn is_peer_ready(&self, peer: PeerId) -> bool {
-        self.node.shared.lock().endpoint.is_peer_ready(peer)
+        self.node.shared.state.lock().endpoint.is_peer_ready(peer)
     }
 
     /// The core's counters.
     pub fn counters(&self) -> Counters {
-        *self.node.shared.lock().endpoint.counters()
+        *self.node.shared.state.lock().endpoint.counters()
     }
 
     /// The transport's counters.
@@ -162,7 +158,7 @@ impl TcpSender {
 
     /// Sessions the core still holds.
     pub fn session_count(&self) -> usize {
-        self.node.shared.lock().endpoint.session_count()
+        self.node.shared.state.lock().endpoint.session_count()
     }
 
     /// Closes every connection at once and stops the node's threads: frames and data still
@@ -181,30 +177,33 @@ impl TcpSender {
 
 /// A decode-side node: a core [`Receiver`] driven over TCP with std threads.
 ///
-/// Register a request's destination blocks with [`register`](Self::register): the node grants
-/// the request exactly the bytes of those blocks in the pool regions, and every incoming data
-/// write is checked against that grant before a byte is read into memory.
+/// Register a request's destination blocks with [`register`](Self::register): every incoming
+/// data write is admitted by the core ([`Receiver::admit_write`]: that request's grant, one of
+/// its writers, inside its blocks, overlapping no write in flight) before a byte is read into
+/// memory.
 pub struct TcpReceiver {
     node: Node<Receiver>,
 }
 
 impl TcpReceiver {
     /// A node around a core receiver, landing payloads in `regions`.
+    ///
+    /// TCP applies every data write itself, so the receiver runs with
+    /// [`DataPath::Landed`] whatever `config.data_path` says.
     pub fn new(config: ReceiverConfig, tcp: TcpConfig, regions: RegionTable) -> Self {
-        TcpReceiver {
-            node: Node::new(Receiver::new(config), tcp, regions, Backend::Threads),
-        }
+        Self::with_spawn(config, tcp, regions, Box::new(Threads))
     }
 
-    #[cfg(feature = "tokio")]
-    pub(crate) fn with_backend(
-        config: ReceiverConfig,
+    /// A node whose connection halves run where `spawn` starts them.
+    pub(crate) fn with_spawn(
+        mut config: ReceiverConfig,
         tcp: TcpConfig,
         regions: RegionTable,
-        backend: Backend,
+        spawn: Box<dyn Spawn>,
     ) -> Self {
+        config.data_path = DataPath::Landed;
         TcpReceiver {
-            node: Node::new(Receiver::new(config), tcp, regions, backend),
+            node: Node::new(Receiver::new(config), tcp, regions, spawn),
         }
     }
 
@@ -223,27 +222,21 @@ impl TcpReceiver {
         self.node.connect(addr)
     }
 
-    /// Registers a request's destination and grants its writers exactly those blocks' bytes
-    /// (see [`Receiver::register`]).
+    /// Registers a request's destination: the core admits data writes of its writers into
+    /// exactly those blocks' bytes (see [`Receiver::register`]).
     pub fn register(&self, reg: Registration) -> Result<ReceiverSliceId, UsageError> {
-        self.node
-            .shared
-            .with(|st, now| st.endpoint.register(now, reg))
+        self.node.shared.with(|ep, now| ep.register(now, reg))
     }
 
     /// Cancels a request.
     pub fn cancel(&self, request: RequestId) -> Result<(), UsageError> {
-        self.node
-            .shared
-            .with(|st, now| st.endpoint.cancel(now, request))
+        self.node.shared.with(|ep, now| ep.cancel(now, request))
     }
 
-    /// Retires a request after its `Quiesced` event; its grant is dropped (late writes for it
-    /// are still recognised and drained for a while).
+    /// Retires a request after its `Quiesced` event (the core still recognises and drops late
+    /// writes for it for a while).
     pub fn retire(&self, request: RequestId) -> Result<(), UsageError> {
-        self.node
-            .shared
-            .with(|st, now| st.endpoint.retire(now, request))
+        self.node.shared.with(|ep, now| ep.retire(now, request))
     }
 
     /// The next event, waiting up to `timeout`.
@@ -283,12 +276,12 @@ impl TcpReceiver {
 
     /// Whether the handshake with `peer` completed.
     pub fn is_peer_ready(&self, peer: PeerId) -> bool {
-        self.node.shared.lock().endpoint.is_peer_ready(peer)
+        self.node.shared.state.lock().endpoint.is_peer_ready(peer)
     }
 
     /// The core's counters.
     pub fn counters(&self) -> Counters {
-        *self.node.shared.lock().endpoint.counters()
+        *self.node.shared.state.lock().endpoint.counters()
     }
 
     /// The transport's counters.
@@ -298,7 +291,7 @@ impl TcpReceiver {
 
     /// Sessions the core still holds.
     pub fn session_count(&self) -> usize {
-        self.node.shared.lock().endpoint.session_count()
+        self.node.shared.state.lock().endpoint.session_count()
     }
 
     /// Closes every connection at once and stops the node's threads: frames and data still
