@@ -69,3 +69,14 @@ id_newtype!(
     GroupIndex(u16),
     "group#"
 );
+
+impl SenderSliceId {
+    /// "No slice": a failure before the sender created any slice of the request (on the wire
+    /// as `u32::MAX`; reported as `None` in events).
+    pub const NONE: SenderSliceId = SenderSliceId(u32::MAX);
+
+    /// The id, or `None` for [`SenderSliceId::NONE`].
+    pub fn get(self) -> Option<SenderSliceId> {
+        (self != SenderSliceId::NONE).then_some(self)
+    }
+}

@@ -270,13 +270,13 @@ fn unknown_enum_codes_and_bad_booleans_are_rejected() {
         )
     );
     let mut b = kv.clone();
-    b[HEADER_LEN + 25] = 8;
+    b[HEADER_LEN + 25] = 9;
     assert_eq!(
         malformed(&b),
         (
             FrameKind::KvResult,
             "status",
-            Malformation::UnknownCode { code: 8 }
+            Malformation::UnknownCode { code: 9 }
         )
     );
 

@@ -122,6 +122,14 @@ impl ResolvedBatch {
         &self.segments
     }
 
+    /// Keeps the segments whose entry in `keep` (one per segment, in plan order) is true.
+    pub fn retain(&mut self, keep: &[bool]) {
+        let mut flags = keep.iter();
+        self.segments
+            .retain(|_| flags.next().copied().unwrap_or(false));
+        self.bytes = self.segments.iter().map(|s| s.len as u64).sum();
+    }
+
     /// Keeps only the first half of the bytes (a write that failed part-way).
     pub fn truncate_half(&mut self) {
         let mut keep = self.bytes / 2;

@@ -5,11 +5,13 @@
 
 use std::collections::{HashMap, VecDeque};
 
-use kvpipe_core::session::{Output, UsageError, WriteBatchId};
+use bytes::Bytes;
+use kvpipe_core::session::{
+    Admission, DataWriteHeaders, Output, TransportInput, UsageError, WriteBatchId, WriteTicket,
+};
 use kvpipe_core::wire::{Frame, TransferStatus};
 use kvpipe_core::{
-    Event, Instant, PeerId, Receiver, ReceiverConfig, ReceiverInput, RegionId, Sender,
-    SenderConfig, SenderInput,
+    Event, Instant, PeerId, Receiver, ReceiverConfig, RegionId, Sender, SenderConfig,
 };
 use thiserror::Error;
 
@@ -79,14 +81,10 @@ impl NetworkConfig {
 /// What a network has carried.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PairStats {
-    /// Frames encoded and queued.
+    /// Frames queued.
     pub frames: u64,
     /// Their encoded bytes.
     pub frame_bytes: u64,
-    /// Frames the codec refused to encode (not sent).
-    pub encode_errors: u64,
-    /// Frames that failed to decode (dropped).
-    pub decode_errors: u64,
     /// Frames addressed to a peer id no endpoint has (dropped).
     pub misaddressed: u64,
     /// Write batches executed.
@@ -149,7 +147,7 @@ pub enum DriveError {
 #[derive(Debug)]
 struct QueuedFrame {
     deliver_at: Instant,
-    bytes: Vec<u8>,
+    bytes: Bytes,
 }
 
 #[derive(Debug, Default)]
@@ -373,16 +371,20 @@ impl MemNetwork {
         let l = self.link(s, r);
         self.links[l].connected = true;
         self.senders[s]
-            .handle_input(SenderInput::PeerConnected {
+            .handle_transport(
                 now,
-                peer: receiver_peer(r),
-            })
+                TransportInput::PeerConnected {
+                    peer: receiver_peer(r),
+                },
+            )
             .map_err(usage(Node::Sender(s)))?;
         self.receivers[r]
-            .handle_input(ReceiverInput::PeerConnected {
+            .handle_transport(
                 now,
-                peer: sender_peer(s),
-            })
+                TransportInput::PeerConnected {
+                    peer: sender_peer(s),
+                },
+            )
             .map_err(usage(Node::Receiver(r)))?;
         self.pump()
     }
@@ -457,18 +459,22 @@ impl MemNetwork {
         let now = self.now();
         if self.sender_alive[s] {
             self.senders[s]
-                .handle_input(SenderInput::PeerDisconnected {
+                .handle_transport(
                     now,
-                    peer: receiver_peer(r),
-                })
+                    TransportInput::PeerDisconnected {
+                        peer: receiver_peer(r),
+                    },
+                )
                 .map_err(usage(Node::Sender(s)))?;
         }
         if self.receiver_alive[r] {
             self.receivers[r]
-                .handle_input(ReceiverInput::PeerDisconnected {
+                .handle_transport(
                     now,
-                    peer: sender_peer(s),
-                })
+                    TransportInput::PeerDisconnected {
+                        peer: sender_peer(s),
+                    },
+                )
                 .map_err(usage(Node::Receiver(r)))?;
         }
         Ok(())
@@ -502,7 +508,7 @@ impl MemNetwork {
                     && self.senders[s].poll_timeout().is_some_and(|at| at <= now)
                 {
                     self.senders[s]
-                        .handle_input(SenderInput::Timeout { now })
+                        .handle_transport(now, TransportInput::Timeout)
                         .map_err(usage(Node::Sender(s)))?;
                     progressed = true;
                 }
@@ -512,7 +518,7 @@ impl MemNetwork {
                     && self.receivers[r].poll_timeout().is_some_and(|at| at <= now)
                 {
                     self.receivers[r]
-                        .handle_input(ReceiverInput::Timeout { now })
+                        .handle_transport(now, TransportInput::Timeout)
                         .map_err(usage(Node::Receiver(r)))?;
                     progressed = true;
                 }
@@ -627,29 +633,28 @@ impl MemNetwork {
                     reported: self.clock.now(),
                 });
             }
-            if done.status == TransferStatus::Success {
+            let landed = done.status == TransferStatus::Success;
+            if landed {
                 self.stats.bytes_copied += done.bytes;
             } else {
                 self.stats.failed_batches += 1;
             }
+            let now = self.now();
+            // The receiver learns the bytes landed before the sender can report them.
+            self.finish_tickets(done.receiver, &done.tickets, landed)?;
             if !self.sender_alive[done.sender] {
                 continue;
             }
-            let now = self.now();
-            let input = if done.status == TransferStatus::Success {
-                SenderInput::WritesCompleted {
-                    now,
-                    batch: done.batch,
-                }
+            let input = if landed {
+                TransportInput::WritesCompleted { batch: done.batch }
             } else {
-                SenderInput::WritesFailed {
-                    now,
+                TransportInput::WritesFailed {
                     batch: done.batch,
                     status: done.status,
                 }
             };
             self.senders[done.sender]
-                .handle_input(input)
+                .handle_transport(now, input)
                 .map_err(usage(Node::Sender(done.sender)))?;
         }
         Ok(any)
@@ -668,16 +673,14 @@ impl MemNetwork {
             {
                 let f = self.links[l].to_receiver.pop_front().expect("checked");
                 any = true;
-                if let Some(frame) = self.decode(&f.bytes) {
-                    if self.receiver_alive[r] {
-                        self.receivers[r]
-                            .handle_input(ReceiverInput::FrameReceived {
-                                now,
-                                peer: sender_peer(s),
-                                frame,
-                            })
-                            .map_err(usage(Node::Receiver(r)))?;
-                    }
+                if self.receiver_alive[r] {
+                    let input = TransportInput::FrameReceived {
+                        peer: sender_peer(s),
+                        bytes: f.bytes,
+                    };
+                    self.receivers[r]
+                        .handle_transport(now, input)
+                        .map_err(usage(Node::Receiver(r)))?;
                 }
             }
             while self.links[l]
@@ -687,30 +690,18 @@ impl MemNetwork {
             {
                 let f = self.links[l].to_sender.pop_front().expect("checked");
                 any = true;
-                if let Some(frame) = self.decode(&f.bytes) {
-                    if self.sender_alive[s] {
-                        self.senders[s]
-                            .handle_input(SenderInput::FrameReceived {
-                                now,
-                                peer: receiver_peer(r),
-                                frame,
-                            })
-                            .map_err(usage(Node::Sender(s)))?;
-                    }
+                if self.sender_alive[s] {
+                    let input = TransportInput::FrameReceived {
+                        peer: receiver_peer(r),
+                        bytes: f.bytes,
+                    };
+                    self.senders[s]
+                        .handle_transport(now, input)
+                        .map_err(usage(Node::Sender(s)))?;
                 }
             }
         }
         Ok(any)
-    }
-
-    fn decode(&mut self, bytes: &[u8]) -> Option<Frame> {
-        match Frame::parse(bytes) {
-            Ok((frame, n)) if n == bytes.len() => Some(frame),
-            _ => {
-                self.stats.decode_errors += 1;
-                None
-            }
-        }
     }
 
     /// Carries out every output every endpoint has queued.
@@ -724,15 +715,19 @@ impl MemNetwork {
                 };
                 any = true;
                 match out {
-                    Output::Transmit { peer, frame } => match receiver_index(peer) {
+                    Output::Transmit { peer, frame, bytes } => match receiver_index(peer) {
                         Some(r) if r < self.receivers.len() => {
-                            self.transmit(s, r, true, now, &frame);
+                            self.transmit(s, r, true, now, &frame, bytes);
                         }
                         _ => self.stats.misaddressed += 1,
                     },
                     Output::ExecuteWrites {
-                        peer, batch, plan, ..
-                    } => self.execute(now, s, peer, batch, &plan)?,
+                        peer,
+                        batch,
+                        plan,
+                        headers,
+                        ..
+                    } => self.execute(now, s, peer, batch, &plan, &headers)?,
                     Output::ClosePeer { peer, .. } => {
                         if let Some(r) = receiver_index(peer).filter(|&r| r < self.receivers.len())
                         {
@@ -753,9 +748,9 @@ impl MemNetwork {
                 };
                 any = true;
                 match out {
-                    Output::Transmit { peer, frame } => match sender_index(peer) {
+                    Output::Transmit { peer, frame, bytes } => match sender_index(peer) {
                         Some(s) if s < self.senders.len() => {
-                            self.transmit(s, r, false, now, &frame);
+                            self.transmit(s, r, false, now, &frame, bytes);
                         }
                         _ => self.stats.misaddressed += 1,
                     },
@@ -779,9 +774,17 @@ impl MemNetwork {
         Ok(any)
     }
 
-    /// Encodes `frame` with the wire codec and queues it on the link between sender `s` and
-    /// receiver `r`, towards the receiver if `to_receiver`.
-    fn transmit(&mut self, s: usize, r: usize, to_receiver: bool, now: Instant, frame: &Frame) {
+    /// Queues the encoded `frame` on the link between sender `s` and receiver `r`, towards the
+    /// receiver if `to_receiver`.
+    fn transmit(
+        &mut self,
+        s: usize,
+        r: usize,
+        to_receiver: bool,
+        now: Instant,
+        frame: &Frame,
+        bytes: Bytes,
+    ) {
         let l = self.link(s, r);
         let to_alive = if to_receiver {
             self.receiver_alive[r]
@@ -791,11 +794,6 @@ impl MemNetwork {
         if !self.links[l].connected || !to_alive {
             return;
         }
-        let Ok(bytes) = frame.to_vec() else {
-            // A frame the codec cannot encode never leaves (the core builds only valid ones).
-            self.stats.encode_errors += 1;
-            return;
-        };
         self.stats.frames += 1;
         self.stats.frame_bytes += bytes.len() as u64;
         let handshake = matches!(
@@ -833,7 +831,8 @@ impl MemNetwork {
     }
 
     /// Hands a write batch of sender `s` to the copy worker (or fails it at once if it cannot
-    /// be resolved).
+    /// be resolved). Every extent is admitted by the receiver first, as a receiving transport
+    /// would before applying it: refused ones fail the batch, discarded ones are not copied.
     fn execute(
         &mut self,
         now: Instant,
@@ -841,23 +840,20 @@ impl MemNetwork {
         peer: PeerId,
         batch: WriteBatchId,
         plan: &kvpipe_core::WritePlan,
+        headers: &DataWriteHeaders,
     ) -> Result<(), DriveError> {
-        let fail_now = |net: &mut Self| {
+        let fail_now = |net: &mut Self, status: TransferStatus| {
             net.stats.failed_batches += 1;
             net.senders[s]
-                .handle_input(SenderInput::WritesFailed {
-                    now,
-                    batch,
-                    status: TransferStatus::WriteFailed,
-                })
+                .handle_transport(now, TransportInput::WritesFailed { batch, status })
                 .map_err(usage(Node::Sender(s)))
         };
         let Some(r) = receiver_index(peer).filter(|&r| r < self.receivers.len()) else {
-            return fail_now(self);
+            return fail_now(self, TransferStatus::WriteFailed);
         };
         let l = self.link(s, r);
         if !self.links[l].connected || !self.receiver_alive[r] {
-            return fail_now(self);
+            return fail_now(self, TransferStatus::WriteFailed);
         }
         let mut writes = match ResolvedBatch::resolve(
             plan,
@@ -865,8 +861,26 @@ impl MemNetwork {
             &self.receiver_regions[r],
         ) {
             Ok(w) => w,
-            Err(_) => return fail_now(self),
+            Err(_) => return fail_now(self, TransferStatus::WriteFailed),
         };
+        let mut tickets = Vec::with_capacity(plan.len());
+        let mut keep = Vec::with_capacity(plan.len());
+        for e in plan.extents() {
+            let header = headers.encode(e.dst_region, e.dst_offset, e.len);
+            match self.receivers[r].admit_write(now, sender_peer(s), &header) {
+                Admission::Apply { ticket, .. } => {
+                    tickets.push(ticket);
+                    keep.push(true);
+                }
+                Admission::Discard { .. } => keep.push(false),
+                Admission::Refuse(_) => {
+                    // The receiver failed the request and asked to close the link.
+                    self.finish_tickets(r, &tickets, false)?;
+                    return fail_now(self, TransferStatus::GrantViolation);
+                }
+            }
+        }
+        writes.retain(&keep);
         let (fails, stall) = self.faults.batch();
         if let Some(d) = stall {
             self.stalls.insert((s, batch), d);
@@ -885,8 +899,28 @@ impl MemNetwork {
             sender: s,
             receiver: r,
             writes,
+            tickets,
             fail,
         });
+        Ok(())
+    }
+
+    /// Reports the admitted writes of a batch finished to receiver `r`.
+    fn finish_tickets(
+        &mut self,
+        r: usize,
+        tickets: &[WriteTicket],
+        landed: bool,
+    ) -> Result<(), DriveError> {
+        if !self.receiver_alive[r] {
+            return Ok(());
+        }
+        let now = self.now();
+        for &ticket in tickets {
+            self.receivers[r]
+                .handle_transport(now, TransportInput::WriteFinished { ticket, landed })
+                .map_err(usage(Node::Receiver(r)))?;
+        }
         Ok(())
     }
 }

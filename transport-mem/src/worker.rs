@@ -4,7 +4,7 @@
 use std::sync::mpsc;
 use std::thread::JoinHandle;
 
-use kvpipe_core::session::WriteBatchId;
+use kvpipe_core::session::{WriteBatchId, WriteTicket};
 use kvpipe_core::wire::TransferStatus;
 use kvpipe_core::Instant;
 
@@ -20,18 +20,22 @@ pub(crate) struct Job {
     pub(crate) sender: usize,
     pub(crate) receiver: usize,
     pub(crate) writes: ResolvedBatch,
+    /// The receiver's admissions of the batch's writes, reported finished after the copy.
+    pub(crate) tickets: Vec<WriteTicket>,
     /// A failure to report after copying (fault injection); `None`: success.
     pub(crate) fail: Option<TransferStatus>,
 }
 
 /// What the worker reports for one batch.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct Done {
     pub(crate) batch: WriteBatchId,
     pub(crate) sender: usize,
     pub(crate) receiver: usize,
     pub(crate) bytes: u64,
     pub(crate) status: TransferStatus,
+    /// The receiver's admissions of the batch's writes.
+    pub(crate) tickets: Vec<WriteTicket>,
     /// When the copy began and ended.
     pub(crate) started: Instant,
     pub(crate) finished: Instant,
@@ -61,6 +65,7 @@ impl CopyWorker {
                         receiver: job.receiver,
                         bytes: job.writes.bytes(),
                         status: job.fail.unwrap_or(TransferStatus::Success),
+                        tickets: job.tickets,
                         started,
                         finished,
                     };

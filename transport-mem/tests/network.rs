@@ -157,7 +157,7 @@ fn losing_one_decode_process_fails_only_its_requests() {
                 .unwrap();
             if end == PROMPT {
                 net.sender_mut(0)
-                    .handle_input(SenderInput::AuxSubmitted {
+                    .handle_input(SenderInput::Aux {
                         now,
                         request,
                         data: AuxData::default(),

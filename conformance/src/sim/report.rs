@@ -97,6 +97,9 @@ pub struct SimReport {
     /// Writes that touched a block not owned by their request (bug; the request counts as
     /// corrupted).
     pub stray_writes: u64,
+    /// Writes the receiver's admission refused (never applied): a writer behind a connection
+    /// being closed, or a write outside its grant.
+    pub refused_writes: u64,
     /// Usage errors and surprises the engine met (bug).
     pub anomalies: u64,
     /// Steps taken.

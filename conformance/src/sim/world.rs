@@ -5,8 +5,9 @@ use std::cmp::Ordering;
 use std::collections::{BTreeMap, BinaryHeap, HashMap};
 
 use kvpipe_core::session::{
-    Deadlines, Event, LocalHello, Output, Receiver, ReceiverConfig, ReceiverInput, Registration,
-    SendRequest, Sender, SenderConfig, SenderInput, UsageError, WriteBatchId,
+    Admission, DataWriteHeaders, Deadlines, Event, LocalHello, Output, Receiver, ReceiverConfig,
+    ReceiverInput, Registration, SendRequest, Sender, SenderConfig, SenderInput, TransportInput,
+    UsageError, WriteBatchId,
 };
 use kvpipe_core::wire::{AuxData, Frame, Topology, TransferStatus};
 use kvpipe_core::{
@@ -197,7 +198,7 @@ enum Action {
         link: usize,
         to_receiver: bool,
         epoch: u64,
-        frame: Frame,
+        bytes: bytes::Bytes,
     },
     WriteDone {
         sender: usize,
@@ -264,6 +265,7 @@ struct InFlightBatch {
     request: RequestId,
     grant: GrantId,
     plan: WritePlan,
+    headers: DataWriteHeaders,
     fail: Option<TransferStatus>,
     /// Issued on a connection already down: none of it can land.
     stillborn: bool,
@@ -319,6 +321,8 @@ pub struct NetCounters {
     pub closes: u64,
     /// Writes that touched a block not owned by their request (a freed or reused block).
     pub stray_writes: u64,
+    /// Writes the receiver's admission refused (never applied).
+    pub refused_writes: u64,
 }
 
 /// A deterministic simulation of sender ranks and a receiver (see the module doc).
@@ -345,8 +349,6 @@ pub struct Simulation {
     net: NetCounters,
     anomalies: Vec<String>,
     trace: Vec<String>,
-    /// Encoding buffer of the wire.
-    wire: Vec<u8>,
     outputs_this_step: u64,
     livelocked: bool,
     steps: u64,
@@ -472,7 +474,6 @@ impl Simulation {
             net: NetCounters::default(),
             anomalies: Vec::new(),
             trace: Vec::new(),
-            wire: Vec::new(),
             outputs_this_step: 0,
             livelocked: false,
             steps: 0,
@@ -600,12 +601,18 @@ impl Simulation {
                 self.perform(s.action);
             }
             Next::SenderTimer(r) => {
-                let res = self.senders[r].handle_input(SenderInput::Timeout { now });
+                let res = self.senders[r].handle_input(SenderInput::Transport {
+                    now,
+                    input: TransportInput::Timeout,
+                });
                 self.check(res, || format!("S{r} timeout"));
                 self.drain();
             }
             Next::ReceiverTimer => {
-                let res = self.receiver.handle_input(ReceiverInput::Timeout { now });
+                let res = self.receiver.handle_input(ReceiverInput::Transport {
+                    now,
+                    input: TransportInput::Timeout,
+                });
                 self.check(res, || "R timeout".to_string());
                 self.drain();
             }
@@ -699,7 +706,7 @@ impl Simulation {
                     // An engine that learns of the end late still submits: refused, nothing
                     // changes.
                     if self.rng.chance(0.3) {
-                        let res = self.senders[rank].handle_input(SenderInput::AuxSubmitted {
+                        let res = self.senders[rank].handle_input(SenderInput::Aux {
                             now,
                             request,
                             data: AuxData::default(),
@@ -715,11 +722,7 @@ impl Simulation {
                     draft_tokens: vec![],
                 };
                 self.note(|| format!("engine S{rank} aux {request}"));
-                let res = self.senders[rank].handle_input(SenderInput::AuxSubmitted {
-                    now,
-                    request,
-                    data,
-                });
+                let res = self.senders[rank].handle_input(SenderInput::Aux { now, request, data });
                 self.records[i].senders[0].aux |= res.is_ok();
                 self.check(res, || format!("S{rank} aux {request}"));
                 self.drain();
@@ -730,24 +733,28 @@ impl Simulation {
                 link,
                 to_receiver,
                 epoch,
-                frame,
+                bytes,
             } => {
                 if !self.links[link].up || self.links[link].epoch != epoch {
                     self.net.dropped += 1;
                     return;
                 }
                 let res = if to_receiver {
-                    self.receiver.handle_input(ReceiverInput::FrameReceived {
+                    self.receiver.handle_transport(
                         now,
-                        peer: sender_peer(link),
-                        frame,
-                    })
+                        TransportInput::FrameReceived {
+                            peer: sender_peer(link),
+                            bytes,
+                        },
+                    )
                 } else {
-                    self.senders[link].handle_input(SenderInput::FrameReceived {
+                    self.senders[link].handle_transport(
                         now,
-                        peer: RECEIVER_PEER,
-                        frame,
-                    })
+                        TransportInput::FrameReceived {
+                            peer: RECEIVER_PEER,
+                            bytes,
+                        },
+                    )
                 };
                 self.check(res, || format!("deliver on link {link}"));
                 self.drain();
@@ -776,14 +783,18 @@ impl Simulation {
                 l.last_to_sender = now;
                 l.last_write = now;
                 self.note(|| format!("link S{link} connected"));
-                let res = self.senders[link].handle_input(SenderInput::PeerConnected {
+                let res = self.senders[link].handle_input(SenderInput::Transport {
                     now,
-                    peer: RECEIVER_PEER,
+                    input: TransportInput::PeerConnected {
+                        peer: RECEIVER_PEER,
+                    },
                 });
                 self.check(res, || format!("S{link} connect"));
-                let res = self.receiver.handle_input(ReceiverInput::PeerConnected {
+                let res = self.receiver.handle_input(ReceiverInput::Transport {
                     now,
-                    peer: sender_peer(link),
+                    input: TransportInput::PeerConnected {
+                        peer: sender_peer(link),
+                    },
                 });
                 self.check(res, || format!("R connect S{link}"));
                 self.drain();
@@ -1023,7 +1034,7 @@ impl Simulation {
     fn on_output(&mut self, from: Option<usize>, output: Output) {
         let who = who(from);
         match output {
-            Output::Transmit { peer, frame } => {
+            Output::Transmit { peer, frame, bytes } => {
                 let link = match from {
                     Some(r) => r,
                     None => peer.0 as usize,
@@ -1036,7 +1047,7 @@ impl Simulation {
                     };
                     self.note(|| format!("{who} -> {to} {}", frame_summary(&frame)));
                 }
-                self.send_frame(link, from.is_some(), frame);
+                self.send_frame(link, from.is_some(), frame, bytes);
             }
             Output::ExecuteWrites {
                 peer: _,
@@ -1045,6 +1056,7 @@ impl Simulation {
                 slice,
                 grant,
                 plan,
+                headers,
             } => {
                 let rank = from.unwrap_or(0);
                 self.note(|| {
@@ -1054,7 +1066,7 @@ impl Simulation {
                         plan.len()
                     )
                 });
-                self.issue_batch(rank, batch, request, grant, plan);
+                self.issue_batch(rank, batch, request, grant, plan, headers);
             }
             Output::ClosePeer { peer, reason } => {
                 let link = match from {
@@ -1069,13 +1081,12 @@ impl Simulation {
         }
     }
 
-    fn send_frame(&mut self, link: usize, to_receiver: bool, frame: Frame) {
+    fn send_frame(&mut self, link: usize, to_receiver: bool, frame: Frame, bytes: bytes::Bytes) {
         self.net.frames += 1;
-        // Every frame crosses the wire as bytes: what the endpoint emitted must encode and
-        // decode to the same frame.
-        self.wire.resize(frame.encoded_len(), 0);
-        let frame = match frame.emit(&mut self.wire).map(|_| Frame::parse(&self.wire)) {
-            Ok(Ok((decoded, _))) if decoded == frame => decoded,
+        // Every frame crosses the wire as the bytes the endpoint encoded: they must decode to
+        // the frame it meant.
+        match Frame::parse(&bytes) {
+            Ok((decoded, n)) if decoded == frame && n == bytes.len() => {}
             other => {
                 let line = format!(
                     "frame {} does not cross the wire: {other:?}",
@@ -1085,7 +1096,7 @@ impl Simulation {
                 self.anomalies.push(line);
                 return;
             }
-        };
+        }
         if !self.links[link].up || self.links[link].broken {
             self.net.dropped += 1;
             return;
@@ -1149,7 +1160,7 @@ impl Simulation {
                     link,
                     to_receiver,
                     epoch,
-                    frame: frame.clone(),
+                    bytes: bytes.clone(),
                 },
             );
         }
@@ -1159,7 +1170,7 @@ impl Simulation {
                 link,
                 to_receiver,
                 epoch,
-                frame,
+                bytes,
             },
         );
     }
@@ -1171,6 +1182,7 @@ impl Simulation {
         request: RequestId,
         grant: GrantId,
         plan: WritePlan,
+        headers: DataWriteHeaders,
     ) {
         let nth = self.batches_issued[rank];
         self.batches_issued[rank] += 1;
@@ -1221,6 +1233,7 @@ impl Simulation {
                 request,
                 grant,
                 plan,
+                headers,
                 fail,
                 stillborn,
             },
@@ -1257,7 +1270,10 @@ impl Simulation {
             None => {
                 self.apply(rank, &b, b.plan.len());
                 self.note(|| format!("S{rank} {batch} completed"));
-                SenderInput::WritesCompleted { now, batch }
+                SenderInput::Transport {
+                    now,
+                    input: TransportInput::WritesCompleted { batch },
+                }
             }
             Some(status) => {
                 let part = self.rng.below(b.plan.len() as u64 + 1) as usize;
@@ -1270,7 +1286,10 @@ impl Simulation {
                     }
                 }
                 self.note(|| format!("S{rank} {batch} failed: {status:?}"));
-                SenderInput::WritesFailed { now, batch, status }
+                SenderInput::Transport {
+                    now,
+                    input: TransportInput::WritesFailed { batch, status },
+                }
             }
         };
         let res = self.senders[rank].handle_input(input);
@@ -1306,15 +1325,28 @@ impl Simulation {
         }
     }
 
-    /// Copies the first `extents` extents of `b` from sender `rank`'s memory to the receiver's,
-    /// checking that every source and destination block still belongs to the request.
+    /// Lands the first `extents` extents of `b` as the receiving transport would: each is
+    /// admitted by the receiver, copied from sender `rank`'s memory to the receiver's, and
+    /// reported landed. The oracle checks that every block an admitted write touched still
+    /// belongs to the request.
     fn apply(&mut self, rank: usize, b: &InFlightBatch, extents: usize) {
+        let now = self.now;
         let grant_ok = self.receiver.grant(b.request) == Some(b.grant);
         let mut stray: Vec<Option<RequestId>> = Vec::new();
-        if !grant_ok {
-            stray.push(None);
-        }
         for e in &b.plan.extents()[..extents] {
+            let header = b.headers.encode(e.dst_region, e.dst_offset, e.len);
+            let ticket = match self.receiver.admit_write(now, sender_peer(rank), &header) {
+                Admission::Apply { ticket, .. } => ticket,
+                Admission::Discard { .. } => continue,
+                Admission::Refuse(reason) => {
+                    self.net.refused_writes += 1;
+                    self.note(|| format!("S{rank} write refused: {reason}"));
+                    break;
+                }
+            };
+            if !grant_ok {
+                stray.push(None);
+            }
             for (cache, region, offset) in [
                 (&self.sender_caches[rank], e.src_region, e.src_offset),
                 (&self.receiver_cache, e.dst_region, e.dst_offset),
@@ -1339,6 +1371,14 @@ impl Simulation {
                 }
                 _ => stray.push(None),
             }
+            let res = self.receiver.handle_transport(
+                now,
+                TransportInput::WriteFinished {
+                    ticket,
+                    landed: true,
+                },
+            );
+            self.check(res, || format!("S{rank} write landed"));
         }
         if !stray.is_empty() {
             self.net.stray_writes += stray.len() as u64;
@@ -1431,14 +1471,18 @@ impl Simulation {
             )
         });
         let res = if to_receiver {
-            self.receiver.handle_input(ReceiverInput::PeerDisconnected {
+            self.receiver.handle_input(ReceiverInput::Transport {
                 now,
-                peer: sender_peer(link),
+                input: TransportInput::PeerDisconnected {
+                    peer: sender_peer(link),
+                },
             })
         } else {
-            self.senders[link].handle_input(SenderInput::PeerDisconnected {
+            self.senders[link].handle_input(SenderInput::Transport {
                 now,
-                peer: RECEIVER_PEER,
+                input: TransportInput::PeerDisconnected {
+                    peer: RECEIVER_PEER,
+                },
             })
         };
         self.check(res, || format!("link S{link} down"));
@@ -1749,6 +1793,7 @@ impl Simulation {
             report.leak_details = left;
         }
         report.stray_writes = self.net.stray_writes;
+        report.refused_writes = self.net.refused_writes;
         report.anomalies = self.anomalies.len() as u64;
         report.first_anomalies = self.anomalies.iter().take(5).cloned().collect();
         report.frames = self.net.frames;

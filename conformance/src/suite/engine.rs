@@ -536,7 +536,7 @@ pub fn run_workload_with<H: Harness>(
                         draft_tokens: Vec::new(),
                     };
                     let now = link.now();
-                    match link.sender().handle_input(SenderInput::AuxSubmitted {
+                    match link.sender().handle_input(SenderInput::Aux {
                         now,
                         request: id,
                         data,

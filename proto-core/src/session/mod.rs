@@ -77,7 +77,7 @@ pub use transport::{
     WriteTicket,
 };
 
-use crate::geometry::GeometryError;
+use crate::geometry::{BlockWindow, GeometryError};
 use bytes::Bytes;
 
 use crate::ids::{
@@ -478,6 +478,26 @@ pub enum UsageError {
         /// The geometry error.
         error: GeometryError,
     },
+    /// The block source answered a chunk's query with a run that breaks its contract. Unlike
+    /// every other usage error this one ends the request: the KV it described cannot be
+    /// trusted, so the request is failed on both sides with [`TransferStatus::EngineError`].
+    #[error("{0}; the request was failed on both sides")]
+    BlockRun(BlockRunError),
+    /// A chunk says another prefix was cached than the request's earlier chunks said. Like
+    /// [`UsageError::BlockRun`] it ends the request ([`TransferStatus::EngineError`]): blocks
+    /// would be sent twice or never.
+    #[error(
+        "chunk for {request} says {got} prefix tokens were cached, earlier chunks said \
+         {expected}; the request was failed on both sides"
+    )]
+    PrefixChanged {
+        /// The request.
+        request: RequestId,
+        /// Prefix length of earlier chunks.
+        expected: u32,
+        /// This chunk's prefix length.
+        got: u32,
+    },
     /// The block source could not answer a chunk's query.
     #[error("block source failed for {request}: {error}")]
     BlockSource {
@@ -554,6 +574,42 @@ pub enum UsageError {
     FailureWithSuccessStatus(WriteBatchId),
 }
 
+/// How a block run broke the block-source contract.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum BlockRunFault {
+    /// More blocks than asked for.
+    TooLong,
+    /// The run does not end at the asked end (shifted, or holes dropped at the wrong place).
+    WrongEnd,
+    /// Fewer blocks than asked for in a group that keeps every block (full attention).
+    TooShort,
+}
+
+/// A block run the engine's block source returned that breaks its contract.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Error)]
+#[error(
+    "block source broke its contract for {request} {group}: asked for ordinals [{}, {}), got \
+     [{}, {}) ({})",
+    asked.begin, asked.end, returned.begin, returned.end,
+    match fault {
+        BlockRunFault::TooLong => "longer than asked",
+        BlockRunFault::WrongEnd => "does not end at the asked end",
+        BlockRunFault::TooShort => "short in a full-attention group",
+    }
+)]
+pub struct BlockRunError {
+    /// The request.
+    pub request: RequestId,
+    /// The layer group.
+    pub group: GroupIndex,
+    /// The ordinals asked for.
+    pub asked: BlockWindow,
+    /// The ordinals the run covers.
+    pub returned: BlockWindow,
+    /// What is wrong.
+    pub fault: BlockRunFault,
+}
+
 /// Counts of transfer outcomes, one per [`TransferStatus`].
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct StatusCounts {
@@ -573,6 +629,8 @@ pub struct StatusCounts {
     pub peer_lost: u64,
     /// [`TransferStatus::ProtocolError`].
     pub protocol_error: u64,
+    /// [`TransferStatus::EngineError`].
+    pub engine_error: u64,
 }
 
 impl StatusCounts {
@@ -587,6 +645,7 @@ impl StatusCounts {
             TransferStatus::GrantViolation => self.grant_violation,
             TransferStatus::PeerLost => self.peer_lost,
             TransferStatus::ProtocolError => self.protocol_error,
+            TransferStatus::EngineError => self.engine_error,
         }
     }
 
@@ -600,6 +659,7 @@ impl StatusCounts {
             + self.grant_violation
             + self.peer_lost
             + self.protocol_error
+            + self.engine_error
     }
 
     pub(crate) fn bump(&mut self, status: TransferStatus) {
@@ -612,6 +672,7 @@ impl StatusCounts {
             TransferStatus::GrantViolation => &mut self.grant_violation,
             TransferStatus::PeerLost => &mut self.peer_lost,
             TransferStatus::ProtocolError => &mut self.protocol_error,
+            TransferStatus::EngineError => &mut self.engine_error,
         };
         *slot += 1;
     }

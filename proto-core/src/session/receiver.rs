@@ -85,8 +85,11 @@ const MAX_HELD_FRAMES: usize = 1024;
 struct Writer {
     peer: PeerId,
     phase: WriterPhase,
-    /// The highest (slice, is_last) seen, to drop duplicates.
+    /// The highest (slice, is_last) processed, to drop duplicates.
     last_seen: Option<(SenderSliceId, bool)>,
+    /// The highest (slice, is_last) of a successful result that arrived (held ones included),
+    /// so a duplicate never counts as reported bytes.
+    arrived: Option<(SenderSliceId, bool)>,
     /// Payload bytes of this writer's admitted writes that landed.
     landed: u64,
     /// Bytes this writer's successful results reported (held ones included).
@@ -506,6 +509,7 @@ impl Receiver {
                         peer,
                         phase: WriterPhase::Unregistered,
                         last_seen: None,
+                        arrived: None,
                         landed: 0,
                         reported: 0,
                         held: VecDeque::new(),
@@ -809,15 +813,24 @@ impl Receiver {
             }
         };
         if self.config.data_path == DataPath::Landed {
+            // Data and frames may travel on different connections: while the session is
+            // active, a frame waits until the bytes its writer reported so far have landed.
+            // A stopped session discards late data, so its frames (the writers' confirmations)
+            // are taken at once.
             if let Some(w) = self
                 .sessions
                 .get_mut(&request)
+                .filter(|s| s.phase.is_active())
                 .and_then(|s| s.writers.iter_mut().find(|w| w.peer == peer))
             {
-                // Data and frames may travel on different connections: a frame waits until the
-                // bytes its writer reported so far have landed.
                 let need = match &frame {
                     Frame::KvResult(r) if r.status == TransferStatus::Success => {
+                        let key = (r.sender_slice, r.is_last);
+                        if w.arrived.is_some_and(|seen| key <= seen) {
+                            self.shell.counters.duplicates += 1;
+                            return;
+                        }
+                        w.arrived = Some(key);
                         w.reported.saturating_add(r.bytes_written)
                     }
                     _ => w.reported,
@@ -929,7 +942,7 @@ impl Receiver {
                 Stop::Failed {
                     cause: TransferStatus::ProtocolError,
                     peer: Some(peer),
-                    slice: Some(r.sender_slice),
+                    slice: r.sender_slice.get(),
                 },
             );
             return;
@@ -957,15 +970,17 @@ impl Receiver {
             if r.is_last {
                 writer.on(WriterEvent::Confirmed);
             }
-            self.stop(
-                now,
-                request,
+            let why = if r.status == TransferStatus::Cancelled {
+                // The writer's engine cancelled: a cancel, not a failure of the transfer.
+                Stop::Cancelled(CancelOrigin::Peer(peer))
+            } else {
                 Stop::Failed {
                     cause: r.status,
                     peer: Some(peer),
-                    slice: Some(r.sender_slice),
-                },
-            );
+                    slice: r.sender_slice.get(),
+                }
+            };
+            self.stop(now, request, why);
             return;
         }
         if after_last {
@@ -977,7 +992,7 @@ impl Receiver {
                 Stop::Failed {
                     cause: TransferStatus::ProtocolError,
                     peer: Some(peer),
-                    slice: Some(r.sender_slice),
+                    slice: r.sender_slice.get(),
                 },
             );
             return;
@@ -1273,8 +1288,9 @@ impl Receiver {
         let quiesce_at = now + self.config.deadlines.quiesce;
         session.quiesce_deadline = Some(quiesce_at);
         let mut notify = Vec::new();
+        let mut held = Vec::new();
         for w in session.writers.iter_mut() {
-            w.held.clear();
+            held.extend(w.held.drain(..).map(|(_, frame)| (w.peer, frame)));
             if w.phase == WriterPhase::Unregistered {
                 // The writer never got the grant: nothing of it can land, so it is not waited
                 // for. It is still told (when connected), so that it stops computing and
@@ -1304,6 +1320,11 @@ impl Receiver {
         self.shell
             .timers
             .arm(quiesce_at, TimerKey::Request(request));
+        // Frames that waited for data are the writers' word now (a terminal result confirms a
+        // writer stopped); late data is discarded.
+        for (peer, frame) in held {
+            self.process_frame(now, peer, frame);
+        }
         self.check_drained(now, request);
     }
 

@@ -12,11 +12,11 @@ use super::state::{SendEvent, SendPhase, TargetEvent, TargetPhase, Transition};
 use super::timers::TimerKey;
 use super::transport::{Admission, DataWriteHeaders, Endpoint, TransportInput, WriteRefusal};
 use super::{
-    frame_kind, CancelOrigin, CloseReason, Counters, Event, Output, ProtocolError, UsageError,
-    Wait, WriteBatchId,
+    frame_kind, BlockRunError, BlockRunFault, CancelOrigin, CloseReason, Counters, Event, Output,
+    ProtocolError, UsageError, Wait, WriteBatchId,
 };
 use crate::blocks::BlockRun;
-use crate::geometry::{chunk_window, ChunkSpec};
+use crate::geometry::{chunk_window, BlockWindow, ChunkSpec};
 use crate::ids::{GroupIndex, PeerId, ReceiverSliceId, RequestId, SenderSliceId};
 use crate::plan::{plan_group_with_cursor, DstCursor, WritePlan};
 use crate::source::BlockSource;
@@ -163,6 +163,8 @@ struct SendSession {
     slices: Vec<Slice>,
     next_start: Option<u32>,
     prompt_len: Option<u32>,
+    /// The prefix length the first chunk declared; later chunks must agree.
+    prepopulated_len: Option<u32>,
     sends_aux: bool,
     aux: Option<AuxData>,
     registration_deadline: Instant,
@@ -432,14 +434,14 @@ impl Sender {
                 runs.push((group, run));
             }
         }
-        let slice = self.on_chunk(now, request, spec, runs.clone())?;
+        let outcome = self.on_chunk(now, request, spec, runs.clone())?;
         self.record(SenderInput::Chunk {
             now,
             request,
             spec,
             runs,
         });
-        Ok(slice)
+        outcome
     }
 
     /// Submits the request's aux data (see [`SenderInput::Aux`]).
@@ -476,6 +478,7 @@ impl Sender {
                 spec,
                 runs,
             } => self.on_chunk(now, request, spec, runs).map(|_| ()),
+            // (An engine error inside `on_chunk` ended the session: the input was applied.)
             SenderInput::Aux { now, request, data } => self.on_aux_submitted(now, request, data),
             SenderInput::Cancel { now, request } => self.on_cancel(now, request),
             SenderInput::Retire { now: _, request } => self.on_retire(request),
@@ -609,6 +612,7 @@ impl Sender {
                 slices: Vec::new(),
                 next_start: None,
                 prompt_len: None,
+                prepopulated_len: None,
                 sends_aux: req.sends_aux,
                 aux: None,
                 registration_deadline,
@@ -680,37 +684,58 @@ impl Sender {
         Ok(next_phase)
     }
 
+    /// Applies a chunk. The outer error is a usage error (nothing changed); the inner one an
+    /// engine error that failed the session (the input was applied).
     fn on_chunk(
         &mut self,
         now: Instant,
         request: RequestId,
         spec: ChunkSpec,
         runs: Vec<(GroupIndex, BlockRun)>,
-    ) -> Result<Option<SenderSliceId>, UsageError> {
+    ) -> Result<Result<Option<SenderSliceId>, UsageError>, UsageError> {
         let next_phase = self.check_chunk(request, &spec)?;
         // The runs must answer exactly the chunk's block windows, group by group.
-        let mut expected = Vec::new();
+        let mut windows = Vec::new();
         for (g, layout) in self.config.local.groups.iter().enumerate() {
             let window = chunk_window(&spec, layout)
                 .map_err(|error| UsageError::Geometry { request, error })?;
-            if window.is_some() {
-                expected.push(GroupIndex(g as u16));
+            if let Some(w) = window {
+                windows.push((GroupIndex(g as u16), w));
             }
         }
         let given: Vec<GroupIndex> = runs.iter().map(|(g, _)| *g).collect();
-        if given != expected {
+        if given.len() != windows.len() || given.iter().zip(&windows).any(|(a, (b, _))| a != b) {
             return Err(UsageError::RunsDoNotMatchChunk {
                 request,
-                expected,
+                expected: windows.iter().map(|(g, _)| *g).collect(),
                 given,
             });
         }
-        // Validated: from here on the state changes.
+        // From here on the input is applied: an engine error fails the session.
+        let session = self.sessions.get_mut(&request).expect("checked above");
+        if let Some(expected) = session.prepopulated_len {
+            if spec.prepopulated_len != expected {
+                self.fail_engine(now, request);
+                return Ok(Err(UsageError::PrefixChanged {
+                    request,
+                    expected,
+                    got: spec.prepopulated_len,
+                }));
+            }
+        }
+        for ((group, run), (_, asked)) in runs.iter().zip(&windows) {
+            let layout = &self.config.local.groups[usize::from(group.0)];
+            if let Some(error) = check_run(request, *group, *asked, run, layout, &spec) {
+                self.fail_engine(now, request);
+                return Ok(Err(UsageError::BlockRun(error)));
+            }
+        }
         let session = self.sessions.get_mut(&request).expect("checked above");
         session.next_start = Some(spec.end);
         session.prompt_len = Some(spec.prompt_len);
+        session.prepopulated_len = Some(spec.prepopulated_len);
         if runs.is_empty() && !spec.is_last {
-            return Ok(None);
+            return Ok(Ok(None));
         }
         session.phase = next_phase;
         let id = SenderSliceId(session.slices.len() as u32);
@@ -730,7 +755,22 @@ impl Sender {
             self.issue_pending(now, request, t);
         }
         self.progress(now, request);
-        Ok(Some(id))
+        Ok(Ok(Some(id)))
+    }
+
+    /// The engine broke its contract for `request`: the KV cannot be trusted, so the request
+    /// fails on both sides.
+    fn fail_engine(&mut self, now: Instant, request: RequestId) {
+        self.stop(
+            now,
+            request,
+            Stop::Failed {
+                cause: TransferStatus::EngineError,
+                peer: None,
+                slice: None,
+                receiver_slice: None,
+            },
+        );
     }
 
     fn on_cancel(&mut self, now: Instant, request: RequestId) -> Result<(), UsageError> {
@@ -1479,7 +1519,7 @@ impl Sender {
         let failed_slice = session
             .stop_slice
             .or_else(|| session.slices.last().map(|s| s.id))
-            .unwrap_or_default();
+            .unwrap_or(SenderSliceId::NONE);
         let quiesce_at = now + self.config.deadlines.quiesce;
         session.quiesce_deadline = Some(quiesce_at);
         let mut frames = Vec::new();
@@ -1547,7 +1587,7 @@ impl Sender {
         let failed_slice = session
             .stop_slice
             .or_else(|| session.slices.last().map(|s| s.id))
-            .unwrap_or_default();
+            .unwrap_or(SenderSliceId::NONE);
         let mut frames = Vec::new();
         for target in session.targets.iter_mut() {
             if target.inflight > 0
@@ -1625,6 +1665,40 @@ impl Endpoint for Sender {
     fn session_count(&self) -> usize {
         Sender::session_count(self)
     }
+}
+
+/// Checks one group's block run against the bounded block-source contract: it ends exactly at
+/// the asked end, is never longer than asked, and is shorter only in a windowed group (whose
+/// evicted head the contract allows).
+fn check_run(
+    request: RequestId,
+    group: GroupIndex,
+    asked: BlockWindow,
+    run: &BlockRun,
+    layout: &crate::layout::LayerGroupLayout,
+    spec: &ChunkSpec,
+) -> Option<BlockRunError> {
+    let len = u32::try_from(run.ids.len()).unwrap_or(u32::MAX);
+    let returned = BlockWindow {
+        begin: run.first_ordinal,
+        end: run.first_ordinal.saturating_add(len),
+    };
+    let fault = if len > asked.len() {
+        BlockRunFault::TooLong
+    } else if returned.end != asked.end || run.first_ordinal.checked_add(len).is_none() {
+        BlockRunFault::WrongEnd
+    } else if len < asked.len() && !layout.is_windowed_for(spec.prompt_len) {
+        BlockRunFault::TooShort
+    } else {
+        return None;
+    };
+    Some(BlockRunError {
+        request,
+        group,
+        asked,
+        returned,
+        fault,
+    })
 }
 
 /// The cancel reason that carries `status` to a peer that has no registration to name.

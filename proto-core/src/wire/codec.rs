@@ -226,6 +226,7 @@ wire_codes!(TransferStatus {
     GrantViolation,
     PeerLost,
     ProtocolError,
+    EngineError,
 });
 wire_codes!(CancelReason {
     Engine,

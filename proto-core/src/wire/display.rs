@@ -48,6 +48,7 @@ impl fmt::Display for TransferStatus {
             TransferStatus::GrantViolation => "grant violation",
             TransferStatus::PeerLost => "peer lost",
             TransferStatus::ProtocolError => "protocol error",
+            TransferStatus::EngineError => "engine error",
         })
     }
 }

@@ -150,6 +150,10 @@ pub enum TransferStatus {
     PeerLost = 6,
     /// The peer broke a protocol rule.
     ProtocolError = 7,
+    /// The sender's engine described the request's KV in a way that breaks the block-source
+    /// contract (a run longer or shorter than asked, ending elsewhere, a changed prefix): the KV
+    /// cannot be trusted.
+    EngineError = 8,
 }
 
 /// Result of one slice (the reference design's KV_AGENT_RESULT).

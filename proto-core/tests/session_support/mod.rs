@@ -6,9 +6,9 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use kvpipe_core::session::{
-    Admission, DataWriteHeaders, Deadlines, Endpoint, Event, LocalHello, Output, Receiver,
-    ReceiverConfig, ReceiverInput, Registration, SendRequest, Sender, SenderConfig, SenderInput,
-    TransportInput, WriteBatchId,
+    Admission, DataWriteHeaders, Deadlines, Event, LocalHello, Output, Receiver, ReceiverConfig,
+    ReceiverInput, Registration, SendRequest, Sender, SenderConfig, SenderInput, TransportInput,
+    WriteBatchId,
 };
 use kvpipe_core::wire::{Frame, Topology};
 use kvpipe_core::WritePlan;

@@ -314,7 +314,7 @@ pub(crate) fn run(args: TransferBenchArgs) -> Result<ExitCode, CliError> {
             pair.pump()?;
         }
         let now = pair.now();
-        pair.sender_mut().handle_input(SenderInput::AuxSubmitted {
+        pair.sender_mut().handle_input(SenderInput::Aux {
             now,
             request,
             data: AuxData {

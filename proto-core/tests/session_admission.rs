@@ -1,0 +1,326 @@
+//! The receiver's side of the transport contract: admission of data writes, results held until
+//! their bytes landed, quiesce after every admitted write finished, and replay of recorded
+//! inputs.
+
+mod session_support;
+
+use kvpipe_core::session::state::RecvPhase;
+use kvpipe_core::session::{
+    Admission, Output, ReceiverInput, TransportInput, WriteRefusal, WriteTicket,
+};
+use kvpipe_core::wire::{DataWrite, Frame, TransferStatus};
+use kvpipe_core::{GrantId, Receiver, RegionId, RequestId};
+use session_support::*;
+
+const R: RequestId = RequestId(5);
+
+/// A connected pair with `R` registered (16 tokens, blocks 500..504) and opened, one chunk of
+/// 8 tokens submitted and its batch held by the test.
+fn one_held_batch() -> Net {
+    let mut net = Net::connected(1, 1);
+    net.auto_complete = false;
+    let mut source = TestSource::with(R, 100, 4);
+    net.register(0, registration(R, 16, &[0]));
+    net.open(0, send_request(R, &[0]));
+    net.submit(0, R, chunk(0, 8, 16, false), &mut source);
+    assert_eq!(net.held.len(), 1);
+    net
+}
+
+fn header(net: &Net, region: u32, offset: u64, len: u64) -> Vec<u8> {
+    net.held[0]
+        .headers
+        .encode(RegionId(region), offset, len)
+        .to_vec()
+}
+
+#[test]
+fn admission_applies_only_granted_non_overlapping_writes() {
+    let mut net = one_held_batch();
+    let now = net.now;
+    let ok = header(&net, 2, 500 * BLOCK_BYTES, BLOCK_BYTES);
+    let Admission::Apply {
+        ticket,
+        region,
+        offset,
+        len,
+    } = net.receivers[0].admit_write(now, tx_peer(0), &ok)
+    else {
+        panic!("a granted write is applied")
+    };
+    assert_eq!(
+        (region, offset, len),
+        (RegionId(2), 500 * BLOCK_BYTES, BLOCK_BYTES)
+    );
+    assert_eq!(net.receivers[0].writes_in_flight(), 1);
+    // The same bytes again while the first write is in flight: refused, never two writers.
+    let again = header(&net, 2, 500 * BLOCK_BYTES + 8, 8);
+    assert!(matches!(
+        net.receivers[0].admit_write(now, tx_peer(0), &again),
+        Admission::Refuse(WriteRefusal::Overlap { .. })
+    ));
+    // The refusal failed the request and asks to close the writer; the memory stays pinned
+    // while the admitted write is in flight and until the transport reports the writer gone
+    // (frames from a peer being closed are no longer taken as its word).
+    assert_eq!(net.receivers[0].phase(R), Some(RecvPhase::Stopping));
+    let mut outputs = Vec::new();
+    while let Some(o) = net.receivers[0].poll_output() {
+        outputs.push(o);
+    }
+    assert!(outputs
+        .iter()
+        .any(|o| matches!(o, Output::ClosePeer { .. })));
+    let cancel = Frame::Cancel(kvpipe_core::wire::Cancel {
+        request: R,
+        reason: kvpipe_core::wire::CancelReason::Failure,
+    });
+    net.receivers[0]
+        .handle_transport(
+            now,
+            TransportInput::FrameReceived {
+                peer: tx_peer(0),
+                bytes: cancel.to_bytes().unwrap(),
+            },
+        )
+        .unwrap();
+    assert_eq!(net.receivers[0].phase(R), Some(RecvPhase::Stopping));
+    net.receivers[0]
+        .handle_transport(
+            now,
+            TransportInput::WriteFinished {
+                ticket,
+                landed: true,
+            },
+        )
+        .unwrap();
+    assert_eq!(net.receivers[0].writes_in_flight(), 0);
+    assert_eq!(net.receivers[0].phase(R), Some(RecvPhase::Stopping));
+    net.receivers[0]
+        .handle_transport(now, TransportInput::PeerDisconnected { peer: tx_peer(0) })
+        .unwrap();
+    assert_eq!(net.receivers[0].phase(R), Some(RecvPhase::Quiesced));
+}
+
+#[test]
+fn every_refusal_names_its_reason() {
+    let mut net = one_held_batch();
+    let now = net.now;
+    let grant = net.held[0].headers.grant();
+    let encode = |w: DataWrite| Frame::DataWrite(w).to_vec().unwrap();
+    let good = DataWrite {
+        request: R,
+        grant,
+        region: RegionId(2),
+        offset: 500 * BLOCK_BYTES,
+        len: BLOCK_BYTES,
+    };
+    type Expect = fn(&WriteRefusal) -> bool;
+    let cases: Vec<(Vec<u8>, Expect)> = vec![
+        (b"not a frame at all".to_vec(), |r| {
+            matches!(r, WriteRefusal::Malformed)
+        }),
+        (
+            Frame::Heartbeat(kvpipe_core::wire::Heartbeat { seq: 1 })
+                .to_vec()
+                .unwrap(),
+            |r| matches!(r, WriteRefusal::Malformed),
+        ),
+        (
+            encode(DataWrite {
+                request: RequestId(77),
+                ..good
+            }),
+            |r| matches!(r, WriteRefusal::UnknownRequest(_)),
+        ),
+        (
+            encode(DataWrite {
+                grant: GrantId(grant.0 ^ 1),
+                ..good
+            }),
+            |r| matches!(r, WriteRefusal::WrongGrant { .. }),
+        ),
+        (
+            encode(DataWrite {
+                offset: 504 * BLOCK_BYTES,
+                ..good
+            }),
+            |r| matches!(r, WriteRefusal::OutsideGrant { .. }),
+        ),
+        (
+            encode(DataWrite {
+                region: RegionId(9),
+                ..good
+            }),
+            |r| matches!(r, WriteRefusal::OutsideGrant { .. }),
+        ),
+        (
+            encode(DataWrite {
+                offset: u64::MAX - 4,
+                len: 8,
+                ..good
+            }),
+            |r| matches!(r, WriteRefusal::OutsideGrant { .. }),
+        ),
+    ];
+    for (bytes, expected) in cases {
+        // A fresh receiver for each case: a refusal closes the peer.
+        let mut net = one_held_batch();
+        let admission = net.receivers[0].admit_write(now, tx_peer(0), &bytes);
+        match admission {
+            Admission::Refuse(reason) => assert!(expected(&reason), "{reason:?}"),
+            other => panic!("{other:?} for {bytes:?}"),
+        }
+        assert_eq!(net.receivers[0].counters().writes_refused, 1);
+        assert_eq!(net.receivers[0].writes_in_flight(), 0);
+    }
+    // A peer the receiver never connected: a driver bug, still never applied.
+    assert!(matches!(
+        net.receivers[0].admit_write(now, tx_peer(7), &encode(good)),
+        Admission::Refuse(_)
+    ));
+}
+
+#[test]
+fn results_wait_until_their_bytes_landed() {
+    let mut net = one_held_batch();
+    let h = net.held.remove(0);
+    // The sender learns its batch is complete before the receiving side applied a byte (data
+    // and results travel on different connections): the result must wait.
+    let now = net.now;
+    net.senders[0]
+        .handle_transport(now, TransportInput::WritesCompleted { batch: h.batch })
+        .unwrap();
+    net.pump();
+    assert!(net
+        .frames(Side::Sender(0))
+        .iter()
+        .any(|f| matches!(f, Frame::KvResult(r) if r.status == TransferStatus::Success)));
+    assert_eq!(net.receivers[0].counters().bytes_written, 0, "held");
+    // The bytes land: the result is taken.
+    net.land(0, 0, &h.plan, &h.headers);
+    net.pump();
+    assert_eq!(net.receivers[0].counters().bytes_written, h.bytes);
+    assert_eq!(net.receivers[0].counters().bytes_landed, h.bytes);
+}
+
+#[test]
+fn a_stopped_session_takes_held_confirmations_at_once() {
+    let mut net = one_held_batch();
+    let h = net.held.remove(0);
+    let now = net.now;
+    net.senders[0]
+        .handle_transport(now, TransportInput::WritesCompleted { batch: h.batch })
+        .unwrap();
+    net.pump();
+    // The engine on the decode side cancels while the result waits for its data; the data
+    // never lands (the sender stops). The writer's cancel confirms it stopped: no fence.
+    net.receivers[0].cancel(now, R).unwrap();
+    net.pump();
+    assert_eq!(net.receivers[0].phase(R), Some(RecvPhase::Quiesced));
+    assert_eq!(net.receivers[0].counters().peers_closed, 0);
+}
+
+#[test]
+fn late_writes_of_an_ended_request_are_discarded() {
+    let mut net = one_held_batch();
+    let h = net.held[0].clone();
+    let now = net.now;
+    net.receivers[0].cancel(now, R).unwrap();
+    net.pump();
+    let admissions = net.land(0, 0, &h.plan, &h.headers);
+    assert!(admissions
+        .iter()
+        .all(|a| matches!(a, Admission::Discard { .. })));
+    assert!(net.receivers[0].counters().late_writes > 0);
+}
+
+#[test]
+fn the_sender_refuses_data_writes() {
+    let mut net = one_held_batch();
+    let now = net.now;
+    let bytes = header(&net, 2, 500 * BLOCK_BYTES, BLOCK_BYTES);
+    assert_eq!(
+        net.senders[0].admit_write(now, rx_peer(0), &bytes),
+        Admission::Refuse(WriteRefusal::NotAccepted)
+    );
+    net.pump();
+    assert!(!net.senders[0].is_peer_ready(rx_peer(0)));
+}
+
+#[test]
+fn a_write_cut_short_does_not_count_as_landed() {
+    let mut net = one_held_batch();
+    let now = net.now;
+    let bytes = header(&net, 2, 500 * BLOCK_BYTES, BLOCK_BYTES);
+    let Admission::Apply { ticket, .. } = net.receivers[0].admit_write(now, tx_peer(0), &bytes)
+    else {
+        panic!()
+    };
+    net.receivers[0]
+        .handle_transport(
+            now,
+            TransportInput::WriteFinished {
+                ticket,
+                landed: false,
+            },
+        )
+        .unwrap();
+    assert_eq!(net.receivers[0].counters().bytes_landed, 0);
+    // Reported twice, or never issued: a late report is harmless, an unknown one a usage error.
+    net.receivers[0]
+        .handle_transport(
+            now,
+            TransportInput::WriteFinished {
+                ticket,
+                landed: true,
+            },
+        )
+        .unwrap();
+    assert!(net.receivers[0]
+        .handle_transport(
+            now,
+            TransportInput::WriteFinished {
+                ticket: WriteTicket(999),
+                landed: true
+            }
+        )
+        .is_err());
+}
+
+#[test]
+fn recorded_inputs_replay_into_a_fresh_receiver() {
+    let mut net = Net::new(1, 1);
+    net.receivers[0].record_inputs(true);
+    net.connect(0, 0);
+    net.pump();
+    let mut source = TestSource::with(R, 100, 4);
+    net.register(0, registration(R, 16, &[0]));
+    net.open(0, send_request(R, &[0]));
+    net.submit(0, R, chunk(0, 8, 16, false), &mut source);
+    net.submit(0, R, chunk(8, 16, 16, true), &mut source);
+    net.aux(0, R);
+    let inputs = net.receivers[0].take_recorded_inputs();
+    assert!(inputs.iter().any(|i| matches!(
+        i,
+        ReceiverInput::Transport {
+            input: TransportInput::WriteArrived { .. },
+            ..
+        }
+    )));
+    let original: Vec<Output> = net
+        .log
+        .iter()
+        .filter(|(side, _)| *side == Side::Receiver(0))
+        .map(|(_, o)| o.clone())
+        .collect();
+    let mut fresh = Receiver::new(receiver_config(0));
+    let mut replayed = Vec::new();
+    for input in inputs {
+        fresh.handle_input(input).unwrap();
+        while let Some(o) = fresh.poll_output() {
+            replayed.push(o);
+        }
+    }
+    assert_eq!(replayed, original);
+    assert_eq!(fresh.phase(R), Some(RecvPhase::Completed));
+}
