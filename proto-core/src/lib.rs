@@ -66,9 +66,9 @@
 //! // The sender names the receiver PeerId(1); the receiver names the sender PeerId(0).
 //! let (to_receiver, to_sender) = (PeerId(1), PeerId(0));
 //! let mut sender = Sender::new(SenderConfig::new(
-//!     LocalHello::new(InstanceId(1), Topology::default(), layout(1))));
+//!     LocalHello::new(InstanceId(1), Topology::default(), layout(1)))).unwrap();
 //! let mut receiver = Receiver::new(ReceiverConfig::new(
-//!     LocalHello::new(InstanceId(2), Topology::default(), layout(2)), /* grant seed */ 7));
+//!     LocalHello::new(InstanceId(2), Topology::default(), layout(2)), /* grant seed */ 7)).unwrap();
 //!
 //! // Carry every output of both endpoints to its destination until both are idle.
 //! fn pump(now: Instant, s: &mut Sender, r: &mut Receiver, events: &mut Vec<Event>) {
@@ -127,9 +127,7 @@
 //!     writers: [to_sender].into_iter().collect(), aux_capacity: 256,
 //! }).unwrap();
 //! // The prefill side opens the request and submits its chunks as prefill computes them.
-//! sender.open_request(now, SendRequest {
-//!     request, receivers: [to_receiver].into_iter().collect(), sends_aux: true,
-//! }).unwrap();
+//! sender.open_request(now, SendRequest::new(request, [to_receiver])).unwrap();
 //! pump(now, &mut sender, &mut receiver, &mut events);
 //!
 //! let chunk = |start, end, is_last| ChunkSpec {

@@ -313,7 +313,7 @@ fn recorded_inputs_replay_into_a_fresh_receiver() {
         .filter(|(side, _)| *side == Side::Receiver(0))
         .map(|(_, o)| o.clone())
         .collect();
-    let mut fresh = Receiver::new(receiver_config(0));
+    let mut fresh = Receiver::new(receiver_config(0)).unwrap();
     let mut replayed = Vec::new();
     for input in inputs {
         fresh.handle_input(input).unwrap();

@@ -212,14 +212,18 @@ fn peer_cancel_before_the_request_exists_is_remembered() {
     }));
 
     // A sender's cancel reaching a receiver before its registration cancels the registration.
-    let mut r = Receiver::new(receiver_config(0));
-    let mut s = Sender::new(sender_config(0));
+    let mut r = Receiver::new(receiver_config(0)).unwrap();
+    let mut s = Sender::new(sender_config(0)).unwrap();
     let now = Instant::from_millis(1);
     let mut net = Net::new(0, 0);
-    net.senders
-        .push(std::mem::replace(&mut s, Sender::new(sender_config(0))));
-    net.receivers
-        .push(std::mem::replace(&mut r, Receiver::new(receiver_config(0))));
+    net.senders.push(std::mem::replace(
+        &mut s,
+        Sender::new(sender_config(0)).unwrap(),
+    ));
+    net.receivers.push(std::mem::replace(
+        &mut r,
+        Receiver::new(receiver_config(0)).unwrap(),
+    ));
     net.connect(0, 0);
     net.pump();
     net.receivers[0]
@@ -247,7 +251,7 @@ fn peer_cancel_before_the_request_exists_is_remembered() {
 fn remembered_cancels_are_bounded() {
     let mut cfg = sender_config(0);
     cfg.max_remembered_cancels = 2;
-    let mut s = Sender::new(cfg);
+    let mut s = Sender::new(cfg).unwrap();
     let now = Instant::from_millis(1);
     for r in 1..=3 {
         s.handle_input(SenderInput::Cancel {

@@ -104,13 +104,7 @@ fn receiver_waits_for_every_expected_writer() {
     let mut s1 = TestSource::with(R, 300, 4);
     net.register(0, registration(R, 16, &[0, 1]));
     net.open(0, send_request(R, &[0]));
-    net.open(
-        1,
-        SendRequest {
-            sends_aux: false,
-            ..send_request(R, &[0])
-        },
-    );
+    net.open(1, send_request(R, &[0]));
     net.submit(0, R, chunk(0, 16, 16, true), &mut s0);
     net.aux(0, R);
     assert!(completed(&net, Side::Sender(0)));
@@ -126,11 +120,77 @@ fn receiver_waits_for_every_expected_writer() {
     );
     net.submit(1, R, chunk(8, 16, 16, true), &mut s1);
     assert!(
-        completed(&net, Side::Sender(1)),
-        "a sender without aux completes at its last slice"
+        !completed(&net, Side::Receiver(0)),
+        "every writer sends its aux data"
     );
+    net.aux(1, R);
+    assert!(completed(&net, Side::Sender(1)));
     assert!(completed(&net, Side::Receiver(0)));
     assert_eq!(net.receivers[0].counters().bytes_written, 8 * BLOCK_BYTES);
+}
+
+#[test]
+fn writers_whose_aux_data_differ_fail_the_request() {
+    let mut net = Net::connected(2, 1);
+    let mut s0 = TestSource::with(R, 100, 4);
+    let mut s1 = TestSource::with(R, 300, 4);
+    net.register(0, registration(R, 16, &[0, 1]));
+    net.open(0, send_request(R, &[0]));
+    net.open(1, send_request(R, &[0]));
+    net.submit(0, R, chunk(0, 16, 16, true), &mut s0);
+    net.submit(1, R, chunk(0, 16, 16, true), &mut s1);
+    net.aux(0, R);
+    let now = net.now;
+    let other = kvpipe_core::wire::AuxData {
+        first_tokens: vec![43],
+        ..Default::default()
+    };
+    net.senders[1].submit_aux(now, R, other).unwrap();
+    net.pump();
+    assert!(net.events(Side::Receiver(0)).iter().any(|e| matches!(
+        e,
+        Event::Failed {
+            cause: TransferStatus::ProtocolError,
+            ..
+        }
+    )));
+    assert!(!completed(&net, Side::Receiver(0)));
+}
+
+#[test]
+fn a_request_with_several_beams_is_refused_when_opened() {
+    let mut net = Net::connected(1, 1);
+    let now = net.now;
+    let request = SendRequest {
+        beam_width: 4,
+        ..send_request(R, &[0])
+    };
+    let err = net.senders[0].open_request(now, request).unwrap_err();
+    assert_eq!(
+        err,
+        UsageError::Unsupported {
+            request: R,
+            error: kvpipe_core::ConfigError::BeamWidth(4)
+        }
+    );
+    assert!(err.to_string().contains("beam width"));
+    assert_eq!(net.senders[0].session_count(), 0);
+}
+
+#[test]
+fn an_unsupported_configuration_is_refused_at_start() {
+    let mut config = sender_config(0);
+    config.pipeline.chunked_prefill = false;
+    assert_eq!(
+        kvpipe_core::Sender::new(config).err(),
+        Some(kvpipe_core::ConfigError::ChunkedPrefillOff)
+    );
+    let mut config = receiver_config(0);
+    config.pipeline.bounce_buffer = true;
+    assert_eq!(
+        kvpipe_core::Receiver::new(config).err(),
+        Some(kvpipe_core::ConfigError::BounceBuffer)
+    );
 }
 
 use kvpipe_core::session::SendRequest;
@@ -185,23 +245,8 @@ fn counters_report_bytes_slices_and_results() {
 #[test]
 fn aux_usage_errors_leave_the_session_unchanged() {
     let mut net = Net::connected(1, 1);
-    net.open(
-        0,
-        SendRequest {
-            sends_aux: false,
-            ..send_request(R, &[0])
-        },
-    );
     let now = net.now;
     let data = kvpipe_core::wire::AuxData::default();
-    assert_eq!(
-        net.senders[0].handle_input(SenderInput::Aux {
-            now,
-            request: R,
-            data: data.clone()
-        }),
-        Err(UsageError::AuxNotExpected(R))
-    );
     assert_eq!(
         net.senders[0].handle_input(SenderInput::Aux {
             now,

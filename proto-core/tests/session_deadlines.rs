@@ -77,7 +77,7 @@ fn sender_aux_deadline() {
     let mut net = Net::new(1, 1);
     let mut cfg = sender_config(0);
     cfg.deadlines.aux_wait = Duration::from_millis(200);
-    net.senders[0] = kvpipe_core::Sender::new(cfg);
+    net.senders[0] = kvpipe_core::Sender::new(cfg).unwrap();
     net.connect(0, 0);
     net.pump();
     let mut source = TestSource::with(R, 100, 4);

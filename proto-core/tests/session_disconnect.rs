@@ -64,17 +64,32 @@ fn disconnect_after_a_writer_finished_does_not_fail_the_request() {
     let mut s1 = TestSource::with(r, 300, 4);
     net.register(0, registration(r, 16, &[0, 1]));
     net.open(0, send_request(r, &[0]));
-    net.open(
-        1,
-        kvpipe_core::session::SendRequest {
-            sends_aux: false,
-            ..send_request(r, &[0])
-        },
-    );
+    net.open(1, send_request(r, &[0]));
     net.submit(1, r, chunk(0, 16, 16, true), &mut s1);
+    net.aux(1, r);
     net.disconnect(1, 0);
     net.pump();
     net.submit(0, r, chunk(0, 16, 16, true), &mut s0);
     net.aux(0, r);
     assert_eq!(net.receivers[0].phase(r), Some(RecvPhase::Completed));
+}
+
+#[test]
+fn disconnect_before_a_writers_aux_data_fails_the_request() {
+    let mut net = Net::connected(2, 1);
+    let r = RequestId(5);
+    let mut s1 = TestSource::with(r, 300, 4);
+    net.register(0, registration(r, 16, &[0, 1]));
+    net.open(0, send_request(r, &[0]));
+    net.open(1, send_request(r, &[0]));
+    net.submit(1, r, chunk(0, 16, 16, true), &mut s1);
+    net.disconnect(1, 0);
+    net.pump();
+    assert!(net.events(Side::Receiver(0)).iter().any(|e| matches!(
+        e,
+        Event::Failed {
+            cause: kvpipe_core::wire::TransferStatus::PeerLost,
+            ..
+        }
+    )));
 }

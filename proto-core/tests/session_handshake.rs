@@ -45,7 +45,7 @@ fn version_mismatch_is_rejected_on_both_sides_naming_both_versions() {
     let mut net = Net::new(1, 1);
     let mut cfg = sender_config(0);
     cfg.local.versions = VersionRange { min: 7, max: 9 };
-    net.senders[0] = Sender::new(cfg);
+    net.senders[0] = Sender::new(cfg).unwrap();
     net.connect(0, 0);
     net.pump();
     for side in [Side::Sender(0), Side::Receiver(0)] {
@@ -74,7 +74,7 @@ fn compatibility_mismatch_is_rejected_on_both_sides() {
     let mut net = Net::new(1, 1);
     let mut cfg = receiver_config(0);
     cfg.local.compat_hash ^= 1;
-    net.receivers[0] = Receiver::new(cfg);
+    net.receivers[0] = Receiver::new(cfg).unwrap();
     net.connect(0, 0);
     net.pump();
     for side in [Side::Sender(0), Side::Receiver(0)] {
@@ -85,8 +85,8 @@ fn compatibility_mismatch_is_rejected_on_both_sides() {
 
 #[test]
 fn two_senders_reject_each_other() {
-    let mut a = Sender::new(sender_config(0));
-    let mut b = Sender::new(sender_config(1));
+    let mut a = Sender::new(sender_config(0)).unwrap();
+    let mut b = Sender::new(sender_config(1)).unwrap();
     let now = kvpipe_core::Instant::from_millis(1);
     a.handle_input(SenderInput::Transport {
         now,
@@ -168,7 +168,7 @@ fn receiver_registration_waiting_on_a_silent_peer_times_out_with_the_handshake()
 
 #[test]
 fn session_frame_before_handshake_is_a_violation_and_closes() {
-    let mut r = Receiver::new(receiver_config(0));
+    let mut r = Receiver::new(receiver_config(0)).unwrap();
     let now = kvpipe_core::Instant::from_millis(1);
     r.handle_input(ReceiverInput::Transport {
         now,
@@ -217,7 +217,7 @@ fn session_frame_before_handshake_is_a_violation_and_closes() {
 
 #[test]
 fn frames_from_an_unknown_peer_are_a_usage_error() {
-    let mut s = Sender::new(sender_config(0));
+    let mut s = Sender::new(sender_config(0)).unwrap();
     let now = kvpipe_core::Instant::from_millis(1);
     let err = s
         .handle_input(SenderInput::Transport {

@@ -99,9 +99,10 @@ fn run(ops: Vec<Op>) {
         let now = net.now;
         match op {
             Op::Advance(ms) => net.advance(Duration::from_millis(u64::from(ms) * 10)),
-            Op::Open(r, aux) => {
+            Op::Open(r, beams) => {
                 let mut s = send_request(req(r), &[0]);
-                s.sends_aux = aux;
+                // Now and then a request pipelined transfer refuses (several beams).
+                s.beam_width = if beams { 1 } else { 2 };
                 let _ = net.senders[0].open_request(now, s);
             }
             Op::Register(r) => {

@@ -253,7 +253,7 @@ fn registrations_before_open_are_held_and_bounded() {
     let mut net = Net::new(1, 1);
     let mut cfg = sender_config(0);
     cfg.max_pending_registrations = 1;
-    net.senders[0] = kvpipe_core::Sender::new(cfg);
+    net.senders[0] = kvpipe_core::Sender::new(cfg).unwrap();
     net.connect(0, 0);
     net.pump();
     net.register(0, registration(RequestId(1), 8, &[0]));

@@ -123,7 +123,7 @@ fn timed_out_receiver_keeps_blocks_until_the_sender_confirms() {
     let mut net = Net::new(1, 1);
     let mut cfg = receiver_config(0);
     cfg.deadlines.result_wait = Duration::from_millis(100);
-    net.receivers[0] = kvpipe_core::Receiver::new(cfg);
+    net.receivers[0] = kvpipe_core::Receiver::new(cfg).unwrap();
     net.connect(0, 0);
     net.pump();
     net.auto_complete = false;

@@ -105,3 +105,43 @@ fn retire_before_quiesce_is_refused() {
     );
     assert_eq!(net.senders[0].phase(R), Some(SendPhase::Streaming));
 }
+
+#[test]
+fn more_retirements_than_remembered_never_recreate_a_request() {
+    let mut config = sender_config(0);
+    config.max_retired = 1;
+    let mut sender = kvpipe_core::Sender::new(config).unwrap();
+    let now = kvpipe_core::Instant::from_millis(1);
+    let ids = [RequestId(10), RequestId(11), RequestId(12)];
+    for id in ids {
+        sender.open_request(now, send_request(id, &[0])).unwrap();
+        sender.cancel(now, id).unwrap();
+        sender.retire(now, id).unwrap();
+    }
+    // Only one id is remembered exactly, yet none of the three can be opened again.
+    for id in ids {
+        assert_eq!(
+            sender.open_request(now, send_request(id, &[0])),
+            Err(UsageError::Retired(id)),
+            "{id}"
+        );
+        assert_eq!(sender.phase(id), Some(SendPhase::Retired));
+    }
+    sender
+        .open_request(now, send_request(RequestId(13), &[0]))
+        .unwrap();
+    let mut config = receiver_config(0);
+    config.max_retired = 1;
+    let mut receiver = kvpipe_core::Receiver::new(config).unwrap();
+    for id in ids {
+        receiver.register(now, registration(id, 16, &[0])).unwrap();
+        receiver.cancel(now, id).unwrap();
+        receiver.retire(now, id).unwrap();
+    }
+    for id in ids {
+        assert_eq!(
+            receiver.register(now, registration(id, 16, &[0])),
+            Err(UsageError::Retired(id))
+        );
+    }
+}

@@ -32,7 +32,8 @@
 //! let mut pair = MemPair::new(PairConfig::new(
 //!     SenderConfig::new(hello(1)),
 //!     ReceiverConfig::new(hello(2), 7),
-//! ));
+//! ))
+//! .unwrap();
 //! pair.connect().unwrap();
 //! pair.drive_until(std::time::Duration::from_secs(5), |p| {
 //!     p.sender().is_peer_ready(kvpipe_mem::RECEIVER_PEER)

@@ -11,7 +11,7 @@ use kvpipe_core::session::{
 };
 use kvpipe_core::wire::{Frame, TransferStatus};
 use kvpipe_core::{
-    Event, Instant, PeerId, Receiver, ReceiverConfig, RegionId, Sender, SenderConfig,
+    ConfigError, Event, Instant, PeerId, Receiver, ReceiverConfig, RegionId, Sender, SenderConfig,
 };
 use thiserror::Error;
 
@@ -195,14 +195,25 @@ pub struct MemNetwork {
 }
 
 impl MemNetwork {
-    /// A network with no memory registered and no connection yet.
-    pub fn new(config: NetworkConfig) -> Self {
+    /// A network with no memory registered and no connection yet, or the first endpoint
+    /// configuration that cannot run pipelined transfer.
+    pub fn new(config: NetworkConfig) -> Result<Self, ConfigError> {
         let clock = Clock::new();
         let (s, r) = (config.senders.len(), config.receivers.len());
-        MemNetwork {
+        let senders = config
+            .senders
+            .into_iter()
+            .map(Sender::new)
+            .collect::<Result<_, _>>()?;
+        let receivers = config
+            .receivers
+            .into_iter()
+            .map(Receiver::new)
+            .collect::<Result<_, _>>()?;
+        Ok(MemNetwork {
             clock,
-            senders: config.senders.into_iter().map(Sender::new).collect(),
-            receivers: config.receivers.into_iter().map(Receiver::new).collect(),
+            senders,
+            receivers,
             sender_regions: (0..s).map(|_| RegionTable::new()).collect(),
             receiver_regions: (0..r).map(|_| RegionTable::new()).collect(),
             links: (0..s * r).map(|_| LinkState::default()).collect(),
@@ -218,7 +229,7 @@ impl MemNetwork {
             faults: FaultInjector::new(config.faults),
             events: VecDeque::new(),
             stats: PairStats::default(),
-        }
+        })
     }
 
     fn link(&self, s: usize, r: usize) -> usize {

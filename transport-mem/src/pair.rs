@@ -2,7 +2,7 @@
 //! [`MemNetwork`], with the same run loop.
 
 use kvpipe_core::{
-    Event, Instant, PeerId, Receiver, ReceiverConfig, RegionId, Sender, SenderConfig,
+    ConfigError, Event, Instant, PeerId, Receiver, ReceiverConfig, RegionId, Sender, SenderConfig,
 };
 
 use crate::clock::Clock;
@@ -78,17 +78,18 @@ pub struct MemPair {
 }
 
 impl MemPair {
-    /// A pair with no memory registered and no connection yet.
-    pub fn new(config: PairConfig) -> Self {
+    /// A pair with no memory registered and no connection yet, or the first endpoint
+    /// configuration that cannot run pipelined transfer.
+    pub fn new(config: PairConfig) -> Result<Self, ConfigError> {
         debug_assert_eq!(sender_peer(0), SENDER_PEER);
         debug_assert_eq!(receiver_peer(0), RECEIVER_PEER);
         let mut n = NetworkConfig::new(vec![config.sender], vec![config.receiver]);
         n.copy_threads = config.copy_threads;
         n.parallel_threshold = config.parallel_threshold;
         n.faults = config.faults;
-        MemPair {
-            net: MemNetwork::new(n),
-        }
+        Ok(MemPair {
+            net: MemNetwork::new(n)?,
+        })
     }
 
     /// The underlying network (one sender, one receiver).

@@ -68,7 +68,8 @@ fn losing_one_decode_process_fails_only_its_requests() {
             ReceiverConfig::new(hello(2, 2), 5),
             ReceiverConfig::new(hello(3, 2), 6),
         ],
-    ));
+    ))
+    .unwrap();
     let mut src: Vec<u8> = (0..2 * u64::from(BLOCKS) * SLOT)
         .map(|i| (i * 31 + 7) as u8)
         .collect();
@@ -129,7 +130,7 @@ fn losing_one_decode_process_fails_only_its_requests() {
                 SendRequest {
                     request,
                     receivers: std::iter::once(receiver_peer(j)).collect(),
-                    sends_aux: true,
+                    beam_width: 1,
                 },
             )
             .unwrap();

@@ -21,7 +21,7 @@ fn ready(p: &mut MemPair) -> bool {
 
 #[test]
 fn the_handshake_travels_encoded_through_the_codec() {
-    let mut pair = MemPair::new(config());
+    let mut pair = MemPair::new(config()).unwrap();
     pair.connect().unwrap();
     pair.drive_until(Duration::from_secs(5), ready).unwrap();
     let stats = pair.stats();
@@ -46,7 +46,7 @@ fn the_handshake_travels_encoded_through_the_codec() {
 fn a_version_mismatch_closes_the_connection_on_both_sides() {
     let mut c = config();
     c.receiver.local.versions = VersionRange { min: 9, max: 9 };
-    let mut pair = MemPair::new(c);
+    let mut pair = MemPair::new(c).unwrap();
     pair.connect().unwrap();
     pair.drive_until(Duration::from_secs(5), |p| !p.is_connected())
         .unwrap();
@@ -66,7 +66,7 @@ fn a_version_mismatch_closes_the_connection_on_both_sides() {
 
 #[test]
 fn killing_an_endpoint_disconnects_the_survivor() {
-    let mut pair = MemPair::new(config());
+    let mut pair = MemPair::new(config()).unwrap();
     pair.connect().unwrap();
     pair.drive_until(Duration::from_secs(5), ready).unwrap();
     pair.kill(Endpoint::Receiver).unwrap();
@@ -95,7 +95,7 @@ fn duplicated_heartbeats_are_counted_and_harmless() {
         duplicate: 1.0,
         ..FaultConfig::default()
     };
-    let mut pair = MemPair::new(c);
+    let mut pair = MemPair::new(c).unwrap();
     pair.connect().unwrap();
     pair.drive_until(Duration::from_secs(5), ready).unwrap();
     pair.drive_until(Duration::from_secs(5), |p| p.fault_counts().duplicated >= 4)
@@ -106,7 +106,7 @@ fn duplicated_heartbeats_are_counted_and_harmless() {
 
 #[test]
 fn a_bounded_wait_returns_when_nothing_happens() {
-    let mut pair = MemPair::new(config());
+    let mut pair = MemPair::new(config()).unwrap();
     let start = std::time::Instant::now();
     let err = pair
         .drive_until(Duration::from_millis(30), |_| false)

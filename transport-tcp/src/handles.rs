@@ -12,7 +12,7 @@ use kvpipe_core::{
 };
 
 use kvpipe_core::session::Registration;
-use kvpipe_core::DataPath;
+use kvpipe_core::{ConfigError, DataPath};
 
 use crate::blocking::Threads;
 use crate::config::TcpConfig;
@@ -33,8 +33,13 @@ pub struct TcpSender {
 }
 
 impl TcpSender {
-    /// A node around a core sender, reading source bytes from `regions`.
-    pub fn new(config: SenderConfig, tcp: TcpConfig, regions: RegionTable) -> Self {
+    /// A node around a core sender, reading source bytes from `regions`; or the first reason
+    /// the core cannot run pipelined transfer with `config`.
+    pub fn new(
+        config: SenderConfig,
+        tcp: TcpConfig,
+        regions: RegionTable,
+    ) -> Result<Self, ConfigError> {
         Self::with_spawn(config, tcp, regions, Box::new(Threads))
     }
 
@@ -44,10 +49,10 @@ impl TcpSender {
         tcp: TcpConfig,
         regions: RegionTable,
         spawn: Box<dyn Spawn>,
-    ) -> Self {
-        TcpSender {
-            node: Node::new(Sender::new(config), tcp, regions, spawn),
-        }
+    ) -> Result<Self, ConfigError> {
+        Ok(TcpSender {
+            node: Node::new(Sender::new(config)?, tcp, regions, spawn),
+        })
     }
 
     #[cfg(feature = "tokio")]
@@ -186,11 +191,16 @@ pub struct TcpReceiver {
 }
 
 impl TcpReceiver {
-    /// A node around a core receiver, landing payloads in `regions`.
+    /// A node around a core receiver, landing payloads in `regions`; or the first reason the
+    /// core cannot run pipelined transfer with `config`.
     ///
     /// TCP applies every data write itself, so the receiver runs with
     /// [`DataPath::Landed`] whatever `config.data_path` says.
-    pub fn new(config: ReceiverConfig, tcp: TcpConfig, regions: RegionTable) -> Self {
+    pub fn new(
+        config: ReceiverConfig,
+        tcp: TcpConfig,
+        regions: RegionTable,
+    ) -> Result<Self, ConfigError> {
         Self::with_spawn(config, tcp, regions, Box::new(Threads))
     }
 
@@ -200,11 +210,11 @@ impl TcpReceiver {
         tcp: TcpConfig,
         regions: RegionTable,
         spawn: Box<dyn Spawn>,
-    ) -> Self {
+    ) -> Result<Self, ConfigError> {
         config.data_path = DataPath::Landed;
-        TcpReceiver {
-            node: Node::new(Receiver::new(config), tcp, regions, spawn),
-        }
+        Ok(TcpReceiver {
+            node: Node::new(Receiver::new(config)?, tcp, regions, spawn),
+        })
     }
 
     #[cfg(feature = "tokio")]

@@ -16,7 +16,9 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use kvpipe_core::session::Counters;
-use kvpipe_core::{Endpoint, Event, PeerId, Receiver, ReceiverConfig, Sender, SenderConfig};
+use kvpipe_core::{
+    ConfigError, Endpoint, Event, PeerId, Receiver, ReceiverConfig, Sender, SenderConfig,
+};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::runtime::Handle;
@@ -148,16 +150,18 @@ pub struct TcpSender {
 }
 
 impl TcpSender {
-    /// A node around a core sender, its connection tasks on `runtime`.
+    /// A node around a core sender, its connection tasks on `runtime`; or the first reason
+    /// the core cannot run pipelined transfer with `config`.
     pub fn new(
         config: SenderConfig,
         tcp: TcpConfig,
         regions: RegionTable,
         runtime: Handle,
-    ) -> Self {
-        TcpSender {
-            inner: crate::TcpSender::with_spawn(config, tcp.clone(), regions, tasks(runtime, &tcp)),
-        }
+    ) -> Result<Self, ConfigError> {
+        let spawn = tasks(runtime, &tcp);
+        Ok(TcpSender {
+            inner: crate::TcpSender::with_spawn(config, tcp, regions, spawn)?,
+        })
     }
 
     /// Connects to a receiver at `addr`; the handshake runs in the background.
@@ -205,21 +209,18 @@ pub struct TcpReceiver {
 }
 
 impl TcpReceiver {
-    /// A node around a core receiver, its connection tasks on `runtime`.
+    /// A node around a core receiver, its connection tasks on `runtime`; or the first reason
+    /// the core cannot run pipelined transfer with `config`.
     pub fn new(
         config: ReceiverConfig,
         tcp: TcpConfig,
         regions: RegionTable,
         runtime: Handle,
-    ) -> Self {
-        TcpReceiver {
-            inner: crate::TcpReceiver::with_spawn(
-                config,
-                tcp.clone(),
-                regions,
-                tasks(runtime, &tcp),
-            ),
-        }
+    ) -> Result<Self, ConfigError> {
+        let spawn = tasks(runtime, &tcp);
+        Ok(TcpReceiver {
+            inner: crate::TcpReceiver::with_spawn(config, tcp, regions, spawn)?,
+        })
     }
 
     /// Connects to a sender at `addr`.

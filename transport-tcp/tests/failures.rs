@@ -47,7 +47,7 @@ fn send_whole(tx: &TcpSender, peer: PeerId, request: RequestId) {
     tx.open_request(SendRequest {
         request,
         receivers: smallvec![peer],
-        sends_aux: true,
+        beam_width: 1,
     })
     .unwrap();
     let spec = ChunkSpec {
@@ -221,7 +221,7 @@ fn connection_dropped_mid_write_fails_the_sender_session() {
     tx.open_request(SendRequest {
         request: RequestId(3),
         receivers: smallvec![peer],
-        sends_aux: false,
+        beam_width: 1,
     })
     .unwrap();
     let spec = ChunkSpec {
@@ -273,7 +273,7 @@ fn child_sender_process() {
     tx.open_request(SendRequest {
         request: RequestId(4),
         receivers: smallvec![peer],
-        sends_aux: false,
+        beam_width: 1,
     })
     .unwrap();
     let spec = ChunkSpec {

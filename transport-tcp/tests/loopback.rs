@@ -58,7 +58,7 @@ fn run_transfer(connections: usize) {
         tx.open_request(SendRequest {
             request: RequestId(100 + i as u64),
             receivers: smallvec![peer_at_tx],
-            sends_aux: true,
+            beam_width: 1,
         })
         .unwrap();
     }
@@ -169,7 +169,7 @@ fn incompatible_layout_is_rejected_at_the_handshake() {
             l
         });
     let regions = regions(&config.local.groups, 8, true);
-    let tx = kvpipe_tcp::TcpSender::new(config, tcp(2), regions);
+    let tx = kvpipe_tcp::TcpSender::new(config, tcp(2), regions).unwrap();
     tx.connect(addr).unwrap();
     for next in [
         &(|t| tx.next_event(t)) as &dyn Fn(Duration) -> Option<Event>,

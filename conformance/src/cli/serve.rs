@@ -145,7 +145,7 @@ pub(crate) fn run(args: ServeArgs) -> Result<ExitCode, CliError> {
     // SAFETY: `cache` outlives the node (shut down below) and is touched only for registrations
     // and for verification after each request quiesced.
     let regions = unsafe { regions_of(&mut cache) };
-    let rx = TcpReceiver::new(config, TcpConfig::default(), regions);
+    let rx = TcpReceiver::new(config, TcpConfig::default(), regions)?;
     let addr = rx.listen(args.listen.as_str())?;
     eprintln!("kvpipe serve: listening on {addr}");
 

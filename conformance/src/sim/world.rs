@@ -405,7 +405,7 @@ impl Simulation {
                     sender_caches[r].layouts(),
                 ));
                 c.deadlines = cfg.deadlines;
-                Sender::new(c)
+                Sender::new(c).expect("the simulator's endpoint configurations are supported")
             })
             .collect();
         let mut rc = ReceiverConfig::new(
@@ -459,7 +459,8 @@ impl Simulation {
             seq: 0,
             queue: BinaryHeap::new(),
             senders: sender_endpoints,
-            receiver: Receiver::new(rc),
+            receiver: Receiver::new(rc)
+                .expect("the simulator's endpoint configurations are supported"),
             sender_caches,
             receiver_cache,
             links,
@@ -700,32 +701,36 @@ impl Simulation {
             Action::Register(i) => self.register(i),
             Action::Compute(i, k) => self.compute(i, k),
             Action::Aux(i) => {
+                // Every writer rank sends the request's aux data.
                 let request = self.plans[i].id;
-                let rank = self.plans[i].writers[0];
-                if self.records[i].senders[0].terminal.is_some() {
-                    // An engine that learns of the end late still submits: refused, nothing
-                    // changes.
-                    if self.rng.chance(0.3) {
-                        let res = self.senders[rank].handle_input(SenderInput::Aux {
-                            now,
-                            request,
-                            data: AuxData::default(),
-                        });
-                        self.expect_ended(res, rank, request);
+                for w in 0..self.plans[i].writers.len() {
+                    let rank = self.plans[i].writers[w];
+                    if self.records[i].senders[w].terminal.is_some() {
+                        // An engine that learns of the end late still submits: refused,
+                        // nothing changes.
+                        if self.rng.chance(0.3) {
+                            let res = self.senders[rank].handle_input(SenderInput::Aux {
+                                now,
+                                request,
+                                data: AuxData::default(),
+                            });
+                            self.expect_ended(res, rank, request);
+                        }
+                        continue;
                     }
-                    return;
+                    let data = AuxData {
+                        prompt_tokens: self.plans[i].prompt_len,
+                        cached_tokens: self.plans[i].sender_prefix,
+                        first_tokens: vec![(request.0 % 50_000) as u32],
+                        draft_tokens: vec![],
+                    };
+                    self.note(|| format!("engine S{rank} aux {request}"));
+                    let res =
+                        self.senders[rank].handle_input(SenderInput::Aux { now, request, data });
+                    self.records[i].senders[w].aux |= res.is_ok();
+                    self.check(res, || format!("S{rank} aux {request}"));
+                    self.drain();
                 }
-                let data = AuxData {
-                    prompt_tokens: self.plans[i].prompt_len,
-                    cached_tokens: self.plans[i].sender_prefix,
-                    first_tokens: vec![(request.0 % 50_000) as u32],
-                    draft_tokens: vec![],
-                };
-                self.note(|| format!("engine S{rank} aux {request}"));
-                let res = self.senders[rank].handle_input(SenderInput::Aux { now, request, data });
-                self.records[i].senders[0].aux |= res.is_ok();
-                self.check(res, || format!("S{rank} aux {request}"));
-                self.drain();
             }
             Action::Cancel(i, side) => self.cancel(i, side),
             Action::Retire(i, from) => self.retire(i, from),
@@ -844,7 +849,7 @@ impl Simulation {
                 SendRequest {
                     request: plan.id,
                     receivers: [RECEIVER_PEER].into_iter().collect(),
-                    sends_aux: w == 0,
+                    beam_width: 1,
                 },
             );
             self.check(res, || format!("S{rank} open {}", plan.id));
@@ -1562,7 +1567,7 @@ impl Simulation {
                     .batches
                     .iter()
                     .any(|((r, _), b)| *r == rank && b.request == request);
-                if !s.last_chunk || (w == Some(0) && !s.aux) || in_flight {
+                if !s.last_chunk || !s.aux || in_flight {
                     self.anomalies.push(format!(
                         "{who} completed {request} early: last chunk {}, aux {}, writes in \
                          flight {in_flight}",

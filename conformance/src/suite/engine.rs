@@ -430,7 +430,7 @@ pub fn run_workload_with<H: Harness>(
                 SendRequest {
                     request: p.id,
                     receivers: std::iter::once(receiver_peer).collect(),
-                    sends_aux: true,
+                    beam_width: 1,
                 },
             )
             .map_err(usage(Role::Sender))?;

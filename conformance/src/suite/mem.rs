@@ -68,7 +68,7 @@ impl Harness for MemHarness {
             stall: Duration::from_millis(faults.stall_ms),
             spare_handshake: true,
         };
-        let mut pair = MemPair::new(config);
+        let mut pair = MemPair::new(config).map_err(|e| LinkError::Transport(e.to_string()))?;
         for (side, cache) in [
             (Endpoint::Sender, &mut *sender_cache),
             (Endpoint::Receiver, &mut *receiver_cache),

@@ -1,6 +1,7 @@
 //! Endpoint configuration: deadlines, bounds and the local handshake data.
 
 use super::transport::DataPath;
+use crate::config::PipelineConfig;
 use crate::ids::InstanceId;
 use crate::layout::LayerGroupLayout;
 use crate::time::Duration;
@@ -105,11 +106,15 @@ pub struct SenderConfig {
     pub deadlines: Deadlines,
     /// How many cancels for not-yet-opened requests are remembered (oldest forgotten first).
     pub max_remembered_cancels: usize,
-    /// How many retired request ids are remembered to refuse re-use (oldest forgotten first).
+    /// How many retired request ids are remembered exactly; when more retire, the smallest is
+    /// forgotten and every id at or below it counts as retired from then on (never re-created).
     pub max_retired: usize,
     /// How many registrations for not-yet-opened requests are held (newer ones are refused
     /// with a `Cancel`).
     pub max_pending_registrations: usize,
+    /// The engine settings pipelined transfer depends on; [`Sender::new`](super::Sender::new)
+    /// refuses an unsupported one.
+    pub pipeline: PipelineConfig,
 }
 
 impl SenderConfig {
@@ -121,6 +126,7 @@ impl SenderConfig {
             max_remembered_cancels: 4096,
             max_retired: 65536,
             max_pending_registrations: 4096,
+            pipeline: PipelineConfig::default(),
         }
     }
 }
@@ -137,11 +143,15 @@ pub struct ReceiverConfig {
     pub grant_seed: u64,
     /// How many cancels for not-yet-registered requests are remembered (oldest forgotten first).
     pub max_remembered_cancels: usize,
-    /// How many retired request ids are remembered to refuse re-use (oldest forgotten first).
+    /// How many retired request ids are remembered exactly; when more retire, the smallest is
+    /// forgotten and every id at or below it counts as retired from then on (never re-created).
     pub max_retired: usize,
     /// Where the transport's data writes land, which decides when a result is trusted
     /// ([`DataPath::Landed`] unless the transport's fabric orders data before frames).
     pub data_path: DataPath,
+    /// The engine settings pipelined transfer depends on;
+    /// [`Receiver::new`](super::Receiver::new) refuses an unsupported one.
+    pub pipeline: PipelineConfig,
 }
 
 impl ReceiverConfig {
@@ -154,6 +164,7 @@ impl ReceiverConfig {
             max_remembered_cancels: 4096,
             max_retired: 65536,
             data_path: DataPath::Landed,
+            pipeline: PipelineConfig::default(),
         }
     }
 }

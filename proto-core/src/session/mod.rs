@@ -22,9 +22,9 @@
 //!   receiver whose registration arrives late gets every queued slice, in order, once, planned
 //!   from the block runs the sender kept since the chunk was submitted.
 //! - **Completion.** A sender session completes when every receiver got its `is_last` result
-//!   and (if the sender [sends aux data](SendRequest::sends_aux)) the aux data. A receiver
-//!   completes on one successful `is_last` result from each writer plus one aux data frame
-//!   (duplicates from several writers are ignored).
+//!   and the aux data (every writer sends it). A receiver
+//!   completes on one successful `is_last` result and one aux data frame from each writer; the
+//!   writers' aux data must agree.
 //! - **Failure.** A failed slice (or timeout, cancel, lost peer, protocol error) ends the request
 //!   at once on the side that saw it, and the other side is told in the same step: the sender
 //!   sends a `KvResult` with the failure status naming its slice and the receiver's slice (or a
@@ -46,7 +46,9 @@
 //!   A sender answers a peer's cancel for a request it does not hold with a `Cancel` at once.
 //! - **Retirement.** [`Sender::retire`] / [`Receiver::retire`] are accepted after the request
 //!   quiesced (or completed); a retired id is refused with [`UsageError::Retired`] and frames
-//!   about it never re-create it (remembered up to `max_retired` ids).
+//!   about it never re-create it. The last `max_retired` retired ids are remembered exactly;
+//!   older ones raise a floor at or below which every id counts as retired, so memory stays
+//!   bounded and no id is ever re-created (request ids should increase, as engine counters do).
 //! - **Disconnects** end exactly the active sessions that still needed that peer, with
 //!   [`TransferStatus::PeerLost`]. The transport promises that after it reports a disconnect no
 //!   write of that connection touches memory on either side.
@@ -58,6 +60,7 @@ mod grants;
 mod peers;
 mod receiver;
 mod remembered;
+mod retired;
 mod sender;
 mod shell;
 pub mod state;
@@ -70,6 +73,7 @@ use thiserror::Error;
 
 pub use config::{Deadlines, LocalHello, ReceiverConfig, SenderConfig};
 pub use grants::GrantedExtents;
+
 pub use receiver::{Receiver, ReceiverInput, Registration};
 pub use sender::{SendRequest, Sender, SenderInput};
 pub use transport::{
@@ -402,6 +406,12 @@ pub enum ProtocolError {
         /// Writes still in flight.
         writes: u32,
     },
+    /// Two writers of one request sent different aux data.
+    #[error("{request}: the writers' aux data differ (first tokens, draft tokens or counts)")]
+    AuxMismatch {
+        /// The request.
+        request: RequestId,
+    },
     /// The blocks of the registration cannot be paired with the local ones.
     #[error("{request}: cannot plan writes into the registration: {error}")]
     Unplannable {
@@ -516,9 +526,6 @@ pub enum UsageError {
     /// Aux data was already submitted for the request.
     #[error("aux data for {0} was already submitted")]
     AuxAlreadySubmitted(RequestId),
-    /// The request was opened without aux data.
-    #[error("{0} was opened without aux data")]
-    AuxNotExpected(RequestId),
     /// No write batch with that id was ever issued.
     #[error("{0} was never issued")]
     UnknownBatch(WriteBatchId),
@@ -569,6 +576,14 @@ pub enum UsageError {
     /// No data write was ever admitted with that ticket.
     #[error("{0} was never issued")]
     UnknownTicket(WriteTicket),
+    /// The request asks for something pipelined transfer cannot do.
+    #[error("{request} cannot be transferred: {error}")]
+    Unsupported {
+        /// The request.
+        request: RequestId,
+        /// What is unsupported.
+        error: crate::config::ConfigError,
+    },
     /// A write failure was reported with [`TransferStatus::Success`].
     #[error("write failure for {0} reported with status Success")]
     FailureWithSuccessStatus(WriteBatchId),

@@ -8,7 +8,7 @@ use smallvec::SmallVec;
 use super::config::ReceiverConfig;
 use super::grants::{Flight, GrantedExtents, WritesInFlight};
 use super::peers::Route;
-use super::remembered::Remembered;
+use super::retired::Retired;
 use super::shell::{Due, Shell};
 use super::state::{RecvEvent, RecvPhase, Transition, WriterEvent, WriterPhase};
 use super::timers::TimerKey;
@@ -97,9 +97,16 @@ struct Writer {
     /// Frames that arrived before the data they report landed, each with the landed count it
     /// needs ([`DataPath::Landed`]).
     held: VecDeque<(u64, Frame)>,
+    /// The writer's aux data arrived.
+    aux: bool,
 }
 
 impl Writer {
+    /// Everything of this writer arrived: its successful last result and its aux data.
+    fn finished(&self) -> bool {
+        self.phase == WriterPhase::Done && self.aux
+    }
+
     fn on(&mut self, event: WriterEvent) -> bool {
         match self.phase.on(event) {
             Transition::To(p) => {
@@ -190,7 +197,7 @@ pub struct Receiver {
     config: ReceiverConfig,
     shell: Shell,
     sessions: BTreeMap<RequestId, RecvSession>,
-    retired: Remembered<RetiredGrant>,
+    retired: Retired<RetiredGrant>,
     writes: WritesInFlight,
     next_slice: u32,
     grant_state: u64,
@@ -198,19 +205,21 @@ pub struct Receiver {
 }
 
 impl Receiver {
-    /// A receiver with no peers and no sessions.
-    pub fn new(config: ReceiverConfig) -> Self {
+    /// A receiver with no peers and no sessions, or the first reason its configuration cannot
+    /// run pipelined transfer.
+    pub fn new(config: ReceiverConfig) -> Result<Self, crate::config::ConfigError> {
+        config.pipeline.validate()?;
         let hello = config.local.to_hello(Role::Receiver);
-        Receiver {
+        Ok(Receiver {
             shell: Shell::new(hello, config.deadlines, config.max_remembered_cancels),
             sessions: BTreeMap::new(),
-            retired: Remembered::new(config.max_retired),
+            retired: Retired::new(config.max_retired),
             writes: WritesInFlight::default(),
             next_slice: 0,
             grant_state: config.grant_seed,
             recorded: None,
             config,
-        }
+        })
     }
 
     // ----- getters -----
@@ -513,6 +522,7 @@ impl Receiver {
                         landed: 0,
                         reported: 0,
                         held: VecDeque::new(),
+                        aux: false,
                     })
                     .collect(),
                 writes_in_flight: 0,
@@ -1007,11 +1017,11 @@ impl Receiver {
 
     fn on_aux(&mut self, now: Instant, peer: PeerId, aux: AuxResult) {
         let request = aux.request;
-        let Some(_) = self.locate(now, peer, request, "AuxResult") else {
+        let Some(w) = self.locate(now, peer, request, "AuxResult") else {
             return;
         };
         let session = self.sessions.get_mut(&request).expect("located");
-        if !session.phase.is_active() || session.aux.is_some() {
+        if !session.phase.is_active() || session.writers[w].aux {
             self.shell.counters.duplicates += 1;
             return;
         }
@@ -1042,8 +1052,12 @@ impl Receiver {
             );
             return;
         }
-        session.aux = Some(aux.data);
-        session.aux_deadline = None;
+        if session.aux.as_ref().is_some_and(|known| *known != aux.data) {
+            self.stop_protocol(now, request, peer, ProtocolError::AuxMismatch { request });
+            return;
+        }
+        session.writers[w].aux = true;
+        session.aux.get_or_insert(aux.data);
         self.progress(now, request);
     }
 
@@ -1100,7 +1114,7 @@ impl Receiver {
                 .iter_mut()
                 .find(|w| w.peer == peer)
                 .expect("listed");
-            let done = w.phase == WriterPhase::Done;
+            let done = w.finished();
             w.on(WriterEvent::Disconnected);
             w.held.clear();
             if session.phase.is_active() && !done {
@@ -1125,10 +1139,7 @@ impl Receiver {
             .sessions
             .iter()
             .filter(|(_, s)| {
-                s.phase.is_active()
-                    && s.writers
-                        .iter()
-                        .any(|w| w.peer == peer && w.phase != WriterPhase::Done)
+                s.phase.is_active() && s.writers.iter().any(|w| w.peer == peer && !w.finished())
             })
             .map(|(r, _)| *r)
             .collect();
@@ -1158,12 +1169,13 @@ impl Receiver {
             }
             return;
         }
-        let event = if all_done && session.aux.is_some() {
+        let all_aux = session.writers.iter().all(|w| w.aux);
+        let event = if all_done && all_aux {
             RecvEvent::Finished
         } else {
             RecvEvent::Progress
         };
-        if all_done && session.aux.is_none() && session.aux_deadline.is_none() {
+        if all_done && !all_aux && session.aux_deadline.is_none() {
             let at = now + self.config.deadlines.aux_wait;
             session.aux_deadline = Some(at);
             self.shell.timers.arm(at, TimerKey::Request(request));

@@ -6,7 +6,7 @@ use smallvec::SmallVec;
 
 use super::config::SenderConfig;
 use super::peers::Route;
-use super::remembered::Remembered;
+use super::retired::Retired;
 use super::shell::{Due, Shell};
 use super::state::{SendEvent, SendPhase, TargetEvent, TargetPhase, Transition};
 use super::timers::TimerKey;
@@ -16,6 +16,7 @@ use super::{
     ProtocolError, UsageError, Wait, WriteBatchId,
 };
 use crate::blocks::BlockRun;
+use crate::config::{ConfigError, PipelineConfig};
 use crate::geometry::{chunk_window, BlockWindow, ChunkSpec};
 use crate::ids::{GroupIndex, PeerId, ReceiverSliceId, RequestId, SenderSliceId};
 use crate::plan::{plan_group_with_cursor, DstCursor, WritePlan};
@@ -92,9 +93,19 @@ pub struct SendRequest {
     /// The receivers (decode ranks) this rank writes the request to; each must send a
     /// registration.
     pub receivers: SmallVec<[PeerId; 2]>,
-    /// Whether this rank sends the aux data (the session then completes only after
-    /// [`SenderInput::Aux`]).
-    pub sends_aux: bool,
+    /// Beams of the request; pipelined transfer needs 1 (checked when the request is opened).
+    pub beam_width: u32,
+}
+
+impl SendRequest {
+    /// A request written to `receivers`, with one beam.
+    pub fn new(request: RequestId, receivers: impl IntoIterator<Item = PeerId>) -> Self {
+        SendRequest {
+            request,
+            receivers: receivers.into_iter().collect(),
+            beam_width: 1,
+        }
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -165,7 +176,6 @@ struct SendSession {
     prompt_len: Option<u32>,
     /// The prefix length the first chunk declared; later chunks must agree.
     prepopulated_len: Option<u32>,
-    sends_aux: bool,
     aux: Option<AuxData>,
     registration_deadline: Instant,
     aux_deadline: Option<Instant>,
@@ -287,7 +297,7 @@ pub struct Sender {
     shell: Shell,
     sessions: BTreeMap<RequestId, SendSession>,
     pending_registrations: PendingRegistrations,
-    retired: Remembered<()>,
+    retired: Retired<()>,
     batches: BTreeMap<WriteBatchId, BatchRef>,
     next_batch: u64,
     plan_buffer: WritePlan,
@@ -295,20 +305,22 @@ pub struct Sender {
 }
 
 impl Sender {
-    /// A sender with no peers and no sessions.
-    pub fn new(config: SenderConfig) -> Self {
+    /// A sender with no peers and no sessions, or the first reason its configuration cannot
+    /// run pipelined transfer.
+    pub fn new(config: SenderConfig) -> Result<Self, ConfigError> {
+        config.pipeline.validate()?;
         let hello = config.local.to_hello(Role::Sender);
-        Sender {
+        Ok(Sender {
             shell: Shell::new(hello, config.deadlines, config.max_remembered_cancels),
             sessions: BTreeMap::new(),
             pending_registrations: PendingRegistrations::default(),
-            retired: Remembered::new(config.max_retired),
+            retired: Retired::new(config.max_retired),
             batches: BTreeMap::new(),
             next_batch: 0,
             plan_buffer: WritePlan::new(),
             recorded: None,
             config,
-        }
+        })
     }
 
     // ----- getters -----
@@ -598,6 +610,13 @@ impl Sender {
         if req.receivers.is_empty() {
             return Err(UsageError::NoPeers(request));
         }
+        let settings = PipelineConfig {
+            beam_width: req.beam_width,
+            ..self.config.pipeline
+        };
+        if let Err(error) = settings.validate() {
+            return Err(UsageError::Unsupported { request, error });
+        }
         for (i, p) in req.receivers.iter().enumerate() {
             if req.receivers[..i].contains(p) {
                 return Err(UsageError::DuplicatePeer { request, peer: *p });
@@ -613,7 +632,6 @@ impl Sender {
                 next_start: None,
                 prompt_len: None,
                 prepopulated_len: None,
-                sends_aux: req.sends_aux,
                 aux: None,
                 registration_deadline,
                 aux_deadline: None,
@@ -746,7 +764,7 @@ impl Sender {
             planned_by: 0,
         });
         self.shell.counters.slices += 1;
-        if spec.is_last && session.sends_aux && session.aux.is_none() {
+        if spec.is_last && session.aux.is_none() {
             let at = now + self.config.deadlines.aux_wait;
             session.aux_deadline = Some(at);
             self.shell.timers.arm(at, TimerKey::Request(request));
@@ -1103,11 +1121,7 @@ impl Sender {
                 ));
                 target.results_sent += 1;
                 if slice.is_last {
-                    target.on(if session.sends_aux {
-                        TargetEvent::LastResultSent
-                    } else {
-                        TargetEvent::Finished
-                    });
+                    target.on(TargetEvent::LastResultSent);
                 }
             }
             if target.phase == TargetPhase::AwaitingAux {
@@ -1218,9 +1232,6 @@ impl Sender {
             .sessions
             .get_mut(&request)
             .ok_or(UsageError::UnknownRequest(request))?;
-        if !session.sends_aux {
-            return Err(UsageError::AuxNotExpected(request));
-        }
         if session.aux.is_some() {
             return Err(UsageError::AuxAlreadySubmitted(request));
         }

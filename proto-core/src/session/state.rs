@@ -246,7 +246,7 @@ pub enum TargetPhase {
     Streaming,
     /// The last successful result went out; the aux data is still to be sent.
     AwaitingAux,
-    /// Everything went out (the last result, and the aux data if this rank sends it).
+    /// Everything went out: the last result, then the aux data.
     Finished,
     /// The session stopped; the terminal frame waits until no batch towards the receiver is in
     /// flight.
@@ -264,9 +264,9 @@ pub enum TargetPhase {
 pub enum TargetEvent {
     /// The receiver's registration arrived.
     Registered,
-    /// The last slice's successful result went out and the aux data is still due.
+    /// The last slice's successful result went out; the aux data follows.
     LastResultSent,
-    /// The last successful result (and the aux data, if due) went out.
+    /// The aux data went out after the last successful result.
     Finished,
     /// The session stopped (failure, timeout, cancel).
     SessionStopped,
@@ -302,7 +302,7 @@ impl TargetPhase {
             (P::AwaitingRegistration, E::Registered) => To(P::Streaming),
             (_, E::Registered) => Refused,
             (P::Streaming, E::LastResultSent) => To(P::AwaitingAux),
-            (P::Streaming | P::AwaitingAux, E::Finished) => To(P::Finished),
+            (P::AwaitingAux, E::Finished) => To(P::Finished),
             (_, E::LastResultSent | E::Finished) => Refused,
             (P::AwaitingRegistration | P::Streaming | P::AwaitingAux, E::SessionStopped) => {
                 To(P::Draining)

@@ -157,11 +157,7 @@ pub fn registration(request: RequestId, prompt_len: u32, writers: &[usize]) -> R
 }
 
 pub fn send_request(request: RequestId, receivers: &[usize]) -> SendRequest {
-    SendRequest {
-        request,
-        receivers: receivers.iter().map(|&j| rx_peer(j)).collect(),
-        sends_aux: true,
-    }
+    SendRequest::new(request, receivers.iter().map(|&j| rx_peer(j)))
 }
 
 /// Where an output came from.
@@ -204,10 +200,10 @@ impl Net {
         Net {
             now: Instant::from_millis(1),
             senders: (0..senders)
-                .map(|i| Sender::new(sender_config(i)))
+                .map(|i| Sender::new(sender_config(i)).unwrap())
                 .collect(),
             receivers: (0..receivers)
-                .map(|j| Receiver::new(receiver_config(j)))
+                .map(|j| Receiver::new(receiver_config(j)).unwrap())
                 .collect(),
             auto_complete: true,
             held: Vec::new(),
@@ -512,7 +508,7 @@ impl Net {
         i: usize,
         request: RequestId,
         spec: ChunkSpec,
-        source: &mut TestSource,
+        source: &mut impl BlockSource,
     ) -> Option<SenderSliceId> {
         let now = self.now;
         let id = self.senders[i]

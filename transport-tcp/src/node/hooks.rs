@@ -134,7 +134,7 @@ mod tests {
             7,
         );
         let node = Node::new(
-            Receiver::new(config),
+            Receiver::new(config).unwrap(),
             TcpConfig::default(),
             RegionTable::new(),
             Box::new(Held(halves.clone())),

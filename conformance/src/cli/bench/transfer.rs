@@ -219,7 +219,7 @@ pub(crate) fn run(args: TransferBenchArgs) -> Result<ExitCode, CliError> {
     }
     let threads = config.copy_threads;
     let threshold = config.parallel_threshold;
-    let mut pair = MemPair::new(config);
+    let mut pair = MemPair::new(config)?;
     // SAFETY: `src` and `dst` outlive `pair` (dropped before them at the end of this
     // function), are never resized, and are only touched here between transfers (zeroing and
     // verification happen after the receiver completed, when no write batch is in flight).
@@ -294,7 +294,7 @@ pub(crate) fn run(args: TransferBenchArgs) -> Result<ExitCode, CliError> {
             SendRequest {
                 request,
                 receivers: std::iter::once(RECEIVER_PEER).collect(),
-                sends_aux: true,
+                beam_width: 1,
             },
         )?;
         let mut registered = false;

@@ -58,7 +58,7 @@ pub(super) fn run(args: &DemoArgs, addr: &str) -> Result<ExitCode, CliError> {
             ..TcpConfig::default()
         },
         regions,
-    );
+    )?;
     let peer = tx.connect(addr)?;
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
@@ -88,7 +88,7 @@ pub(super) fn run(args: &DemoArgs, addr: &str) -> Result<ExitCode, CliError> {
         tx.open_request(SendRequest {
             request: id,
             receivers: std::iter::once(peer).collect(),
-            sends_aux: true,
+            beam_width: 1,
         })?;
     }
     let step = args.chunk_tokens.max(1);

@@ -167,9 +167,9 @@ pub(super) fn run(args: TransferBenchArgs) -> Result<ExitCode, CliError> {
         ReceiverConfig::new(hello(2, &dst_layout), 11),
         tcp.clone(),
         rx_regions,
-    );
+    )?;
     let addr = rx.listen("127.0.0.1:0")?;
-    let tx = TcpSender::new(SenderConfig::new(hello(1, &src_layout)), tcp, tx_regions);
+    let tx = TcpSender::new(SenderConfig::new(hello(1, &src_layout)), tcp, tx_regions)?;
     let receiver_peer = tx.connect(addr)?;
     let mut sender_peer = PeerId(0);
     wait_event(
@@ -219,7 +219,7 @@ pub(super) fn run(args: TransferBenchArgs) -> Result<ExitCode, CliError> {
         tx.open_request(SendRequest {
             request,
             receivers: std::iter::once(receiver_peer).collect(),
-            sends_aux: true,
+            beam_width: 1,
         })?;
         wait_event(
             |t| tx.next_event(t),

@@ -1,0 +1,247 @@
+//! What the sender checks of its engine: every block run against the bounded block-source
+//! contract, the prefix, and what a failure before any slice looks like on the other side.
+//! Each mistake ends the request on both sides; none ends as a partial `Completed`.
+
+mod session_support;
+
+use kvpipe_core::session::state::{RecvPhase, SendPhase};
+use kvpipe_core::session::{BlockRunFault, CancelOrigin, Event, UsageError};
+use kvpipe_core::wire::TransferStatus;
+use kvpipe_core::{
+    BlockId, BlockRun, BlockSource, BlockSourceError, ChunkSpec, GroupIndex, RequestId,
+};
+use session_support::*;
+
+const R: RequestId = RequestId(11);
+
+/// A block source that answers like `TestSource` (ordinal `o` in slot `100 + o`, 4 blocks)
+/// and then lets a test bend the answer.
+struct Bent<F: FnMut(u32, u32, &mut BlockRun)>(F);
+
+impl<F: FnMut(u32, u32, &mut BlockRun)> BlockSource for Bent<F> {
+    fn block_run(
+        &mut self,
+        _: RequestId,
+        _: GroupIndex,
+        begin: u32,
+        end: u32,
+        out: &mut BlockRun,
+    ) -> Result<(), BlockSourceError> {
+        out.first_ordinal = begin;
+        out.ids = (begin..end).map(|o| BlockId(100 + o)).collect();
+        (self.0)(begin, end, out);
+        Ok(())
+    }
+}
+
+/// Prompt 16, chunks 0:6 and 6:16, 4 tokens per block: chunk 0:6 sends block 0, chunk 6:16
+/// blocks 1..4 (512 bytes in all).
+fn net() -> Net {
+    let mut net = Net::connected(1, 1);
+    net.register(0, registration(R, 16, &[0]));
+    net.open(0, send_request(R, &[0]));
+    net
+}
+
+fn spec(start: u32, end: u32, prepopulated_len: u32) -> ChunkSpec {
+    ChunkSpec {
+        start,
+        end,
+        prompt_len: 16,
+        prepopulated_len,
+        is_last: end == 16,
+        prefix_sent_early: false,
+    }
+}
+
+/// Submits a chunk and returns the sender's answer; pumps the network.
+fn submit(net: &mut Net, spec: ChunkSpec, source: &mut impl BlockSource) -> UsageError {
+    let now = net.now;
+    let err = net.senders[0]
+        .submit_chunk(now, R, spec, source)
+        .expect_err("the engine's mistake is refused");
+    net.pump();
+    err
+}
+
+/// Both sides ended the request with an engine error, quiesced, and nothing completed.
+fn assert_failed_on_both_sides(net: &Net) {
+    let sender = net.events(Side::Sender(0));
+    let receiver = net.events(Side::Receiver(0));
+    assert!(
+        sender.iter().any(|e| matches!(
+            e,
+            Event::Failed {
+                cause: TransferStatus::EngineError,
+                ..
+            }
+        )),
+        "{sender:?}"
+    );
+    assert!(
+        receiver.iter().any(|e| matches!(
+            e,
+            Event::Failed {
+                cause: TransferStatus::EngineError,
+                ..
+            }
+        )),
+        "{receiver:?}"
+    );
+    for e in sender.iter().chain(&receiver) {
+        assert!(!matches!(e, Event::Completed { .. }), "{e:?}");
+    }
+    assert_eq!(net.senders[0].phase(R), Some(SendPhase::Quiesced));
+    assert_eq!(net.receivers[0].phase(R), Some(RecvPhase::Quiesced));
+}
+
+#[test]
+fn a_run_missing_its_head_in_a_full_attention_group() {
+    let mut net = net();
+    let mut ok = Bent(|_, _, _| {});
+    net.submit(0, R, spec(0, 6, 0), &mut ok);
+    let mut headless = Bent(|_, _, run: &mut BlockRun| {
+        run.first_ordinal += 2;
+        run.ids.drain(..2);
+    });
+    let err = submit(&mut net, spec(6, 16, 0), &mut headless);
+    assert!(
+        matches!(err, UsageError::BlockRun(e) if e.fault == BlockRunFault::TooShort
+            && (e.asked.begin, e.asked.end, e.returned.begin, e.returned.end) == (1, 4, 3, 4)),
+        "{err}"
+    );
+    assert!(
+        err.to_string()
+            .contains("asked for ordinals [1, 4), got [3, 4)"),
+        "{err}"
+    );
+    assert_failed_on_both_sides(&net);
+}
+
+#[test]
+fn an_over_long_run_would_send_blocks_not_computed_yet() {
+    let mut net = net();
+    // Chunk 0:6 computed block 0 only; the cache answers with the whole allocation.
+    let mut whole = Bent(|_, _, run: &mut BlockRun| {
+        run.first_ordinal = 0;
+        run.ids = (0..4).map(|o| BlockId(100 + o)).collect();
+    });
+    let err = submit(&mut net, spec(0, 6, 0), &mut whole);
+    assert!(
+        matches!(err, UsageError::BlockRun(e) if e.fault == BlockRunFault::TooLong),
+        "{err}"
+    );
+    assert_failed_on_both_sides(&net);
+    assert_eq!(
+        net.senders[0].counters().write_batches,
+        0,
+        "nothing was written"
+    );
+}
+
+#[test]
+fn a_run_ending_early_would_never_send_the_last_block() {
+    let mut net = net();
+    net.submit(0, R, spec(0, 6, 0), &mut Bent(|_, _, _| {}));
+    let mut early = Bent(|_, _, run: &mut BlockRun| {
+        run.ids.pop();
+    });
+    let err = submit(&mut net, spec(6, 16, 0), &mut early);
+    assert!(
+        matches!(err, UsageError::BlockRun(e) if e.fault == BlockRunFault::WrongEnd),
+        "{err}"
+    );
+    assert_failed_on_both_sides(&net);
+}
+
+#[test]
+fn a_changed_prefix_would_send_blocks_twice() {
+    let mut net = net();
+    net.submit(0, R, spec(0, 6, 0), &mut Bent(|_, _, _| {}));
+    let err = submit(&mut net, spec(6, 16, 6), &mut Bent(|_, _, _| {}));
+    assert_eq!(
+        err,
+        UsageError::PrefixChanged {
+            request: R,
+            expected: 0,
+            got: 6
+        }
+    );
+    assert_failed_on_both_sides(&net);
+}
+
+#[test]
+fn the_failing_chunk_is_recorded_and_replays() {
+    let mut net = Net::new(1, 1);
+    net.senders[0].record_inputs(true);
+    net.connect(0, 0);
+    net.pump();
+    net.register(0, registration(R, 16, &[0]));
+    net.open(0, send_request(R, &[0]));
+    let err = submit(
+        &mut net,
+        spec(0, 6, 0),
+        &mut Bent(|_, _, run: &mut BlockRun| run.ids.push(BlockId(7))),
+    );
+    assert!(matches!(err, UsageError::BlockRun(_)));
+    let inputs = net.senders[0].take_recorded_inputs();
+    assert!(inputs
+        .iter()
+        .any(|i| matches!(i, kvpipe_core::SenderInput::Chunk { .. })));
+    let original: Vec<_> = net
+        .log
+        .iter()
+        .filter(|(side, _)| *side == Side::Sender(0))
+        .map(|(_, o)| o.clone())
+        .collect();
+    let mut fresh = kvpipe_core::Sender::new(sender_config(0)).unwrap();
+    let mut replayed = Vec::new();
+    for input in inputs {
+        fresh.handle_input(input).unwrap();
+        while let Some(o) = fresh.poll_output() {
+            replayed.push(o);
+        }
+    }
+    assert_eq!(replayed, original);
+    assert_eq!(fresh.phase(R), Some(SendPhase::Quiesced));
+}
+
+#[test]
+fn a_cancel_before_the_first_chunk_is_a_cancel_on_the_receiver_with_no_slice() {
+    let mut net = net();
+    let now = net.now;
+    net.senders[0].cancel(now, R).unwrap();
+    net.pump();
+    let receiver = net.events(Side::Receiver(0));
+    assert!(
+        receiver.contains(&Event::Cancelled {
+            request: R,
+            origin: CancelOrigin::Peer(tx_peer(0))
+        }),
+        "{receiver:?}"
+    );
+    assert!(!receiver.iter().any(|e| matches!(e, Event::Failed { .. })));
+}
+
+#[test]
+fn a_failure_before_the_first_slice_names_no_slice() {
+    let mut net = net();
+    let err = submit(
+        &mut net,
+        spec(0, 6, 0),
+        &mut Bent(|_, _, run: &mut BlockRun| run.first_ordinal += 1),
+    );
+    assert!(matches!(err, UsageError::BlockRun(_)));
+    let receiver = net.events(Side::Receiver(0));
+    assert!(
+        receiver.iter().any(|e| matches!(
+            e,
+            Event::Failed {
+                cause: TransferStatus::EngineError,
+                sender_slice: None,
+                ..
+            }
+        )),
+        "{receiver:?}"
+    );
+}
