@@ -63,6 +63,12 @@ pub(crate) struct TransferBenchArgs {
     /// Connections per peer (tcp; the tcp-raw baseline uses as many plain sockets).
     #[arg(long, default_value_t = 4)]
     connections: usize,
+    /// Most bytes per socket write of the transport (tcp; default: `TcpConfig`'s).
+    #[arg(long)]
+    socket_write_bytes: Option<usize>,
+    /// Most payload bytes per socket read of the transport (tcp; default: `TcpConfig`'s).
+    #[arg(long)]
+    socket_read_bytes: Option<usize>,
 }
 
 /// The figures `kvpipe bench transfer` prints.
