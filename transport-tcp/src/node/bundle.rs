@@ -27,7 +27,6 @@ pub(super) fn listen<E: Endpoint + Send + 'static>(
 ) -> io::Result<(SocketAddr, JoinHandle<()>)> {
     let listener = TcpListener::bind(addr)?;
     let local = listener.local_addr()?;
-    listener.set_nonblocking(true)?;
     let shared = shared.clone();
     let handle = thread::Builder::new()
         .name("kvpipe-tcp-accept".into())
@@ -35,25 +34,38 @@ pub(super) fn listen<E: Endpoint + Send + 'static>(
     Ok((local, handle))
 }
 
+/// Accepts connections (blocking) until the node stops accepting; [`wake_acceptor`] unblocks
+/// it then.
 fn accept_loop<E: Endpoint + Send + 'static>(shared: &Arc<Shared<E>>, listener: TcpListener) {
-    loop {
-        if !matches!(shared.state.lock().phase, NodePhase::Running) {
+    for stream in listener.incoming() {
+        if !shared.accepting.load(Ordering::Acquire) {
             return;
         }
-        match listener.accept() {
-            Ok((stream, _)) => {
+        match stream {
+            Ok(stream) => {
                 if let Some((pre, stream)) = read_preamble(shared, stream) {
                     let mut st = shared.state.lock();
                     let now = shared.now();
                     shared.attach(&mut st, now, pre, stream);
                 }
             }
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                thread::sleep(StdDuration::from_millis(2));
-            }
+            // Out of descriptors or memory, or a connection reset before it was accepted.
             Err(_) => thread::sleep(StdDuration::from_millis(10)),
         }
     }
+}
+
+/// Wakes the accept thread blocked on the listener at `local` (it then sees that the node stopped
+/// accepting).
+pub(super) fn wake_acceptor(local: SocketAddr) {
+    let mut addr = local;
+    if addr.ip().is_unspecified() {
+        addr.set_ip(match addr {
+            SocketAddr::V4(_) => std::net::Ipv4Addr::LOCALHOST.into(),
+            SocketAddr::V6(_) => std::net::Ipv6Addr::LOCALHOST.into(),
+        });
+    }
+    let _ = TcpStream::connect_timeout(&addr, StdDuration::from_secs(1));
 }
 
 /// Reads and checks an accepted connection's preamble (bounded by the preamble timeout).

@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::io;
 use std::net::{SocketAddr, ToSocketAddrs};
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::{self, JoinHandle};
 use std::time::Duration as StdDuration;
@@ -24,6 +24,8 @@ use crate::stats::{bump, StatCells};
 pub(crate) struct Node<E: Endpoint + Send + 'static> {
     pub(crate) shared: Arc<Shared<E>>,
     helpers: Mutex<Vec<JoinHandle<()>>>,
+    /// Where the accept threads listen (to wake them when the node stops).
+    listening: Mutex<Vec<SocketAddr>>,
 }
 
 impl<E: Endpoint + Send + 'static> Node<E> {
@@ -49,6 +51,7 @@ impl<E: Endpoint + Send + 'static> Node<E> {
             config,
             stats: Arc::new(StatCells::default()),
             tokens: AtomicU64::new(0),
+            accepting: AtomicBool::new(true),
             spawn,
         });
         let timer = {
@@ -61,6 +64,7 @@ impl<E: Endpoint + Send + 'static> Node<E> {
         Node {
             shared,
             helpers: Mutex::new(vec![timer]),
+            listening: Mutex::new(Vec::new()),
         }
     }
 
@@ -68,6 +72,7 @@ impl<E: Endpoint + Send + 'static> Node<E> {
     pub(crate) fn listen(&self, addr: impl ToSocketAddrs) -> io::Result<SocketAddr> {
         let (local, handle) = bundle::listen(&self.shared, addr)?;
         self.helpers.lock().push(handle);
+        self.listening.lock().push(local);
         Ok(local)
     }
 
@@ -112,6 +117,7 @@ impl<E: Endpoint + Send + 'static> Node<E> {
             return Ok(());
         }
         st.phase = NodePhase::Closing(HashMap::new());
+        shared.accepting.store(false, Ordering::Release);
         let mut lingering = Vec::new();
         for peer in st.links.ids() {
             let Some(link) = st.links.get_mut(peer) else {
@@ -157,6 +163,7 @@ impl<E: Endpoint + Send + 'static> Node<E> {
         {
             let mut st = self.shared.state.lock();
             st.phase = NodePhase::Stopped;
+            self.shared.accepting.store(false, Ordering::Release);
             for peer in st.links.ids() {
                 match st.links.get_mut(peer) {
                     Some(link) if matches!(link.phase, LinkPhase::Assembling { .. }) => {
@@ -169,6 +176,9 @@ impl<E: Endpoint + Send + 'static> Node<E> {
                 }
             }
             self.shared.timer.notify_all();
+        }
+        for &local in self.listening.lock().iter() {
+            bundle::wake_acceptor(local);
         }
         let helpers: Vec<JoinHandle<()>> = std::mem::take(&mut *self.helpers.lock());
         for h in helpers {

@@ -34,7 +34,7 @@ mod timer;
 
 use std::collections::HashMap;
 use std::net::TcpStream;
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::Arc;
 use std::time::Duration as StdDuration;
 
@@ -89,6 +89,9 @@ pub(crate) struct Shared<E> {
     pub(crate) config: TcpConfig,
     pub(crate) stats: Arc<StatCells>,
     tokens: AtomicU64,
+    /// Whether the accept thread goes on (cleared when the node starts closing; read without
+    /// the lock, which `attach` checks again).
+    accepting: AtomicBool,
     spawn: Box<dyn Spawn>,
 }
 
