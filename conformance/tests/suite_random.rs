@@ -89,6 +89,8 @@ fn fast(w: &mut Workload) {
         registration: Duration::from_millis(300),
         write_completion: Duration::from_secs(5),
         result_wait: Duration::from_millis(600),
+        result_per_token: Duration::ZERO,
+        result_idle: Duration::from_millis(600),
         aux_wait: Duration::from_millis(300),
         heartbeat_interval: Duration::from_millis(100),
         liveness_timeout: Duration::from_secs(10),

@@ -35,8 +35,10 @@ pub struct ChunkSpec {
     pub prepopulated_len: u32,
     /// Whether this is the request's final prefill chunk (`end == prompt_len`).
     pub is_last: bool,
-    /// Whether the reused prefix was already sent before the first chunk (see
-    /// [`early_prefix_window`]); the first chunk then does not reach back to block 0.
+    /// Whether the reused prefix was already sent before the first chunk, with
+    /// [`Sender::submit_prefix`](crate::Sender::submit_prefix) (see [`early_prefix_window`]);
+    /// the first chunk then does not reach back to block 0. The sender refuses a chunk whose
+    /// flag disagrees with what was sent.
     pub prefix_sent_early: bool,
 }
 

@@ -5,16 +5,19 @@ use core::fmt;
 
 macro_rules! id_newtype {
     ($(#[$doc:meta])* $name:ident($inner:ty), $prefix:literal) => {
-        $(#[$doc])*
-        #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
-        #[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
-        pub struct $name(pub $inner);
+        id_newtype!(@type $(#[$doc])* $name($inner));
 
         impl fmt::Display for $name {
             fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
                 write!(f, concat!($prefix, "{}"), self.0)
             }
         }
+    };
+    (@type $(#[$doc:meta])* $name:ident($inner:ty)) => {
+        $(#[$doc])*
+        #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+        #[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
+        pub struct $name(pub $inner);
 
         impl From<$inner> for $name {
             fn from(v: $inner) -> Self {
@@ -30,10 +33,19 @@ id_newtype!(
     "req#"
 );
 id_newtype!(
+    @type
     /// The sender's id for one slice of a request (one prefill chunk's transfer).
-    SenderSliceId(u32),
-    "sslice#"
+    SenderSliceId(u32)
 );
+
+impl fmt::Display for SenderSliceId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.get() {
+            Some(s) => write!(f, "sslice#{}", s.0),
+            None => f.write_str("sslice#none"),
+        }
+    }
+}
 id_newtype!(
     /// The receiver's id for one registration of a request (one decode rank's view of it).
     ReceiverSliceId(u32),

@@ -64,11 +64,13 @@ fn write_completion_deadline() {
 fn result_wait_deadline() {
     let mut net = Net::connected(1, 1);
     net.register(0, registration(R, 16, &[0]));
+    // The prefill side opened the request but never computes a chunk.
+    net.open(0, send_request(R, &[0]));
     net.advance(Duration::from_millis(4_999));
     assert!(!timed_out(&net, Side::Receiver(0), Wait::Results));
     net.advance(Duration::from_millis(1));
     assert!(timed_out(&net, Side::Receiver(0), Wait::Results));
-    // The sender (which never opened the request) confirms the cancel at once.
+    // The sender (which wrote nothing) confirms the cancel at once.
     assert_eq!(net.receivers[0].phase(R), Some(RecvPhase::Quiesced));
 }
 
@@ -179,4 +181,61 @@ fn early_timeout_is_a_no_op() {
     // A deadline is always pending while something is awaited.
     assert!(net.senders[0].poll_timeout().is_some());
     assert!(net.receivers[0].poll_timeout().is_some());
+}
+
+/// A receiver whose results are due within 1 s of the last progress, and within
+/// 1 s + 100 ms per prompt token overall.
+fn progress_net() -> Net {
+    let mut net = Net::new(1, 1);
+    let mut cfg = receiver_config(0);
+    cfg.deadlines.result_wait = Duration::from_millis(1_000);
+    cfg.deadlines.result_per_token = Duration::from_millis(100);
+    cfg.deadlines.result_idle = Duration::from_millis(1_000);
+    net.receivers[0] = kvpipe_core::Receiver::new(cfg).unwrap();
+    net.connect(0, 0);
+    net.pump();
+    net
+}
+
+#[test]
+fn a_slow_prefill_that_keeps_progressing_completes() {
+    // 64 tokens in 8 chunks, one every 0.9 s: 7.2 s in all, longer than the idle deadline
+    // many times over and than any fixed 5 s wait, within the cap (1 s + 6.4 s).
+    let mut net = progress_net();
+    let mut source = TestSource::with(R, 100, 16);
+    net.register(0, registration(R, 64, &[0]));
+    net.open(0, send_request(R, &[0]));
+    for k in 0..8u32 {
+        net.advance(Duration::from_millis(900));
+        net.submit(0, R, chunk(8 * k, 8 * k + 8, 64, k == 7), &mut source);
+    }
+    net.aux(0, R);
+    assert_eq!(net.receivers[0].phase(R), Some(RecvPhase::Completed));
+    assert_eq!(net.senders[0].phase(R), Some(SendPhase::Completed));
+}
+
+#[test]
+fn a_stalled_prefill_fails_within_the_idle_deadline() {
+    let mut net = progress_net();
+    let mut source = TestSource::with(R, 100, 16);
+    net.register(0, registration(R, 64, &[0]));
+    net.open(0, send_request(R, &[0]));
+    net.advance(Duration::from_millis(500));
+    net.submit(0, R, chunk(0, 8, 64, false), &mut source);
+    // Progress at 0.5 s; nothing after: due at 1.5 s, long before the 7.4 s cap.
+    net.advance(Duration::from_millis(999));
+    assert!(!timed_out(&net, Side::Receiver(0), Wait::Results));
+    net.advance(Duration::from_millis(1));
+    assert!(timed_out(&net, Side::Receiver(0), Wait::Results));
+}
+
+#[test]
+fn the_cap_bounds_a_request_that_never_progresses() {
+    let mut net = progress_net();
+    net.register(0, registration(R, 64, &[0]));
+    net.open(0, send_request(R, &[0]));
+    net.advance(Duration::from_millis(7_399));
+    assert!(!timed_out(&net, Side::Receiver(0), Wait::Results));
+    net.advance(Duration::from_millis(1));
+    assert!(timed_out(&net, Side::Receiver(0), Wait::Results));
 }

@@ -245,3 +245,61 @@ fn a_failure_before_the_first_slice_names_no_slice() {
         "{receiver:?}"
     );
 }
+
+#[test]
+fn an_early_prefix_and_the_chunks_send_every_block_exactly_once() {
+    let mut net = net();
+    let mut source = TestSource::with(R, 100, 4);
+    let now = net.now;
+    // 6 tokens cached: block 0 is whole and leaves at once; block 1 waits for its chunk.
+    let early = net.senders[0]
+        .submit_prefix(now, R, 16, 6, &mut source)
+        .unwrap();
+    net.pump();
+    assert!(early.is_some());
+    let early_spec = |start, end| ChunkSpec {
+        prefix_sent_early: true,
+        ..spec(start, end, 6)
+    };
+    // A chunk that does not say the prefix went early is refused, nothing changed.
+    assert!(matches!(
+        net.senders[0].submit_chunk(now, R, spec(6, 10, 6), &mut source),
+        Err(UsageError::EarlyPrefixMismatch {
+            sent_early: true,
+            ..
+        })
+    ));
+    net.submit(0, R, early_spec(6, 10), &mut source);
+    net.submit(0, R, early_spec(10, 16), &mut source);
+    net.aux(0, R);
+    assert_eq!(net.receivers[0].phase(R), Some(RecvPhase::Completed));
+    assert_eq!(net.receivers[0].counters().bytes_written, 4 * BLOCK_BYTES);
+    assert_eq!(net.receivers[0].counters().bytes_landed, 4 * BLOCK_BYTES);
+    // Each block was asked for exactly once.
+    let mut asked: Vec<u32> = source.queries.iter().flat_map(|q| q.2..q.3).collect();
+    asked.sort_unstable();
+    assert_eq!(asked, [0, 1, 2, 3]);
+}
+
+#[test]
+fn chunks_cannot_claim_an_early_prefix_that_was_not_sent() {
+    let mut net = net();
+    let mut source = TestSource::with(R, 100, 4);
+    let now = net.now;
+    let claim = ChunkSpec {
+        prefix_sent_early: true,
+        ..spec(6, 10, 6)
+    };
+    assert!(matches!(
+        net.senders[0].submit_chunk(now, R, claim, &mut source),
+        Err(UsageError::EarlyPrefixMismatch {
+            sent_early: false,
+            ..
+        })
+    ));
+    net.submit(0, R, spec(6, 10, 6), &mut source);
+    assert_eq!(
+        net.senders[0].submit_prefix(now, R, 16, 6, &mut source),
+        Err(UsageError::PrefixAfterChunks(R))
+    );
+}

@@ -84,6 +84,43 @@ fn compatibility_mismatch_is_rejected_on_both_sides() {
 }
 
 #[test]
+fn pools_that_cannot_pair_are_rejected_at_the_handshake() {
+    // Same model, but the receiver's slots are too small for the layers its pool claims:
+    // refused at the handshake, naming the group and the slot size, not at the first slice.
+    let mut net = Net::new(1, 1);
+    let mut cfg = receiver_config(0);
+    cfg.local.groups[0].pools[0].slot_bytes = 100;
+    net.receivers[0] = Receiver::new(cfg).unwrap();
+    net.connect(0, 0);
+    net.pump();
+    for side in [Side::Sender(0), Side::Receiver(0)] {
+        let (reason, message) = rejection(side, &net).expect("rejected");
+        assert_eq!(reason, RejectReason::LayoutMismatch, "{message}");
+        assert!(message.contains("group#0"), "{message}");
+        assert!(message.contains("100-byte slots"), "{message}");
+    }
+}
+
+#[test]
+fn an_unsound_topology_is_rejected_at_the_handshake() {
+    let mut net = Net::new(1, 1);
+    let mut cfg = sender_config(0);
+    cfg.local.topology.tp_size = 2;
+    cfg.local.topology.tp_rank = 2;
+    net.senders[0] = Sender::new(cfg).unwrap();
+    net.connect(0, 0);
+    net.pump();
+    for side in [Side::Sender(0), Side::Receiver(0)] {
+        let (reason, message) = rejection(side, &net).expect("rejected");
+        assert_eq!(reason, RejectReason::TopologyMismatch, "{message}");
+        assert!(
+            message.contains("tensor-parallel rank 2 of size 2"),
+            "{message}"
+        );
+    }
+}
+
+#[test]
 fn two_senders_reject_each_other() {
     let mut a = Sender::new(sender_config(0)).unwrap();
     let mut b = Sender::new(sender_config(1)).unwrap();

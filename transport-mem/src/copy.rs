@@ -1,4 +1,11 @@
 //! Executing write plans: resolving extents against registrations and copying them.
+//!
+//! Host → host segments are copied with `memcpy`, split over threads for large batches. With
+//! the `cuda` feature, segments that touch device memory (device → device, between devices,
+//! host ↔ device) are submitted to a `kvpipe_cuda::CopyEngine` in one list, which merges
+//! contiguous extents into few large copies on its own streams; `ResolvedBatch::start` returns
+//! an `InFlight` batch whose completion is polled through CUDA events, so the copy worker keeps
+//! accepting batches while the GPU copies.
 
 use std::sync::Arc;
 
@@ -19,6 +26,37 @@ pub struct Segment {
 }
 
 impl Segment {
+    /// Whether both sides are host memory.
+    pub fn is_host(&self) -> bool {
+        matches!(
+            (&self.src.memory, &self.dst.memory),
+            (RegionMemory::Host(_), RegionMemory::Host(_))
+        )
+    }
+
+    /// The segment as an extent for the GPU copy engine.
+    #[cfg(feature = "cuda")]
+    fn extent(&self) -> kvpipe_cuda::CopyExtent {
+        fn memory(m: &RegionMemory) -> kvpipe_cuda::Memory {
+            match m {
+                RegionMemory::Host(h) => kvpipe_cuda::Memory::Host {
+                    addr: h.as_ptr() as usize,
+                },
+                RegionMemory::Device(d) => kvpipe_cuda::Memory::Device {
+                    ordinal: d.ordinal(),
+                    addr: d.ptr(),
+                },
+            }
+        }
+        kvpipe_cuda::CopyExtent {
+            src: memory(&self.src.memory),
+            src_offset: self.src_offset as u64,
+            dst: memory(&self.dst.memory),
+            dst_offset: self.dst_offset as u64,
+            len: self.len as u64,
+        }
+    }
+
     /// Bytes copied.
     pub fn len(&self) -> usize {
         self.len
@@ -64,6 +102,26 @@ pub enum WriteError {
         size: u64,
     },
 }
+
+/// Why a resolved batch could not be copied. Without the `cuda` feature host copies cannot
+/// fail and this enum has no variant.
+#[derive(Clone, Debug, PartialEq, Eq, Error)]
+#[non_exhaustive]
+pub enum CopyError {
+    /// A device copy could not start or failed on the GPU (no driver, no device, a driver
+    /// error, or a deadline that passed while the copies were still running).
+    #[cfg(feature = "cuda")]
+    #[error("device copy: {0}")]
+    Device(#[from] kvpipe_cuda::CudaError),
+}
+
+/// Streams the copy engine uses on each GPU.
+#[cfg(feature = "cuda")]
+pub const DEVICE_STREAMS: usize = 2;
+
+/// How long [`ResolvedBatch::execute`] waits for device copies.
+#[cfg(feature = "cuda")]
+const EXECUTE_LIMIT: std::time::Duration = std::time::Duration::from_secs(60);
 
 fn checked(
     side: &'static str,
@@ -147,17 +205,88 @@ impl ResolvedBatch {
         self.segments = out;
     }
 
-    /// Copies every segment, split evenly over `threads` threads (the calling thread is one of
-    /// them) when the batch holds at least `parallel_threshold` bytes.
-    pub fn execute(&self, threads: usize, parallel_threshold: u64) {
+    /// Whether some segment reads or writes device memory.
+    pub fn touches_device(&self) -> bool {
+        self.segments.iter().any(|s| !s.is_host())
+    }
+
+    /// Copies every segment and returns when all are done: host → host segments split evenly
+    /// over `threads` threads (the calling thread is one of them) when the batch holds at least
+    /// `parallel_threshold` bytes; with the `cuda` feature, segments touching device memory
+    /// through a copy engine made for this call (the copy worker keeps one engine and uses
+    /// [`start`](Self::start) instead).
+    pub fn execute(&self, threads: usize, parallel_threshold: u64) -> Result<(), CopyError> {
+        #[cfg(feature = "cuda")]
+        if self.touches_device() {
+            let mut engine = kvpipe_cuda::CopyEngine::new(DEVICE_STREAMS)?;
+            let in_flight = self
+                .clone()
+                .start(&mut engine, threads, parallel_threshold)?;
+            in_flight.wait(std::time::Instant::now() + EXECUTE_LIMIT)?;
+            return Ok(());
+        }
+        self.copy_host(threads, parallel_threshold);
+        Ok(())
+    }
+
+    /// Copies the host → host segments now (as [`execute`](Self::execute) does) and submits
+    /// the segments touching device memory to `engine` in one list, returning at once. The
+    /// batch (and so its registrations) is held by the returned [`InFlight`] until its copies
+    /// are done.
+    #[cfg(feature = "cuda")]
+    pub fn start(
+        self,
+        engine: &mut kvpipe_cuda::CopyEngine,
+        threads: usize,
+        parallel_threshold: u64,
+    ) -> Result<InFlight, CopyError> {
+        self.copy_host(threads, parallel_threshold);
+        let extents: Vec<kvpipe_cuda::CopyExtent> = self
+            .segments
+            .iter()
+            .filter(|s| !s.is_host())
+            .map(Segment::extent)
+            .collect();
+        let ticket = if extents.is_empty() {
+            None
+        } else {
+            // SAFETY: `resolve` checked every extent against its registration; the registrations'
+            // contract keeps the memory valid and untouched by anything else while the batch is
+            // in flight, and the returned `InFlight` holds the registrations (and waits in its
+            // `Drop`) until the copies are done. Destinations of one plan do not overlap.
+            Some(unsafe { engine.submit(&extents) }?)
+        };
+        Ok(InFlight {
+            ticket,
+            batch: self,
+        })
+    }
+
+    /// Copies the host → host segments, split evenly over `threads` threads (the calling thread
+    /// is one of them) when the batch holds at least `parallel_threshold` bytes.
+    fn copy_host(&self, threads: usize, parallel_threshold: u64) {
         let threads = threads.max(1);
-        if threads == 1 || self.bytes < parallel_threshold {
-            for s in &self.segments {
+        let host_bytes: u64 = self
+            .segments
+            .iter()
+            .filter(|s| s.is_host())
+            .map(|s| s.len as u64)
+            .sum();
+        if host_bytes == 0 {
+            return;
+        }
+        if threads == 1 || host_bytes < parallel_threshold {
+            for s in self.segments.iter().filter(|s| s.is_host()) {
                 copy_segment(s, 0, s.len);
             }
             return;
         }
-        let lens: Vec<usize> = self.segments.iter().map(|s| s.len).collect();
+        // Device segments count as empty here: they are not this function's to copy.
+        let lens: Vec<usize> = self
+            .segments
+            .iter()
+            .map(|s| if s.is_host() { s.len } else { 0 })
+            .collect();
         let shares = split_even(&lens, threads);
         std::thread::scope(|scope| {
             let mut shares = shares.into_iter();
@@ -173,6 +302,60 @@ impl ResolvedBatch {
                 copy_segment(&self.segments[p.index], p.offset, p.len);
             }
         });
+    }
+}
+
+/// A batch whose device copies were submitted: poll [`is_complete`](Self::is_complete) or
+/// [`wait`](Self::wait). It holds the batch's registrations until the copies are done; dropping
+/// it before then waits for them (so memory is never released under a running copy).
+#[cfg(feature = "cuda")]
+#[derive(Debug)]
+#[must_use = "the device copies may still be running"]
+pub struct InFlight {
+    ticket: Option<kvpipe_cuda::CopyTicket>,
+    batch: ResolvedBatch,
+}
+
+#[cfg(feature = "cuda")]
+impl InFlight {
+    /// Whether every copy of the batch is done; an error if one failed on the GPU.
+    pub fn is_complete(&self) -> Result<bool, CopyError> {
+        match &self.ticket {
+            None => Ok(true),
+            Some(t) => Ok(t.is_complete()?),
+        }
+    }
+
+    /// Waits until every copy is done or `deadline` passes (an error; the copies keep running
+    /// and this value keeps holding the registrations).
+    pub fn wait(&self, deadline: std::time::Instant) -> Result<(), CopyError> {
+        match &self.ticket {
+            None => Ok(()),
+            Some(t) => Ok(t.wait(deadline)?),
+        }
+    }
+
+    /// The batch.
+    pub fn batch(&self) -> &ResolvedBatch {
+        &self.batch
+    }
+
+    /// Driver copies issued for the batch's device segments (after merging contiguous ones).
+    pub fn device_copies(&self) -> usize {
+        self.ticket.as_ref().map_or(0, |t| t.copies())
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        // Keep the registrations until the GPU is done with their memory. A failed device
+        // reports an error from the query instead of completing, which ends the wait.
+        if let Some(t) = &self.ticket {
+            while let Ok(false) = t.is_complete() {
+                std::thread::sleep(std::time::Duration::from_micros(50));
+            }
+        }
     }
 }
 
@@ -217,7 +400,8 @@ pub fn split_even(lens: &[usize], parts: usize) -> Vec<Vec<Piece>> {
     out
 }
 
-/// Copies bytes `offset..offset + len` of segment `s`, dispatching on the pair of memory kinds.
+/// Copies bytes `offset..offset + len` of host → host segment `s` (segments touching device
+/// memory are left to the copy engine).
 fn copy_segment(s: &Segment, offset: usize, len: usize) {
     match (&s.src.memory, &s.dst.memory) {
         (RegionMemory::Host(src), RegionMemory::Host(dst)) => {
@@ -233,6 +417,8 @@ fn copy_segment(s: &Segment, offset: usize, len: usize) {
                 );
             }
         }
+        #[cfg(feature = "cuda")]
+        _ => {}
     }
 }
 

@@ -6,11 +6,15 @@
 //! the zero-setup default and the home of the fault-injecting wrapper the conformance suite
 //! uses.
 //!
-//! - [`region`]: registration of the engine's memory (KV pools, aux buffers). Host memory today;
-//!   device memory is another [`RegionMemory`] variant behind a future `cuda` feature, and copies
+//! - [`region`]: registration of the engine's memory (KV pools, aux buffers): host memory, and
+//!   with the `cuda` feature device memory (`RegionTable::register_device`; reach a
+//!   [`MemPair`]'s tables through [`MemPair::network`] and [`MemNetwork::regions_mut`]). Copies
 //!   dispatch on the pair of kinds. Registrations stay held while a write batch may touch them.
 //! - [`copy`]: write plans resolved against registrations (bounds-checked), copied on one or
-//!   several threads.
+//!   several threads — or, for batches touching device memory, submitted to the GPU's copy
+//!   engines (`kvpipe-cuda`: contiguous extents merged, async copies on the engine's streams,
+//!   completion through CUDA events); the copy worker keeps taking batches while the GPU copies
+//!   and reports them in issue order.
 //! - [`MemNetwork`]: the driver — several senders and receivers, each sender connected to each
 //!   receiver; the core's run loop with real time ([`Clock`]), timers armed from
 //!   `poll_timeout`, a copy worker thread, bounded waits everywhere. [`MemPair`] is its
@@ -51,10 +55,14 @@ pub mod region;
 mod worker;
 
 pub use clock::Clock;
-pub use copy::{split_even, Piece, ResolvedBatch, WriteError};
+#[cfg(feature = "cuda")]
+pub use copy::InFlight;
+pub use copy::{split_even, CopyError, Piece, ResolvedBatch, WriteError};
 pub use faults::{FaultConfig, FaultCounts};
 pub use network::{
     receiver_peer, sender_peer, BatchTiming, DriveError, MemNetwork, NetworkConfig, Node, PairStats,
 };
 pub use pair::{Endpoint, MemPair, PairConfig, RECEIVER_PEER, SENDER_PEER};
+#[cfg(feature = "cuda")]
+pub use region::DeviceRegion;
 pub use region::{RegionKind, RegionMemory, RegionTable, RegionUse, RegistrationError};

@@ -275,7 +275,8 @@ impl MemNetwork {
         }
     }
 
-    fn regions_mut(&mut self, node: Node) -> Option<&mut RegionTable> {
+    /// The regions of `node`, to register memory of another kind (e.g. device memory).
+    pub fn regions_mut(&mut self, node: Node) -> Option<&mut RegionTable> {
         match node {
             Node::Sender(i) => self.sender_regions.get_mut(i),
             Node::Receiver(j) => self.receiver_regions.get_mut(j),

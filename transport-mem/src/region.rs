@@ -1,9 +1,10 @@
 //! Registered memory: the engine's KV pools and aux buffers, addressed by [`RegionId`].
 //!
-//! A region is described by its kind and its bytes. Only host memory exists today
-//! ([`RegionMemory::Host`]); device memory joins as another variant behind a `cuda` feature, and
-//! [`copy_segment`](crate::copy) dispatches on the pair of kinds, so neither the core nor the
-//! driver changes when it does.
+//! A region is described by its kind and its bytes: host memory ([`RegionMemory::Host`]) or,
+//! with the `cuda` feature, device memory (`RegionMemory::Device`, registered with
+//! `RegionTable::register_device`). The copy path dispatches on the pair of kinds — host to
+//! host by `memcpy`, anything touching a GPU through the copy engine of `kvpipe-cuda` — so
+//! neither the core nor the driver knows which memory a region is.
 //!
 //! The transport never owns the engine's memory. It holds a registration (an [`Arc`]) for every
 //! write batch that may still touch a region, and [`RegionTable::deregister`] refuses while one
@@ -22,6 +23,12 @@ use thiserror::Error;
 pub enum RegionKind {
     /// Ordinary process memory.
     Host,
+    /// Memory of a GPU.
+    #[cfg(feature = "cuda")]
+    Device {
+        /// The device's ordinal.
+        ordinal: usize,
+    },
 }
 
 /// What a region is used for (for messages and statistics; copies do not care).
@@ -65,12 +72,47 @@ impl HostRegion {
     }
 }
 
+/// A span of device memory the engine lent to the transport: a device address on one GPU.
+#[cfg(feature = "cuda")]
+#[derive(Debug)]
+pub struct DeviceRegion {
+    ordinal: usize,
+    ptr: u64,
+    len: usize,
+}
+
+#[cfg(feature = "cuda")]
+impl DeviceRegion {
+    /// The device's ordinal.
+    pub fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+
+    /// The device address of the first byte.
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the region is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
 /// The memory of one registered region.
 #[derive(Debug)]
 #[non_exhaustive]
 pub enum RegionMemory {
     /// Host memory.
     Host(HostRegion),
+    /// Device memory.
+    #[cfg(feature = "cuda")]
+    Device(DeviceRegion),
 }
 
 impl RegionMemory {
@@ -78,6 +120,8 @@ impl RegionMemory {
     pub fn kind(&self) -> RegionKind {
         match self {
             RegionMemory::Host(_) => RegionKind::Host,
+            #[cfg(feature = "cuda")]
+            RegionMemory::Device(d) => RegionKind::Device { ordinal: d.ordinal },
         }
     }
 
@@ -85,6 +129,8 @@ impl RegionMemory {
     pub fn len(&self) -> usize {
         match self {
             RegionMemory::Host(h) => h.len,
+            #[cfg(feature = "cuda")]
+            RegionMemory::Device(d) => d.len,
         }
     }
 
@@ -163,14 +209,54 @@ impl RegionTable {
             None if len == 0 => NonNull::dangling(),
             None => return Err(RegistrationError::NullPointer(id)),
         };
-        self.regions.insert(
+        self.insert(id, usage, RegionMemory::Host(HostRegion { ptr, len }))
+    }
+
+    /// Registers `len` bytes of device memory at device address `ptr` on GPU `ordinal` as
+    /// region `id`. Write batches that touch it are copied by the GPU's copy engines
+    /// (`kvpipe-cuda`): device to device, between devices, and to or from host regions.
+    ///
+    /// # Safety
+    ///
+    /// `ptr..ptr + len` must be device memory of device `ordinal` allocated in this process
+    /// (`cuMemAlloc`, `cudaMalloc`, a framework's allocator on top of them) and, as for
+    /// [`register_host`](Self::register_host), stay allocated until
+    /// [`deregister`](Self::deregister) succeeds for `id` (or the table and every write batch it
+    /// handed out are dropped), with nothing else touching the bytes of an in-flight write
+    /// batch.
+    #[cfg(feature = "cuda")]
+    pub unsafe fn register_device(
+        &mut self,
+        id: RegionId,
+        usage: RegionUse,
+        ordinal: usize,
+        ptr: u64,
+        len: usize,
+    ) -> Result<(), RegistrationError> {
+        if self.regions.contains_key(&id) {
+            return Err(RegistrationError::AlreadyRegistered(id));
+        }
+        if ptr == 0 && len > 0 {
+            return Err(RegistrationError::NullPointer(id));
+        }
+        self.insert(
             id,
-            Arc::new(Registration {
-                id,
-                usage,
-                memory: RegionMemory::Host(HostRegion { ptr, len }),
-            }),
-        );
+            usage,
+            RegionMemory::Device(DeviceRegion { ordinal, ptr, len }),
+        )
+    }
+
+    fn insert(
+        &mut self,
+        id: RegionId,
+        usage: RegionUse,
+        memory: RegionMemory,
+    ) -> Result<(), RegistrationError> {
+        if self.regions.contains_key(&id) {
+            return Err(RegistrationError::AlreadyRegistered(id));
+        }
+        self.regions
+            .insert(id, Arc::new(Registration { id, usage, memory }));
         Ok(())
     }
 

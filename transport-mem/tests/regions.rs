@@ -38,7 +38,7 @@ fn a_region_cannot_be_deregistered_while_a_batch_holds_it() {
             holders: 1
         })
     );
-    batch.execute(1, 0);
+    batch.execute(1, 0).unwrap();
     drop(batch);
     assert_eq!(d.deregister(RegionId(2)), Ok(()));
     assert_eq!(
@@ -132,7 +132,7 @@ fn parallel_copies_write_exactly_what_serial_copies_write() {
         }
         let b = ResolvedBatch::resolve(&p, &s, &d).unwrap();
         assert_eq!(b.bytes(), 2507);
-        b.execute(threads, 0);
+        b.execute(threads, 0).unwrap();
     }
     assert_eq!(serial, parallel);
     assert_eq!(&serial[100..1100], &src[..1000]);
@@ -156,8 +156,64 @@ fn a_half_failed_batch_copies_only_its_first_half() {
         ResolvedBatch::resolve(&plan(&[(1, 0, 2, 0, 30), (1, 0, 2, 50, 30)]), &s, &d).unwrap();
     b.truncate_half();
     assert_eq!(b.bytes(), 30);
-    b.execute(1, 0);
+    b.execute(1, 0).unwrap();
     drop((b, s, d));
     assert!(dst[..30].iter().all(|&x| x == 9));
     assert!(dst[30..].iter().all(|&x| x == 0));
+}
+
+/// Device regions (`cuda` feature) are registered, bounds-checked and released like host ones;
+/// nothing here touches their memory, so no GPU is needed.
+#[cfg(feature = "cuda")]
+#[test]
+fn device_regions_are_registered_and_bounds_checked_like_host_ones() {
+    use kvpipe_mem::RegionKind;
+    let mut host = vec![0u8; 64];
+    let (mut s, mut d) = (RegionTable::new(), RegionTable::new());
+    // SAFETY: nothing is executed, so the device addresses are never touched; `host` outlives
+    // the tables.
+    unsafe {
+        s.register_device(RegionId(1), RegionUse::KvPool, 1, 0x7f00_0000_0000, 4096)
+            .unwrap();
+        assert_eq!(
+            s.register_device(RegionId(1), RegionUse::KvPool, 0, 0x7f00_0000_0000, 8),
+            Err(RegistrationError::AlreadyRegistered(RegionId(1)))
+        );
+        assert_eq!(
+            s.register_device(RegionId(3), RegionUse::KvPool, 0, 0, 8),
+            Err(RegistrationError::NullPointer(RegionId(3)))
+        );
+        s.register_slice(RegionId(4), RegionUse::Aux, &mut host)
+            .unwrap();
+        d.register_device(RegionId(2), RegionUse::KvPool, 0, 0x7f10_0000_0000, 4096)
+            .unwrap();
+    }
+    let kind = |t: &RegionTable, id| t.get(RegionId(id)).map(|r| r.memory.kind());
+    assert_eq!(kind(&s, 1), Some(RegionKind::Device { ordinal: 1 }));
+    assert_eq!(kind(&s, 4), Some(RegionKind::Host));
+    assert_eq!(s.get(RegionId(1)).map(|r| r.memory.len()), Some(4096));
+    let err = ResolvedBatch::resolve(&plan(&[(1, 4000, 2, 0, 200)]), &s, &d).unwrap_err();
+    assert_eq!(
+        err,
+        WriteError::OutOfBounds {
+            side: "sender",
+            region: RegionId(1),
+            offset: 4000,
+            len: 200,
+            size: 4096
+        }
+    );
+    let b = ResolvedBatch::resolve(&plan(&[(1, 0, 2, 0, 4096)]), &s, &d).unwrap();
+    assert!(b.touches_device());
+    assert_eq!(
+        d.deregister(RegionId(2)),
+        Err(RegistrationError::InUse {
+            region: RegionId(2),
+            holders: 1
+        })
+    );
+    drop(b);
+    assert_eq!(d.deregister(RegionId(2)), Ok(()));
+    let host_only = ResolvedBatch::resolve(&plan(&[(4, 0, 4, 32, 8)]), &s, &s).unwrap();
+    assert!(!host_only.touches_device());
 }

@@ -102,6 +102,8 @@ pub(crate) fn two_process_deadlines() -> Deadlines {
     Deadlines {
         registration: kvpipe_core::Duration::from_secs(600),
         result_wait: kvpipe_core::Duration::from_secs(600),
+        result_per_token: kvpipe_core::Duration::ZERO,
+        result_idle: kvpipe_core::Duration::from_secs(600),
         write_completion: kvpipe_core::Duration::from_secs(60),
         ..Deadlines::default()
     }

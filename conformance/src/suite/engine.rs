@@ -49,6 +49,9 @@ pub struct RequestPlan {
     pub register_after_chunks: u32,
     /// An interrupt applied after chunk `.0` (0-based) was submitted.
     pub interrupt: Option<(u32, Interrupt)>,
+    /// The sender's cached prefix is sent before the first chunk
+    /// ([`Sender::submit_prefix`](kvpipe_core::Sender::submit_prefix)).
+    pub prefix_early: bool,
 }
 
 impl RequestPlan {
@@ -62,6 +65,7 @@ impl RequestPlan {
             receiver_prefix: 0,
             register_after_chunks: 0,
             interrupt: None,
+            prefix_early: false,
         }
     }
 
@@ -182,6 +186,8 @@ pub(crate) fn suite_deadlines() -> Deadlines {
         registration: Duration::from_secs(5),
         write_completion: Duration::from_secs(10),
         result_wait: Duration::from_secs(15),
+        result_per_token: Duration::ZERO,
+        result_idle: Duration::from_secs(15),
         aux_wait: Duration::from_secs(5),
         heartbeat_interval: Duration::from_millis(200),
         liveness_timeout: Duration::from_secs(5),
@@ -434,6 +440,12 @@ pub fn run_workload_with<H: Harness>(
                 },
             )
             .map_err(usage(Role::Sender))?;
+        if p.prefix_early {
+            let now = link.now();
+            link.sender()
+                .submit_prefix(now, p.id, p.prompt, p.sender_prefix, &mut *sender_cache)
+                .map_err(usage(Role::Sender))?;
+        }
         if p.register_after_chunks == 0 {
             register(&mut link, &mut receiver_cache, st)?;
         }
@@ -501,7 +513,7 @@ pub fn run_workload_with<H: Harness>(
                 prompt_len: st.plan.prompt,
                 prepopulated_len: st.plan.sender_prefix,
                 is_last,
-                prefix_sent_early: false,
+                prefix_sent_early: st.plan.prefix_early,
             }),
             TransferMode::Monolithic if is_last => Some(ChunkSpec {
                 start: st.plan.sender_prefix.min(st.plan.prompt),
@@ -509,7 +521,7 @@ pub fn run_workload_with<H: Harness>(
                 prompt_len: st.plan.prompt,
                 prepopulated_len: st.plan.sender_prefix,
                 is_last: true,
-                prefix_sent_early: false,
+                prefix_sent_early: st.plan.prefix_early,
             }),
             TransferMode::Monolithic => None,
         };

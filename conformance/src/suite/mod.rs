@@ -214,7 +214,8 @@ macro_rules! conformance_tests {
     ($harness:expr) => {
         $crate::conformance_tests!(@each $harness;
             geometry_single_chunk, geometry_ragged_chunks, geometry_chunks_without_blocks,
-            geometry_prompt_shorter_than_block, geometry_fragmented_slots,
+            geometry_prompt_shorter_than_block, geometry_fragmented_slots, geometry_mla,
+            geometry_empty_prompt, sender_prefix_sent_early,
             sender_prefix_reuse, receiver_prefix_reuse, both_prefixes,
             windows_with_sinks, several_layer_groups, concurrent_requests,
             incremental_allocation, late_registration, cancel_mid_prefill_sender,

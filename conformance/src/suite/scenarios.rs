@@ -148,6 +148,8 @@ fn fast_deadlines(w: &mut Workload) {
         registration: Duration::from_millis(300),
         write_completion: Duration::from_secs(5),
         result_wait: Duration::from_millis(600),
+        result_per_token: Duration::ZERO,
+        result_idle: Duration::from_millis(600),
         aux_wait: Duration::from_millis(300),
         heartbeat_interval: Duration::from_millis(100),
         liveness_timeout: Duration::from_secs(10),
@@ -212,6 +214,45 @@ const SCENARIOS: &[Scenario] = &[
             w.receiver_pool_split = Some(vec![vec![2, 2]]);
             w.slot_order_seed = Some(17);
             w.spare_slots = 9;
+            w
+        },
+        check: all_verified,
+    },
+    Scenario {
+        name: "geometry_mla",
+        about: "MLA: one latent KV plane (kv_factor 1) of one head, verified byte for byte",
+        needs: &[],
+        build: || {
+            let mut w = small(45, 8);
+            let mut g = GroupSpec::full(3, &[3]);
+            g.kv_factor = 1;
+            g.kv_heads = 1;
+            g.head_dim = 72;
+            g.elem_bytes = 2;
+            w.groups = vec![g];
+            w
+        },
+        check: all_verified,
+    },
+    Scenario {
+        name: "geometry_empty_prompt",
+        about: "a request with an empty prompt completes on both sides",
+        needs: &[],
+        build: || small(0, 8),
+        check: all_verified,
+    },
+    Scenario {
+        name: "sender_prefix_sent_early",
+        about: "the sender's cached prefix leaves before the first chunk, in a full and a windowed group",
+        needs: &[],
+        build: || {
+            let mut w = small(90, 16);
+            w.requests[0].sender_prefix = 37;
+            w.requests[0].prefix_early = true;
+            w.groups = vec![
+                GroupSpec::full(2, &[2]),
+                GroupSpec::full(2, &[2]).windowed(24, 0),
+            ];
             w
         },
         check: all_verified,

@@ -18,8 +18,16 @@ pub struct Deadlines {
     pub registration: Duration,
     /// (Sender) from handing a write batch to the transport to its report.
     pub write_completion: Duration,
-    /// (Receiver) from registering a request to every writer's last result.
+    /// (Receiver) the base of the overall cap on a request, from its registration to every
+    /// writer's last result: `result_wait + prompt_len × result_per_token` (prefill queueing and
+    /// compute grow with the prompt).
     pub result_wait: Duration,
+    /// (Receiver) what the overall cap adds per prompt token.
+    pub result_per_token: Duration,
+    /// (Receiver) once a request made progress (a result, landed data or aux data arrived), it
+    /// fails when no further progress comes for this long — a stalled transfer ends well before
+    /// the cap, a slow one that keeps progressing is never cut off by it.
+    pub result_idle: Duration,
     /// Sender: from the last chunk to the engine's aux data. Receiver: from the last writer's
     /// last result to the aux data.
     pub aux_wait: Duration,
@@ -40,6 +48,8 @@ impl Default for Deadlines {
             registration: Duration::from_secs(60),
             write_completion: Duration::from_secs(10),
             result_wait: Duration::from_secs(120),
+            result_per_token: Duration::from_millis(2),
+            result_idle: Duration::from_secs(30),
             aux_wait: Duration::from_secs(30),
             heartbeat_interval: Duration::from_secs(1),
             liveness_timeout: Duration::from_secs(10),

@@ -576,6 +576,21 @@ pub enum UsageError {
     /// No data write was ever admitted with that ticket.
     #[error("{0} was never issued")]
     UnknownTicket(WriteTicket),
+    /// A chunk's `prefix_sent_early` disagrees with whether the prefix was sent early.
+    #[error(
+        "chunk for {request}: prefix_sent_early must be {sent_early}, as the prefix was \
+         {}sent early with Sender::submit_prefix",
+        if *sent_early { "" } else { "not " }
+    )]
+    EarlyPrefixMismatch {
+        /// The request.
+        request: RequestId,
+        /// Whether the prefix was sent early.
+        sent_early: bool,
+    },
+    /// The early prefix goes before the first chunk, once.
+    #[error("the prefix of {0} can only be sent early once, before its first chunk")]
+    PrefixAfterChunks(RequestId),
     /// The request asks for something pipelined transfer cannot do.
     #[error("{request} cannot be transferred: {error}")]
     Unsupported {

@@ -10,8 +10,12 @@ use super::state::{PeerEvent, PeerPhase, Transition};
 use super::timers::{TimerKey, Timers};
 use super::{CloseReason, Counters, Event, Output, ProtocolError, UsageError};
 use crate::ids::PeerId;
+use crate::plan::check_pairable;
 use crate::time::Instant;
-use crate::wire::{negotiate, DecodeError, Frame, Heartbeat, Hello, PROTOCOL_VERSION};
+use crate::wire::{
+    negotiate, DecodeError, Frame, Heartbeat, Hello, HelloReject, RejectReason, Role, Topology,
+    PROTOCOL_VERSION,
+};
 
 #[derive(Clone, Debug)]
 pub(crate) struct PeerEntry {
@@ -284,7 +288,10 @@ impl PeerTable {
                     }
                     return Ok(Route::Done);
                 }
-                match negotiate(&self.local, &remote) {
+                match negotiate(&self.local, &remote).and_then(|accept| {
+                    check_pairing(&self.local, &remote)?;
+                    Ok(accept)
+                }) {
                     Ok(accept) => {
                         let instance = remote.instance;
                         let role = remote.role;
@@ -424,4 +431,64 @@ impl PeerTable {
         }
         expiry
     }
+}
+
+/// Checks, once the versions and model agree, that the two sides can actually be paired:
+/// sound topologies, and pool layouts the planner can pair group by group. A mismatch is
+/// refused at the handshake naming the first difference, instead of failing every request at
+/// its first slice.
+fn check_pairing(local: &Hello, remote: &Hello) -> Result<(), HelloReject> {
+    for (who, t) in [("local", &local.topology), ("remote", &remote.topology)] {
+        if let Some(problem) = topology_problem(t) {
+            return Err(HelloReject {
+                reason: RejectReason::TopologyMismatch,
+                message: format!("{who} topology is unsound: {problem}"),
+            });
+        }
+    }
+    let (src, dst) = match local.role {
+        Role::Sender => (&local.groups, &remote.groups),
+        Role::Receiver => (&remote.groups, &local.groups),
+    };
+    if src.len() != dst.len() {
+        return Err(HelloReject {
+            reason: RejectReason::LayoutMismatch,
+            message: format!(
+                "the sender has {} layer groups, the receiver {}",
+                src.len(),
+                dst.len()
+            ),
+        });
+    }
+    for (g, (s, d)) in src.iter().zip(dst).enumerate() {
+        if let Err(e) = check_pairable(s, d) {
+            return Err(HelloReject {
+                reason: RejectReason::LayoutMismatch,
+                message: format!("group#{g}: {e}"),
+            });
+        }
+    }
+    Ok(())
+}
+
+fn topology_problem(t: &Topology) -> Option<String> {
+    if t.tp_size > 0 && t.tp_rank >= t.tp_size {
+        return Some(format!(
+            "tensor-parallel rank {} of size {}",
+            t.tp_rank, t.tp_size
+        ));
+    }
+    if t.pp_size > 0 && t.pp_rank >= t.pp_size {
+        return Some(format!(
+            "pipeline-parallel rank {} of size {}",
+            t.pp_rank, t.pp_size
+        ));
+    }
+    if t.layer_begin > t.layer_end {
+        return Some(format!(
+            "layers {}..{} run backwards",
+            t.layer_begin, t.layer_end
+        ));
+    }
+    None
 }

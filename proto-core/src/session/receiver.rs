@@ -127,10 +127,27 @@ struct RecvSession {
     /// Admitted writes of the request still being applied.
     writes_in_flight: u32,
     aux: Option<AuxData>,
-    result_deadline: Instant,
+    /// The overall cap: registration + `result_wait` + prompt × `result_per_token`.
+    result_cap: Instant,
+    /// When a result, landed data or aux data last arrived.
+    last_progress: Option<Instant>,
+    /// The earliest timer armed for the result deadline and not fired yet (progress arms a
+    /// timer only when it brings the deadline before it, so the queue stays small).
+    result_armed: Option<Instant>,
     aux_deadline: Option<Instant>,
     quiesce_deadline: Option<Instant>,
     bytes_written: u64,
+}
+
+impl RecvSession {
+    /// When the results are due: the overall cap, and once progress was made, the idle
+    /// deadline after the last progress, whichever comes first.
+    fn result_deadline(&self, idle: crate::time::Duration) -> Instant {
+        match self.last_progress {
+            Some(at) => self.result_cap.min(at + idle),
+            None => self.result_cap,
+        }
+    }
 }
 
 /// What the receiver remembers of a retired request: late writes carrying its grant from one
@@ -504,7 +521,13 @@ impl Receiver {
         self.next_slice = self.next_slice.wrapping_add(1);
         frame.grant = GrantId(self.next_grant());
         let extents = GrantedExtents::compute(&self.config.local.groups, &frame.groups);
-        let result_deadline = now + self.config.deadlines.result_wait;
+        let d = self.config.deadlines;
+        let per_token = d.result_per_token.as_nanos();
+        let result_cap = now
+            + d.result_wait
+            + crate::time::Duration::from_nanos(
+                per_token.saturating_mul(u64::from(frame.prompt_len)),
+            );
         self.sessions.insert(
             request,
             RecvSession {
@@ -527,7 +550,9 @@ impl Receiver {
                     .collect(),
                 writes_in_flight: 0,
                 aux: None,
-                result_deadline,
+                result_cap,
+                last_progress: None,
+                result_armed: Some(result_cap),
                 aux_deadline: None,
                 quiesce_deadline: None,
                 bytes_written: 0,
@@ -535,7 +560,7 @@ impl Receiver {
         );
         self.shell
             .timers
-            .arm(result_deadline, TimerKey::Request(request));
+            .arm(result_cap, TimerKey::Request(request));
         if let Some(origin) = self.shell.remembered_cancels.take(request) {
             self.stop(now, request, Stop::Cancelled(origin));
             return Ok(());
@@ -788,6 +813,8 @@ impl Receiver {
         };
         session.writes_in_flight = session.writes_in_flight.saturating_sub(1);
         if landed {
+            self.note_progress(now, request);
+            let session = self.sessions.get_mut(&request).expect("present");
             self.shell.counters.bytes_landed += flight.len;
             if let Some(w) = session.writers.iter_mut().find(|w| w.peer == flight.peer) {
                 w.landed = w.landed.saturating_add(flight.len);
@@ -1012,6 +1039,7 @@ impl Receiver {
         if r.is_last {
             session.writers[w].on(WriterEvent::LastResult);
         }
+        self.note_progress(now, request);
         self.progress(now, request);
     }
 
@@ -1058,6 +1086,7 @@ impl Receiver {
         }
         session.writers[w].aux = true;
         session.aux.get_or_insert(aux.data);
+        self.note_progress(now, request);
         self.progress(now, request);
     }
 
@@ -1148,6 +1177,20 @@ impl Receiver {
         }
     }
 
+    /// Something of the request arrived: the idle deadline restarts from `now`.
+    fn note_progress(&mut self, now: Instant, request: RequestId) {
+        let idle = self.config.deadlines.result_idle;
+        let Some(session) = self.sessions.get_mut(&request) else {
+            return;
+        };
+        session.last_progress = Some(now);
+        let due = session.result_deadline(idle);
+        if session.result_armed.is_none_or(|armed| due < armed) {
+            session.result_armed = Some(due);
+            self.shell.timers.arm(due, TimerKey::Request(request));
+        }
+    }
+
     /// Completes the session when every writer's last result and the aux data arrived.
     fn progress(&mut self, now: Instant, request: RequestId) {
         let Some(session) = self.sessions.get_mut(&request) else {
@@ -1203,7 +1246,8 @@ impl Receiver {
         };
         if session.phase.is_active() {
             let all_done = session.writers.iter().all(|w| w.phase == WriterPhase::Done);
-            if !all_done && session.result_deadline <= now {
+            let result_deadline = session.result_deadline(self.config.deadlines.result_idle);
+            if !all_done && result_deadline <= now {
                 self.stop(now, request, Stop::TimedOut(Wait::Results));
                 return;
             }
@@ -1214,7 +1258,8 @@ impl Receiver {
             let next = if all_done {
                 session.aux_deadline
             } else {
-                Some(session.result_deadline)
+                session.result_armed = Some(result_deadline);
+                Some(result_deadline)
             };
             self.shell.timers.arm_opt(next, TimerKey::Request(request));
         } else if session.phase == RecvPhase::Stopping {

@@ -41,7 +41,6 @@ impl<V> Remembered<V> {
         self.items.contains_key(&id)
     }
 
-
     /// Forgets `id` and returns its value. O(len) for the order queue, which is bounded.
     pub(crate) fn take(&mut self, id: RequestId) -> Option<V> {
         let value = self.items.remove(&id)?;

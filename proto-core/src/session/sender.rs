@@ -17,7 +17,7 @@ use super::{
 };
 use crate::blocks::BlockRun;
 use crate::config::{ConfigError, PipelineConfig};
-use crate::geometry::{chunk_window, BlockWindow, ChunkSpec};
+use crate::geometry::{chunk_window, early_prefix_window, BlockWindow, ChunkSpec};
 use crate::ids::{GroupIndex, PeerId, ReceiverSliceId, RequestId, SenderSliceId};
 use crate::plan::{plan_group_with_cursor, DstCursor, WritePlan};
 use crate::source::BlockSource;
@@ -57,6 +57,22 @@ pub enum SenderInput {
         /// The chunk.
         spec: ChunkSpec,
         /// The block source's runs.
+        runs: Vec<(GroupIndex, BlockRun)>,
+    },
+    /// Before the first chunk: the engine sends the request's cached prefix early
+    /// ([`Sender::submit_prefix`] queries the source and builds this input). Chunks then carry
+    /// `prefix_sent_early` and skip those blocks.
+    Prefix {
+        /// Current time.
+        now: Instant,
+        /// The request.
+        request: RequestId,
+        /// Tokens in the whole prompt.
+        prompt_len: u32,
+        /// Prefix tokens cached on the sender.
+        prepopulated_len: u32,
+        /// The block source's runs for the prefix's block windows, one per group that sends
+        /// something, in group order.
         runs: Vec<(GroupIndex, BlockRun)>,
     },
     /// The engine's aux data for `request` (first tokens, draft tokens, counts).
@@ -174,8 +190,10 @@ struct SendSession {
     slices: Vec<Slice>,
     next_start: Option<u32>,
     prompt_len: Option<u32>,
-    /// The prefix length the first chunk declared; later chunks must agree.
+    /// The prefix length the first chunk (or the early prefix) declared; later chunks agree.
     prepopulated_len: Option<u32>,
+    /// The cached prefix was sent before the first chunk.
+    prefix_sent_early: bool,
     aux: Option<AuxData>,
     registration_deadline: Instant,
     aux_deadline: Option<Instant>,
@@ -187,30 +205,47 @@ struct SendSession {
 }
 
 /// Registrations that arrived before the engine opened their request, by request.
+/// Registrations held for one request, from the peers that sent them, in arrival order.
+type Held = SmallVec<[(PeerId, RecvRegistration); 1]>;
+
 #[derive(Clone, Debug, Default)]
 struct PendingRegistrations {
-    by_request: BTreeMap<RequestId, SmallVec<[(PeerId, RecvRegistration); 1]>>,
+    /// Per request: when its first registration arrived, and the registrations.
+    by_request: BTreeMap<RequestId, (Instant, Held)>,
     len: usize,
 }
 
 impl PendingRegistrations {
-    fn push(&mut self, peer: PeerId, reg: RecvRegistration) {
-        self.by_request
-            .entry(reg.request)
-            .or_default()
-            .push((peer, reg));
+    /// Holds `reg`; returns true for the request's first registration (its deadline starts).
+    fn push(&mut self, now: Instant, peer: PeerId, reg: RecvRegistration) -> bool {
+        let mut first = false;
+        let (_, list) = self.by_request.entry(reg.request).or_insert_with(|| {
+            first = true;
+            (now, SmallVec::new())
+        });
+        list.push((peer, reg));
         self.len += 1;
+        first
     }
 
     /// Removes and returns the request's registrations, in arrival order.
-    fn take(&mut self, request: RequestId) -> SmallVec<[(PeerId, RecvRegistration); 1]> {
-        let taken = self.by_request.remove(&request).unwrap_or_default();
+    fn take(&mut self, request: RequestId) -> Held {
+        let taken = self
+            .by_request
+            .remove(&request)
+            .map(|(_, list)| list)
+            .unwrap_or_default();
         self.len -= taken.len();
         taken
     }
 
+    /// When the request's first held registration arrived.
+    fn since(&self, request: RequestId) -> Option<Instant> {
+        self.by_request.get(&request).map(|(at, _)| *at)
+    }
+
     fn remove(&mut self, request: RequestId, peer: PeerId) {
-        if let Some(list) = self.by_request.get_mut(&request) {
+        if let Some((_, list)) = self.by_request.get_mut(&request) {
             let before = list.len();
             list.retain(|(p, _)| *p != peer);
             self.len -= before - list.len();
@@ -222,7 +257,7 @@ impl PendingRegistrations {
 
     fn remove_peer(&mut self, peer: PeerId) {
         let mut removed = 0;
-        self.by_request.retain(|_, list| {
+        self.by_request.retain(|_, (_, list)| {
             let before = list.len();
             list.retain(|(p, _)| *p != peer);
             removed += before - list.len();
@@ -456,6 +491,39 @@ impl Sender {
         outcome
     }
 
+    /// Sends the request's cached prefix before its first chunk (see [`SenderInput::Prefix`]):
+    /// the fully cached blocks `[0, prepopulated_len / tpb)` (from the stale boundary in a
+    /// windowed group), so only the computed part waits for prefill. The request's chunks must
+    /// then set [`ChunkSpec::prefix_sent_early`]. Returns the slice's id, or `None` when the
+    /// prefix fills no whole block.
+    pub fn submit_prefix(
+        &mut self,
+        now: Instant,
+        request: RequestId,
+        prompt_len: u32,
+        prepopulated_len: u32,
+        source: &mut impl BlockSource,
+    ) -> Result<Option<SenderSliceId>, UsageError> {
+        let windows = self.check_prefix(request, prompt_len, prepopulated_len)?;
+        let mut runs = Vec::with_capacity(windows.len());
+        for (group, w) in windows {
+            let mut run = BlockRun::default();
+            source
+                .block_run(request, group, w.begin, w.end, &mut run)
+                .map_err(|error| UsageError::BlockSource { request, error })?;
+            runs.push((group, run));
+        }
+        let outcome = self.on_prefix(now, request, prompt_len, prepopulated_len, runs.clone())?;
+        self.record(SenderInput::Prefix {
+            now,
+            request,
+            prompt_len,
+            prepopulated_len,
+            runs,
+        });
+        outcome
+    }
+
     /// Submits the request's aux data (see [`SenderInput::Aux`]).
     pub fn submit_aux(
         &mut self,
@@ -491,6 +559,15 @@ impl Sender {
                 runs,
             } => self.on_chunk(now, request, spec, runs).map(|_| ()),
             // (An engine error inside `on_chunk` ended the session: the input was applied.)
+            SenderInput::Prefix {
+                now,
+                request,
+                prompt_len,
+                prepopulated_len,
+                runs,
+            } => self
+                .on_prefix(now, request, prompt_len, prepopulated_len, runs)
+                .map(|_| ()),
             SenderInput::Aux { now, request, data } => self.on_aux_submitted(now, request, data),
             SenderInput::Cancel { now, request } => self.on_cancel(now, request),
             SenderInput::Retire { now: _, request } => self.on_retire(request),
@@ -632,6 +709,7 @@ impl Sender {
                 next_start: None,
                 prompt_len: None,
                 prepopulated_len: None,
+                prefix_sent_early: false,
                 aux: None,
                 registration_deadline,
                 aux_deadline: None,
@@ -697,9 +775,81 @@ impl Sender {
                 });
             }
         }
+        if spec.prefix_sent_early != session.prefix_sent_early {
+            return Err(UsageError::EarlyPrefixMismatch {
+                request,
+                sent_early: session.prefix_sent_early,
+            });
+        }
         spec.validate()
             .map_err(|error| UsageError::Geometry { request, error })?;
         Ok(next_phase)
+    }
+
+    /// The checks on an early prefix that need no block run, and its block windows.
+    fn check_prefix(
+        &self,
+        request: RequestId,
+        prompt_len: u32,
+        prepopulated_len: u32,
+    ) -> Result<Vec<(GroupIndex, BlockWindow)>, UsageError> {
+        if self.retired.contains(request) {
+            return Err(UsageError::Retired(request));
+        }
+        let session = self
+            .sessions
+            .get(&request)
+            .ok_or(UsageError::UnknownRequest(request))?;
+        if !session.phase.is_active() {
+            return Err(UsageError::SessionEnded(request));
+        }
+        if session.next_start.is_some() || session.prefix_sent_early {
+            return Err(UsageError::PrefixAfterChunks(request));
+        }
+        let mut windows = Vec::new();
+        for (g, layout) in self.config.local.groups.iter().enumerate() {
+            let window = early_prefix_window(prompt_len, prepopulated_len, layout)
+                .map_err(|error| UsageError::Geometry { request, error })?;
+            if let Some(w) = window {
+                windows.push((GroupIndex(g as u16), w));
+            }
+        }
+        Ok(windows)
+    }
+
+    /// Applies an early prefix (errors as in [`Self::on_chunk`]).
+    fn on_prefix(
+        &mut self,
+        now: Instant,
+        request: RequestId,
+        prompt_len: u32,
+        prepopulated_len: u32,
+        runs: Vec<(GroupIndex, BlockRun)>,
+    ) -> Result<Result<Option<SenderSliceId>, UsageError>, UsageError> {
+        let windows = self.check_prefix(request, prompt_len, prepopulated_len)?;
+        let given: Vec<GroupIndex> = runs.iter().map(|(g, _)| *g).collect();
+        if given.len() != windows.len() || given.iter().zip(&windows).any(|(a, (b, _))| a != b) {
+            return Err(UsageError::RunsDoNotMatchChunk {
+                request,
+                expected: windows.iter().map(|(g, _)| *g).collect(),
+                given,
+            });
+        }
+        for ((group, run), (_, asked)) in runs.iter().zip(&windows) {
+            let layout = &self.config.local.groups[usize::from(group.0)];
+            if let Some(error) = check_run(request, *group, *asked, run, layout, prompt_len) {
+                self.fail_engine(now, request);
+                return Ok(Err(UsageError::BlockRun(error)));
+            }
+        }
+        let session = self.sessions.get_mut(&request).expect("checked above");
+        session.prefix_sent_early = true;
+        session.prompt_len = Some(prompt_len);
+        session.prepopulated_len = Some(prepopulated_len);
+        if runs.is_empty() {
+            return Ok(Ok(None));
+        }
+        Ok(Ok(Some(self.add_slice(now, request, false, runs))))
     }
 
     /// Applies a chunk. The outer error is a usage error (nothing changed); the inner one an
@@ -743,7 +893,7 @@ impl Sender {
         }
         for ((group, run), (_, asked)) in runs.iter().zip(&windows) {
             let layout = &self.config.local.groups[usize::from(group.0)];
-            if let Some(error) = check_run(request, *group, *asked, run, layout, &spec) {
+            if let Some(error) = check_run(request, *group, *asked, run, layout, spec.prompt_len) {
                 self.fail_engine(now, request);
                 return Ok(Err(UsageError::BlockRun(error)));
             }
@@ -756,15 +906,28 @@ impl Sender {
             return Ok(Ok(None));
         }
         session.phase = next_phase;
+        Ok(Ok(Some(self.add_slice(now, request, spec.is_last, runs))))
+    }
+
+    /// Creates a slice of the request from its block runs and writes it to every receiver that
+    /// has registered.
+    fn add_slice(
+        &mut self,
+        now: Instant,
+        request: RequestId,
+        is_last: bool,
+        runs: Vec<(GroupIndex, BlockRun)>,
+    ) -> SenderSliceId {
+        let session = self.sessions.get_mut(&request).expect("the caller checked");
         let id = SenderSliceId(session.slices.len() as u32);
         session.slices.push(Slice {
             id,
-            is_last: spec.is_last,
+            is_last,
             runs,
             planned_by: 0,
         });
         self.shell.counters.slices += 1;
-        if spec.is_last && session.aux.is_none() {
+        if is_last && session.aux.is_none() {
             let at = now + self.config.deadlines.aux_wait;
             session.aux_deadline = Some(at);
             self.shell.timers.arm(at, TimerKey::Request(request));
@@ -773,7 +936,7 @@ impl Sender {
             self.issue_pending(now, request, t);
         }
         self.progress(now, request);
-        Ok(Ok(Some(id)))
+        id
     }
 
     /// The engine broke its contract for `request`: the KV cannot be trusted, so the request
@@ -869,7 +1032,10 @@ impl Sender {
                 });
                 self.shell.send(now, peer, frame);
             } else if self.pending_registrations.len < self.config.max_pending_registrations {
-                self.pending_registrations.push(peer, reg);
+                if self.pending_registrations.push(now, peer, reg) {
+                    let at = now + self.config.deadlines.registration;
+                    self.shell.timers.arm(at, TimerKey::Request(request));
+                }
             } else {
                 self.shell.send(now, peer, refuse);
             }
@@ -1023,7 +1189,13 @@ impl Sender {
             }
             if let Some(error) = error {
                 self.shell.counters.protocol_errors += 1;
-                self.stop_protocol(now, request, peer, error);
+                // Attributed to the slice being planned, on both sides.
+                let slice = self
+                    .sessions
+                    .get(&request)
+                    .and_then(|s| s.slices.get(k))
+                    .map(|s| s.id);
+                self.stop_protocol_at(now, request, peer, error, slice);
                 return;
             }
             let slice_id = slice.id;
@@ -1383,6 +1555,21 @@ impl Sender {
 
     fn on_request_timeout(&mut self, now: Instant, request: RequestId) {
         let Some(session) = self.sessions.get_mut(&request) else {
+            // Registrations held for a request the engine never opened: after the registration
+            // deadline nobody will write them; their receivers learn at once.
+            let expired = self
+                .pending_registrations
+                .since(request)
+                .is_some_and(|at| at + self.config.deadlines.registration <= now);
+            if expired {
+                for (peer, _) in self.pending_registrations.take(request) {
+                    let frame = Frame::Cancel(Cancel {
+                        request,
+                        reason: CancelReason::Timeout,
+                    });
+                    self.shell.send(now, peer, frame);
+                }
+            }
             return;
         };
         if session.phase.is_active() {
@@ -1462,6 +1649,18 @@ impl Sender {
         peer: PeerId,
         error: ProtocolError,
     ) {
+        self.stop_protocol_at(now, request, peer, error, None);
+    }
+
+    /// Fails the session for a peer's protocol error, attributed to `slice` when one is known.
+    fn stop_protocol_at(
+        &mut self,
+        now: Instant,
+        request: RequestId,
+        peer: PeerId,
+        error: ProtocolError,
+        slice: Option<SenderSliceId>,
+    ) {
         let receiver_slice = self.sessions.get(&request).and_then(|s| {
             s.targets
                 .iter()
@@ -1475,7 +1674,7 @@ impl Sender {
             Stop::Failed {
                 cause: TransferStatus::ProtocolError,
                 peer: Some(peer),
-                slice: None,
+                slice,
                 receiver_slice,
             },
         );
@@ -1527,10 +1726,9 @@ impl Sender {
             ),
         };
         session.stop_status = status;
-        let failed_slice = session
-            .stop_slice
-            .or_else(|| session.slices.last().map(|s| s.id))
-            .unwrap_or(SenderSliceId::NONE);
+        // The slice the failure is attributed to, named the same on both sides (none when the
+        // failure is not a slice's).
+        let failed_slice = session.stop_slice.unwrap_or(SenderSliceId::NONE);
         let quiesce_at = now + self.config.deadlines.quiesce;
         session.quiesce_deadline = Some(quiesce_at);
         let mut frames = Vec::new();
@@ -1595,10 +1793,9 @@ impl Sender {
             return;
         }
         let status = session.stop_status;
-        let failed_slice = session
-            .stop_slice
-            .or_else(|| session.slices.last().map(|s| s.id))
-            .unwrap_or(SenderSliceId::NONE);
+        // The slice the failure is attributed to, named the same on both sides (none when the
+        // failure is not a slice's).
+        let failed_slice = session.stop_slice.unwrap_or(SenderSliceId::NONE);
         let mut frames = Vec::new();
         for target in session.targets.iter_mut() {
             if target.inflight > 0
@@ -1687,7 +1884,7 @@ fn check_run(
     asked: BlockWindow,
     run: &BlockRun,
     layout: &crate::layout::LayerGroupLayout,
-    spec: &ChunkSpec,
+    prompt_len: u32,
 ) -> Option<BlockRunError> {
     let len = u32::try_from(run.ids.len()).unwrap_or(u32::MAX);
     let returned = BlockWindow {
@@ -1698,7 +1895,7 @@ fn check_run(
         BlockRunFault::TooLong
     } else if returned.end != asked.end || run.first_ordinal.checked_add(len).is_none() {
         BlockRunFault::WrongEnd
-    } else if len < asked.len() && !layout.is_windowed_for(spec.prompt_len) {
+    } else if len < asked.len() && !layout.is_windowed_for(prompt_len) {
         BlockRunFault::TooShort
     } else {
         return None;

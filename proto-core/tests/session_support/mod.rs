@@ -50,6 +50,8 @@ pub fn deadlines() -> Deadlines {
         registration: Duration::from_millis(1_000),
         write_completion: Duration::from_millis(200),
         result_wait: Duration::from_millis(5_000),
+        result_per_token: Duration::ZERO,
+        result_idle: Duration::from_millis(5_000),
         aux_wait: Duration::from_millis(300),
         heartbeat_interval: Duration::from_millis(50),
         liveness_timeout: Duration::from_millis(400),

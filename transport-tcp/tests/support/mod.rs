@@ -113,6 +113,8 @@ pub fn fast_deadlines() -> Deadlines {
         registration: kvpipe_core::Duration::from_millis(5000),
         write_completion: kvpipe_core::Duration::from_millis(5000),
         result_wait: kvpipe_core::Duration::from_millis(10000),
+        result_per_token: kvpipe_core::Duration::ZERO,
+        result_idle: kvpipe_core::Duration::from_millis(10000),
         aux_wait: kvpipe_core::Duration::from_millis(2000),
         heartbeat_interval: kvpipe_core::Duration::from_millis(100),
         liveness_timeout: kvpipe_core::Duration::from_millis(600),

@@ -33,6 +33,7 @@ use serde::Serialize;
 
 use crate::cli::CliError;
 
+mod device;
 mod tcp;
 
 /// Arguments of `kvpipe bench transfer`.
@@ -69,6 +70,14 @@ pub(crate) struct TransferBenchArgs {
     /// Most payload bytes per socket read of the transport (tcp; default: `TcpConfig`'s).
     #[arg(long)]
     socket_read_bytes: Option<usize>,
+    /// Where both sides' KV pools live: host, or device (GPU 0, against cuMemcpyDtoDAsync of
+    /// the same extents; needs the `cuda` feature).
+    #[arg(long, default_value = "host")]
+    memory: String,
+    /// With --memory device: wait for the transfer by polling the driver (poll) or by sleeping
+    /// on the copy worker's reports (block).
+    #[arg(long, default_value = "poll")]
+    driver_wait: String,
 }
 
 /// The figures `kvpipe bench transfer` prints.
@@ -178,6 +187,11 @@ fn chunks(tokens: u32, chunk: u32) -> Vec<ChunkSpec> {
 }
 
 pub(crate) fn run(args: TransferBenchArgs) -> Result<ExitCode, CliError> {
+    match args.memory.as_str() {
+        "host" => {}
+        "device" => return device::run(args),
+        other => return Err(format!("--memory {other:?}: use host or device").into()),
+    }
     if args.transport == "tcp" {
         return tcp::run(args);
     }

@@ -1,0 +1,626 @@
+//! The copy engine: lists of extents copied asynchronously on the engine's own streams, with
+//! completion observed through CUDA events.
+//!
+//! 1. [`CopyEngine::submit`] merges extents that are contiguous on both sides into one copy
+//!    ([`coalesce`]), so a write plan of many adjacent blocks becomes a few large copies.
+//! 2. Each copy is issued on a stream of the device that executes it — the destination for
+//!    device → device and host → device, the source for device → host and for peer copies
+//!    (the GPU pushes over NVLink/PCIe; peer access is enabled once per pair of devices where
+//!    the hardware allows it, otherwise the driver stages the copy) — spreading copies over the
+//!    device's streams by bytes queued.
+//! 3. One event is recorded behind the last copy on every stream used; the returned
+//!    [`CopyTicket`] holds them. [`CopyTicket::is_complete`] polls them, [`CopyTicket::wait`]
+//!    polls until a deadline. Nothing synchronizes a whole device or context.
+
+use std::time::{Duration, Instant};
+
+use cudarc::driver::{result, sys};
+
+use crate::{check_driver, CudaError, Device};
+
+/// Where one side of a copy lives, and its base address.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Memory {
+    /// Host memory (pinned or pageable) starting at `addr`.
+    Host {
+        /// The address of the first byte.
+        addr: usize,
+    },
+    /// Device memory of device `ordinal` starting at device address `addr`.
+    Device {
+        /// The device.
+        ordinal: usize,
+        /// The device address of the first byte.
+        addr: u64,
+    },
+}
+
+impl Memory {
+    /// The address of byte `offset`.
+    fn at(self, offset: u64) -> u64 {
+        match self {
+            Memory::Host { addr } => addr as u64 + offset,
+            Memory::Device { addr, .. } => addr + offset,
+        }
+    }
+
+    fn ordinal(self) -> Option<usize> {
+        match self {
+            Memory::Host { .. } => None,
+            Memory::Device { ordinal, .. } => Some(ordinal),
+        }
+    }
+}
+
+/// One extent: `len` bytes from `src` + `src_offset` to `dst` + `dst_offset`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct CopyExtent {
+    /// The source memory.
+    pub src: Memory,
+    /// First source byte.
+    pub src_offset: u64,
+    /// The destination memory.
+    pub dst: Memory,
+    /// First destination byte.
+    pub dst_offset: u64,
+    /// Bytes.
+    pub len: u64,
+}
+
+/// What kind of driver copy an extent becomes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Direction {
+    /// Within one device (`cuMemcpyDtoDAsync`).
+    DeviceToDevice {
+        /// The device.
+        ordinal: usize,
+    },
+    /// Between two devices (`cuMemcpyPeerAsync`).
+    Peer {
+        /// The source device.
+        src: usize,
+        /// The destination device.
+        dst: usize,
+    },
+    /// Host to device (`cuMemcpyHtoDAsync`).
+    HostToDevice {
+        /// The device.
+        ordinal: usize,
+    },
+    /// Device to host (`cuMemcpyDtoHAsync`).
+    DeviceToHost {
+        /// The device.
+        ordinal: usize,
+    },
+}
+
+impl Direction {
+    /// The device whose stream carries the copy.
+    pub fn executor(self) -> usize {
+        match self {
+            Direction::DeviceToDevice { ordinal }
+            | Direction::HostToDevice { ordinal }
+            | Direction::DeviceToHost { ordinal } => ordinal,
+            Direction::Peer { src, .. } => src,
+        }
+    }
+}
+
+/// One driver copy: absolute addresses (host addresses as integers).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct CopyOp {
+    /// Its kind.
+    pub direction: Direction,
+    /// The first source byte.
+    pub src: u64,
+    /// The first destination byte.
+    pub dst: u64,
+    /// Bytes.
+    pub len: u64,
+}
+
+/// Turns extents into driver copies, merging each extent into the previous copy when both
+/// sides continue it (same direction, source and destination both contiguous). Empty extents
+/// vanish. Host → host extents are refused: they are the caller's `memcpy`.
+pub fn coalesce(extents: &[CopyExtent], out: &mut Vec<CopyOp>) -> Result<(), CudaError> {
+    out.clear();
+    for (index, e) in extents.iter().enumerate() {
+        let direction = match (e.src.ordinal(), e.dst.ordinal()) {
+            (None, None) => return Err(CudaError::HostToHost { index }),
+            (Some(s), Some(d)) if s == d => Direction::DeviceToDevice { ordinal: s },
+            (Some(src), Some(dst)) => Direction::Peer { src, dst },
+            (None, Some(ordinal)) => Direction::HostToDevice { ordinal },
+            (Some(ordinal), None) => Direction::DeviceToHost { ordinal },
+        };
+        if e.len == 0 {
+            continue;
+        }
+        let (src, dst) = (e.src.at(e.src_offset), e.dst.at(e.dst_offset));
+        if let Some(last) = out.last_mut() {
+            if last.direction == direction
+                && last.src.checked_add(last.len) == Some(src)
+                && last.dst.checked_add(last.len) == Some(dst)
+            {
+                last.len += e.len;
+                continue;
+            }
+        }
+        out.push(CopyOp {
+            direction,
+            src,
+            dst,
+            len: e.len,
+        });
+    }
+    Ok(())
+}
+
+/// Picks the stream for a copy: the one with the fewest bytes queued by this submission
+/// (the first such on ties), so a single large copy stays on the first stream and many copies
+/// spread evenly.
+pub fn least_loaded(queued: &[u64]) -> usize {
+    let mut best = 0;
+    for (i, &q) in queued.iter().enumerate() {
+        if q < queued[best] {
+            best = i;
+        }
+    }
+    best
+}
+
+/// A device's streams, created on first use.
+#[derive(Debug)]
+struct DeviceStreams {
+    device: Device,
+    streams: Vec<sys::CUstream>,
+}
+
+/// Copies lists of extents between host and device memory and between devices, on its own
+/// non-blocking streams (`streams_per_device` on each device it executes copies on; devices are
+/// opened on first use).
+///
+/// Submissions on one engine are not ordered against each other unless they share a stream;
+/// every submission's [`CopyTicket`] says when its own copies are done.
+#[derive(Debug)]
+pub struct CopyEngine {
+    streams_per_device: usize,
+    devices: Vec<DeviceStreams>,
+    /// (executor, peer) pairs whose peer access was looked at.
+    peers: Vec<(usize, usize)>,
+    copies: Vec<CopyOp>,
+    queued: Vec<u64>,
+    used: Vec<bool>,
+}
+
+// SAFETY: the engine owns its streams; every driver call on them binds their device's context
+// first, and the driver API may be called from any thread. `&mut self` on every method that
+// uses them keeps calls on one engine from racing.
+unsafe impl Send for CopyEngine {}
+
+impl CopyEngine {
+    /// An engine with `streams_per_device` streams (at least one) on each device it uses.
+    /// Checks the driver; opens no device yet.
+    pub fn new(streams_per_device: usize) -> Result<CopyEngine, CudaError> {
+        check_driver()?;
+        Ok(CopyEngine {
+            streams_per_device: streams_per_device.max(1),
+            devices: Vec::new(),
+            peers: Vec::new(),
+            copies: Vec::new(),
+            queued: Vec::new(),
+            used: Vec::new(),
+        })
+    }
+
+    /// The streams of device `ordinal`, opening it and creating them on first use.
+    fn device(&mut self, ordinal: usize) -> Result<usize, CudaError> {
+        if let Some(i) = self
+            .devices
+            .iter()
+            .position(|d| d.device.ordinal() == ordinal)
+        {
+            return Ok(i);
+        }
+        let device = Device::open(ordinal)?;
+        device.bind()?;
+        let mut streams = Vec::with_capacity(self.streams_per_device);
+        for _ in 0..self.streams_per_device {
+            match result::stream::create(result::stream::StreamKind::NonBlocking) {
+                Ok(s) => streams.push(s),
+                Err(e) => {
+                    for s in streams {
+                        // SAFETY: created just above, never used.
+                        let _ = unsafe { result::stream::destroy(s) };
+                    }
+                    return Err(CudaError::driver("cuStreamCreate")(e));
+                }
+            }
+        }
+        self.devices.push(DeviceStreams { device, streams });
+        Ok(self.devices.len() - 1)
+    }
+
+    /// Enables `executor`'s access to `peer`'s memory once, where the hardware allows it.
+    fn enable_peer(&mut self, executor: usize, peer: usize) -> Result<(), CudaError> {
+        if self.peers.contains(&(executor, peer)) {
+            return Ok(());
+        }
+        let e = self.device(executor)?;
+        let p = self.device(peer)?;
+        let (exec, peer_dev) = (&self.devices[e].device, &self.devices[p].device);
+        if exec.can_access_peer(peer_dev)? {
+            exec.bind()?;
+            // SAFETY: both contexts are live primary contexts; the executor's is current.
+            let r = unsafe { sys::cuCtxEnablePeerAccess(peer_dev.cu_ctx(), 0) };
+            if r != sys::CUresult::CUDA_SUCCESS
+                && r != sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED
+            {
+                return Err(CudaError::driver("cuCtxEnablePeerAccess")(
+                    cudarc::driver::DriverError(r),
+                ));
+            }
+        }
+        self.peers.push((executor, peer));
+        Ok(())
+    }
+
+    /// Issues the copies of `extents` (merged where contiguous) on the engine's streams and
+    /// returns at once with a ticket that tells when they are done.
+    ///
+    /// On an error nothing of this submission is left running (streams it already used are
+    /// waited for), so the caller may reuse the memory at once.
+    ///
+    /// # Safety
+    ///
+    /// Every extent's bytes must be valid memory of the kind it names (device addresses of
+    /// that device's allocations; host addresses the process may read or write) and must stay
+    /// valid, untouched by anything else, until the ticket reports completion — dropping the
+    /// ticket does not stop the copies. Destination ranges must not overlap each other or a
+    /// source range.
+    pub unsafe fn submit(&mut self, extents: &[CopyExtent]) -> Result<CopyTicket, CudaError> {
+        let mut copies = std::mem::take(&mut self.copies);
+        let r = coalesce(extents, &mut copies).and_then(|()| {
+            // SAFETY: forwarded; the caller upholds the contract for these copies.
+            unsafe { self.issue(&copies) }
+        });
+        self.copies = copies;
+        r
+    }
+
+    /// Issues `copies`, grouped by executing device in order of first appearance.
+    ///
+    /// # Safety
+    ///
+    /// As for [`submit`](Self::submit).
+    unsafe fn issue(&mut self, copies: &[CopyOp]) -> Result<CopyTicket, CudaError> {
+        let mut ticket = CopyTicket {
+            events: Vec::new(),
+            bytes: copies.iter().map(|c| c.len).sum(),
+            copies: copies.len(),
+        };
+        let mut executors: Vec<usize> = Vec::new();
+        for c in copies {
+            if let Direction::Peer { src, dst } = c.direction {
+                self.enable_peer(src, dst)?;
+            }
+            if !executors.contains(&c.direction.executor()) {
+                executors.push(c.direction.executor());
+            }
+        }
+        for ordinal in executors {
+            let d = self.device(ordinal)?;
+            self.used.clear();
+            let r = self.devices[d].device.bind().and_then(|()| {
+                // SAFETY: forwarded; the caller upholds the contract for these copies.
+                unsafe { self.issue_on(d, ordinal, copies, &mut ticket) }
+            });
+            if let Err(e) = r {
+                // Leave nothing running that the caller cannot see: wait for what this
+                // submission issued so far (on this device's streams and in earlier events),
+                // then report.
+                for s in 0..self.used.len() {
+                    if self.used[s] {
+                        // SAFETY: a live stream of this engine.
+                        let _ = unsafe { result::stream::synchronize(self.devices[d].streams[s]) };
+                    }
+                }
+                let _ = ticket.wait(Instant::now() + Duration::from_secs(60));
+                return Err(e);
+            }
+        }
+        Ok(ticket)
+    }
+
+    /// Issues the copies that device slot `d` (ordinal `ordinal`, its context current)
+    /// executes and records an event behind them on every stream used.
+    ///
+    /// # Safety
+    ///
+    /// As for [`submit`](Self::submit).
+    unsafe fn issue_on(
+        &mut self,
+        d: usize,
+        ordinal: usize,
+        copies: &[CopyOp],
+        ticket: &mut CopyTicket,
+    ) -> Result<(), CudaError> {
+        let n = self.devices[d].streams.len();
+        self.queued.clear();
+        self.queued.resize(n, 0);
+        self.used.clear();
+        self.used.resize(n, false);
+        for c in copies.iter().filter(|c| c.direction.executor() == ordinal) {
+            let s = least_loaded(&self.queued);
+            self.queued[s] += c.len;
+            self.used[s] = true;
+            // SAFETY: forwarded; the caller vouches for the addresses.
+            unsafe { self.copy_on(d, s, c) }?;
+        }
+        for s in 0..n {
+            if self.used[s] {
+                let dev = &self.devices[d];
+                let event = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+                    .map_err(CudaError::driver("cuEventCreate"))?;
+                ticket.events.push((dev.device.clone(), event));
+                // SAFETY: a fresh event and a live stream of the current context.
+                unsafe { result::event::record(event, dev.streams[s]) }
+                    .map_err(CudaError::driver("cuEventRecord"))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Issues one copy on stream `s` of device slot `d` (its context is current).
+    ///
+    /// # Safety
+    ///
+    /// As for [`submit`](Self::submit).
+    unsafe fn copy_on(&self, d: usize, s: usize, c: &CopyOp) -> Result<(), CudaError> {
+        let stream = self.devices[d].streams[s];
+        let len = c.len as usize;
+        // SAFETY (all arms): the caller guarantees the addresses are valid memory of the kinds
+        // `coalesce` read from the extents, for `len` bytes, until the ticket completes.
+        unsafe {
+            match c.direction {
+                Direction::DeviceToDevice { .. } => {
+                    result::memcpy_dtod_async(c.dst, c.src, len, stream)
+                        .map_err(CudaError::driver("cuMemcpyDtoDAsync"))
+                }
+                Direction::HostToDevice { .. } => {
+                    sys::cuMemcpyHtoDAsync_v2(c.dst, c.src as usize as *const _, len, stream)
+                        .result()
+                        .map_err(CudaError::driver("cuMemcpyHtoDAsync"))
+                }
+                Direction::DeviceToHost { .. } => {
+                    sys::cuMemcpyDtoHAsync_v2(c.dst as usize as *mut _, c.src, len, stream)
+                        .result()
+                        .map_err(CudaError::driver("cuMemcpyDtoHAsync"))
+                }
+                Direction::Peer { src, dst } => {
+                    let ctx = |o: usize| {
+                        self.devices
+                            .iter()
+                            .find(|x| x.device.ordinal() == o)
+                            .map(|x| x.device.cu_ctx())
+                    };
+                    let (Some(src_ctx), Some(dst_ctx)) = (ctx(src), ctx(dst)) else {
+                        return Err(CudaError::NoDevice {
+                            ordinal: dst,
+                            count: self.devices.len(),
+                        });
+                    };
+                    result::memcpy_peer_async(dst_ctx, c.dst, src_ctx, c.src, len, stream)
+                        .map_err(CudaError::driver("cuMemcpyPeerAsync"))
+                }
+            }
+        }
+    }
+}
+
+impl Drop for CopyEngine {
+    fn drop(&mut self) {
+        // Destroying a stream with work queued returns at once; the driver releases it when
+        // the work is done. Tickets hold their own events, so they stay valid.
+        for d in &self.devices {
+            if d.device.bind().is_ok() {
+                for &s in &d.streams {
+                    // SAFETY: created by this engine, destroyed once.
+                    let _ = unsafe { result::stream::destroy(s) };
+                }
+            }
+        }
+    }
+}
+
+/// The copies of one [`CopyEngine::submit`]: done when every event it holds has completed.
+#[derive(Debug)]
+#[must_use = "the copies may still be running: poll or wait on the ticket before reusing their memory"]
+pub struct CopyTicket {
+    events: Vec<(Device, sys::CUevent)>,
+    bytes: u64,
+    copies: usize,
+}
+
+// SAFETY: the ticket owns its events; every call on one binds its device's context first, and
+// the driver API may be called from any thread.
+unsafe impl Send for CopyTicket {}
+// SAFETY: querying an event (`&self`) does not change it.
+unsafe impl Sync for CopyTicket {}
+
+impl CopyTicket {
+    /// Bytes the submission copies.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    /// Driver copies issued (extents after merging).
+    pub fn copies(&self) -> usize {
+        self.copies
+    }
+
+    /// Whether every copy has finished (`cuEventQuery`; never blocks). A copy that failed on
+    /// the device is an error.
+    pub fn is_complete(&self) -> Result<bool, CudaError> {
+        for (device, event) in &self.events {
+            device.bind()?;
+            // SAFETY: an event created and recorded by the engine, destroyed only in `drop`.
+            match unsafe { result::event::query(*event) } {
+                Ok(()) => {}
+                Err(e) if e.0 == sys::CUresult::CUDA_ERROR_NOT_READY => return Ok(false),
+                Err(e) => return Err(CudaError::driver("cuEventQuery")(e)),
+            }
+        }
+        Ok(true)
+    }
+
+    /// Polls until every copy has finished or `deadline` passes (then
+    /// [`CudaError::Timeout`]; the copies keep running). Spins for the first tenth of a
+    /// millisecond, then sleeps in short steps.
+    pub fn wait(&self, deadline: Instant) -> Result<(), CudaError> {
+        let start = Instant::now();
+        loop {
+            if self.is_complete()? {
+                return Ok(());
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(CudaError::Timeout {
+                    waited_ms: (now - start).as_millis() as u64,
+                });
+            }
+            if now - start < Duration::from_micros(100) {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep((deadline - now).min(Duration::from_micros(20)));
+            }
+        }
+    }
+}
+
+impl Drop for CopyTicket {
+    fn drop(&mut self) {
+        for (device, event) in &self.events {
+            if device.bind().is_ok() {
+                // SAFETY: created by the engine, destroyed once; destroying an event whose
+                // work is pending is allowed (resources are released when it completes).
+                let _ = unsafe { result::event::destroy(*event) };
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dev(addr: u64) -> Memory {
+        Memory::Device { ordinal: 0, addr }
+    }
+
+    fn ext(src: Memory, so: u64, dst: Memory, d: u64, len: u64) -> CopyExtent {
+        CopyExtent {
+            src,
+            src_offset: so,
+            dst,
+            dst_offset: d,
+            len,
+        }
+    }
+
+    #[test]
+    fn extents_contiguous_on_both_sides_become_one_copy() {
+        let (a, b) = (dev(0x1000_0000), dev(0x2000_0000));
+        let extents = [
+            ext(a, 0, b, 0, 100),
+            ext(a, 100, b, 100, 50),
+            ext(a, 150, b, 150, 0),
+            ext(a, 150, b, 150, 10),
+            // Source continues, destination does not: a new copy.
+            ext(a, 160, b, 500, 10),
+            // Destination continues, source does not.
+            ext(a, 0, b, 510, 10),
+        ];
+        let mut out = Vec::new();
+        coalesce(&extents, &mut out).unwrap();
+        let d = Direction::DeviceToDevice { ordinal: 0 };
+        assert_eq!(
+            out,
+            vec![
+                CopyOp {
+                    direction: d,
+                    src: 0x1000_0000,
+                    dst: 0x2000_0000,
+                    len: 160
+                },
+                CopyOp {
+                    direction: d,
+                    src: 0x1000_0000 + 160,
+                    dst: 0x2000_0000 + 500,
+                    len: 10
+                },
+                CopyOp {
+                    direction: d,
+                    src: 0x1000_0000,
+                    dst: 0x2000_0000 + 510,
+                    len: 10
+                },
+            ]
+        );
+        assert_eq!(out.iter().map(|c| c.len).sum::<u64>(), 180);
+    }
+
+    #[test]
+    fn directions_follow_the_two_sides_and_never_merge_across_kinds() {
+        let host = Memory::Host { addr: 0x5000 };
+        let d0 = dev(0x1_0000_0000);
+        let d1 = Memory::Device {
+            ordinal: 1,
+            addr: 0x1_0000_0000,
+        };
+        let mut out = Vec::new();
+        coalesce(
+            &[
+                ext(host, 0, d0, 0, 8),
+                // Contiguous in addresses, but device to host: its own copy.
+                ext(d0, 0, host, 8, 8),
+                ext(d0, 8, d1, 8, 8),
+                ext(d1, 16, d0, 16, 8),
+            ],
+            &mut out,
+        )
+        .unwrap();
+        let dirs: Vec<_> = out.iter().map(|c| c.direction).collect();
+        assert_eq!(
+            dirs,
+            vec![
+                Direction::HostToDevice { ordinal: 0 },
+                Direction::DeviceToHost { ordinal: 0 },
+                Direction::Peer { src: 0, dst: 1 },
+                Direction::Peer { src: 1, dst: 0 },
+            ]
+        );
+        assert_eq!(out[2].direction.executor(), 0);
+        assert_eq!(out[3].direction.executor(), 1);
+        assert_eq!(out[0].direction.executor(), 0);
+    }
+
+    #[test]
+    fn host_to_host_extents_are_refused_with_their_index() {
+        let host = Memory::Host { addr: 0x5000 };
+        let mut out = Vec::new();
+        assert_eq!(
+            coalesce(
+                &[ext(dev(0), 0, host, 0, 4), ext(host, 0, host, 64, 4)],
+                &mut out
+            ),
+            Err(CudaError::HostToHost { index: 1 })
+        );
+    }
+
+    #[test]
+    fn copies_go_to_the_least_loaded_stream() {
+        assert_eq!(least_loaded(&[0, 0]), 0);
+        assert_eq!(least_loaded(&[10, 0, 5]), 1);
+        assert_eq!(least_loaded(&[10, 10, 5]), 2);
+    }
+}

@@ -1,0 +1,320 @@
+//! Tests that need a GPU. Each one is reported as ignored, with the reason ("skipped: no CUDA
+//! driver"), where no driver or device is found — counted among the ignored tests, never the
+//! passed ones (see the crate doc). `scripts/gpu-check` runs them on the GPU machine.
+
+use std::io::{Seek, SeekFrom};
+use std::time::{Duration, Instant};
+
+use kvpipe_cuda::{
+    check_driver, device_count, host_page_size, CopyEngine, CopyExtent, CudaError, Device,
+    DeviceBuffer, Memory, PinnedBuffer,
+};
+use libtest_mimic::{Arguments, Completion, Failed, Trial};
+
+type TestResult = Result<(), Failed>;
+
+/// Device 0, or the reason the test is skipped.
+fn device() -> Result<Device, String> {
+    check_driver().map_err(|e| format!("skipped: {e}"))?;
+    Device::open(0).map_err(|e| format!("skipped: {e}"))
+}
+
+fn gpu(name: &'static str, test: fn(&Device) -> TestResult) -> Trial {
+    Trial::ignorable_test(name, move || match device() {
+        Err(reason) => Ok(Completion::ignored_with(reason)),
+        Ok(d) => test(&d).map(|()| Completion::Completed),
+    })
+}
+
+/// Bytes that differ from their neighbours and from zero (xorshift), seeded.
+fn pattern(len: usize, seed: u64) -> Vec<u8> {
+    let mut x = seed | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 24) as u8
+        })
+        .collect()
+}
+
+fn download(buf: &DeviceBuffer) -> Result<Vec<u8>, CudaError> {
+    let mut out = vec![0u8; buf.len()];
+    buf.download(0, &mut out)?;
+    Ok(out)
+}
+
+fn dev(buf: &DeviceBuffer) -> Memory {
+    Memory::Device {
+        ordinal: buf.device().ordinal(),
+        addr: buf.ptr(),
+    }
+}
+
+fn extent(src: Memory, so: u64, dst: Memory, d: u64, len: u64) -> CopyExtent {
+    CopyExtent {
+        src,
+        src_offset: so,
+        dst,
+        dst_offset: d,
+        len,
+    }
+}
+
+fn deadline() -> Instant {
+    Instant::now() + Duration::from_secs(30)
+}
+
+fn buffers_round_trip_through_upload_fill_and_download(d: &Device) -> TestResult {
+    let data = pattern(3 << 20, 7);
+    let mut buf = DeviceBuffer::new(d, data.len())?;
+    assert_eq!(buf.ptr() % host_page_size(), 0, "buffers start on a page");
+    buf.fill(0xA5)?;
+    assert!(download(&buf)?.iter().all(|&b| b == 0xA5));
+    buf.upload(0, &data)?;
+    assert!(download(&buf)? == data);
+    assert!(matches!(
+        buf.upload(buf.len() - 2, &[1, 2, 3]),
+        Err(CudaError::OutOfBounds { .. })
+    ));
+    let mut pinned = PinnedBuffer::new(d, 4096)?;
+    assert!(pinned.as_slice().iter().all(|&b| b == 0));
+    pinned.as_mut_slice().copy_from_slice(&data[..4096]);
+    buf.upload(100, pinned.as_slice())?;
+    let mut back = vec![0u8; 4096];
+    buf.download(100, &mut back)?;
+    assert!(back == data[..4096]);
+    Ok(())
+}
+
+/// Many block-sized extents, most adjacent on both sides (merged into few copies), some
+/// scattered; every destination byte checked, untouched bytes keep their poison.
+fn device_to_device_extents_are_merged_and_copied_exactly(d: &Device) -> TestResult {
+    let block = 64 << 10;
+    let blocks = 64u64;
+    let data = pattern((block * blocks) as usize, 11);
+    let mut src = DeviceBuffer::new(d, data.len())?;
+    src.upload(0, &data)?;
+    let mut dst = DeviceBuffer::new(d, data.len() * 2)?;
+    dst.fill(0xEE)?;
+    // Blocks 0..40 to 0..40 (one run), blocks 40..64 to the second half in reverse order
+    // (no two adjacent): 1 + 24 copies.
+    let mut extents = Vec::new();
+    for b in 0..40 {
+        extents.push(extent(dev(&src), b * block, dev(&dst), b * block, block));
+    }
+    for b in 40..blocks {
+        let to = blocks + (blocks - 1 - b);
+        extents.push(extent(dev(&src), b * block, dev(&dst), to * block, block));
+    }
+    let mut engine = CopyEngine::new(2)?;
+    // SAFETY: both buffers outlive the wait below and nothing else touches them meanwhile.
+    let ticket = unsafe { engine.submit(&extents) }?;
+    assert_eq!(ticket.copies(), 25);
+    assert_eq!(ticket.bytes(), block * blocks);
+    ticket.wait(deadline())?;
+    assert!(ticket.is_complete()?);
+    let out = download(&dst)?;
+    let mut expected = vec![0xEEu8; out.len()];
+    for e in &extents {
+        let (s, t, n) = (e.src_offset as usize, e.dst_offset as usize, e.len as usize);
+        expected[t..t + n].copy_from_slice(&data[s..s + n]);
+    }
+    assert!(
+        out == expected,
+        "destination differs from the expected bytes"
+    );
+    Ok(())
+}
+
+/// Host → device from pinned and from pageable memory, then device → host, in one submission
+/// each; the bytes come back unchanged.
+fn host_device_copies_both_ways_from_pinned_and_pageable_memory(d: &Device) -> TestResult {
+    let len = 8 << 20;
+    let data = pattern(len, 3);
+    let mut pinned = PinnedBuffer::new(d, len)?;
+    pinned.as_mut_slice().copy_from_slice(&data);
+    let pageable = pattern(len, 5);
+    let mut buf = DeviceBuffer::new(d, 2 * len)?;
+    buf.fill(0)?;
+    let host = |p: *const u8| Memory::Host { addr: p as usize };
+    let mut engine = CopyEngine::new(2)?;
+    let up = [
+        extent(host(pinned.as_ptr()), 0, dev(&buf), 0, len as u64),
+        extent(
+            host(pageable.as_ptr()),
+            0,
+            dev(&buf),
+            len as u64,
+            len as u64,
+        ),
+    ];
+    // SAFETY: the host buffers and `buf` outlive the wait and are not touched meanwhile.
+    unsafe { engine.submit(&up) }?.wait(deadline())?;
+    let mut back = vec![0u8; 2 * len];
+    let down = [extent(
+        dev(&buf),
+        0,
+        host(back.as_mut_ptr()),
+        0,
+        2 * len as u64,
+    )];
+    // SAFETY: as above; `back` is not read before the wait returns.
+    let ticket = unsafe { engine.submit(&down) }?;
+    assert_eq!(ticket.copies(), 1);
+    ticket.wait(deadline())?;
+    assert!(back[..len] == data[..], "pinned half differs");
+    assert!(back[len..] == pageable[..], "pageable half differs");
+    Ok(())
+}
+
+/// Several submissions in flight at once on several streams: each ticket completes and every
+/// byte lands; a ticket is polled without blocking until it completes.
+fn many_submissions_in_flight_complete_independently(d: &Device) -> TestResult {
+    let chunk = 16 << 20;
+    let chunks = 8;
+    let data = pattern(chunk * chunks, 13);
+    let mut src = DeviceBuffer::new(d, data.len())?;
+    src.upload(0, &data)?;
+    let mut dst = DeviceBuffer::new(d, data.len())?;
+    dst.fill(0)?;
+    let mut engine = CopyEngine::new(4)?;
+    let mut tickets = Vec::new();
+    for c in 0..chunks as u64 {
+        // Each chunk as 16 interleaved extents, so they do not merge: the engine spreads them.
+        let n = 16u64;
+        let piece = chunk as u64 / n;
+        let extents: Vec<_> = (0..n)
+            .map(|i| {
+                let off = c * chunk as u64 + ((i * 7) % n) * piece;
+                extent(dev(&src), off, dev(&dst), off, piece)
+            })
+            .collect();
+        // SAFETY: both buffers outlive the waits below and are not touched meanwhile.
+        tickets.push(unsafe { engine.submit(&extents) }?);
+    }
+    let limit = deadline();
+    for t in &tickets {
+        while !t.is_complete()? {
+            assert!(Instant::now() < limit, "a ticket did not complete in 30 s");
+            std::thread::yield_now();
+        }
+    }
+    assert!(download(&dst)? == data);
+    Ok(())
+}
+
+fn host_to_host_extents_are_refused(_d: &Device) -> TestResult {
+    let a = [1u8; 8];
+    let mut b = [0u8; 8];
+    let mut engine = CopyEngine::new(1)?;
+    let e = extent(
+        Memory::Host {
+            addr: a.as_ptr() as usize,
+        },
+        0,
+        Memory::Host {
+            addr: b.as_mut_ptr() as usize,
+        },
+        0,
+        8,
+    );
+    // SAFETY: refused before any copy is issued.
+    let r = unsafe { engine.submit(&[e]) };
+    assert_eq!(r.unwrap_err(), CudaError::HostToHost { index: 0 });
+    assert_eq!(b, [0u8; 8]);
+    Ok(())
+}
+
+/// A range of a device buffer exported as a dmabuf: the fd covers the whole pages around it
+/// (a dmabuf's size is what seeking to its end returns) and the offset says where it starts.
+fn device_memory_exports_as_a_dmabuf(d: &Device) -> TestResult {
+    if !d.supports_dmabuf()? {
+        return Err("the device reports no dmabuf support".into());
+    }
+    let page = host_page_size();
+    let buf = DeviceBuffer::new(d, 4 << 20)?;
+    let whole = buf.export_dmabuf(0, buf.len())?;
+    assert_eq!(
+        (whole.offset, whole.len, whole.addr),
+        (0, 4 << 20, buf.ptr())
+    );
+    let mut f = std::fs::File::from(whole.fd);
+    assert_eq!(f.seek(SeekFrom::End(0))?, 4 << 20);
+    let (off, len) = (page as usize + 100, 3 * page as usize);
+    let part = buf.export_dmabuf(off, len)?;
+    assert_eq!(part.offset, 100);
+    assert_eq!(part.len, len as u64);
+    assert_eq!(part.addr, buf.ptr() + off as u64);
+    let mut f = std::fs::File::from(part.fd);
+    assert_eq!(f.seek(SeekFrom::End(0))?, 4 * page);
+    assert!(matches!(
+        buf.export_dmabuf(buf.len() - 10, 20),
+        Err(CudaError::OutOfBounds { .. })
+    ));
+    Ok(())
+}
+
+/// Device 0 → device 1 and back through the engine (needs two GPUs).
+fn peer_copies_between_two_devices() -> Result<Completion, Failed> {
+    let d0 = match device() {
+        Ok(d) => d,
+        Err(reason) => return Ok(Completion::ignored_with(reason)),
+    };
+    if device_count()? < 2 {
+        return Ok(Completion::ignored_with("skipped: needs 2 CUDA devices"));
+    }
+    let d1 = Device::open(1)?;
+    let data = pattern(32 << 20, 17);
+    let mut a = DeviceBuffer::new(&d0, data.len())?;
+    a.upload(0, &data)?;
+    let mut b = DeviceBuffer::new(&d1, data.len())?;
+    b.fill(0)?;
+    let mut c = DeviceBuffer::new(&d0, data.len())?;
+    c.fill(0)?;
+    let mut engine = CopyEngine::new(2)?;
+    let len = data.len() as u64;
+    // SAFETY: the buffers outlive the waits and are not touched meanwhile.
+    unsafe { engine.submit(&[extent(dev(&a), 0, dev(&b), 0, len)]) }?.wait(deadline())?;
+    // SAFETY: as above.
+    unsafe { engine.submit(&[extent(dev(&b), 0, dev(&c), 0, len)]) }?.wait(deadline())?;
+    assert!(download(&b)? == data);
+    assert!(download(&c)? == data);
+    Ok(Completion::Completed)
+}
+
+fn main() {
+    let args = Arguments::from_args();
+    let tests = vec![
+        gpu(
+            "buffers_round_trip_through_upload_fill_and_download",
+            buffers_round_trip_through_upload_fill_and_download,
+        ),
+        gpu(
+            "device_to_device_extents_are_merged_and_copied_exactly",
+            device_to_device_extents_are_merged_and_copied_exactly,
+        ),
+        gpu(
+            "host_device_copies_both_ways_from_pinned_and_pageable_memory",
+            host_device_copies_both_ways_from_pinned_and_pageable_memory,
+        ),
+        gpu(
+            "many_submissions_in_flight_complete_independently",
+            many_submissions_in_flight_complete_independently,
+        ),
+        gpu(
+            "host_to_host_extents_are_refused",
+            host_to_host_extents_are_refused,
+        ),
+        gpu(
+            "device_memory_exports_as_a_dmabuf",
+            device_memory_exports_as_a_dmabuf,
+        ),
+        Trial::ignorable_test(
+            "peer_copies_between_two_devices",
+            peer_copies_between_two_devices,
+        ),
+    ];
+    libtest_mimic::run(&args, tests).exit();
+}
