@@ -1,18 +1,16 @@
-//! The engine-facing handles: [`TcpSender`] (prefill side) and [`TcpReceiver`] (decode side).
+//! The engine-facing handles: [`TcpSender`] (prefill side) and [`TcpReceiver`] (decode side),
+//! one generic [`TcpNode`] with each role's engine commands on top.
 
 use std::io;
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::time::Duration;
 
-use kvpipe_core::session::{Counters, SendRequest, UsageError};
+use kvpipe_core::session::{Counters, Registration, SendRequest, UsageError};
 use kvpipe_core::wire::AuxData;
 use kvpipe_core::{
-    BlockSource, ChunkSpec, Event, Instant, PeerId, Receiver, ReceiverConfig, ReceiverSliceId,
-    RequestId, Sender, SenderConfig, SenderSliceId,
+    BlockSource, ChunkSpec, ConfigError, DataPath, Endpoint, Event, Instant, PeerId, Receiver,
+    ReceiverConfig, ReceiverSliceId, RequestId, Sender, SenderConfig, SenderSliceId,
 };
-
-use kvpipe_core::session::Registration;
-use kvpipe_core::{ConfigError, DataPath};
 
 use crate::blocking::Threads;
 use crate::config::TcpConfig;
@@ -22,17 +20,118 @@ use crate::node::lifecycle::{CloseError, Node};
 use crate::node::Spawn;
 use crate::stats::TcpStats;
 
+/// A core endpoint driven over TCP with std threads: a [`TcpSender`] or a [`TcpReceiver`].
+///
+/// Connect to (or accept) peers, give the role's engine commands, and read [`Event`]s with
+/// [`next_event`](Self::next_event).
+pub struct TcpNode<E: Endpoint + Send + 'static> {
+    node: Node<E>,
+}
+
 /// A prefill-side node: a core [`Sender`] driven over TCP with std threads.
 ///
 /// Connect to (or accept) receivers, open requests naming their [`PeerId`]s, submit chunks as
-/// prefill computes them, and read [`Event`]s with [`next_event`](Self::next_event). Source
+/// prefill computes them, and read [`Event`]s with [`next_event`](TcpNode::next_event). Source
 /// bytes are read from the registered regions (the layout's pool regions) at send time, so a
 /// request's blocks must not change until its `Quiesced` event.
-pub struct TcpSender {
-    node: Node<Sender>,
+pub type TcpSender = TcpNode<Sender>;
+
+/// A decode-side node: a core [`Receiver`] driven over TCP with std threads.
+///
+/// Register a request's destination blocks with [`register`](TcpNode::register): every
+/// incoming data write is admitted by the core ([`Receiver::admit_write`]: that request's
+/// grant, one of its writers, inside its blocks, overlapping no write in flight) before a byte
+/// is read into memory.
+pub type TcpReceiver = TcpNode<Receiver>;
+
+impl<E: Endpoint + Send + 'static> TcpNode<E> {
+    #[cfg(feature = "tokio")]
+    pub(crate) fn node(&self) -> &Node<E> {
+        &self.node
+    }
+
+    /// Accepts connections on `addr` (each connecting bundle becomes a peer).
+    pub fn listen(&self, addr: impl ToSocketAddrs) -> io::Result<SocketAddr> {
+        self.node.listen(addr)
+    }
+
+    /// Connects to a peer at `addr`; the handshake runs in the background
+    /// ([`Event::PeerReady`] or [`Event::PeerRejected`] follows). A node numbers its peers
+    /// from 0, in the order they connect or are accepted.
+    pub fn connect(&self, addr: impl ToSocketAddrs) -> io::Result<PeerId> {
+        self.node.connect(addr)
+    }
+
+    /// The next event, waiting up to `timeout`.
+    pub fn next_event(&self, timeout: Duration) -> Option<Event> {
+        self.node.next_event(timeout).map(|(_, e)| e)
+    }
+
+    /// The next event and the node time it was reported at, waiting up to `timeout`.
+    pub fn next_event_at(&self, timeout: Duration) -> Option<(Instant, Event)> {
+        self.node.next_event(timeout)
+    }
+
+    /// Every queued event with its time, without waiting.
+    pub fn take_events(&self) -> Vec<(Instant, Event)> {
+        self.node.take_events()
+    }
+
+    /// Exclusive access to the core endpoint; outputs are carried out when the guard drops.
+    pub fn endpoint(&self) -> EndpointGuard<E> {
+        EndpointGuard::new(&self.node.shared)
+    }
+
+    /// The node's current time.
+    pub fn now(&self) -> Instant {
+        self.node.shared.now()
+    }
+
+    /// The peers now (assembling their connections, handshaking, ready or closing).
+    pub fn peers(&self) -> Vec<PeerId> {
+        self.node.peers()
+    }
+
+    /// Write batches handed to connections and not written out yet.
+    pub fn writes_in_flight(&self) -> usize {
+        self.node.writes_in_flight()
+    }
+
+    /// Whether the handshake with `peer` completed.
+    pub fn is_peer_ready(&self, peer: PeerId) -> bool {
+        self.node.shared.state.lock().endpoint.is_peer_ready(peer)
+    }
+
+    /// The core's counters.
+    pub fn counters(&self) -> Counters {
+        *self.node.shared.state.lock().endpoint.counters()
+    }
+
+    /// The transport's counters.
+    pub fn stats(&self) -> TcpStats {
+        self.node.shared.stats.snapshot()
+    }
+
+    /// Sessions the core still holds.
+    pub fn session_count(&self) -> usize {
+        self.node.shared.state.lock().endpoint.session_count()
+    }
+
+    /// Closes every connection at once and stops the node's threads: frames and data still
+    /// queued may be lost. Prefer [`close`](Self::close) to end a transfer.
+    pub fn shutdown(&self) {
+        self.node.shutdown();
+    }
+
+    /// Closes every peer in order, waiting at most `within`, then stops the node's threads
+    /// (see *Closing* in the crate doc for what `Ok` guarantees). Dropping the handle does the
+    /// same, bounded by [`TcpConfig::close_grace`].
+    pub fn close(self, within: Duration) -> Result<(), CloseError> {
+        self.node.close(within)
+    }
 }
 
-impl TcpSender {
+impl TcpNode<Sender> {
     /// A node around a core sender, reading source bytes from `regions`; or the first reason
     /// the core cannot run pipelined transfer with `config`.
     pub fn new(
@@ -50,26 +149,9 @@ impl TcpSender {
         regions: RegionTable,
         spawn: Box<dyn Spawn>,
     ) -> Result<Self, ConfigError> {
-        Ok(TcpSender {
+        Ok(TcpNode {
             node: Node::new(Sender::new(config)?, tcp, regions, spawn),
         })
-    }
-
-    #[cfg(feature = "tokio")]
-    pub(crate) fn node(&self) -> &Node<Sender> {
-        &self.node
-    }
-
-    /// Accepts connections on `addr` (each connecting receiver becomes a peer).
-    pub fn listen(&self, addr: impl ToSocketAddrs) -> io::Result<SocketAddr> {
-        self.node.listen(addr)
-    }
-
-    /// Connects to a receiver at `addr`; the handshake runs in the background
-    /// ([`Event::PeerReady`] or [`Event::PeerRejected`] follows). A node numbers its peers
-    /// from 0, in the order they connect or are accepted.
-    pub fn connect(&self, addr: impl ToSocketAddrs) -> io::Result<PeerId> {
-        self.node.connect(addr)
     }
 
     /// Opens a request (see [`Sender::open_request`]).
@@ -106,91 +188,13 @@ impl TcpSender {
         self.node.shared.with(|ep, now| ep.retire(now, request))
     }
 
-    /// The next event, waiting up to `timeout`.
-    pub fn next_event(&self, timeout: Duration) -> Option<Event> {
-        self.node.next_event(timeout).map(|(_, e)| e)
-    }
-
-    /// The next event and the node time it was reported at, waiting up to `timeout`.
-    pub fn next_event_at(&self, timeout: Duration) -> Option<(Instant, Event)> {
-        self.node.next_event(timeout)
-    }
-
-    /// Every queued event with its time, without waiting.
-    pub fn take_events(&self) -> Vec<(Instant, Event)> {
-        self.node.take_events()
-    }
-
-    /// Exclusive access to the core endpoint; outputs are carried out when the guard drops.
-    pub fn endpoint(&self) -> EndpointGuard<Sender> {
-        EndpointGuard::new(&self.node.shared)
-    }
-
-    /// The node's current time.
-    pub fn now(&self) -> Instant {
-        self.node.shared.now()
-    }
-
-    /// The peers connected now (handshaking, ready or closing).
-    pub fn peers(&self) -> Vec<PeerId> {
-        self.node.peers()
-    }
-
     /// `(bytes, issued, written out)` of recent write batches, in completion order.
     pub fn batch_timings(&self) -> Vec<(u64, Instant, Instant)> {
         self.node.batch_timings()
     }
-
-    /// Write batches handed to connections and not written out yet.
-    pub fn writes_in_flight(&self) -> usize {
-        self.node.writes_in_flight()
-    }
-
-    /// Whether the handshake with `peer` completed.
-    pub fn is_peer_ready(&self, peer: PeerId) -> bool {
-        self.node.shared.state.lock().endpoint.is_peer_ready(peer)
-    }
-
-    /// The core's counters.
-    pub fn counters(&self) -> Counters {
-        *self.node.shared.state.lock().endpoint.counters()
-    }
-
-    /// The transport's counters.
-    pub fn stats(&self) -> TcpStats {
-        self.node.shared.stats.snapshot()
-    }
-
-    /// Sessions the core still holds.
-    pub fn session_count(&self) -> usize {
-        self.node.shared.state.lock().endpoint.session_count()
-    }
-
-    /// Closes every connection at once and stops the node's threads: frames and data still
-    /// queued may be lost. Prefer [`close`](Self::close) to end a transfer.
-    pub fn shutdown(&self) {
-        self.node.shutdown();
-    }
-
-    /// Closes every peer in order, waiting at most `within`, then stops the node's threads
-    /// (see *Closing* in the crate doc for what `Ok` guarantees). Dropping the handle does the
-    /// same, bounded by [`TcpConfig::close_grace`].
-    pub fn close(self, within: Duration) -> Result<(), CloseError> {
-        self.node.close(within)
-    }
 }
 
-/// A decode-side node: a core [`Receiver`] driven over TCP with std threads.
-///
-/// Register a request's destination blocks with [`register`](Self::register): every incoming
-/// data write is admitted by the core ([`Receiver::admit_write`]: that request's grant, one of
-/// its writers, inside its blocks, overlapping no write in flight) before a byte is read into
-/// memory.
-pub struct TcpReceiver {
-    node: Node<Receiver>,
-}
-
-impl TcpReceiver {
+impl TcpNode<Receiver> {
     /// A node around a core receiver, landing payloads in `regions`; or the first reason the
     /// core cannot run pipelined transfer with `config`.
     ///
@@ -212,24 +216,9 @@ impl TcpReceiver {
         spawn: Box<dyn Spawn>,
     ) -> Result<Self, ConfigError> {
         config.data_path = DataPath::Landed;
-        Ok(TcpReceiver {
+        Ok(TcpNode {
             node: Node::new(Receiver::new(config)?, tcp, regions, spawn),
         })
-    }
-
-    #[cfg(feature = "tokio")]
-    pub(crate) fn node(&self) -> &Node<Receiver> {
-        &self.node
-    }
-
-    /// Accepts connections on `addr` (each connecting sender becomes a peer).
-    pub fn listen(&self, addr: impl ToSocketAddrs) -> io::Result<SocketAddr> {
-        self.node.listen(addr)
-    }
-
-    /// Connects to a sender at `addr`.
-    pub fn connect(&self, addr: impl ToSocketAddrs) -> io::Result<PeerId> {
-        self.node.connect(addr)
     }
 
     /// Registers a request's destination: the core admits data writes of its writers into
@@ -247,73 +236,5 @@ impl TcpReceiver {
     /// writes for it for a while).
     pub fn retire(&self, request: RequestId) -> Result<(), UsageError> {
         self.node.shared.with(|ep, now| ep.retire(now, request))
-    }
-
-    /// The next event, waiting up to `timeout`.
-    pub fn next_event(&self, timeout: Duration) -> Option<Event> {
-        self.node.next_event(timeout).map(|(_, e)| e)
-    }
-
-    /// The next event and the node time it was reported at, waiting up to `timeout`.
-    pub fn next_event_at(&self, timeout: Duration) -> Option<(Instant, Event)> {
-        self.node.next_event(timeout)
-    }
-
-    /// Every queued event with its time, without waiting.
-    pub fn take_events(&self) -> Vec<(Instant, Event)> {
-        self.node.take_events()
-    }
-
-    /// Exclusive access to the core endpoint; outputs are carried out when the guard drops.
-    pub fn endpoint(&self) -> EndpointGuard<Receiver> {
-        EndpointGuard::new(&self.node.shared)
-    }
-
-    /// The node's current time.
-    pub fn now(&self) -> Instant {
-        self.node.shared.now()
-    }
-
-    /// The peers connected now (handshaking, ready or closing).
-    pub fn peers(&self) -> Vec<PeerId> {
-        self.node.peers()
-    }
-
-    /// Write batches handed to connections and not written out yet.
-    pub fn writes_in_flight(&self) -> usize {
-        self.node.writes_in_flight()
-    }
-
-    /// Whether the handshake with `peer` completed.
-    pub fn is_peer_ready(&self, peer: PeerId) -> bool {
-        self.node.shared.state.lock().endpoint.is_peer_ready(peer)
-    }
-
-    /// The core's counters.
-    pub fn counters(&self) -> Counters {
-        *self.node.shared.state.lock().endpoint.counters()
-    }
-
-    /// The transport's counters.
-    pub fn stats(&self) -> TcpStats {
-        self.node.shared.stats.snapshot()
-    }
-
-    /// Sessions the core still holds.
-    pub fn session_count(&self) -> usize {
-        self.node.shared.state.lock().endpoint.session_count()
-    }
-
-    /// Closes every connection at once and stops the node's threads: frames and data still
-    /// queued may be lost. Prefer [`close`](Self::close) to end a transfer.
-    pub fn shutdown(&self) {
-        self.node.shutdown();
-    }
-
-    /// Closes every peer in order, waiting at most `within`, then stops the node's threads
-    /// (see *Closing* in the crate doc for what `Ok` guarantees). Dropping the handle does the
-    /// same, bounded by [`TcpConfig::close_grace`].
-    pub fn close(self, within: Duration) -> Result<(), CloseError> {
-        self.node.close(within)
     }
 }

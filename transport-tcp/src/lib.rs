@@ -72,7 +72,7 @@ mod stats;
 pub mod tokio_driver;
 
 pub use config::TcpConfig;
-pub use handles::{TcpReceiver, TcpSender};
+pub use handles::{TcpNode, TcpReceiver, TcpSender};
 pub use memory::{MemoryRegion, OutOfBounds, RegionTable};
 pub use node::guard::EndpointGuard;
 pub use node::lifecycle::CloseError;

@@ -15,7 +15,6 @@ use std::io::{self, ErrorKind};
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use kvpipe_core::session::Counters;
 use kvpipe_core::{
     ConfigError, Endpoint, Event, PeerId, Receiver, ReceiverConfig, Sender, SenderConfig,
 };
@@ -143,13 +142,20 @@ fn tasks(runtime: Handle, tcp: &TcpConfig) -> Box<dyn Spawn> {
     })
 }
 
-/// A prefill-side node whose connections run as tokio tasks (see the module doc). Engine
-/// commands are the blocking handle's, through `Deref`.
-pub struct TcpSender {
-    inner: crate::TcpSender,
+/// A core endpoint driven over TCP with its connections as tokio tasks (see the module doc):
+/// a [`TcpSender`] or a [`TcpReceiver`]. Engine commands are the blocking handle's, through
+/// `Deref`; connecting, waiting for events and closing are async here.
+pub struct TcpNode<E: Endpoint + Send + 'static> {
+    inner: crate::TcpNode<E>,
 }
 
-impl TcpSender {
+/// A prefill-side node whose connections run as tokio tasks.
+pub type TcpSender = TcpNode<Sender>;
+
+/// A decode-side node whose connections run as tokio tasks.
+pub type TcpReceiver = TcpNode<Receiver>;
+
+impl TcpNode<Sender> {
     /// A node around a core sender, its connection tasks on `runtime`; or the first reason
     /// the core cannot run pipelined transfer with `config`.
     pub fn new(
@@ -159,56 +165,12 @@ impl TcpSender {
         runtime: Handle,
     ) -> Result<Self, ConfigError> {
         let spawn = tasks(runtime, &tcp);
-        Ok(TcpSender {
-            inner: crate::TcpSender::with_spawn(config, tcp, regions, spawn)?,
-        })
-    }
-
-    /// Connects to a receiver at `addr`; the handshake runs in the background.
-    pub async fn connect(&self, addr: SocketAddr) -> io::Result<PeerId> {
-        connect_bundle(self.inner.node(), addr).await
-    }
-
-    /// The next event, waiting up to `timeout` without blocking the runtime.
-    pub async fn next_event(&self, timeout: Duration) -> Option<Event> {
-        let events = &self.inner.node().shared.events;
-        events.next_async(timeout).await.map(|(_, e)| e)
-    }
-
-    /// The core's counters.
-    pub fn counters(&self) -> Counters {
-        self.inner.counters()
-    }
-
-    /// Closes every peer in order, waiting at most `within` (see *Closing* in the crate doc),
-    /// on a blocking thread so the runtime keeps driving the connections.
-    pub async fn close(self, within: Duration) -> Result<(), CloseError> {
-        let inner = self.inner;
-        tokio::task::spawn_blocking(move || inner.close(within))
-            .await
-            .unwrap_or(Err(CloseError::Interrupted))
-    }
-
-    /// The handle with the blocking event methods (its connections stay on the runtime).
-    pub fn into_inner(self) -> crate::TcpSender {
-        self.inner
+        let inner = crate::TcpSender::with_spawn(config, tcp, regions, spawn)?;
+        Ok(TcpNode { inner })
     }
 }
 
-impl std::ops::Deref for TcpSender {
-    type Target = crate::TcpSender;
-    fn deref(&self) -> &crate::TcpSender {
-        &self.inner
-    }
-}
-
-/// A decode-side node whose connections run as tokio tasks (see the module doc). Engine
-/// commands are the blocking handle's, through `Deref`.
-pub struct TcpReceiver {
-    inner: crate::TcpReceiver,
-}
-
-impl TcpReceiver {
+impl TcpNode<Receiver> {
     /// A node around a core receiver, its connection tasks on `runtime`; or the first reason
     /// the core cannot run pipelined transfer with `config`.
     pub fn new(
@@ -218,12 +180,14 @@ impl TcpReceiver {
         runtime: Handle,
     ) -> Result<Self, ConfigError> {
         let spawn = tasks(runtime, &tcp);
-        Ok(TcpReceiver {
-            inner: crate::TcpReceiver::with_spawn(config, tcp, regions, spawn)?,
-        })
+        let inner = crate::TcpReceiver::with_spawn(config, tcp, regions, spawn)?;
+        Ok(TcpNode { inner })
     }
+}
 
-    /// Connects to a sender at `addr`.
+impl<E: Endpoint + Send + 'static> TcpNode<E> {
+    /// Connects to a peer at `addr` without blocking the runtime; the handshake runs in the
+    /// background.
     pub async fn connect(&self, addr: SocketAddr) -> io::Result<PeerId> {
         connect_bundle(self.inner.node(), addr).await
     }
@@ -232,11 +196,6 @@ impl TcpReceiver {
     pub async fn next_event(&self, timeout: Duration) -> Option<Event> {
         let events = &self.inner.node().shared.events;
         events.next_async(timeout).await.map(|(_, e)| e)
-    }
-
-    /// The core's counters.
-    pub fn counters(&self) -> Counters {
-        self.inner.counters()
     }
 
     /// Closes every peer in order, waiting at most `within` (see *Closing* in the crate doc),
@@ -249,14 +208,14 @@ impl TcpReceiver {
     }
 
     /// The handle with the blocking event methods (its connections stay on the runtime).
-    pub fn into_inner(self) -> crate::TcpReceiver {
+    pub fn into_inner(self) -> crate::TcpNode<E> {
         self.inner
     }
 }
 
-impl std::ops::Deref for TcpReceiver {
-    type Target = crate::TcpReceiver;
-    fn deref(&self) -> &crate::TcpReceiver {
+impl<E: Endpoint + Send + 'static> std::ops::Deref for TcpNode<E> {
+    type Target = crate::TcpNode<E>;
+    fn deref(&self) -> &crate::TcpNode<E> {
         &self.inner
     }
 }
@@ -266,8 +225,4 @@ const _: fn() = || {
     fn send_sync<T: Send + Sync>() {}
     send_sync::<TcpSender>();
     send_sync::<TcpReceiver>();
-    let _ = (
-        std::marker::PhantomData::<Sender>,
-        std::marker::PhantomData::<Receiver>,
-    );
 };
