@@ -272,3 +272,43 @@ fn aux_usage_errors_leave_the_session_unchanged() {
         Err(UsageError::AuxAlreadySubmitted(RequestId(4)))
     );
 }
+
+#[test]
+fn completion_reports_when_each_milestone_happened() {
+    let mut net = Net::connected(1, 1);
+    let mut source = TestSource::with(R, 100, 4);
+    net.register(0, registration(R, 16, &[0]));
+    net.open(0, send_request(R, &[0]));
+    net.advance(kvpipe_core::Duration::from_millis(10));
+    net.submit(0, R, chunk(0, 8, 16, false), &mut source);
+    net.advance(kvpipe_core::Duration::from_millis(10));
+    net.submit(0, R, chunk(8, 16, 16, true), &mut source);
+    net.advance(kvpipe_core::Duration::from_millis(5));
+    net.aux(0, R);
+    let timings = |side| {
+        net.events(side)
+            .into_iter()
+            .find_map(|e| match e {
+                Event::Completed { timings, .. } => Some(timings),
+                _ => None,
+            })
+            .expect("completed")
+    };
+    let t0 = kvpipe_core::Instant::from_millis(1);
+    let ms = |m| t0 + kvpipe_core::Duration::from_millis(m);
+    let s = timings(Side::Sender(0));
+    assert_eq!(s.started, t0);
+    assert_eq!(s.first_chunk, Some(ms(10)));
+    assert_eq!(s.first_byte, Some(ms(10)));
+    assert_eq!(s.last_chunk, Some(ms(20)));
+    assert_eq!(s.last_byte, Some(ms(20)));
+    assert_eq!(s.ended, ms(25));
+    assert_eq!(s.tail(), Some(kvpipe_core::Duration::from_millis(5)));
+    assert_eq!(s.writes, 2);
+    let r = timings(Side::Receiver(0));
+    assert_eq!((r.first_chunk, r.last_chunk), (None, None));
+    assert_eq!(r.first_byte, Some(ms(10)));
+    assert_eq!(r.transfer(), Some(kvpipe_core::Duration::from_millis(10)));
+    assert_eq!(r.writes, 2);
+    assert_eq!(r.ended, ms(25));
+}

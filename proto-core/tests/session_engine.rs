@@ -303,3 +303,73 @@ fn chunks_cannot_claim_an_early_prefix_that_was_not_sent() {
         Err(UsageError::PrefixAfterChunks(R))
     );
 }
+
+#[test]
+fn a_chunk_whose_prompt_differs_from_the_registration_fails_both_sides() {
+    // The decode side registered 16 tokens; the prefill side computes 24.
+    let mut net = net();
+    let now = net.now;
+    let mut source = TestSource::with(R, 100, 6);
+    let long = ChunkSpec {
+        prompt_len: 24,
+        ..spec(0, 8, 0)
+    };
+    let err = net.senders[0]
+        .submit_chunk(now, R, long, &mut source)
+        .unwrap_err();
+    net.pump();
+    assert_eq!(
+        err,
+        UsageError::PromptLenDiffersFromRegistration {
+            request: R,
+            registered: 16,
+            local: 24
+        }
+    );
+    assert!(err.to_string().contains("24 tokens") && err.to_string().contains("16"));
+    for side in [Side::Sender(0), Side::Receiver(0)] {
+        assert!(
+            net.events(side)
+                .iter()
+                .any(|e| matches!(e, Event::Failed { .. })),
+            "{side:?}"
+        );
+    }
+}
+
+#[test]
+fn a_registration_past_the_prompt_is_refused_on_both_sides() {
+    let mut net = Net::connected(1, 1);
+    let now = net.now;
+    let mut reg = registration(R, 16, &[0]);
+    reg.groups = vec![kvpipe_core::AnchoredRun::from_ids(1000, &[BlockId(500)])];
+    let err = net.receivers[0].register(now, reg.clone()).unwrap_err();
+    assert!(err.to_string().contains("ordinal 1001"), "{err}");
+    // A receiver that sends one anyway (a hostile or buggy peer): the sender refuses it.
+    net.open(0, send_request(R, &[0]));
+    let frame = kvpipe_core::wire::Frame::RecvRegistration(kvpipe_core::wire::RecvRegistration {
+        request: R,
+        slice: kvpipe_core::ReceiverSliceId(9),
+        prompt_len: 16,
+        grant: kvpipe_core::GrantId(1),
+        aux_capacity: 64,
+        groups: reg.groups,
+    });
+    net.senders[0]
+        .handle_transport(
+            now,
+            kvpipe_core::TransportInput::FrameReceived {
+                peer: rx_peer(0),
+                bytes: frame.to_bytes().unwrap(),
+            },
+        )
+        .unwrap();
+    net.pump();
+    assert!(net.events(Side::Sender(0)).iter().any(|e| matches!(
+        e,
+        Event::Failed {
+            cause: TransferStatus::ProtocolError,
+            ..
+        }
+    )));
+}

@@ -19,9 +19,10 @@
 //!   receiver; the core's run loop with real time ([`Clock`]), timers armed from
 //!   `poll_timeout`, a copy worker thread, bounded waits everywhere. [`MemPair`] is its
 //!   one-sender, one-receiver form.
-//! - [`FaultConfig`]: dropped, duplicated, reordered and delayed frames, failed and stalled
-//!   writes, all drawn from a seed; and [`MemNetwork::kill`] / [`MemPair::kill`] for a peer's
-//!   death.
+//! - [`netem`]: seeded network emulation — dropped, duplicated, reordered, delayed and
+//!   corrupted frames, failed and stalled writes ([`NetemConfig`], the transport's fault
+//!   injection; the conformance simulator and the fuzz crate use the same module); and
+//!   [`MemNetwork::kill`] / [`MemPair::kill`] for a peer's death.
 //!
 //! The codec costs nothing measurable here: a transfer sends a few dozen frames of tens of
 //! bytes against gigabytes of copies.
@@ -48,7 +49,7 @@
 
 pub mod clock;
 pub mod copy;
-mod faults;
+pub mod netem;
 mod network;
 mod pair;
 pub mod region;
@@ -58,7 +59,7 @@ pub use clock::Clock;
 #[cfg(feature = "cuda")]
 pub use copy::InFlight;
 pub use copy::{split_even, CopyError, Piece, ResolvedBatch, WriteError};
-pub use faults::{FaultConfig, FaultCounts};
+pub use netem::{NetemConfig, NetemCounters};
 pub use network::{
     receiver_peer, sender_peer, BatchTiming, DriveError, MemNetwork, NetworkConfig, Node, PairStats,
 };

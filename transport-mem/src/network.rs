@@ -9,7 +9,7 @@ use bytes::Bytes;
 use kvpipe_core::session::{
     Admission, DataWriteHeaders, Output, TransportInput, UsageError, WriteBatchId, WriteTicket,
 };
-use kvpipe_core::wire::{Frame, TransferStatus};
+use kvpipe_core::wire::TransferStatus;
 use kvpipe_core::{
     ConfigError, Event, Instant, PeerId, Receiver, ReceiverConfig, RegionId, Sender, SenderConfig,
 };
@@ -17,7 +17,7 @@ use thiserror::Error;
 
 use crate::clock::Clock;
 use crate::copy::ResolvedBatch;
-use crate::faults::{FaultConfig, FaultCounts, FaultInjector};
+use crate::netem::{Direction, FrameQueue, Link, Netem, NetemConfig, NetemCounters};
 use crate::region::{RegionTable, RegionUse, RegistrationError};
 use crate::worker::{CopyWorker, Done, Job};
 
@@ -59,8 +59,8 @@ pub struct NetworkConfig {
     pub copy_threads: usize,
     /// Batches of at least this many bytes are split over `copy_threads` threads.
     pub parallel_threshold: u64,
-    /// Faults to inject (none by default).
-    pub faults: FaultConfig,
+    /// Faults to inject (none by default), drawn by one [`Netem`] for the whole network.
+    pub faults: NetemConfig,
 }
 
 impl NetworkConfig {
@@ -73,7 +73,7 @@ impl NetworkConfig {
             receivers,
             copy_threads: cores.clamp(1, 4),
             parallel_threshold: 8 << 20,
-            faults: FaultConfig::default(),
+            faults: NetemConfig::default(),
         }
     }
 }
@@ -145,16 +145,12 @@ pub enum DriveError {
 }
 
 #[derive(Debug)]
-struct QueuedFrame {
-    deliver_at: Instant,
-    bytes: Bytes,
-}
-
-#[derive(Debug, Default)]
 struct LinkState {
     connected: bool,
-    to_receiver: VecDeque<QueuedFrame>,
-    to_sender: VecDeque<QueuedFrame>,
+    to_receiver: FrameQueue,
+    to_sender: FrameQueue,
+    /// The emulated connection (its latency and ordering).
+    emulated: Link,
     in_flight: usize,
 }
 
@@ -189,7 +185,7 @@ pub struct MemNetwork {
     stalls: HashMap<(usize, WriteBatchId), kvpipe_core::Duration>,
     issued: HashMap<(usize, WriteBatchId), (u64, Instant)>,
     timings: Vec<BatchTiming>,
-    faults: FaultInjector,
+    netem: Netem,
     events: VecDeque<(Node, Instant, Event)>,
     stats: PairStats,
 }
@@ -210,13 +206,23 @@ impl MemNetwork {
             .into_iter()
             .map(Receiver::new)
             .collect::<Result<_, _>>()?;
+        let mut netem = Netem::new(config.faults);
+        let links = (0..s * r)
+            .map(|_| LinkState {
+                connected: false,
+                to_receiver: FrameQueue::default(),
+                to_sender: FrameQueue::default(),
+                emulated: netem.link(),
+                in_flight: 0,
+            })
+            .collect();
         Ok(MemNetwork {
             clock,
             senders,
             receivers,
             sender_regions: (0..s).map(|_| RegionTable::new()).collect(),
             receiver_regions: (0..r).map(|_| RegionTable::new()).collect(),
-            links: (0..s * r).map(|_| LinkState::default()).collect(),
+            links,
             sender_alive: vec![true; s],
             receiver_alive: vec![true; r],
             worker: CopyWorker::spawn(clock, config.copy_threads, config.parallel_threshold),
@@ -226,7 +232,7 @@ impl MemNetwork {
             stalls: HashMap::new(),
             issued: HashMap::new(),
             timings: Vec::new(),
-            faults: FaultInjector::new(config.faults),
+            netem,
             events: VecDeque::new(),
             stats: PairStats::default(),
         })
@@ -333,8 +339,8 @@ impl MemNetwork {
     }
 
     /// Faults injected so far.
-    pub fn fault_counts(&self) -> FaultCounts {
-        self.faults.counts
+    pub fn fault_counts(&self) -> NetemCounters {
+        *self.netem.counters()
     }
 
     /// Write batches handed to the copy worker and not reported yet.
@@ -382,6 +388,7 @@ impl MemNetwork {
         let now = self.now();
         let l = self.link(s, r);
         self.links[l].connected = true;
+        self.links[l].emulated.restart(now);
         self.senders[s]
             .handle_transport(
                 now,
@@ -564,8 +571,8 @@ impl MemNetwork {
             }
         }
         for link in &self.links {
-            consider(link.to_receiver.front().map(|f| f.deliver_at));
-            consider(link.to_sender.front().map(|f| f.deliver_at));
+            consider(link.to_receiver.next_due());
+            consider(link.to_sender.next_due());
         }
         for (at, _) in &self.held {
             consider(Some(*at));
@@ -678,34 +685,24 @@ impl MemNetwork {
         let receivers = self.receivers.len();
         for l in 0..self.links.len() {
             let (s, r) = (l / receivers, l % receivers);
-            while self.links[l]
-                .to_receiver
-                .front()
-                .is_some_and(|f| f.deliver_at <= now)
-            {
-                let f = self.links[l].to_receiver.pop_front().expect("checked");
+            while let Some(bytes) = self.links[l].to_receiver.pop_due(now) {
                 any = true;
                 if self.receiver_alive[r] {
                     let input = TransportInput::FrameReceived {
                         peer: sender_peer(s),
-                        bytes: f.bytes,
+                        bytes,
                     };
                     self.receivers[r]
                         .handle_transport(now, input)
                         .map_err(usage(Node::Receiver(r)))?;
                 }
             }
-            while self.links[l]
-                .to_sender
-                .front()
-                .is_some_and(|f| f.deliver_at <= now)
-            {
-                let f = self.links[l].to_sender.pop_front().expect("checked");
+            while let Some(bytes) = self.links[l].to_sender.pop_due(now) {
                 any = true;
                 if self.sender_alive[s] {
                     let input = TransportInput::FrameReceived {
                         peer: receiver_peer(r),
-                        bytes: f.bytes,
+                        bytes,
                     };
                     self.senders[s]
                         .handle_transport(now, input)
@@ -727,9 +724,9 @@ impl MemNetwork {
                 };
                 any = true;
                 match out {
-                    Output::Transmit { peer, frame, bytes } => match receiver_index(peer) {
+                    Output::Transmit { peer, bytes, .. } => match receiver_index(peer) {
                         Some(r) if r < self.receivers.len() => {
-                            self.transmit(s, r, true, now, &frame, bytes);
+                            self.transmit(s, r, Direction::ToReceiver, now, bytes);
                         }
                         _ => self.stats.misaddressed += 1,
                     },
@@ -760,9 +757,9 @@ impl MemNetwork {
                 };
                 any = true;
                 match out {
-                    Output::Transmit { peer, frame, bytes } => match sender_index(peer) {
+                    Output::Transmit { peer, bytes, .. } => match sender_index(peer) {
                         Some(s) if s < self.senders.len() => {
-                            self.transmit(s, r, false, now, &frame, bytes);
+                            self.transmit(s, r, Direction::ToSender, now, bytes);
                         }
                         _ => self.stats.misaddressed += 1,
                     },
@@ -786,59 +783,24 @@ impl MemNetwork {
         Ok(any)
     }
 
-    /// Queues the encoded `frame` on the link between sender `s` and receiver `r`, towards the
-    /// receiver if `to_receiver`.
-    fn transmit(
-        &mut self,
-        s: usize,
-        r: usize,
-        to_receiver: bool,
-        now: Instant,
-        frame: &Frame,
-        bytes: Bytes,
-    ) {
+    /// Queues the encoded frame `bytes` on the link between sender `s` and receiver `r`, as
+    /// the network emulation decides (dropped, delayed, duplicated, reordered, damaged).
+    fn transmit(&mut self, s: usize, r: usize, direction: Direction, now: Instant, bytes: Bytes) {
         let l = self.link(s, r);
-        let to_alive = if to_receiver {
-            self.receiver_alive[r]
-        } else {
-            self.sender_alive[s]
+        let to_alive = match direction {
+            Direction::ToReceiver => self.receiver_alive[r],
+            Direction::ToSender => self.sender_alive[s],
         };
         if !self.links[l].connected || !to_alive {
             return;
         }
         self.stats.frames += 1;
         self.stats.frame_bytes += bytes.len() as u64;
-        let handshake = matches!(
-            frame,
-            Frame::Hello(_) | Frame::HelloAccept(_) | Frame::HelloReject(_)
-        );
-        let fate = self.faults.frame(handshake);
-        if fate.drop {
-            return;
-        }
-        let queue = if to_receiver {
-            &mut self.links[l].to_receiver
-        } else {
-            &mut self.links[l].to_sender
-        };
-        // A delay holds back this frame and every later one (a slow link keeps its order);
-        // only a reordered frame overtakes the frame queued before it.
-        let after_last = queue.back().map_or(now, |f| f.deliver_at);
-        let mut deliver_at = (now + fate.delay).max(after_last);
-        let copies = if fate.duplicate { 2 } else { 1 };
-        for _ in 0..copies {
-            let mut at = queue.len();
-            if fate.reorder && at > 0 {
-                at -= 1;
-                deliver_at = queue[at].deliver_at;
-            }
-            queue.insert(
-                at,
-                QueuedFrame {
-                    deliver_at,
-                    bytes: bytes.clone(),
-                },
-            );
+        let link = &mut self.links[l];
+        let fate = self.netem.frame(now, &mut link.emulated, direction, bytes);
+        match direction {
+            Direction::ToReceiver => link.to_receiver.push(fate),
+            Direction::ToSender => link.to_sender.push(fate),
         }
     }
 
@@ -893,16 +855,17 @@ impl MemNetwork {
             }
         }
         writes.retain(&keep);
-        let (fails, stall) = self.faults.batch();
-        if let Some(d) = stall {
+        let fate = self
+            .netem
+            .batch(now, &mut self.links[l].emulated, s, writes.bytes());
+        if let Some(d) = fate.stall {
             self.stalls.insert((s, batch), d);
         }
-        let fail = if fails {
+        if fate.fail.is_some() {
+            // A write that failed part-way: half of its bytes landed.
             writes.truncate_half();
-            Some(TransferStatus::WriteFailed)
-        } else {
-            None
-        };
+        }
+        let fail = fate.fail;
         self.in_flight += 1;
         self.links[l].in_flight += 1;
         self.issued.insert((s, batch), (writes.bytes(), now));

@@ -6,7 +6,7 @@ use kvpipe_core::{
 };
 
 use crate::clock::Clock;
-use crate::faults::{FaultConfig, FaultCounts};
+use crate::netem::{NetemConfig, NetemCounters};
 use crate::network::{
     receiver_peer, sender_peer, BatchTiming, DriveError, MemNetwork, NetworkConfig, Node, PairStats,
 };
@@ -47,7 +47,7 @@ pub struct PairConfig {
     /// Batches of at least this many bytes are split over `copy_threads` threads.
     pub parallel_threshold: u64,
     /// Faults to inject (none by default).
-    pub faults: FaultConfig,
+    pub faults: NetemConfig,
 }
 
 impl PairConfig {
@@ -172,7 +172,7 @@ impl MemPair {
     }
 
     /// Faults injected so far.
-    pub fn fault_counts(&self) -> FaultCounts {
+    pub fn fault_counts(&self) -> NetemCounters {
         self.net.fault_counts()
     }
 

@@ -5,7 +5,7 @@ use std::time::Duration;
 use kvpipe_core::session::LocalHello;
 use kvpipe_core::wire::{Topology, VersionRange};
 use kvpipe_core::{Event, InstanceId, ReceiverConfig, SenderConfig};
-use kvpipe_mem::{Endpoint, FaultConfig, MemPair, PairConfig, RECEIVER_PEER, SENDER_PEER};
+use kvpipe_mem::{Endpoint, MemPair, NetemConfig, PairConfig, RECEIVER_PEER, SENDER_PEER};
 
 fn config() -> PairConfig {
     let hello = |i| LocalHello::new(InstanceId(i), Topology::default(), Vec::new());
@@ -90,10 +90,10 @@ fn duplicated_heartbeats_are_counted_and_harmless() {
     let mut c = config();
     c.sender.deadlines.heartbeat_interval = kvpipe_core::Duration::from_millis(5);
     c.receiver.deadlines.heartbeat_interval = kvpipe_core::Duration::from_millis(5);
-    c.faults = FaultConfig {
+    c.faults = NetemConfig {
         seed: 1,
         duplicate: 1.0,
-        ..FaultConfig::default()
+        ..NetemConfig::default()
     };
     let mut pair = MemPair::new(c).unwrap();
     pair.connect().unwrap();

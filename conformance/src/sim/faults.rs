@@ -1,4 +1,7 @@
-//! The fault kinds the simulator injects, each switched on separately, and their rates.
+//! The fault kinds the simulator injects, each switched on separately, and their rates (the
+//! network emulation's configuration is made from them: [`SimConfig::netem_config`]).
+//!
+//! [`SimConfig::netem_config`]: super::SimConfig::netem_config
 
 use core::fmt;
 use core::str::FromStr;
@@ -157,6 +160,10 @@ pub struct FaultRates {
     pub write_failure: f64,
     /// Probability that a request's start schedules the death of one of its connections.
     pub peer_death: f64,
+    /// Probability that a frame's header is damaged on the wire (decoding catches it, and the
+    /// receiving endpoint closes the connection). Applies whatever the fault set: off (0) by
+    /// default, and not a [`FaultKind`], so `--faults all` keeps its meaning.
+    pub corruption: f64,
 }
 
 impl Default for FaultRates {
@@ -169,6 +176,7 @@ impl Default for FaultRates {
             delay: 0.002,
             write_failure: 0.01,
             peer_death: 0.01,
+            corruption: 0.0,
         }
     }
 }

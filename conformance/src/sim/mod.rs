@@ -9,8 +9,16 @@
 //! - **Seeded network.** One connection per sender rank to the receiver, each ordered (the
 //!   transport contract), with latency, loss (retransmitted, or a reset after too many),
 //!   duplication, reordering (write completions out of order, connections overtaking each other),
-//!   delay spikes and connection death — each a [`FaultKind`] switched on separately, all drawn
-//!   from one [`SimRng`].
+//!   delay spikes and connection death — each a [`FaultKind`] switched on separately — and,
+//!   off by default, damaged frame headers ([`FaultRates::corruption`]). Every fault is decided
+//!   by the network emulation shared with the in-process transport and the fuzz crate
+//!   ([`kvpipe_mem::netem`], configured by [`SimConfig::netem_config`]); the engines draw their
+//!   own choices from a separate [`SimRng`] stream.
+//!
+//! The parts: `scheduler` (virtual time, the event queue, step bounds), `network` (links over
+//! the emulation, batches in flight, writes landed through the receiver's admission), `engine`
+//! (the workload's engine actions), `oracle` (what must hold, judged per request) and `report`;
+//! `world` wires them into the [`Simulation`].
 //! - **Real memory.** Write batches are executed against the [`ReferenceCache`]s' bytes after a
 //!   latency (or fail part-way by fault injection); every write checks that its source and
 //!   destination blocks still belong to its request and that the grant is live, so a write after
@@ -36,20 +44,24 @@
 //!
 //! [`ReferenceCache`]: crate::cache::ReferenceCache
 
+mod config;
+mod engine;
 mod faults;
+mod network;
+mod oracle;
 mod report;
-mod rng;
+mod scheduler;
 mod workload;
 mod world;
 
+pub use config::{PlantedBug, ScriptedFault, SimConfig};
 pub use faults::{FaultKind, FaultParseError, FaultRates, FaultSet};
+/// The simulator's seeded generator (the network emulation's).
+pub use kvpipe_mem::netem::SeededRng as SimRng;
+pub use network::NetCounters;
 pub use report::{Outcome, RequestOutcome, SimReport, Terminal};
-pub use rng::SimRng;
 pub use workload::{random_workload, CancelSide, RequestPlan, WorkloadShape};
-pub use world::{
-    event_summary, frame_summary, NetCounters, PlantedBug, ScriptedFault, SimConfig, Simulation,
-    RECEIVER_PEER,
-};
+pub use world::{event_summary, frame_summary, Simulation, RECEIVER_PEER};
 
 /// Runs `requests` random requests with `seed` under `faults` and reports.
 pub fn run(requests: usize, seed: u64, faults: FaultSet) -> SimReport {

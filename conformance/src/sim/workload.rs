@@ -3,7 +3,7 @@
 
 use kvpipe_core::{Duration, RequestId};
 
-use super::rng::SimRng;
+use super::SimRng;
 use crate::cache::AllocationStyle;
 
 /// Which engine cancels a request.
@@ -165,7 +165,7 @@ pub fn random_workload(rng: &mut SimRng, count: usize, shape: &WorkloadShape) ->
 #[cfg(test)]
 mod tests {
     use super::{random_workload, WorkloadShape};
-    use crate::sim::rng::SimRng;
+    use crate::sim::SimRng;
     use kvpipe_core::Duration;
 
     #[test]

@@ -778,6 +778,7 @@ fn apply_event(
             request,
             bytes_written,
             aux,
+            ..
         } => (
             *request,
             Some(Outcome::Completed {

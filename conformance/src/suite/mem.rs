@@ -6,10 +6,10 @@
 
 use kvpipe_core::session::{ReceiverConfig, SenderConfig};
 use kvpipe_core::wire::Role;
+use kvpipe_core::wire::TransferStatus;
 use kvpipe_core::{Duration, Event, Instant, PeerId, Receiver, Sender};
-use kvpipe_mem::{
-    Endpoint, FaultConfig, MemPair, PairConfig, RegionUse, RECEIVER_PEER, SENDER_PEER,
-};
+use kvpipe_mem::netem::{BatchFault, LossModel, NetemConfig, ScriptedBatch};
+use kvpipe_mem::{Endpoint, MemPair, PairConfig, RegionUse, RECEIVER_PEER, SENDER_PEER};
 
 use super::{BatchTiming, FaultKind, FaultPlan, Harness, Link, LinkError};
 use crate::cache::ReferenceCache;
@@ -25,6 +25,34 @@ fn endpoint(side: Role) -> Endpoint {
     match side {
         Role::Sender => Endpoint::Sender,
         Role::Receiver => Endpoint::Receiver,
+    }
+}
+
+/// The suite's fault plan as the mem transport's network emulation: lost frames vanish,
+/// delayed ones hold up their link, reordered ones overtake the frame before them, handshakes
+/// are spared, failed batches land half their bytes, stalled ones land and report late.
+fn netem_config(faults: &FaultPlan) -> NetemConfig {
+    let batch = |nth: u64, fault: BatchFault| ScriptedBatch {
+        writer: 0,
+        nth,
+        fault,
+    };
+    let fail = BatchFault::Fail(TransferStatus::WriteFailed);
+    let stall = BatchFault::Stall(Duration::from_millis(faults.stall_ms));
+    NetemConfig {
+        seed: faults.seed,
+        loss: faults.drop,
+        loss_model: LossModel::Drop,
+        duplicate: faults.duplicate,
+        reorder: faults.reorder,
+        delay: faults.delay,
+        delay_range: (Duration::ZERO, Duration::from_millis(faults.max_delay_ms)),
+        write_failure: faults.fail_writes,
+        scripted_batches: (faults.fail_batches.iter().map(|&n| batch(n, fail)))
+            .chain(faults.stall_batches.iter().map(|&n| batch(n, stall)))
+            .collect(),
+        spare_handshake: true,
+        ..NetemConfig::default()
     }
 }
 
@@ -55,19 +83,7 @@ impl Harness for MemHarness {
         if let Some(t) = self.copy_threads {
             config.copy_threads = t;
         }
-        config.faults = FaultConfig {
-            seed: faults.seed,
-            drop: faults.drop,
-            duplicate: faults.duplicate,
-            reorder: faults.reorder,
-            delay: faults.delay,
-            max_delay: Duration::from_millis(faults.max_delay_ms),
-            fail_writes: faults.fail_writes,
-            fail_batches: faults.fail_batches.clone(),
-            stall_batches: faults.stall_batches.clone(),
-            stall: Duration::from_millis(faults.stall_ms),
-            spare_handshake: true,
-        };
+        config.faults = netem_config(faults);
         let mut pair = MemPair::new(config).map_err(|e| LinkError::Transport(e.to_string()))?;
         for (side, cache) in [
             (Endpoint::Sender, &mut *sender_cache),

@@ -89,6 +89,7 @@ use crate::ids::{
 };
 use crate::plan::{PlanError, WritePlan};
 use crate::source::BlockSourceError;
+use crate::time::{Duration, Instant};
 use crate::wire::{AuxData, DecodeError, Frame, RejectReason, Role, TransferStatus};
 
 /// Identifies one write batch handed to the transport by [`Output::ExecuteWrites`]; the transport
@@ -248,6 +249,8 @@ pub enum Event {
         bytes_written: u64,
         /// (Receiver) the aux data received; `None` on the sender.
         aux: Option<AuxData>,
+        /// When the request's milestones happened on this endpoint.
+        timings: RequestTimings,
     },
     /// The transfer failed. Both sides learn at once; the blocks stay pinned until
     /// [`Event::Quiesced`].
@@ -283,6 +286,44 @@ pub enum Event {
         /// The request.
         request: RequestId,
     },
+}
+
+/// When the milestones of one request happened, on the endpoint's own clock (the `now` of its
+/// inputs). Each side records what it can see; the two clocks are not comparable unless the
+/// transport gives both endpoints the same origin.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct RequestTimings {
+    /// Sender: the request was opened. Receiver: it was registered.
+    pub started: Instant,
+    /// Sender: the first chunk was submitted (prefill's first output). Receiver: `None`.
+    pub first_chunk: Option<Instant>,
+    /// Sender: the first write batch was handed to the transport (first byte sent).
+    /// Receiver: the first admitted write landed (first byte landed; with
+    /// [`DataPath::Ordered`], the first result arrived).
+    pub first_byte: Option<Instant>,
+    /// Sender: the last chunk was submitted (prefill finished). Receiver: `None`.
+    pub last_chunk: Option<Instant>,
+    /// Sender: the last write batch was reported complete. Receiver: the last admitted write
+    /// landed (with [`DataPath::Ordered`], the last result arrived).
+    pub last_byte: Option<Instant>,
+    /// The request completed.
+    pub ended: Instant,
+    /// Write batches handed to the transport (sender) or data writes admitted (receiver).
+    pub writes: u64,
+}
+
+impl RequestTimings {
+    /// From the first byte to the last (`None` if nothing moved).
+    pub fn transfer(&self) -> Option<Duration> {
+        Some(self.last_byte? - self.first_byte?)
+    }
+
+    /// (Sender) from the last chunk computed to the completion: the part of the transfer
+    /// prefill did not hide, as this side sees it (the last batch plus its result and the aux
+    /// data going out).
+    pub fn tail(&self) -> Option<Duration> {
+        Some(self.ended - self.last_chunk?)
+    }
 }
 
 /// A rule a peer broke. Inside a session it fails the session and travels on the wire as
@@ -405,6 +446,23 @@ pub enum ProtocolError {
         request: RequestId,
         /// Writes still in flight.
         writes: u32,
+    },
+    /// A registration names block ordinals past its prompt's blocks.
+    #[error(
+        "registration of {request} {group} reaches block ordinal {end}, but a prompt of \
+         {prompt_len} tokens has {blocks} blocks"
+    )]
+    RegistrationPastPrompt {
+        /// The request.
+        request: RequestId,
+        /// The group.
+        group: GroupIndex,
+        /// One past the last ordinal registered.
+        end: u64,
+        /// The prompt's length in tokens.
+        prompt_len: u32,
+        /// Blocks of the prompt.
+        blocks: u32,
     },
     /// Two writers of one request sent different aux data.
     #[error("{request}: the writers' aux data differ (first tokens, draft tokens or counts)")]
@@ -591,6 +649,24 @@ pub enum UsageError {
     /// The early prefix goes before the first chunk, once.
     #[error("the prefix of {0} can only be sent early once, before its first chunk")]
     PrefixAfterChunks(RequestId),
+    /// The registration names block ordinals past its prompt's blocks (see
+    /// [`ProtocolError::RegistrationPastPrompt`]).
+    #[error(transparent)]
+    RegistrationPastPrompt(ProtocolError),
+    /// A chunk's prompt length differs from what a receiver registered; the request was failed
+    /// on both sides (the KV of the other tokens would never move).
+    #[error(
+        "chunk for {request} has a prompt of {local} tokens, the receiver registered \
+         {registered}; the request was failed on both sides"
+    )]
+    PromptLenDiffersFromRegistration {
+        /// The request.
+        request: RequestId,
+        /// Prompt length the receiver registered.
+        registered: u32,
+        /// Prompt length of the chunk.
+        local: u32,
+    },
     /// The request asks for something pipelined transfer cannot do.
     #[error("{request} cannot be transferred: {error}")]
     Unsupported {
@@ -768,4 +844,27 @@ pub(crate) fn frame_kind(frame: &Frame) -> &'static str {
         Frame::Heartbeat(_) => "Heartbeat",
         Frame::DataWrite(_) => "DataWrite",
     }
+}
+
+/// Checks that every group's registered ordinals lie inside the prompt's blocks.
+pub(crate) fn check_registration_ordinals(
+    request: RequestId,
+    prompt_len: u32,
+    groups: &[crate::blocks::AnchoredRun],
+    layout: &[crate::layout::LayerGroupLayout],
+) -> Result<(), ProtocolError> {
+    for (g, (run, l)) in groups.iter().zip(layout).enumerate() {
+        let blocks = crate::geometry::total_blocks(prompt_len, l.tokens_per_block).unwrap_or(0);
+        let end = run.end_ordinal();
+        if run.block_count() > 0 && end > u64::from(blocks) {
+            return Err(ProtocolError::RegistrationPastPrompt {
+                request,
+                group: GroupIndex(g as u16),
+                end,
+                prompt_len,
+                blocks,
+            });
+        }
+    }
+    Ok(())
 }

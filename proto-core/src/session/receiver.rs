@@ -1,6 +1,6 @@
 //! The decode-side endpoint.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use bytes::Bytes;
 use smallvec::SmallVec;
@@ -14,7 +14,8 @@ use super::state::{RecvEvent, RecvPhase, Transition, WriterEvent, WriterPhase};
 use super::timers::TimerKey;
 use super::transport::{Admission, DataPath, Endpoint, TransportInput, WriteRefusal};
 use super::{
-    frame_kind, CancelOrigin, CloseReason, Counters, Event, Output, ProtocolError, UsageError, Wait,
+    frame_kind, CancelOrigin, CloseReason, Counters, Event, Output, ProtocolError, RequestTimings,
+    UsageError, Wait,
 };
 use crate::blocks::AnchoredRun;
 use crate::ids::{GrantId, PeerId, ReceiverSliceId, RequestId, SenderSliceId};
@@ -85,11 +86,14 @@ const MAX_HELD_FRAMES: usize = 1024;
 struct Writer {
     peer: PeerId,
     phase: WriterPhase,
-    /// The highest (slice, is_last) processed, to drop duplicates.
-    last_seen: Option<(SenderSliceId, bool)>,
-    /// The highest (slice, is_last) of a successful result that arrived (held ones included),
-    /// so a duplicate never counts as reported bytes.
-    arrived: Option<(SenderSliceId, bool)>,
+    /// The slices whose successful result was taken (a duplicate is dropped, never counted).
+    seen: BTreeSet<SenderSliceId>,
+    /// The writer's last slice, once its `is_last` result was taken: the writer is done when
+    /// every slice up to it was seen.
+    last: Option<SenderSliceId>,
+    /// The slices whose successful result arrived (held ones included), so a duplicate never
+    /// counts as reported bytes.
+    arrived: BTreeSet<SenderSliceId>,
     /// Payload bytes of this writer's admitted writes that landed.
     landed: u64,
     /// Bytes this writer's successful results reported (held ones included).
@@ -127,6 +131,7 @@ struct RecvSession {
     /// Admitted writes of the request still being applied.
     writes_in_flight: u32,
     aux: Option<AuxData>,
+    timings: RequestTimings,
     /// The overall cap: registration + `result_wait` + prompt × `result_per_token`.
     result_cap: Instant,
     /// When a result, landed data or aux data last arrived.
@@ -496,6 +501,13 @@ impl Receiver {
                 got: reg.groups.len(),
             });
         }
+        super::check_registration_ordinals(
+            request,
+            reg.prompt_len,
+            &reg.groups,
+            &self.config.local.groups,
+        )
+        .map_err(UsageError::RegistrationPastPrompt)?;
         let slice = ReceiverSliceId(self.next_slice);
         let frame = RecvRegistration {
             request,
@@ -540,8 +552,9 @@ impl Receiver {
                     .map(|&peer| Writer {
                         peer,
                         phase: WriterPhase::Unregistered,
-                        last_seen: None,
-                        arrived: None,
+                        seen: BTreeSet::new(),
+                        last: None,
+                        arrived: BTreeSet::new(),
                         landed: 0,
                         reported: 0,
                         held: VecDeque::new(),
@@ -550,6 +563,11 @@ impl Receiver {
                     .collect(),
                 writes_in_flight: 0,
                 aux: None,
+                timings: RequestTimings {
+                    started: now,
+                    ended: now,
+                    ..RequestTimings::default()
+                },
                 result_cap,
                 last_progress: None,
                 result_armed: Some(result_cap),
@@ -748,6 +766,7 @@ impl Receiver {
             });
         }
         session.writes_in_flight += 1;
+        session.timings.writes += 1;
         let ticket = self.writes.admit(Flight {
             request,
             peer,
@@ -813,6 +832,8 @@ impl Receiver {
         };
         session.writes_in_flight = session.writes_in_flight.saturating_sub(1);
         if landed {
+            session.timings.first_byte.get_or_insert(now);
+            session.timings.last_byte = Some(now);
             self.note_progress(now, request);
             let session = self.sessions.get_mut(&request).expect("present");
             self.shell.counters.bytes_landed += flight.len;
@@ -862,12 +883,10 @@ impl Receiver {
             {
                 let need = match &frame {
                     Frame::KvResult(r) if r.status == TransferStatus::Success => {
-                        let key = (r.sender_slice, r.is_last);
-                        if w.arrived.is_some_and(|seen| key <= seen) {
+                        if !w.arrived.insert(r.sender_slice) {
                             self.shell.counters.duplicates += 1;
                             return;
                         }
-                        w.arrived = Some(key);
                         w.reported.saturating_add(r.bytes_written)
                     }
                     _ => w.reported,
@@ -985,15 +1004,12 @@ impl Receiver {
             return;
         }
         let writer = &mut session.writers[w];
-        let key = (r.sender_slice, r.is_last);
         // A failure is never a duplicate: it may follow the writer's successful last result
         // (the aux data failed), and a stopping session needs its terminal confirmation.
-        if r.status == TransferStatus::Success && writer.last_seen.is_some_and(|seen| key <= seen) {
+        if r.status == TransferStatus::Success && writer.seen.contains(&r.sender_slice) {
             self.shell.counters.duplicates += 1;
             return;
         }
-        let after_last = writer.last_seen.is_some_and(|(_, last)| last);
-        writer.last_seen = Some(writer.last_seen.map_or(key, |seen| seen.max(key)));
         self.shell.counters.results.bump(r.status);
         if !session.phase.is_active() {
             // Stopping: a terminal result is the writer's confirmation that it stopped.
@@ -1020,6 +1036,12 @@ impl Receiver {
             self.stop(now, request, why);
             return;
         }
+        // A successful result names a real slice, never one after the writer's last, and a
+        // writer has one last slice.
+        let after_last = r.sender_slice.get().is_none()
+            || writer.last.is_some_and(|last| r.sender_slice > last)
+            || (r.is_last && writer.last.is_some())
+            || (r.is_last && writer.seen.last().is_some_and(|&max| max > r.sender_slice));
         if after_last {
             self.shell
                 .violation(peer, ProtocolError::ResultAfterLast { request });
@@ -1034,11 +1056,25 @@ impl Receiver {
             );
             return;
         }
-        session.bytes_written += r.bytes_written;
-        self.shell.counters.bytes_written += r.bytes_written;
+        writer.seen.insert(r.sender_slice);
         if r.is_last {
-            session.writers[w].on(WriterEvent::LastResult);
+            writer.last = Some(r.sender_slice);
         }
+        // Done once the last result and every slice before it arrived (results may be
+        // reordered by a transport that reorders frames).
+        if writer
+            .last
+            .is_some_and(|last| writer.seen.len() as u64 == u64::from(last.0) + 1)
+        {
+            writer.on(WriterEvent::LastResult);
+        }
+        session.bytes_written += r.bytes_written;
+        if self.config.data_path == DataPath::Ordered {
+            // No landing reports: a result is the moment its bytes are known to be placed.
+            session.timings.first_byte.get_or_insert(now);
+            session.timings.last_byte = Some(now);
+        }
+        self.shell.counters.bytes_written += r.bytes_written;
         self.note_progress(now, request);
         self.progress(now, request);
     }
@@ -1228,12 +1264,15 @@ impl Receiver {
             if p == RecvPhase::Completed {
                 let bytes = session.bytes_written;
                 let aux = session.aux.clone();
+                session.timings.ended = now;
+                let timings = session.timings;
                 self.shell.counters.completions += 1;
                 self.shell.counters.quiesced += 1;
                 self.shell.event(Event::Completed {
                     request,
                     bytes_written: bytes,
                     aux,
+                    timings,
                 });
                 self.shell.event(Event::Quiesced { request });
             }

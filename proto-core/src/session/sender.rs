@@ -13,7 +13,7 @@ use super::timers::TimerKey;
 use super::transport::{Admission, DataWriteHeaders, Endpoint, TransportInput, WriteRefusal};
 use super::{
     frame_kind, BlockRunError, BlockRunFault, CancelOrigin, CloseReason, Counters, Event, Output,
-    ProtocolError, UsageError, Wait, WriteBatchId,
+    ProtocolError, RequestTimings, UsageError, Wait, WriteBatchId,
 };
 use crate::blocks::BlockRun;
 use crate::config::{ConfigError, PipelineConfig};
@@ -202,6 +202,7 @@ struct SendSession {
     stop_status: TransferStatus,
     stop_slice: Option<SenderSliceId>,
     bytes_written: u64,
+    timings: RequestTimings,
 }
 
 /// Registrations that arrived before the engine opened their request, by request.
@@ -717,6 +718,11 @@ impl Sender {
                 stop_status: TransferStatus::Success,
                 stop_slice: None,
                 bytes_written: 0,
+                timings: RequestTimings {
+                    started: now,
+                    ended: now,
+                    ..RequestTimings::default()
+                },
             },
         );
         self.shell
@@ -881,6 +887,31 @@ impl Sender {
         }
         // From here on the input is applied: an engine error fails the session.
         let session = self.sessions.get_mut(&request).expect("checked above");
+        let mismatch = session.targets.iter().find_map(|t| {
+            t.registration
+                .as_ref()
+                .filter(|reg| reg.prompt_len != spec.prompt_len)
+                .map(|reg| (t.peer, reg.prompt_len))
+        });
+        if let Some((peer, registered)) = mismatch {
+            self.shell.counters.protocol_errors += 1;
+            self.stop_protocol(
+                now,
+                request,
+                peer,
+                ProtocolError::PromptLenMismatch {
+                    request,
+                    registered,
+                    local: spec.prompt_len,
+                },
+            );
+            return Ok(Err(UsageError::PromptLenDiffersFromRegistration {
+                request,
+                registered,
+                local: spec.prompt_len,
+            }));
+        }
+        let session = self.sessions.get_mut(&request).expect("checked above");
         if let Some(expected) = session.prepopulated_len {
             if spec.prepopulated_len != expected {
                 self.fail_engine(now, request);
@@ -902,6 +933,10 @@ impl Sender {
         session.next_start = Some(spec.end);
         session.prompt_len = Some(spec.prompt_len);
         session.prepopulated_len = Some(spec.prepopulated_len);
+        session.timings.first_chunk.get_or_insert(now);
+        if spec.is_last {
+            session.timings.last_chunk = Some(now);
+        }
         if runs.is_empty() && !spec.is_last {
             return Ok(Ok(None));
         }
@@ -1095,6 +1130,18 @@ impl Sender {
             );
             return;
         }
+        if let Err(error) = super::check_registration_ordinals(
+            request,
+            reg.prompt_len,
+            &reg.groups,
+            &self.config.local.groups,
+        ) {
+            self.adopt_registration(request, t, reg);
+            self.shell.counters.protocol_errors += 1;
+            self.stop_protocol(now, request, peer, error);
+            return;
+        }
+        let session = self.sessions.get_mut(&request).expect("checked above");
         if let Some(local) = session.prompt_len {
             if local != reg.prompt_len {
                 let registered = reg.prompt_len;
@@ -1226,6 +1273,8 @@ impl Sender {
                 deadline: Some(deadline),
             });
             target.inflight += 1;
+            session.timings.first_byte.get_or_insert(now);
+            session.timings.writes += 1;
             self.batches.insert(
                 batch,
                 BatchRef {
@@ -1312,6 +1361,8 @@ impl Sender {
         }
         let finished = session.targets.iter().all(|t| t.phase.is_finished());
         let bytes = session.bytes_written;
+        session.timings.ended = now;
+        let timings = session.timings;
         let mut transition = None;
         if finished {
             if let Transition::To(p) = session.phase.on(SendEvent::Finished) {
@@ -1327,6 +1378,7 @@ impl Sender {
                 request,
                 bytes_written: bytes,
                 aux: None,
+                timings,
             });
             self.shell.event(Event::Quiesced { request });
         }
@@ -1367,6 +1419,7 @@ impl Sender {
             ts.done = true;
             let bytes = ts.bytes;
             session.bytes_written += bytes;
+            session.timings.last_byte = Some(now);
             self.shell.counters.bytes_written += bytes;
             if session.phase.is_active() {
                 self.progress(now, r.request);
