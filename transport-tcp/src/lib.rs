@@ -1,28 +1,32 @@
 //! # kvpipe-tcp
 //!
 //! The TCP transport: control frames and data writes over sockets, with payloads read from the
-//! socket straight into the destination region and every write checked against the receiver's
-//! grant.
+//! socket straight into the destination region, each admitted by the receiving core first.
 //!
 //! - [`TcpSender`] (prefill side) and [`TcpReceiver`] (decode side) drive the core's
-//!   [`Sender`](kvpipe_core::Sender) / [`Receiver`](kvpipe_core::Receiver) over real sockets. A
-//!   node listens and/or connects; each peer is a bundle of
-//!   [`TcpConfig::connections_per_peer`] connections opened by the connecting side, each
-//!   starting with a 16-byte [`preamble`]. A peer starts (its threads run, the core hears of
-//!   it) only once its whole bundle is attached. Control frames (the core's handshake first) travel on
-//!   the first connection; a write batch is cut into `DataWrite` pieces spread over all of them,
-//!   each sent with one vectored write of header and source bytes.
-//! - The receiver checks each `DataWrite` against the request's grant ([`GrantedExtents`]:
-//!   registered request, matching grant, one of its writers, destination inside the granted
-//!   blocks, registered memory) and then reads the payload from the socket directly into the
-//!   destination region. Anything else is refused, counted ([`TcpStats::writes_refused`]),
-//!   never applied; the request is failed towards the sender and the peer is disconnected.
-//! - A result frame is handed to the core only once the data it reports has landed (data and
-//!   results travel on different connections). `Quiesced` reaches the engine only once no
-//!   reader is still copying into the request's memory.
+//!   [`Sender`](kvpipe_core::Sender) / [`Receiver`](kvpipe_core::Receiver) over real sockets,
+//!   through the transport contract only (`docs/TRANSPORT.md`, [`kvpipe_core::Endpoint`]): the
+//!   node reports what its sockets saw and carries out what the endpoint asks. A node listens
+//!   and/or connects; each peer is a bundle of [`TcpConfig::connections_per_peer`] connections
+//!   opened by the connecting side, each starting with a 16-byte [`preamble`]. A peer starts
+//!   (its connection halves run, the core hears of it) only once its whole bundle is attached.
+//!   Control frames travel on the first connection exactly as the endpoint encoded them; a
+//!   write batch is cut into `DataWrite` pieces (headers from the core's `DataWriteHeaders`)
+//!   spread over all connections and written with vectored writes of header and source bytes.
+//! - Each connection's reader runs the core's [`StreamReader`](kvpipe_core::stream::StreamReader):
+//!   frames go to the endpoint as bytes, each data write is admitted by the receiver
+//!   ([`Receiver::admit_write`](kvpipe_core::Receiver::admit_write): that request's grant, one
+//!   of its writers, inside its blocks, overlapping no write in flight) and its payload is read
+//!   from the socket straight into the destination region, then reported landed. A refused
+//!   write is never applied and nothing more is read from its connection; the core fails the
+//!   request towards the writer and asks to close the peer. Results held until their data
+//!   landed, quiesce-before-free and late writes are the core's rules.
+//! - Socket reads and writes — every payload byte — happen outside the node's lock; only the
+//!   short endpoint calls (an admission, a landing, a frame, a written batch) take it.
 //! - Liveness and every other deadline are the core's; the node delivers its timeouts. A peer
-//!   whose connection fails is torn down as a whole, and reported disconnected only after its
-//!   last connection thread exited.
+//!   whose connection fails is torn down as a whole: an admitted write cut short is reported
+//!   not landed, and the peer is reported disconnected only after the last of its connection
+//!   threads (or tasks) stopped.
 //!
 //! ## Closing
 //!
@@ -30,7 +34,7 @@
 //! [`TcpConfig::close_grace`]) close every peer in order: each connection's writer first writes
 //! out every frame and data write queued before the close, then shuts its sending side down
 //! (FIN); its reader goes on reading — frames still reach the core, data writes are still
-//! checked and landed — until the peer ends its side. A node whose peer ends its stream closes
+//! admitted and landed — until the peer ends its side. A node whose peer ends its stream closes
 //! that peer the same way (flush, FIN, read until the peer's end of stream, bounded by
 //! `close_grace`), so a receiver keeps landing the data still in flight on the other
 //! connections of a sender that closed. Reading every connection to its end before the socket
@@ -58,17 +62,18 @@
 
 mod blocking;
 mod config;
-mod endpoint;
-pub mod grant;
+mod conn;
+mod handles;
 pub mod memory;
-mod pieces;
+mod node;
 pub mod preamble;
 mod stats;
 #[cfg(feature = "tokio")]
 pub mod tokio_driver;
 
-pub use blocking::{CloseError, EndpointGuard, TcpReceiver, TcpSender};
 pub use config::TcpConfig;
-pub use grant::{GrantedExtents, WriteRefusal};
+pub use handles::{TcpNode, TcpReceiver, TcpSender};
 pub use memory::{MemoryRegion, OutOfBounds, RegionTable};
+pub use node::guard::EndpointGuard;
+pub use node::lifecycle::CloseError;
 pub use stats::TcpStats;

@@ -15,15 +15,20 @@ pub struct TcpStats {
     pub writes_applied: u64,
     /// Payload bytes applied to registered memory.
     pub bytes_applied: u64,
-    /// Writes refused (outside any grant, wrong grant, unknown request, …): never applied.
+    /// Writes the receiver refused (outside any grant, wrong grant, unknown request, …): never
+    /// applied, and nothing more was read from their connection.
     pub writes_refused: u64,
     /// Writes for a request whose session had ended: drained, never applied.
     pub late_writes: u64,
     /// Payload bytes drained without being applied.
     pub bytes_drained: u64,
-    /// Frames that failed to decode (the connection was closed).
+    /// Admitted writes whose destination is not registered memory (or lies past its end):
+    /// never applied, and the connection was torn down.
+    pub unbacked_writes: u64,
+    /// Frame headers no kvpipe peer sends (the connection was torn down).
     pub decode_errors: u64,
-    /// Peers torn down after an I/O error, a refused write or a close request.
+    /// Peers whose close started: asked by the core, started by the peer ending its stream, by
+    /// an I/O error, or by closing the node.
     pub peers_closed: u64,
 }
 
@@ -37,6 +42,7 @@ pub(crate) struct StatCells {
     pub(crate) writes_refused: AtomicU64,
     pub(crate) late_writes: AtomicU64,
     pub(crate) bytes_drained: AtomicU64,
+    pub(crate) unbacked_writes: AtomicU64,
     pub(crate) decode_errors: AtomicU64,
     pub(crate) peers_closed: AtomicU64,
 }
@@ -57,6 +63,7 @@ impl StatCells {
             writes_refused: g(&self.writes_refused),
             late_writes: g(&self.late_writes),
             bytes_drained: g(&self.bytes_drained),
+            unbacked_writes: g(&self.unbacked_writes),
             decode_errors: g(&self.decode_errors),
             peers_closed: g(&self.peers_closed),
         }

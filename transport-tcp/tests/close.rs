@@ -209,7 +209,7 @@ fn an_incomplete_bundle_is_dropped_after_the_preamble_timeout() {
         preamble_timeout: Duration::from_millis(300),
         ..tcp(1)
     };
-    let rx = kvpipe_tcp::TcpReceiver::new(config, tcp, regions);
+    let rx = kvpipe_tcp::TcpReceiver::new(config, tcp, regions).unwrap();
     let addr = rx.listen("127.0.0.1:0").unwrap();
     let mut s = std::net::TcpStream::connect(addr).unwrap();
     let pre = kvpipe_tcp::preamble::Preamble {

@@ -169,7 +169,7 @@ fn incompatible_layout_is_rejected_at_the_handshake() {
             l
         });
     let regions = regions(&config.local.groups, 8, true);
-    let tx = kvpipe_tcp::TcpSender::new(config, tcp(2), regions);
+    let tx = kvpipe_tcp::TcpSender::new(config, tcp(2), regions).unwrap();
     tx.connect(addr).unwrap();
     for next in [
         &(|t| tx.next_event(t)) as &dyn Fn(Duration) -> Option<Event>,

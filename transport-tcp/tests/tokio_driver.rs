@@ -45,7 +45,7 @@ fn receiver_node(rt: tokio::runtime::Handle) -> (TcpReceiver, kvpipe_tcp::Region
     let config = receiver_config(2);
     let regions = regions(&config.local.groups, 64, false);
     (
-        TcpReceiver::new(config, tcp(1), regions.clone(), rt),
+        TcpReceiver::new(config, tcp(1), regions.clone(), rt).unwrap(),
         regions,
     )
 }
@@ -57,7 +57,7 @@ async fn async_transfer_lands_every_byte() {
     let addr = rx.listen("127.0.0.1:0").unwrap();
     let config = sender_config(1);
     let tx_regions = regions(&config.local.groups, 64, true);
-    let tx = TcpSender::new(config, tcp(3), tx_regions.clone(), rt);
+    let tx = TcpSender::new(config, tcp(3), tx_regions.clone(), rt).unwrap();
     let peer_at_tx = tx.connect(addr).await.unwrap();
     let peer_at_rx = ready(async |t| rx.next_event(t).await).await;
     ready(async |t| tx.next_event(t).await).await;
@@ -183,7 +183,7 @@ async fn async_sender_closing_right_after_completing_loses_nothing() {
     for round in 0..20u32 {
         let config = sender_config(10 + u64::from(round));
         let tx_regions = regions(&config.local.groups, 64, true);
-        let tx = TcpSender::new(config, tcp(2), tx_regions.clone(), rt.clone());
+        let tx = TcpSender::new(config, tcp(2), tx_regions.clone(), rt.clone()).unwrap();
         let peer_at_tx = tx.connect(addr).await.unwrap();
         let peer_at_rx = ready(async |t| rx.next_event(t).await).await;
         ready(async |t| tx.next_event(t).await).await;

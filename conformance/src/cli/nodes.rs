@@ -95,7 +95,7 @@ impl PrefillNode {
                     ..TcpConfig::default()
                 };
                 // SAFETY: forwarded from the caller.
-                PrefillNode::Tcp(TcpSender::new(config, tcp, unsafe { regions_of(cache) }))
+                PrefillNode::Tcp(TcpSender::new(config, tcp, unsafe { regions_of(cache) })?)
             }
             TransportChoice::Verbs(device) => {
                 let device = open_device(device.as_deref())?;
@@ -202,7 +202,7 @@ impl DecodeNode {
             TransportChoice::Tcp(_) => {
                 // SAFETY: forwarded from the caller.
                 let regions = unsafe { regions_of(cache) };
-                DecodeNode::Tcp(TcpReceiver::new(config, TcpConfig::default(), regions))
+                DecodeNode::Tcp(TcpReceiver::new(config, TcpConfig::default(), regions)?)
             }
             TransportChoice::Verbs(device) => {
                 let device = open_device(device.as_deref())?;

@@ -135,33 +135,41 @@ impl Harness for TcpHarness {
             None
         };
         #[cfg(feature = "tokio")]
-        let (tx, rx, receiver_peer) = if let Some(rt) = &runtime {
+        if let Some(rt) = &runtime {
             use kvpipe_tcp::tokio_driver;
-            let rx = tokio_driver::TcpReceiver::new(
-                receiver,
-                tcp.clone(),
-                rx_regions,
-                rt.handle().clone(),
-            );
+            let handle = rt.handle().clone();
+            let rx = tokio_driver::TcpReceiver::new(receiver, tcp.clone(), rx_regions, handle)
+                .map_err(transport)?;
             let addr = rx.listen("127.0.0.1:0").map_err(transport)?;
-            let tx = tokio_driver::TcpSender::new(sender, tcp, tx_regions, rt.handle().clone());
+            let tx = tokio_driver::TcpSender::new(sender, tcp, tx_regions, rt.handle().clone())
+                .map_err(transport)?;
             let peer = rt.block_on(tx.connect(addr)).map_err(transport)?;
-            (tx.into_inner(), rx.into_inner(), peer)
-        } else {
-            let rx = TcpReceiver::new(receiver, tcp.clone(), rx_regions);
-            let addr = rx.listen("127.0.0.1:0").map_err(transport)?;
-            let tx = TcpSender::new(sender, tcp, tx_regions);
-            let peer = tx.connect(addr).map_err(transport)?;
-            (tx, rx, peer)
-        };
-        #[cfg(not(feature = "tokio"))]
-        let (tx, rx, receiver_peer) = {
-            let rx = TcpReceiver::new(receiver, tcp.clone(), rx_regions);
-            let addr = rx.listen("127.0.0.1:0").map_err(transport)?;
-            let tx = TcpSender::new(sender, tcp, tx_regions);
-            let peer = tx.connect(addr).map_err(transport)?;
-            (tx, rx, peer)
-        };
+            return Self::link(origin, tx.into_inner(), rx.into_inner(), peer, runtime);
+        }
+        let rx = TcpReceiver::new(receiver, tcp.clone(), rx_regions).map_err(transport)?;
+        let addr = rx.listen("127.0.0.1:0").map_err(transport)?;
+        let tx = TcpSender::new(sender, tcp, tx_regions).map_err(transport)?;
+        let peer = tx.connect(addr).map_err(transport)?;
+        Self::link(
+            origin,
+            tx,
+            rx,
+            peer,
+            #[cfg(feature = "tokio")]
+            runtime,
+        )
+    }
+}
+
+impl TcpHarness {
+    /// The link over connected nodes, once the receiver accepted the sender.
+    fn link(
+        origin: std::time::Instant,
+        tx: TcpSender,
+        rx: TcpReceiver,
+        receiver_peer: PeerId,
+        #[cfg(feature = "tokio")] runtime: Option<tokio::runtime::Runtime>,
+    ) -> Result<TcpLink, LinkError> {
         let start = std::time::Instant::now();
         // A node numbers its peers from 0 in the order they connect: the receiver's first
         // accepted connection is the sender (it may already be gone after a rejected handshake).

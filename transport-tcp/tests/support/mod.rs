@@ -155,7 +155,7 @@ pub fn sender(instance: u64, connections: usize, slots: u64) -> (TcpSender, Regi
     let config = sender_config(instance);
     let regions = regions(&config.local.groups, slots, true);
     (
-        TcpSender::new(config, tcp(connections), regions.clone()),
+        TcpSender::new(config, tcp(connections), regions.clone()).unwrap(),
         regions,
     )
 }
@@ -164,7 +164,10 @@ pub fn sender(instance: u64, connections: usize, slots: u64) -> (TcpSender, Regi
 pub fn receiver(instance: u64, slots: u64) -> (TcpReceiver, RegionTable) {
     let config = receiver_config(instance);
     let regions = regions(&config.local.groups, slots, false);
-    (TcpReceiver::new(config, tcp(1), regions.clone()), regions)
+    (
+        TcpReceiver::new(config, tcp(1), regions.clone()).unwrap(),
+        regions,
+    )
 }
 
 /// Waits until `pred` accepts an event; returns it and every event seen before it.

@@ -68,6 +68,12 @@ pub(crate) struct TransferBenchArgs {
     /// Connections per peer (tcp; the tcp-raw baseline uses as many plain sockets).
     #[arg(long, default_value_t = 4)]
     connections: usize,
+    /// Most bytes per socket write of the transport (tcp; default: `TcpConfig`'s).
+    #[arg(long)]
+    socket_write_bytes: Option<usize>,
+    /// Most payload bytes per socket read of the transport (tcp; default: `TcpConfig`'s).
+    #[arg(long)]
+    socket_read_bytes: Option<usize>,
     /// Where both sides' KV pools live: host, or device (GPU 0, against cuMemcpyDtoDAsync of
     /// the same extents; needs the `cuda` feature).
     #[arg(long, default_value = "host")]

@@ -1,0 +1,52 @@
+//! What a connection's halves report to their node, and how a half stops.
+
+use bytes::Bytes;
+use kvpipe_core::session::WriteBatchId;
+use kvpipe_core::{Admission, PeerId, WriteTicket};
+
+/// What a connection's halves tell their node. Each call is short: the node takes its lock,
+/// hands the input to the core endpoint and carries out the outputs (frames are queued to
+/// writers, never written under the lock).
+pub(crate) trait NodeHooks: Send + Sync {
+    /// A whole frame arrived from `peer`.
+    fn frame(&self, peer: PeerId, bytes: Bytes);
+    /// The header of a data write from `peer` arrived: the core's answer.
+    fn admit(&self, peer: PeerId, header: &[u8]) -> Admission;
+    /// An admitted write is over (`landed`: every byte is in memory).
+    fn write_finished(&self, ticket: WriteTicket, landed: bool);
+    /// This connection's part of `batch` is written out.
+    fn batch_part_written(&self, batch: WriteBatchId);
+    /// One half of a connection of `peer` stopped; it touches no memory any more.
+    fn half_ended(&self, peer: PeerId, end: HalfEnd);
+}
+
+/// How one half of a connection stopped.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum HalfEnd {
+    /// The reader stopped.
+    Read(ReadEnd),
+    /// The writer stopped.
+    Write(WriteEnd),
+}
+
+/// How a reader stopped.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum ReadEnd {
+    /// The peer ended its stream at a frame boundary (or the node shut the socket down).
+    Eof,
+    /// The core refused a data write: nothing more is read from this connection (the core
+    /// already asked to close the peer).
+    Refused,
+    /// A socket error, a stream cut inside a frame or payload, bytes that are no frame, or an
+    /// admitted destination that is not registered memory.
+    Failed,
+}
+
+/// How a writer stopped.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum WriteEnd {
+    /// Everything queued before the close was written, then the sending side was shut down.
+    Closed,
+    /// A write failed (or stalled), or the node aborted the connection.
+    Failed,
+}

@@ -1,0 +1,226 @@
+//! Connection bundles: the connecting side opens `connections_per_peer` connections, each
+//! starting with a [`Preamble`]; the accepting side collects them by bundle token. Once a bundle
+//! is complete its halves start and the core hears `PeerConnected` — in the same hold of the
+//! lock, so no frame is read, and no data write can be sent and lost, before the node holds
+//! every connection of the peer and the core knows it.
+
+use std::hash::{BuildHasher, Hasher};
+use std::io::{self, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::thread::{self, JoinHandle};
+use std::time::Duration as StdDuration;
+
+use kvpipe_core::{Endpoint, Instant, PeerId, TransportInput};
+
+use super::link::{Attached, LinkPhase};
+use super::{NodePhase, Shared, State};
+use crate::conn::{Inbound, NodeHooks, Outbound};
+use crate::preamble::{Preamble, PREAMBLE_LEN};
+use crate::stats::bump;
+
+/// Binds `addr` and starts the accept thread.
+pub(super) fn listen<E: Endpoint + Send + 'static>(
+    shared: &Arc<Shared<E>>,
+    addr: impl ToSocketAddrs,
+) -> io::Result<(SocketAddr, JoinHandle<()>)> {
+    let listener = TcpListener::bind(addr)?;
+    let local = listener.local_addr()?;
+    let shared = shared.clone();
+    let handle = thread::Builder::new()
+        .name("kvpipe-tcp-accept".into())
+        .spawn(move || accept_loop(&shared, listener))?;
+    Ok((local, handle))
+}
+
+/// Accepts connections (blocking) until the node stops accepting; [`wake_acceptor`] unblocks
+/// it then.
+fn accept_loop<E: Endpoint + Send + 'static>(shared: &Arc<Shared<E>>, listener: TcpListener) {
+    for stream in listener.incoming() {
+        if !shared.accepting.load(Ordering::Acquire) {
+            return;
+        }
+        match stream {
+            Ok(stream) => {
+                if let Some((pre, stream)) = read_preamble(shared, stream) {
+                    let mut st = shared.state.lock();
+                    let now = shared.now();
+                    shared.attach(&mut st, now, pre, stream);
+                }
+            }
+            // Out of descriptors or memory, or a connection reset before it was accepted.
+            Err(_) => thread::sleep(StdDuration::from_millis(10)),
+        }
+    }
+}
+
+/// Wakes the accept thread blocked on the listener at `local` (it then sees that the node stopped
+/// accepting).
+pub(super) fn wake_acceptor(local: SocketAddr) {
+    let mut addr = local;
+    if addr.ip().is_unspecified() {
+        addr.set_ip(match addr {
+            SocketAddr::V4(_) => std::net::Ipv4Addr::LOCALHOST.into(),
+            SocketAddr::V6(_) => std::net::Ipv6Addr::LOCALHOST.into(),
+        });
+    }
+    let _ = TcpStream::connect_timeout(&addr, StdDuration::from_secs(1));
+}
+
+/// Reads and checks an accepted connection's preamble (bounded by the preamble timeout).
+fn read_preamble<E: Endpoint + Send + 'static>(
+    shared: &Shared<E>,
+    mut stream: TcpStream,
+) -> Option<(Preamble, TcpStream)> {
+    stream.set_nonblocking(false).ok()?;
+    stream
+        .set_read_timeout(Some(shared.config.preamble_timeout))
+        .ok()?;
+    let mut buf = [0u8; PREAMBLE_LEN];
+    stream.read_exact(&mut buf).ok()?;
+    let pre = Preamble::decode(&buf).ok()?;
+    shared.configure(&stream).ok()?;
+    Some((pre, stream))
+}
+
+impl<E: Endpoint + Send + 'static> Shared<E> {
+    /// Connects the connections of one peer bundle and writes their preambles.
+    pub(crate) fn open_bundle(
+        &self,
+        addr: impl ToSocketAddrs,
+    ) -> io::Result<Vec<(Preamble, TcpStream)>> {
+        let addr = addr
+            .to_socket_addrs()?
+            .next()
+            .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "no address"))?;
+        let count = self.config.connections_per_peer.clamp(1, 255);
+        let token = self.new_token();
+        (0..count)
+            .map(|index| {
+                let mut s = TcpStream::connect_timeout(&addr, self.config.preamble_timeout)?;
+                self.configure(&s)?;
+                let pre = Preamble {
+                    index: index as u8,
+                    count: count as u8,
+                    token,
+                };
+                s.write_all(&pre.encode())?;
+                Ok((pre, s))
+            })
+            .collect()
+    }
+
+    /// Makes a peer of connected streams (from [`Shared::open_bundle`]); the handshake starts.
+    pub(crate) fn adopt_bundle(
+        self: &Arc<Self>,
+        streams: Vec<(Preamble, TcpStream)>,
+    ) -> io::Result<PeerId> {
+        let mut st = self.state.lock();
+        let now = self.now();
+        let mut assembling = None;
+        for (pre, stream) in streams {
+            match self.attach(&mut st, now, pre, stream) {
+                Attached::Waiting(peer) => assembling = Some(peer),
+                Attached::Complete(peer) if st.links.get(peer).is_some() => return Ok(peer),
+                Attached::Complete(_) => {
+                    return Err(io::Error::other("could not start the connections"))
+                }
+                Attached::Refused => break,
+            }
+        }
+        if let Some(peer) = assembling {
+            st.links.remove(peer);
+        }
+        Err(io::Error::other("the connection bundle was refused"))
+    }
+
+    /// Adds a connection to its bundle and starts the bundle once it is complete.
+    fn attach(
+        self: &Arc<Self>,
+        st: &mut State<E>,
+        now: Instant,
+        pre: Preamble,
+        stream: TcpStream,
+    ) -> Attached {
+        if !matches!(st.phase, NodePhase::Running) {
+            return Attached::Refused;
+        }
+        let attached = st.links.attach(pre, stream, std::time::Instant::now());
+        match attached {
+            Attached::Refused => return attached,
+            Attached::Waiting(_) => {
+                bump(&self.stats.connections, 1);
+                // The timer drops the bundle if it stays incomplete.
+                self.wake_timer_by(st, std::time::Instant::now() + self.config.preamble_timeout);
+            }
+            Attached::Complete(peer) => {
+                bump(&self.stats.connections, 1);
+                self.start(st, now, peer);
+            }
+        }
+        attached
+    }
+
+    /// Starts the halves of every connection of `peer`'s complete bundle, then tells the core
+    /// the peer connected. A bundle none of whose halves started is dropped unseen by the core.
+    fn start(self: &Arc<Self>, st: &mut State<E>, now: Instant, peer: PeerId) {
+        let hooks: Arc<dyn NodeHooks> = self.clone();
+        let Some(link) = st.links.get_mut(peer) else {
+            return;
+        };
+        let wanted = 2 * link.conns.len() as u32;
+        let mut started = 0;
+        for conn in &mut link.conns {
+            let Some(stream) = conn.pending.take() else {
+                continue;
+            };
+            let inbound = Inbound::new(
+                peer,
+                hooks.clone(),
+                self.regions.clone(),
+                self.stats.clone(),
+                self.config.socket_read_bytes,
+            );
+            let outbound = Outbound::new(
+                peer,
+                conn.queue.clone(),
+                hooks.clone(),
+                self.stats.clone(),
+                self.config.socket_write_bytes,
+            );
+            started += self.spawn.start(peer, stream, inbound, outbound);
+        }
+        link.halves = started;
+        link.phase = LinkPhase::Open;
+        if started == 0 {
+            st.links.remove(peer);
+            return;
+        }
+        if started < wanted {
+            link.abort();
+        }
+        let _ = st
+            .endpoint
+            .handle_transport(now, TransportInput::PeerConnected { peer });
+        self.drain(st, now);
+    }
+
+    /// A token no other bundle of this process uses.
+    pub(crate) fn new_token(&self) -> u64 {
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u64(self.tokens.fetch_add(1, Ordering::Relaxed));
+        h.write_u128(self.origin.elapsed().as_nanos());
+        h.write_u32(std::process::id());
+        h.finish()
+    }
+
+    /// Socket options of every connection: no Nagle delay, reads block until data or a
+    /// shutdown, writes fail after the stall timeout.
+    pub(crate) fn configure(&self, stream: &TcpStream) -> io::Result<()> {
+        stream.set_nodelay(true)?;
+        stream.set_read_timeout(None)?;
+        stream.set_write_timeout(self.config.write_stall_timeout)?;
+        Ok(())
+    }
+}

@@ -1,0 +1,128 @@
+//! Carrying out the endpoint's outputs, in the order it produced them, under the node's lock:
+//! nothing here blocks or touches a socket. Frames and data-write pieces go to the connection
+//! writers' queues, close requests to the peer's link, events to the engine's queue.
+
+use kvpipe_core::session::{CloseReason, DataWriteHeaders, WriteBatchId};
+use kvpipe_core::wire::TransferStatus;
+use kvpipe_core::{Endpoint, Instant, Output, PeerId, TransportInput, WritePlan};
+
+use super::{Shared, State};
+use crate::conn::{split_plan, Job};
+use crate::stats::bump;
+
+impl<E: Endpoint + Send + 'static> Shared<E> {
+    /// Runs `f` on the endpoint under the lock, then carries out its outputs.
+    pub(crate) fn with<R>(&self, f: impl FnOnce(&mut E, Instant) -> R) -> R {
+        let mut st = self.state.lock();
+        let now = self.now();
+        let r = f(&mut st.endpoint, now);
+        self.drain(&mut st, now);
+        r
+    }
+
+    /// Carries out every pending output of the endpoint.
+    pub(crate) fn drain(&self, st: &mut State<E>, now: Instant) {
+        let mut reports = Vec::new();
+        loop {
+            while let Some(output) = st.endpoint.poll_output() {
+                match output {
+                    Output::Transmit { peer, bytes, .. } => {
+                        if let Some(link) = st.links.get(peer) {
+                            link.transmit(bytes);
+                        }
+                    }
+                    Output::ExecuteWrites {
+                        peer,
+                        batch,
+                        plan,
+                        headers,
+                        ..
+                    } => reports.extend(self.execute(st, now, peer, batch, &plan, &headers)),
+                    Output::ClosePeer { peer, reason } => self.close_peer(st, peer, reason),
+                    Output::Event(event) => self.events.push(now, event),
+                }
+            }
+            if reports.is_empty() {
+                break;
+            }
+            for report in reports.drain(..) {
+                let _ = st.endpoint.handle_transport(now, report);
+            }
+        }
+        if let Some(at) = st.endpoint.poll_timeout().and_then(|at| self.wall(at)) {
+            self.wake_timer_by(st, at);
+        }
+    }
+
+    /// Cuts a write batch into pieces spread over the peer's connections and queues them.
+    /// Returns the batch's report when it is known at once.
+    fn execute(
+        &self,
+        st: &mut State<E>,
+        now: Instant,
+        peer: PeerId,
+        batch: WriteBatchId,
+        plan: &WritePlan,
+        headers: &DataWriteHeaders,
+    ) -> Option<TransportInput> {
+        // A peer without a link was reported disconnected: the endpoint emits nothing for it.
+        let link = st.links.get(peer)?;
+        let failed = TransportInput::WritesFailed {
+            batch,
+            status: TransferStatus::WriteFailed,
+        };
+        let Ok(parts) = split_plan(
+            plan,
+            |region, offset, len| headers.encode(region, offset, len),
+            link.conns.len(),
+            (self.config.min_piece_bytes, self.config.max_piece_bytes),
+            &self.regions,
+        ) else {
+            // A source extent outside registered memory: nothing is sent.
+            return Some(failed);
+        };
+        let (mut queued, mut refused) = (0, false);
+        for (conn, pieces) in link.conns.iter().zip(parts) {
+            if pieces.is_empty() {
+                continue;
+            }
+            if conn.queue.push(Job::Data { batch, pieces }) {
+                queued += 1;
+            } else {
+                refused = true;
+            }
+        }
+        match (queued, refused) {
+            (0, false) => Some(TransportInput::WritesCompleted { batch }),
+            (0, true) => Some(failed),
+            _ => {
+                let bytes = plan.total_bytes();
+                st.batches.issue(batch, peer, queued, refused, bytes, now);
+                None
+            }
+        }
+    }
+
+    /// The endpoint asked to close `peer`. A peer that stopped answering (or is fenced) is
+    /// aborted at once; otherwise what was queued to it is flushed first, bounded by the close
+    /// grace, so it learns why (a rejection, a refused write).
+    fn close_peer(&self, st: &mut State<E>, peer: PeerId, reason: CloseReason) {
+        let Some(link) = st.links.get_mut(peer) else {
+            return;
+        };
+        let until = std::time::Instant::now() + self.config.close_grace;
+        let started = match reason {
+            CloseReason::LivenessTimeout
+            | CloseReason::HandshakeTimeout
+            | CloseReason::QuiesceFence => link.abort(),
+            CloseReason::HandshakeRejected
+            | CloseReason::RejectedByPeer
+            | CloseReason::ProtocolViolation
+            | CloseReason::GrantViolation => link.close_orderly(until),
+        };
+        if started {
+            bump(&self.stats.peers_closed, 1);
+            self.wake_timer_by(st, until);
+        }
+    }
+}

@@ -1,0 +1,226 @@
+//! A peer as the node holds it: a bundle of connections and one phase.
+//!
+//! ```text
+//! Assembling ──(last connection attached, halves started)──> Open
+//! Open ──(close asked by the core, the peer's end of stream, closing the node)──> Closing
+//! Open | Closing ──(a failure, an abort asked by the core, the close deadline)──> Aborted
+//! ```
+//!
+//! The core hears of a peer when it turns `Open`, and of its disconnect when the last of its
+//! connection halves stopped (whatever the phase then); the link is removed at that moment.
+
+use std::collections::HashMap;
+use std::net::{Shutdown, TcpStream};
+use std::sync::Arc;
+
+use bytes::Bytes;
+use kvpipe_core::PeerId;
+
+use crate::conn::{Job, JobQueue};
+use crate::preamble::Preamble;
+
+/// One connection of a bundle.
+pub(crate) struct Conn {
+    /// A handle for shutting the socket down from any thread.
+    socket: TcpStream,
+    /// The writer's queue.
+    pub(crate) queue: Arc<JobQueue>,
+    /// The stream, until the bundle starts.
+    pub(crate) pending: Option<TcpStream>,
+}
+
+/// Where a link is in its life.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum LinkPhase {
+    /// Connections are arriving; no half runs and the core has not heard of the peer. Dropped
+    /// if incomplete after the preamble timeout.
+    Assembling {
+        /// When the first connection was attached.
+        since: std::time::Instant,
+    },
+    /// Every connection's reader and writer run.
+    Open,
+    /// An orderly close: every writer writes out its queue and shuts its sending side down;
+    /// readers read on (frames still reach the core, data writes still land) until the peer's
+    /// end of stream. Aborted at `until`.
+    Closing {
+        /// The close deadline.
+        until: std::time::Instant,
+        /// Whether every close job was queued (a writer that stopped early spoils the close).
+        clean: bool,
+    },
+    /// The sockets are shut down; the halves are stopping.
+    Aborted,
+}
+
+/// A peer's connection bundle.
+pub(crate) struct PeerLink {
+    token: u64,
+    expected: usize,
+    pub(crate) conns: Vec<Conn>,
+    /// Connection halves (readers and writers) still running.
+    pub(crate) halves: u32,
+    pub(crate) phase: LinkPhase,
+}
+
+impl PeerLink {
+    /// Queues an encoded frame on the control connection (dropped unless open).
+    pub(crate) fn transmit(&self, bytes: Bytes) {
+        if let Some(c) = self.conns.first() {
+            c.queue.push(Job::Frame(bytes));
+        }
+    }
+
+    /// Starts an orderly close bounded by `until`. Returns whether the link was open.
+    pub(crate) fn close_orderly(&mut self, until: std::time::Instant) -> bool {
+        if self.phase != LinkPhase::Open {
+            return false;
+        }
+        let mut clean = true;
+        for c in &self.conns {
+            clean &= c.queue.push(Job::Close);
+        }
+        self.phase = LinkPhase::Closing { until, clean };
+        true
+    }
+
+    /// Shuts every socket down at once: writers stop, blocked reads and writes return. Returns
+    /// whether the link was open.
+    pub(crate) fn abort(&mut self) -> bool {
+        for c in &self.conns {
+            c.queue.abort();
+            let _ = c.socket.shutdown(Shutdown::Both);
+        }
+        let was_open = self.phase == LinkPhase::Open;
+        self.phase = LinkPhase::Aborted;
+        was_open
+    }
+
+    /// Whether an orderly close is under way and nothing spoiled it so far.
+    pub(crate) fn closing_cleanly(&self) -> bool {
+        matches!(self.phase, LinkPhase::Closing { clean: true, .. })
+    }
+
+    /// When the timer must act on this link: drop an incomplete bundle, or abort a close that
+    /// did not finish.
+    pub(crate) fn deadline(
+        &self,
+        preamble_timeout: std::time::Duration,
+    ) -> Option<std::time::Instant> {
+        match self.phase {
+            LinkPhase::Assembling { since } => Some(since + preamble_timeout),
+            LinkPhase::Closing { until, .. } => Some(until),
+            LinkPhase::Open | LinkPhase::Aborted => None,
+        }
+    }
+}
+
+/// What attaching a connection did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Attached {
+    /// Not part of any acceptable bundle: dropped.
+    Refused,
+    /// Part of `peer`'s bundle, which waits for more connections.
+    Waiting(PeerId),
+    /// The last connection of `peer`'s bundle: start it.
+    Complete(PeerId),
+}
+
+/// Every peer of a node, by id and by bundle token.
+#[derive(Default)]
+pub(crate) struct Links {
+    by_peer: HashMap<PeerId, PeerLink>,
+    by_token: HashMap<u64, PeerId>,
+    next_peer: u32,
+}
+
+impl Links {
+    pub(crate) fn get(&self, peer: PeerId) -> Option<&PeerLink> {
+        self.by_peer.get(&peer)
+    }
+
+    pub(crate) fn get_mut(&mut self, peer: PeerId) -> Option<&mut PeerLink> {
+        self.by_peer.get_mut(&peer)
+    }
+
+    /// Every peer, in id order.
+    pub(crate) fn ids(&self) -> Vec<PeerId> {
+        let mut ids: Vec<PeerId> = self.by_peer.keys().copied().collect();
+        ids.sort_unstable();
+        ids
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.by_peer.len()
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.by_peer.is_empty()
+    }
+
+    pub(crate) fn iter_mut(&mut self) -> impl Iterator<Item = (PeerId, &mut PeerLink)> {
+        self.by_peer.iter_mut().map(|(p, l)| (*p, l))
+    }
+
+    /// Removes a link (its sockets close once its halves dropped their streams).
+    pub(crate) fn remove(&mut self, peer: PeerId) -> Option<PeerLink> {
+        let link = self.by_peer.remove(&peer)?;
+        self.by_token.remove(&link.token);
+        Some(link)
+    }
+
+    /// Adds a connection whose preamble was `pre` to its bundle; connection 0 makes a new peer
+    /// (numbered from 0 in arrival order).
+    pub(crate) fn attach(
+        &mut self,
+        pre: Preamble,
+        stream: TcpStream,
+        now: std::time::Instant,
+    ) -> Attached {
+        let Ok(socket) = stream.try_clone() else {
+            return Attached::Refused;
+        };
+        let peer = if pre.index == 0 {
+            if self.by_token.contains_key(&pre.token) {
+                return Attached::Refused;
+            }
+            let peer = PeerId(self.next_peer);
+            self.next_peer += 1;
+            self.by_token.insert(pre.token, peer);
+            self.by_peer.insert(
+                peer,
+                PeerLink {
+                    token: pre.token,
+                    expected: usize::from(pre.count),
+                    conns: Vec::new(),
+                    halves: 0,
+                    phase: LinkPhase::Assembling { since: now },
+                },
+            );
+            peer
+        } else {
+            let Some(&peer) = self.by_token.get(&pre.token) else {
+                return Attached::Refused;
+            };
+            match self.by_peer.get(&peer) {
+                Some(link)
+                    if matches!(link.phase, LinkPhase::Assembling { .. })
+                        && link.conns.len() == usize::from(pre.index)
+                        && link.expected == usize::from(pre.count) => {}
+                _ => return Attached::Refused,
+            }
+            peer
+        };
+        let link = self.by_peer.get_mut(&peer).expect("present");
+        link.conns.push(Conn {
+            socket,
+            queue: Arc::new(JobQueue::new()),
+            pending: Some(stream),
+        });
+        if link.conns.len() < link.expected {
+            Attached::Waiting(peer)
+        } else {
+            Attached::Complete(peer)
+        }
+    }
+}
