@@ -15,16 +15,21 @@
 //!   [`TransportInput::WriteFinished`](crate::session::TransportInput::WriteFinished).
 //!
 //! The reader never trusts a length: a header is checked (magic, kind, flags, the kind's body
-//! cap) before its body is read, and a body buffer grows with the bytes that actually arrived,
-//! so a peer announcing a large body it never sends costs nothing. The blocking and async
-//! shells of a transport run the same reader; only their `read` calls differ.
+//! cap, and the connection's body limit — [`StreamReader::set_body_limit`], a handshake's until
+//! the endpoint's [`frame_body_limit`](crate::session::Endpoint::frame_body_limit) says the
+//! peer completed it) before its body is read, and a body buffer grows with the bytes that
+//! actually arrived, so a peer announcing a large body it never sends costs nothing. A header
+//! that fails the check stops the stream; its bytes come with the error
+//! ([`StreamError::Header`]) for the transport to hand to the endpoint as a frame, which fails
+//! the peer with a protocol error. The blocking and async shells of a transport run the same
+//! reader; only their `read` calls differ.
 
 use bytes::Bytes;
 use thiserror::Error;
 
 use crate::ids::RegionId;
 use crate::session::{Admission, WriteRefusal, WriteTicket};
-use crate::wire::{DecodeError, FrameHeader, FrameKind, HEADER_LEN};
+use crate::wire::{DecodeError, FrameHeader, FrameKind, HEADER_LEN, MAX_HANDSHAKE_BODY_LEN};
 
 /// How much a body buffer grows per read: a peer must send bytes to make the reader hold them.
 const BODY_STEP: usize = 64 << 10;
@@ -66,9 +71,17 @@ pub enum StreamEvent {
 /// Why a stream cannot go on.
 #[derive(Clone, Debug, PartialEq, Eq, Error)]
 pub enum StreamError {
-    /// A frame header that no peer speaking this protocol sends.
-    #[error("bad frame header: {0}")]
-    Header(DecodeError),
+    /// A frame header that no peer speaking this protocol sends, or one declaring a body over
+    /// the connection's limit. Hand `bytes` to the endpoint as a frame
+    /// ([`TransportInput::FrameReceived`](crate::session::TransportInput::FrameReceived)): it
+    /// reports the protocol error and closes the peer.
+    #[error("bad frame header: {error}")]
+    Header {
+        /// What is wrong with it.
+        error: DecodeError,
+        /// The header's bytes.
+        bytes: Bytes,
+    },
     /// The endpoint refused a data write: nothing more is read from this connection.
     #[error("data write refused: {0}")]
     Refused(WriteRefusal),
@@ -118,6 +131,8 @@ enum State {
 pub struct StreamReader {
     buf: Vec<u8>,
     state: State,
+    /// The largest body accepted (on top of each kind's own cap).
+    body_limit: u32,
 }
 
 impl Default for StreamReader {
@@ -127,12 +142,26 @@ impl Default for StreamReader {
 }
 
 impl StreamReader {
-    /// A reader at the start of a stream.
+    /// A reader at the start of a stream, accepting bodies of a handshake's size
+    /// ([`MAX_HANDSHAKE_BODY_LEN`]) until [`set_body_limit`](Self::set_body_limit) raises it.
     pub fn new() -> Self {
         StreamReader {
             buf: vec![0; HEADER_LEN],
             state: State::Header { filled: 0 },
+            body_limit: MAX_HANDSHAKE_BODY_LEN,
         }
+    }
+
+    /// Sets the largest body the next headers may declare (each kind's own cap still applies):
+    /// the endpoint's [`frame_body_limit`](crate::session::Endpoint::frame_body_limit) for the
+    /// connection's peer.
+    pub fn set_body_limit(&mut self, limit: u32) {
+        self.body_limit = limit;
+    }
+
+    /// The largest body the next headers may declare.
+    pub fn body_limit(&self) -> u32 {
+        self.body_limit
     }
 
     /// Where the next bytes go. Read at most the slice's length (or `len`) bytes.
@@ -178,11 +207,26 @@ impl StreamReader {
                     return Ok(None);
                 }
                 let header = FrameHeader::view(&self.buf).expect("a whole header");
-                let kind = match header.check(None) {
+                let len = header.body_len.get();
+                let checked = header.check(None).and_then(|kind| {
+                    if len > self.body_limit {
+                        Err(DecodeError::BodyTooLong {
+                            kind,
+                            len,
+                            max: self.body_limit,
+                        })
+                    } else {
+                        Ok(kind)
+                    }
+                });
+                let kind = match checked {
                     Ok(kind) => kind,
-                    Err(e) => {
+                    Err(error) => {
                         self.state = State::Stopped;
-                        return Err(StreamError::Header(e));
+                        return Err(StreamError::Header {
+                            error,
+                            bytes: Bytes::copy_from_slice(&self.buf[..HEADER_LEN]),
+                        });
                     }
                 };
                 let total = header.frame_len();
@@ -476,11 +520,15 @@ mod tests {
             &mut |_| unreachable!(),
             &mut Vec::new(),
         );
-        assert!(matches!(err, Err(StreamError::Header(_))));
+        match err {
+            Err(StreamError::Header { bytes, .. }) => assert_eq!(&bytes[..], &garbage[..]),
+            other => panic!("{other:?}"),
+        }
         // A Hello header announcing the largest body, followed by one byte: the reader holds a
         // buffer of one step, not the announced length.
         let header = FrameHeader::new(FrameKind::Hello, 1, MAX_BODY_LEN);
         let mut r = StreamReader::new();
+        r.set_body_limit(MAX_BODY_LEN);
         feed(
             &mut r,
             &header.to_bytes(),
@@ -494,6 +542,47 @@ mod tests {
         };
         assert_eq!(buf.len(), BODY_STEP);
         assert_eq!(r.end(), StreamEnd::Truncated { unfinished: None });
+    }
+
+    #[test]
+    fn before_the_handshake_only_handshake_sized_bodies_are_read() {
+        // A Hello at the handshake limit is read; one byte more is refused at its header, which
+        // comes back with the error for the endpoint to judge.
+        let at_limit = FrameHeader::new(FrameKind::Hello, 1, MAX_HANDSHAKE_BODY_LEN);
+        let mut r = StreamReader::new();
+        assert_eq!(r.body_limit(), MAX_HANDSHAKE_BODY_LEN);
+        let mut stream = at_limit.to_bytes().to_vec();
+        stream.resize(HEADER_LEN + MAX_HANDSHAKE_BODY_LEN as usize, 0);
+        let events = feed(
+            &mut r,
+            &stream,
+            1 << 20,
+            &mut |_| unreachable!(),
+            &mut Vec::new(),
+        );
+        assert!(matches!(events.as_deref(), Ok([StreamEvent::Frame(_)])));
+
+        let over = FrameHeader::new(FrameKind::Hello, 1, MAX_HANDSHAKE_BODY_LEN + 1).to_bytes();
+        let err = feed(&mut r, &over, 64, &mut |_| unreachable!(), &mut Vec::new());
+        assert_eq!(
+            err,
+            Err(StreamError::Header {
+                error: DecodeError::BodyTooLong {
+                    kind: FrameKind::Hello,
+                    len: MAX_HANDSHAKE_BODY_LEN + 1,
+                    max: MAX_HANDSHAKE_BODY_LEN,
+                },
+                bytes: Bytes::copy_from_slice(&over),
+            })
+        );
+
+        // Once the peer's handshake completed, the endpoint's limit is the largest body.
+        let mut r = StreamReader::new();
+        r.set_body_limit(MAX_BODY_LEN);
+        assert_eq!(
+            feed(&mut r, &over, 64, &mut |_| unreachable!(), &mut Vec::new()),
+            Ok(vec![])
+        );
     }
 
     #[test]

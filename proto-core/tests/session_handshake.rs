@@ -271,3 +271,66 @@ fn frames_from_an_unknown_peer_are_a_usage_error() {
     );
     assert!(s.poll_output().is_none());
 }
+
+#[test]
+fn before_its_handshake_a_peer_may_send_only_handshake_sized_bodies() {
+    use kvpipe_core::session::{Endpoint, TransportInput};
+    use kvpipe_core::wire::{
+        DecodeError, FrameHeader, FrameKind, MAX_BODY_LEN, MAX_HANDSHAKE_BODY_LEN,
+    };
+    // Every handshake frame fits.
+    assert!(FrameKind::HelloReject.max_body_len() <= MAX_HANDSHAKE_BODY_LEN);
+    assert!(FrameKind::HelloAccept.max_body_len() <= MAX_HANDSHAKE_BODY_LEN);
+
+    let mut r = Receiver::new(receiver_config(0)).unwrap();
+    let now = kvpipe_core::Instant::from_millis(1);
+    let peer = PeerId(0);
+    assert_eq!(r.frame_body_limit(peer), MAX_HANDSHAKE_BODY_LEN, "unknown");
+    r.handle_transport(now, TransportInput::PeerConnected { peer })
+        .unwrap();
+    assert_eq!(r.frame_body_limit(peer), MAX_HANDSHAKE_BODY_LEN);
+    // A Hello header declaring a body one byte over the limit, with that body: refused before
+    // it is decoded, as a protocol violation naming both lengths.
+    let len = MAX_HANDSHAKE_BODY_LEN + 1;
+    let mut bytes = FrameHeader::new(FrameKind::Hello, 1, len)
+        .to_bytes()
+        .to_vec();
+    bytes.resize(bytes.len() + len as usize, 0);
+    r.handle_transport(
+        now,
+        TransportInput::FrameReceived {
+            peer,
+            bytes: bytes.into(),
+        },
+    )
+    .unwrap();
+    let outs: Vec<Output> = std::iter::from_fn(|| r.poll_output()).collect();
+    assert!(
+        outs.iter().any(|o| matches!(
+            o,
+            Output::Event(Event::ProtocolViolation {
+                error: ProtocolError::Undecodable {
+                    error: DecodeError::BodyTooLong {
+                        kind: FrameKind::Hello,
+                        len: l,
+                        max: MAX_HANDSHAKE_BODY_LEN,
+                    },
+                },
+                ..
+            }) if *l == len
+        )),
+        "{outs:?}"
+    );
+    assert!(outs.iter().any(|o| matches!(
+        o,
+        Output::ClosePeer {
+            reason: CloseReason::ProtocolViolation,
+            ..
+        }
+    )));
+
+    // Once the handshake completed, the limit is the largest body.
+    let net = Net::connected(1, 1);
+    assert_eq!(net.receivers[0].frame_body_limit(tx_peer(0)), MAX_BODY_LEN);
+    assert_eq!(net.senders[0].frame_body_limit(rx_peer(0)), MAX_BODY_LEN);
+}

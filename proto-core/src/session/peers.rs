@@ -13,8 +13,8 @@ use crate::ids::PeerId;
 use crate::plan::check_pairable;
 use crate::time::Instant;
 use crate::wire::{
-    negotiate, DecodeError, Frame, Heartbeat, Hello, HelloReject, RejectReason, Role, Topology,
-    PROTOCOL_VERSION,
+    negotiate, DecodeError, Frame, FrameHeader, FrameKind, Heartbeat, Hello, HelloReject,
+    RejectReason, Role, Topology, MAX_BODY_LEN, MAX_HANDSHAKE_BODY_LEN, PROTOCOL_VERSION,
 };
 
 #[derive(Clone, Debug)]
@@ -90,6 +90,15 @@ impl PeerTable {
 
     pub(crate) fn len(&self) -> usize {
         self.peers.len()
+    }
+
+    /// The largest frame body `peer` may send: a handshake's until its Hello was accepted.
+    pub(crate) fn body_limit(&self, peer: PeerId) -> u32 {
+        if self.version(peer).is_some() {
+            MAX_BODY_LEN
+        } else {
+            MAX_HANDSHAKE_BODY_LEN
+        }
     }
 
     fn step(entry: &mut PeerEntry, event: PeerEvent) -> bool {
@@ -223,6 +232,11 @@ impl PeerTable {
             return Ok(Route::Done);
         }
         entry.last_rx = now;
+        if entry.remote.is_none() {
+            if let Some(error) = past_handshake_limit(bytes) {
+                return Ok(self.malformed(peer, error, out, counters));
+            }
+        }
         let decoded = match entry.remote {
             Some(_) => Frame::parse_negotiated(bytes, entry.version),
             None => Frame::parse(bytes),
@@ -431,6 +445,19 @@ impl PeerTable {
         }
         expiry
     }
+}
+
+/// A frame from a peer whose handshake has not completed that declares a body longer than a
+/// handshake's (checked before decoding it).
+fn past_handshake_limit(bytes: &[u8]) -> Option<DecodeError> {
+    let header = FrameHeader::view(bytes)?;
+    let kind = FrameKind::from_code(header.kind)?;
+    let len = header.body_len.get();
+    (len > MAX_HANDSHAKE_BODY_LEN).then_some(DecodeError::BodyTooLong {
+        kind,
+        len,
+        max: MAX_HANDSHAKE_BODY_LEN,
+    })
 }
 
 /// Checks, once the versions and model agree, that the two sides can actually be paired:

@@ -1472,6 +1472,10 @@ impl Endpoint for Receiver {
         Receiver::is_peer_ready(self, peer)
     }
 
+    fn frame_body_limit(&self, peer: PeerId) -> u32 {
+        self.shell.peers.body_limit(peer)
+    }
+
     fn peer_count(&self) -> usize {
         Receiver::peer_count(self)
     }

@@ -1927,6 +1927,10 @@ impl Endpoint for Sender {
         Sender::is_peer_ready(self, peer)
     }
 
+    fn frame_body_limit(&self, peer: PeerId) -> u32 {
+        self.shell.peers.body_limit(peer)
+    }
+
     fn peer_count(&self) -> usize {
         Sender::peer_count(self)
     }

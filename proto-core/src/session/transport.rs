@@ -278,6 +278,15 @@ pub trait Endpoint {
     /// Whether the handshake with `peer` completed (and the peer is not closing).
     fn is_peer_ready(&self, peer: PeerId) -> bool;
 
+    /// The largest frame body `peer` may send next:
+    /// [`MAX_HANDSHAKE_BODY_LEN`](crate::wire::MAX_HANDSHAKE_BODY_LEN) until its handshake
+    /// completed (and for a peer this endpoint does not know), then
+    /// [`MAX_BODY_LEN`](crate::wire::MAX_BODY_LEN). A stream transport hands it to the
+    /// connection's [`StreamReader`](crate::stream::StreamReader::set_body_limit), so a peer
+    /// that has not said who it is cannot make it buffer more than a Hello; the endpoint
+    /// refuses a larger frame from such a peer itself too.
+    fn frame_body_limit(&self, peer: PeerId) -> u32;
+
     /// Connected peers (handshaking, ready or closing).
     fn peer_count(&self) -> usize;
 

@@ -65,7 +65,8 @@ pub enum DecodeError {
         kind: FrameKind,
         /// The declared body length.
         len: u32,
-        /// The kind's cap ([`FrameKind::max_body_len`]).
+        /// The kind's cap ([`FrameKind::max_body_len`]), or before the handshake
+        /// [`MAX_HANDSHAKE_BODY_LEN`](super::MAX_HANDSHAKE_BODY_LEN).
         max: u32,
     },
     /// A body field is invalid.

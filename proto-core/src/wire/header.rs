@@ -19,6 +19,16 @@ pub const HEADER_LEN: usize = core::mem::size_of::<FrameHeader>();
 /// exact cap (see [`FrameKind::max_body_len`]).
 pub const MAX_BODY_LEN: u32 = 1 << 24;
 
+/// Largest body a peer may send before its handshake completed (256 KiB): a [`Hello`] of
+/// thousands of pools, or a [`HelloReject`] with the longest message, fits. A peer that has not
+/// said who it is cannot make an endpoint decode, or a stream transport buffer, more than this
+/// ([`Endpoint::frame_body_limit`](crate::session::Endpoint::frame_body_limit)); a local Hello
+/// larger than this is refused by its peers.
+///
+/// [`Hello`]: super::Hello
+/// [`HelloReject`]: super::HelloReject
+pub const MAX_HANDSHAKE_BODY_LEN: u32 = 1 << 18;
+
 /// The fixed little-endian header in front of every frame body (12 bytes, no alignment).
 ///
 /// | offset | size | field |

@@ -35,4 +35,4 @@ pub use codec::{DATA_WRITE_FRAME_LEN, MAX_REJECT_MESSAGE};
 pub use error::{DecodeError, EncodeError, Malformation};
 pub use frame::*;
 pub use handshake::{compat_hash, negotiate};
-pub use header::{FrameHeader, FrameKind, HEADER_LEN, MAGIC, MAX_BODY_LEN};
+pub use header::{FrameHeader, FrameKind, HEADER_LEN, MAGIC, MAX_BODY_LEN, MAX_HANDSHAKE_BODY_LEN};

@@ -51,7 +51,11 @@ impl Inbound {
     ) -> Self {
         Inbound {
             peer,
-            reader: StreamReader::new(),
+            reader: {
+                let mut reader = StreamReader::new();
+                reader.set_body_limit(kvpipe_core::wire::MAX_BODY_LEN);
+                reader
+            },
             hooks,
             regions,
             stats,
@@ -180,7 +184,7 @@ impl Inbound {
     fn stream_error(&self, e: StreamError) -> ReadEnd {
         match e {
             StreamError::Refused(_) => ReadEnd::Refused,
-            StreamError::Header(_) => {
+            StreamError::Header { .. } => {
                 bump(&self.stats.decode_errors, 1);
                 ReadEnd::Failed
             }
