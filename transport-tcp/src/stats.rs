@@ -25,7 +25,8 @@ pub struct TcpStats {
     /// Admitted writes whose destination is not registered memory (or lies past its end):
     /// never applied, and the connection was torn down.
     pub unbacked_writes: u64,
-    /// Frame headers no kvpipe peer sends (the connection was torn down).
+    /// Frame headers no kvpipe peer sends, or declaring a body over the peer's limit (handed to
+    /// the core as a frame, which fails the peer with a protocol error; nothing more was read).
     pub decode_errors: u64,
     /// Peers whose close started: asked by the core, started by the peer ending its stream, by
     /// an I/O error, or by closing the node.

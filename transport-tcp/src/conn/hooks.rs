@@ -34,11 +34,12 @@ pub(crate) enum HalfEnd {
 pub(crate) enum ReadEnd {
     /// The peer ended its stream at a frame boundary (or the node shut the socket down).
     Eof,
-    /// The core refused a data write: nothing more is read from this connection (the core
-    /// already asked to close the peer).
+    /// The core refused a data write, or the stream carried bytes that are no frame (handed to
+    /// the core, which reported the protocol error): nothing more is read from this connection
+    /// (the core already asked to close the peer).
     Refused,
-    /// A socket error, a stream cut inside a frame or payload, bytes that are no frame, or an
-    /// admitted destination that is not registered memory.
+    /// A socket error, a stream cut inside a frame or payload, or an admitted destination that
+    /// is not registered memory.
     Failed,
 }
 

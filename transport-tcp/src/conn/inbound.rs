@@ -184,9 +184,13 @@ impl Inbound {
     fn stream_error(&self, e: StreamError) -> ReadEnd {
         match e {
             StreamError::Refused(_) => ReadEnd::Refused,
-            StreamError::Header { .. } => {
+            StreamError::Header { bytes, .. } => {
+                // Bytes that are no frame (or a body over the peer's limit): the core judges
+                // them, reports the protocol error, fails the peer's sessions with it and asks
+                // to close the peer. Nothing more is read from this connection.
                 bump(&self.stats.decode_errors, 1);
-                ReadEnd::Failed
+                self.hooks.frame(self.peer, bytes);
+                ReadEnd::Refused
             }
             StreamError::Misuse(_) => ReadEnd::Failed,
         }
