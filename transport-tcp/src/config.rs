@@ -24,8 +24,19 @@ pub struct TcpConfig {
     /// 32 MiB, reads whatever arrived. On a loaded two-core machine, reads capped at 1 MiB
     /// moved one connection's data about 15 % slower than uncapped ones.
     pub socket_read_bytes: usize,
-    /// How long an accepted connection may take to send its preamble.
+    /// How long an accepted connection may take to send its preamble (each connection has its
+    /// own deadline; preambles are read concurrently), and a connecting bundle to bring all its
+    /// connections.
     pub preamble_timeout: Duration,
+    /// Most accepted connections that have not completed the handshake (reading their
+    /// preamble, in a bundle still assembling, or handshaking) held at once; a new connection
+    /// past it drops the oldest of them. Their handshake deadline is the core's
+    /// (`Deadlines::handshake`).
+    pub max_unauthenticated: usize,
+    /// Most of those from one IP address; a new connection past it drops the oldest from its
+    /// address first. At least [`connections_per_peer`](Self::connections_per_peer) of a
+    /// connecting peer (up to 255), so that a bundle fits.
+    pub max_unauthenticated_per_address: usize,
     /// How long a graceful close (flushing queued frames, then reading until the peer's end of
     /// stream) may take before sockets are shut down: the bound of a close the core asks for, of
     /// one a peer starts by ending its stream, and of dropping a node.
@@ -46,6 +57,8 @@ impl Default for TcpConfig {
             socket_write_bytes: 1 << 20,
             socket_read_bytes: 32 << 20,
             preamble_timeout: Duration::from_secs(5),
+            max_unauthenticated: 1024,
+            max_unauthenticated_per_address: 256,
             close_grace: Duration::from_millis(500),
             write_stall_timeout: Some(Duration::from_secs(30)),
             origin: None,

@@ -10,6 +10,14 @@
 //!   and/or connects; each peer is a bundle of [`TcpConfig::connections_per_peer`] connections
 //!   opened by the connecting side, each starting with a 16-byte [`preamble`]. A peer starts
 //!   (its connection halves run, the core hears of it) only once its whole bundle is attached.
+//! - Accepting never waits on a peer: every accepted connection's preamble is read on a thread
+//!   of its own under its own deadline ([`TcpConfig::preamble_timeout`]), a bundle's connections
+//!   may arrive in any order, and the core's handshake deadline bounds the rest. Connections
+//!   that have not completed the handshake are capped ([`TcpConfig::max_unauthenticated`],
+//!   [`TcpConfig::max_unauthenticated_per_address`]; the oldest is dropped first), and until
+//!   the handshake a connection's reader takes only handshake-sized bodies
+//!   ([`kvpipe_core::Endpoint::frame_body_limit`]). Bytes that are no frame go to the core,
+//!   which fails the peer with a protocol error.
 //!   Control frames travel on the first connection exactly as the endpoint encoded them; a
 //!   write batch is cut into `DataWrite` pieces (headers from the core's `DataWriteHeaders`)
 //!   spread over all connections and written with vectored writes of header and source bytes.

@@ -1,6 +1,7 @@
 //! The 16-byte preamble every TCP connection starts with, before any frame: it tells the
-//! accepting node whether the connection opens a new peer (the control connection) or joins an
-//! existing one as an extra data connection. It is transport framing, not a protocol frame; the
+//! accepting node which peer's bundle the connection belongs to (the token), and whether it is
+//! the control connection (index 0) or an extra data connection. The accepting node reads
+//! preambles concurrently, so a bundle's connections may arrive in any order. It is transport framing, not a protocol frame; the
 //! handshake (`Hello`) follows on the control connection.
 //!
 //! | offset | size | field |

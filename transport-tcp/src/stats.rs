@@ -31,6 +31,13 @@ pub struct TcpStats {
     /// Peers whose close started: asked by the core, started by the peer ending its stream, by
     /// an I/O error, or by closing the node.
     pub peers_closed: u64,
+    /// Accepted connections dropped before their preamble arrived: past the preamble timeout,
+    /// closed by the peer, or with an invalid preamble.
+    pub preambles_failed: u64,
+    /// Unauthenticated connections (reading their preamble, assembling or handshaking)
+    /// dropped to make room for newer ones (`TcpConfig::max_unauthenticated`,
+    /// `max_unauthenticated_per_address`).
+    pub unauthenticated_dropped: u64,
 }
 
 #[derive(Debug, Default)]
@@ -46,6 +53,8 @@ pub(crate) struct StatCells {
     pub(crate) unbacked_writes: AtomicU64,
     pub(crate) decode_errors: AtomicU64,
     pub(crate) peers_closed: AtomicU64,
+    pub(crate) preambles_failed: AtomicU64,
+    pub(crate) unauthenticated_dropped: AtomicU64,
 }
 
 pub(crate) fn bump(cell: &AtomicU64, by: u64) {
@@ -67,6 +76,8 @@ impl StatCells {
             unbacked_writes: g(&self.unbacked_writes),
             decode_errors: g(&self.decode_errors),
             peers_closed: g(&self.peers_closed),
+            preambles_failed: g(&self.preambles_failed),
+            unauthenticated_dropped: g(&self.unauthenticated_dropped),
         }
     }
 }

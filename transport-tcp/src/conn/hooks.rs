@@ -10,6 +10,9 @@ use kvpipe_core::{Admission, PeerId, WriteTicket};
 pub(crate) trait NodeHooks: Send + Sync {
     /// A whole frame arrived from `peer`.
     fn frame(&self, peer: PeerId, bytes: Bytes);
+    /// The largest frame body `peer` may send now (the core's: a handshake's until it
+    /// completed).
+    fn body_limit(&self, peer: PeerId) -> u32;
     /// The header of a data write from `peer` arrived: the core's answer.
     fn admit(&self, peer: PeerId, header: &[u8]) -> Admission;
     /// An admitted write is over (`landed`: every byte is in memory).

@@ -9,6 +9,7 @@
 use std::sync::Arc;
 
 use kvpipe_core::stream::{ReadInto, StreamEnd, StreamError, StreamEvent, StreamReader};
+use kvpipe_core::wire::MAX_BODY_LEN;
 use kvpipe_core::{Admission, PeerId};
 
 use super::hooks::{HalfEnd, NodeHooks, ReadEnd};
@@ -51,11 +52,8 @@ impl Inbound {
     ) -> Self {
         Inbound {
             peer,
-            reader: {
-                let mut reader = StreamReader::new();
-                reader.set_body_limit(kvpipe_core::wire::MAX_BODY_LEN);
-                reader
-            },
+            // A handshake's body limit until the core says the peer completed it.
+            reader: StreamReader::new(),
             hooks,
             regions,
             stats,
@@ -136,14 +134,25 @@ impl Inbound {
             None => Ok(()),
             Some(StreamEvent::Frame(bytes)) => {
                 self.hooks.frame(self.peer, bytes);
+                self.raise_body_limit();
                 Ok(())
             }
             Some(StreamEvent::DataWrite(header)) => self.admit(&header),
             Some(StreamEvent::Landed(ticket)) => {
                 bump(&self.stats.writes_applied, 1);
                 self.hooks.write_finished(ticket, true);
+                self.raise_body_limit();
                 Ok(())
             }
+        }
+    }
+
+    /// While the reader holds a handshake's body limit, asks the core whether the peer has
+    /// completed its handshake since (once it has, the limit is the largest and never asked
+    /// again).
+    fn raise_body_limit(&mut self) {
+        if self.reader.body_limit() < MAX_BODY_LEN {
+            self.reader.set_body_limit(self.hooks.body_limit(self.peer));
         }
     }
 
@@ -221,6 +230,9 @@ mod tests {
                 .lock()
                 .unwrap()
                 .push(format!("frame {}", bytes.len()));
+        }
+        fn body_limit(&self, _: PeerId) -> u32 {
+            MAX_BODY_LEN
         }
         fn admit(&self, _: PeerId, _: &[u8]) -> Admission {
             self.log.lock().unwrap().push("admit".into());

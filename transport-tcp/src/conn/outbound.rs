@@ -313,6 +313,9 @@ mod tests {
 
     impl NodeHooks for Recorder {
         fn frame(&self, _: PeerId, _: Bytes) {}
+        fn body_limit(&self, _: PeerId) -> u32 {
+            kvpipe_core::wire::MAX_BODY_LEN
+        }
         fn admit(&self, _: PeerId, _: &[u8]) -> Admission {
             Admission::Discard { len: 0 }
         }

@@ -1,12 +1,14 @@
 //! Connection bundles: the connecting side opens `connections_per_peer` connections, each
-//! starting with a [`Preamble`]; the accepting side collects them by bundle token. Once a bundle
+//! starting with a [`Preamble`]; the accepting side reads every accepted connection's preamble
+//! on a thread of its own, under its own deadline and within the caps on unauthenticated
+//! connections ([`super::lobby`]), and collects them by bundle token. Once a bundle
 //! is complete its halves start and the core hears `PeerConnected` — in the same hold of the
 //! lock, so no frame is read, and no data write can be sent and lost, before the node holds
 //! every connection of the peer and the core knows it.
 
 use std::hash::{BuildHasher, Hasher};
 use std::io::{self, Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::thread::{self, JoinHandle};
@@ -15,6 +17,7 @@ use std::time::Duration as StdDuration;
 use kvpipe_core::{Endpoint, Instant, PeerId, TransportInput};
 
 use super::link::{Attached, LinkPhase};
+use super::lobby::Victim;
 use super::{NodePhase, Shared, State};
 use crate::conn::{Inbound, NodeHooks, Outbound};
 use crate::preamble::{Preamble, PREAMBLE_LEN};
@@ -35,20 +38,15 @@ pub(super) fn listen<E: Endpoint + Send + 'static>(
 }
 
 /// Accepts connections (blocking) until the node stops accepting; [`wake_acceptor`] unblocks
-/// it then.
+/// it then. The loop never reads from a connection: each one's preamble is read on a thread of
+/// its own, under its own deadline, after room was made for it (see [`super::lobby`]).
 fn accept_loop<E: Endpoint + Send + 'static>(shared: &Arc<Shared<E>>, listener: TcpListener) {
     for stream in listener.incoming() {
         if !shared.accepting.load(Ordering::Acquire) {
             return;
         }
         match stream {
-            Ok(stream) => {
-                if let Some((pre, stream)) = read_preamble(shared, stream) {
-                    let mut st = shared.state.lock();
-                    let now = shared.now();
-                    shared.attach(&mut st, now, pre, stream);
-                }
-            }
+            Ok(stream) => shared.welcome(stream),
             // Out of descriptors or memory, or a connection reset before it was accepted.
             Err(_) => thread::sleep(StdDuration::from_millis(10)),
         }
@@ -68,23 +66,99 @@ pub(super) fn wake_acceptor(local: SocketAddr) {
     let _ = TcpStream::connect_timeout(&addr, StdDuration::from_secs(1));
 }
 
-/// Reads and checks an accepted connection's preamble (bounded by the preamble timeout).
-fn read_preamble<E: Endpoint + Send + 'static>(
-    shared: &Shared<E>,
-    mut stream: TcpStream,
-) -> Option<(Preamble, TcpStream)> {
-    stream.set_nonblocking(false).ok()?;
-    stream
-        .set_read_timeout(Some(shared.config.preamble_timeout))
-        .ok()?;
+/// Stack of a preamble thread: it reads 16 bytes.
+const PREAMBLE_STACK: usize = 64 << 10;
+
+/// Reads a preamble from `stream` by `deadline`, however the bytes are spread out in time.
+fn read_preamble(mut stream: &TcpStream, deadline: std::time::Instant) -> Option<Preamble> {
     let mut buf = [0u8; PREAMBLE_LEN];
-    stream.read_exact(&mut buf).ok()?;
-    let pre = Preamble::decode(&buf).ok()?;
-    shared.configure(&stream).ok()?;
-    Some((pre, stream))
+    let mut filled = 0;
+    while filled < PREAMBLE_LEN {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        if left.is_zero() {
+            return None;
+        }
+        stream.set_read_timeout(Some(left)).ok()?;
+        match stream.read(&mut buf[filled..]) {
+            Ok(0) => return None,
+            Ok(n) => filled += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(_) => return None,
+        }
+    }
+    Preamble::decode(&buf).ok()
 }
 
 impl<E: Endpoint + Send + 'static> Shared<E> {
+    /// Takes an accepted connection: makes room for it among the unauthenticated ones, then
+    /// reads its preamble on a thread of its own.
+    fn welcome(self: &Arc<Self>, stream: TcpStream) {
+        let Ok(peer_addr) = stream.peer_addr() else {
+            return;
+        };
+        let Ok(handle) = stream.try_clone() else {
+            return;
+        };
+        let addr = peer_addr.ip();
+        let since = std::time::Instant::now();
+        let ticket = {
+            let mut st = self.state.lock();
+            if !matches!(st.phase, NodePhase::Running) {
+                return;
+            }
+            let unproven = st.links.unproven();
+            let victims = st.lobby.make_room(
+                &unproven,
+                addr,
+                self.config.max_unauthenticated_per_address,
+                self.config.max_unauthenticated,
+            );
+            bump(&self.stats.unauthenticated_dropped, victims.len() as u64);
+            for victim in victims {
+                let Victim::Link(peer) = victim else {
+                    continue;
+                };
+                match st.links.get_mut(peer) {
+                    // The core never heard of it; its sockets close with the link.
+                    Some(link) if matches!(link.phase, LinkPhase::Assembling { .. }) => {
+                        st.links.remove(peer);
+                    }
+                    // Handshaking: its halves stop, then the core hears of the disconnect.
+                    Some(link) => {
+                        link.abort();
+                    }
+                    None => {}
+                }
+            }
+            st.lobby.enter(addr, since, handle)
+        };
+        let deadline = since + self.config.preamble_timeout;
+        let shared = self.clone();
+        let reader = thread::Builder::new()
+            .name("kvpipe-tcp-preamble".into())
+            .stack_size(PREAMBLE_STACK)
+            .spawn(move || {
+                let pre = read_preamble(&stream, deadline);
+                let mut st = shared.state.lock();
+                // Dropped meanwhile (to make room, or the node stopped): its socket is shut.
+                let Some(origin) = st.lobby.leave(ticket) else {
+                    return;
+                };
+                let Some(pre) = pre.filter(|_| shared.configure(&stream).is_ok()) else {
+                    bump(&shared.stats.preambles_failed, 1);
+                    return;
+                };
+                let now = shared.now();
+                shared.attach(&mut st, now, pre, stream, Some(origin));
+            });
+        if reader.is_err() {
+            // No thread for it: it leaves at once (the stream was moved into the failed
+            // closure and is closed).
+            self.state.lock().lobby.leave(ticket);
+            bump(&self.stats.preambles_failed, 1);
+        }
+    }
+
     /// Connects the connections of one peer bundle and writes their preambles.
     pub(crate) fn open_bundle(
         &self,
@@ -120,7 +194,7 @@ impl<E: Endpoint + Send + 'static> Shared<E> {
         let now = self.now();
         let mut assembling = None;
         for (pre, stream) in streams {
-            match self.attach(&mut st, now, pre, stream) {
+            match self.attach(&mut st, now, pre, stream, None) {
                 Attached::Waiting(peer) => assembling = Some(peer),
                 Attached::Complete(peer) if st.links.get(peer).is_some() => return Ok(peer),
                 Attached::Complete(_) => {
@@ -142,11 +216,14 @@ impl<E: Endpoint + Send + 'static> Shared<E> {
         now: Instant,
         pre: Preamble,
         stream: TcpStream,
+        origin: Option<(IpAddr, std::time::Instant)>,
     ) -> Attached {
         if !matches!(st.phase, NodePhase::Running) {
             return Attached::Refused;
         }
-        let attached = st.links.attach(pre, stream, std::time::Instant::now());
+        let attached = st
+            .links
+            .attach(pre, stream, std::time::Instant::now(), origin);
         match attached {
             Attached::Refused => return attached,
             Attached::Waiting(_) => {

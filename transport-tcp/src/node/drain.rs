@@ -4,7 +4,7 @@
 
 use kvpipe_core::session::{CloseReason, DataWriteHeaders, WriteBatchId};
 use kvpipe_core::wire::TransferStatus;
-use kvpipe_core::{Endpoint, Instant, Output, PeerId, TransportInput, WritePlan};
+use kvpipe_core::{Endpoint, Event, Instant, Output, PeerId, TransportInput, WritePlan};
 
 use super::{Shared, State};
 use crate::conn::{split_plan, Job};
@@ -39,7 +39,16 @@ impl<E: Endpoint + Send + 'static> Shared<E> {
                         ..
                     } => reports.extend(self.execute(st, now, peer, batch, &plan, &headers)),
                     Output::ClosePeer { peer, reason } => self.close_peer(st, peer, reason),
-                    Output::Event(event) => self.events.push(now, event),
+                    Output::Event(event) => {
+                        if let Event::PeerReady { peer, .. } = &event {
+                            // Proven: it no longer counts against the caps on unauthenticated
+                            // connections.
+                            if let Some(link) = st.links.get_mut(*peer) {
+                                link.authenticated = true;
+                            }
+                        }
+                        self.events.push(now, event);
+                    }
                 }
             }
             if reports.is_empty() {

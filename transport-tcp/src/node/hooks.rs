@@ -27,6 +27,10 @@ impl<E: Endpoint + Send + 'static> NodeHooks for Shared<E> {
         self.input(TransportInput::FrameReceived { peer, bytes });
     }
 
+    fn body_limit(&self, peer: PeerId) -> u32 {
+        self.state.lock().endpoint.frame_body_limit(peer)
+    }
+
     fn admit(&self, peer: PeerId, header: &[u8]) -> Admission {
         let mut st = self.state.lock();
         let now = self.now();

@@ -15,6 +15,7 @@ use parking_lot::{Condvar, Mutex};
 use super::batches::Batches;
 use super::events::EventQueue;
 use super::link::{LinkPhase, Links};
+use super::lobby::Lobby;
 use super::{bundle, timer, NodePhase, Shared, Spawn, State};
 use crate::config::TcpConfig;
 use crate::memory::RegionTable;
@@ -39,6 +40,7 @@ impl<E: Endpoint + Send + 'static> Node<E> {
             state: Arc::new(Mutex::new(State {
                 endpoint,
                 links: Links::default(),
+                lobby: Lobby::default(),
                 batches: Batches::default(),
                 phase: NodePhase::Running,
                 timer_at: None,
@@ -118,6 +120,7 @@ impl<E: Endpoint + Send + 'static> Node<E> {
         }
         st.phase = NodePhase::Closing(HashMap::new());
         shared.accepting.store(false, Ordering::Release);
+        st.lobby.clear();
         let mut lingering = Vec::new();
         for peer in st.links.ids() {
             let Some(link) = st.links.get_mut(peer) else {
@@ -164,6 +167,7 @@ impl<E: Endpoint + Send + 'static> Node<E> {
             let mut st = self.shared.state.lock();
             st.phase = NodePhase::Stopped;
             self.shared.accepting.store(false, Ordering::Release);
+            st.lobby.clear();
             for peer in st.links.ids() {
                 match st.links.get_mut(peer) {
                     Some(link) if matches!(link.phase, LinkPhase::Assembling { .. }) => {

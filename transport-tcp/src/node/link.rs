@@ -10,17 +10,20 @@
 //! connection halves stopped (whatever the phase then); the link is removed at that moment.
 
 use std::collections::HashMap;
-use std::net::{Shutdown, TcpStream};
+use std::net::{IpAddr, Shutdown, TcpStream};
 use std::sync::Arc;
 
 use bytes::Bytes;
 use kvpipe_core::PeerId;
 
+use super::lobby::Unproven;
 use crate::conn::{Job, JobQueue};
 use crate::preamble::Preamble;
 
 /// One connection of a bundle.
 pub(crate) struct Conn {
+    /// Its index in the bundle (0: control).
+    index: u8,
     /// A handle for shutting the socket down from any thread.
     socket: TcpStream,
     /// The writer's queue.
@@ -61,6 +64,11 @@ pub(crate) struct PeerLink {
     /// Connection halves (readers and writers) still running.
     pub(crate) halves: u32,
     pub(crate) phase: LinkPhase,
+    /// For an accepted peer: its address and when its first connection was accepted (`None`:
+    /// this node connected to it).
+    pub(crate) origin: Option<(IpAddr, std::time::Instant)>,
+    /// Whether its handshake completed (the core reported it ready).
+    pub(crate) authenticated: bool,
 }
 
 impl PeerLink {
@@ -162,6 +170,27 @@ impl Links {
         self.by_peer.iter_mut().map(|(p, l)| (*p, l))
     }
 
+    /// Accepted peers still assembling their bundle or handshaking (closing and aborted ones
+    /// are on their way out and do not count).
+    pub(crate) fn unproven(&self) -> Vec<Unproven> {
+        self.by_peer
+            .iter()
+            .filter(|(_, l)| {
+                !l.authenticated
+                    && matches!(l.phase, LinkPhase::Assembling { .. } | LinkPhase::Open)
+            })
+            .filter_map(|(&peer, l)| {
+                let (addr, since) = l.origin?;
+                Some(Unproven {
+                    peer,
+                    addr,
+                    since,
+                    conns: l.conns.len(),
+                })
+            })
+            .collect()
+    }
+
     /// Removes a link (its sockets close once its halves dropped their streams).
     pub(crate) fn remove(&mut self, peer: PeerId) -> Option<PeerLink> {
         let link = self.by_peer.remove(&peer)?;
@@ -169,50 +198,55 @@ impl Links {
         Some(link)
     }
 
-    /// Adds a connection whose preamble was `pre` to its bundle; connection 0 makes a new peer
-    /// (numbered from 0 in arrival order).
+    /// Adds a connection whose preamble was `pre` to its bundle. The bundle's first connection
+    /// to arrive, whatever its index (preambles are read concurrently), makes a new peer
+    /// (numbered from 0 in arrival order). `origin`: the address and acceptance time of an
+    /// accepted connection (`None`: this node connected); a bundle's connections all come from
+    /// one address.
     pub(crate) fn attach(
         &mut self,
         pre: Preamble,
         stream: TcpStream,
         now: std::time::Instant,
+        origin: Option<(IpAddr, std::time::Instant)>,
     ) -> Attached {
         let Ok(socket) = stream.try_clone() else {
             return Attached::Refused;
         };
-        let peer = if pre.index == 0 {
-            if self.by_token.contains_key(&pre.token) {
-                return Attached::Refused;
+        let peer = match self.by_token.get(&pre.token) {
+            Some(&peer) => {
+                match self.by_peer.get(&peer) {
+                    Some(link)
+                        if matches!(link.phase, LinkPhase::Assembling { .. })
+                            && link.expected == usize::from(pre.count)
+                            && link.conns.iter().all(|c| c.index != pre.index)
+                            && link.origin.map(|o| o.0) == origin.map(|o| o.0) => {}
+                    _ => return Attached::Refused,
+                }
+                peer
             }
-            let peer = PeerId(self.next_peer);
-            self.next_peer += 1;
-            self.by_token.insert(pre.token, peer);
-            self.by_peer.insert(
-                peer,
-                PeerLink {
-                    token: pre.token,
-                    expected: usize::from(pre.count),
-                    conns: Vec::new(),
-                    halves: 0,
-                    phase: LinkPhase::Assembling { since: now },
-                },
-            );
-            peer
-        } else {
-            let Some(&peer) = self.by_token.get(&pre.token) else {
-                return Attached::Refused;
-            };
-            match self.by_peer.get(&peer) {
-                Some(link)
-                    if matches!(link.phase, LinkPhase::Assembling { .. })
-                        && link.conns.len() == usize::from(pre.index)
-                        && link.expected == usize::from(pre.count) => {}
-                _ => return Attached::Refused,
+            None => {
+                let peer = PeerId(self.next_peer);
+                self.next_peer += 1;
+                self.by_token.insert(pre.token, peer);
+                self.by_peer.insert(
+                    peer,
+                    PeerLink {
+                        token: pre.token,
+                        expected: usize::from(pre.count),
+                        conns: Vec::new(),
+                        halves: 0,
+                        phase: LinkPhase::Assembling { since: now },
+                        origin,
+                        authenticated: false,
+                    },
+                );
+                peer
             }
-            peer
         };
         let link = self.by_peer.get_mut(&peer).expect("present");
         link.conns.push(Conn {
+            index: pre.index,
             socket,
             queue: Arc::new(JobQueue::new()),
             pending: Some(stream),
@@ -220,6 +254,8 @@ impl Links {
         if link.conns.len() < link.expected {
             Attached::Waiting(peer)
         } else {
+            // In index order: control frames travel on connection 0.
+            link.conns.sort_by_key(|c| c.index);
             Attached::Complete(peer)
         }
     }

@@ -12,6 +12,7 @@
 //! - [`link`]: a peer's connection bundle and its one phase (assembling, open, closing,
 //!   aborted);
 //! - [`bundle`]: connecting, accepting, and starting a complete bundle;
+//! - [`lobby`]: accepted connections that have not completed the handshake, their caps;
 //! - [`hooks`]: what a connection's halves report, as endpoint inputs;
 //! - [`drain`]: carrying out the endpoint's outputs;
 //! - [`timer`]: the endpoint's deadline and the links' deadlines;
@@ -30,6 +31,7 @@ pub(crate) mod guard;
 mod hooks;
 pub(crate) mod lifecycle;
 mod link;
+mod lobby;
 mod timer;
 
 use std::collections::HashMap;
@@ -48,6 +50,7 @@ use crate::stats::StatCells;
 use batches::Batches;
 use events::EventQueue;
 use link::Links;
+use lobby::Lobby;
 
 /// Where connection I/O runs: starts the two halves of one connection on threads or tasks.
 pub(crate) trait Spawn: Send + Sync + 'static {
@@ -70,6 +73,8 @@ pub(crate) enum NodePhase {
 pub(crate) struct State<E> {
     pub(crate) endpoint: E,
     pub(crate) links: Links,
+    /// Accepted connections reading their preamble.
+    lobby: Lobby,
     pub(crate) batches: Batches,
     pub(crate) phase: NodePhase,
     /// When the sleeping timer thread wakes (`None` while it is awake).
