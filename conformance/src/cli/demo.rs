@@ -11,7 +11,7 @@ use kvpipe_conformance::suite::demo::{run_demo, DemoConfig, DemoSummary, Model};
 use kvpipe_conformance::suite::{MemHarness, TcpHarness, TransferMode, VerbsHarness};
 use serde::Serialize;
 
-use super::CliError;
+use super::{preflight, CliError};
 
 mod parallel;
 mod prefill;
@@ -113,43 +113,89 @@ pub(crate) fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
         )
         .into());
     }
-    if args.prompt_tokens == 0 || args.chunk_tokens == 0 || args.tokens_per_block == 0 {
-        return Err(
-            "--prompt-tokens, --chunk-tokens and --tokens-per-block must be positive".into(),
-        );
-    }
-    if args.requests == 0 || args.ranks == 0 {
-        return Err("--requests and --ranks must be at least 1".into());
-    }
-    if args.window == Some(0) {
-        return Err("--window must hold at least one token".into());
-    }
-    for (flag, prefix) in [
+    let workload = preflight::Workload {
+        model: args.model,
+        window: args.window,
+        prompt_tokens: args.prompt_tokens,
+        chunk_tokens: args.chunk_tokens,
+        tokens_per_block: args.tokens_per_block,
+        requests: args.requests,
+    };
+    workload.check_ranges(&[
         ("--sender-prefix", args.sender_prefix),
         ("--receiver-prefix", args.receiver_prefix),
-    ] {
-        if prefix > args.prompt_tokens {
-            return Err(format!(
-                "{flag} {prefix} is longer than the prompt ({} tokens)",
-                args.prompt_tokens
-            )
-            .into());
-        }
-    }
+    ])?;
+    preflight::at_least("--ranks", args.ranks.into(), 1)?;
+    preflight::at_most(
+        "--ranks",
+        args.ranks.into(),
+        preflight::MAX_RANKS,
+        "each rank runs its own endpoints, caches and threads",
+    )?;
+    preflight::at_most(
+        "--prefill-ms-per-chunk",
+        args.prefill_ms_per_chunk,
+        preflight::MAX_PREFILL_MS,
+        "one minute of simulated compute per chunk",
+    )?;
+    preflight::at_most(
+        "--connections",
+        args.connections as u64,
+        255,
+        "a bundle's size",
+    )?;
+    preflight::at_least("--connections", args.connections as u64, 1)?;
     if let Some(addr) = &args.connect {
         if args.transport == "mem" {
             return Err("--connect needs --transport tcp or verbs".into());
         }
+        preflight::connect_address("--connect", addr)?;
+        workload
+            .one_side("--prompt-tokens, --requests or --tokens-per-block")
+            .check()?;
         return prefill::run(&args, addr);
     }
     if args.sender_tp.is_some() || args.receiver_tp.is_some() || args.receiver_pp.is_some() {
-        return parallel::run(
-            &args,
+        let (stp, rtp, rpp) = (
             args.sender_tp.unwrap_or(1),
             args.receiver_tp.unwrap_or(1),
             args.receiver_pp.unwrap_or(1),
         );
+        for (flag, v) in [
+            ("--sender-tp", stp),
+            ("--receiver-tp", rtp),
+            ("--receiver-pp", rpp),
+        ] {
+            preflight::at_least(flag, v.into(), 1)?;
+            preflight::at_most(
+                flag,
+                v.into(),
+                preflight::MAX_RANKS,
+                "ranks run side by side",
+            )?;
+        }
+        preflight::at_most(
+            "--receiver-tp × --receiver-pp",
+            u64::from(rtp) * u64::from(rpp),
+            preflight::MAX_RANKS,
+            "ranks run side by side",
+        )?;
+        workload
+            .split(
+                &parallel::whole_model(args.model, args.window),
+                stp,
+                (rtp, rpp),
+                "--prompt-tokens, --requests or the rank counts",
+            )?
+            .check()?;
+        return parallel::run(&args, stp, rtp, rpp);
     }
+    workload
+        .in_process(
+            args.ranks,
+            "--prompt-tokens, --requests, --tokens-per-block or --ranks",
+        )
+        .check()?;
     let config = DemoConfig {
         model: args.model,
         prompt_tokens: args.prompt_tokens,

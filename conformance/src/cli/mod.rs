@@ -8,6 +8,7 @@ mod bench;
 mod demo;
 mod nodes;
 mod plan;
+mod preflight;
 mod serve;
 mod sim;
 

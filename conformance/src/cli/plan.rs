@@ -10,7 +10,7 @@ use kvpipe_conformance::cache::{
 use kvpipe_core::{total_blocks, ChunkSpec, GroupIndex, RequestId, StaleBoundary};
 use serde::Serialize;
 
-use super::CliError;
+use super::{preflight, CliError};
 
 /// Arguments of `kvpipe plan`.
 #[derive(Debug, clap::Args)]
@@ -122,7 +122,23 @@ fn group_spec(pool_split: &[u16], window: Option<u32>) -> GroupSpec {
 /// Computes the report (no printing).
 pub(crate) fn report(args: &PlanArgs) -> Result<PlanReport, CliError> {
     let tpb = args.tokens_per_block;
+    preflight::at_least("--prompt-tokens", args.prompt_tokens.into(), 1)?;
+    preflight::at_least("--tokens-per-block", tpb.into(), 1)?;
     let total = total_blocks(args.prompt_tokens, tpb)?;
+    // Both sides' block tables, and the block lists of the longest chunk.
+    let longest = args
+        .chunks
+        .iter()
+        .map(|&(a, b)| u64::from(b.saturating_sub(a)).div_ceil(u64::from(tpb)) + 1)
+        .max()
+        .unwrap_or(0);
+    let groups = 1 + u64::from(args.window.is_some());
+    preflight::MemoryNeed::new("--prompt-tokens, or raise --tokens-per-block")
+        .add(
+            format!("block tables of {total} blocks on both sides"),
+            preflight::tables(2, groups, total.into(), longest),
+        )
+        .check()?;
     let mut start = args.sender_prefix;
     for (i, &(a, b)) in args.chunks.iter().enumerate() {
         if a != start {

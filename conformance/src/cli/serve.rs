@@ -17,7 +17,7 @@ use kvpipe_tcp::{MemoryRegion, RegionTable};
 use serde::Serialize;
 
 use super::nodes::{DecodeNode, TransportChoice};
-use super::CliError;
+use super::{preflight, CliError};
 
 /// Arguments of `kvpipe serve`.
 #[derive(Debug, clap::Args)]
@@ -149,6 +149,26 @@ struct ServeReport {
 
 pub(crate) fn run(args: ServeArgs) -> Result<ExitCode, CliError> {
     let transport = TransportChoice::parse(&args.transport, 1, args.device.as_deref())?;
+    let workload = preflight::Workload {
+        model: args.model,
+        window: args.window,
+        prompt_tokens: args.prompt_tokens,
+        // The decode side computes no chunks; its windowed groups register the window only.
+        chunk_tokens: 1,
+        tokens_per_block: args.tokens_per_block,
+        requests: args.requests,
+    };
+    workload.check_ranges(&[("--receiver-prefix", args.receiver_prefix)])?;
+    preflight::at_most(
+        "--accept-timeout-s",
+        args.accept_timeout_s,
+        preflight::MAX_WAIT_S,
+        "a week",
+    )?;
+    preflight::listen_address("--listen", &args.listen)?;
+    workload
+        .one_side("--prompt-tokens, --requests or --tokens-per-block")
+        .check()?;
     let mut cache = two_process_cache(
         args.model.groups(args.window),
         args.tokens_per_block,

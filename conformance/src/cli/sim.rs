@@ -6,7 +6,7 @@ use std::time::Instant as WallClock;
 
 use kvpipe_conformance::sim::{FaultSet, SimConfig, SimReport, Simulation};
 
-use super::CliError;
+use super::{preflight, CliError};
 
 /// Arguments of `kvpipe sim`.
 #[derive(Debug, clap::Args)]
@@ -33,9 +33,14 @@ pub(crate) struct SimArgs {
 }
 
 pub(crate) fn run(args: SimArgs) -> Result<ExitCode, CliError> {
-    if args.senders == 0 {
-        return Err("--senders must be at least 1".into());
-    }
+    preflight::at_least("--senders", args.senders as u64, 1)?;
+    preflight::at_most(
+        "--senders",
+        args.senders as u64,
+        preflight::MAX_SIM_SENDERS,
+        "each simulated rank has its own cache, endpoint and link",
+    )?;
+    preflight::simulation(args.requests as u64, args.senders as u64).check()?;
     let mut config = SimConfig::new(args.seed, args.faults);
     config.senders = args.senders;
     config.trace = !args.trace.is_empty();

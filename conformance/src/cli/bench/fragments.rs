@@ -38,7 +38,7 @@ use kvpipe_mem::{
 use serde::Serialize;
 
 use super::transfer::{chunks, ContiguousSource};
-use crate::cli::CliError;
+use crate::cli::{preflight, CliError};
 
 /// Layers of the benchmarked group.
 const LAYERS: u16 = 80;
@@ -120,7 +120,25 @@ fn layout(region: u32, first_head: u16, heads: u16) -> LayerGroupLayout {
 }
 
 pub(crate) fn run(args: FragmentsBenchArgs) -> Result<ExitCode, CliError> {
+    preflight::at_least("--fragments", args.fragments.into(), 1)?;
+    preflight::at_least("--chunk-tokens", args.chunk_tokens.into(), 1)?;
+    if let Some(t) = args.threads {
+        preflight::at_least("--threads", t as u64, 1)?;
+        preflight::at_most(
+            "--threads",
+            t as u64,
+            preflight::MAX_THREADS,
+            "copy threads",
+        )?;
+    }
     let blocks = args.fragments.max(1).div_ceil(PER_BLOCK);
+    let slot_bytes = |heads| layout(1, 0, heads).pools[0].slot_bytes;
+    preflight::MemoryNeed::new("--fragments")
+        .add(
+            format!("both pools of {blocks} block(s)"),
+            (slot_bytes(1) + slot_bytes(2)).checked_mul(u64::from(blocks)),
+        )
+        .check()?;
     let tokens = blocks * TPB;
     let chunk_tokens = (args.chunk_tokens.max(TPB) / TPB) * TPB;
     let (s_topo, r_topo) = (

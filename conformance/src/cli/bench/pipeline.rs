@@ -20,7 +20,7 @@ use kvpipe_conformance::suite::demo::{median, run_demo, DemoConfig, DemoSummary,
 use kvpipe_conformance::suite::{MemHarness, RunReport, SuiteError, TcpHarness, TransferMode};
 use serde::Serialize;
 
-use crate::cli::CliError;
+use crate::cli::{preflight, CliError};
 
 /// Arguments of `kvpipe bench pipeline`.
 #[derive(Debug, clap::Args)]
@@ -98,6 +98,31 @@ pub(crate) fn run(args: PipelineBenchArgs) -> Result<ExitCode, CliError> {
         Model::Gemma3Swa => 32_768,
         _ => 8192,
     });
+    let workload = preflight::Workload {
+        model: args.model,
+        window: None,
+        prompt_tokens,
+        chunk_tokens: args.chunk_tokens,
+        tokens_per_block: args.tokens_per_block,
+        requests: 1,
+    };
+    workload.check_ranges(&[])?;
+    preflight::at_most(
+        "--prefill-ms-per-chunk",
+        args.prefill_ms_per_chunk,
+        preflight::MAX_PREFILL_MS,
+        "one minute of simulated compute per chunk",
+    )?;
+    preflight::at_least("--connections", args.connections as u64, 1)?;
+    preflight::at_most(
+        "--connections",
+        args.connections as u64,
+        255,
+        "a bundle's size",
+    )?;
+    workload
+        .in_process(1, "--prompt-tokens or --tokens-per-block")
+        .check()?;
     let base = DemoConfig {
         model: args.model,
         prompt_tokens,

@@ -20,7 +20,7 @@ use kvpipe_core::{
 };
 use serde::Serialize;
 
-use crate::cli::CliError;
+use crate::cli::{preflight, CliError};
 
 /// Arguments of `kvpipe bench plan`.
 #[derive(Debug, clap::Args)]
@@ -153,11 +153,25 @@ fn plan_whole_list(
 /// Runs the bench (allocation counts are meaningful only in the `kvpipe` binary, whose global
 /// allocator counts).
 pub(crate) fn measure(args: &PlanBenchArgs) -> Result<PlanBenchReport, CliError> {
-    if args.chunk_tokens == 0 || args.prompt_tokens == 0 {
-        return Err("--prompt-tokens and --chunk-tokens must be positive".into());
-    }
+    preflight::at_least("--prompt-tokens", args.prompt_tokens.into(), 1)?;
+    preflight::at_least("--chunk-tokens", args.chunk_tokens.into(), 1)?;
+    preflight::at_least("--tokens-per-block", args.tokens_per_block.into(), 1)?;
+    preflight::at_least("--samples", args.samples.into(), 1)?;
+    preflight::at_least("--batch", args.batch.into(), 1)?;
     let chunks = args.prompt_tokens.div_ceil(args.chunk_tokens);
-    let total = args.prompt_tokens.div_ceil(args.tokens_per_block.max(1));
+    let total = args.prompt_tokens.div_ceil(args.tokens_per_block);
+    // Both sides' block tables, the whole-list baseline's list and the timings.
+    let chunk_blocks = u64::from(args.chunk_tokens.div_ceil(args.tokens_per_block)) + 1;
+    let samples = u64::from(args.samples)
+        .checked_mul(3 * 8)
+        .and_then(|b| b.checked_add(u64::from(total) * 16));
+    preflight::MemoryNeed::new("--prompt-tokens or --samples")
+        .add(
+            format!("block tables of {total} blocks on both sides"),
+            preflight::tables(2, groups().len() as u64, total.into(), chunk_blocks),
+        )
+        .add("the baseline's block lists and the timings", samples)
+        .check()?;
     let spec = |first_region: u32| CacheSpec {
         tokens_per_block: args.tokens_per_block,
         groups: groups(),

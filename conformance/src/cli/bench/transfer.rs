@@ -31,7 +31,7 @@ use kvpipe_mem::{
 };
 use serde::Serialize;
 
-use crate::cli::CliError;
+use crate::cli::{preflight, CliError};
 
 mod device;
 mod tcp;
@@ -167,10 +167,46 @@ fn layout(region: u32, tpb: u32) -> LayerGroupLayout {
 
 /// Bytes of memory the kernel says are available.
 pub(super) fn mem_available() -> Option<u64> {
-    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib * 1024)
+    preflight::mem_available()
+}
+
+/// Ranges, and the smallest run (one chunk, or the whole request if shorter) in host memory:
+/// the transports' runs shorten the request to what fits, never below that.
+fn preflight_transfer(args: &TransferBenchArgs) -> Result<(), CliError> {
+    preflight::at_least("--tokens", args.tokens.into(), 1)?;
+    preflight::at_least("--chunk-tokens", args.chunk_tokens.into(), 1)?;
+    preflight::at_least("--tokens-per-block", args.tokens_per_block.into(), 1)?;
+    if let Some(t) = args.threads {
+        preflight::at_least("--threads", t as u64, 1)?;
+        preflight::at_most(
+            "--threads",
+            t as u64,
+            preflight::MAX_THREADS,
+            "copy threads",
+        )?;
+    }
+    preflight::at_least("--connections", args.connections as u64, 1)?;
+    preflight::at_most(
+        "--connections",
+        args.connections as u64,
+        255,
+        "a bundle's size",
+    )?;
+    if args.memory != "host" {
+        return Ok(());
+    }
+    let tpb = args.tokens_per_block;
+    let slot_bytes = layout(1, tpb)
+        .layer_block_bytes()
+        .and_then(|b| b.checked_mul(32));
+    let chunk = args.chunk_tokens.max(tpb) / tpb * tpb;
+    let blocks = args.tokens.min(chunk).div_ceil(tpb);
+    preflight::MemoryNeed::new("--tokens-per-block or --chunk-tokens")
+        .add(
+            format!("both pools of at least {blocks} block(s)"),
+            slot_bytes.and_then(|s| s.checked_mul(u64::from(blocks))?.checked_mul(2)),
+        )
+        .check()
 }
 
 /// The chunks of a prompt of `tokens` tokens in chunks of `chunk`, no prefix.
@@ -193,6 +229,7 @@ pub(super) fn chunks(tokens: u32, chunk: u32) -> Vec<ChunkSpec> {
 }
 
 pub(crate) fn run(args: TransferBenchArgs) -> Result<ExitCode, CliError> {
+    preflight_transfer(&args)?;
     match args.memory.as_str() {
         "host" => {}
         "device" => return device::run(args),
