@@ -8,7 +8,9 @@ use std::time::Duration;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use kvpipe_conformance::cache::{CacheSpec, ReferenceCache};
 use kvpipe_conformance::suite::demo::{run_demo, DemoConfig, DemoSummary, Model};
-use kvpipe_conformance::suite::{MemHarness, TcpHarness, TransferMode, VerbsHarness};
+use kvpipe_conformance::suite::{
+    MemHarness, Outcome, RunReport, TcpHarness, TransferMode, VerbsHarness,
+};
 use serde::Serialize;
 
 use super::{preflight, CliError};
@@ -244,7 +246,7 @@ pub(crate) fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
         bar.set_length(total);
         bar.set_position(done);
     };
-    let (summary, _report) = if args.transport == "tcp" {
+    let (summary, report) = if args.transport == "tcp" {
         let harness = TcpHarness::blocking(args.connections.clamp(1, 255));
         run_demo(&harness, &config, progress)?
     } else if args.transport == "verbs" {
@@ -271,11 +273,58 @@ pub(crate) fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
     } else {
         print_table(&summary, &memory);
     }
+    if !summary.verified {
+        for cause in failure_causes(&report) {
+            eprintln!("kvpipe demo: {cause}");
+        }
+    }
     Ok(if summary.verified {
         ExitCode::SUCCESS
     } else {
         ExitCode::FAILURE
     })
+}
+
+/// Why requests did not complete, grouped by what each side saw: one line per distinct pair
+/// of outcomes, with how many requests (over all ranks) ended that way.
+fn failure_causes(report: &RunReport) -> Vec<String> {
+    let side = |o: &Outcome| match o {
+        Outcome::Pending => "never ended".to_string(),
+        Outcome::Completed { .. } => "completed".to_string(),
+        Outcome::Failed(status) => format!("failed ({status})"),
+        Outcome::TimedOut(wait) => format!("timed out waiting for {wait:?}"),
+        Outcome::Cancelled => "cancelled".to_string(),
+    };
+    let mut causes: std::collections::BTreeMap<String, usize> = Default::default();
+    for r in &report.requests {
+        let cause = if r.sender.is_completed() && r.receiver.is_completed() {
+            if r.mismatched_blocks == 0 && r.source_blocks_changed == 0 {
+                continue;
+            }
+            format!(
+                "completed, but {} destination block(s) differ and {} source block(s) changed",
+                r.mismatched_blocks, r.source_blocks_changed
+            )
+        } else {
+            format!(
+                "prefill side {}, decode side {}",
+                side(&r.sender),
+                side(&r.receiver)
+            )
+        };
+        *causes.entry(cause).or_default() += 1;
+    }
+    let mut lines: Vec<String> = causes
+        .into_iter()
+        .map(|(cause, n)| format!("{n} request(s): {cause}"))
+        .collect();
+    if !report.stray_writes.is_empty() {
+        lines.push(format!(
+            "{} destination block(s) outside every grant changed",
+            report.stray_writes.len()
+        ));
+    }
+    lines
 }
 
 /// How much memory the run took against the KV its caches held.
@@ -415,7 +464,9 @@ fn print_table(s: &DemoSummary, memory: &Memory) {
             } else {
                 format!(
                     "FAILED: {} block(s) differ, {} of {} request(s) completed",
-                    s.mismatched_blocks, s.completed, s.requests
+                    s.mismatched_blocks,
+                    s.completed,
+                    s.requests * s.ranks
                 )
             },
         ),

@@ -142,6 +142,13 @@ impl DemoConfig {
         deadlines.result_wait = Duration::from_secs(600);
         deadlines.registration = Duration::from_secs(600);
         deadlines.write_completion = Duration::from_secs(60);
+        // Each rank's engine computes its chunks on the thread that drives its endpoints, and
+        // ranks share the machine's cores: on a busy machine a rank may not get to answer for
+        // seconds. Peers here are never lost, so only deadlines far past that are useful.
+        deadlines.handshake = Duration::from_secs(60);
+        deadlines.liveness_timeout = Duration::from_secs(60);
+        deadlines.aux_wait = Duration::from_secs(60);
+        deadlines.result_idle = Duration::from_secs(120);
         Workload {
             tokens_per_block: self.tokens_per_block,
             groups,
