@@ -7,6 +7,7 @@ use clap::{Parser, Subcommand};
 mod bench;
 mod demo;
 mod nodes;
+mod outcome;
 mod plan;
 mod preflight;
 mod serve;

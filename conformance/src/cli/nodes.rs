@@ -246,6 +246,21 @@ impl DecodeNode {
         }
     }
 
+    pub(crate) fn cancel(&self, request: RequestId) -> Result<(), UsageError> {
+        match self {
+            DecodeNode::Tcp(n) => n.cancel(request),
+            DecodeNode::Verbs(n) => n.cancel(request),
+        }
+    }
+
+    /// Whether the handshake with `peer` completed and the peer is still there.
+    pub(crate) fn is_peer_ready(&self, peer: PeerId) -> bool {
+        match self {
+            DecodeNode::Tcp(n) => n.is_peer_ready(peer),
+            DecodeNode::Verbs(n) => n.is_peer_ready(peer),
+        }
+    }
+
     /// Writes the transport refused (TCP's grant check; the verbs adapter's refusals fail the
     /// link instead and are not counted here).
     pub(crate) fn writes_refused(&self) -> u64 {

@@ -17,6 +17,7 @@ use kvpipe_tcp::{MemoryRegion, RegionTable};
 use serde::Serialize;
 
 use super::nodes::{DecodeNode, TransportChoice};
+use super::outcome::Failures;
 use super::{preflight, CliError};
 
 /// Arguments of `kvpipe serve`.
@@ -185,28 +186,22 @@ pub(crate) fn run(args: ServeArgs) -> Result<ExitCode, CliError> {
     let addr = rx.listen(args.listen.as_str())?;
     eprintln!("kvpipe serve: listening on {addr}");
 
-    let accept_deadline = Instant::now() + Duration::from_secs(args.accept_timeout_s);
+    let accept_deadline = deadline_in(Duration::from_secs(args.accept_timeout_s));
     let peer: PeerId = loop {
-        let left = accept_deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err("no prefill node connected in time".into());
+        let peer = wait_for_prefill_node(&rx, accept_deadline)?;
+        // A peer may leave right after its handshake; registering for it then would wait for
+        // a writer that never comes. Wait for another one instead.
+        if rx.is_peer_ready(peer) {
+            break peer;
         }
-        match rx.next_event(left) {
-            Some(Event::PeerReady {
-                peer,
-                role: Role::Sender,
-                ..
-            }) => break peer,
-            Some(Event::PeerRejected { message, .. }) => {
-                eprintln!("kvpipe serve: refused a peer: {message}");
-            }
-            _ => {}
-        }
+        eprintln!("kvpipe serve: {peer} left right after its handshake; waiting for another");
     };
     eprintln!("kvpipe serve: prefill node connected as {peer}");
     let start = Instant::now();
-    for i in 1..=args.requests {
-        let request = RequestId(u64::from(i));
+    let ids: Vec<RequestId> = (1..=args.requests)
+        .map(|i| RequestId(u64::from(i)))
+        .collect();
+    for &request in &ids {
         let groups =
             cache.register_destination(request, args.prompt_tokens, args.receiver_prefix)?;
         rx.register(Registration {
@@ -217,8 +212,16 @@ pub(crate) fn run(args: ServeArgs) -> Result<ExitCode, CliError> {
             aux_capacity: 1024,
         })?;
     }
+    // If it left meanwhile, requests registered after its departure would wait for it until
+    // their deadline: end them now (those registered before it left have failed already).
+    let left_early = !rx.is_peer_ready(peer);
+    if left_early {
+        for &request in &ids {
+            let _ = rx.cancel(request);
+        }
+    }
     let mut completed = Vec::new();
-    let mut failed = 0u32;
+    let mut failures = Failures::default();
     let mut quiesced = 0u32;
     let mut bytes = 0u64;
     let mut last_completion = start;
@@ -237,10 +240,12 @@ pub(crate) fn run(args: ServeArgs) -> Result<ExitCode, CliError> {
                 last_completion = Instant::now();
                 completed.push(request);
             }
-            Some(e @ (Event::Failed { .. } | Event::TimedOut { .. } | Event::Cancelled { .. })) => {
-                eprintln!("kvpipe serve: {e:?}");
-                failed += 1;
-            }
+            Some(
+                e @ (Event::Failed { .. }
+                | Event::TimedOut { .. }
+                | Event::Cancelled { .. }
+                | Event::ProtocolViolation { .. }),
+            ) => failures.note(&e),
             Some(Event::Quiesced { request }) => {
                 quiesced += 1;
                 let _ = rx.retire(request);
@@ -263,7 +268,7 @@ pub(crate) fn run(args: ServeArgs) -> Result<ExitCode, CliError> {
         model: args.model.name(),
         requests: args.requests,
         completed: completed.len() as u32,
-        failed,
+        failed: failures.len() as u32,
         bytes,
         seconds,
         gbps: if seconds > 0.0 {
@@ -287,13 +292,63 @@ pub(crate) fn run(args: ServeArgs) -> Result<ExitCode, CliError> {
             if verified {
                 "OK: every received block equals the prefill side's content".to_string()
             } else {
-                format!("FAILED: {mismatched_blocks} block(s) differ, {failed} request(s) failed")
+                format!(
+                    "FAILED: {mismatched_blocks} block(s) differ, {} request(s) failed",
+                    failures.len()
+                )
             }
         );
+    }
+    for line in failures.lines() {
+        eprintln!("kvpipe serve: {line}");
+    }
+    if left_early {
+        return Err(format!(
+            "the prefill node ({peer}) disconnected right after its handshake, before its \
+             requests were registered"
+        )
+        .into());
+    }
+    if failures.len() > 0 {
+        let who = format!("the prefill node ({peer})");
+        return Err(format!(
+            "{} (this side registered {} prompt tokens per request)",
+            failures.summary(&who, ids.len()),
+            args.prompt_tokens
+        )
+        .into());
     }
     Ok(if verified {
         ExitCode::SUCCESS
     } else {
         ExitCode::FAILURE
     })
+}
+
+/// `now + d`, or far in the future when that overflows the clock.
+pub(crate) fn deadline_in(d: Duration) -> Instant {
+    let now = Instant::now();
+    now.checked_add(d)
+        .unwrap_or_else(|| now + Duration::from_secs(100 * 365 * 24 * 3600))
+}
+
+/// Waits for a prefill node's handshake, by `deadline`.
+fn wait_for_prefill_node(rx: &DecodeNode, deadline: Instant) -> Result<PeerId, CliError> {
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err("no prefill node connected in time".into());
+        }
+        match rx.next_event(left) {
+            Some(Event::PeerReady {
+                peer,
+                role: Role::Sender,
+                ..
+            }) => return Ok(peer),
+            Some(Event::PeerRejected { message, .. }) => {
+                eprintln!("kvpipe serve: refused a peer: {message}");
+            }
+            _ => {}
+        }
+    }
 }

@@ -7,13 +7,14 @@ use std::time::{Duration, Instant};
 
 use kvpipe_conformance::cache::AllocationStyle;
 use kvpipe_conformance::suite::demo::median;
-use kvpipe_core::session::{LocalHello, SendRequest};
+use kvpipe_core::session::{LocalHello, SendRequest, UsageError};
 use kvpipe_core::wire::{AuxData, Topology};
 use kvpipe_core::{ChunkSpec, Event, RequestId, SenderConfig};
 use serde::Serialize;
 
 use super::DemoArgs;
 use crate::cli::nodes::{PrefillNode, TransportChoice};
+use crate::cli::outcome::Failures;
 use crate::cli::serve::{instance_id, two_process_cache, two_process_deadlines};
 use crate::cli::CliError;
 
@@ -86,6 +87,9 @@ pub(super) fn run(args: &DemoArgs, addr: &str) -> Result<ExitCode, CliError> {
     }
     let step = args.chunk_tokens.max(1);
     let mut events: Vec<(Instant, Event)> = Vec::new();
+    // Requests that ended without completing (the decode side lost, silent, or refusing):
+    // their remaining chunks are not computed.
+    let mut failures = Failures::default();
     let mut last_compute = vec![Instant::now(); ids.len()];
     let mut chunks = 0u32;
     let start = Instant::now();
@@ -95,6 +99,10 @@ pub(super) fn run(args: &DemoArgs, addr: &str) -> Result<ExitCode, CliError> {
         for (i, &id) in ids.iter().enumerate() {
             let begin = next_start[i];
             if begin == u32::MAX {
+                continue;
+            }
+            if failures.contains(id) {
+                next_start[i] = u32::MAX;
                 continue;
             }
             let end = (begin + step).min(args.prompt_tokens);
@@ -111,11 +119,12 @@ pub(super) fn run(args: &DemoArgs, addr: &str) -> Result<ExitCode, CliError> {
                 is_last,
                 prefix_sent_early: false,
             };
-            tx.submit_chunk(id, spec, &mut cache)?;
-            chunks += 1;
-            if is_last {
+            // A request that ended meanwhile (its failure event says why) takes no more chunks.
+            let submitted = ended_is_ok(tx.submit_chunk(id, spec, &mut cache))?;
+            chunks += u32::from(submitted.is_some());
+            if is_last && submitted.is_some() {
                 last_compute[i] = Instant::now();
-                tx.submit_aux(
+                ended_is_ok(tx.submit_aux(
                     id,
                     AuxData {
                         prompt_tokens: args.prompt_tokens,
@@ -123,9 +132,13 @@ pub(super) fn run(args: &DemoArgs, addr: &str) -> Result<ExitCode, CliError> {
                         first_tokens: vec![id.0 as u32],
                         draft_tokens: Vec::new(),
                     },
-                )?;
+                ))?;
+            }
+            if submitted.is_none() {
+                next_start[i] = u32::MAX;
             }
             while let Some((_, e)) = tx.next_event_at(Duration::ZERO) {
+                failures.note(&e);
                 events.push((Instant::now(), e));
             }
         }
@@ -145,6 +158,7 @@ pub(super) fn run(args: &DemoArgs, addr: &str) -> Result<ExitCode, CliError> {
             return Err("the transfer did not finish in 900 s".into());
         }
         if let Some(e) = tx.next_event(Duration::from_millis(200)) {
+            failures.note(&e);
             events.push((Instant::now(), e));
         }
     }
@@ -164,9 +178,6 @@ pub(super) fn run(args: &DemoArgs, addr: &str) -> Result<ExitCode, CliError> {
                 if let Some(i) = ids.iter().position(|r| r == request) {
                     tails.push(at.duration_since(last_compute[i]).as_secs_f64() * 1e3);
                 }
-            }
-            Event::Failed { .. } | Event::TimedOut { .. } | Event::Cancelled { .. } => {
-                eprintln!("kvpipe demo: {e:?}");
             }
             _ => {}
         }
@@ -208,9 +219,26 @@ pub(super) fn run(args: &DemoArgs, addr: &str) -> Result<ExitCode, CliError> {
             report.exposed_tail_ms, report.max_exposed_tail_ms
         );
     }
+    for line in failures.lines() {
+        eprintln!("kvpipe demo: {line}");
+    }
+    if failures.len() > 0 {
+        let who = format!("the decode side at {addr}");
+        return Err(failures.summary(&who, ids.len()).into());
+    }
     Ok(if completed == args.requests {
         ExitCode::SUCCESS
     } else {
         ExitCode::FAILURE
     })
+}
+
+/// A command's result, with "the request already ended" turned into `None`: the request's
+/// failure event (already queued) says why.
+fn ended_is_ok<T>(r: Result<T, UsageError>) -> Result<Option<T>, UsageError> {
+    match r {
+        Ok(v) => Ok(Some(v)),
+        Err(UsageError::SessionEnded(_)) => Ok(None),
+        Err(e) => Err(e),
+    }
 }
