@@ -43,6 +43,8 @@ pub(crate) struct RequestRecord {
     pub(crate) exposed: bool,
     pub(crate) corrupted: bool,
     pub(crate) verified: bool,
+    /// A writer's engine handed its sender a mistaken chunk.
+    pub(crate) engine_mistake: bool,
 }
 
 /// The records of every request and the anomalies met.
@@ -51,6 +53,8 @@ pub(crate) struct Oracle {
     pub(crate) records: Vec<RequestRecord>,
     index: HashMap<RequestId, usize>,
     pub(crate) anomalies: Vec<String>,
+    /// Mistaken chunks the engines handed their senders.
+    pub(crate) engine_mistakes: u64,
 }
 
 impl Oracle {
@@ -69,10 +73,12 @@ impl Oracle {
                     exposed: false,
                     corrupted: false,
                     verified: false,
+                    engine_mistake: false,
                 })
                 .collect(),
             index: plans.iter().enumerate().map(|(i, p)| (p.id, i)).collect(),
             anomalies: Vec::new(),
+            engine_mistakes: 0,
         }
     }
 
@@ -200,6 +206,10 @@ impl Oracle {
                 report.first_bugs.push(request.0);
             }
             report.fatal += u64::from(fatal);
+            // Bad data the receiver still took as a success: wrong bytes, or a request an engine
+            // mistake hit.
+            report.undetected +=
+                u64::from(completed(&rec.receiver) && (rec.corrupted || rec.engine_mistake));
             match rec.receiver.terminal {
                 Some(Terminal::Failed) => report.receiver_failed += 1,
                 Some(Terminal::TimedOut) => report.receiver_timed_out += 1,
