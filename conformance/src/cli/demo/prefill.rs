@@ -167,19 +167,17 @@ pub(super) fn run(args: &DemoArgs, addr: &str) -> Result<ExitCode, CliError> {
     let mut bytes = 0;
     let mut completed = 0;
     for (at, e) in &events {
-        match e {
-            Event::Completed {
-                request,
-                bytes_written,
-                ..
-            } => {
-                completed += 1;
-                bytes += bytes_written;
-                if let Some(i) = ids.iter().position(|r| r == request) {
-                    tails.push(at.duration_since(last_compute[i]).as_secs_f64() * 1e3);
-                }
+        if let Event::Completed {
+            request,
+            bytes_written,
+            ..
+        } = e
+        {
+            completed += 1;
+            bytes += bytes_written;
+            if let Some(i) = ids.iter().position(|r| r == request) {
+                tails.push(at.duration_since(last_compute[i]).as_secs_f64() * 1e3);
             }
-            _ => {}
         }
     }
     for &id in &ids {
