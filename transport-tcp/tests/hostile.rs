@@ -333,3 +333,68 @@ fn a_bundle_may_arrive_in_any_order() {
         .is_some());
     ready_peer(&rx);
 }
+
+/// A listener for a raw decode side, and its address.
+fn raw_receiver() -> (std::net::TcpListener, std::net::SocketAddr) {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    (listener, addr)
+}
+
+#[test]
+fn a_registration_reaching_past_the_prompt_is_refused_by_the_sender_over_tcp() {
+    use kvpipe_core::session::SendRequest;
+    use kvpipe_core::wire::{RecvRegistration, TransferStatus};
+    use kvpipe_core::{GrantId, ReceiverSliceId};
+    let (listener, addr) = raw_receiver();
+    let (tx, _) = sender(1, 1, 16);
+    let peer = tx.connect(addr).unwrap();
+    let (stream, _) = listener.accept().unwrap();
+    let mut raw = RawPeer { stream };
+    raw.stream
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
+    let mut preamble = [0u8; 16];
+    std::io::Read::read_exact(&mut raw.stream, &mut preamble).unwrap();
+    raw.send(&Frame::Hello(
+        receiver_config(3).local.to_hello(Role::Receiver),
+    ));
+    assert!(raw
+        .recv_until(|f| matches!(f, Frame::HelloAccept(_)))
+        .is_some());
+    wait_for(
+        |t| tx.next_event(t),
+        |e| matches!(e, Event::PeerReady { .. }),
+        T,
+    )
+    .expect("handshake");
+    tx.open_request(SendRequest {
+        request: REQ,
+        receivers: smallvec![peer],
+        beam_width: 1,
+    })
+    .unwrap();
+    // A prompt of 8 tokens is 2 blocks; this registration starts at ordinal 1000.
+    raw.send(&Frame::RecvRegistration(RecvRegistration {
+        request: REQ,
+        slice: ReceiverSliceId(1),
+        prompt_len: 8,
+        grant: GrantId(9),
+        aux_capacity: 64,
+        groups: vec![AnchoredRun::from_ids(1000, &[BlockId(5)])],
+    }));
+    let failed = wait_for(
+        |t| tx.next_event(t),
+        |e| matches!(e, Event::Failed { request, .. } if *request == REQ),
+        T,
+    );
+    let Ok((Event::Failed { cause, .. }, before)) = failed else {
+        panic!("{failed:?}")
+    };
+    assert_eq!(cause, TransferStatus::ProtocolError);
+    let named = before.iter().any(|e| {
+        matches!(e, Event::ProtocolViolation { error, .. }
+            if error.to_string().contains("1001") && error.to_string().contains("8"))
+    });
+    assert!(named, "{before:?}");
+}
