@@ -34,8 +34,9 @@ pub struct TcpConfig {
     /// (`Deadlines::handshake`).
     pub max_unauthenticated: usize,
     /// Most of those from one IP address; a new connection past it drops the oldest from its
-    /// address first. At least [`connections_per_peer`](Self::connections_per_peer) of a
-    /// connecting peer (up to 255), so that a bundle fits.
+    /// address first. Keep it above the connecting peers'
+    /// [`connections_per_peer`](Self::connections_per_peer) (up to 255), so that a bundle fits
+    /// while it assembles.
     pub max_unauthenticated_per_address: usize,
     /// How long a graceful close (flushing queued frames, then reading until the peer's end of
     /// stream) may take before sockets are shut down: the bound of a close the core asks for, of
