@@ -35,6 +35,14 @@ pub struct TcpConfig {
     /// The instant the core's time counts from (`None`: when the node starts). Nodes of one
     /// process given the same origin report comparable event times.
     pub origin: Option<std::time::Instant>,
+    /// Bytes of one pinned staging slot (`cuda` feature): device memory goes on the socket, and
+    /// comes off it, in pieces of at most this size, each copied by the GPU while the socket
+    /// moves another.
+    pub staging_slot_bytes: usize,
+    /// Staging slots per connection half (`cuda` feature; at least 2, so one slot's copy
+    /// overlaps another's socket I/O). Each connection's writer and reader that touches device
+    /// memory allocates `staging_slots × staging_slot_bytes` of pinned host memory once.
+    pub staging_slots: usize,
 }
 
 impl Default for TcpConfig {
@@ -49,6 +57,8 @@ impl Default for TcpConfig {
             close_grace: Duration::from_millis(500),
             write_stall_timeout: Some(Duration::from_secs(30)),
             origin: None,
+            staging_slot_bytes: 4 << 20,
+            staging_slots: 4,
         }
     }
 }
