@@ -662,6 +662,9 @@ pub fn run_workload_with<H: Harness>(
     let leftover_writes = link.writes_in_flight();
     let batch_timings = link.batch_timings();
     drop(link);
+    // Pools in device memory: the checks below read every byte back.
+    sender_cache.sync_from_device().map_err(cache_err)?;
+    receiver_cache.sync_from_device().map_err(cache_err)?;
 
     // Verification: every destination byte of completed requests; nothing stray anywhere.
     if w.corrupt_one_byte {
