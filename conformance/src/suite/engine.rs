@@ -508,10 +508,12 @@ pub fn run_workload_with<H: Harness>(
                     } else {
                         std::time::Duration::from_micros(100)
                     };
+                    // While the content is being written, look again soon: the chunk is
+                    // submitted as soon as it is computed.
                     link.wait(if written {
                         wait
                     } else {
-                        wait.min(std::time::Duration::from_millis(1))
+                        wait.min(std::time::Duration::from_micros(200))
                     });
                 }
                 job.join()
