@@ -1,5 +1,6 @@
-//! `kvpipe bench transfer --memory device`: without the `cuda` feature or without a driver it
-//! exits non-zero and says why ("no CUDA driver"); with a GPU a short run verifies.
+//! `kvpipe bench transfer --memory device` and `kvpipe demo --memory device`: without the
+//! `cuda` feature or without a driver they exit non-zero and say why ("no CUDA driver"); with a
+//! GPU a short run verifies.
 
 use std::process::Command;
 
@@ -7,49 +8,74 @@ const KVPIPE: &str = env!("CARGO_BIN_EXE_kvpipe");
 
 #[test]
 fn device_memory_bench_says_why_it_cannot_run_or_runs_and_verifies() {
-    let out = Command::new(KVPIPE)
-        .args([
-            "bench",
-            "transfer",
-            "--transport",
-            "mem",
-            "--memory",
-            "device",
-        ])
-        .args([
-            "--json",
-            "--tokens",
-            "2048",
-            "--chunk-tokens",
-            "512",
-            "--runs",
-            "1",
-        ])
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    let stdout = String::from_utf8_lossy(&out.stdout);
+    for (transport, baseline) in [
+        ("mem", "\"baseline\":\"cuda-memcpy-d2d\""),
+        ("tcp", "\"baseline\":\"min(tcp-raw, pinned-copy)\""),
+    ] {
+        let out = Command::new(KVPIPE)
+            .args(["bench", "transfer", "--transport", transport])
+            .args(["--memory", "device", "--json", "--tokens", "2048"])
+            .args(["--chunk-tokens", "512", "--runs", "1"])
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        match expected_error() {
+            Some(message) => {
+                assert!(!out.status.success(), "{transport}: {stdout}");
+                assert!(stderr.contains(message), "{transport}: {stderr}");
+                assert!(stdout.is_empty(), "{transport}: {stdout}");
+            }
+            None => {
+                assert!(out.status.success(), "{transport}: {stderr}");
+                assert!(stdout.contains(baseline), "{stdout}");
+                assert!(stdout.contains("\"verified\":true"), "{stdout}");
+            }
+        }
+    }
+}
+
+/// What a `--memory device` run must print on stderr when it cannot run here, if it cannot.
+fn expected_error() -> Option<&'static str> {
     #[cfg(not(feature = "cuda"))]
-    let expected_error = Some("needs kvpipe built with the `cuda` feature");
+    return Some("needs kvpipe built with the `cuda` feature");
     #[cfg(feature = "cuda")]
-    let expected_error = match kvpipe_cuda::check_driver() {
+    match kvpipe_cuda::check_driver() {
         Err(kvpipe_cuda::CudaError::NoDriver) => Some("kvpipe: no CUDA driver"),
         Err(_) => Some("kvpipe: "),
         Ok(()) => None,
-    };
-    match expected_error {
-        Some(message) => {
-            assert!(!out.status.success(), "{stdout}");
-            assert!(stderr.contains(message), "{stderr}");
-            assert!(stdout.is_empty(), "{stdout}");
-        }
-        None => {
-            assert!(out.status.success(), "{stderr}");
-            assert!(
-                stdout.contains("\"baseline\":\"cuda-memcpy-d2d\""),
-                "{stdout}"
-            );
-            assert!(stdout.contains("\"verified\":true"), "{stdout}");
+    }
+}
+
+#[test]
+fn device_memory_demo_says_why_it_cannot_run_or_runs_and_verifies() {
+    for transport in ["mem", "tcp"] {
+        let out = Command::new(KVPIPE)
+            .args(["demo", "--memory", "device", "--transport", transport])
+            .args(["--json", "--prompt-tokens", "256", "--chunk-tokens", "96"])
+            .args(["--prefill-ms-per-chunk", "0"])
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        match expected_error() {
+            Some(message) => {
+                assert!(!out.status.success(), "{transport}: {stdout}");
+                assert!(stderr.contains(message), "{transport}: {stderr}");
+                assert!(stdout.is_empty(), "{transport}: {stdout}");
+            }
+            None => {
+                assert!(out.status.success(), "{transport}: {stderr}");
+                assert!(stdout.contains("\"memory\":\"device\""), "{stdout}");
+                assert!(stdout.contains("\"verified\":true"), "{stdout}");
+            }
         }
     }
+    // Device memory is moved only by transports that run both sides here.
+    let out = Command::new(KVPIPE)
+        .args(["demo", "--memory", "device", "--transport", "verbs"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--transport mem or tcp"));
 }

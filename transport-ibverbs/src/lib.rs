@@ -69,8 +69,17 @@
 //!
 //! ## Memory registration of GPU memory
 //!
-//! [`MemoryTable::register_dmabuf`] registers device memory exported as a dma-buf (the hook
-//! for the `cuda` feature); Soft-RoCE can test host memory only.
+//! [`MemoryTable::register_dmabuf`] registers device memory exported as a dma-buf. With the
+//! `cuda` feature, `MemoryTable::register_device(device, region, ordinal, ptr, len, exposure)`
+//! exports a range of GPU memory itself (`export_device_memory`: `cuMemGetHandleForAddressRange`
+//! through `kvpipe-cuda`, whole host pages around the range, the range's offset inside them)
+//! and registers it with the device address as iova: write plans, SGEs and the descriptors
+//! announced to peers then name GPU memory by the addresses the engine allocated, and the
+//! adapter reads and writes it directly (GPUDirect RDMA), with no staging copy. What is tested
+//! where: the export (fd, offset, length, iova) on a GPU machine (`tests/gpu.rs`), and its
+//! failure without a driver everywhere; the registration itself needs an adapter with
+//! dma-buf support next to a GPU, which none of the test machines has (Soft-RoCE registers
+//! host memory only).
 
 pub mod bootstrap;
 pub mod device;
@@ -89,4 +98,6 @@ pub use fabric::{
     Fabric, FabricConfig, FabricEvent, FabricHandler, LinkFailure, LinkId, Posted, WriteFailure,
 };
 pub use idle::IdlePolicy;
+#[cfg(feature = "cuda")]
+pub use memory::{export_device_memory, ExportedDeviceMemory};
 pub use memory::{Dmabuf, Exposure, MemoryTable, RegisterError};

@@ -6,6 +6,12 @@
 //! receiver's destination pools, whose address, length and remote key are announced to every
 //! peer at connection setup). See the crate documentation for what the remote key does and
 //! does not protect.
+//!
+//! Device memory is registered through a dma-buf ([`MemoryTable::register_dmabuf`]); with the
+//! `cuda` feature, `MemoryTable::register_device` exports GPU memory itself
+//! (`cuMemGetHandleForAddressRange`, through `kvpipe-cuda`) and registers it with the device
+//! address as its iova, so write plans and remote descriptors name GPU memory by the addresses
+//! the engine allocated.
 
 use std::collections::HashMap;
 use std::os::fd::RawFd;
@@ -47,6 +53,16 @@ pub enum RegisterError {
         len: usize,
         /// The error.
         message: String,
+    },
+    /// GPU memory could not be exported as a dma-buf (no CUDA driver, a device without dma-buf
+    /// support, memory the driver did not allocate).
+    #[cfg(feature = "cuda")]
+    #[error("exporting {region} as a dma-buf failed: {error}")]
+    Cuda {
+        /// The region.
+        region: RegionId,
+        /// Why.
+        error: kvpipe_cuda::CudaError,
     },
 }
 
@@ -158,6 +174,33 @@ impl MemoryTable {
         )
     }
 
+    /// Registers `len` bytes of GPU memory at device address `ptr` on CUDA device `ordinal`
+    /// as `region` (`cuda` feature): exports them as a dma-buf ([`export_device_memory`]) and
+    /// registers that with the device address as iova, then closes the file descriptor (the
+    /// registration keeps its own reference to the dma-buf).
+    ///
+    /// # Safety
+    ///
+    /// `ptr..ptr + len` must be device memory of GPU `ordinal` allocated in this process
+    /// (`cuMemAlloc`, `cudaMalloc` or an allocator on them) that stays allocated while the
+    /// registration lives, under the same quiesce rule as [`MemoryTable::register_host`].
+    #[cfg(feature = "cuda")]
+    pub unsafe fn register_device(
+        &mut self,
+        device: &VerbsDevice,
+        region: RegionId,
+        ordinal: usize,
+        ptr: u64,
+        len: usize,
+        exposure: Exposure,
+    ) -> Result<(), RegisterError> {
+        self.check(region, len)?;
+        let exported = export_device_memory(region, ordinal, ptr, len)?;
+        // SAFETY: the dma-buf covers the caller's device memory, which the caller keeps
+        // allocated while the registration lives.
+        unsafe { self.register_dmabuf(device, region, exported.dmabuf(), exposure) }
+    }
+
     fn check(&self, region: RegionId, len: usize) -> Result<(), RegisterError> {
         if self.regions.contains_key(&region) {
             return Err(RegisterError::Duplicate(region));
@@ -218,5 +261,87 @@ impl MemoryTable {
             .collect();
         out.sort_by_key(|d| d.region);
         out
+    }
+}
+
+/// GPU memory exported as a dma-buf, ready for [`MemoryTable::register_dmabuf`] (`cuda`
+/// feature). Owns the file descriptor (closed on drop; a registration made from it keeps its
+/// own reference).
+#[cfg(feature = "cuda")]
+#[derive(Debug)]
+pub struct ExportedDeviceMemory {
+    exported: kvpipe_cuda::Dmabuf,
+}
+
+#[cfg(feature = "cuda")]
+impl ExportedDeviceMemory {
+    /// What the registration is given: the file descriptor, where the region starts in the
+    /// dma-buf (the driver exports whole host pages), its length, and the device address as
+    /// iova.
+    pub fn dmabuf(&self) -> Dmabuf {
+        use std::os::fd::AsRawFd;
+        Dmabuf {
+            fd: self.exported.fd.as_raw_fd(),
+            offset: self.exported.offset,
+            len: self.exported.len as usize,
+            iova: self.exported.addr,
+        }
+    }
+
+    /// The export itself.
+    pub fn exported(&self) -> &kvpipe_cuda::Dmabuf {
+        &self.exported
+    }
+}
+
+/// Exports `len` bytes of GPU memory at device address `ptr` on CUDA device `ordinal` as a
+/// dma-buf for registering as `region` (`cuda` feature). Fails with
+/// [`RegisterError::Cuda`] where there is no CUDA driver ("no CUDA driver"), no such device,
+/// no dma-buf support, or memory the driver did not allocate; never touches an RDMA device.
+#[cfg(feature = "cuda")]
+pub fn export_device_memory(
+    region: RegionId,
+    ordinal: usize,
+    ptr: u64,
+    len: usize,
+) -> Result<ExportedDeviceMemory, RegisterError> {
+    if len == 0 {
+        return Err(RegisterError::Empty(region));
+    }
+    let cuda = |error| RegisterError::Cuda { region, error };
+    let gpu = kvpipe_cuda::Device::open(ordinal).map_err(cuda)?;
+    let exported = kvpipe_cuda::export_dmabuf(&gpu, ptr, len as u64).map_err(cuda)?;
+    Ok(ExportedDeviceMemory { exported })
+}
+
+#[cfg(all(test, feature = "cuda"))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn device_memory_is_exported_only_where_a_driver_is() {
+        let r = export_device_memory(RegionId(7), 0, 0x7f00_0000_0000, 4096);
+        match kvpipe_cuda::check_driver() {
+            Err(kvpipe_cuda::CudaError::NoDriver) => {
+                let e = r.expect_err("no driver, no export");
+                assert!(matches!(
+                    e,
+                    RegisterError::Cuda {
+                        region: RegionId(7),
+                        error: kvpipe_cuda::CudaError::NoDriver
+                    }
+                ));
+                assert_eq!(
+                    e.to_string(),
+                    "exporting region#7 as a dma-buf failed: no CUDA driver"
+                );
+            }
+            // With a driver, an address it never allocated is refused by the driver.
+            _ => assert!(matches!(r, Err(RegisterError::Cuda { .. }))),
+        }
+        assert!(matches!(
+            export_device_memory(RegionId(7), 0, 0x7f00_0000_0000, 0),
+            Err(RegisterError::Empty(RegionId(7)))
+        ));
     }
 }

@@ -461,9 +461,9 @@ impl MemNetwork {
         };
         while pending(self) {
             let left = deadline.saturating_duration_since(std::time::Instant::now());
-            match self.worker.done.recv_timeout(left) {
-                Ok(done) => self.reports.push_back(done),
-                Err(_) => return Err(DriveError::WritesStuck(self.links[l].in_flight)),
+            match self.worker.done_within(left) {
+                Some(done) => self.reports.push_back(done),
+                None => return Err(DriveError::WritesStuck(self.links[l].in_flight)),
             }
         }
         // Tearing the connection down ends the link's stalls: the bytes have landed.
@@ -507,7 +507,7 @@ impl MemNetwork {
     pub fn pump(&mut self) -> Result<(), DriveError> {
         for _ in 0..MAX_STEPS {
             let mut progressed = false;
-            while let Ok(done) = self.worker.done.try_recv() {
+            while let Some(done) = self.worker.try_done() {
                 self.accept_report(done);
             }
             let now = self.now();
@@ -581,7 +581,10 @@ impl MemNetwork {
     }
 
     /// Blocks until a write batch finishes, a timer, delayed frame or stalled report is due, or
-    /// `max` passed — whichever comes first. Never blocks longer than `max`.
+    /// `max` passed — whichever comes first. Never blocks longer than `max`. While a batch
+    /// touching device memory is in flight it polls for its report for up to a millisecond
+    /// before it sleeps: a GPU copies a chunk in about the time a sleeping thread takes to
+    /// wake.
     pub fn wait(&mut self, max: std::time::Duration) {
         let mut limit = max;
         if let Some(at) = self.next_wake() {
@@ -591,7 +594,7 @@ impl MemNetwork {
             return;
         }
         if self.in_flight > self.held.len() {
-            if let Ok(done) = self.worker.done.recv_timeout(limit) {
+            if let Some(done) = self.worker.done_within(limit) {
                 self.accept_report(done);
             }
         } else {

@@ -287,10 +287,19 @@ impl Worker {
     }
 }
 
+/// How long a driver waiting for reports polls first while a device batch is in flight: a
+/// device copy of a chunk takes tens of microseconds, about what waking a sleeping thread takes.
+#[cfg(feature = "cuda")]
+const DEVICE_SPIN: std::time::Duration = std::time::Duration::from_millis(1);
+
 #[derive(Debug)]
 pub(crate) struct CopyWorker {
     jobs: Option<mpsc::Sender<Work>>,
-    pub(crate) done: mpsc::Receiver<Done>,
+    done: mpsc::Receiver<Done>,
+    /// Per batch submitted and not reported yet, in order (the worker reports in issue order):
+    /// whether it touches device memory.
+    #[cfg(feature = "cuda")]
+    kinds: VecDeque<bool>,
     thread: Option<JoinHandle<()>>,
     /// The copy engine of the driver's thread, for batches started where they are issued.
     #[cfg(feature = "cuda")]
@@ -318,6 +327,8 @@ impl CopyWorker {
         CopyWorker {
             jobs: Some(jobs_tx),
             done: done_rx,
+            #[cfg(feature = "cuda")]
+            kinds: VecDeque::new(),
             thread: Some(thread),
             #[cfg(feature = "cuda")]
             engine: None,
@@ -326,7 +337,43 @@ impl CopyWorker {
         }
     }
 
+    /// A report, if one is ready.
+    pub(crate) fn try_done(&mut self) -> Option<Done> {
+        let done = self.done.try_recv().ok()?;
+        #[cfg(feature = "cuda")]
+        self.kinds.pop_front();
+        Some(done)
+    }
+
+    /// The next report, waiting up to `limit`. While a device batch is in flight it polls for
+    /// up to [`DEVICE_SPIN`] first, then sleeps on the channel.
+    pub(crate) fn done_within(&mut self, limit: std::time::Duration) -> Option<Done> {
+        #[cfg(feature = "cuda")]
+        if self.kinds.iter().any(|&device| device) {
+            let start = std::time::Instant::now();
+            let spin = limit.min(DEVICE_SPIN);
+            loop {
+                if let Some(done) = self.try_done() {
+                    return Some(done);
+                }
+                if start.elapsed() >= spin {
+                    break;
+                }
+                std::thread::yield_now();
+            }
+            let done = self.done.recv_timeout(limit.saturating_sub(spin)).ok()?;
+            self.kinds.pop_front();
+            return Some(done);
+        }
+        let done = self.done.recv_timeout(limit).ok()?;
+        #[cfg(feature = "cuda")]
+        self.kinds.pop_front();
+        Some(done)
+    }
+
     pub(crate) fn submit(&mut self, job: Job) {
+        #[cfg(feature = "cuda")]
+        self.kinds.push_back(job.writes.touches_device());
         #[cfg(feature = "cuda")]
         let work =
             if job.writes.touches_device() && !job.writes.segments().iter().any(|s| s.is_host()) {

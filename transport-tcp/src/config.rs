@@ -47,6 +47,16 @@ pub struct TcpConfig {
     /// The instant the core's time counts from (`None`: when the node starts). Nodes of one
     /// process given the same origin report comparable event times.
     pub origin: Option<std::time::Instant>,
+    /// Bytes of one pinned staging slot (`cuda` feature; at least 4 KiB): device memory goes on
+    /// the socket, and comes off it, in pieces of at most this size, each copied by the GPU
+    /// while the socket moves another. With the default, 4 MiB × 4 slots, 4 GiB moved between
+    /// device pools over 4 loopback connections on an H200 machine as fast as with 1 MiB × 8
+    /// and faster than with 16 MiB × 4 (`docs/PERFORMANCE.md`).
+    pub staging_slot_bytes: usize,
+    /// Staging slots per connection half (`cuda` feature; at least 2, so one slot's copy
+    /// overlaps another's socket I/O). Each connection's writer and reader that touches device
+    /// memory allocates `staging_slots × staging_slot_bytes` of pinned host memory once.
+    pub staging_slots: usize,
 }
 
 impl Default for TcpConfig {
@@ -63,6 +73,8 @@ impl Default for TcpConfig {
             close_grace: Duration::from_millis(500),
             write_stall_timeout: Some(Duration::from_secs(30)),
             origin: None,
+            staging_slot_bytes: 4 << 20,
+            staging_slots: 4,
         }
     }
 }

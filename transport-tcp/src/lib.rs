@@ -64,9 +64,29 @@
 //! |---|---|
 //! | *(default)* | the blocking driver ([`TcpSender`], [`TcpReceiver`]): std sockets and threads. |
 //! | `tokio` | the async driver (`tokio_driver::{TcpSender, TcpReceiver}`): the same node with each connection's reader and writer as tasks on a tokio runtime. |
+//! | `cuda` | GPU memory (`DeviceRegion`, `RegionTable::insert_device`) through pinned staging buffers, pipelined with the socket (see below). Builds without CUDA installed; loads the driver at run time. |
 //!
 //! Memory is registered as [`MemoryRegion`]s (owned buffers, or foreign memory through
 //! [`MemoryRegion::from_raw_parts`]); see the [`memory`] module for the pinning contract.
+//!
+//! ## GPU memory (`cuda` feature)
+//!
+//! A region may be device memory (`DeviceRegion::from_raw_parts(ordinal, ptr, len)`, registered
+//! with `RegionTable::insert_device`); a node may mix host and device regions. Sockets cannot
+//! read or write GPU memory, so each connection half that meets device memory stages it through
+//! a small ring of pinned host slots ([`TcpConfig::staging_slots`] ×
+//! [`TcpConfig::staging_slot_bytes`], allocated once, with a copy stream of its own):
+//!
+//! - the writer copies device payloads into free slots ahead of the socket (device → pinned
+//!   while the previous slot is on the socket) and writes a slot only once its copy completed;
+//! - the reader reads an admitted payload into a slot and copies each full slot up (pinned →
+//!   device while the socket fills the next); the write is reported landed
+//!   (`WriteFinished { landed: true }`) only once the copies of its last bytes completed, so the
+//!   receiver's results still wait for data that is in device memory.
+//!
+//! Admission is unchanged: a write is checked against the request's grant before a byte of it
+//! is read, whatever memory it lands in. Without a CUDA driver a batch reading or writing device
+//! memory fails its connection (and so the request, on both sides) instead of touching memory.
 
 mod blocking;
 mod config;
@@ -81,6 +101,8 @@ pub mod tokio_driver;
 
 pub use config::TcpConfig;
 pub use handles::{TcpNode, TcpReceiver, TcpSender};
+#[cfg(feature = "cuda")]
+pub use memory::DeviceRegion;
 pub use memory::{MemoryRegion, OutOfBounds, RegionTable};
 pub use node::guard::EndpointGuard;
 pub use node::lifecycle::CloseError;

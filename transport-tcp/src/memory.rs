@@ -6,6 +6,11 @@
 //! of it. The engine's side of the contract is the protocol's pinning rule: it does not modify
 //! source blocks of a request, nor touch destination blocks of a request, until the request's
 //! `Quiesced` event.
+//!
+//! With the `cuda` feature a region may be GPU memory ([`DeviceRegion`], registered with
+//! `RegionTable::insert_device`): the sender copies its source bytes into pinned host staging
+//! buffers before they go on the socket, the receiver reads payloads into pinned staging buffers
+//! and copies them up to the device, each pipelined with the socket (see the crate doc).
 
 use std::collections::HashMap;
 use std::fmt;
@@ -189,10 +194,92 @@ impl fmt::Debug for MemoryRegion {
     }
 }
 
+/// GPU memory registered with a node (`cuda` feature): a device address on one GPU. Cheap to
+/// clone (shared). The transport never dereferences it on the host: the sender copies source
+/// bytes down into pinned staging buffers, the receiver copies payloads up from them, both with
+/// the GPU's copy engines.
+#[cfg(feature = "cuda")]
+#[derive(Clone, Debug)]
+pub struct DeviceRegion {
+    inner: Arc<DeviceInner>,
+}
+
+#[cfg(feature = "cuda")]
+#[derive(Debug)]
+struct DeviceInner {
+    ordinal: usize,
+    ptr: u64,
+    len: usize,
+}
+
+#[cfg(feature = "cuda")]
+impl DeviceRegion {
+    /// A region over `len` bytes of device memory at device address `ptr` on GPU `ordinal`.
+    ///
+    /// # Safety
+    /// `ptr..ptr + len` must be device memory of GPU `ordinal` allocated in this process
+    /// (`cuMemAlloc`, `cudaMalloc`, or a framework's allocator on top of them), valid for as
+    /// long as any clone of the region exists, and the caller must follow the pinning contract
+    /// of the module doc.
+    pub unsafe fn from_raw_parts(ordinal: usize, ptr: u64, len: usize) -> Self {
+        DeviceRegion {
+            inner: Arc::new(DeviceInner { ordinal, ptr, len }),
+        }
+    }
+
+    /// The GPU's ordinal.
+    pub fn ordinal(&self) -> usize {
+        self.inner.ordinal
+    }
+
+    /// The device address of the first byte.
+    pub fn ptr(&self) -> u64 {
+        self.inner.ptr
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.inner.len
+    }
+
+    /// Whether the region is empty.
+    pub fn is_empty(&self) -> bool {
+        self.inner.len == 0
+    }
+
+    /// Whether `[offset, offset + len)` lies inside the region.
+    pub fn contains(&self, offset: u64, len: u64) -> bool {
+        offset
+            .checked_add(len)
+            .is_some_and(|end| end <= self.inner.len as u64)
+    }
+}
+
+/// One registration: host memory, or (`cuda` feature) device memory.
+#[derive(Clone, Debug)]
+pub(crate) enum Registered {
+    /// Host memory, read and written in place.
+    Host(MemoryRegion),
+    /// Device memory, moved through pinned staging buffers.
+    #[cfg(feature = "cuda")]
+    Device(DeviceRegion),
+}
+
+impl Registered {
+    /// Whether `[offset, offset + len)` lies inside the region.
+    pub(crate) fn contains(&self, offset: u64, len: u64) -> bool {
+        match self {
+            Registered::Host(r) => r.contains(offset, len),
+            #[cfg(feature = "cuda")]
+            Registered::Device(d) => d.contains(offset, len),
+        }
+    }
+}
+
 /// The regions registered with one node, by id.
 #[derive(Clone, Debug, Default)]
 pub struct RegionTable {
-    regions: HashMap<RegionId, MemoryRegion>,
+    regions: HashMap<RegionId, Registered>,
 }
 
 impl RegionTable {
@@ -203,11 +290,35 @@ impl RegionTable {
 
     /// Registers `region` as `id` (replacing an earlier registration of the same id).
     pub fn insert(&mut self, id: RegionId, region: MemoryRegion) {
-        self.regions.insert(id, region);
+        self.regions.insert(id, Registered::Host(region));
     }
 
-    /// The region registered as `id`.
+    /// Registers device memory as `id` (replacing an earlier registration of the same id).
+    #[cfg(feature = "cuda")]
+    pub fn insert_device(&mut self, id: RegionId, region: DeviceRegion) {
+        self.regions.insert(id, Registered::Device(region));
+    }
+
+    /// The host region registered as `id` (`None` for device memory).
     pub fn get(&self, id: RegionId) -> Option<&MemoryRegion> {
+        match self.regions.get(&id)? {
+            Registered::Host(r) => Some(r),
+            #[cfg(feature = "cuda")]
+            Registered::Device(_) => None,
+        }
+    }
+
+    /// The device region registered as `id` (`None` for host memory).
+    #[cfg(feature = "cuda")]
+    pub fn get_device(&self, id: RegionId) -> Option<&DeviceRegion> {
+        match self.regions.get(&id)? {
+            Registered::Device(d) => Some(d),
+            Registered::Host(_) => None,
+        }
+    }
+
+    /// The registration of `id`, of either kind.
+    pub(crate) fn registered(&self, id: RegionId) -> Option<&Registered> {
         self.regions.get(&id)
     }
 
@@ -220,7 +331,10 @@ impl RegionTable {
 impl FromIterator<(RegionId, MemoryRegion)> for RegionTable {
     fn from_iter<T: IntoIterator<Item = (RegionId, MemoryRegion)>>(iter: T) -> Self {
         RegionTable {
-            regions: iter.into_iter().collect(),
+            regions: iter
+                .into_iter()
+                .map(|(id, r)| (id, Registered::Host(r)))
+                .collect(),
         }
     }
 }

@@ -28,6 +28,8 @@
 //! [`ReferenceCache::changed_slots`]). [`apply_plan`] carries out a [`WritePlan`] by memcpy.
 
 mod content;
+#[cfg(feature = "cuda")]
+mod device;
 mod planner;
 mod split;
 
@@ -40,6 +42,8 @@ use kvpipe_core::{
 use thiserror::Error;
 
 pub use content::{content_byte, fill_content, fill_filler, filler_byte};
+#[cfg(feature = "cuda")]
+pub use device::DevicePool;
 pub use planner::{ChunkPlanError, ChunkPlanner, GroupChunkPlan};
 pub use split::{pipeline_layers, split_rank, writers_of, RankShape, RankSplit};
 
@@ -203,6 +207,9 @@ struct GroupState {
     block_bytes: u64,
     /// One memory buffer per pool (empty when not materialised).
     memory: Vec<Vec<u8>>,
+    /// Slots whose host bytes were written since the last upload, while the pools are in
+    /// device memory (`None` otherwise).
+    dirty: Option<Vec<u32>>,
 }
 
 impl GroupState {
@@ -221,10 +228,19 @@ impl GroupState {
                 let range = at as usize..(at + pool.slot_bytes) as usize;
                 fill_filler(pool.region, at, &mut bytes[range]);
             }
+            self.mark_dirty(slot);
         }
         self.held += 1;
         self.peak = self.peak.max(self.held);
         Some(BlockId(slot))
+    }
+
+    /// Notes that the host bytes of `slot` changed (uploaded by the next flush when the pools
+    /// are in device memory).
+    fn mark_dirty(&mut self, slot: u32) {
+        if let Some(dirty) = &mut self.dirty {
+            dirty.push(slot);
+        }
     }
 
     /// Gives `slot` back (it is handed out again before any slot never used).
@@ -305,6 +321,9 @@ pub struct ReferenceCache {
     requests: HashMap<RequestId, RequestState>,
     lookups: u64,
     materialized: bool,
+    /// The pools' device memory, once placed there (`cuda` feature).
+    #[cfg(feature = "cuda")]
+    device: device::DeviceMirror,
 }
 
 impl ReferenceCache {
@@ -411,6 +430,7 @@ impl ReferenceCache {
                 peak: 0,
                 block_bytes,
                 memory,
+                dirty: None,
             });
         }
         Ok(ReferenceCache {
@@ -421,6 +441,8 @@ impl ReferenceCache {
             requests: HashMap::new(),
             lookups: 0,
             materialized: spec.materialize,
+            #[cfg(feature = "cuda")]
+            device: device::DeviceMirror::default(),
         })
     }
 
@@ -619,7 +641,7 @@ impl ReferenceCache {
         if result.is_err() {
             self.release(request);
         }
-        result
+        result.and_then(|()| self.flush_device())
     }
 
     /// Sender side: prefill computed tokens `[start, end)` of `request`: allocates their blocks
@@ -650,7 +672,8 @@ impl ReferenceCache {
         }
         let blocks = end.div_ceil(self.tpb);
         self.allocate_to(request, blocks, blocks, start)?;
-        self.compute(request, start, end)
+        self.compute(request, start, end)?;
+        self.flush_device()
     }
 
     /// Writes the content of tokens `[start, end)` (and, when `end` completes the prompt, of
@@ -813,7 +836,38 @@ impl ReferenceCache {
             self.release(request);
             return Err(err);
         }
+        self.flush_device()?;
         Ok(runs)
+    }
+
+    /// Brings the pools' bytes back from device memory into the host buffers the checks read
+    /// ([`ReferenceCache::verify`], [`ReferenceCache::snapshot`], [`ReferenceCache::region`]);
+    /// a no-op for a cache whose pools are host memory. Call it when no transfer touches the
+    /// pools (every request quiesced).
+    pub fn sync_from_device(&mut self) -> Result<(), CacheError> {
+        #[cfg(feature = "cuda")]
+        if self.device.is_placed() {
+            return self.download_all();
+        }
+        Ok(())
+    }
+
+    /// Whether the pools live in device memory (`cuda` feature:
+    /// `ReferenceCache::place_on_device`).
+    pub fn is_on_device(&self) -> bool {
+        #[cfg(feature = "cuda")]
+        return self.device.is_placed();
+        #[cfg(not(feature = "cuda"))]
+        false
+    }
+
+    /// Uploads the slots the host wrote since the last upload (pools in device memory only).
+    fn flush_device(&mut self) -> Result<(), CacheError> {
+        #[cfg(feature = "cuda")]
+        if self.device.is_placed() {
+            return self.upload_dirty();
+        }
+        Ok(())
     }
 
     /// Frees every slot of `request` (its memory keeps its bytes, as a real cache's would).
@@ -986,6 +1040,7 @@ fn write_content(
         let row = &mut group.memory[p][at as usize..(at + len) as usize];
         fill_content(request, GroupIndex(g as u16), ordinal, layer, byte, row);
     }
+    group.mark_dirty(slot.0);
 }
 
 /// The first byte of tokens `tokens` of `ordinal` that differs from the expected content, as
@@ -1153,6 +1208,10 @@ pub enum CacheError {
         /// The ordinal.
         ordinal: u32,
     },
+    /// The pools' device memory could not be allocated, written or read (`cuda` feature).
+    #[cfg(feature = "cuda")]
+    #[error("device memory: {0}")]
+    Device(#[from] kvpipe_cuda::CudaError),
 }
 
 /// Why a write plan could not be applied.

@@ -9,7 +9,7 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use kvpipe_conformance::cache::{CacheSpec, ReferenceCache};
 use kvpipe_conformance::suite::demo::{run_demo, DemoConfig, DemoSummary, Model};
 use kvpipe_conformance::suite::{
-    MemHarness, Outcome, RunReport, TcpHarness, TransferMode, VerbsHarness,
+    MemHarness, Outcome, PoolMemory, RunReport, TcpHarness, TransferMode, VerbsHarness,
 };
 use serde::Serialize;
 
@@ -88,6 +88,11 @@ pub(crate) struct DemoArgs {
     /// With --transport tcp: connections per peer.
     #[arg(long, default_value_t = 2)]
     connections: usize,
+    /// Where both sides' KV pools live: host, or device (GPU 0; needs the `cuda` feature):
+    /// the mem transport copies with the GPU's copy engines, tcp stages through pinned host
+    /// memory, and verification copies every pool back to the host.
+    #[arg(long, default_value = "host")]
+    memory: String,
     /// Print one JSON object instead of the progress bar and table.
     #[arg(long)]
     json: bool,
@@ -147,6 +152,7 @@ pub(crate) fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
         "a bundle's size",
     )?;
     preflight::at_least("--connections", args.connections as u64, 1)?;
+    let memory = pool_memory(&args)?;
     if let Some(addr) = &args.connect {
         if args.transport == "mem" {
             return Err("--connect needs --transport tcp or verbs".into());
@@ -241,13 +247,17 @@ pub(crate) fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
     let cores = std::thread::available_parallelism().map_or(1, usize::from);
     let harness = MemHarness {
         copy_threads: (args.ranks > 1).then(|| (cores / args.ranks as usize).max(1)),
+        memory,
     };
     let progress = |done, total| {
         bar.set_length(total);
         bar.set_position(done);
     };
     let (summary, report) = if args.transport == "tcp" {
-        let harness = TcpHarness::blocking(args.connections.clamp(1, 255));
+        let harness = TcpHarness {
+            memory,
+            ..TcpHarness::blocking(args.connections.clamp(1, 255))
+        };
         run_demo(&harness, &config, progress)?
     } else if args.transport == "verbs" {
         let harness = VerbsHarness {
@@ -259,6 +269,7 @@ pub(crate) fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
     };
     bar.finish_and_clear();
     let memory = Memory {
+        memory: memory.name(),
         live_kv_bytes: live_kv_bytes(&config)? * u64::from(config.ranks),
         peak_rss_bytes: parallel::peak_rss_bytes(),
     };
@@ -327,9 +338,50 @@ fn failure_causes(report: &RunReport) -> Vec<String> {
     lines
 }
 
+/// Where the pools lived (`--memory`), checked before anything runs: device memory needs the
+/// `cuda` feature and a CUDA driver ("no CUDA driver" otherwise), and a transport that can move
+/// it (mem or tcp, both sides in this process).
+fn pool_memory(args: &DemoArgs) -> Result<PoolMemory, CliError> {
+    match args.memory.as_str() {
+        "host" => Ok(PoolMemory::Host),
+        "device" => {
+            if args.transport == "verbs" || args.connect.is_some() {
+                return Err(
+                    "--memory device runs both sides in this process over --transport mem or tcp"
+                        .into(),
+                );
+            }
+            if args.sender_tp.is_some() || args.receiver_tp.is_some() || args.receiver_pp.is_some()
+            {
+                return Err("--memory device does not run heterogeneous splits yet".into());
+            }
+            device_memory()
+        }
+        other => Err(format!("--memory {other:?}: use host or device").into()),
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn device_memory() -> Result<PoolMemory, CliError> {
+    kvpipe_cuda::check_driver()?;
+    kvpipe_cuda::Device::open(0)?;
+    Ok(PoolMemory::Device { ordinal: 0 })
+}
+
+#[cfg(not(feature = "cuda"))]
+fn device_memory() -> Result<PoolMemory, CliError> {
+    Err(
+        "--memory device needs kvpipe built with the `cuda` feature \
+         (cargo build --release -p kvpipe-conformance --features cuda)"
+            .into(),
+    )
+}
+
 /// How much memory the run took against the KV its caches held.
 #[derive(Debug, Serialize)]
 struct Memory {
+    /// Where the KV pools lived: "host" or "device".
+    memory: &'static str,
     /// The most KV both sides' caches held at once (each cache's peak, summed; all ranks).
     live_kv_bytes: u64,
     /// This process's peak resident memory (Linux `VmHWM`), when known.
@@ -394,6 +446,13 @@ fn print_table(s: &DemoSummary, memory: &Memory) {
     let gib = s.bytes as f64 / f64::from(1u32 << 30);
     let rows = [
         ("transport", s.transport.clone()),
+        (
+            "kv pools",
+            match memory.memory {
+                "device" => "device memory (GPU 0), copied back to the host to verify".into(),
+                other => format!("{other} memory"),
+            },
+        ),
         ("model", s.model.clone()),
         ("mode", s.mode.clone()),
         (

@@ -482,11 +482,46 @@ pub fn run_workload_with<H: Harness>(
         let compute_start = link.now();
         let (start, end) = states[i].chunks[states[i].next_chunk];
         let id = states[i].plan.id;
-        sender_cache
-            .compute_chunk(id, start, end)
-            .map_err(cache_err)?;
-        // The rest of the chunk's simulated compute: keep the transport running meanwhile.
         let ready = compute_start + Duration::from_nanos(w.prefill_per_chunk.as_nanos() as u64);
+        if w.prefill_per_chunk.is_zero() {
+            sender_cache
+                .compute_chunk(id, start, end)
+                .map_err(cache_err)?;
+        } else {
+            // With a compute time the chunk's content is written on a helper thread, as a GPU
+            // computes while the engine's loop goes on: the transport keeps being driven (and
+            // earlier chunks' completions are seen when they happen) until the content is
+            // written and the compute time is over.
+            let cache = &mut *sender_cache;
+            std::thread::scope(|scope| -> Result<(), SuiteError> {
+                let job = scope.spawn(move || cache.compute_chunk(id, start, end));
+                loop {
+                    link.pump()?;
+                    collect(&mut link, &mut events, &mut states);
+                    let now = link.now();
+                    let written = job.is_finished();
+                    if written && now >= ready {
+                        break;
+                    }
+                    let wait = if now < ready {
+                        std::time::Duration::from_nanos((ready - now).as_nanos())
+                    } else {
+                        std::time::Duration::from_micros(100)
+                    };
+                    // While the content is being written, look again soon: the chunk is
+                    // submitted as soon as it is computed.
+                    link.wait(if written {
+                        wait
+                    } else {
+                        wait.min(std::time::Duration::from_micros(200))
+                    });
+                }
+                job.join()
+                    .map_err(|_| SuiteError::Check("the compute thread panicked".into()))?
+                    .map_err(cache_err)
+            })?;
+        }
+        // The rest of the chunk's simulated compute: keep the transport running meanwhile.
         loop {
             link.pump()?;
             collect(&mut link, &mut events, &mut states);
@@ -662,6 +697,9 @@ pub fn run_workload_with<H: Harness>(
     let leftover_writes = link.writes_in_flight();
     let batch_timings = link.batch_timings();
     drop(link);
+    // Pools in device memory: the checks below read every byte back.
+    sender_cache.sync_from_device().map_err(cache_err)?;
+    receiver_cache.sync_from_device().map_err(cache_err)?;
 
     // Verification: every destination byte of completed requests; nothing stray anywhere.
     if w.corrupt_one_byte {

@@ -11,7 +11,7 @@ use kvpipe_core::{Duration, Event, Instant, PeerId, Receiver, Sender};
 use kvpipe_mem::netem::{BatchFault, LossModel, NetemConfig, ScriptedBatch};
 use kvpipe_mem::{Endpoint, MemPair, PairConfig, RegionUse, RECEIVER_PEER, SENDER_PEER};
 
-use super::{BatchTiming, FaultKind, FaultPlan, Harness, Link, LinkError};
+use super::{BatchTiming, FaultKind, FaultPlan, Harness, Link, LinkError, PoolMemory};
 use crate::cache::ReferenceCache;
 
 /// Runs the suite over [`MemPair`].
@@ -19,6 +19,8 @@ use crate::cache::ReferenceCache;
 pub struct MemHarness {
     /// Copy threads per large write batch (`None`: the transport's default).
     pub copy_threads: Option<usize>,
+    /// Where both caches' pools live (device memory: copied by the GPU's copy engines).
+    pub memory: PoolMemory,
 }
 
 fn endpoint(side: Role) -> Endpoint {
@@ -89,8 +91,33 @@ impl Harness for MemHarness {
             (Endpoint::Sender, &mut *sender_cache),
             (Endpoint::Receiver, &mut *receiver_cache),
         ] {
+            self.memory.place(cache)?;
             let ids: Vec<_> = cache.region_ids().collect();
             for id in ids {
+                #[cfg(feature = "cuda")]
+                if let Some(pool) = cache.device_pool(id) {
+                    let node = match side {
+                        Endpoint::Sender => kvpipe_mem::Node::Sender(0),
+                        Endpoint::Receiver => kvpipe_mem::Node::Receiver(0),
+                    };
+                    let table = pair
+                        .network()
+                        .regions_mut(node)
+                        .ok_or_else(|| transport("a pair has both endpoints"))?;
+                    // SAFETY: the cache owns the device buffer and outlives the pair (the
+                    // caller's contract); the sessions pin blocks until quiesced.
+                    unsafe {
+                        table.register_device(
+                            id,
+                            RegionUse::KvPool,
+                            pool.ordinal,
+                            pool.ptr,
+                            pool.len,
+                        )
+                    }
+                    .map_err(transport)?;
+                    continue;
+                }
                 let bytes = cache.region_mut(id).unwrap_or_default();
                 // SAFETY: the caller keeps the caches alive and unmoved while the pair lives;
                 // the sessions pin blocks until quiesced, and the suite's engine touches only

@@ -40,6 +40,49 @@ pub use scenarios::{check_clean, scenario, scenarios, Scenario};
 pub use tcp::{TcpHarness, TcpLink};
 pub use verbs::{VerbsHarness, VerbsLink};
 
+/// Where a harness puts both caches' pools.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum PoolMemory {
+    /// Host memory: the caches' own buffers are registered.
+    #[default]
+    Host,
+    /// GPU memory of CUDA device `ordinal` (`cuda` feature): the harness places both caches
+    /// there ([`ReferenceCache::place_on_device`]) and registers the device pools; the suite's
+    /// checks read them back ([`ReferenceCache::sync_from_device`]).
+    #[cfg(feature = "cuda")]
+    Device {
+        /// The GPU.
+        ordinal: usize,
+    },
+}
+
+impl PoolMemory {
+    /// "host" or "device".
+    pub fn name(self) -> &'static str {
+        match self {
+            PoolMemory::Host => "host",
+            #[cfg(feature = "cuda")]
+            PoolMemory::Device { .. } => "device",
+        }
+    }
+
+    /// Puts `cache`'s pools where `self` says (nothing to do for host memory).
+    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+    pub(crate) fn place(self, cache: &mut ReferenceCache) -> Result<(), LinkError> {
+        match self {
+            PoolMemory::Host => Ok(()),
+            #[cfg(feature = "cuda")]
+            PoolMemory::Device { ordinal } => {
+                let device = kvpipe_cuda::Device::open(ordinal)
+                    .map_err(|e| LinkError::Transport(e.to_string()))?;
+                cache
+                    .place_on_device(&device)
+                    .map_err(|e| LinkError::Transport(e.to_string()))
+            }
+        }
+    }
+}
+
 /// Faults a scenario asks the transport to inject (transport-neutral; a harness maps it onto
 /// its transport's fault wrapper).
 #[derive(Clone, Debug, Default, PartialEq)]

@@ -10,7 +10,7 @@ use kvpipe_core::wire::Role;
 use kvpipe_core::{Event, Instant, PeerId, Receiver, Sender};
 use kvpipe_tcp::{EndpointGuard, MemoryRegion, RegionTable, TcpConfig, TcpReceiver, TcpSender};
 
-use super::{BatchTiming, FaultKind, FaultPlan, Harness, Link, LinkError};
+use super::{BatchTiming, FaultKind, FaultPlan, Harness, Link, LinkError, PoolMemory};
 use crate::cache::ReferenceCache;
 
 /// Runs the suite over two TCP nodes on loopback.
@@ -18,6 +18,8 @@ use crate::cache::ReferenceCache;
 pub struct TcpHarness {
     /// Connections per peer.
     pub connections: usize,
+    /// Where both caches' pools live (device memory: through the transport's pinned staging).
+    pub memory: PoolMemory,
     /// Run the nodes on the async driver (a two-worker tokio runtime owned by the link) instead
     /// of the blocking one.
     #[cfg(feature = "tokio")]
@@ -29,6 +31,7 @@ impl TcpHarness {
     pub fn blocking(connections: usize) -> Self {
         TcpHarness {
             connections,
+            memory: PoolMemory::Host,
             #[cfg(feature = "tokio")]
             tokio: false,
         }
@@ -39,6 +42,7 @@ impl TcpHarness {
     pub fn tokio(connections: usize) -> Self {
         TcpHarness {
             connections,
+            memory: PoolMemory::Host,
             tokio: true,
         }
     }
@@ -69,7 +73,8 @@ fn transport(e: impl std::fmt::Display) -> LinkError {
     LinkError::Transport(e.to_string())
 }
 
-/// Registers every region of `cache` by address.
+/// Registers every region of `cache` by address (its device pools once it is placed on a
+/// device).
 ///
 /// # Safety
 /// The cache must outlive the node and keep its regions where they are (see
@@ -78,6 +83,16 @@ unsafe fn regions_of(cache: &mut ReferenceCache) -> RegionTable {
     let ids: Vec<_> = cache.region_ids().collect();
     let mut table = RegionTable::new();
     for id in ids {
+        #[cfg(feature = "cuda")]
+        if let Some(pool) = cache.device_pool(id) {
+            // SAFETY: the cache owns the device buffer and outlives the node (the caller's
+            // contract); the sessions pin blocks until quiesced.
+            let region = unsafe {
+                kvpipe_tcp::DeviceRegion::from_raw_parts(pool.ordinal, pool.ptr, pool.len)
+            };
+            table.insert_device(id, region);
+            continue;
+        }
         let bytes = cache.region_mut(id).unwrap_or_default();
         // SAFETY: forwarded from the caller; the sessions pin blocks until quiesced.
         let region = unsafe { MemoryRegion::from_raw_parts(bytes.as_mut_ptr(), bytes.len()) };
@@ -112,6 +127,8 @@ impl Harness for TcpHarness {
         if faults.is_active() {
             return Err(LinkError::Unsupported(FaultKind::Frames));
         }
+        self.memory.place(sender_cache)?;
+        self.memory.place(receiver_cache)?;
         let origin = std::time::Instant::now();
         let tcp = TcpConfig {
             connections_per_peer: self.connections,

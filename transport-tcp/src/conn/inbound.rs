@@ -5,6 +5,10 @@
 //!
 //! A shell's loop is: `read` into [`Inbound::buffer`], pass the count to
 //! [`Inbound::consumed`], and when the stream ends or fails, [`Inbound::finish`].
+//!
+//! With the `cuda` feature a write admitted into device memory is read into pinned staging slots
+//! and copied up slot by slot while the socket fills the next ([`super::staging`]); it is
+//! reported landed once the copies of its last bytes completed.
 
 use std::sync::Arc;
 
@@ -13,7 +17,10 @@ use kvpipe_core::wire::MAX_BODY_LEN;
 use kvpipe_core::{Admission, PeerId};
 
 use super::hooks::{HalfEnd, NodeHooks, ReadEnd};
-use crate::memory::RegionTable;
+#[cfg(feature = "cuda")]
+use super::staging::{RecvStaging, StagingSpec};
+use crate::config::TcpConfig;
+use crate::memory::{RegionTable, Registered};
 use crate::stats::{bump, StatCells};
 
 /// Scratch buffer for payloads that are read and dropped.
@@ -40,6 +47,9 @@ pub(crate) struct Inbound {
     scratch: Vec<u8>,
     /// Most payload bytes one `read` call lands in memory.
     read_max: usize,
+    /// Writes into device memory, through pinned staging slots.
+    #[cfg(feature = "cuda")]
+    staging: RecvStaging,
 }
 
 impl Inbound {
@@ -48,7 +58,7 @@ impl Inbound {
         hooks: Arc<dyn NodeHooks>,
         regions: Arc<RegionTable>,
         stats: Arc<StatCells>,
-        read_max: usize,
+        config: &TcpConfig,
     ) -> Self {
         Inbound {
             peer,
@@ -58,8 +68,17 @@ impl Inbound {
             regions,
             stats,
             scratch: Vec::new(),
-            read_max: read_max.max(1),
+            read_max: config.socket_read_bytes.max(1),
+            #[cfg(feature = "cuda")]
+            staging: RecvStaging::new(StagingSpec::from_config(config)),
         }
+    }
+
+    /// The same reader staging device memory through `spec` (tests).
+    #[cfg(all(test, feature = "cuda"))]
+    pub(crate) fn with_staging(mut self, spec: StagingSpec) -> Self {
+        self.staging = RecvStaging::new(spec);
+        self
     }
 
     /// Where the next `read` goes. Never empty while the stream goes on.
@@ -69,6 +88,8 @@ impl Inbound {
             regions,
             scratch,
             read_max,
+            #[cfg(feature = "cuda")]
+            staging,
             ..
         } = self;
         match reader.read_into() {
@@ -80,17 +101,24 @@ impl Inbound {
             } => {
                 let len = len.min(*read_max as u64);
                 let region = regions
-                    .get(region)
+                    .registered(region)
                     .expect("the admitted region was checked to be registered at admission");
-                // SAFETY: these bytes belong to a write the receiver admitted
-                // (`Admission::Apply`) and this reader has not reported finished: admission
-                // guarantees that no other write in flight overlaps them, and the engine does
-                // not touch a request's blocks before its `Quiesced`, which the core holds until
-                // this write is reported with `WriteFinished`. So this is the only reference to
-                // them while the `read` fills it. The range lies inside the registered region
-                // (checked in `admit` for the whole write; this is a part of it).
-                unsafe { region.slice_mut(offset, len) }
-                    .expect("inside the write checked at admission")
+                match region {
+                    // SAFETY: these bytes belong to a write the receiver admitted
+                    // (`Admission::Apply`) and this reader has not reported finished: admission
+                    // guarantees that no other write in flight overlaps them, and the engine
+                    // does not touch a request's blocks before its `Quiesced`, which the core
+                    // holds until this write is reported with `WriteFinished`. So this is the
+                    // only reference to them while the `read` fills it. The range lies inside
+                    // the registered region (checked in `admit` for the whole write; this is a
+                    // part of it).
+                    Registered::Host(region) => unsafe { region.slice_mut(offset, len) }
+                        .expect("inside the write checked at admission"),
+                    // Device memory: the bytes go to the current staging slot (`admit` started
+                    // the staged write at this offset; they continue it).
+                    #[cfg(feature = "cuda")]
+                    Registered::Device(_) => staging.buffer(len as usize),
+                }
             }
             ReadInto::Discard { len } => {
                 if scratch.is_empty() {
@@ -107,14 +135,31 @@ impl Inbound {
         if self.reader.in_flight().is_some() {
             bump(&self.stats.bytes_applied, n as u64);
         }
+        #[cfg(feature = "cuda")]
+        let staged = self.staging.active();
         let event = self.reader.advance(n).map_err(|e| self.stream_error(e))?;
+        #[cfg(feature = "cuda")]
+        if staged {
+            let last = matches!(event, Some(StreamEvent::Landed(_)));
+            if self.staging.filled(n, last).is_err() {
+                if let Some(StreamEvent::Landed(ticket)) = event {
+                    // The reader is past this write: report it here, once its copies stopped.
+                    self.staging.abandon();
+                    self.hooks.write_finished(ticket, false);
+                }
+                return Err(ReadEnd::Failed);
+            }
+        }
         self.on_event(event)
     }
 
-    /// The stream ended or failed: reports the admitted write cut short (if any) as not landed,
-    /// then tells the node this half stopped.
+    /// The stream ended or failed: reports the admitted write cut short (if any) as not landed
+    /// (once no staging copy writes its memory any more), then tells the node this half
+    /// stopped.
     pub(crate) fn finish(mut self, stop: Stop) {
         let end = self.reader.end();
+        #[cfg(feature = "cuda")]
+        self.staging.abandon();
         if let StreamEnd::Truncated {
             unfinished: Some(ticket),
         } = end
@@ -139,6 +184,12 @@ impl Inbound {
             }
             Some(StreamEvent::DataWrite(header)) => self.admit(&header),
             Some(StreamEvent::Landed(ticket)) => {
+                // A staged write has landed once its last copy completed.
+                #[cfg(feature = "cuda")]
+                if self.staging.active() && self.staging.finish_write().is_err() {
+                    self.hooks.write_finished(ticket, false);
+                    return Err(ReadEnd::Failed);
+                }
                 bump(&self.stats.writes_applied, 1);
                 self.hooks.write_finished(ticket, true);
                 self.raise_body_limit();
@@ -167,7 +218,7 @@ impl Inbound {
                 len,
             } if !self
                 .regions
-                .get(region)
+                .registered(region)
                 .is_some_and(|r| r.contains(offset, len)) =>
             {
                 // Granted by the layout, but the engine registered no memory behind it: nothing
@@ -176,6 +227,23 @@ impl Inbound {
                 self.hooks.write_finished(ticket, false);
                 return Err(ReadEnd::Failed);
             }
+            #[cfg(feature = "cuda")]
+            Admission::Apply {
+                ticket,
+                region,
+                offset,
+                ..
+            } => {
+                if let Some(Registered::Device(d)) = self.regions.registered(region) {
+                    let (ordinal, addr) = (d.ordinal(), d.ptr() + offset);
+                    if self.staging.begin(ordinal, addr).is_err() {
+                        // No staging (no driver, a failed allocation): nothing is written.
+                        self.hooks.write_finished(ticket, false);
+                        return Err(ReadEnd::Failed);
+                    }
+                }
+            }
+            #[cfg(not(feature = "cuda"))]
             Admission::Apply { .. } => {}
             Admission::Discard { len } => {
                 bump(&self.stats.late_writes, 1);
@@ -222,6 +290,10 @@ mod tests {
     struct Recorder {
         answer: Admission,
         log: Mutex<Vec<String>>,
+        /// Memory to read back whenever a write is reported finished (device tests).
+        watch: Mutex<Option<(usize, usize)>>,
+        /// What it held then.
+        at_finish: Mutex<Vec<Vec<u8>>>,
     }
 
     impl NodeHooks for Recorder {
@@ -243,6 +315,11 @@ mod tests {
                 .lock()
                 .unwrap()
                 .push(format!("finished {} {landed}", ticket.0));
+            if let Some((ptr, len)) = *self.watch.lock().unwrap() {
+                // SAFETY: the test's buffer outlives the reader; nothing writes it now.
+                let now = unsafe { std::slice::from_raw_parts(ptr as *const u8, len) };
+                self.at_finish.lock().unwrap().push(now.to_vec());
+            }
         }
         fn batch_part_written(&self, _: WriteBatchId) {}
         fn half_ended(&self, _: PeerId, end: HalfEnd) {
@@ -255,6 +332,8 @@ mod tests {
         let hooks = Arc::new(Recorder {
             answer,
             log: Mutex::new(Vec::new()),
+            watch: Mutex::new(None),
+            at_finish: Mutex::new(Vec::new()),
         });
         let regions: RegionTable = [(RegionId(3), region.clone())].into_iter().collect();
         let r = Inbound::new(
@@ -262,7 +341,10 @@ mod tests {
             hooks.clone(),
             Arc::new(regions),
             Arc::new(StatCells::default()),
-            7,
+            &TcpConfig {
+                socket_read_bytes: 7,
+                ..TcpConfig::default()
+            },
         );
         (r, hooks, region)
     }
@@ -361,5 +443,117 @@ mod tests {
             *hooks.log.lock().unwrap(),
             ["admit", "finished 5 false", "ended Read(Failed)"]
         );
+    }
+
+    #[cfg(feature = "cuda")]
+    mod device {
+        use super::*;
+        use crate::conn::staging::{fake, StagingSpec};
+        use crate::memory::DeviceRegion;
+
+        /// A reader whose region 3 is "device memory" (`memory`, which the fake GPU copies
+        /// into), reading at most 7 bytes per call.
+        fn device_inbound(
+            answer: Admission,
+            memory: &mut [u8],
+            spec: StagingSpec,
+        ) -> (Inbound, Arc<Recorder>) {
+            let hooks = Arc::new(Recorder {
+                answer,
+                log: Mutex::new(Vec::new()),
+                watch: Mutex::new(Some((memory.as_ptr() as usize, memory.len()))),
+                at_finish: Mutex::new(Vec::new()),
+            });
+            let mut regions = RegionTable::new();
+            // SAFETY: the fake GPU treats device addresses as host addresses; `memory`
+            // outlives the reader.
+            regions.insert_device(RegionId(3), unsafe {
+                DeviceRegion::from_raw_parts(0, memory.as_mut_ptr() as u64, memory.len())
+            });
+            let r = Inbound::new(
+                PeerId(1),
+                hooks.clone(),
+                Arc::new(regions),
+                Arc::new(StatCells::default()),
+                &TcpConfig {
+                    socket_read_bytes: 7,
+                    ..TcpConfig::default()
+                },
+            )
+            .with_staging(spec);
+            (r, hooks)
+        }
+
+        #[test]
+        fn a_device_write_lands_only_once_its_copies_completed() {
+            let mut memory = vec![0u8; 32];
+            let (spec, gpu) = fake::spec(8, 2);
+            let (mut r, hooks) = device_inbound(APPLY, &mut memory, spec);
+            let mut stream = data_write(20);
+            stream.extend(1..=20u8);
+            let hb = Frame::Heartbeat(Heartbeat { seq: 1 }).to_vec().unwrap();
+            stream.extend(&hb);
+            feed(&mut r, &stream).unwrap();
+            r.finish(Stop::Eof);
+            let mut expected = vec![0u8; 4];
+            expected.extend(1..=20u8);
+            expected.extend([0; 8]);
+            // Every byte was in "device memory" when the write was reported landed.
+            assert_eq!(*hooks.at_finish.lock().unwrap(), [expected.clone()]);
+            assert_eq!(memory, expected);
+            assert_eq!(
+                *hooks.log.lock().unwrap(),
+                [
+                    "admit".to_string(),
+                    "finished 5 true".into(),
+                    format!("frame {}", hb.len()),
+                    "ended Read(Eof)".into(),
+                ]
+            );
+            let st = gpu.lock().unwrap();
+            // 20 bytes through 8-byte slots: three copies up, none left running.
+            let ups: Vec<&String> = st.log.iter().filter(|l| l.starts_with("h2d")).collect();
+            assert_eq!(ups, ["h2d 8", "h2d 8", "h2d 4"]);
+            assert_eq!(st.pending(), 0);
+            assert!(st.most_pending <= 2);
+        }
+
+        #[test]
+        fn a_device_write_cut_short_is_reported_after_its_copies_stopped() {
+            let mut memory = vec![0u8; 32];
+            let (spec, gpu) = fake::spec(8, 4);
+            let (mut r, hooks) = device_inbound(APPLY, &mut memory, spec);
+            let mut stream = data_write(20);
+            stream.extend([7; 11]);
+            feed(&mut r, &stream).unwrap();
+            // One full slot was sent up and may still be copying.
+            assert_eq!(gpu.lock().unwrap().pending(), 1);
+            r.finish(Stop::Eof);
+            assert_eq!(gpu.lock().unwrap().pending(), 0);
+            assert_eq!(
+                *hooks.log.lock().unwrap(),
+                ["admit", "finished 5 false", "ended Read(Failed)"]
+            );
+            // The copied slot is there when the write is reported; the partial one is dropped.
+            let mut expected = vec![0u8; 4];
+            expected.extend([7; 8]);
+            expected.extend([0; 20]);
+            assert_eq!(*hooks.at_finish.lock().unwrap(), [expected]);
+        }
+
+        #[test]
+        fn without_a_driver_a_device_write_is_refused_before_its_payload() {
+            let mut memory = vec![0u8; 32];
+            let (mut r, hooks) = device_inbound(APPLY, &mut memory, fake::no_driver());
+            let mut stream = data_write(20);
+            stream.extend([7; 20]);
+            assert_eq!(feed(&mut r, &stream), Err(ReadEnd::Failed));
+            r.finish(Stop::Ended(ReadEnd::Failed));
+            assert!(memory.iter().all(|&b| b == 0));
+            assert_eq!(
+                *hooks.log.lock().unwrap(),
+                ["admit", "finished 5 false", "ended Read(Failed)"]
+            );
+        }
     }
 }

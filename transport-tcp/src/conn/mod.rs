@@ -10,6 +10,8 @@ mod hooks;
 mod inbound;
 mod outbound;
 mod pieces;
+#[cfg(feature = "cuda")]
+mod staging;
 
 pub(crate) use hooks::{HalfEnd, NodeHooks, ReadEnd, WriteEnd};
 pub(crate) use inbound::{Inbound, Stop};

@@ -6,6 +6,11 @@
 //! A shell's loop is: [`Outbound::next`]; on [`Next::Write`] write
 //! [`Outbound::slices`] and pass the count to [`Outbound::written`]; on [`Next::Wait`] wait on
 //! the queue; on [`Next::Close`] shut the sending side down; then [`Outbound::finish`].
+//!
+//! With the `cuda` feature a piece whose source is device memory is staged through pinned host
+//! slots ([`super::staging`]): [`Outbound::next`] keeps the slots filled ahead of the socket and
+//! waits (briefly, for one slot's copy) only when the next bytes to write are still being
+//! copied; [`Outbound::slices`] offers only bytes whose copy completed.
 
 use std::collections::VecDeque;
 use std::io::IoSlice;
@@ -17,7 +22,10 @@ use kvpipe_core::PeerId;
 use parking_lot::{Condvar, Mutex};
 
 use super::hooks::{HalfEnd, NodeHooks, WriteEnd};
-use super::pieces::Piece;
+use super::pieces::{Payload, Piece};
+#[cfg(feature = "cuda")]
+use super::staging::{SendStaging, StagingSpec};
+use crate::config::TcpConfig;
 use crate::stats::{bump, StatCells};
 
 /// Most slices in one vectored write (Linux accepts 1024).
@@ -100,23 +108,23 @@ impl JobQueue {
         self.notify.notify_one();
     }
 
-    /// Moves every queued job to `out`. Returns whether the connection was aborted.
-    fn take(&self, out: &mut VecDeque<Entry>) -> bool {
+    /// Moves every queued job to `out`, numbering pieces from `*seq + 1`. Returns whether the
+    /// connection was aborted.
+    fn take(&self, out: &mut VecDeque<Entry>, seq: &mut u64) -> bool {
         let mut q = self.inner.lock();
         for job in q.0.drain(..) {
             match job {
                 Job::Frame(bytes) => out.push_back(Entry::Frame(bytes)),
                 Job::Data { batch, pieces } => {
                     let last = pieces.len().saturating_sub(1);
-                    out.extend(
-                        pieces
-                            .into_iter()
-                            .enumerate()
-                            .map(|(i, piece)| Entry::Piece {
-                                piece,
-                                ends_part: (i == last).then_some(batch),
-                            }),
-                    );
+                    out.extend(pieces.into_iter().enumerate().map(|(i, piece)| {
+                        *seq += 1;
+                        Entry::Piece {
+                            piece,
+                            ends_part: (i == last).then_some(batch),
+                            seq: *seq,
+                        }
+                    }));
                 }
                 Job::Close => out.push_back(Entry::Close),
             }
@@ -156,6 +164,9 @@ enum Entry {
         piece: Piece,
         /// The batch whose part on this connection ends with this piece.
         ends_part: Option<WriteBatchId>,
+        /// The piece's number on this connection (from 1), by which staging knows it.
+        #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+        seq: u64,
     },
     Close,
 }
@@ -194,6 +205,11 @@ pub(crate) struct Outbound {
     front_done: usize,
     /// Most bytes one write call takes.
     write_max: usize,
+    /// The last piece number given.
+    seq: u64,
+    /// Device payloads staged through pinned memory.
+    #[cfg(feature = "cuda")]
+    staging: SendStaging,
 }
 
 impl Outbound {
@@ -202,7 +218,7 @@ impl Outbound {
         queue: Arc<JobQueue>,
         hooks: Arc<dyn NodeHooks>,
         stats: Arc<StatCells>,
-        write_max: usize,
+        config: &TcpConfig,
     ) -> Self {
         Outbound {
             peer,
@@ -211,8 +227,18 @@ impl Outbound {
             stats,
             entries: VecDeque::new(),
             front_done: 0,
-            write_max: write_max.max(1),
+            write_max: config.socket_write_bytes.max(1),
+            seq: 0,
+            #[cfg(feature = "cuda")]
+            staging: SendStaging::new(StagingSpec::from_config(config)),
         }
+    }
+
+    /// The same writer staging device memory through `spec` (tests).
+    #[cfg(all(test, feature = "cuda"))]
+    pub(crate) fn with_staging(mut self, spec: StagingSpec) -> Self {
+        self.staging = SendStaging::new(spec);
+        self
     }
 
     /// The queue to wait on after [`Next::Wait`].
@@ -222,7 +248,11 @@ impl Outbound {
 
     /// Takes what the node queued and says what to do.
     pub(crate) fn next(&mut self) -> Next {
-        if self.queue.take(&mut self.entries) {
+        if self.queue.take(&mut self.entries, &mut self.seq) {
+            return Next::Stop;
+        }
+        #[cfg(feature = "cuda")]
+        if self.stage().is_err() {
             return Next::Stop;
         }
         match self.entries.front() {
@@ -244,9 +274,35 @@ impl Outbound {
             }
             match entry {
                 Entry::Frame(bytes) => push_part(&mut out, bytes, &mut skip, &mut budget),
-                Entry::Piece { piece, .. } => {
+                Entry::Piece { piece, seq, .. } => {
+                    #[cfg(not(feature = "cuda"))]
+                    let _ = seq;
                     push_part(&mut out, &piece.header, &mut skip, &mut budget);
-                    push_part(&mut out, piece.payload(), &mut skip, &mut budget);
+                    match piece.payload() {
+                        Payload::Host(bytes) => push_part(&mut out, bytes, &mut skip, &mut budget),
+                        #[cfg(feature = "cuda")]
+                        Payload::Device { .. } => {
+                            // `skip` is what was written of this payload: staged parts already
+                            // written were released, the first left covers it.
+                            let written = std::mem::take(&mut skip) as u64;
+                            let all = self.staging.ready_bytes(*seq, piece.len, |offset, bytes| {
+                                let from = written.saturating_sub(offset).min(bytes.len() as u64);
+                                if out.len() < MAX_SLICES {
+                                    let mut none = 0;
+                                    push_part(
+                                        &mut out,
+                                        &bytes[from as usize..],
+                                        &mut none,
+                                        &mut budget,
+                                    );
+                                }
+                            });
+                            if !all {
+                                // Later bytes are still being copied: write what is ready.
+                                break;
+                            }
+                        }
+                    }
                 }
                 Entry::Close => break,
             }
@@ -260,11 +316,25 @@ impl Outbound {
             let left = front.wire_len() - self.front_done;
             if n < left || matches!(front, Entry::Close) {
                 self.front_done += n;
+                #[cfg(feature = "cuda")]
+                if let Entry::Piece { piece, seq, .. } = front {
+                    let payload_done = self.front_done.saturating_sub(piece.header.len());
+                    self.staging.release(*seq, payload_done as u64);
+                }
                 return;
             }
             n -= left;
             self.front_done = 0;
-            if let Some(Entry::Piece { piece, ends_part }) = self.entries.pop_front() {
+            if let Some(Entry::Piece {
+                piece,
+                ends_part,
+                seq,
+            }) = self.entries.pop_front()
+            {
+                #[cfg(feature = "cuda")]
+                self.staging.release(seq, u64::MAX);
+                #[cfg(not(feature = "cuda"))]
+                let _ = seq;
                 bump(&self.stats.writes_sent, 1);
                 bump(&self.stats.bytes_sent, piece.len);
                 drop(piece);
@@ -275,11 +345,42 @@ impl Outbound {
         }
     }
 
-    /// The writer stopped: the queue accepts nothing more, and the node hears of it.
-    pub(crate) fn finish(self, end: WriteEnd) {
+    /// The writer stopped: the queue accepts nothing more, and the node hears of it (once no
+    /// staging copy reads a piece's memory any more).
+    #[cfg_attr(not(feature = "cuda"), allow(unused_mut))]
+    pub(crate) fn finish(mut self, end: WriteEnd) {
         self.queue.abort();
+        #[cfg(feature = "cuda")]
+        self.staging.settle();
         drop(self.entries);
         self.hooks.half_ended(self.peer, HalfEnd::Write(end));
+    }
+
+    /// Stages device payloads ahead of the socket, in stream order, as far as the slots allow;
+    /// when the next bytes to write are device bytes still being copied, waits for them.
+    #[cfg(feature = "cuda")]
+    fn stage(&mut self) -> Result<(), kvpipe_cuda::CudaError> {
+        for entry in &self.entries {
+            let Entry::Piece { piece, seq, .. } = entry else {
+                continue;
+            };
+            let Payload::Device { ordinal, addr } = piece.payload() else {
+                continue;
+            };
+            // SAFETY: the piece's source bytes are pinned until its batch part is reported,
+            // which happens only after the piece was written (and its parts released), or
+            // after this writer stopped and settled its copies (`finish`).
+            if !unsafe { self.staging.stage(*seq, ordinal, addr, piece.len) }? {
+                break;
+            }
+        }
+        self.staging.poll()?;
+        if let Some(Entry::Piece { piece, seq, .. }) = self.entries.front() {
+            if matches!(piece.payload(), Payload::Device { .. }) {
+                self.staging.wait_first(*seq)?;
+            }
+        }
+        Ok(())
     }
 }
 
@@ -302,7 +403,7 @@ fn push_part<'a>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::memory::MemoryRegion;
+    use crate::memory::{MemoryRegion, Registered};
     use kvpipe_core::{Admission, WriteTicket};
     use std::sync::Mutex as StdMutex;
 
@@ -332,7 +433,7 @@ mod tests {
 
     #[test]
     fn writes_in_bounded_slices_and_reports_parts_once_written() {
-        let src = MemoryRegion::from_vec((0..100u8).collect());
+        let src = Registered::Host(MemoryRegion::from_vec((0..100u8).collect()));
         let hooks = Arc::new(Recorder::default());
         let queue = Arc::new(JobQueue::new());
         let mut out = Outbound::new(
@@ -340,7 +441,10 @@ mod tests {
             queue.clone(),
             hooks.clone(),
             Arc::new(StatCells::default()),
-            7,
+            &TcpConfig {
+                socket_write_bytes: 7,
+                ..TcpConfig::default()
+            },
         );
         assert_eq!(out.next(), Next::Wait);
         assert!(queue.push(Job::Frame(Bytes::from_static(b"frame"))));
@@ -388,12 +492,152 @@ mod tests {
             queue.clone(),
             Arc::new(Recorder::default()),
             Arc::new(StatCells::default()),
-            1 << 20,
+            &TcpConfig::default(),
         );
         assert!(queue.push(Job::Frame(Bytes::from_static(b"x"))));
         queue.abort();
         queue.wait();
         assert_eq!(out.next(), Next::Stop);
         assert!(!queue.push(Job::Frame(Bytes::from_static(b"y"))));
+    }
+
+    #[cfg(feature = "cuda")]
+    mod device {
+        use super::*;
+        use crate::conn::staging::fake;
+        use crate::memory::DeviceRegion;
+
+        fn writer(
+            spec: crate::conn::staging::StagingSpec,
+            write_max: usize,
+        ) -> (Outbound, Arc<JobQueue>, Arc<Recorder>) {
+            let hooks = Arc::new(Recorder::default());
+            let queue = Arc::new(JobQueue::new());
+            let out = Outbound::new(
+                PeerId(1),
+                queue.clone(),
+                hooks.clone(),
+                Arc::new(StatCells::default()),
+                &TcpConfig {
+                    socket_write_bytes: write_max,
+                    ..TcpConfig::default()
+                },
+            )
+            .with_staging(spec);
+            (out, queue, hooks)
+        }
+
+        fn header(tag: u8) -> [u8; kvpipe_core::wire::DATA_WRITE_FRAME_LEN] {
+            [tag; kvpipe_core::wire::DATA_WRITE_FRAME_LEN]
+        }
+
+        /// "Device memory" (host bytes the fake GPU copies from) as a registered region.
+        fn device_region(bytes: &[u8]) -> Registered {
+            // SAFETY: the fake GPU treats device addresses as host addresses; `bytes` outlives
+            // the test's writer.
+            Registered::Device(unsafe {
+                DeviceRegion::from_raw_parts(0, bytes.as_ptr() as u64, bytes.len())
+            })
+        }
+
+        #[test]
+        fn device_payloads_are_staged_ahead_and_written_only_once_copied() {
+            let memory: Vec<u8> = (0..64u8).map(|i| i.wrapping_mul(3) | 1).collect();
+            let dev = device_region(&memory);
+            let host = Registered::Host(MemoryRegion::from_vec((100..120u8).collect()));
+            let (spec, gpu) = fake::spec(8, 2);
+            let (mut out, queue, hooks) = writer(spec, 7);
+            let piece = |src: &Registered, tag, off, len| Piece::new(header(tag), src, off, len);
+            assert!(queue.push(Job::Data {
+                batch: WriteBatchId(1),
+                pieces: vec![
+                    piece(&dev, 1, 3, 20).unwrap(),
+                    piece(&host, 2, 0, 5).unwrap(),
+                    piece(&dev, 3, 40, 0).unwrap(),
+                ],
+            }));
+            assert!(queue.push(Job::Data {
+                batch: WriteBatchId(2),
+                pieces: vec![piece(&dev, 4, 40, 17).unwrap()],
+            }));
+            assert!(queue.push(Job::Close));
+            // Before a byte is written the ring is full, and the first slot's copy is done.
+            assert_eq!(out.next(), Next::Write);
+            assert_eq!(
+                gpu.lock().unwrap().log,
+                ["alloc 16", "d2h 8", "d2h 8", "done 8"]
+            );
+            let mut wire: Vec<u8> = Vec::new();
+            let mut step = 0;
+            loop {
+                match out.next() {
+                    Next::Write => {
+                        assert!(out.staging.staged_parts() <= 2);
+                        let slices = out.slices();
+                        let total: usize = slices.iter().map(|s| s.len()).sum();
+                        assert!(total <= 7 && total > 0);
+                        let n = total.saturating_sub(1).max(1);
+                        wire.extend(&concat(&slices)[..n]);
+                        out.written(n);
+                        // Now and then every copy finishes at once (more is ready than the
+                        // first slot).
+                        step += 1;
+                        if step % 3 == 0 {
+                            gpu.lock().unwrap().complete_all();
+                        }
+                    }
+                    Next::Close => break,
+                    other => panic!("{other:?}"),
+                }
+            }
+            let mut expected = header(1).to_vec();
+            expected.extend(&memory[3..23]);
+            expected.extend(header(2));
+            expected.extend(100..105u8);
+            expected.extend(header(3));
+            expected.extend(header(4));
+            expected.extend(&memory[40..57]);
+            assert_eq!(wire, expected);
+            assert_eq!(
+                *hooks.parts.lock().unwrap(),
+                [WriteBatchId(1), WriteBatchId(2)]
+            );
+            let st = gpu.lock().unwrap();
+            // 20 bytes in 3 slots, 17 in 3: six copies, never more than the ring's two at once.
+            assert_eq!(st.log.iter().filter(|l| l.starts_with("d2h")).count(), 6);
+            assert!(st.most_pending <= 2);
+            drop(st);
+            out.finish(WriteEnd::Closed);
+        }
+
+        #[test]
+        fn a_stopping_writer_waits_for_its_copies_before_it_reports() {
+            let memory = vec![7u8; 64];
+            let dev = device_region(&memory);
+            let (spec, gpu) = fake::spec(8, 4);
+            let (mut out, queue, _hooks) = writer(spec, 1 << 20);
+            assert!(queue.push(Job::Data {
+                batch: WriteBatchId(1),
+                pieces: vec![Piece::new(header(1), &dev, 0, 64).unwrap()],
+            }));
+            assert_eq!(out.next(), Next::Write);
+            assert_eq!(gpu.lock().unwrap().pending(), 3);
+            out.finish(WriteEnd::Failed);
+            assert_eq!(gpu.lock().unwrap().pending(), 0);
+        }
+
+        #[test]
+        fn without_a_driver_a_device_piece_stops_the_writer() {
+            let memory = vec![7u8; 64];
+            let dev = device_region(&memory);
+            let (mut out, queue, hooks) = writer(fake::no_driver(), 1 << 20);
+            assert!(queue.push(Job::Data {
+                batch: WriteBatchId(1),
+                pieces: vec![Piece::new(header(1), &dev, 0, 64).unwrap()],
+            }));
+            assert_eq!(out.next(), Next::Stop);
+            out.finish(WriteEnd::Failed);
+            assert!(hooks.parts.lock().unwrap().is_empty());
+        }
     }
 }

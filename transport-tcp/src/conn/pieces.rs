@@ -3,23 +3,39 @@
 use kvpipe_core::wire::DATA_WRITE_FRAME_LEN;
 use kvpipe_core::{RegionId, WritePlan};
 
-use crate::memory::{MemoryRegion, RegionTable};
+use crate::memory::{RegionTable, Registered};
 
 /// One data write as the sender puts it on a stream: its encoded `DataWrite` header, then `len`
 /// bytes of `src` from `src_offset`.
 #[derive(Clone, Debug)]
 pub(crate) struct Piece {
     pub(crate) header: [u8; DATA_WRITE_FRAME_LEN],
-    src: MemoryRegion,
+    src: Registered,
     src_offset: u64,
     pub(crate) len: u64,
+}
+
+/// Where a piece's payload is.
+#[derive(Debug)]
+pub(crate) enum Payload<'a> {
+    /// In host memory: these bytes.
+    Host(&'a [u8]),
+    /// In device memory: `len` bytes at device address `addr` of GPU `ordinal` (the writer
+    /// stages them into pinned host memory first).
+    #[cfg(feature = "cuda")]
+    Device {
+        /// The GPU.
+        ordinal: usize,
+        /// The device address of the first byte.
+        addr: u64,
+    },
 }
 
 impl Piece {
     /// A piece of `src`; `None` when the bytes lie outside it.
     pub(crate) fn new(
         header: [u8; DATA_WRITE_FRAME_LEN],
-        src: &MemoryRegion,
+        src: &Registered,
         src_offset: u64,
         len: u64,
     ) -> Option<Piece> {
@@ -32,15 +48,24 @@ impl Piece {
     }
 
     /// The source bytes.
-    pub(crate) fn payload(&self) -> &[u8] {
-        // SAFETY: a piece belongs to a write batch the sender endpoint handed to the transport.
-        // Its source blocks stay pinned — the engine neither changes nor frees them — until the
-        // request's `Quiesced`, which the core emits only after the batch was reported or the
-        // peer was reported disconnected; the writer holding this piece reports its part only
-        // after these bytes are written, and the node reports the disconnect only after the
-        // writer stopped. So nobody writes these bytes while this shared slice lives. The range
-        // was checked against the region in `Piece::new`.
-        unsafe { self.src.slice(self.src_offset, self.len) }.expect("checked in Piece::new")
+    pub(crate) fn payload(&self) -> Payload<'_> {
+        match &self.src {
+            // SAFETY: a piece belongs to a write batch the sender endpoint handed to the
+            // transport. Its source blocks stay pinned — the engine neither changes nor frees
+            // them — until the request's `Quiesced`, which the core emits only after the batch
+            // was reported or the peer was reported disconnected; the writer holding this piece
+            // reports its part only after these bytes are written, and the node reports the
+            // disconnect only after the writer stopped. So nobody writes these bytes while this
+            // shared slice lives. The range was checked against the region in `Piece::new`.
+            Registered::Host(r) => Payload::Host(
+                unsafe { r.slice(self.src_offset, self.len) }.expect("checked in Piece::new"),
+            ),
+            #[cfg(feature = "cuda")]
+            Registered::Device(d) => Payload::Device {
+                ordinal: d.ordinal(),
+                addr: d.ptr() + self.src_offset,
+            },
+        }
     }
 }
 
@@ -65,7 +90,9 @@ pub(crate) fn split_plan(
     let mut parts: Vec<Vec<Piece>> = vec![Vec::new(); connections];
     let mut load = vec![0u64; connections];
     for e in plan.extents() {
-        let src = regions.get(e.src_region).ok_or(BadSource(e.src_region))?;
+        let src = regions
+            .registered(e.src_region)
+            .ok_or(BadSource(e.src_region))?;
         let mut done = 0;
         while done < e.len {
             let len = (e.len - done).min(piece_max);
@@ -88,6 +115,7 @@ pub(crate) fn split_plan(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::memory::MemoryRegion;
     use kvpipe_core::wire::{DataWrite, Frame};
     use kvpipe_core::{GrantId, RequestId, WriteExtent};
 

@@ -257,14 +257,14 @@ impl<E: Endpoint + Send + 'static> Shared<E> {
                 hooks.clone(),
                 self.regions.clone(),
                 self.stats.clone(),
-                self.config.socket_read_bytes,
+                &self.config,
             );
             let outbound = Outbound::new(
                 peer,
                 conn.queue.clone(),
                 hooks.clone(),
                 self.stats.clone(),
-                self.config.socket_write_bytes,
+                &self.config,
             );
             started += self.spawn.start(peer, stream, inbound, outbound);
         }

@@ -35,6 +35,7 @@ use crate::cli::{preflight, CliError};
 
 mod device;
 mod tcp;
+mod tcp_device;
 mod verbs;
 
 /// Arguments of `kvpipe bench transfer`.
@@ -82,6 +83,14 @@ pub(crate) struct TransferBenchArgs {
     /// on the copy worker's reports (block).
     #[arg(long, default_value = "poll")]
     driver_wait: String,
+    /// With --transport tcp --memory device: bytes per pinned staging slot (default:
+    /// `TcpConfig`'s).
+    #[arg(long)]
+    staging_slot_bytes: Option<usize>,
+    /// With --transport tcp --memory device: staging slots per connection half (default:
+    /// `TcpConfig`'s).
+    #[arg(long)]
+    staging_slots: Option<usize>,
 }
 
 /// The figures `kvpipe bench transfer` prints.
@@ -232,6 +241,7 @@ pub(crate) fn run(args: TransferBenchArgs) -> Result<ExitCode, CliError> {
     preflight_transfer(&args)?;
     match args.memory.as_str() {
         "host" => {}
+        "device" if args.transport == "tcp" => return tcp_device::run(args),
         "device" => return device::run(args),
         other => return Err(format!("--memory {other:?}: use host or device").into()),
     }

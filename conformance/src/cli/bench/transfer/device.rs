@@ -140,7 +140,7 @@ mod gpu {
     pub(in super::super) fn run(args: TransferBenchArgs) -> Result<ExitCode, CliError> {
         if args.transport != "mem" {
             return Err(format!(
-                "--memory device is measured over --transport mem only (not {:?})",
+                "--memory device is measured over --transport mem or tcp (not {:?})",
                 args.transport
             )
             .into());

@@ -34,7 +34,7 @@ use super::{chunks, layout, mem_available, ContiguousSource, TransferBenchArgs};
 use crate::cli::CliError;
 
 /// Write sizes of the plain-socket sweep (`None`: each connection's whole share in one call).
-const RAW_WRITES: [Option<usize>; 5] = [
+pub(super) const RAW_WRITES: [Option<usize>; 5] = [
     Some(256 << 10),
     Some(1 << 20),
     Some(4 << 20),
@@ -78,13 +78,13 @@ struct TcpTransferReport {
 
 /// One write size of the plain-socket sweep.
 #[derive(Debug, Serialize)]
-struct RawSize {
-    write: String,
+pub(super) struct RawSize {
+    pub(super) write: String,
     /// Bytes per write call (the whole share for `whole share`).
-    write_bytes: u64,
-    seconds: f64,
-    gbps: f64,
-    runs_s: Vec<f64>,
+    pub(super) write_bytes: u64,
+    pub(super) seconds: f64,
+    pub(super) gbps: f64,
+    pub(super) runs_s: Vec<f64>,
 }
 
 fn write_label(write: Option<usize>) -> String {
@@ -116,7 +116,7 @@ pub(super) fn wait_event(
 }
 
 /// `connections` connected socket pairs over loopback: (writer end, reader end).
-fn raw_pairs(connections: usize) -> std::io::Result<Vec<(TcpStream, TcpStream)>> {
+pub(super) fn raw_pairs(connections: usize) -> std::io::Result<Vec<(TcpStream, TcpStream)>> {
     let listener = TcpListener::bind("127.0.0.1:0")?;
     let addr = listener.local_addr()?;
     let mut out = Vec::new();
@@ -156,7 +156,7 @@ fn raw_transfer(
 
 /// One timed baseline run into a zeroed `dst`: its seconds and, when `verify`, whether `dst`
 /// came out equal to `src`.
-fn timed_raw(
+pub(super) fn timed_raw(
     pairs: &mut [(TcpStream, TcpStream)],
     src: &[u8],
     dst: &mut [u8],
@@ -168,6 +168,30 @@ fn timed_raw(
     let ok = raw_transfer(pairs, src, dst, write);
     let t = t0.elapsed().as_secs_f64();
     (t, ok && (!verify || src == dst))
+}
+
+/// Every write size's figures from its runs' seconds (`t_raw[i]`: [`RAW_WRITES`]`[i]`), and
+/// the index of the best (lowest median time).
+pub(super) fn sweep(t_raw: &[Vec<f64>], bytes: u64, connections: usize) -> (Vec<RawSize>, usize) {
+    let share = bytes.div_ceil(connections as u64);
+    let raw_sweep: Vec<RawSize> = RAW_WRITES
+        .iter()
+        .zip(t_raw)
+        .map(|(&write, runs_s)| {
+            let seconds = median(runs_s.clone());
+            RawSize {
+                write: write_label(write),
+                write_bytes: write.map_or(share, |w| w as u64),
+                seconds,
+                gbps: bytes as f64 / seconds / 1e9,
+                runs_s: runs_s.clone(),
+            }
+        })
+        .collect();
+    let best = (0..raw_sweep.len())
+        .min_by(|&a, &b| raw_sweep[a].seconds.total_cmp(&raw_sweep[b].seconds))
+        .unwrap_or(0);
+    (raw_sweep, best)
 }
 
 pub(super) fn run(args: TransferBenchArgs) -> Result<ExitCode, CliError> {
@@ -335,24 +359,7 @@ pub(super) fn run(args: TransferBenchArgs) -> Result<ExitCode, CliError> {
     drop((tx, rx));
 
     let gbps_of = |seconds: f64| bytes as f64 / seconds / 1e9;
-    let share = bytes.div_ceil(connections as u64);
-    let raw_sweep: Vec<RawSize> = RAW_WRITES
-        .iter()
-        .zip(&t_raw)
-        .map(|(&write, runs_s)| {
-            let seconds = median(runs_s.clone());
-            RawSize {
-                write: write_label(write),
-                write_bytes: write.map_or(share, |w| w as u64),
-                seconds,
-                gbps: gbps_of(seconds),
-                runs_s: runs_s.clone(),
-            }
-        })
-        .collect();
-    let best = (0..raw_sweep.len())
-        .min_by(|&a, &b| raw_sweep[a].seconds.total_cmp(&raw_sweep[b].seconds))
-        .unwrap_or(0);
+    let (raw_sweep, best) = sweep(&t_raw, bytes, connections);
     // Each run's transport and baseline ran in the same round: the median of the runs' own
     // ratios is the figure of merit; the ratio of the medians is reported beside it.
     let t_best = t_raw[best].clone();

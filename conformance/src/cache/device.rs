@@ -1,0 +1,155 @@
+//! Pools in GPU memory (`cuda` feature).
+//!
+//! [`ReferenceCache::place_on_device`] gives every pool a device buffer of the same size and
+//! uploads the host bytes. From then on the device buffers are the pools a transport registers
+//! ([`ReferenceCache::device_pool`]) and the host buffers are the engine's side of them: what
+//! the cache writes on the host (computed chunks, the filler of a slot handed out for the first
+//! time, a receiver's cached prefix) is uploaded at the end of the call that wrote it, slot runs
+//! at a time, before the call returns — so a chunk's blocks are in device memory when the chunk
+//! is submitted, as a GPU engine's would be. The checks read host memory:
+//! [`ReferenceCache::sync_from_device`] downloads every pool first (and so compares every byte
+//! that went through the GPU).
+//!
+//! Uploads touch only slots no transfer reads or writes at that moment (a chunk's own blocks,
+//! slots just handed out), so they run while transfers of other blocks go on.
+
+use kvpipe_core::RegionId;
+use kvpipe_cuda::{Device, DeviceBuffer};
+
+use super::{CacheError, ReferenceCache};
+
+/// A pool's device memory, as a transport registers it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct DevicePool {
+    /// The GPU.
+    pub ordinal: usize,
+    /// The device address of the pool's first byte.
+    pub ptr: u64,
+    /// Length in bytes.
+    pub len: usize,
+}
+
+/// The device buffers of a cache's pools, in region order (empty until placed). A clone of the
+/// cache is a host cache: it does not share or copy the device buffers.
+#[derive(Debug, Default)]
+pub(super) struct DeviceMirror {
+    buffers: Vec<DeviceBuffer>,
+    placed: bool,
+}
+
+impl Clone for DeviceMirror {
+    fn clone(&self) -> Self {
+        DeviceMirror::default()
+    }
+}
+
+impl DeviceMirror {
+    pub(super) fn is_placed(&self) -> bool {
+        self.placed
+    }
+}
+
+/// Merges sorted, deduplicated slots into runs `[first, end)`.
+fn runs(slots: &[u32]) -> Vec<(u32, u32)> {
+    let mut out: Vec<(u32, u32)> = Vec::new();
+    for &s in slots {
+        match out.last_mut() {
+            Some((_, end)) if *end == s => *end += 1,
+            _ => out.push((s, s + 1)),
+        }
+    }
+    out
+}
+
+impl ReferenceCache {
+    /// Moves the pools to GPU `device`: one device buffer per pool, holding the host bytes
+    /// (see the module doc). Placing a cache that is on a device already does nothing; a cache
+    /// without memory (`materialize: false`) cannot be placed.
+    pub fn place_on_device(&mut self, device: &Device) -> Result<(), CacheError> {
+        if self.device.placed {
+            return Ok(());
+        }
+        if !self.materialized {
+            return Err(CacheError::InvalidSpec {
+                group: 0,
+                reason: "a cache without memory cannot be placed in device memory",
+            });
+        }
+        let mut buffers = Vec::with_capacity(self.regions.len());
+        for &(g, p) in &self.regions {
+            let host = &self.groups[g].memory[p];
+            let mut buf = DeviceBuffer::new(device, host.len())?;
+            buf.upload(0, host)?;
+            buffers.push(buf);
+        }
+        for group in &mut self.groups {
+            group.dirty = Some(Vec::new());
+        }
+        self.device = DeviceMirror {
+            buffers,
+            placed: true,
+        };
+        Ok(())
+    }
+
+    /// The device memory of region `id`, once the cache is placed on a device.
+    pub fn device_pool(&self, id: RegionId) -> Option<DevicePool> {
+        let index = id.0.checked_sub(self.first_region)? as usize;
+        let buf = self.device.buffers.get(index)?;
+        Some(DevicePool {
+            ordinal: buf.device().ordinal(),
+            ptr: buf.ptr(),
+            len: buf.len(),
+        })
+    }
+
+    /// Uploads every slot the host wrote since the last upload, in runs of adjacent slots.
+    pub(super) fn upload_dirty(&mut self) -> Result<(), CacheError> {
+        for (i, &(g, p)) in self.regions.iter().enumerate() {
+            let group = &self.groups[g];
+            let Some(dirty) = &group.dirty else {
+                continue;
+            };
+            if dirty.is_empty() {
+                continue;
+            }
+            let mut slots = dirty.clone();
+            slots.sort_unstable();
+            slots.dedup();
+            let slot_bytes = group.layout.pools[p].slot_bytes as usize;
+            let host = &group.memory[p];
+            let buf = &mut self.device.buffers[i];
+            for (first, end) in runs(&slots) {
+                let range = first as usize * slot_bytes..end as usize * slot_bytes;
+                buf.upload(range.start, &host[range])?;
+            }
+        }
+        for group in &mut self.groups {
+            if let Some(dirty) = &mut group.dirty {
+                dirty.clear();
+            }
+        }
+        Ok(())
+    }
+
+    /// Downloads every pool into its host buffer.
+    pub(super) fn download_all(&mut self) -> Result<(), CacheError> {
+        for (i, &(g, p)) in self.regions.iter().enumerate() {
+            let host = &mut self.groups[g].memory[p];
+            self.device.buffers[i].download(0, host)?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::runs;
+
+    #[test]
+    fn adjacent_slots_upload_as_one_run() {
+        assert_eq!(runs(&[]), vec![]);
+        assert_eq!(runs(&[3]), vec![(3, 4)]);
+        assert_eq!(runs(&[0, 1, 2, 5, 6, 9]), vec![(0, 3), (5, 7), (9, 10)]);
+    }
+}

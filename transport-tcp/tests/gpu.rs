@@ -1,0 +1,397 @@
+//! kvpipe-tcp with device memory (`cuda` feature): whole transfers over loopback sockets
+//! between pools in GPU memory, through pinned staging on both sides. The tests that need a GPU
+//! are reported as ignored, with the reason ("skipped: no CUDA driver"), where no driver or
+//! device is found — counted among the ignored tests, never the passed ones; `scripts/gpu-check`
+//! runs them on the GPU machine. One test covers the opposite case: without a driver, a
+//! transfer between device pools fails cleanly on both sides (it is ignored where a driver is
+//! present).
+
+use std::time::{Duration, Instant};
+
+use kvpipe_core::session::{LocalHello, Registration, SendRequest};
+use kvpipe_core::wire::{AuxData, Topology};
+use kvpipe_core::{
+    AnchoredRun, BlockId, BlockRun, BlockSource, BlockSourceError, ChunkSpec, Event, GroupIndex,
+    InstanceId, LayerGroupLayout, PeerId, PoolLayout, ReceiverConfig, RegionId, RequestId,
+    SenderConfig,
+};
+use kvpipe_cuda::{check_driver, Device, DeviceBuffer};
+use kvpipe_tcp::{DeviceRegion, MemoryRegion, RegionTable, TcpConfig, TcpReceiver, TcpSender};
+use libtest_mimic::{Arguments, Completion, Failed, Trial};
+
+/// Device 0, or the reason the test is skipped.
+fn device() -> Result<Device, String> {
+    check_driver().map_err(|e| format!("skipped: {e}"))?;
+    Device::open(0).map_err(|e| format!("skipped: {e}"))
+}
+
+fn gpu(name: &'static str, test: fn(&Device) -> Result<(), Failed>) -> Trial {
+    Trial::ignorable_test(name, move || match device() {
+        Err(reason) => Ok(Completion::ignored_with(reason)),
+        Ok(d) => test(&d).map(|()| Completion::Completed),
+    })
+}
+
+fn pattern(len: usize, seed: u64) -> Vec<u8> {
+    let mut x = seed | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 24) as u8
+        })
+        .collect()
+}
+
+const TPB: u32 = 16;
+const BLOCKS: u32 = 48;
+/// Receiver pool slots: more than the request needs, so untouched slots can be checked.
+const DST_SLOTS: u32 = 64;
+/// Staging slots smaller than the coalesced runs, so every connection's ring wraps many times.
+const STAGING_SLOT: usize = 48 << 10;
+
+fn layout(region: u32) -> LayerGroupLayout {
+    let mut l = LayerGroupLayout {
+        layers: 4,
+        kv_factor: 2,
+        kv_heads: 2,
+        head_dim: 64,
+        elem_bytes: 2,
+        tokens_per_block: TPB,
+        window: None,
+        ..LayerGroupLayout::default()
+    };
+    let slot_bytes = l.layer_block_bytes().unwrap_or(0) * 4;
+    l.pools.push(PoolLayout {
+        region: RegionId(region),
+        layer_begin: 0,
+        layers: 4,
+        slot_bytes,
+    });
+    l
+}
+
+fn slot_bytes() -> usize {
+    layout(1).pools[0].slot_bytes as usize
+}
+
+/// Ordinal `o` lives in sender slot `o`.
+struct ContiguousSource;
+
+impl BlockSource for ContiguousSource {
+    fn block_run(
+        &mut self,
+        _request: RequestId,
+        _group: GroupIndex,
+        begin: u32,
+        end: u32,
+        out: &mut BlockRun,
+    ) -> Result<(), BlockSourceError> {
+        if begin > end {
+            return Err(BlockSourceError::BeginAfterEnd { begin, end });
+        }
+        if end > BLOCKS {
+            return Err(BlockSourceError::PastAllocation {
+                end,
+                allocated: BLOCKS,
+            });
+        }
+        out.first_ordinal = begin;
+        out.ids.clear();
+        out.ids.extend((begin..end).map(BlockId));
+        Ok(())
+    }
+}
+
+/// The receiver's slot of ordinal `o`: the first half in order (contiguous, so the writes
+/// merge into long pieces), the second half reversed (every block its own piece).
+fn dst_slot(o: u32) -> u32 {
+    if o < BLOCKS / 2 {
+        o
+    } else {
+        DST_SLOTS - 1 - (o - BLOCKS / 2)
+    }
+}
+
+/// Where one side's pool lives.
+enum Pool {
+    Host(MemoryRegion),
+    Device(DeviceBuffer),
+}
+
+impl Pool {
+    /// A pool of `slots` slots holding `bytes`, in device memory when `device` is given.
+    fn new(bytes: Vec<u8>, device: Option<&Device>) -> Result<Pool, Failed> {
+        Ok(match device {
+            None => Pool::Host(MemoryRegion::from_vec(bytes)),
+            Some(d) => {
+                let mut buf = DeviceBuffer::new(d, bytes.len())?;
+                buf.upload(0, &bytes)?;
+                Pool::Device(buf)
+            }
+        })
+    }
+
+    fn table(&self, id: RegionId) -> RegionTable {
+        let mut t = RegionTable::new();
+        match self {
+            Pool::Host(r) => t.insert(id, r.clone()),
+            // SAFETY: the buffer outlives the nodes (the tests drop the nodes first), and the
+            // tests touch it only once both sides quiesced.
+            Pool::Device(b) => t.insert_device(id, unsafe {
+                DeviceRegion::from_raw_parts(b.device().ordinal(), b.ptr(), b.len())
+            }),
+        }
+        t
+    }
+
+    fn bytes(&self) -> Result<Vec<u8>, Failed> {
+        Ok(match self {
+            Pool::Host(r) => r.to_vec(),
+            Pool::Device(b) => {
+                let mut out = vec![0u8; b.len()];
+                b.download(0, &mut out)?;
+                out
+            }
+        })
+    }
+}
+
+/// Waits for the first event `pred` accepts, returning every event seen.
+fn wait_for(
+    next: impl Fn(Duration) -> Option<Event>,
+    mut pred: impl FnMut(&Event) -> bool,
+) -> Result<Vec<Event>, Failed> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut seen = Vec::new();
+    while Instant::now() < deadline {
+        if let Some(e) = next(Duration::from_millis(100)) {
+            let done = pred(&e);
+            seen.push(e);
+            if done {
+                return Ok(seen);
+            }
+        }
+    }
+    Err(format!("timed out; events so far: {seen:?}").into())
+}
+
+/// One request of `BLOCKS` blocks in ragged chunks from the sender's region 1 (`src`) to the
+/// receiver's region 2 (`dst`) over `connections` loopback connections. Returns the sender's
+/// and the receiver's events up to both sides' `Quiesced`.
+fn transfer(
+    src: RegionTable,
+    dst: RegionTable,
+    connections: usize,
+) -> Result<(Vec<Event>, Vec<Event>), Failed> {
+    let hello =
+        |i, l: LayerGroupLayout| LocalHello::new(InstanceId(i), Topology::default(), vec![l]);
+    let tcp = TcpConfig {
+        connections_per_peer: connections,
+        min_piece_bytes: 4096,
+        staging_slot_bytes: STAGING_SLOT,
+        staging_slots: 3,
+        ..TcpConfig::default()
+    };
+    let rx = TcpReceiver::new(
+        ReceiverConfig::new(hello(2, layout(2)), 5),
+        tcp.clone(),
+        dst,
+    )?;
+    let addr = rx.listen("127.0.0.1:0")?;
+    let tx = TcpSender::new(SenderConfig::new(hello(1, layout(1))), tcp, src)?;
+    let receiver_peer = tx.connect(addr)?;
+    let mut rx_events = wait_for(
+        |t| rx.next_event(t),
+        |e| matches!(e, Event::PeerReady { .. }),
+    )?;
+    let sender_peer = match rx_events.last() {
+        Some(Event::PeerReady { peer, .. }) => *peer,
+        _ => PeerId(0),
+    };
+    let mut tx_events = wait_for(
+        |t| tx.next_event(t),
+        |e| matches!(e, Event::PeerReady { .. }),
+    )?;
+    let request = RequestId(1);
+    let tokens = BLOCKS * TPB;
+    let mut anchored = AnchoredRun::empty(0);
+    for o in 0..BLOCKS {
+        anchored.push(BlockId(dst_slot(o)));
+    }
+    rx.register(Registration {
+        request,
+        prompt_len: tokens,
+        groups: vec![anchored],
+        writers: std::iter::once(sender_peer).collect(),
+        aux_capacity: 64,
+    })?;
+    tx.open_request(SendRequest {
+        request,
+        receivers: std::iter::once(receiver_peer).collect(),
+        beam_width: 1,
+    })?;
+    tx_events.extend(wait_for(
+        |t| tx.next_event(t),
+        |e| matches!(e, Event::Registered { .. }),
+    )?);
+    let chunk = 5 * TPB + 3; // ragged chunks: some end inside a block
+    let mut start = 0;
+    while start < tokens {
+        let end = (start + chunk).min(tokens);
+        let spec = ChunkSpec {
+            start,
+            end,
+            prompt_len: tokens,
+            prepopulated_len: 0,
+            is_last: end == tokens,
+            prefix_sent_early: false,
+        };
+        // A session ended under the engine (a failure) refuses further chunks: stop.
+        if tx
+            .submit_chunk(request, spec, &mut ContiguousSource)
+            .is_err()
+        {
+            break;
+        }
+        start = end;
+    }
+    let _ = tx.submit_aux(
+        request,
+        AuxData {
+            prompt_tokens: tokens,
+            ..AuxData::default()
+        },
+    );
+    let quiesced = |e: &Event| matches!(e, Event::Quiesced { .. });
+    rx_events.extend(wait_for(|t| rx.next_event(t), quiesced)?);
+    tx_events.extend(wait_for(|t| tx.next_event(t), quiesced)?);
+    tx.shutdown();
+    rx.shutdown();
+    Ok((tx_events, rx_events))
+}
+
+/// Runs a transfer from a pool on `src_device` to one on `dst_device` (host when `None`) and
+/// checks every destination byte: granted slots hold their source block, the others their
+/// poison.
+fn transfer_and_check(
+    src_device: Option<&Device>,
+    dst_device: Option<&Device>,
+    connections: usize,
+) -> Result<(), Failed> {
+    let sb = slot_bytes();
+    let data = pattern(BLOCKS as usize * sb, 3);
+    let src = Pool::new(data.clone(), src_device)?;
+    let dst = Pool::new(vec![0xEE; DST_SLOTS as usize * sb], dst_device)?;
+    let (tx_events, rx_events) =
+        transfer(src.table(RegionId(1)), dst.table(RegionId(2)), connections)?;
+    let completed = |events: &[Event]| events.iter().any(|e| matches!(e, Event::Completed { .. }));
+    if !completed(&tx_events) || !completed(&rx_events) {
+        return Err(format!("not completed: sender {tx_events:?}, receiver {rx_events:?}").into());
+    }
+    let out = dst.bytes()?;
+    let mut expected = vec![0xEEu8; out.len()];
+    for o in 0..BLOCKS as usize {
+        let d = dst_slot(o as u32) as usize;
+        expected[d * sb..(d + 1) * sb].copy_from_slice(&data[o * sb..(o + 1) * sb]);
+    }
+    if out != expected {
+        let first = out.iter().zip(&expected).position(|(a, b)| a != b);
+        return Err(format!("destination differs, first at byte {first:?}").into());
+    }
+    if src.bytes()? != data {
+        return Err("the source changed".into());
+    }
+    Ok(())
+}
+
+fn a_transfer_between_device_pools_lands_every_block(d: &Device) -> Result<(), Failed> {
+    transfer_and_check(Some(d), Some(d), 3)
+}
+
+fn one_connection_between_device_pools(d: &Device) -> Result<(), Failed> {
+    transfer_and_check(Some(d), Some(d), 1)
+}
+
+fn device_sender_to_host_receiver(d: &Device) -> Result<(), Failed> {
+    transfer_and_check(Some(d), None, 2)
+}
+
+fn host_sender_to_device_receiver(d: &Device) -> Result<(), Failed> {
+    transfer_and_check(None, Some(d), 2)
+}
+
+/// Without a driver nothing can be staged: the request fails on both sides and both quiesce
+/// (the addresses are never touched). Runs where no driver is found.
+fn without_a_driver_device_pools_fail_the_request_cleanly() -> Result<Completion, Failed> {
+    if check_driver().is_ok() {
+        return Ok(Completion::ignored_with(
+            "skipped: a CUDA driver is present",
+        ));
+    }
+    let sb = slot_bytes();
+    // SAFETY: without a driver no copy is ever issued, so these addresses are never touched.
+    let fake = |len: usize| unsafe { DeviceRegion::from_raw_parts(0, 0x7f00_0000_0000, len) };
+    for (src_device, dst_device) in [(true, false), (false, true)] {
+        let src = Pool::Host(MemoryRegion::from_vec(pattern(BLOCKS as usize * sb, 3)));
+        let dst = Pool::Host(MemoryRegion::zeroed(DST_SLOTS as usize * sb));
+        // One side's table points at "device memory".
+        let src_table = if src_device {
+            device_table(RegionId(1), fake(BLOCKS as usize * sb))
+        } else {
+            src.table(RegionId(1))
+        };
+        let dst_table = if dst_device {
+            device_table(RegionId(2), fake(DST_SLOTS as usize * sb))
+        } else {
+            dst.table(RegionId(2))
+        };
+        let (tx_events, rx_events) = transfer(src_table, dst_table, 2)?;
+        let failed = |events: &[Event]| events.iter().any(|e| matches!(e, Event::Failed { .. }));
+        if !failed(&tx_events) || !failed(&rx_events) {
+            return Err(format!(
+                "device on the {} side: expected both sides to fail; sender {tx_events:?}, receiver {rx_events:?}",
+                if src_device { "sender" } else { "receiver" }
+            )
+            .into());
+        }
+        if !dst_device && dst.bytes()?.iter().any(|&b| b != 0) {
+            return Err("a failed transfer changed the host destination".into());
+        }
+    }
+    Ok(Completion::Completed)
+}
+
+fn device_table(id: RegionId, region: DeviceRegion) -> RegionTable {
+    let mut t = RegionTable::new();
+    t.insert_device(id, region);
+    t
+}
+
+fn main() {
+    let args = Arguments::from_args();
+    let tests = vec![
+        gpu(
+            "a_transfer_between_device_pools_lands_every_block",
+            a_transfer_between_device_pools_lands_every_block,
+        ),
+        gpu(
+            "one_connection_between_device_pools",
+            one_connection_between_device_pools,
+        ),
+        gpu(
+            "device_sender_to_host_receiver",
+            device_sender_to_host_receiver,
+        ),
+        gpu(
+            "host_sender_to_device_receiver",
+            host_sender_to_device_receiver,
+        ),
+        Trial::ignorable_test(
+            "without_a_driver_device_pools_fail_the_request_cleanly",
+            without_a_driver_device_pools_fail_the_request_cleanly,
+        ),
+    ];
+    libtest_mimic::run(&args, tests).exit();
+}
