@@ -829,6 +829,13 @@ pub struct Counters {
     pub late_writes: u64,
     /// Payload bytes of admitted writes reported landed (receiver).
     pub bytes_landed: u64,
+    /// Blocks the sessions pinned so far: the blocks of every chunk's (and early prefix's)
+    /// block runs (sender), the registered blocks of every request (receiver). A session holds
+    /// them until [`Event::Quiesced`].
+    pub blocks_pinned: u64,
+    /// Of [`blocks_pinned`](Self::blocks_pinned), those whose session quiesced: the engine may
+    /// reuse them. `blocks_pinned - blocks_released` blocks are pinned now.
+    pub blocks_released: u64,
 }
 
 /// The kind of a frame, for messages.

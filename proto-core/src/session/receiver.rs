@@ -142,6 +142,8 @@ struct RecvSession {
     aux_deadline: Option<Instant>,
     quiesce_deadline: Option<Instant>,
     bytes_written: u64,
+    /// Blocks of the registration, released (counted) when the session quiesces.
+    blocks_pinned: u64,
 }
 
 impl RecvSession {
@@ -533,6 +535,7 @@ impl Receiver {
         self.next_slice = self.next_slice.wrapping_add(1);
         frame.grant = GrantId(self.next_grant());
         let extents = GrantedExtents::compute(&self.config.local.groups, &frame.groups);
+        let blocks_pinned: u64 = frame.groups.iter().map(|g| g.block_count()).sum();
         let d = self.config.deadlines;
         let per_token = d.result_per_token.as_nanos();
         let result_cap = now
@@ -574,8 +577,10 @@ impl Receiver {
                 aux_deadline: None,
                 quiesce_deadline: None,
                 bytes_written: 0,
+                blocks_pinned,
             },
         );
+        self.shell.counters.blocks_pinned += blocks_pinned;
         self.shell
             .timers
             .arm(result_cap, TimerKey::Request(request));
@@ -1268,6 +1273,7 @@ impl Receiver {
                 let timings = session.timings;
                 self.shell.counters.completions += 1;
                 self.shell.counters.quiesced += 1;
+                self.shell.counters.blocks_released += session.blocks_pinned;
                 self.shell.event(Event::Completed {
                     request,
                     bytes_written: bytes,
@@ -1438,6 +1444,7 @@ impl Receiver {
             session.phase = p;
             session.quiesce_deadline = None;
             self.shell.counters.quiesced += 1;
+            self.shell.counters.blocks_released += session.blocks_pinned;
             self.shell.event(Event::Quiesced { request });
         }
     }
