@@ -699,7 +699,7 @@ impl Receiver {
         };
         let refusal = match self.config.data_path {
             DataPath::Ordered => Err(WriteRefusal::NotAccepted),
-            DataPath::Landed => self.check_write(peer, header),
+            DataPath::Landed => self.check_write(now, peer, header),
         };
         match refusal {
             Ok(admission) => Ok(admission),
@@ -717,7 +717,12 @@ impl Receiver {
     }
 
     /// Decides on a data write; admits it (recording the flight) or says why not.
-    fn check_write(&mut self, peer: PeerId, header: &[u8]) -> Result<Admission, WriteRefusal> {
+    fn check_write(
+        &mut self,
+        now: Instant,
+        peer: PeerId,
+        header: &[u8],
+    ) -> Result<Admission, WriteRefusal> {
         let version = match self.shell.peers.version(peer) {
             Some(v) if self.shell.peers.is_ready(peer) => v,
             _ => return Err(WriteRefusal::PeerNotReady(peer)),
@@ -769,6 +774,11 @@ impl Receiver {
                 offset: w.offset,
                 len: w.len,
             });
+        }
+        // Data begins to move again after the request's pipeline drained: every write landed
+        // and every byte landed was reported by a result (see `RequestTimings::last_burst`).
+        if session.writes_in_flight == 0 && session.writers.iter().all(|x| x.landed == x.reported) {
+            session.timings.last_burst = Some(now);
         }
         session.writes_in_flight += 1;
         session.timings.writes += 1;
