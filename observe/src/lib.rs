@@ -34,5 +34,5 @@ pub use observer::{is_enabled, set_enabled, Observer};
 pub use timings::TransferTimings;
 
 /// The `tracing` target of the observer's spans and events: `RUST_LOG=kvpipe=debug` selects
-/// them (with the drivers' own targets, `kvpipe::mem`, `kvpipe::tcp`, `kvpipe::verbs`).
+/// them (with the TCP node's own events, target `kvpipe::tcp`).
 pub const TARGET: &str = "kvpipe::session";
