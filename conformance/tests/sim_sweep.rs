@@ -8,13 +8,23 @@ use kvpipe_conformance::sim::{
 use kvpipe_core::RequestId;
 
 fn sweep(seed: u64, faults: FaultSet, requests: usize) -> SimReport {
-    let report = Simulation::random(SimConfig::new(seed, faults), requests).run();
+    sweep_with(SimConfig::new(seed, faults), requests)
+}
+
+fn sweep_with(cfg: SimConfig, requests: usize) -> SimReport {
+    let (seed, faults) = (cfg.seed, cfg.faults);
+    let report = Simulation::random(cfg, requests).run();
     let json = serde_json::to_string(&report).unwrap();
     assert_eq!(report.requests, requests as u64);
     assert_eq!(report.hung, 0, "seed {seed} faults {faults}: {json}");
     assert_eq!(report.corrupted, 0, "seed {seed} faults {faults}: {json}");
     assert_eq!(report.leaked, 0, "seed {seed} faults {faults}: {json}");
     assert_eq!(report.one_sided, 0, "seed {seed} faults {faults}: {json}");
+    assert_eq!(report.undetected, 0, "seed {seed} faults {faults}: {json}");
+    assert_eq!(
+        report.timed_out_progressing, 0,
+        "seed {seed} faults {faults}: {json}"
+    );
     assert_eq!(
         report.stray_writes, 0,
         "seed {seed} faults {faults}: {json}"
@@ -68,6 +78,11 @@ fn sim_sweep_each_fault_kind_alone() {
                 assert!(r.write_failures > 0, "{kind}: {json}");
             }
             FaultKind::PeerDeath => assert!(r.link_deaths > 0, "{kind}: {json}"),
+            // Every mistaken chunk fails its request (undetected is zero in `sweep`).
+            FaultKind::Engine => {
+                assert!(r.engine_faults > 0 && r.fatal > 0, "{kind}: {json}");
+                assert!(r.receiver_failed > 0, "{kind}: {json}");
+            }
             FaultKind::Loss | FaultKind::Delay => {}
         }
     }
@@ -81,7 +96,53 @@ fn sim_sweep_all_faults() {
         assert!(r.completed > 100, "{json}");
         assert!(r.failed > 0, "{json}");
         assert!(r.fatal > 0, "{json}");
+        assert!(r.engine_faults > 0, "{json}");
     }
+}
+
+#[test]
+fn sim_engine_mistakes_never_complete_on_the_decode_side() {
+    // Many mistakes, nothing else: each request a mistake hit ends failed on the receiver.
+    for seed in 31..=33 {
+        let mut cfg = SimConfig::new(seed, FaultSet::NONE.with(FaultKind::Engine));
+        cfg.rates.engine = 0.1;
+        let r = sweep_with(cfg, 300);
+        let json = serde_json::to_string(&r).unwrap();
+        assert!(r.engine_faults >= 20, "{json}");
+        assert!(r.receiver_failed > 0, "{json}");
+    }
+}
+
+#[test]
+fn sim_slow_prefill_completes_because_deadlines_follow_progress() {
+    // Prefill outlasts `result_wait` up to ~5x; chunks keep coming, so nothing times out.
+    for seed in 41..=43 {
+        let cfg = SimConfig::new(seed, FaultSet::NONE).slow_prefill();
+        let base = cfg.deadlines.result_wait;
+        let r = sweep_with(cfg, 200);
+        let json = serde_json::to_string(&r).unwrap();
+        assert_eq!(r.receiver_timed_out, 0, "{json}");
+        assert_eq!(r.failed, 0, "{json}");
+        assert!(r.completed >= 180, "{json}");
+        assert!(r.virtual_ms > 10 * base.as_millis(), "{json}");
+    }
+    // Under every fault, requests whose connections die or whose frames are held back past
+    // the idle deadline time out; none does while its writes keep landing.
+    for seed in 44..=45 {
+        let r = sweep_with(SimConfig::new(seed, FaultSet::all()).slow_prefill(), 300);
+        let json = serde_json::to_string(&r).unwrap();
+        assert_eq!(r.timed_out_progressing, 0, "{json}");
+        assert!(r.receiver_timed_out > 0 && r.completed > 0, "{json}");
+    }
+    // The same workload under a total deadline that ignores progress times requests out.
+    let mut cfg = SimConfig::new(41, FaultSet::NONE).slow_prefill();
+    cfg.deadlines.result_per_token = kvpipe_core::Duration::ZERO;
+    let r = Simulation::random(cfg, 200).run();
+    assert!(
+        r.receiver_timed_out > 50,
+        "{}",
+        serde_json::to_string(&r).unwrap()
+    );
 }
 
 #[test]

@@ -6,7 +6,8 @@ mod session_support;
 
 use kvpipe_core::session::state::RecvPhase;
 use kvpipe_core::session::{
-    Admission, Output, ReceiverInput, TransportInput, WriteRefusal, WriteTicket,
+    Admission, Event, Output, ProtocolError, ReceiverInput, TransportInput, WriteRefusal,
+    WriteTicket,
 };
 use kvpipe_core::wire::{DataWrite, Frame, TransferStatus};
 use kvpipe_core::{GrantId, Receiver, RegionId, RequestId};
@@ -323,4 +324,81 @@ fn recorded_inputs_replay_into_a_fresh_receiver() {
     }
     assert_eq!(replayed, original);
     assert_eq!(fresh.phase(R), Some(RecvPhase::Completed));
+}
+
+/// Frames a hostile writer sends without having written anything.
+fn lie(net: &mut Net, bytes_written: u64) {
+    let now = net.now;
+    let frames = [
+        Frame::KvResult(kvpipe_core::wire::KvResult {
+            request: R,
+            sender_slice: kvpipe_core::SenderSliceId(0),
+            receiver_slice: kvpipe_core::ReceiverSliceId(0),
+            is_last: true,
+            status: TransferStatus::Success,
+            bytes_written,
+        }),
+        Frame::AuxResult(kvpipe_core::wire::AuxResult {
+            request: R,
+            status: TransferStatus::Success,
+            data: Default::default(),
+        }),
+    ];
+    for frame in frames {
+        net.receivers[0]
+            .handle_transport(
+                now,
+                TransportInput::FrameReceived {
+                    peer: tx_peer(0),
+                    bytes: frame.to_bytes().unwrap(),
+                },
+            )
+            .unwrap();
+    }
+    net.pump();
+}
+
+#[test]
+fn a_writer_that_reports_what_it_never_wrote_does_not_complete_the_request() {
+    // Reported nothing, wrote nothing: the registration's 512 bytes never moved.
+    let mut net = Net::connected(1, 1);
+    net.register(0, registration(R, 16, &[0]));
+    lie(&mut net, 0);
+    let events = net.events(Side::Receiver(0));
+    assert!(
+        !events.iter().any(|e| matches!(e, Event::Completed { .. })),
+        "{events:?}"
+    );
+    assert!(events.iter().any(|e| matches!(
+        e,
+        Event::ProtocolViolation {
+            error: ProtocolError::BytesMismatch {
+                expected: 512,
+                reported: 0,
+                landed: Some(0),
+                ..
+            },
+            ..
+        }
+    )));
+    assert!(events.iter().any(|e| matches!(
+        e,
+        Event::Failed {
+            cause: TransferStatus::ProtocolError,
+            ..
+        }
+    )));
+}
+
+#[test]
+fn reported_bytes_that_never_landed_wait_for_their_data() {
+    // Reported all 512 bytes, wrote none: the result waits for data that never comes, and the
+    // request fails at its deadline instead of completing.
+    let mut net = Net::connected(1, 1);
+    net.register(0, registration(R, 16, &[0]));
+    lie(&mut net, 512);
+    net.advance(kvpipe_core::Duration::from_secs(6));
+    let events = net.events(Side::Receiver(0));
+    assert!(!events.iter().any(|e| matches!(e, Event::Completed { .. })));
+    assert_eq!(net.receivers[0].phase(R), Some(RecvPhase::Quiesced));
 }

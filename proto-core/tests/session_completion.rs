@@ -99,7 +99,7 @@ fn aux_is_sent_after_the_last_result() {
 
 #[test]
 fn receiver_waits_for_every_expected_writer() {
-    let mut net = Net::connected(2, 1);
+    let mut net = Net::tensor_parallel(2);
     let mut s0 = TestSource::with(R, 100, 4);
     let mut s1 = TestSource::with(R, 300, 4);
     net.register(0, registration(R, 16, &[0, 1]));
@@ -131,7 +131,7 @@ fn receiver_waits_for_every_expected_writer() {
 
 #[test]
 fn writers_whose_aux_data_differ_fail_the_request() {
-    let mut net = Net::connected(2, 1);
+    let mut net = Net::tensor_parallel(2);
     let mut s0 = TestSource::with(R, 100, 4);
     let mut s1 = TestSource::with(R, 300, 4);
     net.register(0, registration(R, 16, &[0, 1]));

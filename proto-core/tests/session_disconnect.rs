@@ -38,7 +38,7 @@ fn disconnect_fails_exactly_the_sessions_of_that_peer() {
 
 #[test]
 fn disconnect_of_one_writer_fails_the_receiver_session_and_stops_the_other_writer() {
-    let mut net = Net::connected(2, 1);
+    let mut net = Net::tensor_parallel(2);
     let r = RequestId(3);
     let mut s0 = TestSource::with(r, 100, 4);
     net.register(0, registration(r, 16, &[0, 1]));
@@ -58,7 +58,7 @@ fn disconnect_of_one_writer_fails_the_receiver_session_and_stops_the_other_write
 
 #[test]
 fn disconnect_after_a_writer_finished_does_not_fail_the_request() {
-    let mut net = Net::connected(2, 1);
+    let mut net = Net::tensor_parallel(2);
     let r = RequestId(4);
     let mut s0 = TestSource::with(r, 100, 4);
     let mut s1 = TestSource::with(r, 300, 4);
@@ -76,7 +76,7 @@ fn disconnect_after_a_writer_finished_does_not_fail_the_request() {
 
 #[test]
 fn disconnect_before_a_writers_aux_data_fails_the_request() {
-    let mut net = Net::connected(2, 1);
+    let mut net = Net::tensor_parallel(2);
     let r = RequestId(5);
     let mut s1 = TestSource::with(r, 300, 4);
     net.register(0, registration(r, 16, &[0, 1]));

@@ -18,12 +18,16 @@ pub(crate) struct SimArgs {
     #[arg(long, default_value_t = 1)]
     seed: u64,
     /// Faults to inject: `none`, `all`, or a comma list of latency, loss, duplication,
-    /// reordering, delay, write-failure, peer-death.
+    /// reordering, delay, write-failure, peer-death, engine.
     #[arg(long, default_value = "none")]
     faults: FaultSet,
     /// Sender ranks (some requests are written by two of them, as under tensor parallelism).
     #[arg(long, default_value_t = 2)]
     senders: usize,
+    /// A long-context workload: prefill 15–30× slower per token, far past `result_wait`, with
+    /// deadlines that follow progress; requests must still complete.
+    #[arg(long)]
+    slow_prefill: bool,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
@@ -37,6 +41,9 @@ pub(crate) fn run(args: SimArgs) -> Result<ExitCode, CliError> {
         return Err("--senders must be at least 1".into());
     }
     let mut config = SimConfig::new(args.seed, args.faults);
+    if args.slow_prefill {
+        config = config.slow_prefill();
+    }
     config.senders = args.senders;
     config.trace = !args.trace.is_empty();
     let started = WallClock::now();
@@ -79,7 +86,7 @@ fn print_table(r: &SimReport, seed: u64, faults: FaultSet) {
         "seed {seed}, faults {faults}, {} ms of virtual time, {} steps",
         r.virtual_ms, r.steps
     );
-    let rows: [(&str, u64); 15] = [
+    let rows: [(&str, u64); 18] = [
         ("requests", r.requests),
         ("completed", r.completed),
         ("failed", r.failed),
@@ -89,9 +96,12 @@ fn print_table(r: &SimReport, seed: u64, faults: FaultSet) {
         ("leaked", r.leaked),
         ("R failed", r.receiver_failed),
         ("R timed out", r.receiver_timed_out),
+        ("  progressing", r.timed_out_progressing),
         ("R cancelled", r.receiver_cancelled),
         ("fatal faults", r.fatal),
         ("one-sided", r.one_sided),
+        ("engine faults", r.engine_faults),
+        ("undetected", r.undetected),
         ("split", r.split),
         ("stray writes", r.stray_writes),
         ("anomalies", r.anomalies),

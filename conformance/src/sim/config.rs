@@ -31,6 +31,8 @@ pub struct SimConfig {
     pub max_prompt: u32,
     /// Percentage of random requests the engine cancels.
     pub cancel_percent: u64,
+    /// Prefill compute time per token of a random request, drawn from this range.
+    pub prefill_per_token: (Duration, Duration),
     /// Tokens per block of the simulated model.
     pub tokens_per_block: u32,
     /// Sliding window of the model's second layer group, in tokens.
@@ -87,6 +89,7 @@ impl SimConfig {
             max_active: 24,
             max_prompt: 160,
             cancel_percent: 5,
+            prefill_per_token: (Duration::from_micros(2), Duration::from_micros(20)),
             tokens_per_block,
             window,
             sink_tokens,
@@ -99,6 +102,18 @@ impl SimConfig {
             max_steps: 0,
             time_limit: Duration::from_secs(120),
         }
+    }
+
+    /// A long-context workload: prefill is 15–30× slower per token than by default, so most
+    /// requests' prefill outlasts `result_wait` many times over, while the deadlines follow
+    /// progress (`result_per_token` covers the slowest prefill, `result_idle` the longest
+    /// chunk). Every request that is not cancelled or hit by a fault must still complete.
+    pub fn slow_prefill(mut self) -> Self {
+        self.prefill_per_token = (Duration::from_micros(300), Duration::from_micros(600));
+        self.deadlines.result_wait = Duration::from_millis(20);
+        self.deadlines.result_per_token = Duration::from_millis(1);
+        self.deadlines.result_idle = Duration::from_millis(1_000);
+        self
     }
 
     /// The reference cache of sender rank `rank` (`None`: the receiver's) for a workload whose

@@ -7,7 +7,10 @@
 
 use kvpipe_core::session::{Registration, SendRequest, SenderInput, UsageError};
 use kvpipe_core::wire::AuxData;
-use kvpipe_core::{ChunkSpec, Duration, Instant, RequestId};
+use kvpipe_core::{
+    BlockId, BlockRun, BlockSource, BlockSourceError, ChunkSpec, Duration, GroupIndex, Instant,
+    RequestId,
+};
 
 use super::config::PlantedBug;
 use super::workload::{CancelSide, RequestPlan};
@@ -25,6 +28,10 @@ pub(crate) struct Engine {
     /// The engines' own choices (late submits, partial cancels, when to retire), a stream
     /// apart from the network's, so a change of fault rates does not move them.
     rng: SimRng,
+    /// The engines' mistakes (see [`EngineMistake`]), a stream of their own for the same reason.
+    mistakes: SimRng,
+    /// Probability that a writer's chunk carries a mistake (0 unless the `engine` fault is on).
+    mistake_rate: f64,
     /// The next request to admit.
     pub(crate) next_admit: usize,
     /// Requests admitted and not finished on every side.
@@ -34,11 +41,18 @@ pub(crate) struct Engine {
 }
 
 impl Engine {
-    pub(crate) fn new(mut plans: Vec<RequestPlan>, rng: SimRng) -> Self {
+    pub(crate) fn new(
+        mut plans: Vec<RequestPlan>,
+        rng: SimRng,
+        mistakes: SimRng,
+        mistake_rate: f64,
+    ) -> Self {
         plans.sort_by_key(|p| p.arrival);
         Engine {
             plans,
             rng,
+            mistakes,
+            mistake_rate,
             next_admit: 0,
             active: 0,
             last_start: Instant::ZERO,
@@ -185,16 +199,10 @@ impl Simulation {
                     if spec.is_last { " last" } else { "" }
                 )
             });
-            let res = self.hosts.senders[rank]
-                .submit_chunk(now, request, spec, &mut self.hosts.sender_caches[rank])
-                .map(|_| ());
-            if res.is_ok() && spec.is_last {
-                self.oracle.records[i].senders[w].last_chunk = true;
+            match self.engine.mistake(k) {
+                Some(mistake) => self.submit_mistaken(i, w, k, mistake),
+                None => self.submit_plain(i, w, k),
             }
-            self.check(res, || {
-                format!("S{rank} submit {request} [{}, {})", spec.start, spec.end)
-            });
-            self.drain();
         }
         if !any {
             return;
@@ -206,6 +214,84 @@ impl Simulation {
             let at = now + self.engine.compute_time(i, k + 1);
             self.sched.schedule(at, Action::Compute(i, k + 1));
         }
+    }
+
+    /// Writer `w` of request `i` submits chunk `k` with an engine mistake. The sender must
+    /// refuse it and fail the request on both sides; the one mistake the contract cannot see at
+    /// once (a windowed group's run short of blocks the receiver needs) must fail it when the
+    /// writer's bytes fall short of its share. Either way the request may not complete.
+    fn submit_mistaken(&mut self, i: usize, w: usize, k: usize, mistake: EngineMistake) {
+        let now = self.sched.now();
+        let mut spec = self.engine.chunk_spec(i, k);
+        let request = self.engine.plans[i].id;
+        let rank = self.engine.plans[i].writers[w];
+        if let EngineMistake::PrefixChanged = mistake {
+            // A later chunk claims another cached prefix than the first one did.
+            spec.prepopulated_len = if spec.prepopulated_len == 0 {
+                spec.start.min(1)
+            } else {
+                spec.prepopulated_len - 1
+            };
+            if spec.prepopulated_len == self.engine.chunk_spec(i, k).prepopulated_len {
+                // Nothing to change (a chunk at token 0 cannot claim a prefix).
+                return self.submit_plain(i, w, k);
+            }
+        }
+        let mut source = Mistaken {
+            cache: &mut self.hosts.sender_caches[rank],
+            mistake,
+            bent: false,
+        };
+        let res = self.hosts.senders[rank].submit_chunk(now, request, spec, &mut source);
+        let bent = source.bent || matches!(mistake, EngineMistake::PrefixChanged);
+        if !bent {
+            // Every run was empty: nothing to bend, a plain chunk.
+            if res.is_ok() && spec.is_last {
+                self.oracle.records[i].senders[w].last_chunk = true;
+            }
+            self.check(res.map(|_| ()), || format!("S{rank} submit {request}"));
+            self.drain();
+            return;
+        }
+        self.oracle.engine_mistakes += 1;
+        self.oracle.records[i].engine_mistake = true;
+        self.note(|| format!("engine S{rank} mistaken chunk {request} ({mistake:?}): {res:?}"));
+        match res {
+            // Caught at once: the session ended with EngineError.
+            Err(UsageError::BlockRun(_) | UsageError::PrefixChanged { .. }) => {
+                self.oracle.records[i].fatal[w] = true;
+            }
+            Ok(_) => {
+                // A windowed group's short run: within the contract, so accepted; the writer's
+                // share check must fail it later.
+                if spec.is_last {
+                    self.oracle.records[i].senders[w].last_chunk = true;
+                }
+                self.oracle.records[i].fatal[w] = true;
+            }
+            Err(other) => self.anomaly(format!(
+                "S{rank} mistaken chunk {request} ({mistake:?}) gave {other:?}"
+            )),
+        }
+        self.drain();
+    }
+
+    /// Writer `w` of request `i` submits chunk `k` as computed.
+    fn submit_plain(&mut self, i: usize, w: usize, k: usize) {
+        let now = self.sched.now();
+        let spec = self.engine.chunk_spec(i, k);
+        let request = self.engine.plans[i].id;
+        let rank = self.engine.plans[i].writers[w];
+        let res = self.hosts.senders[rank]
+            .submit_chunk(now, request, spec, &mut self.hosts.sender_caches[rank])
+            .map(|_| ());
+        if res.is_ok() && spec.is_last {
+            self.oracle.records[i].senders[w].last_chunk = true;
+        }
+        self.check(res, || {
+            format!("S{rank} submit {request} [{}, {})", spec.start, spec.end)
+        });
+        self.drain();
     }
 
     /// Every writer rank submits request `i`'s aux data.
@@ -281,6 +367,9 @@ impl Simulation {
                 },
             )
             .map(|_| ());
+        if res.is_ok() {
+            self.oracle.records[i].registered_at = Some(now);
+        }
         self.check(res, || format!("R register {}", plan.id));
         self.drain();
     }
@@ -378,5 +467,85 @@ pub(crate) fn who(from: Option<usize>) -> String {
     match from {
         Some(r) => format!("S{r}"),
         None => "R".to_string(),
+    }
+}
+
+/// A mistake of the prefill engine in the chunk it hands the sender.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum EngineMistake {
+    /// One block more than asked.
+    TooLong,
+    /// The run's first block dropped (allowed only in a windowed group, where the receiver's
+    /// share check catches it).
+    DropHead,
+    /// The run starts one ordinal late, so it ends past the asked end.
+    Shifted,
+    /// The run's last block dropped, so it ends early.
+    EndsEarly,
+    /// A later chunk claims another cached prefix.
+    PrefixChanged,
+}
+
+impl Engine {
+    /// Whether a writer's chunk `k` carries a mistake, and which.
+    fn mistake(&mut self, k: usize) -> Option<EngineMistake> {
+        if self.mistake_rate == 0.0 || !self.mistakes.chance(self.mistake_rate) {
+            return None;
+        }
+        let kinds: &[EngineMistake] = if k == 0 {
+            &[
+                EngineMistake::TooLong,
+                EngineMistake::DropHead,
+                EngineMistake::Shifted,
+                EngineMistake::EndsEarly,
+            ]
+        } else {
+            &[
+                EngineMistake::TooLong,
+                EngineMistake::DropHead,
+                EngineMistake::Shifted,
+                EngineMistake::EndsEarly,
+                EngineMistake::PrefixChanged,
+            ]
+        };
+        self.mistakes.pick(kinds).copied()
+    }
+}
+
+/// A block source that bends the cache's first non-empty run by `mistake`.
+struct Mistaken<'a, S> {
+    cache: &'a mut S,
+    mistake: EngineMistake,
+    /// Whether a run was bent (an empty run has nothing to bend).
+    bent: bool,
+}
+
+impl<S: BlockSource> BlockSource for Mistaken<'_, S> {
+    fn block_run(
+        &mut self,
+        request: RequestId,
+        group: GroupIndex,
+        begin: u32,
+        end: u32,
+        out: &mut BlockRun,
+    ) -> Result<(), BlockSourceError> {
+        self.cache.block_run(request, group, begin, end, out)?;
+        if self.bent || out.ids.is_empty() {
+            return Ok(());
+        }
+        match self.mistake {
+            EngineMistake::TooLong => out.ids.push(BlockId(u32::MAX - 1)),
+            EngineMistake::DropHead => {
+                out.ids.remove(0);
+                out.first_ordinal += 1;
+            }
+            EngineMistake::Shifted => out.first_ordinal += 1,
+            EngineMistake::EndsEarly => {
+                out.ids.pop();
+            }
+            EngineMistake::PrefixChanged => return Ok(()),
+        }
+        self.bent = true;
+        Ok(())
     }
 }

@@ -30,11 +30,15 @@ pub enum FaultKind {
     /// A connection between a sender rank and the receiver dies; both sides are told, its
     /// in-flight frames and writes are lost, and it reconnects later.
     PeerDeath,
+    /// The prefill engine makes a mistake: its block source answers a chunk with a run longer
+    /// than asked, short of its head, shifted, ending early, or the chunk says another prefix
+    /// was cached. The sender must catch it and fail the request on both sides.
+    Engine,
 }
 
 impl FaultKind {
     /// Every kind, in a fixed order.
-    pub const ALL: [FaultKind; 7] = [
+    pub const ALL: [FaultKind; 8] = [
         FaultKind::Latency,
         FaultKind::Loss,
         FaultKind::Duplication,
@@ -42,6 +46,7 @@ impl FaultKind {
         FaultKind::Delay,
         FaultKind::WriteFailure,
         FaultKind::PeerDeath,
+        FaultKind::Engine,
     ];
 
     /// The kind's name on the command line.
@@ -54,6 +59,7 @@ impl FaultKind {
             FaultKind::Delay => "delay",
             FaultKind::WriteFailure => "write-failure",
             FaultKind::PeerDeath => "peer-death",
+            FaultKind::Engine => "engine",
         }
     }
 
@@ -117,7 +123,7 @@ pub enum FaultParseError {
     /// An unknown name.
     #[error(
         "unknown fault kind `{0}` (expected none, all, or a comma list of latency, loss, \
-         duplication, reordering, delay, write-failure, peer-death)"
+         duplication, reordering, delay, write-failure, peer-death, engine)"
     )]
     UnknownKind(String),
 }
@@ -160,6 +166,8 @@ pub struct FaultRates {
     pub write_failure: f64,
     /// Probability that a request's start schedules the death of one of its connections.
     pub peer_death: f64,
+    /// Probability that a writer's chunk is handed to the sender with an engine mistake.
+    pub engine: f64,
     /// Probability that a frame's header is damaged on the wire (decoding catches it, and the
     /// receiving endpoint closes the connection). Applies whatever the fault set: off (0) by
     /// default, and not a [`FaultKind`], so `--faults all` keeps its meaning.
@@ -176,6 +184,7 @@ impl Default for FaultRates {
             delay: 0.002,
             write_failure: 0.01,
             peer_death: 0.01,
+            engine: 0.01,
             corruption: 0.0,
         }
     }

@@ -84,6 +84,15 @@ pub struct SimReport {
     pub fatal: u64,
     /// Of those, requests where that writer or the receiver still completed (bug).
     pub one_sided: u64,
+    /// Requests the receiver completed although their data was wrong: corrupted bytes, or an
+    /// engine mistake that should have failed them (bug).
+    pub undetected: u64,
+    /// Mistaken chunks the engines handed their senders (the `engine` fault).
+    pub engine_faults: u64,
+    /// Requests the receiver timed out waiting for results before the overall cap while
+    /// their writes were still landing within the idle deadline (bug: a deadline that does
+    /// not follow progress).
+    pub timed_out_progressing: u64,
     /// Requests completed on some sides only without a fatal fault (a cancel or deadline
     /// racing with the last frames, or a connection lost after the sender finished).
     pub split: u64,
@@ -124,13 +133,15 @@ pub struct SimReport {
 }
 
 impl SimReport {
-    /// Whether the run found a bug: a hung, corrupted, leaked or one-sided request, a stray
-    /// write, or an anomaly.
+    /// Whether the run found a bug: a hung, corrupted, leaked, one-sided or undetected request,
+    /// a stray write, or an anomaly.
     pub fn has_bugs(&self) -> bool {
         self.hung
             + self.corrupted
             + self.leaked
             + self.one_sided
+            + self.undetected
+            + self.timed_out_progressing
             + self.stray_writes
             + self.anomalies
             > 0

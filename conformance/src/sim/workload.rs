@@ -86,6 +86,8 @@ pub struct WorkloadShape {
     pub mean_gap: Duration,
     /// Percentage of requests the engine cancels.
     pub cancel_percent: u64,
+    /// Range of the prefill compute time per token.
+    pub per_token: (Duration, Duration),
 }
 
 /// Draws `count` requests from `rng`.
@@ -121,7 +123,9 @@ pub fn random_workload(rng: &mut SimRng, count: usize, shape: &WorkloadShape) ->
         } else {
             vec![rng.below(shape.senders as u64) as usize]
         };
-        let per_token = Duration::from_nanos(rng.range(2_000, 20_000));
+        let per_token = Duration::from_nanos(
+            rng.range(shape.per_token.0.as_nanos(), shape.per_token.1.as_nanos()),
+        );
         let prefill = per_token.as_nanos() * u64::from(span);
         // Mostly generation-first (register before prefill), sometimes late, mid-prefill.
         let (open_after, register_after) = match rng.below(4) {
@@ -176,6 +180,7 @@ mod tests {
             senders: 3,
             mean_gap: Duration::from_micros(100),
             cancel_percent: 20,
+            per_token: (Duration::from_micros(2), Duration::from_micros(20)),
         };
         let plans = random_workload(&mut SimRng::new(5), 2000, &shape);
         let mut two_writers = 0;

@@ -12,6 +12,7 @@ use kvpipe_mem::netem::Netem;
 
 use super::config::{ScriptedFault, SimConfig};
 use super::engine::{who, Engine};
+use super::faults::FaultKind;
 use super::network::{NetCounters, Network};
 use super::oracle::Oracle;
 use super::report::SimReport;
@@ -120,6 +121,7 @@ impl Simulation {
             senders: cfg.senders,
             mean_gap: Duration::from_micros(400),
             cancel_percent: cfg.cancel_percent,
+            per_token: cfg.prefill_per_token,
         };
         let mut plans = random_workload(&mut rng, count, &shape);
         let mut cfg = cfg;
@@ -190,7 +192,17 @@ impl Simulation {
         } else {
             cfg.max_steps
         };
-        let engine = Engine::new(plans, SimRng::new(cfg.seed).fork(4));
+        let mistake_rate = if cfg.faults.contains(FaultKind::Engine) {
+            cfg.rates.engine
+        } else {
+            0.0
+        };
+        let engine = Engine::new(
+            plans,
+            SimRng::new(cfg.seed).fork(4),
+            SimRng::new(cfg.seed).fork(6),
+            mistake_rate,
+        );
         let mut sim = Simulation {
             sched: Scheduler::new(max_steps),
             hosts: Hosts {
@@ -540,6 +552,8 @@ impl Simulation {
         report.write_batches = net.write_batches;
         report.write_failures = net.write_failures;
         report.link_deaths = net.link_deaths;
+        report.engine_faults = self.oracle.engine_mistakes;
+        report.timed_out_progressing = self.oracle.timed_out_progressing;
         report
     }
 }

@@ -463,6 +463,22 @@ pub enum ProtocolError {
         /// Writes still in flight.
         writes: u32,
     },
+    /// A writer's bytes do not cover its share of the registration exactly.
+    #[error(
+        "{request}: the writer's share of the registration is {expected} bytes, it reported \
+         {reported}{}",
+        match landed { Some(l) => format!(" and {l} landed"), None => String::new() }
+    )]
+    BytesMismatch {
+        /// The request.
+        request: RequestId,
+        /// Bytes of the writer's share of the registration.
+        expected: u64,
+        /// Bytes the writer's results reported.
+        reported: u64,
+        /// Bytes that landed (transports that report landings).
+        landed: Option<u64>,
+    },
     /// A registration names block ordinals past its prompt's blocks.
     #[error(
         "registration of {request} {group} reaches block ordinal {end}, but a prompt of \

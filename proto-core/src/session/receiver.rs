@@ -18,7 +18,9 @@ use super::{
     UsageError, Wait,
 };
 use crate::blocks::AnchoredRun;
+use crate::geometry::{stale_boundary, total_blocks};
 use crate::ids::{GrantId, PeerId, ReceiverSliceId, RequestId, SenderSliceId};
+use crate::shard::writes_group;
 use crate::time::Instant;
 use crate::wire::{
     AuxData, AuxResult, Cancel, CancelReason, DataWrite, Frame, KvResult, RecvRegistration, Role,
@@ -103,6 +105,8 @@ struct Writer {
     held: VecDeque<(u64, Frame)>,
     /// The writer's aux data arrived.
     aux: bool,
+    /// Bytes the writer's taken successful results reported.
+    result_bytes: u64,
 }
 
 impl Writer {
@@ -562,6 +566,7 @@ impl Receiver {
                         reported: 0,
                         held: VecDeque::new(),
                         aux: false,
+                        result_bytes: 0,
                     })
                     .collect(),
                 writes_in_flight: 0,
@@ -1075,15 +1080,37 @@ impl Receiver {
         if r.is_last {
             writer.last = Some(r.sender_slice);
         }
+        writer.result_bytes = writer.result_bytes.saturating_add(r.bytes_written);
         // Done once the last result and every slice before it arrived (results may be
         // reordered by a transport that reorders frames).
-        if writer
+        let done = writer
             .last
-            .is_some_and(|last| writer.seen.len() as u64 == u64::from(last.0) + 1)
-        {
-            writer.on(WriterEvent::LastResult);
-        }
+            .is_some_and(|last| writer.seen.len() as u64 == u64::from(last.0) + 1);
+        let (reported, landed) = (writer.result_bytes, writer.landed);
         session.bytes_written += r.bytes_written;
+        if done {
+            // The writer is done: it must have written exactly its share of the registration,
+            // landed (a transport that reports landings) and reported.
+            let expected = self.writer_share(request, peer);
+            let landed = (self.config.data_path == DataPath::Landed).then_some(landed);
+            if reported != expected || landed.is_some_and(|l| l != expected) {
+                self.stop_protocol(
+                    now,
+                    request,
+                    peer,
+                    ProtocolError::BytesMismatch {
+                        request,
+                        expected,
+                        reported,
+                        landed,
+                    },
+                );
+                return;
+            }
+            let session = self.sessions.get_mut(&request).expect("located");
+            session.writers[w].on(WriterEvent::LastResult);
+        }
+        let session = self.sessions.get_mut(&request).expect("located");
         if self.config.data_path == DataPath::Ordered {
             // No landing reports: a result is the moment its bytes are known to be placed.
             session.timings.first_byte.get_or_insert(now);
@@ -1226,6 +1253,52 @@ impl Receiver {
         for request in involved {
             self.stop(now, request, why);
         }
+    }
+
+    /// The bytes writer `peer` must write into `request`'s registration: for every group it
+    /// writes (its layers and heads overlap this rank's, and it is the replica this rank takes
+    /// them from), the overlap's bytes for each registered block it sends (in a windowed
+    /// group, those at or above the stale boundary of its window).
+    fn writer_share(&self, request: RequestId, peer: PeerId) -> u64 {
+        let (Some(session), Some(hello)) =
+            (self.sessions.get(&request), self.shell.peers.remote(peer))
+        else {
+            return 0;
+        };
+        let local = &self.config.local;
+        let prompt = session.frame.prompt_len;
+        let mut total = 0u64;
+        for (g, (run, dst)) in session.frame.groups.iter().zip(&local.groups).enumerate() {
+            let Some(src) = hello.groups.get(g) else {
+                continue;
+            };
+            if !writes_group(&hello.topology, src, &local.topology, dst) {
+                continue;
+            }
+            let tpb = dst.tokens_per_block;
+            let blocks = u64::from(total_blocks(prompt, tpb).unwrap_or(0));
+            let stale = match src.window {
+                Some(win) if win < prompt => {
+                    u64::from(stale_boundary(prompt, win, tpb).unwrap_or(0))
+                }
+                _ => 0,
+            };
+            let first = u64::from(run.first_ordinal);
+            let sent = (first + run.block_count())
+                .min(blocks)
+                .saturating_sub(first.max(stale));
+            let overlap = |a: core::ops::Range<u32>, b: core::ops::Range<u32>| {
+                u64::from(a.end.min(b.end).saturating_sub(a.start.max(b.start)))
+            };
+            let per_block = u64::from(dst.kv_factor)
+                .saturating_mul(u64::from(tpb))
+                .saturating_mul(u64::from(dst.head_dim))
+                .saturating_mul(u64::from(dst.elem_bytes))
+                .saturating_mul(overlap(src.layer_range(), dst.layer_range()))
+                .saturating_mul(overlap(src.head_range(), dst.head_range()));
+            total = total.saturating_add(sent.saturating_mul(per_block));
+        }
+        total
     }
 
     /// Something of the request arrived: the idle deadline restarts from `now`.

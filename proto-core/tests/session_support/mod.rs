@@ -216,6 +216,46 @@ impl Net {
         }
     }
 
+    /// `writers` tensor-parallel sender ranks, each holding one of the model's `writers` KV
+    /// heads, and one receiver holding them all, connected: each writer writes its head of
+    /// every block (the receiver's slots are `writers` times the senders').
+    pub fn tensor_parallel(writers: usize) -> Self {
+        let mut net = Net::new(writers, 1);
+        let heads = writers as u16;
+        for (i, sender) in net.senders.iter_mut().enumerate() {
+            let mut groups = layout(1);
+            groups[0].shard.model_kv_heads = heads;
+            groups[0].shard.first_head = i as u16;
+            let topology = Topology {
+                tp_size: heads,
+                tp_rank: i as u16,
+                pp_size: 1,
+                pp_rank: 0,
+                layer_begin: 0,
+                layer_end: 2,
+            };
+            let mut c =
+                SenderConfig::new(LocalHello::new(InstanceId(10 + i as u64), topology, groups));
+            c.deadlines = deadlines();
+            *sender = Sender::new(c).unwrap();
+        }
+        let mut groups = layout(2);
+        groups[0].kv_heads = heads;
+        groups[0].shard.model_kv_heads = heads;
+        groups[0].pools[0].slot_bytes *= u64::from(heads);
+        let mut c = ReceiverConfig::new(
+            LocalHello::new(InstanceId(20), Topology::default(), groups),
+            0x5eed,
+        );
+        c.deadlines = deadlines();
+        net.receivers[0] = Receiver::new(c).unwrap();
+        for i in 0..writers {
+            net.connect(i, 0);
+        }
+        net.pump();
+        net
+    }
+
     /// A network with every sender connected to every receiver, handshakes done.
     pub fn connected(senders: usize, receivers: usize) -> Self {
         let mut net = Net::new(senders, receivers);
