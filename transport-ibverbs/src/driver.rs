@@ -39,9 +39,8 @@ use kvpipe_core::{
     BlockSource, ChunkSpec, Event, Instant, Output, PeerId, Receiver, ReceiverConfig,
     ReceiverSliceId, RequestId, Sender, SenderConfig, SenderSliceId,
 };
-use parking_lot::{Condvar, Mutex, MutexGuard};
-
 use kvpipe_observe::Observer;
+use parking_lot::{Condvar, Mutex, MutexGuard};
 
 use crate::device::VerbsDevice;
 use crate::fabric::{
