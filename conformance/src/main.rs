@@ -51,6 +51,7 @@ pub(crate) fn allocations() -> u64 {
 
 fn main() -> ExitCode {
     let cli = cli::Cli::parse();
+    cli::observe::init();
     match cli.run() {
         Ok(code) => code,
         Err(err) => {

@@ -311,4 +311,62 @@ fn completion_reports_when_each_milestone_happened() {
     assert_eq!(r.transfer(), Some(kvpipe_core::Duration::from_millis(10)));
     assert_eq!(r.writes, 2);
     assert_eq!(r.ended, ms(25));
+    // The last slice's data began to arrive when the last chunk was submitted (each slice's
+    // result came before the next chunk): the decode side's tail is the sender's.
+    assert_eq!(r.last_burst, Some(ms(20)));
+    assert_eq!(
+        r.receiver_tail(),
+        Some(kvpipe_core::Duration::from_millis(5))
+    );
+    assert_eq!(s.last_burst, None, "the sender admits no data");
+}
+
+fn completion_timings(net: &Net, side: Side) -> kvpipe_core::session::RequestTimings {
+    net.events(side)
+        .into_iter()
+        .find_map(|e| match e {
+            Event::Completed { timings, .. } => Some(timings),
+            _ => None,
+        })
+        .expect("completed")
+}
+
+#[test]
+fn overlapping_slices_keep_the_burst_where_the_pipeline_last_drained() {
+    let mut net = Net::connected(1, 1);
+    net.auto_complete = false;
+    let mut source = TestSource::with(R, 100, 4);
+    net.register(0, registration(R, 16, &[0]));
+    net.open(0, send_request(R, &[0]));
+    let t0 = net.now;
+    let ms = |m| t0 + kvpipe_core::Duration::from_millis(m);
+    net.advance(kvpipe_core::Duration::from_millis(10));
+    net.submit(0, R, chunk(0, 8, 16, false), &mut source);
+    // The first slice's data lands, but its result is not sent yet when the second slice's
+    // data arrives: the slices overlap.
+    let first = net.held[0].clone();
+    net.land(0, 0, &first.plan, &first.headers);
+    net.advance(kvpipe_core::Duration::from_millis(10));
+    net.submit(0, R, chunk(8, 16, 16, true), &mut source);
+    let second = net.held[1].clone();
+    net.land(0, 0, &second.plan, &second.headers);
+    net.held.clear();
+    for batch in [first.batch, second.batch] {
+        let now = net.now;
+        net.senders[0]
+            .handle_input(SenderInput::Transport {
+                now,
+                input: kvpipe_core::TransportInput::WritesCompleted { batch },
+            })
+            .unwrap();
+        net.pump();
+    }
+    net.advance(kvpipe_core::Duration::from_millis(5));
+    net.aux(0, R);
+    let r = completion_timings(&net, Side::Receiver(0));
+    assert_eq!(r.last_burst, Some(ms(10)));
+    assert_eq!(
+        r.receiver_tail(),
+        Some(kvpipe_core::Duration::from_millis(15))
+    );
 }

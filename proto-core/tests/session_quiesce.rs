@@ -156,3 +156,54 @@ fn timed_out_receiver_keeps_blocks_until_the_sender_confirms() {
         "a confirmed stop needs no fence"
     );
 }
+
+/// Blocks a session pins now, by the endpoint's counters.
+fn pinned(c: &kvpipe_core::session::Counters) -> u64 {
+    c.blocks_pinned - c.blocks_released
+}
+
+#[test]
+fn counters_show_blocks_pinned_until_the_session_quiesces() {
+    let mut net = Net::connected(1, 1);
+    net.auto_complete = false;
+    let mut source = TestSource::with(R, 100, 4);
+    // 16 tokens in blocks of 4: the receiver pins the 4 registered blocks at once.
+    net.register(0, registration(R, 16, &[0]));
+    assert_eq!(pinned(net.receivers[0].counters()), 4);
+    net.open(0, send_request(R, &[0]));
+    assert_eq!(
+        pinned(net.senders[0].counters()),
+        0,
+        "no chunk named a block yet"
+    );
+    net.submit(0, R, chunk(0, 8, 16, false), &mut source);
+    assert_eq!(pinned(net.senders[0].counters()), 2);
+    let now = net.now;
+    net.senders[0].cancel(now, R).unwrap();
+    net.pump();
+    // Cancelled, with a batch still unreported: nothing is handed back yet.
+    assert_eq!(pinned(net.senders[0].counters()), 2);
+    assert_eq!(pinned(net.receivers[0].counters()), 4);
+    net.complete_held(0);
+    assert!(quiesced(&net, Side::Sender(0)) && quiesced(&net, Side::Receiver(0)));
+    for c in [net.senders[0].counters(), net.receivers[0].counters()] {
+        assert_eq!(pinned(c), 0, "{c:?}");
+    }
+    assert_eq!(net.senders[0].counters().blocks_released, 2);
+    assert_eq!(net.receivers[0].counters().blocks_released, 4);
+}
+
+#[test]
+fn a_completed_transfer_releases_every_block_it_pinned() {
+    let mut net = Net::connected(1, 1);
+    let mut source = TestSource::with(R, 100, 4);
+    net.register(0, registration(R, 16, &[0]));
+    net.open(0, send_request(R, &[0]));
+    net.submit(0, R, chunk(0, 8, 16, false), &mut source);
+    net.submit(0, R, chunk(8, 16, 16, true), &mut source);
+    assert_eq!(pinned(net.senders[0].counters()), 4);
+    net.aux(0, R);
+    for c in [net.senders[0].counters(), net.receivers[0].counters()] {
+        assert_eq!((c.blocks_pinned, c.blocks_released), (4, 4), "{c:?}");
+    }
+}

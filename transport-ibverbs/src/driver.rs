@@ -39,6 +39,7 @@ use kvpipe_core::{
     BlockSource, ChunkSpec, Event, Instant, Output, PeerId, Receiver, ReceiverConfig,
     ReceiverSliceId, RequestId, Sender, SenderConfig, SenderSliceId,
 };
+use kvpipe_observe::Observer;
 use parking_lot::{Condvar, Mutex, MutexGuard};
 
 use crate::device::VerbsDevice;
@@ -74,6 +75,17 @@ pub(crate) struct State<E> {
     in_flight: HashMap<WriteBatchId, (PeerId, u64, Instant)>,
     /// (bytes, issued, reported) of recent batches.
     timings: VecDeque<(u64, Instant, Instant)>,
+    /// Spans, events and metrics of what the endpoint did.
+    observer: Observer,
+}
+
+impl<E: Endpoint> State<E> {
+    /// Hands a transport input to the endpoint (and to the observer first). A usage error
+    /// would be a driver bug; the endpoint changed nothing then.
+    fn feed(&mut self, now: Instant, input: TransportInput) {
+        self.observer.input(now, &input);
+        let _ = self.endpoint.handle_transport(now, input);
+    }
 }
 
 pub(crate) struct Shared<E> {
@@ -135,6 +147,7 @@ impl<E: Endpoint> Shared<E> {
         loop {
             let mut reports: Vec<(WriteBatchId, TransferStatus)> = Vec::new();
             while let Some(out) = st.endpoint.poll_output() {
+                st.observer.output(now, &out);
                 match out {
                     Output::Transmit { peer, bytes, .. } => {
                         // A link that is down reports its disconnect; nothing to do here.
@@ -170,9 +183,10 @@ impl<E: Endpoint> Shared<E> {
                 break;
             }
             for (batch, status) in reports {
-                report_writes(&mut st.endpoint, now, batch, status);
+                report_writes(st, now, batch, status);
             }
         }
+        st.observer.counters(&st.endpoint);
         self.timer_cv.notify_all();
     }
 }
@@ -202,9 +216,7 @@ impl<E: Endpoint> Shared<E> {
         match event {
             FabricEvent::Connected { link } => {
                 let peer = PeerId(link.0);
-                let _ = st
-                    .endpoint
-                    .handle_transport(now, TransportInput::PeerConnected { peer });
+                st.feed(now, TransportInput::PeerConnected { peer });
             }
             FabricEvent::Message { link, bytes } => {
                 // The core decodes it at the negotiated version; bytes that are no frame fail
@@ -213,7 +225,7 @@ impl<E: Endpoint> Shared<E> {
                     peer: PeerId(link.0),
                     bytes: bytes.into(),
                 };
-                let _ = st.endpoint.handle_transport(now, input);
+                st.feed(now, input);
             }
             FabricEvent::WritesDone { token, result, .. } => {
                 let batch = WriteBatchId(token);
@@ -227,14 +239,12 @@ impl<E: Endpoint> Shared<E> {
                     Ok(()) => TransferStatus::Success,
                     Err(_) => TransferStatus::WriteFailed,
                 };
-                report_writes(&mut st.endpoint, now, batch, status);
+                report_writes(st, now, batch, status);
             }
             FabricEvent::Disconnected { link, .. } => {
                 let peer = PeerId(link.0);
                 st.in_flight.retain(|_, (p, _, _)| *p != peer);
-                let _ = st
-                    .endpoint
-                    .handle_transport(now, TransportInput::PeerDisconnected { peer });
+                st.feed(now, TransportInput::PeerDisconnected { peer });
             }
         }
     }
@@ -242,7 +252,7 @@ impl<E: Endpoint> Shared<E> {
 
 /// Reports a write batch's outcome to the endpoint (a receiver takes none: ignored).
 fn report_writes<E: Endpoint>(
-    endpoint: &mut E,
+    st: &mut State<E>,
     now: Instant,
     batch: WriteBatchId,
     status: TransferStatus,
@@ -252,7 +262,7 @@ fn report_writes<E: Endpoint>(
     } else {
         TransportInput::WritesFailed { batch, status }
     };
-    let _ = endpoint.handle_transport(now, input);
+    st.feed(now, input);
 }
 
 fn timer_loop<E: Endpoint>(shared: &Shared<E>) {
@@ -263,7 +273,7 @@ fn timer_loop<E: Endpoint>(shared: &Shared<E>) {
         let now = shared.now();
         let next = st.endpoint.poll_timeout();
         if next.is_some_and(|at| at <= now) {
-            let _ = st.endpoint.handle_transport(now, TransportInput::Timeout);
+            st.feed(now, TransportInput::Timeout);
             shared.drain(&mut st, now);
             continue;
         }
@@ -309,6 +319,7 @@ impl<E: Endpoint> VerbsNode<E> {
             inbox: std::sync::Mutex::new(VecDeque::new()),
             inbox_len: AtomicUsize::new(0),
             state: Arc::new(Mutex::new(State {
+                observer: Observer::new(endpoint.role(), "verbs"),
                 endpoint,
                 events: VecDeque::new(),
                 in_flight: HashMap::new(),

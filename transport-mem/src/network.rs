@@ -9,10 +9,11 @@ use bytes::Bytes;
 use kvpipe_core::session::{
     Admission, DataWriteHeaders, Output, TransportInput, UsageError, WriteBatchId, WriteTicket,
 };
-use kvpipe_core::wire::TransferStatus;
+use kvpipe_core::wire::{Role, TransferStatus};
 use kvpipe_core::{
     ConfigError, Event, Instant, PeerId, Receiver, ReceiverConfig, RegionId, Sender, SenderConfig,
 };
+use kvpipe_observe::Observer;
 use thiserror::Error;
 
 use crate::clock::Clock;
@@ -188,6 +189,9 @@ pub struct MemNetwork {
     netem: Netem,
     events: VecDeque<(Node, Instant, Event)>,
     stats: PairStats,
+    /// One observer per endpoint: spans, events and metrics of what it did.
+    sender_obs: Vec<Observer>,
+    receiver_obs: Vec<Observer>,
 }
 
 impl MemNetwork {
@@ -235,6 +239,10 @@ impl MemNetwork {
             netem,
             events: VecDeque::new(),
             stats: PairStats::default(),
+            sender_obs: (0..s).map(|_| Observer::new(Role::Sender, "mem")).collect(),
+            receiver_obs: (0..r)
+                .map(|_| Observer::new(Role::Receiver, "mem"))
+                .collect(),
         })
     }
 
@@ -389,22 +397,20 @@ impl MemNetwork {
         let l = self.link(s, r);
         self.links[l].connected = true;
         self.links[l].emulated.restart(now);
-        self.senders[s]
-            .handle_transport(
-                now,
-                TransportInput::PeerConnected {
-                    peer: receiver_peer(r),
-                },
-            )
-            .map_err(usage(Node::Sender(s)))?;
-        self.receivers[r]
-            .handle_transport(
-                now,
-                TransportInput::PeerConnected {
-                    peer: sender_peer(s),
-                },
-            )
-            .map_err(usage(Node::Receiver(r)))?;
+        self.feed_sender(
+            s,
+            now,
+            TransportInput::PeerConnected {
+                peer: receiver_peer(r),
+            },
+        )?;
+        self.feed_receiver(
+            r,
+            now,
+            TransportInput::PeerConnected {
+                peer: sender_peer(s),
+            },
+        )?;
         self.pump()
     }
 
@@ -477,24 +483,22 @@ impl MemNetwork {
         self.report_writes()?;
         let now = self.now();
         if self.sender_alive[s] {
-            self.senders[s]
-                .handle_transport(
-                    now,
-                    TransportInput::PeerDisconnected {
-                        peer: receiver_peer(r),
-                    },
-                )
-                .map_err(usage(Node::Sender(s)))?;
+            self.feed_sender(
+                s,
+                now,
+                TransportInput::PeerDisconnected {
+                    peer: receiver_peer(r),
+                },
+            )?;
         }
         if self.receiver_alive[r] {
-            self.receivers[r]
-                .handle_transport(
-                    now,
-                    TransportInput::PeerDisconnected {
-                        peer: sender_peer(s),
-                    },
-                )
-                .map_err(usage(Node::Receiver(r)))?;
+            self.feed_receiver(
+                r,
+                now,
+                TransportInput::PeerDisconnected {
+                    peer: sender_peer(s),
+                },
+            )?;
         }
         Ok(())
     }
@@ -526,9 +530,7 @@ impl MemNetwork {
                 if self.sender_alive[s]
                     && self.senders[s].poll_timeout().is_some_and(|at| at <= now)
                 {
-                    self.senders[s]
-                        .handle_transport(now, TransportInput::Timeout)
-                        .map_err(usage(Node::Sender(s)))?;
+                    self.feed_sender(s, now, TransportInput::Timeout)?;
                     progressed = true;
                 }
             }
@@ -536,9 +538,7 @@ impl MemNetwork {
                 if self.receiver_alive[r]
                     && self.receivers[r].poll_timeout().is_some_and(|at| at <= now)
                 {
-                    self.receivers[r]
-                        .handle_transport(now, TransportInput::Timeout)
-                        .map_err(usage(Node::Receiver(r)))?;
+                    self.feed_receiver(r, now, TransportInput::Timeout)?;
                     progressed = true;
                 }
             }
@@ -626,6 +626,32 @@ impl MemNetwork {
 
     // ----- internals -----
 
+    /// Hands `input` to sender `s` (and its observer).
+    fn feed_sender(
+        &mut self,
+        s: usize,
+        now: Instant,
+        input: TransportInput,
+    ) -> Result<(), DriveError> {
+        self.sender_obs[s].input(now, &input);
+        self.senders[s]
+            .handle_transport(now, input)
+            .map_err(usage(Node::Sender(s)))
+    }
+
+    /// Hands `input` to receiver `r` (and its observer).
+    fn feed_receiver(
+        &mut self,
+        r: usize,
+        now: Instant,
+        input: TransportInput,
+    ) -> Result<(), DriveError> {
+        self.receiver_obs[r].input(now, &input);
+        self.receivers[r]
+            .handle_transport(now, input)
+            .map_err(usage(Node::Receiver(r)))
+    }
+
     /// Takes a report from the copy worker: queued for the sender, or held if the batch stalls.
     fn accept_report(&mut self, done: Done) {
         match self.stalls.remove(&(done.sender, done.batch)) {
@@ -675,9 +701,7 @@ impl MemNetwork {
                     status: done.status,
                 }
             };
-            self.senders[done.sender]
-                .handle_transport(now, input)
-                .map_err(usage(Node::Sender(done.sender)))?;
+            self.feed_sender(done.sender, now, input)?;
         }
         Ok(any)
     }
@@ -695,9 +719,7 @@ impl MemNetwork {
                         peer: sender_peer(s),
                         bytes,
                     };
-                    self.receivers[r]
-                        .handle_transport(now, input)
-                        .map_err(usage(Node::Receiver(r)))?;
+                    self.feed_receiver(r, now, input)?;
                 }
             }
             while let Some(bytes) = self.links[l].to_sender.pop_due(now) {
@@ -707,9 +729,7 @@ impl MemNetwork {
                         peer: receiver_peer(r),
                         bytes,
                     };
-                    self.senders[s]
-                        .handle_transport(now, input)
-                        .map_err(usage(Node::Sender(s)))?;
+                    self.feed_sender(s, now, input)?;
                 }
             }
         }
@@ -726,6 +746,7 @@ impl MemNetwork {
                     break;
                 };
                 any = true;
+                self.sender_obs[s].output(now, &out);
                 match out {
                     Output::Transmit { peer, bytes, .. } => match receiver_index(peer) {
                         Some(r) if r < self.receivers.len() => {
@@ -759,6 +780,7 @@ impl MemNetwork {
                     break;
                 };
                 any = true;
+                self.receiver_obs[r].output(now, &out);
                 match out {
                     Output::Transmit { peer, bytes, .. } => match sender_index(peer) {
                         Some(s) if s < self.senders.len() => {
@@ -778,6 +800,14 @@ impl MemNetwork {
                         self.events.push_back((Node::Receiver(r), at, e));
                     }
                 }
+            }
+        }
+        if any {
+            for (obs, sender) in self.sender_obs.iter_mut().zip(&self.senders) {
+                obs.counters(sender);
+            }
+            for (obs, receiver) in self.receiver_obs.iter_mut().zip(&self.receivers) {
+                obs.counters(receiver);
             }
         }
         for (s, r) in close {
@@ -821,9 +851,7 @@ impl MemNetwork {
     ) -> Result<(), DriveError> {
         let fail_now = |net: &mut Self, status: TransferStatus| {
             net.stats.failed_batches += 1;
-            net.senders[s]
-                .handle_transport(now, TransportInput::WritesFailed { batch, status })
-                .map_err(usage(Node::Sender(s)))
+            net.feed_sender(s, now, TransportInput::WritesFailed { batch, status })
         };
         let Some(r) = receiver_index(peer).filter(|&r| r < self.receivers.len()) else {
             return fail_now(self, TransferStatus::WriteFailed);
@@ -895,9 +923,7 @@ impl MemNetwork {
         }
         let now = self.now();
         for &ticket in tickets {
-            self.receivers[r]
-                .handle_transport(now, TransportInput::WriteFinished { ticket, landed })
-                .map_err(usage(Node::Receiver(r)))?;
+            self.feed_receiver(r, now, TransportInput::WriteFinished { ticket, landed })?;
         }
         Ok(())
     }

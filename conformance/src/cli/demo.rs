@@ -491,8 +491,16 @@ fn print_table(s: &DemoSummary, memory: &Memory) {
         (
             "exposed tail",
             format!(
-                "{:.2} ms median, {:.2} ms max (last chunk computed → decode side complete)",
-                s.exposed_tail_ms, s.max_exposed_tail_ms
+                "p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms (last chunk computed → decode side \
+                 complete)",
+                s.exposed_tail_p50_ms, s.exposed_tail_p99_ms, s.max_exposed_tail_ms
+            ),
+        ),
+        (
+            "transfer time",
+            format!(
+                "p50 {:.2} ms, p99 {:.2} ms (first byte sent → last byte landed, per request)",
+                s.transfer_p50_ms, s.transfer_p99_ms
             ),
         ),
         (

@@ -8,6 +8,7 @@ mod bench;
 mod demo;
 mod nodes;
 mod outcome;
+pub(crate) mod observe;
 mod plan;
 mod preflight;
 mod serve;

@@ -9,7 +9,7 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use kvpipe_conformance::cache::{CacheSpec, GroupSpec, ReferenceCache};
-use kvpipe_conformance::suite::demo::Model;
+use kvpipe_conformance::suite::demo::{percentile, Model};
 use kvpipe_core::session::{Deadlines, LocalHello, Registration};
 use kvpipe_core::wire::{Role, Topology};
 use kvpipe_core::{Event, InstanceId, PeerId, RequestId};
@@ -17,6 +17,7 @@ use kvpipe_tcp::{MemoryRegion, RegionTable};
 use serde::Serialize;
 
 use super::nodes::{DecodeNode, TransportChoice};
+use super::observe::MetricsEndpoint;
 use super::outcome::Failures;
 use super::{preflight, CliError};
 
@@ -63,6 +64,14 @@ pub(crate) struct ServeArgs {
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
+    /// Serve the process's metrics in Prometheus text format at http://ADDR/metrics (port 0
+    /// picks a free one, printed on stderr after the listening address).
+    #[arg(long, value_name = "ADDR")]
+    metrics: Option<String>,
+    /// With --metrics: keep serving them this many seconds after the transfer (and the report)
+    /// before exiting, so a scraper sees the final figures.
+    #[arg(long, default_value_t = 0)]
+    metrics_linger_s: u64,
 }
 
 fn parse_model(s: &str) -> Result<Model, String> {
@@ -146,6 +155,13 @@ struct ServeReport {
     mismatched_blocks: usize,
     writes_refused: u64,
     verified: bool,
+    /// Per completed request, as this side sees it alone: the request's last burst of data
+    /// began → complete (`RequestTimings::receiver_tail`), p50 and p99.
+    exposed_tail_p50_ms: f64,
+    exposed_tail_p99_ms: f64,
+    /// Per completed request: first byte landed → last byte landed, p50 and p99.
+    transfer_p50_ms: f64,
+    transfer_p99_ms: f64,
 }
 
 pub(crate) fn run(args: ServeArgs) -> Result<ExitCode, CliError> {
@@ -170,6 +186,12 @@ pub(crate) fn run(args: ServeArgs) -> Result<ExitCode, CliError> {
     workload
         .one_side("--prompt-tokens, --requests or --tokens-per-block")
         .check()?;
+    // Before the node: its observer takes its metric handles from the recorder.
+    let metrics = args
+        .metrics
+        .as_deref()
+        .map(MetricsEndpoint::start)
+        .transpose()?;
     let mut cache = two_process_cache(
         args.model.groups(args.window),
         args.tokens_per_block,
@@ -185,6 +207,9 @@ pub(crate) fn run(args: ServeArgs) -> Result<ExitCode, CliError> {
     let rx = unsafe { DecodeNode::new(&transport, config, &mut cache)? };
     let addr = rx.listen(args.listen.as_str())?;
     eprintln!("kvpipe serve: listening on {addr}");
+    if let Some(m) = &metrics {
+        eprintln!("kvpipe serve: metrics on http://{}/metrics", m.addr());
+    }
 
     let accept_deadline = deadline_in(Duration::from_secs(args.accept_timeout_s));
     let peer: PeerId = loop {
@@ -225,6 +250,7 @@ pub(crate) fn run(args: ServeArgs) -> Result<ExitCode, CliError> {
     let mut quiesced = 0u32;
     let mut bytes = 0u64;
     let mut last_completion = start;
+    let (mut tails, mut transfers) = (Vec::new(), Vec::new());
     let limit = Instant::now() + Duration::from_secs(900);
     while quiesced < args.requests {
         if Instant::now() > limit {
@@ -234,9 +260,16 @@ pub(crate) fn run(args: ServeArgs) -> Result<ExitCode, CliError> {
             Some(Event::Completed {
                 request,
                 bytes_written,
+                timings,
                 ..
             }) => {
                 bytes += bytes_written;
+                if let Some(d) = timings.receiver_tail() {
+                    tails.push(ms(d));
+                }
+                if let Some(d) = timings.transfer() {
+                    transfers.push(ms(d));
+                }
                 last_completion = Instant::now();
                 completed.push(request);
             }
@@ -279,6 +312,10 @@ pub(crate) fn run(args: ServeArgs) -> Result<ExitCode, CliError> {
         mismatched_blocks,
         writes_refused,
         verified,
+        exposed_tail_p50_ms: percentile(&tails, 50.0),
+        exposed_tail_p99_ms: percentile(&tails, 99.0),
+        transfer_p50_ms: percentile(&transfers, 50.0),
+        transfer_p99_ms: percentile(&transfers, 99.0),
     };
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
@@ -286,6 +323,15 @@ pub(crate) fn run(args: ServeArgs) -> Result<ExitCode, CliError> {
         println!(
             "decode side: {} of {} request(s) completed, {} bytes received in {:.2} s ({:.2} GB/s)",
             report.completed, report.requests, bytes, seconds, report.gbps
+        );
+        println!(
+            "exposed tail: p50 {:.2} ms, p99 {:.2} ms (this side's view: the last burst of data \
+             began → complete)",
+            report.exposed_tail_p50_ms, report.exposed_tail_p99_ms
+        );
+        println!(
+            "transfer: p50 {:.2} ms, p99 {:.2} ms (first byte landed → last byte landed)",
+            report.transfer_p50_ms, report.transfer_p99_ms
         );
         println!(
             "verification: {}",
@@ -298,6 +344,12 @@ pub(crate) fn run(args: ServeArgs) -> Result<ExitCode, CliError> {
                 )
             }
         );
+    }
+    if metrics.is_some() && args.metrics_linger_s > 0 {
+        use std::io::Write;
+        // The report is out before the wait.
+        let _ = std::io::stdout().flush();
+        std::thread::sleep(Duration::from_secs(args.metrics_linger_s));
     }
     for line in failures.lines() {
         eprintln!("kvpipe serve: {line}");
@@ -351,4 +403,8 @@ fn wait_for_prefill_node(rx: &DecodeNode, deadline: Instant) -> Result<PeerId, C
             _ => {}
         }
     }
+}
+
+fn ms(d: kvpipe_core::Duration) -> f64 {
+    d.as_nanos() as f64 / 1e6
 }

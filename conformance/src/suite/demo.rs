@@ -14,6 +14,7 @@ use std::time::Duration as StdDuration;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use kvpipe_core::{Duration, Instant};
+use kvpipe_observe::{names, TransferTimings};
 use serde::Serialize;
 
 use super::engine::{
@@ -223,10 +224,21 @@ pub struct DemoSummary {
     pub chunk_transfer_ms: f64,
     /// Copy time of the write batch issued last (the last chunk's, with nothing else running).
     pub last_chunk_transfer_ms: f64,
-    /// Median over requests of last-chunk compute → receiver completion.
+    /// Median over requests of the exposed tail: last chunk computed (the sender's
+    /// `last_chunk`) → receiver complete (the receiver's `ended`), both sides' timings on the
+    /// run's one clock ([`TransferTimings::exposed_tail`]).
     pub exposed_tail_ms: f64,
     /// Largest exposed tail.
     pub max_exposed_tail_ms: f64,
+    /// 50th percentile of the exposed tail over requests.
+    pub exposed_tail_p50_ms: f64,
+    /// 99th percentile of the exposed tail over requests.
+    pub exposed_tail_p99_ms: f64,
+    /// 50th percentile over requests of the transfer time: first byte sent → last byte landed
+    /// ([`TransferTimings::transfer_time`]).
+    pub transfer_p50_ms: f64,
+    /// 99th percentile of the transfer time.
+    pub transfer_p99_ms: f64,
     /// Destination bytes compared against the sender's.
     pub bytes_verified: u64,
     /// Destination blocks that differ.
@@ -255,6 +267,18 @@ pub fn median(mut v: Vec<f64>) -> f64 {
     }
 }
 
+/// The `p`-th percentile of `v` (`p` in 0..=100), nearest rank: the smallest value with at
+/// least `p` % of the values at or below it (0 for none).
+pub fn percentile(v: &[f64], p: f64) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    let rank = ((p / 100.0) * v.len() as f64).ceil() as usize;
+    v[rank.clamp(1, v.len()) - 1]
+}
+
 /// Summarises a run.
 pub fn summarize(
     transport: &str,
@@ -262,10 +286,18 @@ pub fn summarize(
     report: &RunReport,
     thorough: bool,
 ) -> DemoSummary {
-    let tails: Vec<f64> = report
+    let timings: Vec<TransferTimings> = report
         .requests
         .iter()
-        .filter_map(|r| r.exposed_tail().map(ms))
+        .filter_map(|r| r.transfer_timings())
+        .collect();
+    let tails: Vec<f64> = timings
+        .iter()
+        .filter_map(|t| t.exposed_tail().map(ms))
+        .collect();
+    let transfers: Vec<f64> = timings
+        .iter()
+        .filter_map(|t| t.transfer_time().map(ms))
         .collect();
     let batch_ms: Vec<f64> = report
         .batch_timings
@@ -312,6 +344,10 @@ pub fn summarize(
             .map_or(0.0, |t| ms(t.transfer)),
         exposed_tail_ms: median(tails.clone()),
         max_exposed_tail_ms: tails.iter().copied().fold(0.0, f64::max),
+        exposed_tail_p50_ms: percentile(&tails, 50.0),
+        exposed_tail_p99_ms: percentile(&tails, 99.0),
+        transfer_p50_ms: percentile(&transfers, 50.0),
+        transfer_p99_ms: percentile(&transfers, 99.0),
         bytes_verified: report.requests.iter().map(|r| r.bytes_verified).sum(),
         mismatched_blocks: report
             .requests
@@ -378,7 +414,28 @@ pub fn run_demo<H: Harness + Sync>(
         merge(reports.into_iter().collect::<Result<Vec<_>, _>>()?)
     };
     let summary = summarize(harness.name(), config, &report, workload.verify_content);
+    record_timings(harness.name(), &report);
     Ok((summary, report))
+}
+
+/// Records each completed request's exposed tail and transfer time, from both sides' timings
+/// on the run's one clock, in the `view="both"` histograms (a no-op without a recorder).
+fn record_timings(transport: &str, report: &RunReport) {
+    let transport = transport.to_string();
+    let tail = metrics::histogram!(
+        names::EXPOSED_TAIL_SECONDS, "view" => "both", "transport" => transport.clone()
+    );
+    let transfer = metrics::histogram!(
+        names::TRANSFER_SECONDS, "view" => "both", "transport" => transport
+    );
+    for t in report.requests.iter().filter_map(|r| r.transfer_timings()) {
+        if let Some(d) = t.exposed_tail() {
+            tail.record(d.as_nanos() as f64 / 1e9);
+        }
+        if let Some(d) = t.transfer_time() {
+            transfer.record(d.as_nanos() as f64 / 1e9);
+        }
+    }
 }
 
 /// One report over several ranks' runs. Each rank has its own clock, so the merged run spans

@@ -4,12 +4,16 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use kvpipe_core::session::{Deadlines, LocalHello, Registration, SendRequest, UsageError, Wait};
+use kvpipe_core::session::{
+    Deadlines, LocalHello, Registration, RequestTimings, SendRequest, UsageError, Wait,
+};
 use kvpipe_core::wire::{AuxData, Role, Topology, TransferStatus, VersionRange};
 use kvpipe_core::{
     BlockId, ChunkSpec, Duration, Event, GroupIndex, InstanceId, Instant, ReceiverConfig,
     RequestId, SenderConfig, SenderInput,
 };
+
+use kvpipe_observe::TransferTimings;
 
 use super::{FaultPlan, Harness, Link, SuiteError};
 use crate::cache::{AllocationStyle, CacheSpec, GroupSpec, ReferenceCache};
@@ -253,12 +257,30 @@ pub struct RequestReport {
     /// Sender blocks whose bytes no longer match what prefill computed (checked with
     /// [`Workload::verify_content`]).
     pub source_blocks_changed: usize,
+    /// The sender's timings, from its `Completed` event.
+    pub sender_timings: Option<RequestTimings>,
+    /// The receiver's timings, from its `Completed` event.
+    pub receiver_timings: Option<RequestTimings>,
 }
 
 impl RequestReport {
     /// The time from the last chunk's compute to the receiver's completion.
     pub fn exposed_tail(&self) -> Option<Duration> {
         Some(self.receiver_completed_at? - self.last_compute_done?)
+    }
+
+    /// Both sides' timings of a request that completed on both (the harnesses give both
+    /// endpoints one clock, so they compare).
+    pub fn transfer_timings(&self) -> Option<TransferTimings> {
+        let bytes = match &self.receiver {
+            Outcome::Completed { bytes, .. } => *bytes,
+            _ => 0,
+        };
+        Some(TransferTimings::new(
+            self.sender_timings?,
+            self.receiver_timings?,
+            bytes,
+        ))
     }
 }
 
@@ -403,6 +425,8 @@ pub fn run_workload_with<H: Harness>(
                 mismatched_blocks: 0,
                 bytes_verified: 0,
                 source_blocks_changed: 0,
+                sender_timings: None,
+                receiver_timings: None,
             },
             plan: p.clone(),
         })
@@ -837,6 +861,12 @@ fn apply_event(
         return;
     };
     let r = &mut states[i].report;
+    if let Event::Completed { timings, .. } = e {
+        match side {
+            Role::Sender => r.sender_timings = Some(*timings),
+            Role::Receiver => r.receiver_timings = Some(*timings),
+        }
+    }
     match (side, outcome) {
         (Role::Sender, Some(o)) => r.sender = o,
         (Role::Receiver, Some(o)) => {

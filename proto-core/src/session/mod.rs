@@ -306,6 +306,15 @@ pub struct RequestTimings {
     /// Sender: the last write batch was reported complete. Receiver: the last admitted write
     /// landed (with [`DataPath::Ordered`], the last result arrived).
     pub last_byte: Option<Instant>,
+    /// Receiver ([`DataPath::Landed`]): when data last began to arrive after the request's
+    /// pipeline had drained — a write admitted while none of the request's writes was in
+    /// flight and every byte landed so far had been reported by a writer's result. While
+    /// prefill hides the transfer (each slice's result arrives before the next chunk is
+    /// computed) that is the arrival of the last slice's first write, about one one-way trip
+    /// after the last chunk was computed. When the transfer falls behind prefill, slices
+    /// overlap and it is the start of the earliest slice still moving (the backlog is part
+    /// of the tail). Sender, and [`DataPath::Ordered`]: `None`.
+    pub last_burst: Option<Instant>,
     /// The request completed.
     pub ended: Instant,
     /// Write batches handed to the transport (sender) or data writes admitted (receiver).
@@ -323,6 +332,13 @@ impl RequestTimings {
     /// data going out).
     pub fn tail(&self) -> Option<Duration> {
         Some(self.ended - self.last_chunk?)
+    }
+
+    /// (Receiver) from [`last_burst`](Self::last_burst) to the completion: the exposed tail as
+    /// the decode side sees it, without the sender's clock (short of one one-way trip while
+    /// prefill hides the transfer).
+    pub fn receiver_tail(&self) -> Option<Duration> {
+        Some(self.ended - self.last_burst?)
     }
 }
 
@@ -845,6 +861,13 @@ pub struct Counters {
     pub late_writes: u64,
     /// Payload bytes of admitted writes reported landed (receiver).
     pub bytes_landed: u64,
+    /// Blocks the sessions pinned so far: the blocks of every chunk's (and early prefix's)
+    /// block runs (sender), the registered blocks of every request (receiver). A session holds
+    /// them until [`Event::Quiesced`].
+    pub blocks_pinned: u64,
+    /// Of [`blocks_pinned`](Self::blocks_pinned), those whose session quiesced: the engine may
+    /// reuse them. `blocks_pinned - blocks_released` blocks are pinned now.
+    pub blocks_released: u64,
 }
 
 /// The kind of a frame, for messages.

@@ -146,6 +146,8 @@ struct RecvSession {
     aux_deadline: Option<Instant>,
     quiesce_deadline: Option<Instant>,
     bytes_written: u64,
+    /// Blocks of the registration, released (counted) when the session quiesces.
+    blocks_pinned: u64,
 }
 
 impl RecvSession {
@@ -537,6 +539,7 @@ impl Receiver {
         self.next_slice = self.next_slice.wrapping_add(1);
         frame.grant = GrantId(self.next_grant());
         let extents = GrantedExtents::compute(&self.config.local.groups, &frame.groups);
+        let blocks_pinned: u64 = frame.groups.iter().map(|g| g.block_count()).sum();
         let d = self.config.deadlines;
         let per_token = d.result_per_token.as_nanos();
         let result_cap = now
@@ -579,8 +582,10 @@ impl Receiver {
                 aux_deadline: None,
                 quiesce_deadline: None,
                 bytes_written: 0,
+                blocks_pinned,
             },
         );
+        self.shell.counters.blocks_pinned += blocks_pinned;
         self.shell
             .timers
             .arm(result_cap, TimerKey::Request(request));
@@ -699,7 +704,7 @@ impl Receiver {
         };
         let refusal = match self.config.data_path {
             DataPath::Ordered => Err(WriteRefusal::NotAccepted),
-            DataPath::Landed => self.check_write(peer, header),
+            DataPath::Landed => self.check_write(now, peer, header),
         };
         match refusal {
             Ok(admission) => Ok(admission),
@@ -717,7 +722,12 @@ impl Receiver {
     }
 
     /// Decides on a data write; admits it (recording the flight) or says why not.
-    fn check_write(&mut self, peer: PeerId, header: &[u8]) -> Result<Admission, WriteRefusal> {
+    fn check_write(
+        &mut self,
+        now: Instant,
+        peer: PeerId,
+        header: &[u8],
+    ) -> Result<Admission, WriteRefusal> {
         let version = match self.shell.peers.version(peer) {
             Some(v) if self.shell.peers.is_ready(peer) => v,
             _ => return Err(WriteRefusal::PeerNotReady(peer)),
@@ -769,6 +779,11 @@ impl Receiver {
                 offset: w.offset,
                 len: w.len,
             });
+        }
+        // Data begins to move again after the request's pipeline drained: every write landed
+        // and every byte landed was reported by a result (see `RequestTimings::last_burst`).
+        if session.writes_in_flight == 0 && session.writers.iter().all(|x| x.landed == x.reported) {
+            session.timings.last_burst = Some(now);
         }
         session.writes_in_flight += 1;
         session.timings.writes += 1;
@@ -1341,6 +1356,7 @@ impl Receiver {
                 let timings = session.timings;
                 self.shell.counters.completions += 1;
                 self.shell.counters.quiesced += 1;
+                self.shell.counters.blocks_released += session.blocks_pinned;
                 self.shell.event(Event::Completed {
                     request,
                     bytes_written: bytes,
@@ -1511,6 +1527,7 @@ impl Receiver {
             session.phase = p;
             session.quiesce_deadline = None;
             self.shell.counters.quiesced += 1;
+            self.shell.counters.blocks_released += session.blocks_pinned;
             self.shell.event(Event::Quiesced { request });
         }
     }

@@ -203,6 +203,8 @@ struct SendSession {
     stop_slice: Option<SenderSliceId>,
     bytes_written: u64,
     timings: RequestTimings,
+    /// Blocks of the block runs of every slice, released (counted) when the session quiesces.
+    blocks_pinned: u64,
 }
 
 /// Registrations that arrived before the engine opened their request, by request.
@@ -723,6 +725,7 @@ impl Sender {
                     ended: now,
                     ..RequestTimings::default()
                 },
+                blocks_pinned: 0,
             },
         );
         self.shell
@@ -955,6 +958,9 @@ impl Sender {
     ) -> SenderSliceId {
         let session = self.sessions.get_mut(&request).expect("the caller checked");
         let id = SenderSliceId(session.slices.len() as u32);
+        let blocks: u64 = runs.iter().map(|(_, run)| run.ids.len() as u64).sum();
+        session.blocks_pinned += blocks;
+        self.shell.counters.blocks_pinned += blocks;
         session.slices.push(Slice {
             id,
             is_last,
@@ -1371,6 +1377,7 @@ impl Sender {
         let bytes = session.bytes_written;
         session.timings.ended = now;
         let timings = session.timings;
+        let blocks_pinned = session.blocks_pinned;
         let mut transition = None;
         if finished {
             if let Transition::To(p) = session.phase.on(SendEvent::Finished) {
@@ -1382,6 +1389,7 @@ impl Sender {
         if transition == Some(SendPhase::Completed) {
             self.shell.counters.completions += 1;
             self.shell.counters.quiesced += 1;
+            self.shell.counters.blocks_released += blocks_pinned;
             self.shell.event(Event::Completed {
                 request,
                 bytes_written: bytes,
@@ -1882,6 +1890,7 @@ impl Sender {
             frames.push((target.peer, frame));
         }
         let drained = session.targets.iter().all(|t| t.inflight == 0);
+        let blocks_pinned = session.blocks_pinned;
         let mut quiesced = false;
         if drained {
             if let Transition::To(p) = session.phase.on(SendEvent::Drained) {
@@ -1893,6 +1902,7 @@ impl Sender {
         self.send_frames(now, frames);
         if quiesced {
             self.shell.counters.quiesced += 1;
+            self.shell.counters.blocks_released += blocks_pinned;
             self.shell.event(Event::Quiesced { request });
         }
     }

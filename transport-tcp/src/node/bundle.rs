@@ -270,6 +270,10 @@ impl<E: Endpoint + Send + 'static> Shared<E> {
         }
         link.halves = started;
         link.phase = LinkPhase::Open;
+        tracing::debug!(
+            target: "kvpipe::tcp", %peer, connections = link.conns.len(), halves = started,
+            "connection bundle started"
+        );
         if started == 0 {
             st.links.remove(peer);
             return;
@@ -277,9 +281,7 @@ impl<E: Endpoint + Send + 'static> Shared<E> {
         if started < wanted {
             link.abort();
         }
-        let _ = st
-            .endpoint
-            .handle_transport(now, TransportInput::PeerConnected { peer });
+        st.feed(now, TransportInput::PeerConnected { peer });
         self.drain(st, now);
     }
 

@@ -25,6 +25,7 @@ impl<E: Endpoint + Send + 'static> Shared<E> {
         let mut reports = Vec::new();
         loop {
             while let Some(output) = st.endpoint.poll_output() {
+                st.observer.output(now, &output);
                 match output {
                     Output::Transmit { peer, bytes, .. } => {
                         if let Some(link) = st.links.get(peer) {
@@ -55,9 +56,10 @@ impl<E: Endpoint + Send + 'static> Shared<E> {
                 break;
             }
             for report in reports.drain(..) {
-                let _ = st.endpoint.handle_transport(now, report);
+                st.feed(now, report);
             }
         }
+        st.observer.counters(&st.endpoint);
         if let Some(at) = st.endpoint.poll_timeout().and_then(|at| self.wall(at)) {
             self.wake_timer_by(st, at);
         }
@@ -130,6 +132,7 @@ impl<E: Endpoint + Send + 'static> Shared<E> {
             | CloseReason::GrantViolation => link.close_orderly(until),
         };
         if started {
+            tracing::debug!(target: "kvpipe::tcp", %peer, ?reason, "closing the peer's connections");
             bump(&self.stats.peers_closed, 1);
             self.wake_timer_by(st, until);
         }

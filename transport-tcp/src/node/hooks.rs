@@ -17,7 +17,7 @@ impl<E: Endpoint + Send + 'static> Shared<E> {
     fn input(&self, input: TransportInput) {
         let mut st = self.state.lock();
         let now = self.now();
-        let _ = st.endpoint.handle_transport(now, input);
+        st.feed(now, input);
         self.drain(&mut st, now);
     }
 }
@@ -47,7 +47,7 @@ impl<E: Endpoint + Send + 'static> NodeHooks for Shared<E> {
         let mut st = self.state.lock();
         let now = self.now();
         if let Some(report) = st.batches.part_written(batch, now) {
-            let _ = st.endpoint.handle_transport(now, report);
+            st.feed(now, report);
             self.drain(&mut st, now);
         }
     }
@@ -92,9 +92,7 @@ impl<E: Endpoint + Send + 'static> NodeHooks for Shared<E> {
             outcomes.insert(peer, orderly);
         }
         st.batches.forget_peer(peer);
-        let _ = st
-            .endpoint
-            .handle_transport(now, TransportInput::PeerDisconnected { peer });
+        st.feed(now, TransportInput::PeerDisconnected { peer });
         self.drain(st, now);
         self.peers_gone.notify_all();
     }

@@ -10,6 +10,7 @@ use std::thread::{self, JoinHandle};
 use std::time::Duration as StdDuration;
 
 use kvpipe_core::{Endpoint, Event, Instant, PeerId};
+use kvpipe_observe::Observer;
 use parking_lot::{Condvar, Mutex};
 
 use super::batches::Batches;
@@ -38,6 +39,7 @@ impl<E: Endpoint + Send + 'static> Node<E> {
     ) -> Self {
         let shared = Arc::new(Shared {
             state: Arc::new(Mutex::new(State {
+                observer: Observer::new(endpoint.role(), "tcp"),
                 endpoint,
                 links: Links::default(),
                 lobby: Lobby::default(),

@@ -40,7 +40,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::Arc;
 use std::time::Duration as StdDuration;
 
-use kvpipe_core::{Endpoint, Instant, PeerId};
+use kvpipe_core::{Endpoint, Instant, PeerId, TransportInput};
+use kvpipe_observe::Observer;
 use parking_lot::{Condvar, Mutex};
 
 use crate::config::TcpConfig;
@@ -79,6 +80,18 @@ pub(crate) struct State<E> {
     pub(crate) phase: NodePhase,
     /// When the sleeping timer thread wakes (`None` while it is awake).
     timer_at: Option<std::time::Instant>,
+    /// Spans, events and metrics of what the endpoint did.
+    pub(crate) observer: Observer,
+}
+
+impl<E: Endpoint> State<E> {
+    /// Hands a transport input to the endpoint (and to the observer first). A usage error
+    /// would be a driver bug (an unknown peer, ticket or batch); the endpoint changed nothing
+    /// then, so it is dropped.
+    pub(crate) fn feed(&mut self, now: Instant, input: TransportInput) {
+        self.observer.input(now, &input);
+        let _ = self.endpoint.handle_transport(now, input);
+    }
 }
 
 /// The node, shared by the engine's handle, the helper threads and every connection half.

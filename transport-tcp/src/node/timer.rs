@@ -20,7 +20,7 @@ pub(super) fn run<E: Endpoint + Send + 'static>(shared: &Shared<E>) {
         let now = shared.now();
         let wall = std::time::Instant::now();
         if st.endpoint.poll_timeout().is_some_and(|at| at <= now) {
-            let _ = st.endpoint.handle_transport(now, TransportInput::Timeout);
+            st.feed(now, TransportInput::Timeout);
             shared.drain(&mut st, now);
             continue;
         }

@@ -20,8 +20,8 @@ use std::time::Duration as StdDuration;
 use kvpipe_conformance::cache::{
     split_rank, writers_of, AllocationStyle, CacheSpec, GroupSpec, ReferenceCache,
 };
-use kvpipe_conformance::suite::demo::{median, Model};
-use kvpipe_core::session::{Deadlines, LocalHello, Registration, SendRequest};
+use kvpipe_conformance::suite::demo::{median, percentile, Model};
+use kvpipe_core::session::{Deadlines, LocalHello, Registration, RequestTimings, SendRequest};
 use kvpipe_core::wire::{AuxData, Topology};
 use kvpipe_core::{
     ChunkSpec, Duration, Event, InstanceId, Instant, ReceiverConfig, RequestId, SenderConfig,
@@ -56,8 +56,16 @@ struct ParallelSummary {
     /// From the first chunk's compute to the last rank settling.
     seconds: f64,
     chunk_transfer_ms: f64,
+    /// Median over requests of the exposed tail: the last sender rank's last chunk computed →
+    /// the last decode rank complete (every rank's timings, on the network's one clock).
     exposed_tail_ms: f64,
     max_exposed_tail_ms: f64,
+    exposed_tail_p50_ms: f64,
+    exposed_tail_p99_ms: f64,
+    /// Per request: the first sender rank's first byte sent → the last decode rank's last
+    /// byte landed.
+    transfer_p50_ms: f64,
+    transfer_p99_ms: f64,
     /// Destination bytes checked against the whole model's content.
     bytes_verified: u64,
     /// Destination blocks (over all receiver ranks) that differ from it.
@@ -303,7 +311,6 @@ pub(super) fn run(
     // Prefill, round-robin over the requests, chunk by chunk on every sender rank.
     let step = args.chunk_tokens.max(1);
     let mut next = vec![args.sender_prefix.min(args.prompt_tokens); ids.len()];
-    let mut last_compute: BTreeMap<RequestId, Instant> = BTreeMap::new();
     let mut chunks = 0u64;
     let started = net.now();
     let per_chunk = Duration::from_millis(args.prefill_ms_per_chunk);
@@ -334,9 +341,6 @@ pub(super) fn run(
                     break;
                 }
                 net.wait(StdDuration::from_nanos((ready - now).as_nanos()));
-            }
-            if is_last {
-                last_compute.insert(id, net.now());
             }
             let spec = if args.monolithic {
                 is_last.then_some(ChunkSpec {
@@ -419,18 +423,23 @@ pub(super) fn run(
     drop(net);
 
     // Outcomes, tails and bytes.
-    let mut completions: BTreeMap<RequestId, Vec<Instant>> = BTreeMap::new();
+    let mut completions: BTreeMap<RequestId, Vec<RequestTimings>> = BTreeMap::new();
+    let mut sent: BTreeMap<RequestId, Vec<RequestTimings>> = BTreeMap::new();
     let mut bytes = 0;
-    for (node, at, e) in &events {
+    for (node, _, e) in &events {
         match e {
             Event::Completed {
                 request,
                 bytes_written,
+                timings,
                 ..
             } if matches!(node, Node::Receiver(_)) => {
-                completions.entry(*request).or_default().push(*at);
+                completions.entry(*request).or_default().push(*timings);
                 bytes += bytes_written;
             }
+            Event::Completed {
+                request, timings, ..
+            } => sent.entry(*request).or_default().push(*timings),
             Event::Failed { .. } | Event::TimedOut { .. } | Event::Cancelled { .. } => {
                 eprintln!("kvpipe demo: {node:?}: {e:?}");
             }
@@ -445,14 +454,23 @@ pub(super) fn run(
                 .is_some_and(|c| c.len() == receivers.len())
         })
         .count() as u32;
-    let tails: Vec<f64> = ids
-        .iter()
-        .filter_map(|id| {
-            let done = completions.get(id)?.iter().max()?;
-            let computed = last_compute.get(id)?;
-            Some((*done - *computed).as_nanos() as f64 / 1e6)
-        })
-        .collect();
+    let ms = |d: kvpipe_core::Duration| d.as_nanos() as f64 / 1e6;
+    let (mut tails, mut transfers) = (Vec::new(), Vec::new());
+    for id in &ids {
+        let (Some(rx), Some(tx)) = (completions.get(id), sent.get(id)) else {
+            continue;
+        };
+        let done = rx.iter().map(|t| t.ended).max();
+        let computed = tx.iter().filter_map(|t| t.last_chunk).max();
+        if let (Some(done), Some(computed)) = (done, computed) {
+            tails.push(ms(done - computed));
+        }
+        let first = tx.iter().filter_map(|t| t.first_byte).min();
+        let landed = rx.iter().filter_map(|t| t.last_byte).max();
+        if let (Some(first), Some(landed)) = (first, landed) {
+            transfers.push(ms(landed - first));
+        }
+    }
     // Every destination byte against the whole model's content.
     let (mut mismatched, mut verified_bytes) = (0u64, 0u64);
     for r in &receivers {
@@ -505,6 +523,10 @@ pub(super) fn run(
         ),
         exposed_tail_ms: median(tails.clone()),
         max_exposed_tail_ms: tails.iter().copied().fold(0.0, f64::max),
+        exposed_tail_p50_ms: percentile(&tails, 50.0),
+        exposed_tail_p99_ms: percentile(&tails, 99.0),
+        transfer_p50_ms: percentile(&transfers, 50.0),
+        transfer_p99_ms: percentile(&transfers, 99.0),
         bytes_verified: verified_bytes,
         mismatched_blocks: mismatched,
         live_kv_bytes,
@@ -569,8 +591,16 @@ fn print_table(s: &ParallelSummary) {
         (
             "exposed tail",
             format!(
-                "{:.2} ms median, {:.2} ms max (last chunk computed → every decode rank complete)",
-                s.exposed_tail_ms, s.max_exposed_tail_ms
+                "p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms (last chunk computed → every decode \
+                 rank complete)",
+                s.exposed_tail_p50_ms, s.exposed_tail_p99_ms, s.max_exposed_tail_ms
+            ),
+        ),
+        (
+            "transfer time",
+            format!(
+                "p50 {:.2} ms, p99 {:.2} ms (first byte sent → last byte landed, per request)",
+                s.transfer_p50_ms, s.transfer_p99_ms
             ),
         ),
         (

@@ -6,7 +6,7 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use kvpipe_conformance::cache::AllocationStyle;
-use kvpipe_conformance::suite::demo::median;
+use kvpipe_conformance::suite::demo::{median, percentile};
 use kvpipe_core::session::{LocalHello, SendRequest, UsageError};
 use kvpipe_core::wire::{AuxData, Topology};
 use kvpipe_core::{ChunkSpec, Event, RequestId, SenderConfig};
@@ -32,8 +32,15 @@ struct PrefillReport {
     bytes: u64,
     seconds: f64,
     connections: usize,
+    /// Per request, this side's view (`RequestTimings::tail`): last chunk computed → the
+    /// sender finished (last batch written, last result and aux data sent).
     exposed_tail_ms: f64,
     max_exposed_tail_ms: f64,
+    exposed_tail_p50_ms: f64,
+    exposed_tail_p99_ms: f64,
+    /// Per request: first batch handed to the transport → last batch reported written.
+    transfer_p50_ms: f64,
+    transfer_p99_ms: f64,
 }
 
 pub(super) fn run(args: &DemoArgs, addr: &str) -> Result<ExitCode, CliError> {
@@ -90,7 +97,6 @@ pub(super) fn run(args: &DemoArgs, addr: &str) -> Result<ExitCode, CliError> {
     // Requests that ended without completing (the decode side lost, silent, or refusing):
     // their remaining chunks are not computed.
     let mut failures = Failures::default();
-    let mut last_compute = vec![Instant::now(); ids.len()];
     let mut chunks = 0u32;
     let start = Instant::now();
     let mut next_start = vec![args.sender_prefix.min(args.prompt_tokens); ids.len()];
@@ -123,7 +129,6 @@ pub(super) fn run(args: &DemoArgs, addr: &str) -> Result<ExitCode, CliError> {
             let submitted = ended_is_ok(tx.submit_chunk(id, spec, &mut cache))?;
             chunks += u32::from(submitted.is_some());
             if is_last && submitted.is_some() {
-                last_compute[i] = Instant::now();
                 ended_is_ok(tx.submit_aux(
                     id,
                     AuxData {
@@ -163,21 +168,21 @@ pub(super) fn run(args: &DemoArgs, addr: &str) -> Result<ExitCode, CliError> {
         }
     }
     let seconds = start.elapsed().as_secs_f64();
-    let mut tails = Vec::new();
+    let (mut tails, mut transfers) = (Vec::new(), Vec::new());
     let mut bytes = 0;
     let mut completed = 0;
-    for (at, e) in &events {
+    let ms = |d: kvpipe_core::Duration| d.as_nanos() as f64 / 1e6;
+    for (_, e) in &events {
         if let Event::Completed {
-            request,
             bytes_written,
+            timings,
             ..
         } = e
         {
             completed += 1;
             bytes += bytes_written;
-            if let Some(i) = ids.iter().position(|r| r == request) {
-                tails.push(at.duration_since(last_compute[i]).as_secs_f64() * 1e3);
-            }
+            tails.extend(timings.tail().map(ms));
+            transfers.extend(timings.transfer().map(ms));
         }
     }
     for &id in &ids {
@@ -202,8 +207,12 @@ pub(super) fn run(args: &DemoArgs, addr: &str) -> Result<ExitCode, CliError> {
         bytes,
         seconds,
         connections,
-        exposed_tail_ms: median(tails),
+        exposed_tail_ms: median(tails.clone()),
         max_exposed_tail_ms: max_tail,
+        exposed_tail_p50_ms: percentile(&tails, 50.0),
+        exposed_tail_p99_ms: percentile(&tails, 99.0),
+        transfer_p50_ms: percentile(&transfers, 50.0),
+        transfer_p99_ms: percentile(&transfers, 99.0),
     };
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
@@ -213,8 +222,14 @@ pub(super) fn run(args: &DemoArgs, addr: &str) -> Result<ExitCode, CliError> {
             report.completed, report.requests, report.seconds
         );
         println!(
-            "exposed tail (last chunk computed → its result sent): {:.2} ms median, {:.2} ms max",
-            report.exposed_tail_ms, report.max_exposed_tail_ms
+            "exposed tail: p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms (this side's view: last chunk \
+             computed → last result and aux data sent)",
+            report.exposed_tail_p50_ms, report.exposed_tail_p99_ms, report.max_exposed_tail_ms
+        );
+        println!(
+            "transfer: p50 {:.2} ms, p99 {:.2} ms (first batch handed to the transport → last \
+             batch written)",
+            report.transfer_p50_ms, report.transfer_p99_ms
         );
     }
     for line in failures.lines() {
