@@ -7,6 +7,7 @@ use clap::{Parser, Subcommand};
 mod bench;
 mod demo;
 mod nodes;
+mod pictures;
 mod plan;
 mod serve;
 mod sim;
