@@ -158,3 +158,122 @@ fn named_element(body: &str, element: &str, tag: &Tag) -> String {
     let _ = writeln!(s, "><title>{}</title></{element}>", escape(&tag.title));
     s
 }
+
+#[cfg(test)]
+mod tests {
+    use kvpipe_core::{Duration, Instant, RequestId};
+
+    use super::*;
+    use crate::suite::timeline::{BatchSpan, ChunkTiming, Lane, Timeline};
+
+    fn tag(id: &str) -> Tag {
+        Tag {
+            id: id.into(),
+            class: "compute",
+            title: "a <bar> & more".into(),
+            data: vec![("chunk", "0".into())],
+        }
+    }
+
+    #[test]
+    fn tags_name_the_elements_of_their_colour_in_drawing_order() {
+        let svg = "<svg>\n<rect x=\"1\" fill=\"#4C72B0\" stroke=\"none\"/>\n\
+                   <rect x=\"2\" fill=\"#FFFFFF\" stroke=\"none\"/>\n\
+                   <rect x=\"3\" fill=\"#4C72B0\" stroke=\"none\"/>\n</svg>\n";
+        let mut tags = Tags::default();
+        tags.push("rect", COMPUTE, tag("a"));
+        tags.push("rect", COMPUTE, tag("b"));
+        let out = tags.apply(svg).unwrap();
+        let doc = roxmltree::Document::parse(&out).unwrap();
+        let ids: Vec<(&str, &str)> = doc
+            .descendants()
+            .filter_map(|n| Some((n.attribute("x")?, n.attribute("id")?)))
+            .collect();
+        assert_eq!(ids, [("1", "a"), ("3", "b")]);
+        let title = doc.descendants().find(|n| n.has_tag_name("title")).unwrap();
+        assert_eq!(title.text(), Some("a <bar> & more"));
+    }
+
+    #[test]
+    fn a_count_that_does_not_match_the_drawing_is_an_error() {
+        let svg = "<svg>\n<rect x=\"1\" fill=\"#4C72B0\" stroke=\"none\"/>\n</svg>\n";
+        for drawn in [0, 2] {
+            let mut tags = Tags::default();
+            tags.push("polyline", TAIL, tag("unused"));
+            for i in 0..drawn {
+                tags.push("rect", COMPUTE, tag(&i.to_string()));
+            }
+            let err = tags.apply(svg).unwrap_err();
+            assert!(matches!(err, PictureError::Tagging { .. }), "{err}");
+        }
+    }
+
+    fn lane(request: u64, chunks: u64) -> Lane {
+        let ms = Instant::from_millis;
+        Lane {
+            rank: 0,
+            request: RequestId(request),
+            origin: ms(0),
+            chunks: (0..chunks)
+                .map(|k| ChunkTiming {
+                    index: k as u32,
+                    tokens: (k as u32 * 8, k as u32 * 8 + 8),
+                    compute_started: ms(10 * k),
+                    computed: ms(10 * k + 8),
+                    submitted: Some(ms(10 * k + 8)),
+                    sliced: true,
+                    batch: Some(BatchSpan {
+                        bytes: 1 << 20,
+                        issued: ms(10 * k + 8),
+                        reported: ms(10 * k + 11),
+                        transfer: Duration::from_millis(2),
+                    }),
+                })
+                .collect(),
+            last_computed: Some(ms(10 * chunks - 2)),
+            completed: Some(ms(10 * chunks + 2)),
+        }
+    }
+
+    #[test]
+    fn the_timeline_names_every_bar_and_labels_the_tail() {
+        let t = Timeline {
+            lanes: vec![lane(1, 3), lane(2, 4)],
+            unpaired_batches: 0,
+        };
+        let panel = TimelinePanel {
+            name: "pipelined",
+            description: "test",
+            timeline: &t,
+        };
+        let svg = timeline_svg("title", &[panel]).unwrap();
+        let doc = roxmltree::Document::parse(&svg).unwrap();
+        let count = |class: &str| {
+            doc.descendants()
+                .filter(|n| n.attribute("class") == Some(class))
+                .count()
+        };
+        assert_eq!(count("compute"), 7);
+        assert_eq!(count("transfer"), 7);
+        assert_eq!(count("tail"), 2);
+        let texts: Vec<&str> = doc
+            .descendants()
+            .filter(|n| n.has_tag_name("text"))
+            .filter_map(|n| n.text().map(str::trim))
+            .collect();
+        assert!(texts.contains(&"exposed tail 4.0 ms"), "{texts:?}");
+        assert!(
+            texts.iter().any(|t| t.contains("4.00 ms median")),
+            "{texts:?}"
+        );
+        let empty = Timeline::default();
+        let panel = TimelinePanel {
+            timeline: &empty,
+            ..panel
+        };
+        assert!(matches!(
+            timeline_svg("title", &[panel]),
+            Err(PictureError::Empty(_))
+        ));
+    }
+}
