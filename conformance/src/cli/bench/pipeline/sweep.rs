@@ -96,22 +96,22 @@ pub(super) fn run(args: &PipelineBenchArgs, base: &DemoConfig) -> Result<ExitCod
     } else {
         println!(
             "{} tokens of {} over {} ({} bytes), {prefill_ms:.0} ms of prefill compute at every \
-             chunk size; medians of {} runs",
+             chunk size; {} run(s) of each mode, medians",
             report.prompt_tokens, report.model, report.transport, bytes, report.runs
         );
         println!(
-            "{:>12}  {:>6}  {:>12}  {:>15}  {:>12}  {:>15}",
+            "{:>12}  {:>6}  {:>12}  {:>15}  {:>12}  {:>23}",
             "chunk tokens",
             "chunks",
             "exposed tail",
             "monolithic tail",
             "moving bytes",
-            "monolithic, ms"
+            "monolithic moving bytes"
         );
         for r in &report.sweep {
             let p = &r.point;
             println!(
-                "{:>12}  {:>6}  {:>9.2} ms  {:>12.2} ms  {:>9.2} ms  {:>15.2}",
+                "{:>12}  {:>6}  {:>9.2} ms  {:>12.2} ms  {:>9.2} ms  {:>20.2} ms",
                 p.chunk_tokens,
                 r.chunks,
                 p.exposed_tail_ms,
