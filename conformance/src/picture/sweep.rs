@@ -93,25 +93,20 @@ pub fn sweep_svg(title: &str, points: &[SweepPoint]) -> Result<String, PictureEr
             x += 34 + label.len() as i32 * 8 + 30;
         }
         let halves = body.split_evenly((1, 2));
-        let panels: [(&str, &str, fn(&SweepPoint) -> (f64, f64)); 2] = [
-            (
-                "exposed tail (last chunk computed → decode side complete)",
-                "tail",
-                |p| (p.exposed_tail_ms, p.monolithic_tail_ms),
-            ),
-            (
-                "time moving bytes (write batches' copy times, summed)",
-                "transfer",
-                |p| (p.transfer_ms, p.monolithic_transfer_ms),
-            ),
+        let figures = [
+            Half {
+                caption: "exposed tail (last chunk computed → decode side complete)",
+                figure: "tail",
+                values: |p| (p.exposed_tail_ms, p.monolithic_tail_ms),
+            },
+            Half {
+                caption: "time moving bytes (write batches' copy times, summed)",
+                figure: "transfer",
+                values: |p| (p.transfer_ms, p.monolithic_transfer_ms),
+            },
         ];
-        for (area, (caption, figure, values)) in halves.iter().zip(panels) {
-            let half = Half {
-                caption,
-                figure,
-                values,
-            };
-            draw_half(area, &root, &sizes, points, &half, &mut tags)?;
+        for (area, half) in halves.iter().zip(&figures) {
+            draw_half(area, &root, &sizes, points, half, &mut tags)?;
         }
         root.present().map_err(draw_err)?;
     }
