@@ -11,7 +11,6 @@ use kvpipe_core::{
     RequestId, SenderConfig, SenderInput,
 };
 
-use super::timeline::{ChunkTiming, Timeline, TimelineRecorder};
 use super::{FaultPlan, Harness, Link, SuiteError};
 use crate::cache::{AllocationStyle, CacheSpec, GroupSpec, ReferenceCache};
 
@@ -288,7 +287,7 @@ pub struct RunReport {
     /// Write batches still in flight at the end.
     pub leftover_writes: usize,
     /// When each chunk was computed and its write batch moved, per request.
-    pub timeline: Timeline,
+    pub timeline: super::timeline::Timeline,
 }
 
 impl RunReport {
@@ -423,7 +422,7 @@ pub fn run_workload_with<H: Harness>(
         })
         .sum();
     let mut submitted = 0u64;
-    let mut recorder = TimelineRecorder::default();
+    let mut recorder = super::timeline::TimelineRecorder::default();
     progress(0, total_chunks);
 
     // Open every request on the sender and register the up-front ones on the receiver.
@@ -568,7 +567,7 @@ pub fn run_workload_with<H: Harness>(
         }
         recorder.chunk(
             i,
-            ChunkTiming {
+            super::timeline::ChunkTiming {
                 index: k as u32,
                 tokens: (start, end),
                 compute_started: compute_start,
