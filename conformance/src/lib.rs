@@ -5,5 +5,6 @@
 //! command-line program (demo, bench, plan, sim) is built from this crate too.
 
 pub mod cache;
+pub mod picture;
 pub mod sim;
 pub mod suite;

@@ -2,6 +2,7 @@
 //! transport, every byte verified.
 
 use std::io::IsTerminal;
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
@@ -15,6 +16,7 @@ use serde::Serialize;
 
 use super::{preflight, CliError};
 
+mod baseline;
 mod parallel;
 mod prefill;
 
@@ -73,6 +75,14 @@ pub(crate) struct DemoArgs {
     /// Send everything after prefill instead of chunk by chunk (the baseline).
     #[arg(long)]
     monolithic: bool,
+    /// Skip the baseline: by default the same requests are also sent after prefill
+    /// (monolithic) in this run, and the table shows that tail beside the pipelined one.
+    #[arg(long)]
+    no_baseline: bool,
+    /// Draw the run as an SVG picture in FILE: one lane per request (and rank), each chunk's
+    /// compute and write batch, the exposed tail; the monolithic baseline beside it.
+    #[arg(long, value_name = "FILE")]
+    timeline: Option<PathBuf>,
     /// Transport: mem (in-process), tcp (two nodes over loopback sockets in this process, or
     /// with --connect the prefill side only) or verbs (two RDMA nodes on --device in this
     /// process, or with --connect the prefill side only).
@@ -153,6 +163,15 @@ pub(crate) fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
     )?;
     preflight::at_least("--connections", args.connections as u64, 1)?;
     let memory = pool_memory(&args)?;
+    let split =
+        args.sender_tp.is_some() || args.receiver_tp.is_some() || args.receiver_pp.is_some();
+    if args.timeline.is_some() && (args.connect.is_some() || split) {
+        return Err(
+            "--timeline draws this process's own runs; it is not available with \
+             --connect or --sender-tp/--receiver-tp/--receiver-pp"
+                .into(),
+        );
+    }
     if let Some(addr) = &args.connect {
         if args.transport == "mem" {
             return Err("--connect needs --transport tcp or verbs".into());
@@ -163,7 +182,7 @@ pub(crate) fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
             .check()?;
         return prefill::run(&args, addr);
     }
-    if args.sender_tp.is_some() || args.receiver_tp.is_some() || args.receiver_pp.is_some() {
+    if split {
         let (stp, rtp, rpp) = (
             args.sender_tp.unwrap_or(1),
             args.receiver_tp.unwrap_or(1),
@@ -253,21 +272,37 @@ pub(crate) fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
         bar.set_length(total);
         bar.set_position(done);
     };
-    let (summary, report) = if args.transport == "tcp" {
-        let harness = TcpHarness {
-            memory,
-            ..TcpHarness::blocking(args.connections.clamp(1, 255))
-        };
-        run_demo(&harness, &config, progress)?
-    } else if args.transport == "verbs" {
-        let harness = VerbsHarness {
-            device: args.device.clone(),
-        };
-        run_demo(&harness, &config, progress)?
+    let tcp = TcpHarness {
+        memory,
+        ..TcpHarness::blocking(args.connections.clamp(1, 255))
+    };
+    let verbs = VerbsHarness {
+        device: args.device.clone(),
+    };
+    let demo = |config: &DemoConfig| match args.transport.as_str() {
+        "tcp" => run_demo(&tcp, config, progress),
+        "verbs" => run_demo(&verbs, config, progress),
+        _ => run_demo(&harness, config, progress),
+    };
+    let (summary, report) = demo(&config)?;
+    let monolithic = if args.no_baseline || config.mode == TransferMode::Monolithic {
+        None
     } else {
-        run_demo(&harness, &config, progress)?
+        bar.set_message("baseline: the same requests sent after prefill");
+        Some(demo(&DemoConfig {
+            mode: TransferMode::Monolithic,
+            ..config.clone()
+        })?)
     };
     bar.finish_and_clear();
+    let baseline = monolithic
+        .as_ref()
+        .map(|(mono, _)| baseline::Baseline::new(&summary, mono));
+    if let Some(path) = &args.timeline {
+        let title = super::pictures::workload_title("kvpipe demo", &args.transport, &config);
+        let mono = monolithic.as_ref().map(|(_, r)| &r.timeline);
+        super::pictures::write_timeline(path, &title, config.mode, &report.timeline, mono)?;
+    }
     let memory = Memory {
         memory: memory.name(),
         live_kv_bytes: live_kv_bytes(&config)? * u64::from(config.ranks),
@@ -278,22 +313,25 @@ pub(crate) fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
             "{}",
             serde_json::to_string(&WithMemory {
                 summary: &summary,
-                memory: &memory
+                memory: &memory,
+                baseline: baseline.as_ref(),
             })?
         );
     } else {
-        print_table(&summary, &memory);
+        print_table(&summary, &memory, baseline.as_ref());
     }
     if !summary.verified {
         for cause in failure_causes(&report) {
             eprintln!("kvpipe demo: {cause}");
         }
     }
-    Ok(if summary.verified {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::FAILURE
-    })
+    Ok(
+        if summary.verified && baseline.as_ref().is_none_or(|b| b.monolithic_verified) {
+            ExitCode::SUCCESS
+        } else {
+            ExitCode::FAILURE
+        },
+    )
 }
 
 /// Why requests did not complete, grouped by what each side saw: one line per distinct pair
@@ -395,6 +433,8 @@ struct WithMemory<'a> {
     summary: &'a DemoSummary,
     #[serde(flatten)]
     memory: &'a Memory,
+    #[serde(flatten)]
+    baseline: Option<&'a baseline::Baseline>,
 }
 
 /// The most KV the demo's two caches (of one rank) hold at once: the run's allocations
@@ -442,9 +482,9 @@ fn live_kv_bytes(config: &DemoConfig) -> Result<u64, CliError> {
     Ok(sender.peak_resident_bytes() + receiver.peak_resident_bytes())
 }
 
-fn print_table(s: &DemoSummary, memory: &Memory) {
+fn print_table(s: &DemoSummary, memory: &Memory, baseline: Option<&baseline::Baseline>) {
     let gib = s.bytes as f64 / f64::from(1u32 << 30);
-    let rows = [
+    let mut rows = vec![
         ("transport", s.transport.clone()),
         (
             "kv pools",
@@ -538,6 +578,10 @@ fn print_table(s: &DemoSummary, memory: &Memory) {
             },
         ),
     ];
+    if let Some(b) = baseline {
+        let at = rows.iter().position(|(k, _)| *k == "exposed tail");
+        rows.insert(at.map_or(rows.len(), |i| i + 1), b.row());
+    }
     let width = rows.iter().map(|(k, _)| k.len()).max().unwrap_or(0);
     for (k, v) in rows {
         println!("{k:<width$}  {v}");

@@ -9,6 +9,7 @@ mod demo;
 mod nodes;
 mod outcome;
 pub(crate) mod observe;
+mod pictures;
 mod plan;
 mod preflight;
 mod serve;

@@ -457,8 +457,10 @@ fn merge(reports: Vec<RunReport>) -> RunReport {
         batch_timings: Vec::new(),
         leftover_sessions: 0,
         leftover_writes: 0,
+        timeline: Default::default(),
     };
-    for r in reports {
+    for (rank, r) in (0u32..).zip(reports) {
+        merged.timeline.extend_with_rank(rank, r.timeline);
         merged.requests.extend(r.requests);
         merged.events.extend(r.events);
         merged.stray_writes.extend(r.stray_writes);

@@ -308,6 +308,8 @@ pub struct RunReport {
     pub leftover_sessions: usize,
     /// Write batches still in flight at the end.
     pub leftover_writes: usize,
+    /// When each chunk was computed and its write batch moved, per request.
+    pub timeline: super::timeline::Timeline,
 }
 
 impl RunReport {
@@ -444,6 +446,7 @@ pub fn run_workload_with<H: Harness>(
         })
         .sum();
     let mut submitted = 0u64;
+    let mut recorder = super::timeline::TimelineRecorder::default();
     progress(0, total_chunks);
 
     // Open every request on the sender and register the up-front ones on the receiver.
@@ -555,13 +558,15 @@ pub fn run_workload_with<H: Harness>(
             }
             link.wait(std::time::Duration::from_nanos((ready - now).as_nanos()));
         }
+        let computed = link.now();
         let st = &mut states[i];
         let k = st.next_chunk;
         st.next_chunk += 1;
         let is_last = st.next_chunk == st.chunks.len();
         if is_last {
-            st.report.last_compute_done = Some(link.now());
+            st.report.last_compute_done = Some(computed);
         }
+        let mut sent = None;
         if !st.registered && st.plan.register_after_chunks as usize == k {
             register(&mut link, &mut receiver_cache, st)?;
         }
@@ -591,7 +596,7 @@ pub fn run_workload_with<H: Harness>(
                     .sender()
                     .submit_chunk(now, id, spec, &mut *sender_cache)
                 {
-                    Ok(_) => {}
+                    Ok(slice) => sent = Some((now, slice.is_some())),
                     // The session ended under the engine (a peer's cancel, a failure): a real
                     // engine stops submitting; so do we.
                     Err(UsageError::SessionEnded(_)) => {}
@@ -619,6 +624,18 @@ pub fn run_workload_with<H: Harness>(
                 progress(submitted, total_chunks);
             }
         }
+        recorder.chunk(
+            i,
+            super::timeline::ChunkTiming {
+                index: k as u32,
+                tokens: (start, end),
+                compute_started: compute_start,
+                computed,
+                submitted: sent.map(|(at, _)| at),
+                sliced: sent.is_some_and(|(_, sliced)| sliced),
+                batch: None,
+            },
+        );
         if let Some((after, what)) = st.plan.interrupt {
             if after as usize == k {
                 let now = link.now();
@@ -783,6 +800,14 @@ pub fn run_workload_with<H: Harness>(
         }
         None => Vec::new(),
     };
+    let timeline = recorder.finish(
+        started,
+        states.iter().map(|s| {
+            let r = &s.report;
+            (r.id, r.last_compute_done, r.receiver_completed_at)
+        }),
+        &batch_timings,
+    );
     Ok(RunReport {
         chunks: states.iter().map(|s| u64::from(s.report.chunks)).sum(),
         requests: states.into_iter().map(|s| s.report).collect(),
@@ -794,6 +819,7 @@ pub fn run_workload_with<H: Harness>(
         batch_timings,
         leftover_sessions,
         leftover_writes,
+        timeline,
     })
 }
 

@@ -22,6 +22,7 @@ mod mem;
 pub mod parallel;
 mod scenarios;
 mod tcp;
+pub mod timeline;
 mod verbs;
 
 use kvpipe_core::session::{ReceiverConfig, SenderConfig};

@@ -12,15 +12,23 @@
 //! over the runs; every run verifies every destination byte. `last_chunk_transfer_ms` is the
 //! last chunk's batch alone: earlier batches are copied while the next chunk's content is being
 //! written, and share the machine with it.
+//!
+//! `--timeline FILE.svg` draws the run whose pipelined tail is the median, beside its monolithic
+//! twin; `--sweep-chunk-tokens A,B,… --plot FILE.svg` repeats the bench for each chunk size
+//! (see [`sweep`]).
 
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
 use kvpipe_conformance::suite::demo::{median, run_demo, DemoConfig, DemoSummary, Model};
+use kvpipe_conformance::suite::timeline::Timeline;
 use kvpipe_conformance::suite::{MemHarness, RunReport, SuiteError, TcpHarness, TransferMode};
 use serde::Serialize;
 
-use crate::cli::{preflight, CliError};
+use crate::cli::{pictures, preflight, CliError};
+
+mod sweep;
 
 /// Arguments of `kvpipe bench pipeline`.
 #[derive(Debug, clap::Args)]
@@ -54,9 +62,20 @@ pub(crate) struct PipelineBenchArgs {
     /// Runs of each mode (medians are reported).
     #[arg(long, default_value_t = 3)]
     runs: u32,
-    /// Print each pipelined run's write batches to stderr, in ms from the last chunk's compute.
-    #[arg(long)]
-    timeline: bool,
+    /// With FILE: draw the run whose pipelined tail is the median, beside its monolithic twin,
+    /// as an SVG picture. Without: print each pipelined run's write batches to stderr, in ms
+    /// from the last chunk's compute.
+    #[arg(long, value_name = "FILE", conflicts_with = "sweep_chunk_tokens")]
+    timeline: Option<Option<PathBuf>>,
+    /// Repeat the bench for each of these chunk sizes (e.g. 256,512,1024,2048,4096), the
+    /// compute scaled with the chunk (--prefill-ms-per-chunk is a --chunk-tokens chunk's), so
+    /// every size prefills the prompt in the same time.
+    #[arg(long, value_delimiter = ',', value_name = "TOKENS,…")]
+    sweep_chunk_tokens: Vec<u32>,
+    /// With --sweep-chunk-tokens: draw the exposed tail and the time moving bytes against the
+    /// chunk size, pipelined and monolithic, as an SVG picture.
+    #[arg(long, value_name = "FILE", requires = "sweep_chunk_tokens")]
+    plot: Option<PathBuf>,
 }
 
 /// The figures `kvpipe bench pipeline` prints.
@@ -78,6 +97,10 @@ struct PipelineBenchReport {
     verified: bool,
     /// `monolithic_tail_ms / exposed_tail_ms` (how much of the tail pipelining removes).
     monolithic_over_pipelined: f64,
+    /// Median over runs of the write batches' copy times summed (pipelined).
+    transfer_ms: f64,
+    /// The same, monolithic.
+    monolithic_transfer_ms: f64,
     model: &'static str,
     prompt_tokens: u32,
     chunk_tokens: u32,
@@ -137,40 +160,25 @@ pub(crate) fn run(args: PipelineBenchArgs) -> Result<ExitCode, CliError> {
         mode: TransferMode::Pipelined,
         corrupt_one_byte: false,
     };
-    let tcp = TcpHarness::blocking(args.connections.clamp(1, 255));
-    let demo = |config: &DemoConfig| -> Result<(DemoSummary, RunReport), SuiteError> {
-        if args.transport == "tcp" {
-            run_demo(&tcp, config, |_, _| {})
-        } else {
-            run_demo(&MemHarness::default(), config, |_, _| {})
-        }
-    };
-    let (mut chunk_ms, mut tails, mut mono_tails) = (Vec::new(), Vec::new(), Vec::new());
-    let mut last_ms = Vec::new();
-    let mut verified = true;
-    let (mut chunks, mut bytes) = (0, 0);
-    for _ in 0..args.runs.max(1) {
-        let (pipelined, rep) = demo(&base)?;
-        if args.timeline {
-            print_timeline(&rep);
-        }
-        let mono_config = DemoConfig {
-            mode: TransferMode::Monolithic,
-            ..base.clone()
-        };
-        let (mono, _) = demo(&mono_config)?;
-        verified &= pipelined.verified && mono.verified;
-        chunk_ms.push(pipelined.chunk_transfer_ms);
-        last_ms.push(pipelined.last_chunk_transfer_ms);
-        tails.push(pipelined.exposed_tail_ms);
-        mono_tails.push(mono.exposed_tail_ms);
-        chunks = pipelined.chunks;
-        bytes = pipelined.bytes;
+    if !args.sweep_chunk_tokens.is_empty() {
+        return sweep::run(&args, &base);
     }
-    let chunk_transfer_ms = median(chunk_ms);
-    let exposed_tail_ms = median(tails);
-    let last_chunk_transfer_ms = median(last_ms);
-    let monolithic_tail_ms = median(mono_tails);
+    let m = measure(&args, &base)?;
+    let (chunk_transfer_ms, exposed_tail_ms) = (m.chunk_transfer_ms, m.exposed_tail_ms);
+    let (last_chunk_transfer_ms, monolithic_tail_ms) =
+        (m.last_chunk_transfer_ms, m.monolithic_tail_ms);
+    let (chunks, bytes, verified) = (m.chunks, m.bytes, m.verified);
+    if let Some(Some(path)) = &args.timeline {
+        let title = pictures::workload_title("kvpipe bench pipeline", &args.transport, &base);
+        let (pipelined, monolithic) = &m.median_run;
+        pictures::write_timeline(
+            path,
+            &title,
+            TransferMode::Pipelined,
+            pipelined,
+            Some(monolithic),
+        )?;
+    }
     let report = PipelineBenchReport {
         transport: args.transport,
         chunks,
@@ -183,6 +191,8 @@ pub(crate) fn run(args: PipelineBenchArgs) -> Result<ExitCode, CliError> {
         tail_over_last_chunk: exposed_tail_ms / last_chunk_transfer_ms,
         verified,
         monolithic_over_pipelined: monolithic_tail_ms / exposed_tail_ms,
+        transfer_ms: m.transfer_ms,
+        monolithic_transfer_ms: m.monolithic_transfer_ms,
         model: args.model.name(),
         prompt_tokens,
         chunk_tokens: args.chunk_tokens,
@@ -218,6 +228,80 @@ pub(crate) fn run(args: PipelineBenchArgs) -> Result<ExitCode, CliError> {
         ExitCode::SUCCESS
     } else {
         ExitCode::FAILURE
+    })
+}
+
+/// The medians of `args.runs` runs of each mode, in alternation.
+struct Measured {
+    chunk_transfer_ms: f64,
+    last_chunk_transfer_ms: f64,
+    exposed_tail_ms: f64,
+    monolithic_tail_ms: f64,
+    /// The write batches' copy times summed, per run (pipelined, monolithic).
+    transfer_ms: f64,
+    monolithic_transfer_ms: f64,
+    chunks: u64,
+    bytes: u64,
+    verified: bool,
+    /// The timelines of the run whose pipelined tail is the median, and of its monolithic twin.
+    median_run: (Timeline, Timeline),
+}
+
+/// Runs `base` pipelined and monolithic `args.runs` times each, in alternation.
+fn measure(args: &PipelineBenchArgs, base: &DemoConfig) -> Result<Measured, CliError> {
+    let tcp = TcpHarness::blocking(args.connections.clamp(1, 255));
+    let demo = |config: &DemoConfig| -> Result<(DemoSummary, RunReport), SuiteError> {
+        if args.transport == "tcp" {
+            run_demo(&tcp, config, |_, _| {})
+        } else {
+            run_demo(&MemHarness::default(), config, |_, _| {})
+        }
+    };
+    let copy_ms = |r: &RunReport| -> f64 {
+        r.batch_timings
+            .iter()
+            .map(|t| t.transfer.as_nanos() as f64 / 1e6)
+            .sum()
+    };
+    let (mut chunk_ms, mut tails, mut mono_tails) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut last_ms, mut transfer, mut mono_transfer) = (Vec::new(), Vec::new(), Vec::new());
+    let mut runs: Vec<(f64, Timeline, Timeline)> = Vec::new();
+    let mut verified = true;
+    let (mut chunks, mut bytes) = (0, 0);
+    for _ in 0..args.runs.max(1) {
+        let (pipelined, rep) = demo(base)?;
+        if args.timeline == Some(None) {
+            print_timeline(&rep);
+        }
+        let mono_config = DemoConfig {
+            mode: TransferMode::Monolithic,
+            ..base.clone()
+        };
+        let (mono, mono_rep) = demo(&mono_config)?;
+        verified &= pipelined.verified && mono.verified;
+        chunk_ms.push(pipelined.chunk_transfer_ms);
+        last_ms.push(pipelined.last_chunk_transfer_ms);
+        tails.push(pipelined.exposed_tail_ms);
+        mono_tails.push(mono.exposed_tail_ms);
+        transfer.push(copy_ms(&rep));
+        mono_transfer.push(copy_ms(&mono_rep));
+        chunks = pipelined.chunks;
+        bytes = pipelined.bytes;
+        runs.push((pipelined.exposed_tail_ms, rep.timeline, mono_rep.timeline));
+    }
+    runs.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let (_, pipelined, monolithic) = runs.swap_remove(runs.len() / 2);
+    Ok(Measured {
+        chunk_transfer_ms: median(chunk_ms),
+        last_chunk_transfer_ms: median(last_ms),
+        exposed_tail_ms: median(tails),
+        monolithic_tail_ms: median(mono_tails),
+        transfer_ms: median(transfer),
+        monolithic_transfer_ms: median(mono_transfer),
+        chunks,
+        bytes,
+        verified,
+        median_run: (pipelined, monolithic),
     })
 }
 
