@@ -22,6 +22,10 @@ fn sweep_with(cfg: SimConfig, requests: usize) -> SimReport {
     assert_eq!(report.one_sided, 0, "seed {seed} faults {faults}: {json}");
     assert_eq!(report.undetected, 0, "seed {seed} faults {faults}: {json}");
     assert_eq!(
+        report.timed_out_progressing, 0,
+        "seed {seed} faults {faults}: {json}"
+    );
+    assert_eq!(
         report.stray_writes, 0,
         "seed {seed} faults {faults}: {json}"
     );
@@ -121,6 +125,14 @@ fn sim_slow_prefill_completes_because_deadlines_follow_progress() {
         assert_eq!(r.failed, 0, "{json}");
         assert!(r.completed >= 180, "{json}");
         assert!(r.virtual_ms > 10 * base.as_millis(), "{json}");
+    }
+    // Under every fault, requests whose connections die or whose frames are held back past
+    // the idle deadline time out; none does while its writes keep landing.
+    for seed in 44..=45 {
+        let r = sweep_with(SimConfig::new(seed, FaultSet::all()).slow_prefill(), 300);
+        let json = serde_json::to_string(&r).unwrap();
+        assert_eq!(r.timed_out_progressing, 0, "{json}");
+        assert!(r.receiver_timed_out > 0 && r.completed > 0, "{json}");
     }
     // The same workload under a total deadline that ignores progress times requests out.
     let mut cfg = SimConfig::new(41, FaultSet::NONE).slow_prefill();

@@ -86,7 +86,7 @@ fn print_table(r: &SimReport, seed: u64, faults: FaultSet) {
         "seed {seed}, faults {faults}, {} ms of virtual time, {} steps",
         r.virtual_ms, r.steps
     );
-    let rows: [(&str, u64); 17] = [
+    let rows: [(&str, u64); 18] = [
         ("requests", r.requests),
         ("completed", r.completed),
         ("failed", r.failed),
@@ -96,6 +96,7 @@ fn print_table(r: &SimReport, seed: u64, faults: FaultSet) {
         ("leaked", r.leaked),
         ("R failed", r.receiver_failed),
         ("R timed out", r.receiver_timed_out),
+        ("  progressing", r.timed_out_progressing),
         ("R cancelled", r.receiver_cancelled),
         ("fatal faults", r.fatal),
         ("one-sided", r.one_sided),

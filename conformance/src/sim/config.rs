@@ -112,7 +112,7 @@ impl SimConfig {
         self.prefill_per_token = (Duration::from_micros(300), Duration::from_micros(600));
         self.deadlines.result_wait = Duration::from_millis(20);
         self.deadlines.result_per_token = Duration::from_millis(1);
-        self.deadlines.result_idle = Duration::from_millis(150);
+        self.deadlines.result_idle = Duration::from_millis(1_000);
         self
     }
 

@@ -367,6 +367,9 @@ impl Simulation {
                 },
             )
             .map(|_| ());
+        if res.is_ok() {
+            self.oracle.records[i].registered_at = Some(now);
+        }
         self.check(res, || format!("R register {}", plan.id));
         self.drain();
     }

@@ -334,7 +334,12 @@ impl Simulation {
                 .receiver
                 .admit_write(now, sender_peer(rank), &header)
             {
-                Admission::Apply { ticket, .. } => ticket,
+                Admission::Apply { ticket, .. } => {
+                    if let Some(i) = self.oracle.find(b.request) {
+                        self.oracle.records[i].last_landing = Some(now);
+                    }
+                    ticket
+                }
                 Admission::Discard { .. } => continue,
                 Admission::Refuse(reason) => {
                     self.net.counters.refused_writes += 1;

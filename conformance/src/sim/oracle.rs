@@ -7,7 +7,7 @@
 use std::collections::HashMap;
 
 use kvpipe_core::session::state::{RecvPhase, SendPhase};
-use kvpipe_core::session::Event;
+use kvpipe_core::session::{Event, Wait};
 use kvpipe_core::{GroupIndex, Instant, RegionId, RequestId, Sender};
 use smallvec::SmallVec;
 
@@ -45,6 +45,10 @@ pub(crate) struct RequestRecord {
     pub(crate) verified: bool,
     /// A writer's engine handed its sender a mistaken chunk.
     pub(crate) engine_mistake: bool,
+    /// When the receiver's engine registered it.
+    pub(crate) registered_at: Option<Instant>,
+    /// When one of its writes last landed on the receiver (admitted and applied).
+    pub(crate) last_landing: Option<Instant>,
 }
 
 /// The records of every request and the anomalies met.
@@ -55,6 +59,9 @@ pub(crate) struct Oracle {
     pub(crate) anomalies: Vec<String>,
     /// Mistaken chunks the engines handed their senders.
     pub(crate) engine_mistakes: u64,
+    /// Requests the receiver timed out while they were progressing (see
+    /// [`Simulation::check_result_timeout`]).
+    pub(crate) timed_out_progressing: u64,
 }
 
 impl Oracle {
@@ -74,11 +81,14 @@ impl Oracle {
                     corrupted: false,
                     verified: false,
                     engine_mistake: false,
+                    registered_at: None,
+                    last_landing: None,
                 })
                 .collect(),
             index: plans.iter().enumerate().map(|(i, p)| (p.id, i)).collect(),
             anomalies: Vec::new(),
             engine_mistakes: 0,
+            timed_out_progressing: 0,
         }
     }
 
@@ -248,6 +258,37 @@ impl Oracle {
 }
 
 impl Simulation {
+    /// The receiver timed request `i` out waiting for results. That is right only once the
+    /// overall cap passed (registration + `result_wait` + prompt × `result_per_token`) or the
+    /// request stopped progressing; a write of it that landed within `result_idle` is progress
+    /// the deadline must have followed. (Only landings count here: results and aux data are
+    /// progress too, but a duplicate of an old frame is not, so counting frames could blame a
+    /// correct timeout.)
+    pub(crate) fn check_result_timeout(&mut self, i: usize) {
+        let now = self.sched.now();
+        let rec = &self.oracle.records[i];
+        let Some(registered) = rec.registered_at else {
+            return;
+        };
+        let d = &self.cfg.deadlines;
+        let per_token = d.result_per_token.as_nanos();
+        let cap = registered
+            + d.result_wait
+            + kvpipe_core::Duration::from_nanos(
+                per_token.saturating_mul(u64::from(self.engine.plans[i].prompt_len)),
+            );
+        if let Some(landed) = rec.last_landing.filter(|&at| now < at + d.result_idle) {
+            if now < cap {
+                let request = self.engine.plans[i].id;
+                self.oracle.timed_out_progressing += 1;
+                self.oracle.anomalies.push(format!(
+                    "R timed {request} out at {now} while progressing (last write landed at \
+                     {landed}, cap {cap})"
+                ));
+            }
+        }
+    }
+
     /// Records an endpoint's event and checks it: one terminal event per side, a writer
     /// completes only after its last chunk, its aux data and its writes, the receiver only with
     /// exactly the sender's bytes; `Quiesced` only after the terminal event, once.
@@ -273,6 +314,16 @@ impl Simulation {
                 .push(format!("{who} event for unknown {request}"));
             return;
         };
+        if let (
+            None,
+            Event::TimedOut {
+                waiting_for: Wait::Results,
+                ..
+            },
+        ) = (from, &event)
+        {
+            self.check_result_timeout(i);
+        }
         let side = match from {
             Some(rank) => match self.engine.plans[i].writers.iter().position(|&r| r == rank) {
                 Some(w) => &mut self.oracle.records[i].senders[w],

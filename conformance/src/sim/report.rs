@@ -89,6 +89,10 @@ pub struct SimReport {
     pub undetected: u64,
     /// Mistaken chunks the engines handed their senders (the `engine` fault).
     pub engine_faults: u64,
+    /// Requests the receiver timed out waiting for results before the overall cap while
+    /// their writes were still landing within the idle deadline (bug: a deadline that does
+    /// not follow progress).
+    pub timed_out_progressing: u64,
     /// Requests completed on some sides only without a fatal fault (a cancel or deadline
     /// racing with the last frames, or a connection lost after the sender finished).
     pub split: u64,
@@ -137,6 +141,7 @@ impl SimReport {
             + self.leaked
             + self.one_sided
             + self.undetected
+            + self.timed_out_progressing
             + self.stray_writes
             + self.anomalies
             > 0

@@ -553,6 +553,7 @@ impl Simulation {
         report.write_failures = net.write_failures;
         report.link_deaths = net.link_deaths;
         report.engine_faults = self.oracle.engine_mistakes;
+        report.timed_out_progressing = self.oracle.timed_out_progressing;
         report
     }
 }
