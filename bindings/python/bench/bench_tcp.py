@@ -10,8 +10,10 @@ between runs. Target: ratio >= 0.9.
 
 Both prefill sides write every byte of each chunk's KV into their pool before submitting it,
 inside the timed window: the Rust demo its hashed content (a mixing function per 8 bytes), the
-Python side a copy of a random block stamped on every page (`python_compute_s` reports its
-total), which costs less CPU on a machine whose cores the transport shares.
+Python side by default a copy of a random block stamped on every page (`python_compute_s`
+reports its total), which costs less CPU on a machine whose cores the transport shares;
+`--content hash` makes the Python side hash every 8 bytes with numpy instead, at least as costly
+as the Rust demo's content.
 
     python bench_tcp.py --kvpipe target/release/kvpipe [--runs 5] [workload flags]
 """
@@ -71,6 +73,8 @@ def main():
     p.add_argument("--connections", type=int, default=2)
     p.add_argument("--prefill-ms-per-chunk", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--content", choices=["stamp", "hash"], default="stamp",
+                   help="the Python prefill side's KV computation (see two_process.py)")
     args = p.parse_args()
 
     workload = [
@@ -89,9 +93,10 @@ def main():
         "stderr",
     )
     py = [sys.executable, str(TWO_PROCESS)]
+    content = ["--content", args.content]
     python = (
-        [*py, "decode", "--listen", "127.0.0.1:0", *workload],
-        [*py, "prefill", *workload, *prefill_flags],
+        [*py, "decode", "--listen", "127.0.0.1:0", *workload, *content],
+        [*py, "prefill", *workload, *prefill_flags, *content],
         "port",
     )
     rust_runs, python_runs, ratios, compute = [], [], [], []
@@ -123,6 +128,7 @@ def main():
         "ratio": statistics.median(ratios),
         "ratio_of_medians": statistics.median(python_runs) / statistics.median(rust_runs),
         "runs": args.runs,
+        "python_content": args.content,
         "python_compute_s": statistics.median(compute),
         "python_runs_gbps": python_runs,
         "baseline_runs_gbps": rust_runs,

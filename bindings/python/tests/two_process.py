@@ -34,6 +34,10 @@ MODELS = {
 # a copy plus a strided store, so the prefill side's "compute" costs about what writing the KV
 # costs, as in the Rust demo.
 PAGE_WORDS = 512
+# `--content hash` instead: every 8 bytes a multiply-xorshift of (word index ^ block key), which
+# costs about what the Rust demo's content function costs (several passes over the block).
+MIX = np.uint64(0x9E3779B97F4A7C15)
+SHIFT = np.uint64(29)
 
 
 def workload_args(p):
@@ -45,6 +49,8 @@ def workload_args(p):
     p.add_argument("--connections", type=int, default=2)
     p.add_argument("--prefill-ms-per-chunk", type=float, default=0.0)
     p.add_argument("--timeout", type=float, default=300.0, help="seconds the whole run may take")
+    p.add_argument("--content", choices=["stamp", "hash"], default="stamp",
+                   help="how a block's KV is computed (stamp: a copy plus a stamp per page)")
 
 
 class Workload:
@@ -76,6 +82,8 @@ class Workload:
         rng = np.random.default_rng(0x6B7670697065)
         self.base = rng.integers(0, 2**63, self.slot_bytes // 8, dtype=np.uint64)
         self.pages = np.arange(-(-self.slot_bytes // 8 // PAGE_WORDS), dtype=np.uint64)
+        self.hash = getattr(args, "content", "stamp") == "hash"
+        self.word_index = np.arange(self.slot_bytes // 8, dtype=np.uint64)
 
     def slot(self, request, ordinal):
         """Request i (1-based) holds its blocks in consecutive slots, as the reference cache's
@@ -84,6 +92,12 @@ class Workload:
 
     def fill(self, out, request, ordinal):
         """The KV of one block (``out``: the slot as 64-bit words)."""
+        if self.hash:
+            key = np.uint64(((request * 0x1000193) << 24 ^ ordinal * 0x5BD1E995) & (2**64 - 1))
+            np.bitwise_xor(self.word_index, key, out=out)
+            np.multiply(out, MIX, out=out)
+            np.bitwise_xor(out, out >> SHIFT, out=out)
+            return
         np.copyto(out, self.base)
         stamp = np.uint64((request << 48) | (ordinal << 24))
         np.add(self.pages, stamp, out=out[::PAGE_WORDS])
