@@ -183,7 +183,8 @@ impl Node<Sender> {
     }
 
     /// Submits a computed prefill chunk; `source` answers the core's bounded block queries
-    /// (see [`Sender::submit_chunk`]). `None`: the chunk completes no block and sends nothing.
+    /// (see [`Sender::submit_chunk`]) while the node is locked, so it must not call into this
+    /// node. `None`: the chunk completes no block and sends nothing.
     pub fn submit_chunk(
         &self,
         request: RequestId,

@@ -185,7 +185,8 @@ impl Sender {
     /// either a sequence of per-group block tables (entry ``o`` is the slot of block ordinal
     /// ``o``; negative or ``None``: not resident) or a callable
     /// ``blocks(request, group, begin, end) -> (first_ordinal, ids)`` returning the run of
-    /// resident blocks ending at ``end``. ``is_last`` defaults to ``end == prompt_len``.
+    /// resident blocks ending at ``end`` (called with the node locked: it must not call into
+    /// this node). ``is_last`` defaults to ``end == prompt_len``.
     /// Returns the slice id, or ``None`` when the chunk completes no block. Leave the blocks
     /// unchanged until the request's ``"quiesced"`` event.
     #[pyo3(signature = (

@@ -12,8 +12,9 @@ use pyo3::prelude::*;
 ///   `o` of group `g`, or a negative number / None when that block is not resident. Only
 ///   `table[begin:end]` is read for a query.
 ///
-/// The GIL is taken only while Python answers; an exception raised by the callable is kept and
-/// raised by the submit call.
+/// The GIL is taken only while Python answers, with the node locked: the callable must not call
+/// into the same node. An exception raised by the callable is kept and raised by the submit
+/// call.
 pub(crate) struct PySource {
     blocks: Py<PyAny>,
     callable: bool,
