@@ -25,8 +25,8 @@ enum kvpipe_status
   KVPIPE_OK = 0,
   // A poll's timeout passed with no event (not an error).
   KVPIPE_NO_EVENT = 1,
-  // A null pointer, a string that is not UTF-8, regions sharing an id, a count that does not
-  // fit, a block source callback returning an unknown status.
+  // A null pointer, a string that is not UTF-8, regions sharing an id, a pool naming a region
+  // not given, a block source callback returning an unknown status.
   KVPIPE_ERR_INVALID_ARGUMENT = -1,
   // The core refused an engine command, its state unchanged (an unknown or retired request,
   // chunks out of order, a registration not matching the layout, …), or a block source broke

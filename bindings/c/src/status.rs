@@ -16,8 +16,8 @@ pub enum kvpipe_status {
     KVPIPE_OK = 0,
     /// A poll's timeout passed with no event (not an error).
     KVPIPE_NO_EVENT = 1,
-    /// A null pointer, a string that is not UTF-8, regions sharing an id, a count that does not
-    /// fit, a block source callback returning an unknown status.
+    /// A null pointer, a string that is not UTF-8, regions sharing an id, a pool naming a region
+    /// not given, a block source callback returning an unknown status.
     KVPIPE_ERR_INVALID_ARGUMENT = -1,
     /// The core refused an engine command, its state unchanged (an unknown or retired request,
     /// chunks out of order, a registration not matching the layout, …), or a block source broke
@@ -72,9 +72,9 @@ impl From<EmbedError> for Failure {
             EmbedError::Close(_) | EmbedError::Drive(_) | EmbedError::Registration(_) => {
                 KVPIPE_ERR_TRANSPORT
             }
-            EmbedError::DuplicateRegion(_) | EmbedError::NullRegion(_) => {
-                KVPIPE_ERR_INVALID_ARGUMENT
-            }
+            EmbedError::DuplicateRegion(_)
+            | EmbedError::NullRegion(_)
+            | EmbedError::MissingRegion { .. } => KVPIPE_ERR_INVALID_ARGUMENT,
             EmbedError::Unsupported { .. } => KVPIPE_ERR_UNSUPPORTED,
             EmbedError::Closed => KVPIPE_ERR_CLOSED,
         };

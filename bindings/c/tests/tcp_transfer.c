@@ -146,6 +146,14 @@ int main(void) {
 
     kvpipe_receiver *rx = NULL;
     kvpipe_sender *tx = NULL;
+    /* A layout whose second pool has no memory is refused at once. */
+    kvpipe_node_config partial = scfg;
+    partial.region_count = 1;
+    kvpipe_status made = kvpipe_tcp_sender_new(&partial, &tx);
+    CHECK(made == KVPIPE_ERR_INVALID_ARGUMENT && tx == NULL, "a missing region: %s",
+          kvpipe_status_name(made));
+    CHECK(strstr(kvpipe_last_error_message(), "no memory was given for region#2") != NULL,
+          "message: \"%s\"", kvpipe_last_error_message());
     MUST(kvpipe_tcp_receiver_new(&rcfg, &rx));
     MUST(kvpipe_tcp_sender_new(&scfg, &tx));
     uint16_t port = 0;

@@ -101,8 +101,12 @@ pub(crate) unsafe fn tcp_regions(regions: &[RawRegion]) -> RegionTable {
         .collect()
 }
 
-/// Refuses regions that share an id or have a null address.
-pub(crate) fn check_regions(regions: &[RawRegion]) -> Result<(), crate::EmbedError> {
+/// Refuses regions that share an id or have a null address, and a layout whose pools name a
+/// region that is not given (every write to or from it would fail at run time instead).
+pub(crate) fn check_regions(
+    config: &NodeConfig,
+    regions: &[RawRegion],
+) -> Result<(), crate::EmbedError> {
     let mut seen = std::collections::HashSet::new();
     for r in regions {
         if r.ptr.is_null() && r.len > 0 {
@@ -110,6 +114,14 @@ pub(crate) fn check_regions(regions: &[RawRegion]) -> Result<(), crate::EmbedErr
         }
         if !seen.insert(r.id) {
             return Err(crate::EmbedError::DuplicateRegion(r.id));
+        }
+    }
+    for (g, group) in config.layout.iter().enumerate() {
+        if let Some(pool) = group.pools.iter().find(|p| !seen.contains(&p.region)) {
+            return Err(crate::EmbedError::MissingRegion {
+                group: g,
+                region: pool.region,
+            });
         }
     }
     Ok(())

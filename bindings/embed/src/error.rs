@@ -29,6 +29,14 @@ pub enum EmbedError {
     /// Two regions were given the same id.
     #[error("{0} is given twice; every region needs its own id")]
     DuplicateRegion(RegionId),
+    /// A pool of the layout names a region that was not given.
+    #[error("layer group {group} has a pool in {region}, but no memory was given for {region}")]
+    MissingRegion {
+        /// The group, counted from 0.
+        group: usize,
+        /// The region its pool names.
+        region: RegionId,
+    },
     /// A region's address is null while its length is not zero.
     #[error("{0} has a null address")]
     NullRegion(RegionId),

@@ -107,8 +107,8 @@ pub unsafe fn mem_pair(
     receiver: &NodeConfig,
     receiver_regions: &[RawRegion],
 ) -> Result<(Node<Sender>, Node<Receiver>), EmbedError> {
-    check_regions(sender_regions)?;
-    check_regions(receiver_regions)?;
+    check_regions(sender, sender_regions)?;
+    check_regions(receiver, receiver_regions)?;
     let mut pair = MemPair::new(PairConfig::new(
         sender.sender_config(),
         receiver.receiver_config(),

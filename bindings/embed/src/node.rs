@@ -170,7 +170,7 @@ impl Node<Sender> {
     /// # Safety
     /// Every region follows [`RawRegion`]'s contract until the node is dropped.
     pub unsafe fn tcp(config: &NodeConfig, regions: &[RawRegion]) -> Result<Self, EmbedError> {
-        check_regions(regions)?;
+        check_regions(config, regions)?;
         // SAFETY: forwarded from the caller.
         let table = unsafe { tcp_regions(regions) };
         let node = TcpSender::new(config.sender_config(), config.tcp.clone(), table)?;
@@ -229,7 +229,7 @@ impl Node<Receiver> {
     /// # Safety
     /// Every region follows [`RawRegion`]'s contract until the node is dropped.
     pub unsafe fn tcp(config: &NodeConfig, regions: &[RawRegion]) -> Result<Self, EmbedError> {
-        check_regions(regions)?;
+        check_regions(config, regions)?;
         // SAFETY: forwarded from the caller.
         let table = unsafe { tcp_regions(regions) };
         let node = TcpReceiver::new(config.receiver_config(), config.tcp.clone(), table)?;

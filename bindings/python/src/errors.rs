@@ -39,9 +39,9 @@ pub(crate) fn to_py(e: EmbedError) -> PyErr {
         EmbedError::Usage(_) => UsageError::new_err(message),
         EmbedError::Config(_) => ConfigError::new_err(message),
         EmbedError::Closed => ClosedError::new_err(message),
-        EmbedError::DuplicateRegion(_) | EmbedError::NullRegion(_) => {
-            PyValueError::new_err(message)
-        }
+        EmbedError::DuplicateRegion(_)
+        | EmbedError::NullRegion(_)
+        | EmbedError::MissingRegion { .. } => PyValueError::new_err(message),
         EmbedError::Io(_)
         | EmbedError::Close(_)
         | EmbedError::Registration(_)

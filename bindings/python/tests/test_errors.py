@@ -130,6 +130,8 @@ def test_bad_pools_and_settings_raise():
         kvpipe.Sender.tcp(layout(1), {1: "not a buffer"})
     with pytest.raises(ValueError, match='unknown deadline "handshak"'):
         kvpipe.Sender.tcp(layout(1), {1: src}, deadlines={"handshak": 1.0})
+    with pytest.raises(ValueError, match="a pool in region#1, but no memory was given for region#1"):
+        kvpipe.Sender.tcp(layout(1), {2: src})
     with pytest.raises(ValueError, match="connections must be between 1 and 255"):
         kvpipe.Sender.tcp(layout(1), {1: src}, connections=0)
     # A read-only pool is fine on the prefill side, which only reads.
