@@ -219,25 +219,28 @@ pub struct kvpipe_registration {
 /// `out` is null or points to writable memory for one [`kvpipe_deadlines`].
 #[no_mangle]
 pub unsafe extern "C" fn kvpipe_deadlines_default(out: *mut kvpipe_deadlines) {
-    if out.is_null() {
-        return;
-    }
-    let d = Deadlines::default();
-    let ms = |d: Duration| d.as_nanos() / 1_000_000;
-    let value = kvpipe_deadlines {
-        handshake_ms: ms(d.handshake),
-        registration_ms: ms(d.registration),
-        write_completion_ms: ms(d.write_completion),
-        result_wait_ms: ms(d.result_wait),
-        result_per_token_us: d.result_per_token.as_nanos() / 1000,
-        result_idle_ms: ms(d.result_idle),
-        aux_wait_ms: ms(d.aux_wait),
-        heartbeat_interval_ms: ms(d.heartbeat_interval),
-        liveness_timeout_ms: ms(d.liveness_timeout),
-        quiesce_ms: ms(d.quiesce),
-    };
-    // SAFETY: non-null and writable (the caller's promise).
-    unsafe { out.write(value) };
+    crate::status::guard(|| {
+        if out.is_null() {
+            return Err(Failure::invalid("out is null"));
+        }
+        let d = Deadlines::default();
+        let ms = |d: Duration| d.as_nanos() / 1_000_000;
+        let value = kvpipe_deadlines {
+            handshake_ms: ms(d.handshake),
+            registration_ms: ms(d.registration),
+            write_completion_ms: ms(d.write_completion),
+            result_wait_ms: ms(d.result_wait),
+            result_per_token_us: d.result_per_token.as_nanos() / 1000,
+            result_idle_ms: ms(d.result_idle),
+            aux_wait_ms: ms(d.aux_wait),
+            heartbeat_interval_ms: ms(d.heartbeat_interval),
+            liveness_timeout_ms: ms(d.liveness_timeout),
+            quiesce_ms: ms(d.quiesce),
+        };
+        // SAFETY: non-null and writable (the caller's promise).
+        unsafe { out.write(value) };
+        Ok(crate::status::kvpipe_status::KVPIPE_OK)
+    });
 }
 
 /// The `count` elements at `ptr` (empty when `count` is 0, whatever `ptr` is).

@@ -143,6 +143,14 @@ int main(void) {
     kvpipe_node_config scfg, rcfg;
     config_for(&scfg, &sgroup, spools, sregions, src, 1);
     config_for(&rcfg, &rgroup, rpools, rregions, dst, 100);
+    /* The core's default deadlines, with a shorter wait for the other side's results. */
+    kvpipe_deadlines deadlines;
+    kvpipe_deadlines_default(&deadlines);
+    CHECK(deadlines.handshake_ms == 5000 && deadlines.result_per_token_us == 2000,
+          "default deadlines: handshake %llu ms", (unsigned long long)deadlines.handshake_ms);
+    deadlines.result_wait_ms = 20000;
+    rcfg.deadlines = &deadlines;
+    scfg.deadlines = &deadlines;
 
     kvpipe_receiver *rx = NULL;
     kvpipe_sender *tx = NULL;
