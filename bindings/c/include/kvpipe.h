@@ -321,7 +321,8 @@ typedef struct kvpipe_node_config {
   uint64_t instance;
   // (Decode) the seed of memory grants (0: drawn like the instance id).
   uint64_t grant_seed;
-  // (TCP) connections the connecting side opens per peer (0: the transport's default, 2).
+  // (TCP) connections the connecting side opens per peer, 1 to 255 (0: the transport's
+  // default, 2).
   uint32_t tcp_connections;
 } kvpipe_node_config;
 

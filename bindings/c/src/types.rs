@@ -138,7 +138,8 @@ pub struct kvpipe_node_config {
     pub instance: u64,
     /// (Decode) the seed of memory grants (0: drawn like the instance id).
     pub grant_seed: u64,
-    /// (TCP) connections the connecting side opens per peer (0: the transport's default, 2).
+    /// (TCP) connections the connecting side opens per peer, 1 to 255 (0: the transport's
+    /// default, 2).
     pub tcp_connections: u32,
 }
 
@@ -371,8 +372,14 @@ pub(crate) unsafe fn read_config(config: *const kvpipe_node_config) -> Result<Re
     }
     node.instance = (c.instance != 0).then_some(InstanceId(c.instance));
     node.grant_seed = (c.grant_seed != 0).then_some(c.grant_seed);
-    if c.tcp_connections != 0 {
-        node.tcp.connections_per_peer = c.tcp_connections as usize;
+    match c.tcp_connections {
+        0 => {}
+        n @ 1..=255 => node.tcp.connections_per_peer = n as usize,
+        n => {
+            return Err(Failure::invalid(format!(
+                "config.tcp_connections is {n}; a peer takes 1 to 255 connections"
+            )))
+        }
     }
     // SAFETY: as above.
     let regions = unsafe { slice(c.regions, c.region_count, "config.regions") }?

@@ -129,8 +129,9 @@ fn in_process_transfer_through_the_abi() {
         );
 
         let (tx, rx) = (tx as *const kvpipe_sender, rx as *const kvpipe_receiver);
+        // A timeout too long for the clock waits until the event comes.
         poll(
-            &|ev| kvpipe_sender_poll_event(tx, 10, ev),
+            &|ev| kvpipe_sender_poll_event(tx, u64::MAX, ev),
             kvpipe_event_kind::KVPIPE_EVENT_PEER_READY,
         );
         let ready = poll(

@@ -35,6 +35,9 @@ pub type PrefillNode = Node<Sender>;
 /// A decode-side handle: a core [`Receiver`] over a transport.
 pub type DecodeNode = Node<Receiver>;
 
+/// The longest single wait handed to a transport (longer timeouts wait in several).
+const LONGEST_WAIT: Duration = Duration::from_secs(3600);
+
 pub(crate) enum Inner<E: Role> {
     Tcp(TcpNode<E>),
     Mem(MemSide),
@@ -115,11 +118,22 @@ impl<E: Role> Node<E> {
         })
     }
 
-    /// The endpoint's next event, waiting up to `timeout` (`Ok(None)`: none came in time).
+    /// The endpoint's next event, waiting up to `timeout` (`Ok(None)`: none came in time; a
+    /// timeout too long to add to the clock waits until an event comes).
     pub fn next_event(&self, timeout: Duration) -> Result<Option<Event>, EmbedError> {
-        self.with(|inner| match inner {
-            Inner::Tcp(node) => Ok(node.next_event(timeout)),
-            Inner::Mem(side) => side.next_event(timeout),
+        let deadline = std::time::Instant::now().checked_add(timeout);
+        self.with(|inner| loop {
+            let left = deadline.map_or(LONGEST_WAIT, |d| {
+                d.saturating_duration_since(std::time::Instant::now())
+            });
+            let wait = left.min(LONGEST_WAIT);
+            let event = match inner {
+                Inner::Tcp(node) => node.next_event(wait),
+                Inner::Mem(side) => side.next_event(wait)?,
+            };
+            if event.is_some() || wait == left {
+                return Ok(event);
+            }
         })
     }
 

@@ -51,9 +51,12 @@ fn seconds(timeout: f64) -> PyResult<Duration> {
 }
 
 fn next_event<E: Role>(py: Python<'_>, node: &Node<E>, timeout: f64) -> PyResult<Option<Event>> {
-    let deadline = Instant::now() + seconds(timeout)?;
+    // A timeout too long to add to the clock waits until an event comes.
+    let deadline = Instant::now().checked_add(seconds(timeout)?);
     loop {
-        let left = deadline.saturating_duration_since(Instant::now());
+        let left = deadline.map_or(Duration::MAX, |d| {
+            d.saturating_duration_since(Instant::now())
+        });
         let event = py
             .detach(|| node.next_event(left.min(SIGNAL_SLICE)))
             .map_err(to_py)?;
