@@ -35,8 +35,8 @@ pub type PrefillNode = Node<Sender>;
 /// A decode-side handle: a core [`Receiver`] over a transport.
 pub type DecodeNode = Node<Receiver>;
 
-/// The longest single wait handed to a transport (longer timeouts wait in several).
-const LONGEST_WAIT: Duration = Duration::from_secs(3600);
+/// The longest single wait handed to a transport (longer timeouts wait in several slices).
+const LONGEST_WAIT: Duration = Duration::from_millis(100);
 
 pub(crate) enum Inner<E: Role> {
     Tcp(TcpNode<E>),
@@ -122,19 +122,21 @@ impl<E: Role> Node<E> {
     /// timeout too long to add to the clock waits until an event comes).
     pub fn next_event(&self, timeout: Duration) -> Result<Option<Event>, EmbedError> {
         let deadline = std::time::Instant::now().checked_add(timeout);
-        self.with(|inner| loop {
+        loop {
             let left = deadline.map_or(LONGEST_WAIT, |d| {
                 d.saturating_duration_since(std::time::Instant::now())
             });
             let wait = left.min(LONGEST_WAIT);
-            let event = match inner {
-                Inner::Tcp(node) => node.next_event(wait),
-                Inner::Mem(side) => side.next_event(wait)?,
-            };
-            if event.is_some() || wait == left {
+            // The node is held for one slice at a time, so a `close` from another thread waits
+            // for at most one slice.
+            let event = self.with(|inner| match inner {
+                Inner::Tcp(node) => Ok(node.next_event(wait)),
+                Inner::Mem(side) => side.next_event(wait),
+            })?;
+            if event.is_some() || (deadline.is_some() && wait == left) {
                 return Ok(event);
             }
-        })
+        }
     }
 
     /// Whether the handshake with `peer` completed.
@@ -153,7 +155,8 @@ impl<E: Role> Node<E> {
     }
 
     /// Closes the node: over TCP every peer is closed in order (what was queued reaches it
-    /// first), bounded by `within`; an in-process handle lets go of its side of the pair.
+    /// first), bounded by `within`; an in-process handle lets go of its side of the pair. A
+    /// `next_event` waiting on another thread returns [`EmbedError::Closed`] within 100 ms.
     /// Every later call returns [`EmbedError::Closed`]. Dropping the node closes it too, bounded
     /// by the TCP close grace.
     pub fn close(&self, within: Duration) -> Result<(), EmbedError> {
