@@ -1,0 +1,34 @@
+//! # kvpipe-embed
+//!
+//! What an engine embeds, as one API whatever the transport: a [`PrefillNode`] (a core
+//! [`Sender`](kvpipe_core::Sender) driven by a transport) and a [`DecodeNode`] (a core
+//! [`Receiver`](kvpipe_core::Receiver)), each shareable between threads, with the role's engine
+//! commands and a blocking [`next_event`](PrefillNode::next_event) with a timeout. It is the
+//! layer under kvpipe's C ABI (`bindings/c`) and Python package (`bindings/python`), so both
+//! bind the same thing.
+//!
+//! - Transports: TCP ([`PrefillNode::tcp`], [`DecodeNode::tcp`]: `kvpipe-tcp`'s blocking
+//!   driver) and in-process ([`mem_pair`]: a connected `kvpipe-mem` pair, pumped by whichever
+//!   handle is polled).
+//! - Memory: regions are the engine's own memory given by address ([`RawRegion`]) when the node
+//!   is made; the node reads source bytes from them (prefill) or lands admitted writes in them
+//!   (decode) on its own threads. The engine keeps a request's blocks untouched until its
+//!   [`Event::Quiesced`](kvpipe_core::Event::Quiesced).
+//! - Block source: anything implementing [`BlockSource`](kvpipe_core::BlockSource); for
+//!   engines that keep a block table per request, [`BlockTables`] answers the core's bounded
+//!   queries from it.
+//!
+//! Every command returns the core's own error ([`EmbedError::Usage`], whose message says what
+//! to change); nothing here holds a protocol rule.
+
+mod config;
+mod error;
+mod mem;
+mod node;
+mod tables;
+
+pub use config::{instance_id, NodeConfig, RawRegion};
+pub use error::EmbedError;
+pub use mem::{mem_pair, MEM_RECEIVER_PEER, MEM_SENDER_PEER};
+pub use node::{DecodeNode, Node, PrefillNode, Role};
+pub use tables::BlockTables;

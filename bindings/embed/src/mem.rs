@@ -1,0 +1,150 @@
+//! The in-process transport behind a pair of handles: one `kvpipe-mem` pair, shared by the
+//! prefill and the decode handle and pumped by whichever of them is used. Each handle takes
+//! only its own endpoint's events.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant as StdInstant};
+
+use kvpipe_core::{Event, Instant, PeerId, Receiver, Sender};
+use kvpipe_mem::{Endpoint, MemPair, PairConfig, RegionUse};
+
+use crate::config::{check_regions, NodeConfig, RawRegion};
+use crate::node::{Inner, Node, Role};
+use crate::EmbedError;
+
+/// How the decode handle of a [`mem_pair`] names the prefill side.
+pub const MEM_SENDER_PEER: PeerId = kvpipe_mem::SENDER_PEER;
+/// How the prefill handle of a [`mem_pair`] names the decode side.
+pub const MEM_RECEIVER_PEER: PeerId = kvpipe_mem::RECEIVER_PEER;
+
+/// Longest one wait inside [`MemSide::next_event`] holds the pair, so the other handle's
+/// commands are not kept waiting.
+const WAIT_SLICE: Duration = Duration::from_millis(2);
+
+struct MemState {
+    pair: MemPair,
+    /// Undelivered events: the prefill side's, then the decode side's.
+    events: [VecDeque<Event>; 2],
+}
+
+impl MemState {
+    fn pump(&mut self) -> Result<(), EmbedError> {
+        self.pair.pump()?;
+        for (side, _, event) in self.pair.take_events() {
+            self.events[slot(side)].push_back(event);
+        }
+        Ok(())
+    }
+}
+
+fn slot(side: Endpoint) -> usize {
+    match side {
+        Endpoint::Sender => 0,
+        Endpoint::Receiver => 1,
+    }
+}
+
+/// One handle's view of the shared pair.
+pub(crate) struct MemSide {
+    state: Arc<Mutex<MemState>>,
+    side: Endpoint,
+}
+
+impl MemSide {
+    fn lock(&self) -> MutexGuard<'_, MemState> {
+        // A panic elsewhere cannot leave the pair half-updated in a way the next pump cannot
+        // read, so a poisoned lock is used as it is.
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Runs one engine command on this side's endpoint, then lets the pair carry it out.
+    pub(crate) fn command<E: Role, T>(
+        &self,
+        f: impl FnOnce(&mut E, Instant) -> Result<T, kvpipe_core::session::UsageError>,
+    ) -> Result<T, EmbedError> {
+        let mut st = self.lock();
+        let now = st.pair.now();
+        let out = f(E::of_pair(&mut st.pair), now)?;
+        st.pump()?;
+        Ok(out)
+    }
+
+    /// Reads the endpoint (a getter).
+    pub(crate) fn read<E: Role, T>(&self, f: impl FnOnce(&mut E) -> T) -> T {
+        f(E::of_pair(&mut self.lock().pair))
+    }
+
+    /// This side's next event, pumping the pair while waiting up to `timeout`.
+    pub(crate) fn next_event(&self, timeout: Duration) -> Result<Option<Event>, EmbedError> {
+        let deadline = StdInstant::now() + timeout;
+        loop {
+            let mut st = self.lock();
+            st.pump()?;
+            if let Some(event) = st.events[slot(self.side)].pop_front() {
+                return Ok(Some(event));
+            }
+            let left = deadline.saturating_duration_since(StdInstant::now());
+            if left.is_zero() {
+                return Ok(None);
+            }
+            st.pair.wait(left.min(WAIT_SLICE));
+        }
+    }
+}
+
+/// A prefill and a decode handle connected in this process (`kvpipe-mem`): write batches are
+/// memory copies on the transport's copy threads; frames go through the wire codec. Each side's
+/// regions are registered, the connection is made, and the handshake completes as the handles
+/// are polled ([`Event::PeerReady`] on each side). The prefill side names the decode side
+/// [`MEM_RECEIVER_PEER`]; the decode side names it [`MEM_SENDER_PEER`].
+///
+/// # Safety
+/// Every region follows [`RawRegion`]'s contract until both handles are dropped.
+pub unsafe fn mem_pair(
+    sender: &NodeConfig,
+    sender_regions: &[RawRegion],
+    receiver: &NodeConfig,
+    receiver_regions: &[RawRegion],
+) -> Result<(Node<Sender>, Node<Receiver>), EmbedError> {
+    check_regions(sender, sender_regions)?;
+    check_regions(receiver, receiver_regions)?;
+    let mut pair = MemPair::new(PairConfig::new(
+        sender.sender_config(),
+        receiver.receiver_config(),
+    ))?;
+    for (side, regions) in [
+        (Endpoint::Sender, sender_regions),
+        (Endpoint::Receiver, receiver_regions),
+    ] {
+        for r in regions {
+            // SAFETY: the caller keeps the region valid while the pair exists.
+            unsafe { pair.register_host(side, r.id, RegionUse::KvPool, r.ptr, r.len)? };
+        }
+    }
+    pair.connect()?;
+    let state = Arc::new(Mutex::new(MemState {
+        pair,
+        events: [VecDeque::new(), VecDeque::new()],
+    }));
+    let side = |side| MemSide {
+        state: state.clone(),
+        side,
+    };
+    Ok((
+        Node::from_inner(Inner::Mem(side(Endpoint::Sender))),
+        Node::from_inner(Inner::Mem(side(Endpoint::Receiver))),
+    ))
+}
+
+impl Role for Sender {
+    fn of_pair(pair: &mut MemPair) -> &mut Self {
+        pair.sender_mut()
+    }
+}
+
+impl Role for Receiver {
+    fn of_pair(pair: &mut MemPair) -> &mut Self {
+        pair.receiver_mut()
+    }
+}

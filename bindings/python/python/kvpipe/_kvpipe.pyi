@@ -1,0 +1,237 @@
+"""Type stubs of kvpipe's native module (re-exported by the ``kvpipe`` package)."""
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal, Protocol, final
+
+from typing_extensions import Buffer, Self
+
+__version__: str
+MEM_SENDER_PEER: int
+"""How the decode node of a :func:`mem_pair` names the prefill node."""
+MEM_RECEIVER_PEER: int
+"""How the prefill node of a :func:`mem_pair` names the decode node."""
+
+class KvpipeError(Exception):
+    """Base of kvpipe's errors; the message is the core's or the transport's own."""
+
+class UsageError(KvpipeError):
+    """The core refused an engine command (state unchanged), or a block source broke its
+    contract (the request was failed on both sides)."""
+
+class ConfigError(KvpipeError):
+    """The configuration cannot run pipelined transfer."""
+
+class TransportError(KvpipeError):
+    """A socket operation or the transport failed (listen, connect, an unfinished close)."""
+
+class ClosedError(KvpipeError):
+    """The node was closed."""
+
+@final
+class Pool:
+    """One pool of a layer group: block slot ``b`` is the bytes
+    ``[b * slot_bytes, (b + 1) * slot_bytes)`` of region ``region``."""
+
+    region: int
+    layers: int
+    slot_bytes: int
+    layer_begin: int
+    def __init__(self, region: int, layers: int, slot_bytes: int, layer_begin: int = 0) -> None: ...
+
+@final
+class LayerGroup:
+    """Layers sharing one block table per request; a slot's bytes are laid out
+    ``[layer][K|V][head][token][dim]``."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    elem_bytes: int
+    tokens_per_block: int
+    pools: list[Pool]
+    kv_factor: int
+    window: int | None
+    model_layers: int
+    first_layer: int
+    model_kv_heads: int
+    first_head: int
+    def __init__(
+        self,
+        layers: int,
+        kv_heads: int,
+        head_dim: int,
+        elem_bytes: int,
+        tokens_per_block: int,
+        pools: Sequence[Pool],
+        *,
+        kv_factor: int = 2,
+        window: int | None = None,
+        model_layers: int = 0,
+        first_layer: int = 0,
+        model_kv_heads: int = 0,
+        first_head: int = 0,
+    ) -> None: ...
+    def layer_block_bytes(self) -> int:
+        """``kv_factor * kv_heads * tokens_per_block * head_dim * elem_bytes``."""
+
+EventKind = Literal[
+    "peer_ready",
+    "peer_rejected",
+    "protocol_violation",
+    "registered",
+    "completed",
+    "failed",
+    "timed_out",
+    "cancelled",
+    "quiesced",
+]
+
+@final
+class Event:
+    """Something a node tells its engine; attributes that do not apply are ``None``."""
+
+    kind: EventKind
+    request: int | None
+    peer: int | None
+    peer_role: Literal["prefill", "decode"] | None
+    instance: int | None
+    status: str | None
+    """e.g. ``"success"``, ``"peer_lost"``, ``"engine_error"``, ``"timed_out"``."""
+    waiting_for: str | None
+    reason: str | None
+    cancelled_by_peer: bool | None
+    sender_slice: int | None
+    receiver_slice: int | None
+    bytes_written: int | None
+    first_tokens: list[int] | None
+    draft_tokens: list[int] | None
+    prompt_tokens: int | None
+    cached_tokens: int | None
+    started_ns: int | None
+    first_byte_ns: int | None
+    last_byte_ns: int | None
+    ended_ns: int | None
+    message: str
+
+class BlockSourceFn(Protocol):
+    """``(request, group, begin, end) -> (first_ordinal, ids)``: the contiguous run of resident
+    blocks ending at ``end`` (shorter than asked only for an evicted window head, never longer,
+    no holes; ``end`` past the allocation raises)."""
+
+    def __call__(self, request: int, group: int, begin: int, end: int, /) -> tuple[int, Sequence[int]]: ...
+
+BlockTables = Sequence[Sequence[int | None]]
+"""Per layer group, the slot of each block ordinal (negative or ``None``: not resident)."""
+
+Deadlines = Mapping[
+    Literal[
+        "handshake",
+        "registration",
+        "write_completion",
+        "result_wait",
+        "result_per_token",
+        "result_idle",
+        "aux_wait",
+        "heartbeat_interval",
+        "liveness_timeout",
+        "quiesce",
+    ],
+    float,
+]
+"""Seconds, over the core's defaults."""
+
+Pools = Mapping[int, Buffer]
+"""Region id -> a C-contiguous buffer (a numpy array), used in place."""
+
+class Sender:
+    """A prefill-side node: kvpipe's core sender over a transport."""
+
+    @staticmethod
+    def tcp(
+        layout: Sequence[LayerGroup],
+        pools: Pools,
+        *,
+        connections: int = 2,
+        deadlines: Deadlines | None = None,
+        instance: int | None = None,
+    ) -> Sender: ...
+    @property
+    def transport(self) -> Literal["tcp", "mem"]: ...
+    def listen(self, addr: str) -> int: ...
+    def connect(self, addr: str) -> int: ...
+    def next_event(self, timeout: float = 0.0) -> Event | None: ...
+    def is_peer_ready(self, peer: int) -> bool: ...
+    def counters(self) -> dict[str, int]: ...
+    def open_request(self, request: int, receivers: Sequence[int]) -> None: ...
+    def submit_chunk(
+        self,
+        request: int,
+        start: int,
+        end: int,
+        prompt_len: int,
+        blocks: BlockTables | BlockSourceFn,
+        *,
+        prepopulated_len: int = 0,
+        is_last: bool | None = None,
+        prefix_sent_early: bool = False,
+    ) -> int | None: ...
+    def submit_prefix(
+        self, request: int, prompt_len: int, prepopulated_len: int, blocks: BlockTables | BlockSourceFn
+    ) -> int | None: ...
+    def submit_aux(
+        self,
+        request: int,
+        first_tokens: Sequence[int],
+        *,
+        prompt_tokens: int = 0,
+        cached_tokens: int = 0,
+        draft_tokens: Sequence[int] = (),
+    ) -> None: ...
+    def cancel(self, request: int) -> None: ...
+    def retire(self, request: int) -> None: ...
+    def close(self, timeout: float = 10.0) -> None: ...
+    def __enter__(self) -> Self: ...
+    def __exit__(self, *exc: Any) -> bool: ...
+
+class Receiver:
+    """A decode-side node: kvpipe's core receiver over a transport."""
+
+    @staticmethod
+    def tcp(
+        layout: Sequence[LayerGroup],
+        pools: Pools,
+        *,
+        connections: int = 2,
+        deadlines: Deadlines | None = None,
+        instance: int | None = None,
+    ) -> Receiver: ...
+    @property
+    def transport(self) -> Literal["tcp", "mem"]: ...
+    def listen(self, addr: str) -> int: ...
+    def connect(self, addr: str) -> int: ...
+    def next_event(self, timeout: float = 0.0) -> Event | None: ...
+    def is_peer_ready(self, peer: int) -> bool: ...
+    def counters(self) -> dict[str, int]: ...
+    def register(
+        self,
+        request: int,
+        prompt_len: int,
+        blocks: Sequence[tuple[int, Sequence[int]]],
+        writers: Sequence[int],
+        *,
+        aux_capacity: int = 1024,
+    ) -> int: ...
+    def cancel(self, request: int) -> None: ...
+    def retire(self, request: int) -> None: ...
+    def close(self, timeout: float = 10.0) -> None: ...
+    def __enter__(self) -> Self: ...
+    def __exit__(self, *exc: Any) -> bool: ...
+
+def mem_pair(
+    sender_layout: Sequence[LayerGroup],
+    sender_pools: Pools,
+    receiver_layout: Sequence[LayerGroup],
+    receiver_pools: Pools,
+    *,
+    deadlines: Deadlines | None = None,
+) -> tuple[Sender, Receiver]: ...

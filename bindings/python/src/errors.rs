@@ -1,0 +1,51 @@
+//! The package's exceptions, each carrying the underlying crate's message.
+
+use kvpipe_embed::EmbedError;
+use pyo3::create_exception;
+use pyo3::exceptions::{PyException, PyValueError};
+use pyo3::PyErr;
+
+create_exception!(
+    kvpipe,
+    KvpipeError,
+    PyException,
+    "Base of kvpipe's errors; the message is the core's or the transport's own."
+);
+create_exception!(
+    kvpipe,
+    UsageError,
+    KvpipeError,
+    "The core refused an engine command (state unchanged), or a block source broke its contract \
+     (the request was failed on both sides)."
+);
+create_exception!(
+    kvpipe,
+    ConfigError,
+    KvpipeError,
+    "The configuration cannot run pipelined transfer."
+);
+create_exception!(
+    kvpipe,
+    TransportError,
+    KvpipeError,
+    "A socket operation or the transport failed (listen, connect, an unfinished close)."
+);
+create_exception!(kvpipe, ClosedError, KvpipeError, "The node was closed.");
+
+/// The exception for `e`.
+pub(crate) fn to_py(e: EmbedError) -> PyErr {
+    let message = e.to_string();
+    match e {
+        EmbedError::Usage(_) => UsageError::new_err(message),
+        EmbedError::Config(_) => ConfigError::new_err(message),
+        EmbedError::Closed => ClosedError::new_err(message),
+        EmbedError::DuplicateRegion(_)
+        | EmbedError::NullRegion(_)
+        | EmbedError::MissingRegion { .. } => PyValueError::new_err(message),
+        EmbedError::Io(_)
+        | EmbedError::Close(_)
+        | EmbedError::Registration(_)
+        | EmbedError::Drive(_)
+        | EmbedError::Unsupported { .. } => TransportError::new_err(message),
+    }
+}

@@ -1,0 +1,480 @@
+//! The node classes: `Sender` (prefill side) and `Receiver` (decode side), and `mem_pair`.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvpipe_core::session::{Registration, SendRequest};
+use kvpipe_core::wire::AuxData;
+use kvpipe_core::{
+    AnchoredRun, BlockId, ChunkSpec, InstanceId, PeerId, Receiver as CoreReceiver, RequestId,
+    Sender as CoreSender,
+};
+use kvpipe_embed::{mem_pair as embed_mem_pair, EmbedError, Node, NodeConfig, Role};
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::errors::to_py;
+use crate::event::Event;
+use crate::layout::{deadlines, layout, LayerGroup};
+use crate::pools::{pools, Pools};
+use crate::source::PySource;
+
+/// Longest stretch a blocking wait runs without checking for Ctrl-C.
+const SIGNAL_SLICE: Duration = Duration::from_millis(50);
+
+fn config(
+    groups: &[PyRef<'_, LayerGroup>],
+    connections: usize,
+    given: Option<&Bound<'_, PyDict>>,
+    instance: Option<u64>,
+) -> PyResult<NodeConfig> {
+    if !(1..=255).contains(&connections) {
+        return Err(PyValueError::new_err(format!(
+            "connections must be between 1 and 255, got {connections}"
+        )));
+    }
+    let mut c = NodeConfig::new(layout(groups));
+    c.deadlines = deadlines(given)?;
+    c.instance = instance.map(InstanceId);
+    c.tcp.connections_per_peer = connections;
+    Ok(c)
+}
+
+fn seconds(timeout: f64) -> PyResult<Duration> {
+    Duration::try_from_secs_f64(timeout).map_err(|_| {
+        PyValueError::new_err(format!(
+            "a timeout is a non-negative number of seconds, got {timeout}"
+        ))
+    })
+}
+
+fn next_event<E: Role>(py: Python<'_>, node: &Node<E>, timeout: f64) -> PyResult<Option<Event>> {
+    // A timeout too long to add to the clock waits until an event comes.
+    let deadline = Instant::now().checked_add(seconds(timeout)?);
+    loop {
+        let left = deadline.map_or(Duration::MAX, |d| {
+            d.saturating_duration_since(Instant::now())
+        });
+        let event = py
+            .detach(|| node.next_event(left.min(SIGNAL_SLICE)))
+            .map_err(to_py)?;
+        if let Some(event) = event {
+            return Ok(Some(event.into()));
+        }
+        py.check_signals()?;
+        if left <= SIGNAL_SLICE {
+            return Ok(None);
+        }
+    }
+}
+
+fn counters<E: Role>(node: &Node<E>) -> PyResult<HashMap<&'static str, u64>> {
+    let c = node.counters().map_err(to_py)?;
+    Ok(HashMap::from([
+        ("bytes_planned", c.bytes_planned),
+        ("bytes_written", c.bytes_written),
+        ("bytes_landed", c.bytes_landed),
+        ("slices", c.slices),
+        ("write_batches", c.write_batches),
+        ("completions", c.completions),
+        ("failures", c.failures.total()),
+        ("timeouts", c.timeouts),
+        ("cancellations", c.cancellations),
+        ("quiesced", c.quiesced),
+        ("retirements", c.retirements),
+        ("protocol_errors", c.protocol_errors),
+        ("writes_refused", c.writes_refused),
+        ("late_writes", c.late_writes),
+    ]))
+}
+
+fn run<T: Send>(py: Python<'_>, f: impl FnOnce() -> Result<T, EmbedError> + Send) -> PyResult<T> {
+    py.detach(f).map_err(to_py)
+}
+
+/// A prefill-side node: kvpipe's core sender over a transport. Open a request naming its
+/// decode peers, submit each prefill chunk as it is computed (its blocks are written to every
+/// peer that registered), then the aux data; read events with :meth:`next_event`.
+///
+/// Made by :meth:`Sender.tcp` or :func:`mem_pair`. Methods release the GIL while they work; a
+/// node may be used from several threads.
+#[pyclass(frozen, module = "kvpipe")]
+pub(crate) struct Sender {
+    node: Node<CoreSender>,
+    _pools: Arc<Vec<Pools>>,
+}
+
+/// A decode-side node: kvpipe's core receiver over a transport. Register each request's
+/// destination blocks and writers before its prefill starts; every incoming write is admitted
+/// against that registration before a byte lands. Read events with :meth:`next_event`.
+///
+/// Made by :meth:`Receiver.tcp` or :func:`mem_pair`.
+#[pyclass(frozen, module = "kvpipe")]
+pub(crate) struct Receiver {
+    node: Node<CoreReceiver>,
+    _pools: Arc<Vec<Pools>>,
+}
+
+#[pymethods]
+impl Sender {
+    /// A prefill node over TCP. ``layout`` is the KV cache's layer groups; ``pools`` maps each
+    /// region id the pools name to an object exporting a C-contiguous buffer (a numpy array),
+    /// read in place and kept alive while the node exists. ``connections``: sockets per peer
+    /// (this side connects); ``deadlines``: ``{name: seconds}`` over the core's defaults;
+    /// ``instance``: the handshake's instance id (default: from the process id and clock).
+    #[staticmethod]
+    #[pyo3(signature = (layout, pools, *, connections = 2, deadlines = None, instance = None))]
+    fn tcp(
+        layout: Vec<PyRef<'_, LayerGroup>>,
+        pools: &Bound<'_, PyDict>,
+        connections: usize,
+        deadlines: Option<&Bound<'_, PyDict>>,
+        instance: Option<u64>,
+    ) -> PyResult<Self> {
+        let c = config(&layout, connections, deadlines, instance)?;
+        let (regions, held) = self::pools(pools, false)?;
+        // SAFETY: the buffers stay exported (held) as long as the node: `_pools` is declared
+        // after `node`, so the node and its threads are gone before a buffer is released.
+        let node = unsafe { Node::<CoreSender>::tcp(&c, &regions) }.map_err(to_py)?;
+        Ok(Sender {
+            node,
+            _pools: Arc::new(vec![held]),
+        })
+    }
+
+    /// The transport: ``"tcp"`` or ``"mem"``.
+    #[getter]
+    fn transport(&self) -> PyResult<&'static str> {
+        self.node.transport().map_err(to_py)
+    }
+
+    /// Accepts peers on ``addr`` (``"127.0.0.1:0"`` picks a free port); returns the port.
+    fn listen(&self, py: Python<'_>, addr: &str) -> PyResult<u16> {
+        run(py, || self.node.listen(addr)).map(|a| a.port())
+    }
+
+    /// Connects to a decode node listening at ``addr`` (``"host:port"``); returns the peer id
+    /// this node gives it. A ``"peer_ready"`` (or ``"peer_rejected"``) event follows.
+    fn connect(&self, py: Python<'_>, addr: &str) -> PyResult<u32> {
+        run(py, || self.node.connect(addr)).map(|p| p.0)
+    }
+
+    /// The next event, waiting up to ``timeout`` seconds; ``None`` if none came.
+    #[pyo3(signature = (timeout = 0.0))]
+    fn next_event(&self, py: Python<'_>, timeout: f64) -> PyResult<Option<Event>> {
+        next_event(py, &self.node, timeout)
+    }
+
+    /// Whether the handshake with ``peer`` completed.
+    fn is_peer_ready(&self, peer: u32) -> PyResult<bool> {
+        self.node.is_peer_ready(PeerId(peer)).map_err(to_py)
+    }
+
+    /// The core's counters (``bytes_written``, ``completions``, ``failures``, …).
+    fn counters(&self) -> PyResult<HashMap<&'static str, u64>> {
+        counters(&self.node)
+    }
+
+    /// Opens ``request`` before its first chunk, naming the decode peers it is written to.
+    fn open_request(&self, py: Python<'_>, request: u64, receivers: Vec<u32>) -> PyResult<()> {
+        let req = SendRequest::new(RequestId(request), receivers.into_iter().map(PeerId));
+        run(py, || self.node.open_request(req))
+    }
+
+    /// Submits the prefill chunk ``[start, end)`` of ``request`` just computed; its blocks go
+    /// to every decode peer that registered. ``blocks`` answers the core's bounded queries:
+    /// either a sequence of per-group block tables (entry ``o`` is the slot of block ordinal
+    /// ``o``; negative or ``None``: not resident) or a callable
+    /// ``blocks(request, group, begin, end) -> (first_ordinal, ids)`` returning the run of
+    /// resident blocks ending at ``end`` (called with the node locked: it must not call into
+    /// this node). ``is_last`` defaults to ``end == prompt_len``.
+    /// Returns the slice id, or ``None`` when the chunk completes no block. Leave the blocks
+    /// unchanged until the request's ``"quiesced"`` event.
+    #[pyo3(signature = (
+        request, start, end, prompt_len, blocks, *, prepopulated_len = 0, is_last = None,
+        prefix_sent_early = false
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn submit_chunk(
+        &self,
+        py: Python<'_>,
+        request: u64,
+        start: u32,
+        end: u32,
+        prompt_len: u32,
+        blocks: &Bound<'_, PyAny>,
+        prepopulated_len: u32,
+        is_last: Option<bool>,
+        prefix_sent_early: bool,
+    ) -> PyResult<Option<u32>> {
+        let spec = ChunkSpec {
+            start,
+            end,
+            prompt_len,
+            prepopulated_len,
+            is_last: is_last.unwrap_or(end == prompt_len),
+            prefix_sent_early,
+        };
+        let mut source = PySource::new(blocks);
+        let result = py.detach(|| {
+            self.node
+                .submit_chunk(RequestId(request), spec, &mut source)
+        });
+        if let Some(e) = source.error {
+            return Err(e);
+        }
+        Ok(result.map_err(to_py)?.map(|s| s.0))
+    }
+
+    /// Sends the cached prefix (``prepopulated_len`` tokens) of ``request`` before its first
+    /// chunk; its chunks then pass ``prefix_sent_early=True``. ``blocks`` as in
+    /// :meth:`submit_chunk`. Returns the slice id, or ``None`` when the prefix fills no block.
+    fn submit_prefix(
+        &self,
+        py: Python<'_>,
+        request: u64,
+        prompt_len: u32,
+        prepopulated_len: u32,
+        blocks: &Bound<'_, PyAny>,
+    ) -> PyResult<Option<u32>> {
+        let mut source = PySource::new(blocks);
+        let result = py.detach(|| {
+            self.node.submit_prefix(
+                RequestId(request),
+                prompt_len,
+                prepopulated_len,
+                &mut source,
+            )
+        });
+        if let Some(e) = source.error {
+            return Err(e);
+        }
+        Ok(result.map_err(to_py)?.map(|s| s.0))
+    }
+
+    /// Submits the aux data of ``request`` (the first generated token(s), draft tokens and
+    /// counts), carried inline after its KV; the transfer completes only with it.
+    #[pyo3(signature = (request, first_tokens, *, prompt_tokens = 0, cached_tokens = 0, draft_tokens = Vec::new()))]
+    fn submit_aux(
+        &self,
+        py: Python<'_>,
+        request: u64,
+        first_tokens: Vec<u32>,
+        prompt_tokens: u32,
+        cached_tokens: u32,
+        draft_tokens: Vec<u32>,
+    ) -> PyResult<()> {
+        let aux = AuxData {
+            prompt_tokens,
+            cached_tokens,
+            first_tokens,
+            draft_tokens,
+        };
+        run(py, || self.node.submit_aux(RequestId(request), aux))
+    }
+
+    /// Cancels ``request`` in any phase (one not opened yet is cancelled when it is).
+    fn cancel(&self, py: Python<'_>, request: u64) -> PyResult<()> {
+        run(py, || self.node.cancel(RequestId(request)))
+    }
+
+    /// Retires ``request`` after its ``"quiesced"`` event; its id is never used again.
+    fn retire(&self, py: Python<'_>, request: u64) -> PyResult<()> {
+        run(py, || self.node.retire(RequestId(request)))
+    }
+
+    /// Closes the node: over TCP every peer in order (what was queued reaches it first),
+    /// waiting at most ``timeout`` seconds. Later calls raise :class:`ClosedError`.
+    #[pyo3(signature = (timeout = 10.0))]
+    fn close(&self, py: Python<'_>, timeout: f64) -> PyResult<()> {
+        let within = seconds(timeout)?;
+        run(py, || self.node.close(within))
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    fn __exit__(
+        &self,
+        py: Python<'_>,
+        _ty: Option<&Bound<'_, PyAny>>,
+        _value: Option<&Bound<'_, PyAny>>,
+        _tb: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<bool> {
+        if self.node.transport().is_ok() {
+            run(py, || self.node.close(Duration::from_secs(10)))?;
+        }
+        Ok(false)
+    }
+}
+
+/// The anchored runs of a registration's ``blocks``: one ``(first_ordinal, ids)`` per group.
+fn anchored_runs(blocks: &Bound<'_, PyAny>) -> PyResult<Vec<AnchoredRun>> {
+    let mut runs = Vec::new();
+    for item in blocks.try_iter()? {
+        let item = item?;
+        let (first, ids): (u32, Bound<'_, PyAny>) = item.extract().map_err(|_| {
+            PyTypeError::new_err(
+                "each group's blocks are (first_ordinal, ids): the ordinal of ids[0] is given, \
+                 never inferred",
+            )
+        })?;
+        let mut run = AnchoredRun::empty(first);
+        for id in ids.try_iter()? {
+            run.push(BlockId(id?.extract()?));
+        }
+        runs.push(run);
+    }
+    Ok(runs)
+}
+
+#[pymethods]
+impl Receiver {
+    /// A decode node over TCP. ``pools`` maps region ids to writable C-contiguous buffers
+    /// (numpy arrays) the received KV lands in, in place; the rest as :meth:`Sender.tcp`
+    /// (``connections`` applies when this side connects).
+    #[staticmethod]
+    #[pyo3(signature = (layout, pools, *, connections = 2, deadlines = None, instance = None))]
+    fn tcp(
+        layout: Vec<PyRef<'_, LayerGroup>>,
+        pools: &Bound<'_, PyDict>,
+        connections: usize,
+        deadlines: Option<&Bound<'_, PyDict>>,
+        instance: Option<u64>,
+    ) -> PyResult<Self> {
+        let c = config(&layout, connections, deadlines, instance)?;
+        let (regions, held) = self::pools(pools, true)?;
+        // SAFETY: as in `Sender::tcp`.
+        let node = unsafe { Node::<CoreReceiver>::tcp(&c, &regions) }.map_err(to_py)?;
+        Ok(Receiver {
+            node,
+            _pools: Arc::new(vec![held]),
+        })
+    }
+
+    /// The transport: ``"tcp"`` or ``"mem"``.
+    #[getter]
+    fn transport(&self) -> PyResult<&'static str> {
+        self.node.transport().map_err(to_py)
+    }
+
+    /// Accepts peers on ``addr`` (``"127.0.0.1:0"`` picks a free port); returns the port.
+    fn listen(&self, py: Python<'_>, addr: &str) -> PyResult<u16> {
+        run(py, || self.node.listen(addr)).map(|a| a.port())
+    }
+
+    /// Connects to a prefill node listening at ``addr``; returns the peer id.
+    fn connect(&self, py: Python<'_>, addr: &str) -> PyResult<u32> {
+        run(py, || self.node.connect(addr)).map(|p| p.0)
+    }
+
+    /// The next event, waiting up to ``timeout`` seconds; ``None`` if none came.
+    #[pyo3(signature = (timeout = 0.0))]
+    fn next_event(&self, py: Python<'_>, timeout: f64) -> PyResult<Option<Event>> {
+        next_event(py, &self.node, timeout)
+    }
+
+    /// Whether the handshake with ``peer`` completed.
+    fn is_peer_ready(&self, peer: u32) -> PyResult<bool> {
+        self.node.is_peer_ready(PeerId(peer)).map_err(to_py)
+    }
+
+    /// The core's counters (``bytes_written``, ``bytes_landed``, ``writes_refused``, …).
+    fn counters(&self) -> PyResult<HashMap<&'static str, u64>> {
+        counters(&self.node)
+    }
+
+    /// Registers the destination of ``request`` before its prefill starts: ``blocks`` holds
+    /// one ``(first_ordinal, ids)`` per layer group (block ordinal ``first_ordinal + i`` lands
+    /// in slot ``ids[i]``; blocks this side holds already are left out), ``writers`` the
+    /// prefill peers that write it. Returns the registration's id.
+    #[pyo3(signature = (request, prompt_len, blocks, writers, *, aux_capacity = 1024))]
+    fn register(
+        &self,
+        py: Python<'_>,
+        request: u64,
+        prompt_len: u32,
+        blocks: &Bound<'_, PyAny>,
+        writers: Vec<u32>,
+        aux_capacity: u32,
+    ) -> PyResult<u32> {
+        let reg = Registration {
+            request: RequestId(request),
+            prompt_len,
+            groups: anchored_runs(blocks)?,
+            writers: writers.into_iter().map(PeerId).collect(),
+            aux_capacity,
+        };
+        run(py, || self.node.register(reg)).map(|s| s.0)
+    }
+
+    /// Cancels ``request`` in any phase (one not registered yet is cancelled when it is).
+    fn cancel(&self, py: Python<'_>, request: u64) -> PyResult<()> {
+        run(py, || self.node.cancel(RequestId(request)))
+    }
+
+    /// Retires ``request`` after its ``"quiesced"`` event.
+    fn retire(&self, py: Python<'_>, request: u64) -> PyResult<()> {
+        run(py, || self.node.retire(RequestId(request)))
+    }
+
+    /// Closes the node (see :meth:`Sender.close`).
+    #[pyo3(signature = (timeout = 10.0))]
+    fn close(&self, py: Python<'_>, timeout: f64) -> PyResult<()> {
+        let within = seconds(timeout)?;
+        run(py, || self.node.close(within))
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    fn __exit__(
+        &self,
+        py: Python<'_>,
+        _ty: Option<&Bound<'_, PyAny>>,
+        _value: Option<&Bound<'_, PyAny>>,
+        _tb: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<bool> {
+        if self.node.transport().is_ok() {
+            run(py, || self.node.close(Duration::from_secs(10)))?;
+        }
+        Ok(false)
+    }
+}
+
+/// A prefill and a decode node connected in this process (memory copies on the transport's
+/// copy threads). The handshake completes as the nodes are polled; the prefill node names the
+/// decode node :data:`MEM_RECEIVER_PEER`, the decode node names it :data:`MEM_SENDER_PEER`.
+/// Each side's pools are kept alive until both nodes are gone.
+#[pyfunction]
+#[pyo3(signature = (sender_layout, sender_pools, receiver_layout, receiver_pools, *, deadlines = None))]
+pub(crate) fn mem_pair(
+    sender_layout: Vec<PyRef<'_, LayerGroup>>,
+    sender_pools: &Bound<'_, PyDict>,
+    receiver_layout: Vec<PyRef<'_, LayerGroup>>,
+    receiver_pools: &Bound<'_, PyDict>,
+    deadlines: Option<&Bound<'_, PyDict>>,
+) -> PyResult<(Sender, Receiver)> {
+    let s = config(&sender_layout, 1, deadlines, None)?;
+    let r = config(&receiver_layout, 1, deadlines, None)?;
+    let (s_regions, s_held) = pools(sender_pools, false)?;
+    let (r_regions, r_held) = pools(receiver_pools, true)?;
+    // SAFETY: both nodes hold both sides' buffers (`_pools`, dropped after `node`), so no
+    // buffer is released while the pair, which lives until both nodes are gone, can use it.
+    let (tx, rx) = unsafe { embed_mem_pair(&s, &s_regions, &r, &r_regions) }.map_err(to_py)?;
+    let held = Arc::new(vec![s_held, r_held]);
+    Ok((
+        Sender {
+            node: tx,
+            _pools: held.clone(),
+        },
+        Receiver {
+            node: rx,
+            _pools: held,
+        },
+    ))
+}

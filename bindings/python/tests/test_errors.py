@@ -1,0 +1,181 @@
+"""Bad input raises a Python exception; refusals by the core carry the core's message."""
+
+import numpy as np
+import pytest
+
+import kvpipe
+
+SLOT = 2 * 1 * 4 * 8 * 2 * 2  # kv factor × heads × tokens per block × dim × bytes × layers
+
+
+def layout(region):
+    return [
+        kvpipe.LayerGroup(
+            layers=2, kv_heads=1, head_dim=8, elem_bytes=2, tokens_per_block=4,
+            pools=[kvpipe.Pool(region=region, layers=2, slot_bytes=SLOT)],
+        )
+    ]
+
+
+def until(node, kind, timeout=5.0):
+    import time
+
+    deadline = time.monotonic() + timeout
+    seen = []
+    while time.monotonic() < deadline:
+        e = node.next_event(0.05)
+        if e is not None:
+            seen.append(e)
+            if e.kind == kind:
+                return e, seen
+    raise AssertionError(f"no {kind} event in {timeout} s; saw {seen}")
+
+
+@pytest.fixture
+def pair():
+    src = np.arange(16 * SLOT, dtype=np.uint32).astype(np.uint8).reshape(16, SLOT)
+    dst = np.zeros((16, SLOT), dtype=np.uint8)
+    tx, rx = kvpipe.mem_pair(layout(1), {1: src}, layout(9), {9: dst})
+    until(tx, "peer_ready")
+    until(rx, "peer_ready")
+    yield tx, rx, src, dst
+    tx.close()
+    rx.close()
+
+
+def test_a_small_transfer_in_process(pair):
+    tx, rx, src, dst = pair
+    assert tx.transport == "mem" and rx.transport == "mem"
+    rx.register(5, 10, [(0, [10, 11, 12])], [kvpipe.MEM_SENDER_PEER])
+    tx.open_request(5, [kvpipe.MEM_RECEIVER_PEER])
+    table = [2, 3, 4]
+    assert tx.submit_chunk(5, 0, 6, 10, [table]) is not None
+    # A callable block source: the run of resident blocks ending at `end`.
+    assert tx.submit_chunk(5, 6, 10, 10, lambda r, g, b, e: (b, table[b:e])) is not None
+    tx.submit_aux(5, [7, 8], prompt_tokens=10, draft_tokens=[9])
+    done, _ = until(rx, "completed")
+    assert done.bytes_written == 3 * SLOT
+    assert done.first_tokens == [7, 8] and done.draft_tokens == [9]
+    until(rx, "quiesced")
+    until(tx, "quiesced")
+    assert (dst[10:13] == src[2:5]).all()
+    assert not dst[:10].any() and not dst[13:].any()
+    tx.retire(5)
+    rx.retire(5)
+    assert tx.counters()["bytes_written"] == 3 * SLOT
+    assert rx.counters()["bytes_landed"] == 3 * SLOT
+
+
+def test_core_refusals_raise_usage_error_with_the_core_message(pair):
+    tx, rx, _, _ = pair
+    with pytest.raises(kvpipe.UsageError, match="req#99 is not known to this endpoint"):
+        tx.submit_chunk(99, 0, 4, 10, [[0, 1, 2]])
+    with pytest.raises(kvpipe.UsageError, match="2 layer groups given, the layout has 1"):
+        rx.register(5, 10, [(0, [1, 2, 3]), (0, [4, 5, 6])], [kvpipe.MEM_SENDER_PEER])
+    tx.open_request(6, [kvpipe.MEM_RECEIVER_PEER])
+    with pytest.raises(kvpipe.UsageError, match="already open"):
+        tx.open_request(6, [kvpipe.MEM_RECEIVER_PEER])
+    with pytest.raises(kvpipe.UsageError, match="past the 2 blocks allocated"):
+        tx.submit_chunk(6, 0, 10, 10, [[0, 1]])
+    assert tx.submit_chunk(6, 0, 4, 10, [[0, 1, 2]]) is not None
+    with pytest.raises(kvpipe.UsageError, match="starts at token 6, expected 4"):
+        tx.submit_chunk(6, 6, 10, 10, [[0, 1, 2]])
+    with pytest.raises(kvpipe.UsageError, match="is not quiesced yet"):
+        tx.retire(6)
+    assert issubclass(kvpipe.UsageError, kvpipe.KvpipeError)
+
+
+def test_a_block_source_breaking_its_contract_fails_the_request_on_both_sides(pair):
+    tx, rx, _, _ = pair
+    rx.register(7, 8, [(0, [1, 2])], [kvpipe.MEM_SENDER_PEER])
+    tx.open_request(7, [kvpipe.MEM_RECEIVER_PEER])
+    with pytest.raises(kvpipe.UsageError, match="longer than asked.*failed on both sides"):
+        tx.submit_chunk(7, 0, 8, 8, lambda r, g, b, e: (b, list(range(e - b + 1))))
+    failed, _ = until(rx, "failed")
+    assert failed.status == "engine_error" and failed.request == 7
+    until(rx, "quiesced")
+
+
+def test_a_block_source_exception_propagates(pair):
+    tx, _, _, _ = pair
+    tx.open_request(8, [kvpipe.MEM_RECEIVER_PEER])
+
+    def broken(request, group, begin, end):
+        raise RuntimeError("the engine's cache is gone")
+
+    with pytest.raises(RuntimeError, match="cache is gone"):
+        tx.submit_chunk(8, 0, 4, 8, broken)
+    with pytest.raises(TypeError, match="returns \\(first_ordinal, ids\\)"):
+        tx.submit_chunk(8, 0, 4, 8, lambda r, g, b, e: 3)
+    # Nothing changed: the chunk can still be submitted.
+    assert tx.submit_chunk(8, 0, 4, 8, [[0, 1]]) is not None
+
+
+def test_registration_anchors_are_explicit(pair):
+    _, rx, _, _ = pair
+    with pytest.raises(TypeError, match="first_ordinal, ids"):
+        rx.register(5, 10, [[10, 11, 12]], [kvpipe.MEM_SENDER_PEER])
+
+
+def test_bad_pools_and_settings_raise():
+    src = np.zeros((4, SLOT), dtype=np.uint8)
+    readonly = np.zeros((4, SLOT), dtype=np.uint8)
+    readonly.setflags(write=False)
+    with pytest.raises(BufferError, match="pool 9 is read-only"):
+        kvpipe.Receiver.tcp(layout(9), {9: readonly})
+    strided = np.zeros((4, 2 * SLOT), dtype=np.uint8)[:, ::2]
+    with pytest.raises(BufferError, match="not C-contiguous"):
+        kvpipe.Sender.tcp(layout(1), {1: strided})
+    with pytest.raises(TypeError):
+        kvpipe.Sender.tcp(layout(1), {1: "not a buffer"})
+    with pytest.raises(ValueError, match='unknown deadline "handshak"'):
+        kvpipe.Sender.tcp(layout(1), {1: src}, deadlines={"handshak": 1.0})
+    with pytest.raises(ValueError, match="a pool in region#1, but no memory was given for region#1"):
+        kvpipe.Sender.tcp(layout(1), {2: src})
+    with pytest.raises(ValueError, match="connections must be between 1 and 255"):
+        kvpipe.Sender.tcp(layout(1), {1: src}, connections=0)
+    # A read-only pool is fine on the prefill side, which only reads.
+    tx = kvpipe.Sender.tcp(layout(1), {1: readonly})
+    with pytest.raises(kvpipe.TransportError, match="not available on the mem"):
+        kvpipe.mem_pair(layout(1), {1: src}, layout(9), {9: np.zeros_like(src)})[0].listen(
+            "127.0.0.1:0"
+        )
+    with pytest.raises(kvpipe.TransportError):
+        tx.connect("127.0.0.1:1")  # nothing listens on port 1
+    tx.close()
+    with pytest.raises(kvpipe.ClosedError):
+        tx.open_request(1, [0])
+
+
+def test_mismatched_layouts_are_rejected_at_the_handshake():
+    src = np.zeros((4, SLOT), dtype=np.uint8)
+    dst = np.zeros((4, SLOT), dtype=np.uint8)
+    other = [
+        kvpipe.LayerGroup(
+            layers=2, kv_heads=2, head_dim=4, elem_bytes=2, tokens_per_block=4,
+            pools=[kvpipe.Pool(region=1, layers=2, slot_bytes=SLOT)],
+        )
+    ]
+    tx, rx = kvpipe.mem_pair(other, {1: src}, layout(9), {9: dst})
+    rejected, _ = until(tx, "peer_rejected")
+    assert rejected.reason in ("compatibility_mismatch", "layout_mismatch"), rejected
+    assert rejected.message
+
+
+def test_pools_stay_alive_while_the_node_exists():
+    import gc
+    import weakref
+
+    class Pool(np.ndarray):
+        pass
+
+    src = np.zeros((4, SLOT), dtype=np.uint8).view(Pool)
+    alive = weakref.ref(src)
+    tx = kvpipe.Sender.tcp(layout(1), {1: src})
+    del src
+    gc.collect()
+    assert alive() is not None, "the node holds its pool"
+    tx.close()
+    del tx
+    gc.collect()
+    assert alive() is None, "a dropped node lets its pool go"
