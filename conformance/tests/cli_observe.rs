@@ -21,6 +21,8 @@ const SMALL: [&str; 8] = [
 fn demo(requests: &str, rust_log: Option<&str>) -> (String, String) {
     let mut cmd = Command::new(KVPIPE);
     cmd.args(["demo", "--requests", requests]).args(SMALL);
+    // The pipelined run only: the monolithic baseline would open its own spans.
+    cmd.arg("--no-baseline");
     cmd.env_remove("RUST_LOG").env_remove("KVPIPE_OBSERVE");
     if let Some(filter) = rust_log {
         cmd.env("RUST_LOG", filter);

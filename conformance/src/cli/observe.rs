@@ -18,8 +18,9 @@ use super::CliError;
 /// no observer records anything. For measuring what observing costs.
 pub(crate) const SWITCH: &str = "KVPIPE_OBSERVE";
 
-/// Installs the subscriber: `RUST_LOG` directives (default `warn`), request spans reported
-/// when they close, on stderr. With `KVPIPE_OBSERVE=off` installs nothing and turns every
+/// Installs the subscriber: `RUST_LOG` directives (default `error`: the commands name every
+/// failed request themselves, so the sessions' warnings would say it twice), request spans
+/// reported when they close, on stderr. With `KVPIPE_OBSERVE=off` installs nothing and turns every
 /// observer off.
 pub(crate) fn init() {
     if std::env::var(SWITCH).is_ok_and(|v| v == "off" || v == "0") {
@@ -27,7 +28,7 @@ pub(crate) fn init() {
         return;
     }
     let filter = EnvFilter::builder()
-        .with_default_directive(LevelFilter::WARN.into())
+        .with_default_directive(LevelFilter::ERROR.into())
         .from_env_lossy();
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
