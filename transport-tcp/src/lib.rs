@@ -94,12 +94,13 @@ mod conn;
 mod handles;
 pub mod memory;
 mod node;
+mod peer_copy;
 pub mod preamble;
 mod stats;
 #[cfg(feature = "tokio")]
 pub mod tokio_driver;
 
-pub use config::TcpConfig;
+pub use config::{TcpConfig, TcpDataPath};
 pub use handles::{TcpNode, TcpReceiver, TcpSender};
 #[cfg(feature = "cuda")]
 pub use memory::DeviceRegion;
