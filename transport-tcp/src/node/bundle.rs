@@ -32,6 +32,11 @@ pub(super) fn listen<E: Endpoint + Send + 'static>(
 ) -> io::Result<(SocketAddr, JoinHandle<()>)> {
     let listener = TcpListener::bind(addr)?;
     let local = listener.local_addr()?;
+    // The peer-copy offer is made here, on the caller's thread: exporting calls into the CUDA
+    // driver, which the small stacks of the preamble threads are not sized for.
+    if shared.config.data_path != TcpDataPath::Socket {
+        shared.peer_copy_offer();
+    }
     let shared = shared.clone();
     let handle = thread::Builder::new()
         .name("kvpipe-tcp-accept".into())
@@ -236,6 +241,14 @@ impl<E: Endpoint + Send + 'static> Shared<E> {
         Ok((streams, placement))
     }
 
+    /// This node's peer-copy offer, made once (when it starts listening).
+    fn peer_copy_offer(&self) -> &Offer {
+        self.offer.get_or_init(|| {
+            let is_receiver = self.state.lock().endpoint.role() == Role::Receiver;
+            peer_copy::local_offer(self.config.data_path, is_receiver, &self.regions)
+        })
+    }
+
     /// The accepting side of the peer-copy negotiation on a control connection: sends this
     /// node's offer, reads the sender's answer, both by `deadline`. `None`: the exchange
     /// failed (the connection is dropped like one whose preamble failed).
@@ -244,10 +257,7 @@ impl<E: Endpoint + Send + 'static> Shared<E> {
         stream: &TcpStream,
         deadline: std::time::Instant,
     ) -> Option<Placement> {
-        let offer = self.offer.get_or_init(|| {
-            let is_receiver = self.state.lock().endpoint.role() == Role::Receiver;
-            peer_copy::local_offer(self.config.data_path, is_receiver, &self.regions)
-        });
+        let offer = self.peer_copy_offer();
         peer_copy::write_all(stream, &offer.encode()).ok()?;
         let accepted = peer_copy::read_answer(stream, deadline).ok()?;
         Some(if accepted && matches!(offer, Offer::Regions(_)) {
