@@ -112,10 +112,11 @@ impl PrefillNode {
     }
 
     pub(crate) fn connect(&self, addr: &str) -> Result<PeerId, CliError> {
-        Ok(match self {
-            PrefillNode::Tcp(n) => n.connect(addr)?,
-            PrefillNode::Verbs(n) => n.connect(addr)?,
-        })
+        let connected = match self {
+            PrefillNode::Tcp(n) => n.connect(addr).map_err(CliError::from),
+            PrefillNode::Verbs(n) => n.connect(addr).map_err(CliError::from),
+        };
+        connected.map_err(|e| format!("connecting to {addr}: {e}").into())
     }
 
     pub(crate) fn next_event(&self, timeout: Duration) -> Option<Event> {
