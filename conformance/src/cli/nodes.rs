@@ -56,7 +56,13 @@ impl TransportChoice {
 /// Opens the device `--device` names, or the first active one.
 pub(crate) fn open_device(device: Option<&str>) -> Result<VerbsDevice, CliError> {
     let spec = device.map_or_else(DeviceSpec::default, DeviceSpec::named);
-    Ok(VerbsDevice::open(&spec)?)
+    VerbsDevice::open(&spec).map_err(|e| {
+        format!(
+            "--transport verbs needs an active RDMA device: {e} (without RDMA hardware, \
+             scripts/rxe-vm.sh runs kvpipe in a guest with a Soft-RoCE device)"
+        )
+        .into()
+    })
 }
 
 /// Registers every region of `cache` with `device`.
