@@ -392,7 +392,7 @@ impl<E: Endpoint> VerbsNode<E> {
 
     /// The next event and the time it was reported at, waiting up to `timeout`.
     pub fn next_event_at(&self, timeout: StdDuration) -> Option<(Instant, Event)> {
-        let deadline = std::time::Instant::now() + timeout;
+        let deadline = crate::link::later(std::time::Instant::now(), timeout);
         let mut st = self.shared.lock();
         loop {
             if let Some(e) = st.events.pop_front() {

@@ -442,7 +442,10 @@ impl Fabric {
             l.close(graceful, within);
         }
         shared.wake();
-        let deadline = Instant::now() + within + crate::link::FLUSH_WAIT + Duration::from_secs(1);
+        let deadline = crate::link::later(
+            Instant::now(),
+            within.saturating_add(crate::link::FLUSH_WAIT + Duration::from_secs(1)),
+        );
         while !lock(&shared.links).is_empty() && Instant::now() < deadline {
             thread::sleep(Duration::from_millis(1));
         }

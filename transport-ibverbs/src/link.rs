@@ -54,6 +54,15 @@ use crate::flow::{fragments, CreditReturn, Credits, Reassembler};
 use crate::memory::MemoryTable;
 use crate::writes::{map_extents, Segment, WrLimits, WriteMappingError, WriteRequest};
 
+/// How far away a deadline is when a caller's duration does not fit in an `Instant` (e.g.
+/// `Duration::MAX`, meaning "no hurry"): thirty years.
+const FAR: Duration = Duration::from_secs(30 * 365 * 86_400);
+
+/// `at + d`, or thirty years after `at` where that overflows.
+pub(crate) fn later(at: Instant, d: Duration) -> Instant {
+    at.checked_add(d).unwrap_or(at + FAR)
+}
+
 /// Of a write batch's work requests, every this many is signaled (besides the last), so a long
 /// batch frees send-queue room while it runs.
 pub(crate) const SIGNAL_EVERY: u32 = 32;
@@ -442,7 +451,7 @@ impl Link {
         match inner.state {
             State::Live if graceful => {
                 inner.state = State::Draining {
-                    deadline: now + grace,
+                    deadline: later(now, grace),
                 };
                 inner.cause.get_or_insert(LinkFailure::Closed);
             }
@@ -488,9 +497,9 @@ impl Link {
         inner.sends.clear();
         inner.batches.clear();
         inner.state = State::Failing {
-            error_at: now + grace,
+            error_at: later(now, grace),
             errored: false,
-            deadline: now + grace + FLUSH_WAIT,
+            deadline: later(later(now, grace), FLUSH_WAIT),
         };
         if grace.is_zero() {
             Self::to_error(inner, now);

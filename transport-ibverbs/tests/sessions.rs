@@ -417,3 +417,26 @@ fn a_killed_sender_process_fails_its_sessions_only() {
         );
     }
 }
+
+/// `Duration::MAX` means "no hurry", not a panic: waiting for an event with it returns the
+/// event as soon as it comes, and closing with it closes (both used to overflow the clock).
+#[test]
+#[ignore = "needs an RDMA device: runs in the Soft-RoCE guest (scripts/test-verbs)"]
+fn the_longest_timeouts_wait_instead_of_overflowing() {
+    let device = open_device();
+    let mut tx_pools = Pools::new(&layout(10), SLOTS, true);
+    let mut rx_pools = Pools::new(&layout(20), SLOTS, false);
+    let rx = receiver(&device, 2, &mut rx_pools, |_, len| len);
+    let tx = sender(&device, 1, &mut tx_pools);
+    let addr = rx.listen("127.0.0.1:0").unwrap();
+    tx.connect(addr).unwrap();
+    // On threads and bounded here, so a wait that never ends fails the test instead of hanging.
+    let (done, came) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let events = (rx.next_event(Duration::MAX), tx.next_event(Duration::MAX));
+        let closed = (tx.close(Duration::MAX), rx.close(Duration::MAX));
+        let _ = done.send((events, closed));
+    });
+    let ((at_rx, at_tx), _) = came.recv_timeout(T).expect("events and closes in time");
+    assert!(at_rx.is_some() && at_tx.is_some(), "{at_rx:?} {at_tx:?}");
+}

@@ -239,3 +239,24 @@ fn eventually(cond: impl Fn() -> bool) -> bool {
     }
     false
 }
+
+/// `Duration::MAX` means "no hurry", not a panic: waiting for an event with it returns the
+/// event as soon as it comes, and closing with it closes (both used to overflow the clock).
+#[test]
+fn the_longest_timeouts_wait_instead_of_overflowing() {
+    let (rx, _rx_regions) = receiver(2, u64::from(BLOCKS));
+    let addr = rx.listen("127.0.0.1:0").unwrap();
+    let (tx, _tx_regions) = sender(7, 2, u64::from(BLOCKS));
+    tx.connect(addr).unwrap();
+    let (done, came) = std::sync::mpsc::channel();
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let _ = done.send((rx.next_event(Duration::MAX), tx.next_event(Duration::MAX)));
+        });
+        // Bounded here, so a wait that never ends fails the test instead of hanging it.
+        let (at_rx, at_tx) = came.recv_timeout(T).expect("both nodes reported an event");
+        assert!(at_rx.is_some() && at_tx.is_some(), "{at_rx:?} {at_tx:?}");
+    });
+    tx.close(Duration::MAX).unwrap();
+    rx.close(Duration::MAX).unwrap();
+}

@@ -77,7 +77,11 @@ impl MemSide {
 
     /// This side's next event, pumping the pair while waiting up to `timeout`.
     pub(crate) fn next_event(&self, timeout: Duration) -> Result<Option<Event>, EmbedError> {
-        let deadline = StdInstant::now() + timeout;
+        let now = StdInstant::now();
+        // A timeout past what an `Instant` holds (`Duration::MAX`: no hurry) waits thirty years.
+        let deadline = now
+            .checked_add(timeout)
+            .unwrap_or(now + Duration::from_secs(30 * 365 * 86_400));
         loop {
             let mut st = self.lock();
             st.pump()?;

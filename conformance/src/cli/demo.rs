@@ -286,6 +286,10 @@ pub(crate) fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
         memory,
         ..TcpHarness::blocking(args.connections.clamp(1, 255))
     };
+    if args.transport == "verbs" {
+        // Checked here, to say what is missing and what to do, not as the first connect's error.
+        crate::cli::nodes::open_device(args.device.as_deref())?;
+    }
     let verbs = VerbsHarness {
         device: args.device.clone(),
     };

@@ -70,7 +70,13 @@ pub(crate) fn parse_data_path(s: &str) -> Result<TcpDataPath, String> {
 /// Opens the device `--device` names, or the first active one.
 pub(crate) fn open_device(device: Option<&str>) -> Result<VerbsDevice, CliError> {
     let spec = device.map_or_else(DeviceSpec::default, DeviceSpec::named);
-    Ok(VerbsDevice::open(&spec)?)
+    VerbsDevice::open(&spec).map_err(|e| {
+        format!(
+            "--transport verbs needs an active RDMA device: {e} (without RDMA hardware, \
+             scripts/rxe-vm.sh runs kvpipe in a guest with a Soft-RoCE device)"
+        )
+        .into()
+    })
 }
 
 /// Registers every region of `cache` with `device`.
@@ -145,10 +151,11 @@ impl PrefillNode {
     }
 
     pub(crate) fn connect(&self, addr: &str) -> Result<PeerId, CliError> {
-        Ok(match self {
-            PrefillNode::Tcp(n) => n.connect(addr)?,
-            PrefillNode::Verbs(n) => n.connect(addr)?,
-        })
+        let connected = match self {
+            PrefillNode::Tcp(n) => n.connect(addr).map_err(CliError::from),
+            PrefillNode::Verbs(n) => n.connect(addr).map_err(CliError::from),
+        };
+        connected.map_err(|e| format!("connecting to {addr}: {e}").into())
     }
 
     pub(crate) fn next_event(&self, timeout: Duration) -> Option<Event> {

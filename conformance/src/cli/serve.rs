@@ -400,15 +400,20 @@ pub(crate) fn run(args: ServeArgs) -> Result<ExitCode, CliError> {
             report.memory,
             report.data_path
         );
-        println!(
-            "exposed tail: p50 {:.2} ms, p99 {:.2} ms (this side's view: the last burst of data \
-             began → complete)",
-            report.exposed_tail_p50_ms, report.exposed_tail_p99_ms
-        );
-        println!(
-            "transfer: p50 {:.2} ms, p99 {:.2} ms (first byte landed → last byte landed)",
-            report.transfer_p50_ms, report.transfer_p99_ms
-        );
+        if report.completed == 0 {
+            // Percentiles of no request would print as zeros, which read as instant transfers.
+            println!("exposed tail: none (no request completed)");
+        } else {
+            println!(
+                "exposed tail: p50 {:.2} ms, p99 {:.2} ms (this side's view: the last burst of \
+                 data began → complete)",
+                report.exposed_tail_p50_ms, report.exposed_tail_p99_ms
+            );
+            println!(
+                "transfer: p50 {:.2} ms, p99 {:.2} ms (first byte landed → last byte landed)",
+                report.transfer_p50_ms, report.transfer_p99_ms
+            );
+        }
         println!(
             "verification: {}",
             if verified {

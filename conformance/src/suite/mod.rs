@@ -22,6 +22,7 @@ mod mem;
 pub mod parallel;
 mod scenarios;
 mod tcp;
+mod threaded;
 pub mod timeline;
 mod verbs;
 
@@ -39,6 +40,7 @@ pub use engine::{
 pub use mem::MemHarness;
 pub use scenarios::{check_clean, scenario, scenarios, Scenario};
 pub use tcp::{TcpHarness, TcpLink};
+pub use threaded::{ThreadedLink, ThreadedNode, ThreadedSenderNode};
 pub use verbs::{VerbsHarness, VerbsLink};
 
 /// Where a harness puts both caches' pools.

@@ -6,11 +6,11 @@
 use std::time::Duration as StdDuration;
 
 use kvpipe_core::session::{ReceiverConfig, SenderConfig};
-use kvpipe_core::wire::Role;
-use kvpipe_core::{Event, Instant, PeerId, Receiver, Sender};
-use kvpipe_tcp::{EndpointGuard, MemoryRegion, RegionTable, TcpConfig, TcpReceiver, TcpSender};
+use kvpipe_core::PeerId;
+use kvpipe_tcp::{MemoryRegion, RegionTable, TcpConfig, TcpReceiver, TcpSender};
 
-use super::{BatchTiming, FaultKind, FaultPlan, Harness, Link, LinkError, PoolMemory};
+use super::threaded::ThreadedLink;
+use super::{FaultKind, FaultPlan, Harness, LinkError, PoolMemory};
 use crate::cache::ReferenceCache;
 
 /// Runs the suite over two TCP nodes on loopback.
@@ -55,19 +55,13 @@ impl Default for TcpHarness {
 }
 
 /// A sender node and a receiver node connected over loopback, as the suite drives them.
-pub struct TcpLink {
-    tx: Option<TcpSender>,
-    rx: Option<TcpReceiver>,
-    tx_guard: Option<EndpointGuard<Sender>>,
-    rx_guard: Option<EndpointGuard<Receiver>>,
-    sender_peer: PeerId,
-    receiver_peer: PeerId,
-    origin: std::time::Instant,
-    /// The async driver's runtime (dropped last, after both nodes; only held).
-    #[cfg(feature = "tokio")]
-    #[allow(dead_code)]
-    runtime: Option<tokio::runtime::Runtime>,
-}
+pub type TcpLink = ThreadedLink<TcpSender, TcpReceiver, Runtime>;
+
+/// What the link holds until both nodes are gone: the async driver's runtime, if it runs on one.
+#[cfg(feature = "tokio")]
+type Runtime = Option<tokio::runtime::Runtime>;
+#[cfg(not(feature = "tokio"))]
+type Runtime = ();
 
 fn transport(e: impl std::fmt::Display) -> LinkError {
     LinkError::Transport(e.to_string())
@@ -167,14 +161,9 @@ impl Harness for TcpHarness {
         let addr = rx.listen("127.0.0.1:0").map_err(transport)?;
         let tx = TcpSender::new(sender, tcp, tx_regions).map_err(transport)?;
         let peer = tx.connect(addr).map_err(transport)?;
-        Self::link(
-            origin,
-            tx,
-            rx,
-            peer,
-            #[cfg(feature = "tokio")]
-            runtime,
-        )
+        #[cfg(not(feature = "tokio"))]
+        let runtime = ();
+        Self::link(origin, tx, rx, peer, runtime)
     }
 }
 
@@ -185,7 +174,7 @@ impl TcpHarness {
         tx: TcpSender,
         rx: TcpReceiver,
         receiver_peer: PeerId,
-        #[cfg(feature = "tokio")] runtime: Option<tokio::runtime::Runtime>,
+        runtime: Runtime,
     ) -> Result<TcpLink, LinkError> {
         let start = std::time::Instant::now();
         // A node numbers its peers from 0 in the order they connect: the receiver's first
@@ -199,136 +188,13 @@ impl TcpHarness {
             }
             std::thread::sleep(StdDuration::from_millis(1));
         };
-        Ok(TcpLink {
-            tx: Some(tx),
-            rx: Some(rx),
-            tx_guard: None,
-            rx_guard: None,
+        Ok(ThreadedLink::new(
+            tx,
+            rx,
             sender_peer,
             receiver_peer,
             origin,
-            #[cfg(feature = "tokio")]
             runtime,
-        })
-    }
-}
-
-impl TcpLink {
-    fn release(&mut self) {
-        self.tx_guard = None;
-        self.rx_guard = None;
-    }
-}
-
-impl Link for TcpLink {
-    fn now(&self) -> Instant {
-        Instant::from_nanos(self.origin.elapsed().as_nanos() as u64)
-    }
-
-    fn sender(&mut self) -> &mut Sender {
-        if self.tx_guard.is_none() {
-            let node = self.tx.as_ref().expect("the sender is alive");
-            self.tx_guard = Some(node.endpoint());
-        }
-        self.tx_guard.as_mut().expect("just set")
-    }
-
-    fn receiver(&mut self) -> &mut Receiver {
-        if self.rx_guard.is_none() {
-            let node = self.rx.as_ref().expect("the receiver is alive");
-            self.rx_guard = Some(node.endpoint());
-        }
-        self.rx_guard.as_mut().expect("just set")
-    }
-
-    fn sender_peer(&self) -> PeerId {
-        self.sender_peer
-    }
-
-    fn receiver_peer(&self) -> PeerId {
-        self.receiver_peer
-    }
-
-    fn pump(&mut self) -> Result<(), LinkError> {
-        self.release();
-        Ok(())
-    }
-
-    fn wait(&mut self, max: StdDuration) {
-        self.release();
-        std::thread::sleep(max.min(StdDuration::from_millis(1)));
-    }
-
-    fn take_events(&mut self) -> Vec<(Role, Instant, Event)> {
-        self.release();
-        let mut out: Vec<(Role, Instant, Event)> = Vec::new();
-        if let Some(tx) = &self.tx {
-            out.extend(
-                tx.take_events()
-                    .into_iter()
-                    .map(|(at, e)| (Role::Sender, at, e)),
-            );
-        }
-        if let Some(rx) = &self.rx {
-            out.extend(
-                rx.take_events()
-                    .into_iter()
-                    .map(|(at, e)| (Role::Receiver, at, e)),
-            );
-        }
-        out.sort_by_key(|(_, at, _)| *at);
-        out
-    }
-
-    fn kill(&mut self, side: Role) -> Result<(), LinkError> {
-        self.release();
-        match side {
-            Role::Sender => drop(self.tx.take()),
-            Role::Receiver => drop(self.rx.take()),
-        }
-        Ok(())
-    }
-
-    fn is_alive(&self, side: Role) -> bool {
-        match side {
-            Role::Sender => self.tx.is_some(),
-            Role::Receiver => self.rx.is_some(),
-        }
-    }
-
-    fn batch_timings(&self) -> Vec<BatchTiming> {
-        let timings = match (&self.tx_guard, &self.tx) {
-            (Some(guard), _) => guard.batch_timings(),
-            (None, Some(tx)) => tx.batch_timings(),
-            (None, None) => Vec::new(),
-        };
-        {
-            timings
-                .into_iter()
-                .map(|(bytes, issued, reported)| BatchTiming {
-                    bytes,
-                    issued,
-                    transfer: reported - issued,
-                    reported,
-                })
-                .collect()
-        }
-    }
-
-    fn writes_in_flight(&self) -> usize {
-        match (&self.tx_guard, &self.tx) {
-            (Some(guard), _) => guard.writes_in_flight(),
-            (None, Some(tx)) => tx.writes_in_flight(),
-            (None, None) => 0,
-        }
-    }
-}
-
-impl Drop for TcpLink {
-    fn drop(&mut self) {
-        self.release();
-        // Both nodes stop before the runtime their connections may run on.
-        self.tx = None;
-        self.rx = None;
+        ))
     }
 }

@@ -8,14 +8,13 @@
 use std::time::Duration as StdDuration;
 
 use kvpipe_core::session::{ReceiverConfig, SenderConfig};
-use kvpipe_core::wire::Role;
-use kvpipe_core::{Event, Instant, PeerId, Receiver, Sender};
+use kvpipe_core::PeerId;
 use kvpipe_ibverbs::{
-    DeviceSpec, EndpointGuard, Exposure, MemoryTable, VerbsConfig, VerbsDevice, VerbsReceiver,
-    VerbsSender,
+    DeviceSpec, Exposure, MemoryTable, VerbsConfig, VerbsDevice, VerbsReceiver, VerbsSender,
 };
 
-use super::{BatchTiming, FaultKind, FaultPlan, Harness, Link, LinkError};
+use super::threaded::ThreadedLink;
+use super::{FaultKind, FaultPlan, Harness, LinkError};
 use crate::cache::ReferenceCache;
 
 /// Runs the suite over two verbs nodes on one device.
@@ -67,15 +66,7 @@ impl VerbsHarness {
 }
 
 /// A sender node and a receiver node on one device, as the suite drives them.
-pub struct VerbsLink {
-    tx: Option<VerbsSender>,
-    rx: Option<VerbsReceiver>,
-    tx_guard: Option<EndpointGuard<Sender>>,
-    rx_guard: Option<EndpointGuard<Receiver>>,
-    sender_peer: PeerId,
-    receiver_peer: PeerId,
-    origin: std::time::Instant,
-}
+pub type VerbsLink = ThreadedLink<VerbsSender, VerbsReceiver>;
 
 fn transport(e: impl std::fmt::Display) -> LinkError {
     LinkError::Transport(e.to_string())
@@ -132,131 +123,13 @@ impl Harness for VerbsHarness {
             }
             std::thread::sleep(StdDuration::from_millis(1));
         }
-        Ok(VerbsLink {
-            tx: Some(tx),
-            rx: Some(rx),
-            tx_guard: None,
-            rx_guard: None,
-            sender_peer: PeerId(0),
+        Ok(ThreadedLink::new(
+            tx,
+            rx,
+            PeerId(0),
             receiver_peer,
             origin,
-        })
-    }
-}
-
-impl VerbsLink {
-    fn release(&mut self) {
-        self.tx_guard = None;
-        self.rx_guard = None;
-    }
-}
-
-impl Link for VerbsLink {
-    fn now(&self) -> Instant {
-        Instant::from_nanos(self.origin.elapsed().as_nanos() as u64)
-    }
-
-    fn sender(&mut self) -> &mut Sender {
-        if self.tx_guard.is_none() {
-            let node = self.tx.as_ref().expect("the sender is alive");
-            self.tx_guard = Some(node.endpoint());
-        }
-        self.tx_guard.as_mut().expect("just set")
-    }
-
-    fn receiver(&mut self) -> &mut Receiver {
-        if self.rx_guard.is_none() {
-            let node = self.rx.as_ref().expect("the receiver is alive");
-            self.rx_guard = Some(node.endpoint());
-        }
-        self.rx_guard.as_mut().expect("just set")
-    }
-
-    fn sender_peer(&self) -> PeerId {
-        self.sender_peer
-    }
-
-    fn receiver_peer(&self) -> PeerId {
-        self.receiver_peer
-    }
-
-    fn pump(&mut self) -> Result<(), LinkError> {
-        self.release();
-        Ok(())
-    }
-
-    fn wait(&mut self, max: StdDuration) {
-        self.release();
-        std::thread::sleep(max.min(StdDuration::from_millis(1)));
-    }
-
-    fn take_events(&mut self) -> Vec<(Role, Instant, Event)> {
-        self.release();
-        let mut out: Vec<(Role, Instant, Event)> = Vec::new();
-        if let Some(tx) = &self.tx {
-            out.extend(
-                tx.take_events()
-                    .into_iter()
-                    .map(|(at, e)| (Role::Sender, at, e)),
-            );
-        }
-        if let Some(rx) = &self.rx {
-            out.extend(
-                rx.take_events()
-                    .into_iter()
-                    .map(|(at, e)| (Role::Receiver, at, e)),
-            );
-        }
-        out.sort_by_key(|(_, at, _)| *at);
-        out
-    }
-
-    fn kill(&mut self, side: Role) -> Result<(), LinkError> {
-        self.release();
-        match side {
-            Role::Sender => drop(self.tx.take()),
-            Role::Receiver => drop(self.rx.take()),
-        }
-        Ok(())
-    }
-
-    fn is_alive(&self, side: Role) -> bool {
-        match side {
-            Role::Sender => self.tx.is_some(),
-            Role::Receiver => self.rx.is_some(),
-        }
-    }
-
-    fn writes_in_flight(&self) -> usize {
-        match (&self.tx_guard, &self.tx) {
-            (Some(guard), _) => guard.writes_in_flight(),
-            (None, Some(tx)) => tx.writes_in_flight(),
-            (None, None) => 0,
-        }
-    }
-
-    fn batch_timings(&self) -> Vec<BatchTiming> {
-        let timings = match (&self.tx_guard, &self.tx) {
-            (Some(guard), _) => guard.batch_timings(),
-            (None, Some(tx)) => tx.batch_timings(),
-            (None, None) => Vec::new(),
-        };
-        timings
-            .into_iter()
-            .map(|(bytes, issued, reported)| BatchTiming {
-                bytes,
-                issued,
-                transfer: reported - issued,
-                reported,
-            })
-            .collect()
-    }
-}
-
-impl Drop for VerbsLink {
-    fn drop(&mut self) {
-        self.release();
-        self.tx = None;
-        self.rx = None;
+            (),
+        ))
     }
 }

@@ -139,7 +139,7 @@ impl<E: Endpoint + Send + 'static> Shared<E> {
             }
             st.lobby.enter(addr, since, handle)
         };
-        let deadline = since + self.config.preamble_timeout;
+        let deadline = super::events::later(since, self.config.preamble_timeout);
         let shared = self.clone();
         let reader = thread::Builder::new()
             .name("kvpipe-tcp-preamble".into())
@@ -320,7 +320,10 @@ impl<E: Endpoint + Send + 'static> Shared<E> {
             Attached::Waiting(_) => {
                 bump(&self.stats.connections, 1);
                 // The timer drops the bundle if it stays incomplete.
-                self.wake_timer_by(st, std::time::Instant::now() + self.config.preamble_timeout);
+                self.wake_timer_by(
+                    st,
+                    super::events::deadline_after(self.config.preamble_timeout),
+                );
             }
             Attached::Complete(peer) => {
                 bump(&self.stats.connections, 1);

@@ -126,7 +126,7 @@ impl<E: Endpoint + Send + 'static> Shared<E> {
         let Some(link) = st.links.get_mut(peer) else {
             return;
         };
-        let until = std::time::Instant::now() + self.config.close_grace;
+        let until = super::events::deadline_after(self.config.close_grace);
         let started = match reason {
             CloseReason::LivenessTimeout
             | CloseReason::HandshakeTimeout

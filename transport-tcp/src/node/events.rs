@@ -7,6 +7,20 @@ use std::time::Duration as StdDuration;
 use kvpipe_core::{Event, Instant};
 use parking_lot::{Condvar, Mutex};
 
+/// How far away a deadline is when the caller's timeout does not fit in an `Instant` (e.g.
+/// `Duration::MAX`, meaning "no hurry"): thirty years, as tokio's own far future.
+const FAR: StdDuration = StdDuration::from_secs(30 * 365 * 86_400);
+
+/// `at + d`, or [`FAR`] after `at` where that overflows.
+pub(crate) fn later(at: std::time::Instant, d: StdDuration) -> std::time::Instant {
+    at.checked_add(d).unwrap_or(at + FAR)
+}
+
+/// The instant `timeout` from now (see [`later`]).
+pub(crate) fn deadline_after(timeout: StdDuration) -> std::time::Instant {
+    later(std::time::Instant::now(), timeout)
+}
+
 /// Events the endpoint reported, with the node time of the report.
 #[derive(Default)]
 pub(crate) struct EventQueue {
@@ -27,7 +41,7 @@ impl EventQueue {
 
     /// The next event, waiting up to `timeout`.
     pub(crate) fn next(&self, timeout: StdDuration) -> Option<(Instant, Event)> {
-        let deadline = std::time::Instant::now() + timeout;
+        let deadline = deadline_after(timeout);
         let mut q = self.queue.lock();
         loop {
             if let Some(e) = q.pop_front() {
@@ -47,7 +61,8 @@ impl EventQueue {
     /// The next event, waiting up to `timeout` without blocking the runtime.
     #[cfg(feature = "tokio")]
     pub(crate) async fn next_async(&self, timeout: StdDuration) -> Option<(Instant, Event)> {
-        let deadline = tokio::time::Instant::now() + timeout;
+        let now = tokio::time::Instant::now();
+        let deadline = now.checked_add(timeout).unwrap_or(now + FAR);
         loop {
             let notified = self.notify.notified();
             let mut notified = std::pin::pin!(notified);

@@ -65,7 +65,7 @@ impl<E: Endpoint + Send + 'static> NodeHooks for Shared<E> {
         };
         let closing = match end {
             HalfEnd::Read(ReadEnd::Eof | ReadEnd::Refused) => {
-                let until = std::time::Instant::now() + self.config.close_grace;
+                let until = super::events::deadline_after(self.config.close_grace);
                 let started = link.close_orderly(until);
                 if started {
                     self.wake_timer_by(st, until);

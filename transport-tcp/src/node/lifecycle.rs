@@ -115,7 +115,7 @@ impl<E: Endpoint + Send + 'static> Node<E> {
     /// Closes every peer in order (see the crate doc), bounded by `within`, then stops the
     /// node's threads. Peers still open at the deadline are shut down at once.
     pub(crate) fn close(&self, within: StdDuration) -> Result<(), CloseError> {
-        let until = std::time::Instant::now() + within;
+        let until = super::events::deadline_after(within);
         let shared = &self.shared;
         let mut st = shared.state.lock();
         if matches!(st.phase, NodePhase::Stopped) {

@@ -235,16 +235,21 @@ pub(super) fn run(args: &DemoArgs, addr: &str, memory: PoolMemory) -> Result<Exi
              {:.2} s, from {} memory by {}",
             report.completed, report.requests, report.seconds, report.memory, report.data_path
         );
-        println!(
-            "exposed tail: p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms (this side's view: last chunk \
-             computed → last result and aux data sent)",
-            report.exposed_tail_p50_ms, report.exposed_tail_p99_ms, report.max_exposed_tail_ms
-        );
-        println!(
-            "transfer: p50 {:.2} ms, p99 {:.2} ms (first batch handed to the transport → last \
-             batch written)",
-            report.transfer_p50_ms, report.transfer_p99_ms
-        );
+        if report.completed == 0 {
+            // Percentiles of no request would print as zeros, which read as instant transfers.
+            println!("exposed tail: none (no request completed)");
+        } else {
+            println!(
+                "exposed tail: p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms (this side's view: last \
+                 chunk computed → last result and aux data sent)",
+                report.exposed_tail_p50_ms, report.exposed_tail_p99_ms, report.max_exposed_tail_ms
+            );
+            println!(
+                "transfer: p50 {:.2} ms, p99 {:.2} ms (first batch handed to the transport → last \
+                 batch written)",
+                report.transfer_p50_ms, report.transfer_p99_ms
+            );
+        }
     }
     for line in failures.lines() {
         eprintln!("kvpipe demo: {line}");
