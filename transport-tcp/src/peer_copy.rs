@@ -41,7 +41,9 @@
 //! (`Receiver::admit_write`). Only where the payload travels differs:
 //!
 //! - the sender's writer copies each piece device → device into the imported region (the copy
-//!   engine; a peer copy when the two processes use different GPUs), refusing a piece that
+//!   engine, on the sender GPU's stream; the handles are opened on the sender's GPU with lazy
+//!   peer access, so pools of a receiver on another GPU are written through peer access over
+//!   NVLink or PCIe), refusing a piece that
 //!   leaves the imported region, waits for the copy (bounded), and only then writes the
 //!   piece's `DataWrite` header — with no payload — on the socket;
 //! - the receiver's reader takes the header, asks the core's admission as for any write, and
