@@ -115,9 +115,23 @@ fn two_process_device_memory_says_why_it_cannot_run() {
         "device",
     ]);
     assert!(!ok && stderr.contains("--transport tcp only"), "{stderr}");
+    let (ok, stderr) = run(&["bench", "transfer", "--peer-gpu", "0"]);
+    assert!(
+        !ok && stderr.contains("--peer-gpu needs --memory device"),
+        "{stderr}"
+    );
     if let Some(message) = expected_error() {
         for args in [
             &["serve", "--listen", "127.0.0.1:0", "--memory", "device"][..],
+            &[
+                "bench",
+                "transfer",
+                "--memory",
+                "device",
+                "--peer-gpu",
+                "0",
+                "--json",
+            ][..],
             &[
                 "demo",
                 "--transport",
