@@ -7,7 +7,7 @@
 //!
 //! One poller thread reaps every link's completion queue, delivers messages, posts what waits
 //! for credits or send-queue room, watches each link's bootstrap socket and advances
-//! teardowns; it idles by the bounded spin-then-sleep [`IdlePolicy`], and is woken early by
+//! teardowns; it idles by the bounded spin-then-sleep [`IdlePolicy`](crate::idle::IdlePolicy), and is woken early by
 //! every submission. The handler is called from the poller (and from `connect` / the accept
 //! thread for [`FabricEvent::Connected`]) with no fabric lock held, so it may call back into
 //! the fabric (`send`, `post_writes`, `close`). A link is polled only after its `Connected`
