@@ -47,7 +47,7 @@ use sideway::ibverbs::AccessFlags;
 
 use crate::bootstrap::{self, ConnectInfo, RegionDescriptor};
 use crate::device::VerbsDevice;
-use crate::fabric::{
+use crate::fabric::api::{
     status_name, FabricConfig, FabricEvent, LinkFailure, LinkId, Posted, WriteFailure,
 };
 use crate::flow::{fragments, CreditReturn, Credits, Reassembler};

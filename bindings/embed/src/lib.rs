@@ -25,10 +25,12 @@ mod config;
 mod error;
 mod mem;
 mod node;
+mod role;
 mod tables;
 
 pub use config::{instance_id, NodeConfig, RawRegion};
 pub use error::EmbedError;
-pub use mem::{mem_pair, MEM_RECEIVER_PEER, MEM_SENDER_PEER};
-pub use node::{DecodeNode, Node, PrefillNode, Role};
+pub use mem::{MEM_RECEIVER_PEER, MEM_SENDER_PEER};
+pub use node::{mem_pair, DecodeNode, Node, PrefillNode};
+pub use role::Role;
 pub use tables::BlockTables;

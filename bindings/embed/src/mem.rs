@@ -6,16 +6,16 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant as StdInstant};
 
-use kvpipe_core::{Event, Instant, PeerId, Receiver, Sender};
+use kvpipe_core::{Event, Instant, PeerId};
 use kvpipe_mem::{Endpoint, MemPair, PairConfig, RegionUse};
 
 use crate::config::{check_regions, NodeConfig, RawRegion};
-use crate::node::{Inner, Node, Role};
+use crate::role::Role;
 use crate::EmbedError;
 
-/// How the decode handle of a [`mem_pair`] names the prefill side.
+/// How the decode handle of a [`mem_pair`](crate::mem_pair) names the prefill side.
 pub const MEM_SENDER_PEER: PeerId = kvpipe_mem::SENDER_PEER;
-/// How the prefill handle of a [`mem_pair`] names the decode side.
+/// How the prefill handle of a [`mem_pair`](crate::mem_pair) names the decode side.
 pub const MEM_RECEIVER_PEER: PeerId = kvpipe_mem::RECEIVER_PEER;
 
 /// Longest one wait inside [`MemSide::next_event`] holds the pair, so the other handle's
@@ -97,20 +97,17 @@ impl MemSide {
     }
 }
 
-/// A prefill and a decode handle connected in this process (`kvpipe-mem`): write batches are
-/// memory copies on the transport's copy threads; frames go through the wire codec. Each side's
-/// regions are registered, the connection is made, and the handshake completes as the handles
-/// are polled ([`Event::PeerReady`] on each side). The prefill side names the decode side
-/// [`MEM_RECEIVER_PEER`]; the decode side names it [`MEM_SENDER_PEER`].
+/// Both sides of an in-process pair over these regions, connected (see
+/// [`mem_pair`](crate::mem_pair), which wraps them in handles).
 ///
 /// # Safety
-/// Every region follows [`RawRegion`]'s contract until both handles are dropped.
-pub unsafe fn mem_pair(
+/// Every region follows [`RawRegion`]'s contract until both sides are dropped.
+pub(crate) unsafe fn sides(
     sender: &NodeConfig,
     sender_regions: &[RawRegion],
     receiver: &NodeConfig,
     receiver_regions: &[RawRegion],
-) -> Result<(Node<Sender>, Node<Receiver>), EmbedError> {
+) -> Result<(MemSide, MemSide), EmbedError> {
     check_regions(sender, sender_regions)?;
     check_regions(receiver, receiver_regions)?;
     let mut pair = MemPair::new(PairConfig::new(
@@ -135,20 +132,5 @@ pub unsafe fn mem_pair(
         state: state.clone(),
         side,
     };
-    Ok((
-        Node::from_inner(Inner::Mem(side(Endpoint::Sender))),
-        Node::from_inner(Inner::Mem(side(Endpoint::Receiver))),
-    ))
-}
-
-impl Role for Sender {
-    fn of_pair(pair: &mut MemPair) -> &mut Self {
-        pair.sender_mut()
-    }
-}
-
-impl Role for Receiver {
-    fn of_pair(pair: &mut MemPair) -> &mut Self {
-        pair.receiver_mut()
-    }
+    Ok((side(Endpoint::Sender), side(Endpoint::Receiver)))
 }

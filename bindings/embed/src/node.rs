@@ -7,28 +7,15 @@ use std::time::Duration;
 use kvpipe_core::session::{Counters, Registration, SendRequest, UsageError};
 use kvpipe_core::wire::AuxData;
 use kvpipe_core::{
-    BlockSource, ChunkSpec, Endpoint, Event, Instant, PeerId, Receiver, ReceiverSliceId, RequestId,
-    Sender, SenderSliceId,
+    BlockSource, ChunkSpec, Event, Instant, PeerId, Receiver, ReceiverSliceId, RequestId, Sender,
+    SenderSliceId,
 };
-use kvpipe_mem::MemPair;
 use kvpipe_tcp::{TcpNode, TcpReceiver, TcpSender};
 
 use crate::config::{check_regions, tcp_regions, NodeConfig, RawRegion};
-use crate::mem::MemSide;
+use crate::mem::{self, MemSide};
+use crate::role::Role;
 use crate::EmbedError;
-
-mod sealed {
-    pub trait Sealed {}
-    impl Sealed for kvpipe_core::Sender {}
-    impl Sealed for kvpipe_core::Receiver {}
-}
-
-/// The core endpoint of a role: [`Sender`] (prefill) or [`Receiver`] (decode).
-pub trait Role: Endpoint + Send + sealed::Sealed + 'static {
-    /// This role's endpoint in an in-process pair.
-    #[doc(hidden)]
-    fn of_pair(pair: &mut MemPair) -> &mut Self;
-}
 
 /// A prefill-side handle: a core [`Sender`] over a transport.
 pub type PrefillNode = Node<Sender>;
@@ -267,4 +254,26 @@ impl Node<Receiver> {
     pub fn retire(&self, request: RequestId) -> Result<(), EmbedError> {
         self.command(|r, now| r.retire(now, request))
     }
+}
+
+/// A prefill and a decode handle connected in this process (`kvpipe-mem`): write batches are
+/// memory copies on the transport's copy threads; frames go through the wire codec. Each side's
+/// regions are registered, the connection is made, and the handshake completes as the handles
+/// are polled ([`Event::PeerReady`] on each side). The prefill side names the decode side
+/// [`MEM_RECEIVER_PEER`](crate::MEM_RECEIVER_PEER); the decode side names it [`MEM_SENDER_PEER`](crate::MEM_SENDER_PEER).
+///
+/// # Safety
+/// Every region follows [`RawRegion`]'s contract until both handles are dropped.
+pub unsafe fn mem_pair(
+    sender: &NodeConfig,
+    sender_regions: &[RawRegion],
+    receiver: &NodeConfig,
+    receiver_regions: &[RawRegion],
+) -> Result<(Node<Sender>, Node<Receiver>), EmbedError> {
+    // SAFETY: forwarded from the caller.
+    let (tx, rx) = unsafe { mem::sides(sender, sender_regions, receiver, receiver_regions)? };
+    Ok((
+        Node::from_inner(Inner::Mem(tx)),
+        Node::from_inner(Inner::Mem(rx)),
+    ))
 }

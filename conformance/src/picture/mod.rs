@@ -6,7 +6,7 @@
 //! Drawn with `plotters`' SVG backend (no system libraries). That backend writes no ids or
 //! classes, so every element a reader or a test looks for (bars, markers, points) gets a colour
 //! of its own, and the picture records, as it draws, what each element of that colour is; after
-//! rendering, [`Tags::apply`] gives each one an `id`, a `class`, `data-*` attributes (times in
+//! rendering, `Tags::apply` gives each one an `id`, a `class`, `data-*` attributes (times in
 //! ms) and a `<title>` that browsers show on hover. An element count that does not match what
 //! was drawn is an error, never a silently misnamed picture.
 

@@ -3,7 +3,7 @@
 //! when the decode side completed it.
 //!
 //! The core has no clock, so the engine records these moments itself, on the link's clock, as
-//! it drives the chunks ([`TimelineRecorder`]); the transport records its write batches
+//! it drives the chunks (`TimelineRecorder`); the transport records its write batches
 //! ([`BatchTiming`]). A batch names no request, so the recorder pairs them afterwards: a sender
 //! with one receiver registered before prefill hands out exactly one write batch per slice, in
 //! the order the slices were submitted, so the n-th batch issued belongs to the n-th chunk that

@@ -11,8 +11,8 @@
 //!
 //! Both are driven the same way: feed an input (with `now`), then drain
 //! [`poll_output`](Sender::poll_output) until it returns `None`, then arm a timer for
-//! [`poll_timeout`](Sender::poll_timeout) and deliver [`SenderInput::Timeout`] /
-//! [`ReceiverInput::Timeout`] when it fires. See the crate documentation for a full run loop.
+//! [`poll_timeout`](Sender::poll_timeout) and deliver [`TransportInput::Timeout`] when it
+//! fires. See the crate documentation for a full run loop.
 //!
 //! # The rules, as the endpoints keep them (DESIGN §5)
 //!
