@@ -79,3 +79,74 @@ fn device_memory_demo_says_why_it_cannot_run_or_runs_and_verifies() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("--transport mem or tcp"));
 }
+
+/// The two-process commands with device pools, where they cannot run (no `cuda` feature, no
+/// driver): both refuse before listening or connecting and say why; a `--data-path` they do
+/// not know, and device pools over verbs, are refused with the choices.
+#[test]
+fn two_process_device_memory_says_why_it_cannot_run() {
+    let run = |args: &[&str]| {
+        let out = Command::new(KVPIPE).args(args).output().unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (ok, stderr) = run(&[
+        "demo",
+        "--transport",
+        "tcp",
+        "--connect",
+        "127.0.0.1:9",
+        "--data-path",
+        "carrier-pigeon",
+    ]);
+    assert!(
+        !ok && stderr.contains("auto, peer-copy or socket"),
+        "{stderr}"
+    );
+    let (ok, stderr) = run(&[
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--transport",
+        "verbs",
+        "--memory",
+        "device",
+    ]);
+    assert!(!ok && stderr.contains("--transport tcp only"), "{stderr}");
+    let (ok, stderr) = run(&["bench", "transfer", "--peer-gpu", "0"]);
+    assert!(
+        !ok && stderr.contains("--peer-gpu needs --memory device"),
+        "{stderr}"
+    );
+    if let Some(message) = expected_error() {
+        for args in [
+            &["serve", "--listen", "127.0.0.1:0", "--memory", "device"][..],
+            &[
+                "bench",
+                "transfer",
+                "--memory",
+                "device",
+                "--peer-gpu",
+                "0",
+                "--json",
+            ][..],
+            &[
+                "demo",
+                "--transport",
+                "tcp",
+                "--connect",
+                "127.0.0.1:9",
+                "--memory",
+                "device",
+                "--data-path",
+                "peer-copy",
+            ][..],
+        ] {
+            let (ok, stderr) = run(args);
+            assert!(!ok && stderr.contains(message), "{args:?}: {stderr}");
+            assert!(!stderr.contains("listening"), "{stderr}");
+        }
+    }
+}

@@ -345,6 +345,7 @@ fn raw_prefill_node(addr: &str, model: Model, prompt_tokens: u32, requests: u32)
         index: 0,
         count: 1,
         token: 0x7e57,
+        flags: 0,
     };
     s.write_all(&pre.encode()).unwrap();
     s.write_all(&Frame::Hello(hello.to_hello(Role::Sender)).to_vec().unwrap())

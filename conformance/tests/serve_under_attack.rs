@@ -63,6 +63,7 @@ fn flood(addr: SocketAddr, stop: Arc<AtomicBool>, reopened: Arc<AtomicU64>) {
         index: 0,
         count: 1,
         token: 0x5107,
+        flags: 0,
     }
     .encode();
     let mut idle: Vec<Option<TcpStream>> = (0..IDLE).map(|_| connect(addr)).collect();
@@ -125,6 +126,7 @@ fn a_legitimate_demo_completes_while_serve_is_flooded_and_memory_stays_bounded()
                 index: 0,
                 count: 1,
                 token: 0xa3f,
+                flags: 0,
             };
             let _ = s.write_all(&pre.encode());
             let _ = s.write_all(&FrameHeader::new(FrameKind::Hello, 1, MAX_BODY_LEN).to_bytes());

@@ -63,6 +63,12 @@ pub enum CudaError {
         /// The device.
         ordinal: usize,
     },
+    /// An IPC handle that cannot be used: the wrong length, or a range that overflows.
+    #[error("invalid CUDA IPC handle: {reason}")]
+    IpcHandle {
+        /// What is wrong with it.
+        reason: String,
+    },
     /// The page-aligned range around the bytes asked for leaves their allocation, so it cannot
     /// be exported as a dmabuf; allocate with [`DeviceBuffer`](crate::DeviceBuffer) (page
     /// aligned) or export a range whose pages the allocation covers.

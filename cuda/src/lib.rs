@@ -17,6 +17,9 @@
 //!   waited for with a deadline. No call synchronizes a whole device.
 //! - [`export_dmabuf`] / [`DeviceBuffer::export_dmabuf`]: device memory as a dmabuf file
 //!   descriptor, offset and length (`cuMemGetHandleForAddressRange`), for RDMA registration.
+//! - [`export_ipc`] / [`DeviceBuffer::export_ipc`] → [`IpcHandle`] → [`IpcMapping::open`]:
+//!   device memory of one process opened by another on the same host (CUDA IPC), for copies
+//!   straight into it (peer copies when the two processes use different GPUs).
 //!
 //! ## Tests that need a GPU
 //!
@@ -40,6 +43,7 @@ mod device;
 mod dmabuf;
 mod engine;
 mod error;
+mod ipc;
 mod memory;
 mod stream;
 
@@ -49,5 +53,6 @@ pub use engine::{
     coalesce, least_loaded, CopyEngine, CopyExtent, CopyOp, CopyTicket, Direction, Memory,
 };
 pub use error::CudaError;
+pub use ipc::{export_ipc, IpcHandle, IpcMapping, IPC_DRIVER_HANDLE_LEN, IPC_HANDLE_LEN};
 pub use memory::{DeviceBuffer, PinnedBuffer};
 pub use stream::Stream;

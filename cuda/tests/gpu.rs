@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use kvpipe_cuda::{
     check_driver, device_count, host_page_size, CopyEngine, CopyExtent, CudaError, Device,
-    DeviceBuffer, Memory, PinnedBuffer,
+    DeviceBuffer, IpcHandle, IpcMapping, Memory, PinnedBuffer, Stream,
 };
 use libtest_mimic::{Arguments, Completion, Failed, Trial};
 
@@ -284,9 +284,165 @@ fn peer_copies_between_two_devices() -> Result<Completion, Failed> {
     Ok(Completion::Completed)
 }
 
+/// Bytes of the IPC round trip and of each bench repetition.
+const IPC_BYTES: usize = 256 << 20;
+/// Extents the bench copies (one KV block's worth of bytes each, like a write plan's pieces).
+const BENCH_EXTENT: u64 = 4 << 20;
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn unhex(s: &str) -> Vec<u8> {
+    (0..s.len() / 2)
+        .filter_map(|i| u8::from_str_radix(s.get(2 * i..2 * i + 2)?, 16).ok())
+        .collect()
+}
+
+/// The importing process of the IPC tests (this binary started again with `KVPIPE_IPC_CHILD`
+/// set to the handle): opens the handle on `KVPIPE_IPC_ORDINAL`, checks that it reads the
+/// exporter's pattern, overwrites it with the next pattern through the copy engine, and with
+/// `KVPIPE_IPC_BENCH` set times the copy engine against a plain `cuMemcpyDtoDAsync` loop of the
+/// same extents into the mapping and prints one JSON line.
+fn ipc_child(handle_hex: &str) -> Result<(), Box<dyn std::error::Error>> {
+    let env = |k: &str| std::env::var(k).unwrap_or_default();
+    let ordinal: usize = env("KVPIPE_IPC_ORDINAL").parse().unwrap_or(0);
+    let seed: u64 = env("KVPIPE_IPC_SEED").parse()?;
+    let handle = IpcHandle::from_bytes(&unhex(handle_hex))?;
+    let device = Device::open(ordinal)?;
+    let mapping = IpcMapping::open(&device, &handle)?;
+    let len = mapping.len() as usize;
+    let mut local = DeviceBuffer::new(&device, len)?;
+    local.fill(0)?;
+    let remote = Memory::Device {
+        ordinal: mapping.ordinal(),
+        addr: mapping.ptr(),
+    };
+    let mut engine = CopyEngine::new(2)?;
+    // SAFETY: both allocations live until the waits return; the exporter does not touch its
+    // buffer while this process runs.
+    unsafe { engine.submit(&[extent(remote, 0, dev(&local), 0, len as u64)]) }?.wait(deadline())?;
+    if download(&local)? != pattern(len, seed) {
+        return Err("the mapping does not hold the exporter's bytes".into());
+    }
+    local.upload(0, &pattern(len, seed + 1))?;
+    let extents: Vec<CopyExtent> = (0..len as u64)
+        .step_by(BENCH_EXTENT as usize)
+        .map(|o| extent(dev(&local), o, remote, o, BENCH_EXTENT.min(len as u64 - o)))
+        .collect();
+    // SAFETY: as above.
+    unsafe { engine.submit(&extents) }?.wait(deadline())?;
+    if std::env::var_os("KVPIPE_IPC_BENCH").is_some() {
+        let reps = 20;
+        let stream = Stream::new(&device)?;
+        let mut best = (f64::MAX, f64::MAX);
+        for _ in 0..3 {
+            let t = Instant::now();
+            for _ in 0..reps {
+                // SAFETY: as above; every submission is waited for.
+                unsafe { engine.submit(&extents) }?.wait(deadline())?;
+            }
+            let engine_s = t.elapsed().as_secs_f64();
+            let t = Instant::now();
+            for _ in 0..reps {
+                for e in &extents {
+                    // SAFETY: as above; the stream is synchronized below.
+                    unsafe {
+                        stream.copy_dtod(
+                            mapping.ptr() + e.dst_offset,
+                            local.ptr() + e.src_offset,
+                            e.len as usize,
+                        )
+                    }?;
+                }
+                stream.synchronize()?;
+            }
+            let base_s = t.elapsed().as_secs_f64();
+            best = (best.0.min(engine_s), best.1.min(base_s));
+        }
+        let bytes = (len * reps) as f64;
+        let (gbps, base) = (bytes / best.0 / 1e9, bytes / best.1 / 1e9);
+        println!(
+            "{{\"figure\":\"ipc-copy\",\"bytes_per_rep\":{len},\"extent_bytes\":{BENCH_EXTENT},\"reps\":{reps},\"exporter_gpu\":0,\"importer_gpu\":{ordinal},\"gbps\":{gbps:.1},\"baseline\":\"cuda-memcpy-peer\",\"baseline_gbps\":{base:.1},\"ratio\":{:.3}}}",
+            gbps / base
+        );
+        // The mapping ends with the pattern the parent checks.
+        // SAFETY: as above.
+        unsafe { engine.submit(&extents) }?.wait(deadline())?;
+    }
+    Ok(())
+}
+
+/// Exports a buffer, lets a second process (this binary again) open it, read it and overwrite
+/// it, and checks the bytes it left; the exporting process itself cannot open its own handle.
+fn ipc_round_trip(d: &Device, bench: bool) -> TestResult {
+    let seed = 41;
+    let mut buf = DeviceBuffer::new(d, IPC_BYTES)?;
+    buf.upload(0, &pattern(IPC_BYTES, seed))?;
+    let handle = buf.export_ipc()?;
+    assert_eq!(handle.len, IPC_BYTES as u64);
+    assert_eq!(IpcHandle::from_bytes(&handle.to_bytes())?, handle);
+    // The driver refuses a handle in the process that exported it: an error, never a panic.
+    assert!(IpcMapping::open(d, &handle).is_err());
+    let ordinal = if bench && device_count()? > 1 { 1 } else { 0 };
+    let mut child = std::process::Command::new(std::env::current_exe()?);
+    child
+        .env("KVPIPE_IPC_CHILD", hex(&handle.to_bytes()))
+        .env("KVPIPE_IPC_SEED", seed.to_string())
+        .env("KVPIPE_IPC_ORDINAL", ordinal.to_string());
+    if bench {
+        child.env("KVPIPE_IPC_BENCH", "1");
+    }
+    let out = child.output()?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    if !out.status.success() {
+        return Err(format!(
+            "importer failed: {}{}",
+            stdout,
+            String::from_utf8_lossy(&out.stderr)
+        )
+        .into());
+    }
+    if bench {
+        for line in stdout.lines().filter(|l| l.starts_with('{')) {
+            println!("{line}");
+        }
+    }
+    assert!(
+        download(&buf)? == pattern(IPC_BYTES, seed + 1),
+        "the importer's copies did not land in the exported buffer"
+    );
+    Ok(())
+}
+
+fn ipc_memory_round_trips_between_two_processes(d: &Device) -> TestResult {
+    ipc_round_trip(d, false)
+}
+
+fn ipc_copy_bench_against_cuda_memcpy(d: &Device) -> TestResult {
+    ipc_round_trip(d, true)
+}
+
 fn main() {
+    if let Ok(handle) = std::env::var("KVPIPE_IPC_CHILD") {
+        match ipc_child(&handle) {
+            Ok(()) => std::process::exit(0),
+            Err(e) => {
+                eprintln!("ipc child: {e}");
+                std::process::exit(1)
+            }
+        }
+    }
     let args = Arguments::from_args();
     let tests = vec![
+        gpu(
+            "ipc_memory_round_trips_between_two_processes",
+            ipc_memory_round_trips_between_two_processes,
+        ),
+        gpu(
+            "ipc_copy_bench_against_cuda_memcpy",
+            ipc_copy_bench_against_cuda_memcpy,
+        ),
         gpu(
             "buffers_round_trip_through_upload_fill_and_download",
             buffers_round_trip_through_upload_fill_and_download,

@@ -2,6 +2,8 @@
 
 use std::time::Duration;
 
+pub use crate::peer_copy::TcpDataPath;
+
 /// How a node uses its sockets.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TcpConfig {
@@ -57,6 +59,10 @@ pub struct TcpConfig {
     /// overlaps another's socket I/O). Each connection's writer and reader that touches device
     /// memory allocates `staging_slots × staging_slot_bytes` of pinned host memory once.
     pub staging_slots: usize,
+    /// How data writes reach the peer's memory: over the sockets (the default), or by peer
+    /// copies into the peer's device memory opened through CUDA IPC (`cuda` feature; two
+    /// processes on one host, control frames still over TCP). See [`TcpDataPath`].
+    pub data_path: TcpDataPath,
 }
 
 impl Default for TcpConfig {
@@ -75,6 +81,7 @@ impl Default for TcpConfig {
             origin: None,
             staging_slot_bytes: 4 << 20,
             staging_slots: 4,
+            data_path: TcpDataPath::Socket,
         }
     }
 }

@@ -84,6 +84,12 @@
 //!   (`WriteFinished { landed: true }`) only once the copies of its last bytes completed, so the
 //!   receiver's results still wait for data that is in device memory.
 //!
+//! With [`TcpConfig::data_path`] `Auto` or `PeerCopy` a connecting sender negotiates **peer
+//! copies** instead (two processes on one host, both sides' regions device memory): the
+//! receiver's regions are opened here by CUDA IPC, each piece is copied straight into them and
+//! its header goes on the socket without payload once the copy completed (see the
+//! `peer_copy` module doc and docs/TRANSPORT.md). The async driver always uses the sockets.
+//!
 //! Admission is unchanged: a write is checked against the request's grant before a byte of it
 //! is read, whatever memory it lands in. Without a CUDA driver a batch reading or writing device
 //! memory fails its connection (and so the request, on both sides) instead of touching memory.
@@ -94,12 +100,13 @@ mod conn;
 mod handles;
 pub mod memory;
 mod node;
+mod peer_copy;
 pub mod preamble;
 mod stats;
 #[cfg(feature = "tokio")]
 pub mod tokio_driver;
 
-pub use config::TcpConfig;
+pub use config::{TcpConfig, TcpDataPath};
 pub use handles::{TcpNode, TcpReceiver, TcpSender};
 #[cfg(feature = "cuda")]
 pub use memory::DeviceRegion;

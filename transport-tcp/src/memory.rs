@@ -266,6 +266,15 @@ pub(crate) enum Registered {
 }
 
 impl Registered {
+    /// Whether it is device memory.
+    pub(crate) fn is_device(&self) -> bool {
+        match self {
+            Registered::Host(_) => false,
+            #[cfg(feature = "cuda")]
+            Registered::Device(_) => true,
+        }
+    }
+
     /// Whether `[offset, offset + len)` lies inside the region.
     pub(crate) fn contains(&self, offset: u64, len: u64) -> bool {
         match self {
@@ -320,6 +329,11 @@ impl RegionTable {
     /// The registration of `id`, of either kind.
     pub(crate) fn registered(&self, id: RegionId) -> Option<&Registered> {
         self.regions.get(&id)
+    }
+
+    /// Every registration, by id.
+    pub(crate) fn entries(&self) -> impl Iterator<Item = (RegionId, &Registered)> + '_ {
+        self.regions.iter().map(|(id, r)| (*id, r))
     }
 
     /// Every registered id.

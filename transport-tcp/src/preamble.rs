@@ -10,7 +10,7 @@
 //! | 4 | 1 | preamble version (1) |
 //! | 5 | 1 | connection index (0: control) |
 //! | 6 | 1 | connections in the bundle |
-//! | 7 | 1 | reserved, 0 |
+//! | 7 | 1 | flags: bit 0 [`PREAMBLE_PEER_COPY`] (control connection only); other bits 0 |
 //! | 8 | 8 | bundle token (u64 LE), the same on every connection of one peer |
 
 /// Length of the preamble.
@@ -18,6 +18,11 @@ pub const PREAMBLE_LEN: usize = 16;
 /// The preamble's magic.
 pub const PREAMBLE_MAGIC: [u8; 4] = *b"KVPT";
 const PREAMBLE_VERSION: u8 = 1;
+/// Flag of the control connection's preamble: the connecting prefill node offers to place its
+/// data writes itself by peer copies (CUDA IPC). The accepting node answers with its offer
+/// before any frame (see the `peer_copy` module); without the flag nothing precedes the
+/// `Hello`.
+pub const PREAMBLE_PEER_COPY: u8 = 1;
 
 /// A decoded preamble.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -28,6 +33,8 @@ pub struct Preamble {
     pub count: u8,
     /// The bundle's token.
     pub token: u64,
+    /// Flags ([`PREAMBLE_PEER_COPY`]); 0 for a plain connection.
+    pub flags: u8,
 }
 
 /// A preamble that cannot be accepted.
@@ -39,14 +46,14 @@ pub enum PreambleError {
     /// Another preamble version.
     #[error("preamble version {0}, this build speaks 1")]
     Version(u8),
-    /// Index out of the bundle, empty bundle or reserved bits set.
-    #[error("invalid preamble fields (index {index}, count {count}, reserved {reserved})")]
+    /// Index out of the bundle, empty bundle or unknown flags set.
+    #[error("invalid preamble fields (index {index}, count {count}, flags {reserved:#04x})")]
     Invalid {
         /// Index found.
         index: u8,
         /// Count found.
         count: u8,
-        /// Reserved byte found.
+        /// Flags byte found.
         reserved: u8,
     },
 }
@@ -59,6 +66,7 @@ impl Preamble {
         out[4] = PREAMBLE_VERSION;
         out[5] = self.index;
         out[6] = self.count;
+        out[7] = self.flags;
         out[8..].copy_from_slice(&self.token.to_le_bytes());
         out
     }
@@ -73,7 +81,7 @@ impl Preamble {
             return Err(PreambleError::Version(buf[4]));
         }
         let (index, count, reserved) = (buf[5], buf[6], buf[7]);
-        if count == 0 || index >= count || reserved != 0 {
+        if count == 0 || index >= count || reserved & !PREAMBLE_PEER_COPY != 0 {
             return Err(PreambleError::Invalid {
                 index,
                 count,
@@ -86,6 +94,7 @@ impl Preamble {
             index,
             count,
             token: u64::from_le_bytes(token),
+            flags: reserved,
         })
     }
 }
@@ -100,7 +109,19 @@ mod tests {
             index: 2,
             count: 4,
             token: 0x0102_0304_0506_0708,
+            flags: 0,
         };
+        let offer = Preamble {
+            flags: PREAMBLE_PEER_COPY,
+            ..p
+        };
+        assert_eq!(Preamble::decode(&offer.encode()), Ok(offer));
+        let mut bad = offer.encode();
+        bad[7] = 2;
+        assert!(matches!(
+            Preamble::decode(&bad),
+            Err(PreambleError::Invalid { reserved: 2, .. })
+        ));
         assert_eq!(Preamble::decode(&p.encode()), Ok(p));
         let mut bad = p.encode();
         bad[0] = b'X';

@@ -38,6 +38,14 @@ pub struct TcpStats {
     /// dropped to make room for newer ones (`TcpConfig::max_unauthenticated`,
     /// `max_unauthenticated_per_address`).
     pub unauthenticated_dropped: u64,
+    /// Peers whose data writes move by peer copies (CUDA IPC, `TcpDataPath`), counted on both
+    /// sides once the offer was accepted.
+    pub peer_copy_peers: u64,
+    /// Payload bytes this node copied straight into a peer's device memory (sender).
+    pub bytes_placed: u64,
+    /// Data writes a peer placed in this node's memory itself and announced without payload
+    /// (receiver; counted in `writes_applied` too).
+    pub writes_placed: u64,
 }
 
 #[derive(Debug, Default)]
@@ -55,6 +63,9 @@ pub(crate) struct StatCells {
     pub(crate) peers_closed: AtomicU64,
     pub(crate) preambles_failed: AtomicU64,
     pub(crate) unauthenticated_dropped: AtomicU64,
+    pub(crate) peer_copy_peers: AtomicU64,
+    pub(crate) bytes_placed: AtomicU64,
+    pub(crate) writes_placed: AtomicU64,
 }
 
 pub(crate) fn bump(cell: &AtomicU64, by: u64) {
@@ -78,6 +89,9 @@ impl StatCells {
             peers_closed: g(&self.peers_closed),
             preambles_failed: g(&self.preambles_failed),
             unauthenticated_dropped: g(&self.unauthenticated_dropped),
+            peer_copy_peers: g(&self.peer_copy_peers),
+            bytes_placed: g(&self.bytes_placed),
+            writes_placed: g(&self.writes_placed),
         }
     }
 }

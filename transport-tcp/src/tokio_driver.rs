@@ -126,13 +126,15 @@ async fn connect_bundle<E: Endpoint + Send + 'static>(
             index: index as u8,
             count: count as u8,
             token,
+            flags: 0,
         };
         s.write_all(&pre.encode()).await?;
         let s = s.into_std()?;
         shared.configure(&s)?;
         streams.push((pre, s));
     }
-    shared.adopt_bundle(streams)
+    // The async driver negotiates no peer copies: its data goes over the sockets.
+    shared.adopt_bundle(streams, crate::peer_copy::Placement::Socket)
 }
 
 fn tasks(runtime: Handle, tcp: &TcpConfig) -> Box<dyn Spawn> {

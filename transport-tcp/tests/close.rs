@@ -216,6 +216,7 @@ fn an_incomplete_bundle_is_dropped_after_the_preamble_timeout() {
         index: 0,
         count: 2,
         token: 9,
+        flags: 0,
     };
     std::io::Write::write_all(&mut s, &pre.encode()).unwrap();
     assert!(eventually(|| rx.peers().len() == 1));

@@ -16,7 +16,9 @@ use kvpipe_core::{
     SenderConfig,
 };
 use kvpipe_cuda::{check_driver, Device, DeviceBuffer};
-use kvpipe_tcp::{DeviceRegion, MemoryRegion, RegionTable, TcpConfig, TcpReceiver, TcpSender};
+use kvpipe_tcp::{
+    DeviceRegion, MemoryRegion, RegionTable, TcpConfig, TcpDataPath, TcpReceiver, TcpSender,
+};
 use libtest_mimic::{Arguments, Completion, Failed, Trial};
 
 /// Device 0, or the reason the test is skipped.
@@ -184,6 +186,7 @@ fn transfer(
     src: RegionTable,
     dst: RegionTable,
     connections: usize,
+    data_path: TcpDataPath,
 ) -> Result<(Vec<Event>, Vec<Event>), Failed> {
     let hello =
         |i, l: LayerGroupLayout| LocalHello::new(InstanceId(i), Topology::default(), vec![l]);
@@ -192,6 +195,7 @@ fn transfer(
         min_piece_bytes: 4096,
         staging_slot_bytes: STAGING_SLOT,
         staging_slots: 3,
+        data_path,
         ..TcpConfig::default()
     };
     let rx = TcpReceiver::new(
@@ -280,12 +284,25 @@ fn transfer_and_check(
     dst_device: Option<&Device>,
     connections: usize,
 ) -> Result<(), Failed> {
+    transfer_and_check_on(src_device, dst_device, connections, TcpDataPath::Socket)
+}
+
+fn transfer_and_check_on(
+    src_device: Option<&Device>,
+    dst_device: Option<&Device>,
+    connections: usize,
+    data_path: TcpDataPath,
+) -> Result<(), Failed> {
     let sb = slot_bytes();
     let data = pattern(BLOCKS as usize * sb, 3);
     let src = Pool::new(data.clone(), src_device)?;
     let dst = Pool::new(vec![0xEE; DST_SLOTS as usize * sb], dst_device)?;
-    let (tx_events, rx_events) =
-        transfer(src.table(RegionId(1)), dst.table(RegionId(2)), connections)?;
+    let (tx_events, rx_events) = transfer(
+        src.table(RegionId(1)),
+        dst.table(RegionId(2)),
+        connections,
+        data_path,
+    )?;
     let completed = |events: &[Event]| events.iter().any(|e| matches!(e, Event::Completed { .. }));
     if !completed(&tx_events) || !completed(&rx_events) {
         return Err(format!("not completed: sender {tx_events:?}, receiver {rx_events:?}").into());
@@ -322,6 +339,29 @@ fn host_sender_to_device_receiver(d: &Device) -> Result<(), Failed> {
     transfer_and_check(None, Some(d), 2)
 }
 
+/// Both nodes in one process: the driver refuses to open a process's own IPC handles, so
+/// `Auto` falls back to staging (and lands every block), and `PeerCopy` fails the connect
+/// naming the failed import. (Two processes: `kvpipe-conformance`'s GPU tests.)
+fn in_one_process_peer_copies_fall_back_or_fail_the_connect(d: &Device) -> Result<(), Failed> {
+    transfer_and_check_on(Some(d), Some(d), 2, TcpDataPath::Auto)?;
+    let sb = slot_bytes();
+    let src = Pool::new(pattern(BLOCKS as usize * sb, 3), Some(d))?;
+    let dst = Pool::new(vec![0xEE; DST_SLOTS as usize * sb], Some(d))?;
+    let err = match transfer(
+        src.table(RegionId(1)),
+        dst.table(RegionId(2)),
+        2,
+        TcpDataPath::PeerCopy,
+    ) {
+        Ok(_) => return Err("peer copies within one process were accepted".into()),
+        Err(e) => e.message().map(str::to_string).unwrap_or_default(),
+    };
+    if !err.contains("peer copies refused") || !err.contains("cuIpcOpenMemHandle") {
+        return Err(format!("unexpected error: {err}").into());
+    }
+    Ok(())
+}
+
 /// Without a driver nothing can be staged: the request fails on both sides and both quiesce
 /// (the addresses are never touched). Runs where no driver is found.
 fn without_a_driver_device_pools_fail_the_request_cleanly() -> Result<Completion, Failed> {
@@ -347,7 +387,7 @@ fn without_a_driver_device_pools_fail_the_request_cleanly() -> Result<Completion
         } else {
             dst.table(RegionId(2))
         };
-        let (tx_events, rx_events) = transfer(src_table, dst_table, 2)?;
+        let (tx_events, rx_events) = transfer(src_table, dst_table, 2, TcpDataPath::Socket)?;
         let failed = |events: &[Event]| events.iter().any(|e| matches!(e, Event::Failed { .. }));
         let completed =
             |events: &[Event]| events.iter().any(|e| matches!(e, Event::Completed { .. }));
@@ -394,6 +434,10 @@ fn main() {
         gpu(
             "host_sender_to_device_receiver",
             host_sender_to_device_receiver,
+        ),
+        gpu(
+            "in_one_process_peer_copies_fall_back_or_fail_the_connect",
+            in_one_process_peer_copies_fall_back_or_fail_the_connect,
         ),
         Trial::ignorable_test(
             "without_a_driver_device_pools_fail_the_request_cleanly",

@@ -132,6 +132,7 @@ fn preamble(token: u64) -> [u8; 16] {
         index: 0,
         count: 1,
         token,
+        flags: 0,
     }
     .encode()
 }
@@ -314,6 +315,7 @@ fn a_bundle_may_arrive_in_any_order() {
                 index,
                 count: 2,
                 token: 0xb0_b0,
+                flags: 0,
             }
             .encode(),
         )

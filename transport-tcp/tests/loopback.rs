@@ -8,6 +8,7 @@ use kvpipe_core::session::{Registration, SendRequest};
 use kvpipe_core::wire::{AuxData, RejectReason};
 use kvpipe_core::ChunkSpec;
 use kvpipe_core::{AnchoredRun, BlockId, Event, PeerId, RegionId, RequestId};
+use kvpipe_tcp::{RegionTable, TcpConfig, TcpDataPath, TcpReceiver, TcpSender};
 use smallvec::smallvec;
 use support::*;
 
@@ -32,9 +33,35 @@ fn chunk(start: u32, end: u32, prompt_len: u32) -> ChunkSpec {
 }
 
 fn run_transfer(connections: usize) {
-    let (rx, rx_regions) = receiver(2, 64);
+    run_transfer_with(connections, TcpDataPath::Socket, TcpDataPath::Socket);
+}
+
+/// Nodes over host memory whose data paths are `tx_path` and `rx_path`.
+fn nodes_with(
+    connections: usize,
+    tx_path: TcpDataPath,
+    rx_path: TcpDataPath,
+) -> ((TcpSender, RegionTable), (TcpReceiver, RegionTable)) {
+    let config = receiver_config(2);
+    let rx_regions = regions(&config.local.groups, 64, false);
+    let rx_tcp = TcpConfig {
+        data_path: rx_path,
+        ..tcp(1)
+    };
+    let rx = TcpReceiver::new(config, rx_tcp, rx_regions.clone()).unwrap();
+    let config = sender_config(1);
+    let tx_regions = regions(&config.local.groups, 64, true);
+    let tx_tcp = TcpConfig {
+        data_path: tx_path,
+        ..tcp(connections)
+    };
+    let tx = TcpSender::new(config, tx_tcp, tx_regions.clone()).unwrap();
+    ((tx, tx_regions), (rx, rx_regions))
+}
+
+fn run_transfer_with(connections: usize, tx_path: TcpDataPath, rx_path: TcpDataPath) {
+    let ((tx, tx_regions), (rx, rx_regions)) = nodes_with(connections, tx_path, rx_path);
     let addr = rx.listen("127.0.0.1:0").unwrap();
-    let (tx, tx_regions) = sender(1, connections, 64);
     let peer_at_tx = tx.connect(addr).unwrap();
     let peer_at_rx = ready_peer(|t| rx.next_event(t));
     ready_peer(|t| tx.next_event(t));
@@ -191,4 +218,31 @@ fn incompatible_layout_is_rejected_at_the_handshake() {
             other => panic!("{other:?}"),
         }
     }
+}
+
+#[test]
+fn host_memory_offered_peer_copies_falls_back_to_the_sockets() {
+    // Both sides ask for peer copies where possible; host memory cannot be exported, so the
+    // receiver declines and every byte goes over the sockets (the transfer checks them all).
+    run_transfer_with(2, TcpDataPath::Auto, TcpDataPath::Auto);
+    // A receiver on the socket path declines too.
+    run_transfer_with(1, TcpDataPath::Auto, TcpDataPath::Socket);
+}
+
+#[test]
+fn an_explicit_peer_copy_request_that_is_declined_fails_the_connect_with_the_reason() {
+    let ((tx, _), (rx, _)) = nodes_with(2, TcpDataPath::PeerCopy, TcpDataPath::Auto);
+    let addr = rx.listen("127.0.0.1:0").unwrap();
+    let err = tx.connect(addr).unwrap_err().to_string();
+    assert!(
+        err.contains("peer copies refused") && err.contains("host memory"),
+        "{err}"
+    );
+    assert_eq!(tx.stats().peer_copy_peers, 0);
+    assert_eq!(rx.stats().peer_copy_peers, 0);
+    // A receiver never negotiates peer copies as the connecting side.
+    let ((tx2, _), (rx2, _)) = nodes_with(1, TcpDataPath::Auto, TcpDataPath::PeerCopy);
+    let addr = tx2.listen("127.0.0.1:0").unwrap();
+    let err = rx2.connect(addr).unwrap_err().to_string();
+    assert!(err.contains("connecting sender"), "{err}");
 }

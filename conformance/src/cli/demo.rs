@@ -98,11 +98,21 @@ pub(crate) struct DemoArgs {
     /// With --transport tcp: connections per peer.
     #[arg(long, default_value_t = 2)]
     connections: usize,
-    /// Where both sides' KV pools live: host, or device (GPU 0; needs the `cuda` feature):
+    /// Where both sides' KV pools live: host, or device (GPU --gpu; needs the `cuda` feature):
     /// the mem transport copies with the GPU's copy engines, tcp stages through pinned host
-    /// memory, and verification copies every pool back to the host.
+    /// memory (or, with --connect, copies into the decode side's pools by CUDA IPC: see
+    /// --data-path), and verification copies every pool back to the host.
     #[arg(long, default_value = "host")]
     memory: String,
+    /// With --memory device: the GPU (with --connect: this prefill side's GPU).
+    #[arg(long, default_value_t = 0)]
+    gpu: usize,
+    /// With --connect over tcp: how data reaches the decode side's pools — auto (peer copies
+    /// when both sides' pools are device memory and the decode side's CUDA IPC handles open
+    /// here, i.e. it runs on the same host; else the sockets), peer-copy (fail the connect
+    /// rather than fall back) or socket.
+    #[arg(long, default_value = "auto", value_parser = super::nodes::parse_data_path)]
+    data_path: kvpipe_tcp::TcpDataPath,
     /// Print one JSON object instead of the progress bar and table.
     #[arg(long)]
     json: bool,
@@ -180,7 +190,7 @@ pub(crate) fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
         workload
             .one_side("--prompt-tokens, --requests or --tokens-per-block")
             .check()?;
-        return prefill::run(&args, addr);
+        return prefill::run(&args, addr, memory);
     }
     if split {
         let (stp, rtp, rpp) = (
@@ -387,31 +397,28 @@ fn pool_memory(args: &DemoArgs) -> Result<PoolMemory, CliError> {
     match args.memory.as_str() {
         "host" => Ok(PoolMemory::Host),
         "device" => {
-            if args.transport == "verbs" || args.connect.is_some() {
-                return Err(
-                    "--memory device runs both sides in this process over --transport mem or tcp"
-                        .into(),
-                );
+            if args.transport == "verbs" {
+                return Err("--memory device runs over --transport mem or tcp".into());
             }
             if args.sender_tp.is_some() || args.receiver_tp.is_some() || args.receiver_pp.is_some()
             {
                 return Err("--memory device does not run heterogeneous splits yet".into());
             }
-            device_memory()
+            device_memory(args.gpu)
         }
         other => Err(format!("--memory {other:?}: use host or device").into()),
     }
 }
 
 #[cfg(feature = "cuda")]
-fn device_memory() -> Result<PoolMemory, CliError> {
+fn device_memory(gpu: usize) -> Result<PoolMemory, CliError> {
     kvpipe_cuda::check_driver()?;
-    kvpipe_cuda::Device::open(0)?;
-    Ok(PoolMemory::Device { ordinal: 0 })
+    kvpipe_cuda::Device::open(gpu)?;
+    Ok(PoolMemory::Device { ordinal: gpu })
 }
 
 #[cfg(not(feature = "cuda"))]
-fn device_memory() -> Result<PoolMemory, CliError> {
+fn device_memory(_gpu: usize) -> Result<PoolMemory, CliError> {
     Err(
         "--memory device needs kvpipe built with the `cuda` feature \
          (cargo build --release -p kvpipe-conformance --features cuda)"

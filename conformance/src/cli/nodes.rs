@@ -14,7 +14,7 @@ use kvpipe_core::{
 use kvpipe_ibverbs::{
     DeviceSpec, Exposure, MemoryTable, VerbsConfig, VerbsDevice, VerbsReceiver, VerbsSender,
 };
-use kvpipe_tcp::{TcpConfig, TcpReceiver, TcpSender};
+use kvpipe_tcp::{TcpConfig, TcpDataPath, TcpReceiver, TcpSender};
 
 use super::serve::regions_of;
 use super::CliError;
@@ -50,6 +50,20 @@ impl TransportChoice {
             TransportChoice::Tcp(_) => "tcp",
             TransportChoice::Verbs(_) => "verbs",
         }
+    }
+}
+
+/// Parses `--data-path`: auto (peer copies when both sides' pools are device memory and the
+/// decode side's CUDA IPC handles open here — the same host — else the sockets), peer-copy
+/// (peer copies or a failed connect, with the reason) or socket.
+pub(crate) fn parse_data_path(s: &str) -> Result<TcpDataPath, String> {
+    match s {
+        "auto" => Ok(TcpDataPath::Auto),
+        "peer-copy" => Ok(TcpDataPath::PeerCopy),
+        "socket" => Ok(TcpDataPath::Socket),
+        other => Err(format!(
+            "unknown data path {other:?}; choose auto, peer-copy or socket"
+        )),
     }
 }
 
@@ -93,11 +107,13 @@ impl PrefillNode {
         transport: &TransportChoice,
         config: SenderConfig,
         cache: &mut ReferenceCache,
+        data_path: TcpDataPath,
     ) -> Result<Self, CliError> {
         Ok(match transport {
             TransportChoice::Tcp(connections) => {
                 let tcp = TcpConfig {
                     connections_per_peer: *connections,
+                    data_path,
                     ..TcpConfig::default()
                 };
                 // SAFETY: forwarded from the caller.
@@ -115,6 +131,23 @@ impl PrefillNode {
                 )?)
             }
         })
+    }
+
+    /// How the data moved: "peer-copy" (CUDA IPC), "socket" (TCP) or "rdma".
+    pub(crate) fn data_path(&self) -> &'static str {
+        match self {
+            PrefillNode::Tcp(n) if n.stats().peer_copy_peers > 0 => "peer-copy",
+            PrefillNode::Tcp(_) => "socket",
+            PrefillNode::Verbs(_) => "rdma",
+        }
+    }
+
+    /// Bytes this node copied straight into the decode side's memory (peer copies).
+    pub(crate) fn bytes_placed(&self) -> u64 {
+        match self {
+            PrefillNode::Tcp(n) => n.stats().bytes_placed,
+            PrefillNode::Verbs(_) => 0,
+        }
     }
 
     pub(crate) fn connect(&self, addr: &str) -> Result<PeerId, CliError> {
@@ -204,12 +237,17 @@ impl DecodeNode {
         transport: &TransportChoice,
         config: ReceiverConfig,
         cache: &mut ReferenceCache,
+        data_path: TcpDataPath,
     ) -> Result<Self, CliError> {
         Ok(match transport {
             TransportChoice::Tcp(_) => {
                 // SAFETY: forwarded from the caller.
                 let regions = unsafe { regions_of(cache) };
-                DecodeNode::Tcp(TcpReceiver::new(config, TcpConfig::default(), regions)?)
+                let tcp = TcpConfig {
+                    data_path,
+                    ..TcpConfig::default()
+                };
+                DecodeNode::Tcp(TcpReceiver::new(config, tcp, regions)?)
             }
             TransportChoice::Verbs(device) => {
                 let device = open_device(device.as_deref())?;
@@ -265,6 +303,23 @@ impl DecodeNode {
         match self {
             DecodeNode::Tcp(n) => n.is_peer_ready(peer),
             DecodeNode::Verbs(n) => n.is_peer_ready(peer),
+        }
+    }
+
+    /// How the data arrived: "peer-copy" (CUDA IPC), "socket" (TCP) or "rdma".
+    pub(crate) fn data_path(&self) -> &'static str {
+        match self {
+            DecodeNode::Tcp(n) if n.stats().peer_copy_peers > 0 => "peer-copy",
+            DecodeNode::Tcp(_) => "socket",
+            DecodeNode::Verbs(_) => "rdma",
+        }
+    }
+
+    /// Data writes the prefill side placed itself and announced without payload.
+    pub(crate) fn writes_placed(&self) -> u64 {
+        match self {
+            DecodeNode::Tcp(n) => n.stats().writes_placed,
+            DecodeNode::Verbs(_) => 0,
         }
     }
 

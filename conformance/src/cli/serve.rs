@@ -72,6 +72,51 @@ pub(crate) struct ServeArgs {
     /// before exiting, so a scraper sees the final figures.
     #[arg(long, default_value_t = 0)]
     metrics_linger_s: u64,
+    /// Where the KV pools live: host, or device (GPU --gpu; needs the `cuda` feature and
+    /// --transport tcp). Verification copies every pool back to the host.
+    #[arg(long, default_value = "host")]
+    memory: String,
+    /// With --memory device: the GPU.
+    #[arg(long, default_value_t = 0)]
+    gpu: usize,
+    /// With --transport tcp: how data reaches this side's pools — auto (peer copies when both
+    /// sides' pools are device memory and the prefill side opens this side's CUDA IPC handles,
+    /// i.e. it runs on the same host; else the sockets), peer-copy (refuse to fall back) or
+    /// socket.
+    #[arg(long, default_value = "auto", value_parser = super::nodes::parse_data_path)]
+    data_path: kvpipe_tcp::TcpDataPath,
+}
+
+/// Where a two-process command puts its pools (`--memory`, `--gpu`), checked before anything
+/// runs.
+pub(crate) fn two_process_memory(
+    memory: &str,
+    gpu: usize,
+    transport: &TransportChoice,
+) -> Result<kvpipe_conformance::suite::PoolMemory, CliError> {
+    use kvpipe_conformance::suite::PoolMemory;
+    match memory {
+        "host" => Ok(PoolMemory::Host),
+        "device" if !matches!(transport, TransportChoice::Tcp(_)) => {
+            Err("--memory device runs across processes over --transport tcp only".into())
+        }
+        #[cfg(feature = "cuda")]
+        "device" => {
+            kvpipe_cuda::check_driver()?;
+            kvpipe_cuda::Device::open(gpu)?;
+            Ok(PoolMemory::Device { ordinal: gpu })
+        }
+        #[cfg(not(feature = "cuda"))]
+        "device" => {
+            let _ = gpu;
+            Err(
+                "--memory device needs kvpipe built with the `cuda` feature \
+                 (cargo build --release -p kvpipe-conformance --features cuda)"
+                    .into(),
+            )
+        }
+        other => Err(format!("--memory {other:?}: use host or device").into()),
+    }
 }
 
 fn parse_model(s: &str) -> Result<Model, String> {
@@ -112,6 +157,16 @@ pub(crate) unsafe fn regions_of(cache: &mut ReferenceCache) -> RegionTable {
     let ids: Vec<_> = cache.region_ids().collect();
     let mut table = RegionTable::new();
     for id in ids {
+        // A cache placed on a GPU (`--memory device`): its device pools.
+        #[cfg(feature = "cuda")]
+        if let Some(pool) = cache.device_pool(id) {
+            // SAFETY: forwarded from the caller; the cache owns the device buffer.
+            let region = unsafe {
+                kvpipe_tcp::DeviceRegion::from_raw_parts(pool.ordinal, pool.ptr, pool.len)
+            };
+            table.insert_device(id, region);
+            continue;
+        }
         let bytes = cache.region_mut(id).unwrap_or_default();
         // SAFETY: forwarded from the caller.
         let region = unsafe { MemoryRegion::from_raw_parts(bytes.as_mut_ptr(), bytes.len()) };
@@ -155,6 +210,12 @@ struct ServeReport {
     mismatched_blocks: usize,
     writes_refused: u64,
     verified: bool,
+    /// Where the pools lived: "host" or "device".
+    memory: &'static str,
+    /// How the data arrived: "peer-copy" (CUDA IPC), "socket" or "rdma".
+    data_path: &'static str,
+    /// Data writes the prefill side placed itself (peer copies).
+    writes_placed: u64,
     /// Per completed request, as this side sees it alone: the request's last burst of data
     /// began → complete (`RequestTimings::receiver_tail`), p50 and p99.
     exposed_tail_p50_ms: f64,
@@ -166,6 +227,7 @@ struct ServeReport {
 
 pub(crate) fn run(args: ServeArgs) -> Result<ExitCode, CliError> {
     let transport = TransportChoice::parse(&args.transport, 1, args.device.as_deref())?;
+    let memory = two_process_memory(&args.memory, args.gpu, &transport)?;
     let workload = preflight::Workload {
         model: args.model,
         window: args.window,
@@ -199,12 +261,13 @@ pub(crate) fn run(args: ServeArgs) -> Result<ExitCode, CliError> {
         args.requests,
         1000,
     )?;
+    memory.place(&mut cache).map_err(|e| e.to_string())?;
     let local = LocalHello::new(instance_id(), Topology::default(), cache.layouts());
     let mut config = kvpipe_core::ReceiverConfig::new(local, instance_id().0);
     config.deadlines = two_process_deadlines();
     // SAFETY: `cache` outlives the node (shut down below) and is touched only for registrations
     // and for verification after each request quiesced.
-    let rx = unsafe { DecodeNode::new(&transport, config, &mut cache)? };
+    let rx = unsafe { DecodeNode::new(&transport, config, &mut cache, args.data_path)? };
     let addr = rx.listen(args.listen.as_str())?;
     eprintln!("kvpipe serve: listening on {addr}");
     if let Some(m) = &metrics {
@@ -287,6 +350,9 @@ pub(crate) fn run(args: ServeArgs) -> Result<ExitCode, CliError> {
         }
     }
     let seconds = last_completion.duration_since(start).as_secs_f64();
+    // Every request quiesced: no transfer touches the pools. Device pools are read back whole.
+    cache.sync_from_device()?;
+    let (data_path, writes_placed) = (rx.data_path(), rx.writes_placed());
     let mismatched_blocks: usize = completed.iter().map(|&r| cache.verify(r).len()).sum();
     let writes_refused = rx.writes_refused();
     // An orderly close: what is still queued (the last results) reaches the other side before
@@ -312,6 +378,9 @@ pub(crate) fn run(args: ServeArgs) -> Result<ExitCode, CliError> {
         mismatched_blocks,
         writes_refused,
         verified,
+        memory: memory.name(),
+        data_path,
+        writes_placed,
         exposed_tail_p50_ms: percentile(&tails, 50.0),
         exposed_tail_p99_ms: percentile(&tails, 99.0),
         transfer_p50_ms: percentile(&transfers, 50.0),
@@ -321,8 +390,15 @@ pub(crate) fn run(args: ServeArgs) -> Result<ExitCode, CliError> {
         println!("{}", serde_json::to_string(&report)?);
     } else {
         println!(
-            "decode side: {} of {} request(s) completed, {} bytes received in {:.2} s ({:.2} GB/s)",
-            report.completed, report.requests, bytes, seconds, report.gbps
+            "decode side: {} of {} request(s) completed, {} bytes received in {:.2} s ({:.2} GB/s) \
+             into {} memory by {}",
+            report.completed,
+            report.requests,
+            bytes,
+            seconds,
+            report.gbps,
+            report.memory,
+            report.data_path
         );
         if report.completed == 0 {
             // Percentiles of no request would print as zeros, which read as instant transfers.

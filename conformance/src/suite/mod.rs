@@ -71,7 +71,7 @@ impl PoolMemory {
 
     /// Puts `cache`'s pools where `self` says (nothing to do for host memory).
     #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
-    pub(crate) fn place(self, cache: &mut ReferenceCache) -> Result<(), LinkError> {
+    pub fn place(self, cache: &mut ReferenceCache) -> Result<(), LinkError> {
         match self {
             PoolMemory::Host => Ok(()),
             #[cfg(feature = "cuda")]

@@ -50,6 +50,9 @@ pub(crate) struct Inbound {
     /// Writes into device memory, through pinned staging slots.
     #[cfg(feature = "cuda")]
     staging: RecvStaging,
+    /// The peer places its writes itself (peer copies, [`crate::peer_copy`]): headers come
+    /// without payload.
+    placed: bool,
 }
 
 impl Inbound {
@@ -71,7 +74,15 @@ impl Inbound {
             read_max: config.socket_read_bytes.max(1),
             #[cfg(feature = "cuda")]
             staging: RecvStaging::new(StagingSpec::from_config(config)),
+            placed: false,
         }
+    }
+
+    /// The same reader for a peer that places its writes itself (peer copies): each admitted
+    /// write is reported landed as soon as it is admitted, and no payload is read.
+    pub(crate) fn placed(mut self, placed: bool) -> Self {
+        self.placed = placed;
+        self
     }
 
     /// The same reader staging device memory through `spec` (tests).
@@ -210,6 +221,9 @@ impl Inbound {
     /// Asks the core about a data write and tells the stream reader the answer.
     fn admit(&mut self, header: &[u8]) -> Result<(), ReadEnd> {
         let admission = self.hooks.admit(self.peer, header);
+        if self.placed {
+            return self.admit_placed(admission);
+        }
         match admission {
             Admission::Apply {
                 ticket,
@@ -251,6 +265,52 @@ impl Inbound {
             }
             Admission::Refuse(_) => bump(&self.stats.writes_refused, 1),
         }
+        let event = self
+            .reader
+            .admitted(admission)
+            .map_err(|e| self.stream_error(e))?;
+        self.on_event(event)
+    }
+
+    /// A write the peer placed itself (peer copies): its bytes are in memory before its header
+    /// was sent, so an admitted one has landed, with no payload to read; a refused one stops
+    /// the reader as on the socket path (the core fails the request and closes the peer).
+    fn admit_placed(&mut self, admission: Admission) -> Result<(), ReadEnd> {
+        let admission = match admission {
+            Admission::Apply {
+                ticket,
+                region,
+                offset,
+                len,
+            } => {
+                if !self
+                    .regions
+                    .registered(region)
+                    .is_some_and(|r| r.contains(offset, len))
+                {
+                    bump(&self.stats.unbacked_writes, 1);
+                    self.hooks.write_finished(ticket, false);
+                    return Err(ReadEnd::Failed);
+                }
+                bump(&self.stats.bytes_applied, len);
+                bump(&self.stats.writes_placed, 1);
+                Admission::Apply {
+                    ticket,
+                    region,
+                    offset,
+                    len: 0,
+                }
+            }
+            Admission::Discard { len } => {
+                bump(&self.stats.late_writes, 1);
+                bump(&self.stats.bytes_drained, len);
+                Admission::Discard { len: 0 }
+            }
+            refused @ Admission::Refuse(_) => {
+                bump(&self.stats.writes_refused, 1);
+                refused
+            }
+        };
         let event = self
             .reader
             .admitted(admission)
@@ -403,6 +463,47 @@ mod tests {
                 "ended Read(Eof)".into(),
             ]
         );
+    }
+
+    #[test]
+    fn a_placed_write_lands_at_admission_and_no_payload_is_read() {
+        let (r, hooks, region) = inbound(APPLY, 32);
+        let mut r = r.placed(true);
+        // The header alone, then the next frame: no payload between them.
+        let mut stream = data_write(20);
+        let hb = Frame::Heartbeat(Heartbeat { seq: 1 }).to_vec().unwrap();
+        stream.extend(&hb);
+        feed(&mut r, &stream).unwrap();
+        let stats = r.stats.snapshot();
+        r.finish(Stop::Eof);
+        // The reader never writes the memory itself: the peer placed the bytes.
+        assert_eq!(region.to_vec(), vec![0u8; 32]);
+        assert_eq!(
+            *hooks.log.lock().unwrap(),
+            [
+                "admit".to_string(),
+                "finished 5 true".into(),
+                format!("frame {}", hb.len()),
+                "ended Read(Eof)".into(),
+            ]
+        );
+        assert_eq!((stats.writes_placed, stats.bytes_applied), (1, 20));
+    }
+
+    #[test]
+    fn a_placed_write_outside_the_grant_is_refused_and_stops_the_reader() {
+        let refusal = WriteRefusal::OutsideGrant {
+            request: RequestId(1),
+            region: RegionId(3),
+            offset: 4,
+            len: 20,
+        };
+        let (r, hooks, _) = inbound(Admission::Refuse(refusal), 32);
+        let mut r = r.placed(true);
+        let stream = data_write(20);
+        assert_eq!(feed(&mut r, &stream), Err(ReadEnd::Refused));
+        r.finish(Stop::Ended(ReadEnd::Refused));
+        assert_eq!(*hooks.log.lock().unwrap(), ["admit", "ended Read(Refused)"]);
     }
 
     #[test]

@@ -24,7 +24,7 @@ use parking_lot::{Condvar, Mutex};
 use super::hooks::{HalfEnd, NodeHooks, WriteEnd};
 use super::pieces::{Payload, Piece};
 #[cfg(feature = "cuda")]
-use super::staging::{SendStaging, StagingSpec};
+use super::staging::{PlacedCopies, SendStaging, StagingSpec};
 use crate::config::TcpConfig;
 use crate::stats::{bump, StatCells};
 
@@ -172,10 +172,19 @@ enum Entry {
 }
 
 impl Entry {
+    /// Itself, unless it is a placed piece (whose payload is not on the stream).
+    #[cfg(feature = "cuda")]
+    fn placed_not(&self) -> Option<&Entry> {
+        match self {
+            Entry::Piece { piece, .. } if piece.placed.is_some() => None,
+            other => Some(other),
+        }
+    }
+
     fn wire_len(&self) -> usize {
         match self {
             Entry::Frame(b) => b.len(),
-            Entry::Piece { piece, .. } => piece.header.len() + piece.len as usize,
+            Entry::Piece { piece, .. } => piece.wire_len(),
             Entry::Close => 0,
         }
     }
@@ -210,6 +219,9 @@ pub(crate) struct Outbound {
     /// Device payloads staged through pinned memory.
     #[cfg(feature = "cuda")]
     staging: SendStaging,
+    /// Payloads copied straight into the peer's memory (peer copies).
+    #[cfg(feature = "cuda")]
+    placing: PlacedCopies,
 }
 
 impl Outbound {
@@ -231,13 +243,17 @@ impl Outbound {
             seq: 0,
             #[cfg(feature = "cuda")]
             staging: SendStaging::new(StagingSpec::from_config(config)),
+            #[cfg(feature = "cuda")]
+            placing: PlacedCopies::new(StagingSpec::from_config(config)),
         }
     }
 
-    /// The same writer staging device memory through `spec` (tests).
+    /// The same writer staging device memory (and placing peer copies) through `spec`
+    /// (tests).
     #[cfg(all(test, feature = "cuda"))]
     pub(crate) fn with_staging(mut self, spec: StagingSpec) -> Self {
-        self.staging = SendStaging::new(spec);
+        self.staging = SendStaging::new(spec.clone());
+        self.placing = PlacedCopies::new(spec);
         self
     }
 
@@ -252,7 +268,7 @@ impl Outbound {
             return Next::Stop;
         }
         #[cfg(feature = "cuda")]
-        if self.stage().is_err() {
+        if self.stage().is_err() || self.place().is_err() {
             return Next::Stop;
         }
         match self.entries.front() {
@@ -277,6 +293,15 @@ impl Outbound {
                 Entry::Piece { piece, seq, .. } => {
                     #[cfg(not(feature = "cuda"))]
                     let _ = seq;
+                    // A placed piece: its header alone, once its copy landed.
+                    #[cfg(feature = "cuda")]
+                    if piece.placed.is_some() {
+                        if !self.placing.is_done(*seq) {
+                            break;
+                        }
+                        push_part(&mut out, &piece.header, &mut skip, &mut budget);
+                        continue;
+                    }
                     push_part(&mut out, &piece.header, &mut skip, &mut budget);
                     match piece.payload() {
                         Payload::Host(bytes) => push_part(&mut out, bytes, &mut skip, &mut budget),
@@ -317,7 +342,7 @@ impl Outbound {
             if n < left || matches!(front, Entry::Close) {
                 self.front_done += n;
                 #[cfg(feature = "cuda")]
-                if let Entry::Piece { piece, seq, .. } = front {
+                if let Some(Entry::Piece { piece, seq, .. }) = front.placed_not() {
                     let payload_done = self.front_done.saturating_sub(piece.header.len());
                     self.staging.release(*seq, payload_done as u64);
                 }
@@ -332,7 +357,12 @@ impl Outbound {
             }) = self.entries.pop_front()
             {
                 #[cfg(feature = "cuda")]
-                self.staging.release(seq, u64::MAX);
+                if piece.placed.is_some() {
+                    self.placing.release(seq);
+                    bump(&self.stats.bytes_placed, piece.len);
+                } else {
+                    self.staging.release(seq, u64::MAX);
+                }
                 #[cfg(not(feature = "cuda"))]
                 let _ = seq;
                 bump(&self.stats.writes_sent, 1);
@@ -351,9 +381,51 @@ impl Outbound {
     pub(crate) fn finish(mut self, end: WriteEnd) {
         self.queue.abort();
         #[cfg(feature = "cuda")]
-        self.staging.settle();
+        {
+            self.staging.settle();
+            self.placing.settle();
+        }
         drop(self.entries);
         self.hooks.half_ended(self.peer, HalfEnd::Write(end));
+    }
+
+    /// Issues the peer copies of every placed piece queued, in stream order, and notes those
+    /// that completed; when the next entry to write is a placed piece whose copy is still
+    /// running, waits for it (bounded).
+    #[cfg(feature = "cuda")]
+    fn place(&mut self) -> Result<(), kvpipe_cuda::CudaError> {
+        for entry in &self.entries {
+            let Entry::Piece { piece, seq, .. } = entry else {
+                continue;
+            };
+            let Some(dst) = piece.placed else {
+                continue;
+            };
+            let src = match piece.payload() {
+                Payload::Host(bytes) => kvpipe_cuda::Memory::Host {
+                    addr: bytes.as_ptr() as usize,
+                },
+                Payload::Device { ordinal, addr } => kvpipe_cuda::Memory::Device { ordinal, addr },
+            };
+            let dst = kvpipe_cuda::Memory::Device {
+                ordinal: dst.ordinal,
+                addr: dst.addr,
+            };
+            // SAFETY: the source bytes are pinned until the piece's batch part is reported,
+            // which happens only after its header was written (after the copy completed) or
+            // after this writer stopped and settled its copies (`finish`). The destination lies
+            // inside the peer's opened region (checked when the plan was split) and in the
+            // extents the core planned from the receiver's grant, which the receiver keeps
+            // pinned for this request until the writer's connection is gone.
+            unsafe { self.placing.issue(*seq, src, dst, piece.len) }?;
+        }
+        self.placing.poll()?;
+        if let Some(Entry::Piece { piece, seq, .. }) = self.entries.front() {
+            if piece.placed.is_some() {
+                self.placing.wait(*seq)?;
+            }
+        }
+        Ok(())
     }
 
     /// Stages device payloads ahead of the socket, in stream order, as far as the slots allow;
@@ -364,6 +436,9 @@ impl Outbound {
             let Entry::Piece { piece, seq, .. } = entry else {
                 continue;
             };
+            if piece.placed.is_some() {
+                continue;
+            }
             let Payload::Device { ordinal, addr } = piece.payload() else {
                 continue;
             };
@@ -376,7 +451,7 @@ impl Outbound {
         }
         self.staging.poll()?;
         if let Some(Entry::Piece { piece, seq, .. }) = self.entries.front() {
-            if matches!(piece.payload(), Payload::Device { .. }) {
+            if piece.placed.is_none() && matches!(piece.payload(), Payload::Device { .. }) {
                 self.staging.wait_first(*seq)?;
             }
         }
@@ -608,6 +683,74 @@ mod tests {
             assert!(st.most_pending <= 2);
             drop(st);
             out.finish(WriteEnd::Closed);
+        }
+
+        #[test]
+        fn placed_pieces_send_their_header_only_after_their_copy_landed() {
+            use crate::conn::pieces::PlacedDst;
+            let src: Vec<u8> = (0..48u8).map(|i| i ^ 0x5a).collect();
+            let mut dst = vec![0u8; 48];
+            let dev = device_region(&src);
+            let (spec, gpu) = fake::spec(8, 2);
+            let (mut out, queue, hooks) = writer(spec, 1 << 20);
+            let base = dst.as_mut_ptr() as u64;
+            let placed = |tag, off: u64, len| {
+                let mut p = Piece::new(header(tag), &dev, off, len).unwrap();
+                p.placed = Some(PlacedDst {
+                    ordinal: 1,
+                    addr: base + off,
+                });
+                p
+            };
+            assert!(queue.push(Job::Data {
+                batch: WriteBatchId(3),
+                pieces: vec![placed(1, 0, 32), placed(2, 32, 16)],
+            }));
+            assert!(queue.push(Job::Close));
+            // Both copies are issued at once; the writer waited for the first before writing.
+            assert_eq!(out.next(), Next::Write);
+            assert_eq!(gpu.lock().unwrap().log, ["d2d 32", "d2d 16", "done 32"]);
+            // Only the first header is offered: the second piece's copy is still running.
+            assert_eq!(concat(&out.slices()), header(1).to_vec());
+            let n = header(1).len();
+            out.written(n);
+            assert!(hooks.parts.lock().unwrap().is_empty());
+            assert_eq!(out.next(), Next::Write);
+            assert_eq!(concat(&out.slices()), header(2).to_vec());
+            out.written(n);
+            assert_eq!(*hooks.parts.lock().unwrap(), [WriteBatchId(3)]);
+            assert_eq!(out.next(), Next::Close);
+            assert_eq!(dst, src, "every byte placed, none on the stream");
+            assert_eq!(out.placing.outstanding(), 0);
+            out.finish(WriteEnd::Closed);
+        }
+
+        #[test]
+        fn a_stopping_writer_waits_for_its_peer_copies_before_it_reports() {
+            use crate::conn::pieces::PlacedDst;
+            let src = vec![9u8; 64];
+            let mut dst = vec![0u8; 64];
+            let dev = device_region(&src);
+            let (spec, gpu) = fake::spec(8, 2);
+            let (mut out, queue, hooks) = writer(spec, 1 << 20);
+            let mut p = Piece::new(header(1), &dev, 0, 64).unwrap();
+            p.placed = Some(PlacedDst {
+                ordinal: 0,
+                addr: dst.as_mut_ptr() as u64,
+            });
+            let mut q = Piece::new(header(2), &dev, 0, 64).unwrap();
+            q.placed = p.placed;
+            assert!(queue.push(Job::Data {
+                batch: WriteBatchId(1),
+                pieces: vec![p, q],
+            }));
+            assert_eq!(out.next(), Next::Write);
+            assert_eq!(gpu.lock().unwrap().pending(), 1);
+            out.finish(WriteEnd::Failed);
+            // The copy still running was waited for; nothing was reported written.
+            assert_eq!(gpu.lock().unwrap().pending(), 0);
+            assert!(hooks.parts.lock().unwrap().is_empty());
+            assert_eq!(dst, src);
         }
 
         #[test]

@@ -4,6 +4,7 @@ use kvpipe_core::wire::DATA_WRITE_FRAME_LEN;
 use kvpipe_core::{RegionId, WritePlan};
 
 use crate::memory::{RegionTable, Registered};
+use crate::peer_copy::PeerMappings;
 
 /// One data write as the sender puts it on a stream: its encoded `DataWrite` header, then `len`
 /// bytes of `src` from `src_offset`.
@@ -13,6 +14,19 @@ pub(crate) struct Piece {
     src: Registered,
     src_offset: u64,
     pub(crate) len: u64,
+    /// With peer copies: where the sender copies the payload itself (the header then goes on
+    /// the stream without it).
+    pub(crate) placed: Option<PlacedDst>,
+}
+
+/// A piece's destination in the peer's memory, opened in this process: `len` bytes at device
+/// address `addr` of GPU `ordinal`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct PlacedDst {
+    /// The GPU the mapping was opened on.
+    pub(crate) ordinal: usize,
+    /// The device address (in this process) of the first byte.
+    pub(crate) addr: u64,
 }
 
 /// Where a piece's payload is.
@@ -44,7 +58,18 @@ impl Piece {
             src: src.clone(),
             src_offset,
             len,
+            placed: None,
         })
+    }
+
+    /// The bytes on the stream: the header, and the payload unless the sender places it.
+    pub(crate) fn wire_len(&self) -> usize {
+        self.header.len()
+            + if self.placed.is_some() {
+                0
+            } else {
+                self.len as usize
+            }
     }
 
     /// The source bytes.
@@ -69,21 +94,33 @@ impl Piece {
     }
 }
 
-/// A local source extent that is not registered memory.
+/// An extent that cannot be sent: its source is not registered memory here, or (peer copies)
+/// its destination lies outside the peer's opened regions.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct BadSource(pub(crate) RegionId);
+pub(crate) enum BadExtent {
+    /// The local source region.
+    Source(RegionId),
+    /// The peer's destination region.
+    Destination(RegionId),
+}
 
 /// Splits `plan` over `connections` streams: extents are cut into pieces of about
 /// `total / connections` bytes (clamped to `[min_piece, max_piece]`) and each piece goes to the
 /// least loaded connection. `header(region, offset, len)` encodes a piece's `DataWrite` header
 /// (the core's `DataWriteHeaders::encode`). Returns one list per connection, in write order.
+///
+/// With `placed` (peer copies) every piece also gets its destination in the peer's opened
+/// regions; a destination outside them fails the whole plan before anything is queued, so a
+/// copy goes only where the plan — made by the core from the receiver's grant — says, and
+/// never past the memory the receiver exported.
 pub(crate) fn split_plan(
     plan: &WritePlan,
     header: impl Fn(RegionId, u64, u64) -> [u8; DATA_WRITE_FRAME_LEN],
     connections: usize,
     (min_piece, max_piece): (u64, u64),
     regions: &RegionTable,
-) -> Result<Vec<Vec<Piece>>, BadSource> {
+    placed: Option<&PeerMappings>,
+) -> Result<Vec<Vec<Piece>>, BadExtent> {
     let connections = connections.max(1);
     let per_conn = plan.total_bytes().div_ceil(connections as u64);
     let piece_max = per_conn.clamp(min_piece.max(1), max_piece.max(min_piece).max(1));
@@ -92,17 +129,35 @@ pub(crate) fn split_plan(
     for e in plan.extents() {
         let src = regions
             .registered(e.src_region)
-            .ok_or(BadSource(e.src_region))?;
+            .ok_or(BadExtent::Source(e.src_region))?;
+        let dst = match placed {
+            None => None,
+            Some(m) => {
+                let region = m
+                    .get(e.dst_region)
+                    .filter(|r| {
+                        e.dst_offset
+                            .checked_add(e.len)
+                            .is_some_and(|end| end <= r.len)
+                    })
+                    .ok_or(BadExtent::Destination(e.dst_region))?;
+                Some(region)
+            }
+        };
         let mut done = 0;
         while done < e.len {
             let len = (e.len - done).min(piece_max);
-            let piece = Piece::new(
+            let mut piece = Piece::new(
                 header(e.dst_region, e.dst_offset + done, len),
                 src,
                 e.src_offset + done,
                 len,
             )
-            .ok_or(BadSource(e.src_region))?;
+            .ok_or(BadExtent::Source(e.src_region))?;
+            piece.placed = dst.map(|r| PlacedDst {
+                ordinal: r.ordinal,
+                addr: r.ptr + e.dst_offset + done,
+            });
             let c = (0..connections).min_by_key(|&i| load[i]).unwrap_or(0);
             load[c] += len;
             parts[c].push(piece);
@@ -152,7 +207,7 @@ mod tests {
             len: 1000,
         });
         let bounds = (256 << 10, 32 << 20);
-        let parts = split_plan(&plan, header, 4, bounds, &regions).unwrap();
+        let parts = split_plan(&plan, header, 4, bounds, &regions, None).unwrap();
         let loads: Vec<u64> = parts
             .iter()
             .map(|p| p.iter().map(|x| x.len).sum())
@@ -185,7 +240,7 @@ mod tests {
             dst_offset: 0,
             len: 1,
         });
-        assert!(split_plan(&bad, header, 4, bounds, &regions).is_err());
+        assert!(split_plan(&bad, header, 4, bounds, &regions, None).is_err());
         let mut past_end = WritePlan::new();
         past_end.push(WriteExtent {
             src_region: RegionId(1),
@@ -194,6 +249,72 @@ mod tests {
             dst_offset: 0,
             len: 1,
         });
-        assert!(split_plan(&past_end, header, 4, bounds, &regions).is_err());
+        assert!(split_plan(&past_end, header, 4, bounds, &regions, None).is_err());
+    }
+
+    #[test]
+    fn placed_pieces_copy_only_into_the_planned_extents_of_the_opened_regions() {
+        use crate::peer_copy::PlacedRegion;
+        let mut regions = RegionTable::new();
+        regions.insert(RegionId(1), MemoryRegion::zeroed(8 << 20));
+        let base = 0x7f00_0000_0000u64;
+        let mappings = PeerMappings::fake([(
+            RegionId(7),
+            PlacedRegion {
+                ordinal: 1,
+                ptr: base,
+                len: 4 << 20,
+            },
+        )]);
+        let mut plan = WritePlan::new();
+        for (src, dst, len) in [(0u64, 4096u64, 3u64 << 20), (6 << 20, 0, 4096)] {
+            plan.push(WriteExtent {
+                src_region: RegionId(1),
+                src_offset: src,
+                dst_region: RegionId(7),
+                dst_offset: dst,
+                len,
+            });
+        }
+        let bounds = (256 << 10, 1 << 20);
+        let parts = split_plan(&plan, header, 2, bounds, &regions, Some(&mappings)).unwrap();
+        let mut copied: Vec<(u64, u64)> = Vec::new();
+        for p in parts.iter().flatten() {
+            let dst = p.placed.expect("every piece is placed");
+            assert_eq!(dst.ordinal, 1);
+            let (f, _) = Frame::parse(&p.header).unwrap();
+            let Frame::DataWrite(w) = f else { panic!() };
+            // The copy goes exactly where the header (the core's plan) says.
+            assert_eq!(dst.addr, base + w.offset);
+            assert_eq!(
+                p.wire_len(),
+                DATA_WRITE_FRAME_LEN,
+                "no payload on the stream"
+            );
+            copied.push((w.offset, p.len));
+        }
+        copied.sort();
+        let mut at = 4096;
+        for &(o, l) in &copied[1..] {
+            assert_eq!(o, at);
+            at += l;
+        }
+        assert_eq!(copied[0], (0, 4096));
+        assert_eq!(at, 4096 + (3 << 20));
+        // A destination past the opened region, or in a region not opened: nothing is split.
+        for (region, offset) in [(7, (4 << 20) - 10), (8, 0)] {
+            let mut bad = WritePlan::new();
+            bad.push(WriteExtent {
+                src_region: RegionId(1),
+                src_offset: 0,
+                dst_region: RegionId(region),
+                dst_offset: offset,
+                len: 4096,
+            });
+            assert_eq!(
+                split_plan(&bad, header, 2, bounds, &regions, Some(&mappings)).unwrap_err(),
+                BadExtent::Destination(RegionId(region))
+            );
+        }
     }
 }

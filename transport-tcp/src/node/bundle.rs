@@ -14,13 +14,15 @@ use std::sync::Arc;
 use std::thread::{self, JoinHandle};
 use std::time::Duration as StdDuration;
 
+use kvpipe_core::wire::Role;
 use kvpipe_core::{Endpoint, Instant, PeerId, TransportInput};
 
 use super::link::{Attached, LinkPhase};
 use super::lobby::Victim;
 use super::{NodePhase, Shared, State};
 use crate::conn::{Inbound, NodeHooks, Outbound};
-use crate::preamble::{Preamble, PREAMBLE_LEN};
+use crate::peer_copy::{self, Offer, Placement, TcpDataPath};
+use crate::preamble::{Preamble, PREAMBLE_LEN, PREAMBLE_PEER_COPY};
 use crate::stats::bump;
 
 /// Binds `addr` and starts the accept thread.
@@ -30,6 +32,11 @@ pub(super) fn listen<E: Endpoint + Send + 'static>(
 ) -> io::Result<(SocketAddr, JoinHandle<()>)> {
     let listener = TcpListener::bind(addr)?;
     let local = listener.local_addr()?;
+    // The peer-copy offer is made here, on the caller's thread: exporting calls into the CUDA
+    // driver, which the small stacks of the preamble threads are not sized for.
+    if shared.config.data_path != TcpDataPath::Socket {
+        shared.peer_copy_offer();
+    }
     let shared = shared.clone();
     let handle = thread::Builder::new()
         .name("kvpipe-tcp-accept".into())
@@ -139,17 +146,28 @@ impl<E: Endpoint + Send + 'static> Shared<E> {
             .stack_size(PREAMBLE_STACK)
             .spawn(move || {
                 let pre = read_preamble(&stream, deadline);
+                // A sender offering peer copies hears this node's offer first (before the
+                // lock: the exchange waits on the peer).
+                let placement = match pre {
+                    Some(p) if p.index == 0 && p.flags & PREAMBLE_PEER_COPY != 0 => {
+                        shared.answer_peer_copy(&stream, deadline)
+                    }
+                    Some(_) => Some(Placement::Socket),
+                    None => None,
+                };
                 let mut st = shared.state.lock();
                 // Dropped meanwhile (to make room, or the node stopped): its socket is shut.
                 let Some(origin) = st.lobby.leave(ticket) else {
                     return;
                 };
-                let Some(pre) = pre.filter(|_| shared.configure(&stream).is_ok()) else {
+                let (Some(pre), Some(placement)) =
+                    (pre.filter(|_| shared.configure(&stream).is_ok()), placement)
+                else {
                     bump(&shared.stats.preambles_failed, 1);
                     return;
                 };
                 let now = shared.now();
-                shared.attach(&mut st, now, pre, stream, Some(origin));
+                shared.attach(&mut st, now, pre, stream, Some(origin), placement);
             });
         if reader.is_err() {
             // No thread for it: it leaves at once (the stream was moved into the failed
@@ -159,18 +177,28 @@ impl<E: Endpoint + Send + 'static> Shared<E> {
         }
     }
 
-    /// Connects the connections of one peer bundle and writes their preambles.
+    /// Connects the connections of one peer bundle and writes their preambles; a sender
+    /// whose data path is not the socket's negotiates peer copies on the control connection
+    /// (see [`crate::peer_copy`]).
     pub(crate) fn open_bundle(
         &self,
         addr: impl ToSocketAddrs,
-    ) -> io::Result<Vec<(Preamble, TcpStream)>> {
+    ) -> io::Result<(Vec<(Preamble, TcpStream)>, Placement)> {
         let addr = addr
             .to_socket_addrs()?
             .next()
             .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "no address"))?;
         let count = self.config.connections_per_peer.clamp(1, 255);
         let token = self.new_token();
-        (0..count)
+        let path = self.config.data_path;
+        let is_sender = self.state.lock().endpoint.role() == Role::Sender;
+        if path == TcpDataPath::PeerCopy && !is_sender {
+            return Err(io::Error::other(
+                "peer copies are negotiated by a connecting sender; this node is a receiver",
+            ));
+        }
+        let offer = path != TcpDataPath::Socket && is_sender;
+        let streams = (0..count)
             .map(|index| {
                 let mut s = TcpStream::connect_timeout(&addr, self.config.preamble_timeout)?;
                 self.configure(&s)?;
@@ -178,23 +206,79 @@ impl<E: Endpoint + Send + 'static> Shared<E> {
                     index: index as u8,
                     count: count as u8,
                     token,
+                    flags: if offer && index == 0 {
+                        PREAMBLE_PEER_COPY
+                    } else {
+                        0
+                    },
                 };
                 s.write_all(&pre.encode())?;
                 Ok((pre, s))
             })
-            .collect()
+            .collect::<io::Result<Vec<_>>>()?;
+        if !offer {
+            return Ok((streams, Placement::Socket));
+        }
+        let control = &streams[0].1;
+        let deadline = std::time::Instant::now() + self.config.preamble_timeout;
+        let answer = Offer::read(control, deadline).map(|o| peer_copy::accept(&o, &self.regions));
+        let placement = match answer {
+            Ok(Ok(mappings)) => {
+                peer_copy::write_all(control, &peer_copy::encode_answer(true))?;
+                bump(&self.stats.peer_copy_peers, 1);
+                Placement::Send(Arc::new(mappings))
+            }
+            Ok(Err(why)) => {
+                peer_copy::write_all(control, &peer_copy::encode_answer(false))?;
+                if path == TcpDataPath::PeerCopy {
+                    return Err(io::Error::other(format!("peer copies refused: {why}")));
+                }
+                tracing::info!(target: "kvpipe::tcp", %why, "peer copies declined; data goes over the sockets");
+                Placement::Socket
+            }
+            Err(e) => return Err(e),
+        };
+        Ok((streams, placement))
+    }
+
+    /// This node's peer-copy offer, made once (when it starts listening).
+    fn peer_copy_offer(&self) -> &Offer {
+        self.offer.get_or_init(|| {
+            let is_receiver = self.state.lock().endpoint.role() == Role::Receiver;
+            peer_copy::local_offer(self.config.data_path, is_receiver, &self.regions)
+        })
+    }
+
+    /// The accepting side of the peer-copy negotiation on a control connection: sends this
+    /// node's offer, reads the sender's answer, both by `deadline`. `None`: the exchange
+    /// failed (the connection is dropped like one whose preamble failed).
+    fn answer_peer_copy(
+        &self,
+        stream: &TcpStream,
+        deadline: std::time::Instant,
+    ) -> Option<Placement> {
+        let offer = self.peer_copy_offer();
+        peer_copy::write_all(stream, &offer.encode()).ok()?;
+        let accepted = peer_copy::read_answer(stream, deadline).ok()?;
+        Some(if accepted && matches!(offer, Offer::Regions(_)) {
+            bump(&self.stats.peer_copy_peers, 1);
+            Placement::Receive
+        } else {
+            Placement::Socket
+        })
     }
 
     /// Makes a peer of connected streams (from [`Shared::open_bundle`]); the handshake starts.
     pub(crate) fn adopt_bundle(
         self: &Arc<Self>,
         streams: Vec<(Preamble, TcpStream)>,
+        placement: Placement,
     ) -> io::Result<PeerId> {
         let mut st = self.state.lock();
         let now = self.now();
         let mut assembling = None;
         for (pre, stream) in streams {
-            match self.attach(&mut st, now, pre, stream, None) {
+            match self.attach(&mut st, now, pre, stream, None, placement.clone()) {
                 Attached::Waiting(peer) => assembling = Some(peer),
                 Attached::Complete(peer) if st.links.get(peer).is_some() => return Ok(peer),
                 Attached::Complete(_) => {
@@ -217,6 +301,7 @@ impl<E: Endpoint + Send + 'static> Shared<E> {
         pre: Preamble,
         stream: TcpStream,
         origin: Option<(IpAddr, std::time::Instant)>,
+        placement: Placement,
     ) -> Attached {
         if !matches!(st.phase, NodePhase::Running) {
             return Attached::Refused;
@@ -224,6 +309,12 @@ impl<E: Endpoint + Send + 'static> Shared<E> {
         let attached = st
             .links
             .attach(pre, stream, std::time::Instant::now(), origin);
+        // The control connection carries the bundle's placement (before the bundle starts).
+        if let (Attached::Waiting(peer) | Attached::Complete(peer), 0) = (attached, pre.index) {
+            if let Some(link) = st.links.get_mut(peer) {
+                link.placement = placement;
+            }
+        }
         match attached {
             Attached::Refused => return attached,
             Attached::Waiting(_) => {
@@ -261,7 +352,8 @@ impl<E: Endpoint + Send + 'static> Shared<E> {
                 self.regions.clone(),
                 self.stats.clone(),
                 &self.config,
-            );
+            )
+            .placed(matches!(link.placement, Placement::Receive));
             let outbound = Outbound::new(
                 peer,
                 conn.queue.clone(),

@@ -88,8 +88,13 @@ impl<E: Endpoint + Send + 'static> Shared<E> {
             link.conns.len(),
             (self.config.min_piece_bytes, self.config.max_piece_bytes),
             &self.regions,
+            match &link.placement {
+                crate::peer_copy::Placement::Send(m) => Some(&**m),
+                _ => None,
+            },
         ) else {
-            // A source extent outside registered memory: nothing is sent.
+            // A source extent outside registered memory, or (peer copies) a destination
+            // outside the peer's opened regions: nothing is sent.
             return Some(failed);
         };
         let (mut queued, mut refused) = (0, false);

@@ -149,6 +149,7 @@ mod tests {
                     index,
                     count: 3,
                     token: 42,
+                    flags: 0,
                 };
                 s.write_all(&pre.encode()).unwrap();
                 s

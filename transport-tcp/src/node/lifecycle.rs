@@ -56,6 +56,7 @@ impl<E: Endpoint + Send + 'static> Node<E> {
             stats: Arc::new(StatCells::default()),
             tokens: AtomicU64::new(0),
             accepting: AtomicBool::new(true),
+            offer: std::sync::OnceLock::new(),
             spawn,
         });
         let timer = {
@@ -82,8 +83,8 @@ impl<E: Endpoint + Send + 'static> Node<E> {
 
     /// Opens `connections_per_peer` connections to `addr`; the handshake starts on them.
     pub(crate) fn connect(&self, addr: impl ToSocketAddrs) -> io::Result<PeerId> {
-        let streams = self.shared.open_bundle(addr)?;
-        self.shared.adopt_bundle(streams)
+        let (streams, placement) = self.shared.open_bundle(addr)?;
+        self.shared.adopt_bundle(streams, placement)
     }
 
     /// The next event, waiting up to `timeout`.

@@ -69,6 +69,8 @@ pub(crate) struct PeerLink {
     pub(crate) origin: Option<(IpAddr, std::time::Instant)>,
     /// Whether its handshake completed (the core reported it ready).
     pub(crate) authenticated: bool,
+    /// How its data writes travel (negotiated on the control connection).
+    pub(crate) placement: crate::peer_copy::Placement,
 }
 
 impl PeerLink {
@@ -239,6 +241,7 @@ impl Links {
                         phase: LinkPhase::Assembling { since: now },
                         origin,
                         authenticated: false,
+                        placement: Default::default(),
                     },
                 );
                 peer

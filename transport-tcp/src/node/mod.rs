@@ -110,6 +110,8 @@ pub(crate) struct Shared<E> {
     /// Whether the accept thread goes on (cleared when the node starts closing; read without
     /// the lock, which `attach` checks again).
     accepting: AtomicBool,
+    /// This node's peer-copy offer, made on the first request for it.
+    offer: std::sync::OnceLock<crate::peer_copy::Offer>,
     spawn: Box<dyn Spawn>,
 }
 

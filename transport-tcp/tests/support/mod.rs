@@ -223,6 +223,7 @@ impl RawPeer {
                     index: 0,
                     count: 1,
                     token,
+                    flags: 0,
                 }
                 .encode(),
             )

@@ -34,6 +34,7 @@ use serde::Serialize;
 use crate::cli::{preflight, CliError};
 
 mod device;
+mod peer;
 mod tcp;
 mod tcp_device;
 mod verbs;
@@ -91,6 +92,15 @@ pub(crate) struct TransferBenchArgs {
     /// `TcpConfig`'s).
     #[arg(long)]
     staging_slots: Option<usize>,
+    /// With --memory device: measure the peer-copy data path across two processes instead —
+    /// this program started as `serve` with its pools on GPU N and as `demo --connect` on
+    /// --gpu, the whole request as one write batch copied by CUDA IPC — against
+    /// `cuda-memcpy-peer` of the same bytes in the transport's pieces.
+    #[arg(long, value_name = "N")]
+    peer_gpu: Option<usize>,
+    /// With --peer-gpu: the prefill side's GPU.
+    #[arg(long, default_value_t = 0)]
+    gpu: usize,
 }
 
 /// The figures `kvpipe bench transfer` prints.
@@ -239,6 +249,12 @@ pub(super) fn chunks(tokens: u32, chunk: u32) -> Vec<ChunkSpec> {
 
 pub(crate) fn run(args: TransferBenchArgs) -> Result<ExitCode, CliError> {
     preflight_transfer(&args)?;
+    if let Some(n) = args.peer_gpu {
+        if args.memory != "device" {
+            return Err("--peer-gpu needs --memory device".into());
+        }
+        return peer::run(args, n);
+    }
     match args.memory.as_str() {
         "host" => {}
         "device" if args.transport == "tcp" => return tcp_device::run(args),

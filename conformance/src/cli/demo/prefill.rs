@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use kvpipe_conformance::cache::AllocationStyle;
 use kvpipe_conformance::suite::demo::{median, percentile};
+use kvpipe_conformance::suite::PoolMemory;
 use kvpipe_core::session::{LocalHello, SendRequest, UsageError};
 use kvpipe_core::wire::{AuxData, Topology};
 use kvpipe_core::{ChunkSpec, Event, RequestId, SenderConfig};
@@ -32,6 +33,12 @@ struct PrefillReport {
     bytes: u64,
     seconds: f64,
     connections: usize,
+    /// Where the pools lived: "host" or "device".
+    memory: &'static str,
+    /// How the data moved: "peer-copy" (CUDA IPC), "socket" or "rdma".
+    data_path: &'static str,
+    /// Bytes copied straight into the decode side's device memory (peer copies).
+    bytes_placed: u64,
     /// Per request, this side's view (`RequestTimings::tail`): last chunk computed → the
     /// sender finished (last batch written, last result and aux data sent).
     exposed_tail_ms: f64,
@@ -43,7 +50,7 @@ struct PrefillReport {
     transfer_p99_ms: f64,
 }
 
-pub(super) fn run(args: &DemoArgs, addr: &str) -> Result<ExitCode, CliError> {
+pub(super) fn run(args: &DemoArgs, addr: &str, memory: PoolMemory) -> Result<ExitCode, CliError> {
     let tpb = args.tokens_per_block.max(1);
     let mut cache = two_process_cache(
         args.model.groups(args.window),
@@ -52,6 +59,8 @@ pub(super) fn run(args: &DemoArgs, addr: &str) -> Result<ExitCode, CliError> {
         args.requests,
         1,
     )?;
+    // Device pools: every computed chunk is uploaded before it is submitted.
+    memory.place(&mut cache).map_err(|e| e.to_string())?;
     let local = LocalHello::new(instance_id(), Topology::default(), cache.layouts());
     let mut config = SenderConfig::new(local);
     config.deadlines = two_process_deadlines();
@@ -59,7 +68,7 @@ pub(super) fn run(args: &DemoArgs, addr: &str) -> Result<ExitCode, CliError> {
     let transport = TransportChoice::parse(&args.transport, connections, args.device.as_deref())?;
     // SAFETY: `cache` outlives the node (shut down below); the engine computes only blocks no
     // transfer reads (a chunk's blocks are sent after they are computed, and stay untouched).
-    let tx = unsafe { PrefillNode::new(&transport, config, &mut cache)? };
+    let tx = unsafe { PrefillNode::new(&transport, config, &mut cache, args.data_path)? };
     let peer = tx.connect(addr)?;
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
@@ -188,6 +197,7 @@ pub(super) fn run(args: &DemoArgs, addr: &str) -> Result<ExitCode, CliError> {
     for &id in &ids {
         let _ = tx.retire(id);
     }
+    let (data_path, bytes_placed) = (tx.data_path(), tx.bytes_placed());
     // An orderly close: what is still queued (the last results) reaches the other side before
     // this process exits.
     if let Err(e) = tx.close(Duration::from_secs(10)) {
@@ -207,6 +217,9 @@ pub(super) fn run(args: &DemoArgs, addr: &str) -> Result<ExitCode, CliError> {
         bytes,
         seconds,
         connections,
+        memory: memory.name(),
+        data_path,
+        bytes_placed,
         exposed_tail_ms: median(tails.clone()),
         max_exposed_tail_ms: max_tail,
         exposed_tail_p50_ms: percentile(&tails, 50.0),
@@ -218,8 +231,9 @@ pub(super) fn run(args: &DemoArgs, addr: &str) -> Result<ExitCode, CliError> {
         println!("{}", serde_json::to_string(&report)?);
     } else {
         println!(
-            "prefill side: {} of {} request(s) sent to {addr}, {bytes} bytes in {chunks} chunks, {:.2} s",
-            report.completed, report.requests, report.seconds
+            "prefill side: {} of {} request(s) sent to {addr}, {bytes} bytes in {chunks} chunks, \
+             {:.2} s, from {} memory by {}",
+            report.completed, report.requests, report.seconds, report.memory, report.data_path
         );
         if report.completed == 0 {
             // Percentiles of no request would print as zeros, which read as instant transfers.
