@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use kvpipe_conformance::cache::ReferenceCache;
-use kvpipe_conformance::suite::VerbsHarness;
+use kvpipe_conformance::suite::{TcpHarness, VerbsHarness};
 use kvpipe_core::session::{Registration, SendRequest, UsageError};
 use kvpipe_core::wire::AuxData;
 use kvpipe_core::{
@@ -16,7 +16,6 @@ use kvpipe_ibverbs::{
 };
 use kvpipe_tcp::{TcpConfig, TcpDataPath, TcpReceiver, TcpSender};
 
-use super::serve::regions_of;
 use super::CliError;
 
 /// A transport of the two-process commands.
@@ -82,7 +81,7 @@ pub(crate) fn open_device(device: Option<&str>) -> Result<VerbsDevice, CliError>
 /// Registers every region of `cache` with `device`.
 ///
 /// # Safety
-/// As [`regions_of`]: `cache` outlives the node and never moves its regions.
+/// As [`TcpHarness::register_cache`]: `cache` outlives the node and never moves its regions.
 unsafe fn verbs_regions(
     cache: &mut ReferenceCache,
     device: &VerbsDevice,
@@ -102,7 +101,7 @@ impl PrefillNode {
     /// A node over `cache`'s regions.
     ///
     /// # Safety
-    /// As [`regions_of`].
+    /// As [`TcpHarness::register_cache`].
     pub(crate) unsafe fn new(
         transport: &TransportChoice,
         config: SenderConfig,
@@ -117,7 +116,9 @@ impl PrefillNode {
                     ..TcpConfig::default()
                 };
                 // SAFETY: forwarded from the caller.
-                PrefillNode::Tcp(TcpSender::new(config, tcp, unsafe { regions_of(cache) })?)
+                PrefillNode::Tcp(TcpSender::new(config, tcp, unsafe {
+                    TcpHarness::register_cache(cache)
+                })?)
             }
             TransportChoice::Verbs(device) => {
                 let device = open_device(device.as_deref())?;
@@ -232,7 +233,7 @@ impl DecodeNode {
     /// A node over `cache`'s regions.
     ///
     /// # Safety
-    /// As [`regions_of`].
+    /// As [`TcpHarness::register_cache`].
     pub(crate) unsafe fn new(
         transport: &TransportChoice,
         config: ReceiverConfig,
@@ -242,7 +243,7 @@ impl DecodeNode {
         Ok(match transport {
             TransportChoice::Tcp(_) => {
                 // SAFETY: forwarded from the caller.
-                let regions = unsafe { regions_of(cache) };
+                let regions = unsafe { TcpHarness::register_cache(cache) };
                 let tcp = TcpConfig {
                     data_path,
                     ..TcpConfig::default()

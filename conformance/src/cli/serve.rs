@@ -13,7 +13,6 @@ use kvpipe_conformance::suite::demo::{percentile, Model};
 use kvpipe_core::session::{Deadlines, LocalHello, Registration};
 use kvpipe_core::wire::{Role, Topology};
 use kvpipe_core::{Event, InstanceId, PeerId, RequestId};
-use kvpipe_tcp::{MemoryRegion, RegionTable};
 use serde::Serialize;
 
 use super::nodes::{DecodeNode, TransportChoice};
@@ -146,33 +145,6 @@ pub(crate) fn two_process_cache(
         materialize: true,
     };
     Ok(ReferenceCache::new(&spec)?)
-}
-
-/// Registers every region of `cache` with a node, by address.
-///
-/// # Safety
-/// `cache` must outlive the node and never move or resize its regions (the reference cache
-/// never reallocates a region); the engine touches only blocks no transfer is using.
-pub(crate) unsafe fn regions_of(cache: &mut ReferenceCache) -> RegionTable {
-    let ids: Vec<_> = cache.region_ids().collect();
-    let mut table = RegionTable::new();
-    for id in ids {
-        // A cache placed on a GPU (`--memory device`): its device pools.
-        #[cfg(feature = "cuda")]
-        if let Some(pool) = cache.device_pool(id) {
-            // SAFETY: forwarded from the caller; the cache owns the device buffer.
-            let region = unsafe {
-                kvpipe_tcp::DeviceRegion::from_raw_parts(pool.ordinal, pool.ptr, pool.len)
-            };
-            table.insert_device(id, region);
-            continue;
-        }
-        let bytes = cache.region_mut(id).unwrap_or_default();
-        // SAFETY: forwarded from the caller.
-        let region = unsafe { MemoryRegion::from_raw_parts(bytes.as_mut_ptr(), bytes.len()) };
-        table.insert(id, region);
-    }
-    table
 }
 
 /// Deadlines for a demo across processes: long waits for the other side's engine, prompt

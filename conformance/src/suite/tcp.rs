@@ -27,6 +27,35 @@ pub struct TcpHarness {
 }
 
 impl TcpHarness {
+    /// Registers every region of `cache` by address (its device pools once it is placed on a
+    /// device).
+    ///
+    /// # Safety
+    ///
+    /// The cache must outlive every node built on the table and keep its regions where they are
+    /// (the reference cache never reallocates a region; see [`Harness::connect`]).
+    pub unsafe fn register_cache(cache: &mut ReferenceCache) -> RegionTable {
+        let ids: Vec<_> = cache.region_ids().collect();
+        let mut table = RegionTable::new();
+        for id in ids {
+            #[cfg(feature = "cuda")]
+            if let Some(pool) = cache.device_pool(id) {
+                // SAFETY: the cache owns the device buffer and outlives the node (the caller's
+                // contract); the sessions pin blocks until quiesced.
+                let region = unsafe {
+                    kvpipe_tcp::DeviceRegion::from_raw_parts(pool.ordinal, pool.ptr, pool.len)
+                };
+                table.insert_device(id, region);
+                continue;
+            }
+            let bytes = cache.region_mut(id).unwrap_or_default();
+            // SAFETY: forwarded from the caller; the sessions pin blocks until quiesced.
+            let region = unsafe { MemoryRegion::from_raw_parts(bytes.as_mut_ptr(), bytes.len()) };
+            table.insert(id, region);
+        }
+        table
+    }
+
     /// The blocking driver with `connections` connections per peer.
     pub fn blocking(connections: usize) -> Self {
         TcpHarness {
@@ -67,34 +96,6 @@ fn transport(e: impl std::fmt::Display) -> LinkError {
     LinkError::Transport(e.to_string())
 }
 
-/// Registers every region of `cache` by address (its device pools once it is placed on a
-/// device).
-///
-/// # Safety
-/// The cache must outlive the node and keep its regions where they are (see
-/// [`Harness::connect`]).
-unsafe fn regions_of(cache: &mut ReferenceCache) -> RegionTable {
-    let ids: Vec<_> = cache.region_ids().collect();
-    let mut table = RegionTable::new();
-    for id in ids {
-        #[cfg(feature = "cuda")]
-        if let Some(pool) = cache.device_pool(id) {
-            // SAFETY: the cache owns the device buffer and outlives the node (the caller's
-            // contract); the sessions pin blocks until quiesced.
-            let region = unsafe {
-                kvpipe_tcp::DeviceRegion::from_raw_parts(pool.ordinal, pool.ptr, pool.len)
-            };
-            table.insert_device(id, region);
-            continue;
-        }
-        let bytes = cache.region_mut(id).unwrap_or_default();
-        // SAFETY: forwarded from the caller; the sessions pin blocks until quiesced.
-        let region = unsafe { MemoryRegion::from_raw_parts(bytes.as_mut_ptr(), bytes.len()) };
-        table.insert(id, region);
-    }
-    table
-}
-
 impl Harness for TcpHarness {
     type Link = TcpLink;
 
@@ -131,8 +132,12 @@ impl Harness for TcpHarness {
             ..TcpConfig::default()
         };
         // SAFETY: the caller keeps both caches alive and unmoved while the link lives.
-        let (tx_regions, rx_regions) =
-            unsafe { (regions_of(sender_cache), regions_of(receiver_cache)) };
+        let (tx_regions, rx_regions) = unsafe {
+            (
+                Self::register_cache(sender_cache),
+                Self::register_cache(receiver_cache),
+            )
+        };
         #[cfg(feature = "tokio")]
         let runtime = if self.tokio {
             Some(
