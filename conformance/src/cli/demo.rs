@@ -419,11 +419,7 @@ fn device_memory(gpu: usize) -> Result<PoolMemory, CliError> {
 
 #[cfg(not(feature = "cuda"))]
 fn device_memory(_gpu: usize) -> Result<PoolMemory, CliError> {
-    Err(
-        "--memory device needs kvpipe built with the `cuda` feature \
-         (cargo build --release -p kvpipe-conformance --features cuda)"
-            .into(),
-    )
+    Err(crate::cli::NEEDS_CUDA.into())
 }
 
 /// How much memory the run took against the KV its caches held.

@@ -40,6 +40,11 @@ enum Command {
 /// A command's failure, printed as `kvpipe: <message>` with a non-zero exit status.
 pub(crate) type CliError = Box<dyn std::error::Error + Send + Sync>;
 
+/// What `--memory device` answers in a kvpipe built without the `cuda` feature.
+#[cfg(not(feature = "cuda"))]
+pub(crate) const NEEDS_CUDA: &str = "--memory device needs kvpipe built with the `cuda` feature \
+     (cargo build --release -p kvpipe-conformance --features cuda)";
+
 impl Cli {
     pub(crate) fn run(self) -> Result<ExitCode, CliError> {
         match self.command {

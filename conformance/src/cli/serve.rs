@@ -108,11 +108,7 @@ pub(crate) fn two_process_memory(
         #[cfg(not(feature = "cuda"))]
         "device" => {
             let _ = gpu;
-            Err(
-                "--memory device needs kvpipe built with the `cuda` feature \
-                 (cargo build --release -p kvpipe-conformance --features cuda)"
-                    .into(),
-            )
+            Err(crate::cli::NEEDS_CUDA.into())
         }
         other => Err(format!("--memory {other:?}: use host or device").into()),
     }

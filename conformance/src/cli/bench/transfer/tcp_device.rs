@@ -27,11 +27,7 @@ use crate::cli::CliError;
 /// Without the `cuda` feature there is no device memory to measure.
 #[cfg(not(feature = "cuda"))]
 pub(super) fn run(_args: super::TransferBenchArgs) -> Result<ExitCode, CliError> {
-    Err(
-        "--memory device needs kvpipe built with the `cuda` feature \
-         (cargo build --release -p kvpipe-conformance --features cuda)"
-            .into(),
-    )
+    Err(crate::cli::NEEDS_CUDA.into())
 }
 
 #[cfg(feature = "cuda")]
