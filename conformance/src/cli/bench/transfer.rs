@@ -34,6 +34,7 @@ use serde::Serialize;
 use crate::cli::{preflight, CliError};
 
 mod device;
+mod pair;
 mod peer;
 mod tcp;
 mod tcp_device;

@@ -21,15 +21,16 @@ use std::time::{Duration, Instant};
 
 use kvpipe_conformance::cache::fill_filler;
 use kvpipe_conformance::suite::demo::median;
-use kvpipe_core::session::{LocalHello, Registration, SendRequest};
-use kvpipe_core::wire::{AuxData, Topology};
+use kvpipe_core::session::LocalHello;
+use kvpipe_core::wire::Topology;
 use kvpipe_core::{
-    AnchoredRun, BlockId, Event, InstanceId, LayerGroupLayout, PeerId, ReceiverConfig, RegionId,
-    RequestId, SenderConfig,
+    AnchoredRun, BlockId, InstanceId, LayerGroupLayout, ReceiverConfig, RegionId, RequestId,
+    SenderConfig,
 };
 use kvpipe_tcp::{MemoryRegion, RegionTable, TcpConfig, TcpReceiver, TcpSender};
 use serde::Serialize;
 
+use super::pair::{Pair, Patience};
 use super::{chunks, layout, mem_available, ContiguousSource, TransferBenchArgs};
 use crate::cli::CliError;
 
@@ -87,32 +88,19 @@ pub(super) struct RawSize {
     pub(super) runs_s: Vec<f64>,
 }
 
+/// How long the transport's request waits for each step (loopback: generous).
+pub(super) const PATIENCE: Patience = Patience {
+    registered: Duration::from_secs(10),
+    completed: Duration::from_secs(600),
+    quiesced: Duration::from_secs(10),
+};
+
 fn write_label(write: Option<usize>) -> String {
     match write {
         None => "whole share".into(),
         Some(b) if b >= 1 << 20 => format!("{} MiB", b >> 20),
         Some(b) => format!("{} KiB", b >> 10),
     }
-}
-
-pub(super) fn wait_event(
-    next: impl Fn(Duration) -> Option<Event>,
-    limit: Duration,
-    mut pred: impl FnMut(&Event) -> bool,
-) -> Result<(), CliError> {
-    let start = Instant::now();
-    while start.elapsed() < limit {
-        if let Some(e) = next(Duration::from_millis(100)) {
-            match &e {
-                Event::Failed { .. } | Event::TimedOut { .. } | Event::PeerRejected { .. } => {
-                    return Err(format!("transfer failed: {e:?}").into())
-                }
-                _ if pred(&e) => return Ok(()),
-                _ => {}
-            }
-        }
-    }
-    Err("timed out waiting for the transfer".into())
 }
 
 /// `connections` connected socket pairs over loopback: (writer end, reader end).
@@ -257,23 +245,7 @@ pub(super) fn run(args: TransferBenchArgs) -> Result<ExitCode, CliError> {
     let addr = rx.listen("127.0.0.1:0")?;
     let tx = TcpSender::new(SenderConfig::new(hello(1, &src_layout)), tcp, tx_regions)?;
     let receiver_peer = tx.connect(addr)?;
-    let mut sender_peer = PeerId(0);
-    wait_event(
-        |t| rx.next_event(t),
-        Duration::from_secs(10),
-        |e| match e {
-            Event::PeerReady { peer, .. } => {
-                sender_peer = *peer;
-                true
-            }
-            _ => false,
-        },
-    )?;
-    wait_event(
-        |t| tx.next_event(t),
-        Duration::from_secs(10),
-        |e| matches!(e, Event::PeerReady { .. }),
-    )?;
+    let pair = Pair::ready(&tx, &rx, receiver_peer, Duration::from_secs(10))?;
     let mut raw = raw_pairs(connections)?;
 
     let mut anchored = AnchoredRun::empty(0);
@@ -304,52 +276,9 @@ pub(super) fn run(args: TransferBenchArgs) -> Result<ExitCode, CliError> {
             }
             let request = RequestId(u64::from(run) + 1);
             dst_bytes.fill(0);
-            rx.register(Registration {
-                request,
-                prompt_len: tokens,
-                groups: vec![anchored.clone()],
-                writers: std::iter::once(sender_peer).collect(),
-                aux_capacity: 64,
-            })?;
-            tx.open_request(SendRequest {
-                request,
-                receivers: std::iter::once(receiver_peer).collect(),
-                beam_width: 1,
-            })?;
-            wait_event(
-                |t| tx.next_event(t),
-                Duration::from_secs(10),
-                |e| matches!(e, Event::Registered { request: r, .. } if *r == request),
-            )?;
-            let t0 = Instant::now();
-            for spec in &specs {
-                tx.submit_chunk(request, *spec, &mut source)?;
-            }
-            tx.submit_aux(
-                request,
-                AuxData {
-                    prompt_tokens: tokens,
-                    ..AuxData::default()
-                },
-            )?;
-            wait_event(
-                |t| rx.next_event(t),
-                Duration::from_secs(600),
-                |e| matches!(e, Event::Completed { request: r, .. } if *r == request),
-            )?;
-            t_tcp.push(t0.elapsed().as_secs_f64());
-            for next in [
-                &(|t| rx.next_event(t)) as &dyn Fn(Duration) -> Option<Event>,
-                &|t| tx.next_event(t),
-            ] {
-                wait_event(
-                    next,
-                    Duration::from_secs(10),
-                    |e| matches!(e, Event::Quiesced { request: r } if *r == request),
-                )?;
-            }
-            tx.retire(request)?;
-            rx.retire(request)?;
+            let t =
+                pair.timed_request(request, tokens, &anchored, &specs, &mut source, PATIENCE)?;
+            t_tcp.push(t);
             verified &= src_bytes == &dst_bytes[..];
         }
     }

@@ -39,17 +39,18 @@ mod gpu {
 
     use kvpipe_conformance::cache::fill_filler;
     use kvpipe_conformance::suite::demo::median;
-    use kvpipe_core::session::{LocalHello, Registration, SendRequest};
-    use kvpipe_core::wire::{AuxData, Topology};
+    use kvpipe_core::session::LocalHello;
+    use kvpipe_core::wire::Topology;
     use kvpipe_core::{
-        AnchoredRun, BlockId, Event, InstanceId, LayerGroupLayout, PeerId, ReceiverConfig,
-        RegionId, RequestId, SenderConfig,
+        AnchoredRun, BlockId, InstanceId, LayerGroupLayout, ReceiverConfig, RegionId, RequestId,
+        SenderConfig,
     };
     use kvpipe_cuda::{CopyEngine, CopyExtent, Device, DeviceBuffer, Memory, PinnedBuffer};
     use kvpipe_tcp::{DeviceRegion, RegionTable, TcpConfig, TcpReceiver, TcpSender};
     use serde::Serialize;
 
-    use super::super::tcp::{raw_pairs, sweep, timed_raw, wait_event, RawSize, RAW_WRITES};
+    use super::super::pair::Pair;
+    use super::super::tcp::{raw_pairs, sweep, timed_raw, RawSize, PATIENCE, RAW_WRITES};
     use super::super::{chunks, layout, mem_available, ContiguousSource, TransferBenchArgs};
     use super::{CliError, ExitCode};
 
@@ -249,23 +250,7 @@ mod gpu {
             table(RegionId(1), &src),
         )?;
         let receiver_peer = tx.connect(addr)?;
-        let mut sender_peer = PeerId(0);
-        wait_event(
-            |t| rx.next_event(t),
-            Duration::from_secs(10),
-            |e| match e {
-                Event::PeerReady { peer, .. } => {
-                    sender_peer = *peer;
-                    true
-                }
-                _ => false,
-            },
-        )?;
-        wait_event(
-            |t| tx.next_event(t),
-            Duration::from_secs(10),
-            |e| matches!(e, Event::PeerReady { .. }),
-        )?;
+        let pair = Pair::ready(&tx, &rx, receiver_peer, Duration::from_secs(10))?;
         let mut raw = raw_pairs(connections)?;
 
         let mut anchored = AnchoredRun::empty(0);
@@ -305,52 +290,8 @@ mod gpu {
                 }
                 let request = RequestId(u64::from(run) + 1);
                 dst.fill(0)?;
-                rx.register(Registration {
-                    request,
-                    prompt_len: tokens,
-                    groups: vec![anchored.clone()],
-                    writers: std::iter::once(sender_peer).collect(),
-                    aux_capacity: 64,
-                })?;
-                tx.open_request(SendRequest {
-                    request,
-                    receivers: std::iter::once(receiver_peer).collect(),
-                    beam_width: 1,
-                })?;
-                wait_event(
-                    |t| tx.next_event(t),
-                    Duration::from_secs(10),
-                    |e| matches!(e, Event::Registered { request: r, .. } if *r == request),
-                )?;
-                let t0 = Instant::now();
-                for spec in &specs {
-                    tx.submit_chunk(request, *spec, &mut source)?;
-                }
-                tx.submit_aux(
-                    request,
-                    AuxData {
-                        prompt_tokens: tokens,
-                        ..AuxData::default()
-                    },
-                )?;
-                wait_event(
-                    |t| rx.next_event(t),
-                    Duration::from_secs(600),
-                    |e| matches!(e, Event::Completed { request: r, .. } if *r == request),
-                )?;
-                let elapsed = t0.elapsed().as_secs_f64();
-                for next in [
-                    &(|t| rx.next_event(t)) as &dyn Fn(Duration) -> Option<Event>,
-                    &|t| tx.next_event(t),
-                ] {
-                    wait_event(
-                        next,
-                        Duration::from_secs(10),
-                        |e| matches!(e, Event::Quiesced { request: r } if *r == request),
-                    )?;
-                }
-                tx.retire(request)?;
-                rx.retire(request)?;
+                let elapsed =
+                    pair.timed_request(request, tokens, &anchored, &specs, &mut source, PATIENCE)?;
                 verified &= verify(&host_src, &dst, &mut readback)?;
                 if run > 0 {
                     t_tcp.push(elapsed);

@@ -11,20 +11,20 @@
 
 use std::net::TcpListener;
 use std::process::{Command, ExitCode, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use kvpipe_conformance::cache::fill_filler;
 use kvpipe_conformance::suite::demo::median;
-use kvpipe_core::session::{Deadlines, LocalHello, Registration, SendRequest};
-use kvpipe_core::wire::{AuxData, Topology};
+use kvpipe_core::session::{Deadlines, LocalHello};
+use kvpipe_core::wire::Topology;
 use kvpipe_core::{
-    AnchoredRun, BlockId, Event, InstanceId, LayerGroupLayout, PeerId, ReceiverConfig, RegionId,
-    RequestId, SenderConfig,
+    AnchoredRun, BlockId, InstanceId, LayerGroupLayout, ReceiverConfig, RegionId, RequestId,
+    SenderConfig,
 };
 use kvpipe_ibverbs::{Exposure, MemoryTable, VerbsConfig, VerbsReceiver, VerbsSender};
 use serde::Serialize;
 
-use super::tcp::wait_event;
+use super::pair::{Pair, Patience};
 use super::{chunks, layout, mem_available, ContiguousSource, TransferBenchArgs};
 use crate::cli::nodes::open_device;
 use crate::cli::CliError;
@@ -217,23 +217,7 @@ pub(super) fn run(args: TransferBenchArgs) -> Result<ExitCode, CliError> {
     let tx = VerbsSender::sender(tx_config, device, tx_regions, VerbsConfig::default())?;
     let message_bytes = tx.fabric().write_request_bytes();
     let receiver_peer = tx.connect(addr)?;
-    let mut sender_peer = PeerId(0);
-    wait_event(
-        |t| rx.next_event(t),
-        Duration::from_secs(30),
-        |e| match e {
-            Event::PeerReady { peer, .. } => {
-                sender_peer = *peer;
-                true
-            }
-            _ => false,
-        },
-    )?;
-    wait_event(
-        |t| tx.next_event(t),
-        Duration::from_secs(30),
-        |e| matches!(e, Event::PeerReady { .. }),
-    )?;
+    let pair = Pair::ready(&tx, &rx, receiver_peer, Duration::from_secs(30))?;
 
     let mut anchored = AnchoredRun::empty(0);
     for b in 0..blocks {
@@ -253,52 +237,19 @@ pub(super) fn run(args: TransferBenchArgs) -> Result<ExitCode, CliError> {
             t_base.push(ib_write_bw(&name, gid_index, message_bytes, iters)?);
         }
         dst.fill(0);
-        rx.register(Registration {
+        let patience = Patience {
+            registered: Duration::from_secs(30),
+            completed: Duration::from_secs(1800),
+            quiesced: Duration::from_secs(30),
+        };
+        t_verbs.push(pair.timed_request(
             request,
-            prompt_len: tokens,
-            groups: vec![anchored.clone()],
-            writers: std::iter::once(sender_peer).collect(),
-            aux_capacity: 64,
-        })?;
-        tx.open_request(SendRequest {
-            request,
-            receivers: std::iter::once(receiver_peer).collect(),
-            beam_width: 1,
-        })?;
-        wait_event(
-            |t| tx.next_event(t),
-            Duration::from_secs(30),
-            |e| matches!(e, Event::Registered { request: r, .. } if *r == request),
-        )?;
-        let t0 = Instant::now();
-        for spec in &specs {
-            tx.submit_chunk(request, *spec, &mut source)?;
-        }
-        tx.submit_aux(
-            request,
-            AuxData {
-                prompt_tokens: tokens,
-                ..AuxData::default()
-            },
-        )?;
-        wait_event(
-            |t| rx.next_event(t),
-            Duration::from_secs(1800),
-            |e| matches!(e, Event::Completed { request: r, .. } if *r == request),
-        )?;
-        t_verbs.push(t0.elapsed().as_secs_f64());
-        wait_event(
-            |t| rx.next_event(t),
-            Duration::from_secs(30),
-            |e| matches!(e, Event::Quiesced { request: r } if *r == request),
-        )?;
-        wait_event(
-            |t| tx.next_event(t),
-            Duration::from_secs(30),
-            |e| matches!(e, Event::Quiesced { request: r } if *r == request),
-        )?;
-        tx.retire(request)?;
-        rx.retire(request)?;
+            tokens,
+            &anchored,
+            &specs,
+            &mut source,
+            patience,
+        )?);
         verified &= src[..bytes as usize] == dst[..bytes as usize];
         if !base_first {
             t_base.push(ib_write_bw(&name, gid_index, message_bytes, iters)?);
