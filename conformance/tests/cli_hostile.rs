@@ -4,6 +4,8 @@
 //! right after its handshake does not leave `serve` hung, and a decode side believes no byte
 //! count it did not check.
 
+mod support;
+
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
 use std::process::{Child, Command, Output, Stdio};
@@ -76,13 +78,7 @@ impl Serve {
             .spawn()
             .unwrap();
         let mut err = BufReader::new(child.stderr.take().unwrap());
-        let mut line = String::new();
-        err.read_line(&mut line).unwrap();
-        let addr = line
-            .trim()
-            .strip_prefix("kvpipe serve: listening on ")
-            .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
-            .to_string();
+        let addr = support::listening_addr(&mut err);
         let stderr = Arc::new(Mutex::new(String::new()));
         let sink = stderr.clone();
         std::thread::spawn(move || {

@@ -1,6 +1,8 @@
 //! What `kvpipe` reports about a transfer besides its own output: spans and events on stderr
 //! under `RUST_LOG`, quiet by default, and `kvpipe serve --metrics` serving Prometheus text.
 
+mod support;
+
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
 use std::process::{Command, Stdio};
@@ -140,14 +142,8 @@ fn serve_metrics_can_be_scraped_after_a_two_process_transfer() {
         .spawn()
         .unwrap();
     let mut err = BufReader::new(serve.stderr.take().unwrap());
+    let addr = support::listening_addr(&mut err);
     let mut line = String::new();
-    err.read_line(&mut line).unwrap();
-    let addr = line
-        .trim()
-        .strip_prefix("kvpipe serve: listening on ")
-        .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
-        .to_string();
-    line.clear();
     err.read_line(&mut line).unwrap();
     let metrics = line
         .trim()

@@ -1,7 +1,9 @@
 //! `kvpipe serve` and `kvpipe demo --transport tcp --connect` as two processes on loopback:
 //! every request completes and the decode side verifies every byte.
 
-use std::io::{BufRead, BufReader};
+mod support;
+
+use std::io::BufReader;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -33,13 +35,7 @@ fn serve_and_demo_connect_transfer_and_verify_across_processes() {
         .unwrap();
     // The bound address is printed on stderr.
     let mut err = BufReader::new(serve.stderr.take().unwrap());
-    let mut line = String::new();
-    err.read_line(&mut line).unwrap();
-    let addr = line
-        .trim()
-        .strip_prefix("kvpipe serve: listening on ")
-        .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
-        .to_string();
+    let addr = support::listening_addr(&mut err);
     let demo = Command::new(KVPIPE)
         .args(["demo", "--transport", "tcp", "--connect", &addr, "--json"])
         .args(["--chunk-tokens", "64", "--prefill-ms-per-chunk", "1"])
@@ -96,13 +92,7 @@ fn serve_refuses_a_prefill_node_with_another_block_size() {
         .spawn()
         .unwrap();
     let mut err = BufReader::new(serve.stderr.take().unwrap());
-    let mut line = String::new();
-    err.read_line(&mut line).unwrap();
-    let addr = line
-        .trim()
-        .strip_prefix("kvpipe serve: listening on ")
-        .unwrap()
-        .to_string();
+    let addr = support::listening_addr(&mut err);
     let demo = Command::new(KVPIPE)
         .args(["demo", "--transport", "tcp", "--connect", &addr])
         .args(["--tokens-per-block", "16"])

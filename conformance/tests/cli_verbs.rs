@@ -3,7 +3,9 @@
 //! device: every request completes and every byte is verified. Ignored on the host; run in the
 //! Soft-RoCE guest by `scripts/test-verbs`.
 
-use std::io::{BufRead, BufReader};
+mod support;
+
+use std::io::BufReader;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -60,13 +62,7 @@ fn serve_and_demo_over_verbs_transfer_and_verify_across_processes() {
         .spawn()
         .unwrap();
     let mut err = BufReader::new(serve.stderr.take().unwrap());
-    let mut line = String::new();
-    err.read_line(&mut line).unwrap();
-    let addr = line
-        .trim()
-        .strip_prefix("kvpipe serve: listening on ")
-        .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
-        .to_string();
+    let addr = support::listening_addr(&mut err);
     let demo = Command::new(KVPIPE)
         .args(["demo", "--transport", "verbs", "--connect", &addr, "--json"])
         .args(["--chunk-tokens", "32", "--prefill-ms-per-chunk", "1"])

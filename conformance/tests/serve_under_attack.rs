@@ -6,6 +6,8 @@
 //!
 //! Its own test binary, so that no other test shares the machine with it.
 
+mod support;
+
 use std::io::{BufRead, BufReader, ErrorKind, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::process::{Command, Stdio};
@@ -106,14 +108,7 @@ fn a_legitimate_demo_completes_while_serve_is_flooded_and_memory_stays_bounded()
         .unwrap();
     let pid = serve.id();
     let mut err = BufReader::new(serve.stderr.take().unwrap());
-    let mut line = String::new();
-    err.read_line(&mut line).unwrap();
-    let addr: SocketAddr = line
-        .trim()
-        .strip_prefix("kvpipe serve: listening on ")
-        .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
-        .parse()
-        .unwrap();
+    let addr: SocketAddr = support::listening_addr(&mut err).parse().unwrap();
     std::thread::spawn(move || for _ in err.lines() {});
     std::thread::sleep(Duration::from_millis(300));
     let idle_rss = rss(pid).expect("VmRSS");
