@@ -17,8 +17,9 @@ pub(crate) trait NodeHooks: Send + Sync {
     fn admit(&self, peer: PeerId, header: &[u8]) -> Admission;
     /// An admitted write is over (`landed`: every byte is in memory).
     fn write_finished(&self, ticket: WriteTicket, landed: bool);
-    /// This connection's part of `batch` is written out.
-    fn batch_part_written(&self, batch: WriteBatchId);
+    /// The last piece of `batch` is written out (by this connection; the others were written
+    /// by any of the peer's connections).
+    fn batch_written(&self, batch: WriteBatchId);
     /// One half of a connection of `peer` stopped; it touches no memory any more.
     fn half_ended(&self, peer: PeerId, end: HalfEnd);
 }

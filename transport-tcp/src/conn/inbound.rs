@@ -381,7 +381,7 @@ mod tests {
                 self.at_finish.lock().unwrap().push(now.to_vec());
             }
         }
-        fn batch_part_written(&self, _: WriteBatchId) {}
+        fn batch_written(&self, _: WriteBatchId) {}
         fn half_ended(&self, _: PeerId, end: HalfEnd) {
             self.log.lock().unwrap().push(format!("ended {end:?}"));
         }

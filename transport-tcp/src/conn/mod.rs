@@ -6,6 +6,7 @@
 //! The blocking shells (`crate::blocking`) and the async ones (`crate::tokio_driver`) own the
 //! sockets and only make the `read`, `write_vectored` and wait calls these pieces ask for.
 
+mod backlog;
 mod hooks;
 mod inbound;
 mod outbound;
@@ -13,7 +14,8 @@ mod pieces;
 #[cfg(feature = "cuda")]
 mod staging;
 
+pub(crate) use backlog::{Backlog, BatchTally, TalliedPiece};
 pub(crate) use hooks::{HalfEnd, NodeHooks, ReadEnd, WriteEnd};
 pub(crate) use inbound::{Inbound, Stop};
 pub(crate) use outbound::{Job, JobQueue, Next, Outbound};
-pub(crate) use pieces::split_plan;
+pub(crate) use pieces::{cut_plan, spread};

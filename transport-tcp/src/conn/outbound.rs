@@ -1,7 +1,9 @@
-//! The writing half of one connection: the node queues encoded frames and the data-write pieces
-//! of write batches on a [`JobQueue`]; the writer's [`Outbound`] turns the queue into the slices
-//! of the next vectored `write` (header and source bytes of each piece, straight from registered
-//! memory) and, as bytes go out, reports each finished batch part to the node.
+//! The writing half of one connection: the node queues encoded frames on the connection's
+//! [`JobQueue`] and the data-write pieces of write batches on the peer's [`Backlog`], shared by
+//! all its connections; the writer's [`Outbound`] takes pieces from the backlog as its stream
+//! runs low, turns both into the slices of the next vectored `write` (header and source bytes
+//! of each piece, straight from registered memory) and, as the last piece of a batch goes out,
+//! reports the batch to the node.
 //!
 //! A shell's loop is: [`Outbound::next`]; on [`Next::Write`] write
 //! [`Outbound::slices`] and pass the count to [`Outbound::written`]; on [`Next::Wait`] wait on
@@ -17,10 +19,10 @@ use std::io::IoSlice;
 use std::sync::Arc;
 
 use bytes::Bytes;
-use kvpipe_core::session::WriteBatchId;
 use kvpipe_core::PeerId;
 use parking_lot::{Condvar, Mutex};
 
+use super::backlog::{Backlog, BatchTally, TalliedPiece};
 use super::hooks::{HalfEnd, NodeHooks, WriteEnd};
 use super::pieces::{Payload, Piece};
 #[cfg(feature = "cuda")]
@@ -35,13 +37,9 @@ const MAX_SLICES: usize = 256;
 pub(crate) enum Job {
     /// An encoded control frame.
     Frame(Bytes),
-    /// This connection's part of a write batch: its data writes, in order.
-    Data {
-        /// The batch.
-        batch: WriteBatchId,
-        /// The pieces (never empty).
-        pieces: Vec<Piece>,
-    },
+    /// Data writes bound to this connection, in order (peer copies: see `Backlog` for the
+    /// pieces any connection may take).
+    Data(Vec<TalliedPiece>),
     /// Write out everything queued before, then shut the sending side down.
     Close,
 }
@@ -59,17 +57,28 @@ enum QueueState {
 /// A connection's job queue, shared by the node (which fills it) and the writer (which empties
 /// it). Its lock is the writer's own, never the node's.
 pub(crate) struct JobQueue {
-    inner: Mutex<(Vec<Job>, QueueState)>,
+    inner: Mutex<Queue>,
     ready: Condvar,
     /// Wakes an async writer.
     #[cfg(feature = "tokio")]
     notify: tokio::sync::Notify,
 }
 
+struct Queue {
+    jobs: Vec<Job>,
+    state: QueueState,
+    /// Pieces were added to the peer's backlog since the writer last looked.
+    poked: bool,
+}
+
 impl JobQueue {
     pub(crate) fn new() -> Self {
         JobQueue {
-            inner: Mutex::new((Vec::new(), QueueState::Open)),
+            inner: Mutex::new(Queue {
+                jobs: Vec::new(),
+                state: QueueState::Open,
+                poked: false,
+            }),
             ready: Condvar::new(),
             #[cfg(feature = "tokio")]
             notify: tokio::sync::Notify::new(),
@@ -80,24 +89,36 @@ impl JobQueue {
     pub(crate) fn push(&self, job: Job) -> bool {
         {
             let mut q = self.inner.lock();
-            if q.1 != QueueState::Open {
+            if q.state != QueueState::Open {
                 return false;
             }
             if matches!(job, Job::Close) {
-                q.1 = QueueState::Closing;
+                q.state = QueueState::Closing;
             }
-            q.0.push(job);
+            q.jobs.push(job);
         }
         self.wake();
         true
+    }
+
+    /// Wakes a waiting writer to look at the peer's backlog (pieces were added to it).
+    pub(crate) fn poke(&self) {
+        {
+            let mut q = self.inner.lock();
+            if q.state == QueueState::Aborted {
+                return;
+            }
+            q.poked = true;
+        }
+        self.wake();
     }
 
     /// Stops the writer at its next step; queued jobs are dropped.
     pub(crate) fn abort(&self) {
         {
             let mut q = self.inner.lock();
-            q.1 = QueueState::Aborted;
-            q.0.clear();
+            q.state = QueueState::Aborted;
+            q.jobs.clear();
         }
         self.wake();
     }
@@ -112,36 +133,28 @@ impl JobQueue {
     /// connection was aborted.
     fn take(&self, out: &mut VecDeque<Entry>, seq: &mut u64) -> bool {
         let mut q = self.inner.lock();
-        for job in q.0.drain(..) {
+        q.poked = false;
+        for job in q.jobs.drain(..) {
             match job {
                 Job::Frame(bytes) => out.push_back(Entry::Frame(bytes)),
-                Job::Data { batch, pieces } => {
-                    let last = pieces.len().saturating_sub(1);
-                    out.extend(pieces.into_iter().enumerate().map(|(i, piece)| {
-                        *seq += 1;
-                        Entry::Piece {
-                            piece,
-                            ends_part: (i == last).then_some(batch),
-                            seq: *seq,
-                        }
-                    }));
-                }
+                Job::Data(pieces) => out.extend(pieces.into_iter().map(|p| Entry::piece(p, seq))),
                 Job::Close => out.push_back(Entry::Close),
             }
         }
-        q.1 == QueueState::Aborted
+        q.state == QueueState::Aborted
     }
 
     #[cfg(feature = "tokio")]
     fn has_work(&self) -> bool {
         let q = self.inner.lock();
-        !q.0.is_empty() || q.1 == QueueState::Aborted
+        !q.jobs.is_empty() || q.poked || q.state == QueueState::Aborted
     }
 
-    /// Blocks until a job is queued or the connection is aborted (blocking writers).
+    /// Blocks until a job is queued, the peer's backlog got pieces, or the connection is
+    /// aborted (blocking writers).
     pub(crate) fn wait(&self) {
         let mut q = self.inner.lock();
-        while q.0.is_empty() && q.1 != QueueState::Aborted {
+        while q.jobs.is_empty() && !q.poked && q.state != QueueState::Aborted {
             self.ready.wait(&mut q);
         }
     }
@@ -162,8 +175,8 @@ enum Entry {
     Frame(Bytes),
     Piece {
         piece: Piece,
-        /// The batch whose part on this connection ends with this piece.
-        ends_part: Option<WriteBatchId>,
+        /// Its batch's pieces not written out yet.
+        tally: Arc<BatchTally>,
         /// The piece's number on this connection (from 1), by which staging knows it.
         #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
         seq: u64,
@@ -172,6 +185,16 @@ enum Entry {
 }
 
 impl Entry {
+    /// A piece numbered `*seq + 1` on this connection.
+    fn piece(p: TalliedPiece, seq: &mut u64) -> Entry {
+        *seq += 1;
+        Entry::Piece {
+            piece: p.piece,
+            tally: p.tally,
+            seq: *seq,
+        }
+    }
+
     /// Itself, unless it is a placed piece (whose payload is not on the stream).
     #[cfg(feature = "cuda")]
     fn placed_not(&self) -> Option<&Entry> {
@@ -207,6 +230,13 @@ pub(crate) enum Next {
 pub(crate) struct Outbound {
     peer: PeerId,
     queue: Arc<JobQueue>,
+    /// The peer's pieces no writer took yet.
+    backlog: Arc<Backlog>,
+    /// Payload bytes this writer keeps ahead of its stream: it takes pieces from the backlog
+    /// while less than this is left to write.
+    lookahead: u64,
+    /// Payload bytes of the pieces in `entries`.
+    ahead: u64,
     hooks: Arc<dyn NodeHooks>,
     stats: Arc<StatCells>,
     entries: VecDeque<Entry>,
@@ -227,14 +257,26 @@ pub(crate) struct Outbound {
 impl Outbound {
     pub(crate) fn new(
         peer: PeerId,
-        queue: Arc<JobQueue>,
+        (queue, backlog): (Arc<JobQueue>, Arc<Backlog>),
         hooks: Arc<dyn NodeHooks>,
         stats: Arc<StatCells>,
         config: &TcpConfig,
     ) -> Self {
+        // Enough for the next write call to be a full one and, for device memory, for every
+        // staging slot to be filled ahead of the socket.
+        #[cfg(feature = "cuda")]
+        let staged = config
+            .staging_slots
+            .saturating_mul(config.staging_slot_bytes);
+        #[cfg(not(feature = "cuda"))]
+        let staged = 0;
+        let lookahead = config.socket_write_bytes.max(staged).max(1) as u64;
         Outbound {
             peer,
             queue,
+            backlog,
+            lookahead,
+            ahead: 0,
             hooks,
             stats,
             entries: VecDeque::new(),
@@ -262,11 +304,22 @@ impl Outbound {
         &self.queue
     }
 
-    /// Takes what the node queued and says what to do.
+    /// Takes what the node queued, and pieces from the backlog while the stream runs low, and
+    /// says what to do.
     pub(crate) fn next(&mut self) -> Next {
+        let before = self.entries.len();
         if self.queue.take(&mut self.entries, &mut self.seq) {
             return Next::Stop;
         }
+        self.ahead += self
+            .entries
+            .range(before..)
+            .map(|e| match e {
+                Entry::Piece { piece, .. } => piece.len,
+                _ => 0,
+            })
+            .sum::<u64>();
+        self.pull();
         #[cfg(feature = "cuda")]
         if self.stage().is_err() || self.place().is_err() {
             return Next::Stop;
@@ -350,12 +403,8 @@ impl Outbound {
             }
             n -= left;
             self.front_done = 0;
-            if let Some(Entry::Piece {
-                piece,
-                ends_part,
-                seq,
-            }) = self.entries.pop_front()
-            {
+            if let Some(Entry::Piece { piece, tally, seq }) = self.entries.pop_front() {
+                self.ahead -= piece.len;
                 #[cfg(feature = "cuda")]
                 if piece.placed.is_some() {
                     self.placing.release(seq);
@@ -368,8 +417,8 @@ impl Outbound {
                 bump(&self.stats.writes_sent, 1);
                 bump(&self.stats.bytes_sent, piece.len);
                 drop(piece);
-                if let Some(batch) = ends_part {
-                    self.hooks.batch_part_written(batch);
+                if tally.done(1) {
+                    self.hooks.batch_written(tally.batch());
                 }
             }
         }
@@ -387,6 +436,29 @@ impl Outbound {
         }
         drop(self.entries);
         self.hooks.half_ended(self.peer, HalfEnd::Write(end));
+    }
+
+    /// Takes pieces from the peer's backlog until [`lookahead`](Self::lookahead) payload bytes
+    /// are left to write, placing them ahead of a queued close (an orderly close writes out the
+    /// backlog first; the peer accepts nothing new once closing).
+    fn pull(&mut self) {
+        let front_done = match self.entries.front() {
+            Some(Entry::Piece { piece, .. }) => self.front_done.saturating_sub(piece.header.len()),
+            _ => 0,
+        } as u64;
+        let left = self.ahead.saturating_sub(front_done);
+        if left >= self.lookahead {
+            return;
+        }
+        let close = match self.entries.back() {
+            Some(Entry::Close) => self.entries.pop_back(),
+            _ => None,
+        };
+        let (entries, seq) = (&mut self.entries, &mut self.seq);
+        self.ahead += self.backlog.take(self.lookahead - left, |p| {
+            entries.push_back(Entry::piece(p, seq))
+        });
+        self.entries.extend(close);
     }
 
     /// Issues the peer copies of every placed piece queued, in stream order, and notes those
@@ -479,6 +551,7 @@ fn push_part<'a>(
 mod tests {
     use super::*;
     use crate::memory::{MemoryRegion, Registered};
+    use kvpipe_core::session::WriteBatchId;
     use kvpipe_core::{Admission, WriteTicket};
     use std::sync::Mutex as StdMutex;
 
@@ -496,10 +569,26 @@ mod tests {
             Admission::Discard { len: 0 }
         }
         fn write_finished(&self, _: WriteTicket, _: bool) {}
-        fn batch_part_written(&self, batch: WriteBatchId) {
+        fn batch_written(&self, batch: WriteBatchId) {
             self.parts.lock().unwrap().push(batch);
         }
         fn half_ended(&self, _: PeerId, _: HalfEnd) {}
+    }
+
+    /// A batch's pieces, bound to one connection.
+    fn data(batch: u64, pieces: Vec<Piece>) -> Job {
+        Job::Data(tallied(batch, pieces))
+    }
+
+    fn tallied(batch: u64, pieces: Vec<Piece>) -> Vec<TalliedPiece> {
+        let tally = BatchTally::new(WriteBatchId(batch), pieces.len() as u64);
+        pieces
+            .into_iter()
+            .map(|piece| TalliedPiece {
+                piece,
+                tally: tally.clone(),
+            })
+            .collect()
     }
 
     fn concat(slices: &[IoSlice<'_>]) -> Vec<u8> {
@@ -513,7 +602,7 @@ mod tests {
         let queue = Arc::new(JobQueue::new());
         let mut out = Outbound::new(
             PeerId(1),
-            queue.clone(),
+            (queue.clone(), Arc::default()),
             hooks.clone(),
             Arc::new(StatCells::default()),
             &TcpConfig {
@@ -526,10 +615,7 @@ mod tests {
         let piece = |off: u64, len: u64| {
             Piece::new([9; kvpipe_core::wire::DATA_WRITE_FRAME_LEN], &src, off, len)
         };
-        assert!(queue.push(Job::Data {
-            batch: WriteBatchId(4),
-            pieces: vec![piece(10, 3).unwrap(), piece(50, 2).unwrap()],
-        }));
+        assert!(queue.push(data(4, vec![piece(10, 3).unwrap(), piece(50, 2).unwrap()])));
         assert!(queue.push(Job::Close));
         assert!(!queue.push(Job::Frame(Bytes::from_static(b"late"))));
         let mut wire: Vec<u8> = Vec::new();
@@ -564,7 +650,7 @@ mod tests {
         let queue = Arc::new(JobQueue::new());
         let mut out = Outbound::new(
             PeerId(1),
-            queue.clone(),
+            (queue.clone(), Arc::default()),
             Arc::new(Recorder::default()),
             Arc::new(StatCells::default()),
             &TcpConfig::default(),
@@ -590,7 +676,7 @@ mod tests {
             let queue = Arc::new(JobQueue::new());
             let out = Outbound::new(
                 PeerId(1),
-                queue.clone(),
+                (queue.clone(), Arc::default()),
                 hooks.clone(),
                 Arc::new(StatCells::default()),
                 &TcpConfig {
@@ -623,18 +709,15 @@ mod tests {
             let (spec, gpu) = fake::spec(8, 2);
             let (mut out, queue, hooks) = writer(spec, 7);
             let piece = |src: &Registered, tag, off, len| Piece::new(header(tag), src, off, len);
-            assert!(queue.push(Job::Data {
-                batch: WriteBatchId(1),
-                pieces: vec![
+            assert!(queue.push(data(
+                1,
+                vec![
                     piece(&dev, 1, 3, 20).unwrap(),
                     piece(&host, 2, 0, 5).unwrap(),
                     piece(&dev, 3, 40, 0).unwrap(),
-                ],
-            }));
-            assert!(queue.push(Job::Data {
-                batch: WriteBatchId(2),
-                pieces: vec![piece(&dev, 4, 40, 17).unwrap()],
-            }));
+                ]
+            )));
+            assert!(queue.push(data(2, vec![piece(&dev, 4, 40, 17).unwrap()])));
             assert!(queue.push(Job::Close));
             // Before a byte is written the ring is full, and the first slot's copy is done.
             assert_eq!(out.next(), Next::Write);
@@ -702,10 +785,7 @@ mod tests {
                 });
                 p
             };
-            assert!(queue.push(Job::Data {
-                batch: WriteBatchId(3),
-                pieces: vec![placed(1, 0, 32), placed(2, 32, 16)],
-            }));
+            assert!(queue.push(data(3, vec![placed(1, 0, 32), placed(2, 32, 16)])));
             assert!(queue.push(Job::Close));
             // Both copies are issued at once; the writer waited for the first before writing.
             assert_eq!(out.next(), Next::Write);
@@ -740,10 +820,7 @@ mod tests {
             });
             let mut q = Piece::new(header(2), &dev, 0, 64).unwrap();
             q.placed = p.placed;
-            assert!(queue.push(Job::Data {
-                batch: WriteBatchId(1),
-                pieces: vec![p, q],
-            }));
+            assert!(queue.push(data(1, vec![p, q])));
             assert_eq!(out.next(), Next::Write);
             assert_eq!(gpu.lock().unwrap().pending(), 1);
             out.finish(WriteEnd::Failed);
@@ -759,10 +836,7 @@ mod tests {
             let dev = device_region(&memory);
             let (spec, gpu) = fake::spec(8, 4);
             let (mut out, queue, _hooks) = writer(spec, 1 << 20);
-            assert!(queue.push(Job::Data {
-                batch: WriteBatchId(1),
-                pieces: vec![Piece::new(header(1), &dev, 0, 64).unwrap()],
-            }));
+            assert!(queue.push(data(1, vec![Piece::new(header(1), &dev, 0, 64).unwrap()])));
             assert_eq!(out.next(), Next::Write);
             assert_eq!(gpu.lock().unwrap().pending(), 3);
             out.finish(WriteEnd::Failed);
@@ -774,10 +848,7 @@ mod tests {
             let memory = vec![7u8; 64];
             let dev = device_region(&memory);
             let (mut out, queue, hooks) = writer(fake::no_driver(), 1 << 20);
-            assert!(queue.push(Job::Data {
-                batch: WriteBatchId(1),
-                pieces: vec![Piece::new(header(1), &dev, 0, 64).unwrap()],
-            }));
+            assert!(queue.push(data(1, vec![Piece::new(header(1), &dev, 0, 64).unwrap()])));
             assert_eq!(out.next(), Next::Stop);
             out.finish(WriteEnd::Failed);
             assert!(hooks.parts.lock().unwrap().is_empty());

@@ -104,28 +104,26 @@ pub(crate) enum BadExtent {
     Destination(RegionId),
 }
 
-/// Splits `plan` over `connections` streams: extents are cut into pieces of about
-/// `total / connections` bytes (clamped to `[min_piece, max_piece]`) and each piece goes to the
-/// least loaded connection. `header(region, offset, len)` encodes a piece's `DataWrite` header
-/// (the core's `DataWriteHeaders::encode`). Returns one list per connection, in write order.
+/// Cuts `plan` into the pieces of `connections` streams: extents are cut into pieces of about
+/// `total / connections` bytes (clamped to `[min_piece, max_piece]`), in plan order.
+/// `header(region, offset, len)` encodes a piece's `DataWrite` header (the core's
+/// `DataWriteHeaders::encode`).
 ///
 /// With `placed` (peer copies) every piece also gets its destination in the peer's opened
 /// regions; a destination outside them fails the whole plan before anything is queued, so a
 /// copy goes only where the plan — made by the core from the receiver's grant — says, and
 /// never past the memory the receiver exported.
-pub(crate) fn split_plan(
+pub(crate) fn cut_plan(
     plan: &WritePlan,
     header: impl Fn(RegionId, u64, u64) -> [u8; DATA_WRITE_FRAME_LEN],
     connections: usize,
     (min_piece, max_piece): (u64, u64),
     regions: &RegionTable,
     placed: Option<&PeerMappings>,
-) -> Result<Vec<Vec<Piece>>, BadExtent> {
-    let connections = connections.max(1);
-    let per_conn = plan.total_bytes().div_ceil(connections as u64);
+) -> Result<Vec<Piece>, BadExtent> {
+    let per_conn = plan.total_bytes().div_ceil(connections.max(1) as u64);
     let piece_max = per_conn.clamp(min_piece.max(1), max_piece.max(min_piece).max(1));
-    let mut parts: Vec<Vec<Piece>> = vec![Vec::new(); connections];
-    let mut load = vec![0u64; connections];
+    let mut pieces = Vec::new();
     for e in plan.extents() {
         let src = regions
             .registered(e.src_region)
@@ -158,13 +156,29 @@ pub(crate) fn split_plan(
                 ordinal: r.ordinal,
                 addr: r.ptr + e.dst_offset + done,
             });
-            let c = (0..connections).min_by_key(|&i| load[i]).unwrap_or(0);
-            load[c] += len;
-            parts[c].push(piece);
+            pieces.push(piece);
             done += len;
         }
     }
-    Ok(parts)
+    Ok(pieces)
+}
+
+/// Binds `pieces` to `connections` streams, each to the least loaded so far. Returns one list
+/// per connection, in write order.
+pub(crate) fn spread<T>(
+    pieces: impl IntoIterator<Item = T>,
+    connections: usize,
+    len: impl Fn(&T) -> u64,
+) -> Vec<Vec<T>> {
+    let connections = connections.max(1);
+    let mut parts: Vec<Vec<T>> = (0..connections).map(|_| Vec::new()).collect();
+    let mut load = vec![0u64; connections];
+    for piece in pieces {
+        let c = (0..connections).min_by_key(|&i| load[i]).unwrap_or(0);
+        load[c] += len(&piece);
+        parts[c].push(piece);
+    }
+    parts
 }
 
 #[cfg(test)]
@@ -207,7 +221,8 @@ mod tests {
             len: 1000,
         });
         let bounds = (256 << 10, 32 << 20);
-        let parts = split_plan(&plan, header, 4, bounds, &regions, None).unwrap();
+        let pieces = cut_plan(&plan, header, 4, bounds, &regions, None).unwrap();
+        let parts = spread(pieces, 4, |p| p.len);
         let loads: Vec<u64> = parts
             .iter()
             .map(|p| p.iter().map(|x| x.len).sum())
@@ -240,7 +255,7 @@ mod tests {
             dst_offset: 0,
             len: 1,
         });
-        assert!(split_plan(&bad, header, 4, bounds, &regions, None).is_err());
+        assert!(cut_plan(&bad, header, 4, bounds, &regions, None).is_err());
         let mut past_end = WritePlan::new();
         past_end.push(WriteExtent {
             src_region: RegionId(1),
@@ -249,7 +264,7 @@ mod tests {
             dst_offset: 0,
             len: 1,
         });
-        assert!(split_plan(&past_end, header, 4, bounds, &regions, None).is_err());
+        assert!(cut_plan(&past_end, header, 4, bounds, &regions, None).is_err());
     }
 
     #[test]
@@ -277,9 +292,9 @@ mod tests {
             });
         }
         let bounds = (256 << 10, 1 << 20);
-        let parts = split_plan(&plan, header, 2, bounds, &regions, Some(&mappings)).unwrap();
+        let pieces = cut_plan(&plan, header, 2, bounds, &regions, Some(&mappings)).unwrap();
         let mut copied: Vec<(u64, u64)> = Vec::new();
-        for p in parts.iter().flatten() {
+        for p in &pieces {
             let dst = p.placed.expect("every piece is placed");
             assert_eq!(dst.ordinal, 1);
             let (f, _) = Frame::parse(&p.header).unwrap();
@@ -312,7 +327,7 @@ mod tests {
                 len: 4096,
             });
             assert_eq!(
-                split_plan(&bad, header, 2, bounds, &regions, Some(&mappings)).unwrap_err(),
+                cut_plan(&bad, header, 2, bounds, &regions, Some(&mappings)).unwrap_err(),
                 BadExtent::Destination(RegionId(region))
             );
         }

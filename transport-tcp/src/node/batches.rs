@@ -1,5 +1,5 @@
-//! Write batches handed to connection writers: how many connection parts each still has to
-//! write out, and the issue and completion times of recent ones.
+//! Write batches handed to connection writers, and the issue and completion times of recent
+//! ones.
 
 use std::collections::{HashMap, VecDeque};
 
@@ -12,10 +12,8 @@ const MAX_TIMINGS: usize = 1 << 16;
 
 struct Flight {
     peer: PeerId,
-    /// Connection parts not written out yet.
-    parts_left: u32,
-    /// A part could not be queued (its connection was closing): the batch fails once the
-    /// others are written out.
+    /// Some pieces could not be queued (their connection was closing): the batch fails once
+    /// the others are written out.
     failed: bool,
     bytes: u64,
     issued: Instant,
@@ -30,19 +28,17 @@ pub(crate) struct Batches {
 }
 
 impl Batches {
-    /// `batch` went out to `peer` in `parts` connection parts.
+    /// `batch` went out to `peer`.
     pub(crate) fn issue(
         &mut self,
         batch: WriteBatchId,
         peer: PeerId,
-        parts: u32,
         failed: bool,
         bytes: u64,
         now: Instant,
     ) {
         let flight = Flight {
             peer,
-            parts_left: parts,
             failed,
             bytes,
             issued: now,
@@ -50,17 +46,8 @@ impl Batches {
         self.flights.insert(batch, flight);
     }
 
-    /// One part of `batch` was written out; the batch's report when it was the last.
-    pub(crate) fn part_written(
-        &mut self,
-        batch: WriteBatchId,
-        now: Instant,
-    ) -> Option<TransportInput> {
-        let flight = self.flights.get_mut(&batch)?;
-        flight.parts_left = flight.parts_left.saturating_sub(1);
-        if flight.parts_left > 0 {
-            return None;
-        }
+    /// Every queued piece of `batch` was written out: the batch's report.
+    pub(crate) fn written(&mut self, batch: WriteBatchId, now: Instant) -> Option<TransportInput> {
         let flight = self.flights.remove(&batch)?;
         if flight.failed {
             return Some(TransportInput::WritesFailed {

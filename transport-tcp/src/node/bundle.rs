@@ -356,7 +356,7 @@ impl<E: Endpoint + Send + 'static> Shared<E> {
             .placed(matches!(link.placement, Placement::Receive));
             let outbound = Outbound::new(
                 peer,
-                conn.queue.clone(),
+                (conn.queue.clone(), link.backlog.clone()),
                 hooks.clone(),
                 self.stats.clone(),
                 &self.config,

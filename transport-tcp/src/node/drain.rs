@@ -7,7 +7,7 @@ use kvpipe_core::wire::TransferStatus;
 use kvpipe_core::{Endpoint, Event, Instant, Output, PeerId, TransportInput, WritePlan};
 
 use super::{Shared, State};
-use crate::conn::{split_plan, Job};
+use crate::conn::{cut_plan, spread, BatchTally, Job, TalliedPiece};
 use crate::stats::bump;
 
 impl<E: Endpoint + Send + 'static> Shared<E> {
@@ -65,8 +65,9 @@ impl<E: Endpoint + Send + 'static> Shared<E> {
         }
     }
 
-    /// Cuts a write batch into pieces spread over the peer's connections and queues them.
-    /// Returns the batch's report when it is known at once.
+    /// Cuts a write batch into pieces and queues them: on the peer's backlog, which its
+    /// connection writers take from as their streams run low, or (peer copies) bound to its
+    /// connections, each its share. Returns the batch's report when it is known at once.
     fn execute(
         &self,
         st: &mut State<E>,
@@ -82,41 +83,60 @@ impl<E: Endpoint + Send + 'static> Shared<E> {
             batch,
             status: TransferStatus::WriteFailed,
         };
-        let Ok(parts) = split_plan(
+        let placed = match &link.placement {
+            crate::peer_copy::Placement::Send(m) => Some(&**m),
+            _ => None,
+        };
+        let Ok(pieces) = cut_plan(
             plan,
             |region, offset, len| headers.encode(region, offset, len),
             link.conns.len(),
             (self.config.min_piece_bytes, self.config.max_piece_bytes),
             &self.regions,
-            match &link.placement {
-                crate::peer_copy::Placement::Send(m) => Some(&**m),
-                _ => None,
-            },
+            placed,
         ) else {
             // A source extent outside registered memory, or (peer copies) a destination
             // outside the peer's opened regions: nothing is sent.
             return Some(failed);
         };
-        let (mut queued, mut refused) = (0, false);
-        for (conn, pieces) in link.conns.iter().zip(parts) {
-            if pieces.is_empty() {
-                continue;
-            }
-            if conn.queue.push(Job::Data { batch, pieces }) {
-                queued += 1;
-            } else {
-                refused = true;
-            }
+        if pieces.is_empty() {
+            return Some(TransportInput::WritesCompleted { batch });
         }
-        match (queued, refused) {
-            (0, false) => Some(TransportInput::WritesCompleted { batch }),
-            (0, true) => Some(failed),
-            _ => {
-                let bytes = plan.total_bytes();
-                st.batches.issue(batch, peer, queued, refused, bytes, now);
-                None
+        let count = pieces.len() as u64;
+        // One more than the pieces: the hold released below, once the pieces refused are known,
+        // so that no writer reports the batch before.
+        let tally = BatchTally::new(batch, count + 1);
+        let tallied = pieces.into_iter().map(|piece| TalliedPiece {
+            piece,
+            tally: tally.clone(),
+        });
+        let refused = if placed.is_some() {
+            // A peer copy runs on its writer's stream, so the shares are fixed up front:
+            // every connection issues its copies at once, ahead of its headers.
+            let shares = spread(tallied, link.conns.len(), |p| p.piece.len);
+            let mut refused = 0;
+            for (conn, share) in link.conns.iter().zip(shares) {
+                let n = share.len() as u64;
+                if n > 0 && !conn.queue.push(Job::Data(share)) {
+                    refused += n;
+                }
             }
+            refused
+        } else if link.queue_pieces(tallied) {
+            0
+        } else {
+            count
+        };
+        if refused == count {
+            return Some(failed);
         }
+        st.batches
+            .issue(batch, peer, refused > 0, plan.total_bytes(), now);
+        if tally.done(refused + 1) {
+            // Every queued piece was written out already.
+            return st.batches.written(batch, now);
+        }
+        None
     }
 
     /// The endpoint asked to close `peer`. A peer that stopped answering (or is fenced) is

@@ -43,10 +43,10 @@ impl<E: Endpoint + Send + 'static> NodeHooks for Shared<E> {
         self.input(TransportInput::WriteFinished { ticket, landed });
     }
 
-    fn batch_part_written(&self, batch: WriteBatchId) {
+    fn batch_written(&self, batch: WriteBatchId) {
         let mut st = self.state.lock();
         let now = self.now();
-        if let Some(report) = st.batches.part_written(batch, now) {
+        if let Some(report) = st.batches.written(batch, now) {
             st.feed(now, report);
             self.drain(&mut st, now);
         }

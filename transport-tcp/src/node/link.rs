@@ -17,7 +17,7 @@ use bytes::Bytes;
 use kvpipe_core::PeerId;
 
 use super::lobby::Unproven;
-use crate::conn::{Job, JobQueue};
+use crate::conn::{Backlog, Job, JobQueue, TalliedPiece};
 use crate::preamble::Preamble;
 
 /// One connection of a bundle.
@@ -61,6 +61,9 @@ pub(crate) struct PeerLink {
     token: u64,
     expected: usize,
     pub(crate) conns: Vec<Conn>,
+    /// Data-write pieces no connection writer took yet (over the sockets; peer copies are
+    /// bound to a connection when queued).
+    pub(crate) backlog: Arc<Backlog>,
     /// Connection halves (readers and writers) still running.
     pub(crate) halves: u32,
     pub(crate) phase: LinkPhase,
@@ -74,6 +77,18 @@ pub(crate) struct PeerLink {
 }
 
 impl PeerLink {
+    /// Queues `pieces` on the backlog and wakes the writers; `false` (nothing queued) unless
+    /// the link is open.
+    pub(crate) fn queue_pieces(&self, pieces: impl IntoIterator<Item = TalliedPiece>) -> bool {
+        if !self.backlog.push(pieces) {
+            return false;
+        }
+        for c in &self.conns {
+            c.queue.poke();
+        }
+        true
+    }
+
     /// Queues an encoded frame on the control connection (dropped unless open).
     pub(crate) fn transmit(&self, bytes: Bytes) {
         if let Some(c) = self.conns.first() {
@@ -86,6 +101,7 @@ impl PeerLink {
         if self.phase != LinkPhase::Open {
             return false;
         }
+        self.backlog.close();
         let mut clean = true;
         for c in &self.conns {
             clean &= c.queue.push(Job::Close);
@@ -97,6 +113,7 @@ impl PeerLink {
     /// Shuts every socket down at once: writers stop, blocked reads and writes return. Returns
     /// whether the link was open.
     pub(crate) fn abort(&mut self) -> bool {
+        self.backlog.abort();
         for c in &self.conns {
             c.queue.abort();
             let _ = c.socket.shutdown(Shutdown::Both);
@@ -237,6 +254,7 @@ impl Links {
                         token: pre.token,
                         expected: usize::from(pre.count),
                         conns: Vec::new(),
+                        backlog: Arc::default(),
                         halves: 0,
                         phase: LinkPhase::Assembling { since: now },
                         origin,
