@@ -8,9 +8,11 @@ pub use crate::peer_copy::TcpDataPath;
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TcpConfig {
     /// Connections opened to each peer by the connecting side (1..=255). Control frames use the
-    /// first one; data writes are spread over all of them.
+    /// first one; data writes are spread over all of them (each connection's writer takes the
+    /// next pieces of the peer's batches when its stream runs low).
     pub connections_per_peer: usize,
-    /// Smallest piece a large extent is cut into when it is spread over several connections.
+    /// Smallest piece a large extent is cut into (extents are cut into about one piece per
+    /// connection, within this and [`max_piece_bytes`](Self::max_piece_bytes)).
     pub min_piece_bytes: u64,
     /// Largest piece of one data write. Each piece costs the receiver one admission and one
     /// landing report (short calls on the node's lock), so large extents go in few pieces; the

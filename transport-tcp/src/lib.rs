@@ -20,7 +20,9 @@
 //!   which fails the peer with a protocol error.
 //!   Control frames travel on the first connection exactly as the endpoint encoded them; a
 //!   write batch is cut into `DataWrite` pieces (headers from the core's `DataWriteHeaders`)
-//!   spread over all connections and written with vectored writes of header and source bytes.
+//!   queued on the peer's backlog, from which each connection's writer takes the next pieces
+//!   when its stream runs low (a connection the machine serves faster carries more), and
+//!   written with vectored writes of header and source bytes.
 //! - Each connection's reader runs the core's [`StreamReader`](kvpipe_core::stream::StreamReader):
 //!   frames go to the endpoint as bytes, each data write is admitted by the receiver
 //!   ([`Receiver::admit_write`](kvpipe_core::Receiver::admit_write): that request's grant, one

@@ -483,7 +483,7 @@ impl Outbound {
                 ordinal: dst.ordinal,
                 addr: dst.addr,
             };
-            // SAFETY: the source bytes are pinned until the piece's batch part is reported,
+            // SAFETY: the source bytes are pinned until the piece's batch is reported,
             // which happens only after its header was written (after the copy completed) or
             // after this writer stopped and settled its copies (`finish`). The destination lies
             // inside the peer's opened region (checked when the plan was split) and in the
@@ -514,7 +514,7 @@ impl Outbound {
             let Payload::Device { ordinal, addr } = piece.payload() else {
                 continue;
             };
-            // SAFETY: the piece's source bytes are pinned until its batch part is reported,
+            // SAFETY: the piece's source bytes are pinned until its batch is reported,
             // which happens only after the piece was written (and its parts released), or
             // after this writer stopped and settled its copies (`finish`).
             if !unsafe { self.staging.stage(*seq, ordinal, addr, piece.len) }? {
@@ -643,6 +643,129 @@ mod tests {
         assert_eq!(wire, expected);
         assert_eq!(*hooks.parts.lock().unwrap(), [WriteBatchId(4)]);
         out.finish(WriteEnd::Closed);
+    }
+
+    /// Drives `out` until it waits or closes, writing at most `calls` write calls in full;
+    /// returns the bytes written.
+    fn drive(out: &mut Outbound, calls: usize) -> Vec<u8> {
+        let mut wire = Vec::new();
+        for _ in 0..calls {
+            if out.next() != Next::Write {
+                break;
+            }
+            let bytes = concat(&out.slices());
+            out.written(bytes.len());
+            wire.extend(bytes);
+        }
+        wire
+    }
+
+    #[test]
+    fn writers_of_one_peer_take_pieces_as_their_streams_run_low_and_the_last_one_reports() {
+        let src = Registered::Host(MemoryRegion::from_vec((0..200u8).collect()));
+        let hooks = Arc::new(Recorder::default());
+        let backlog = Arc::new(Backlog::default());
+        let writer = || {
+            let queue = Arc::new(JobQueue::new());
+            let out = Outbound::new(
+                PeerId(1),
+                (queue.clone(), backlog.clone()),
+                hooks.clone(),
+                Arc::new(StatCells::default()),
+                &TcpConfig {
+                    socket_write_bytes: 10,
+                    staging_slots: 2,
+                    staging_slot_bytes: 4,
+                    ..TcpConfig::default()
+                },
+            );
+            (out, queue)
+        };
+        let (mut fast, fast_queue) = writer();
+        let (mut slow, slow_queue) = writer();
+        let h = kvpipe_core::wire::DATA_WRITE_FRAME_LEN;
+        let piece = |i: u8| {
+            Piece::new(
+                [i; kvpipe_core::wire::DATA_WRITE_FRAME_LEN],
+                &src,
+                10 * u64::from(i),
+                10,
+            )
+            .unwrap()
+        };
+        assert!(backlog.push(tallied(7, (0..6).map(piece).collect())));
+        fast_queue.poke();
+        slow_queue.poke();
+        // The slow writer takes what one write call needs, and stalls.
+        assert_eq!(slow.next(), Next::Write);
+        let held = 6 - backlog.len();
+        assert!((1..6).contains(&held), "{held}");
+        // The fast one writes every other piece, taking each as its stream runs low.
+        let fast_wire = drive(&mut fast, usize::MAX);
+        assert_eq!(fast_wire.len(), (6 - held) * (h + 10));
+        assert_eq!(backlog.len(), 0);
+        assert!(
+            hooks.parts.lock().unwrap().is_empty(),
+            "the slow writer's pieces are left"
+        );
+        // The slow writer's pieces go out: the last byte of the batch reports it, once.
+        let slow_wire = drive(&mut slow, usize::MAX);
+        assert_eq!(slow_wire.len(), held * (h + 10));
+        assert_eq!(*hooks.parts.lock().unwrap(), [WriteBatchId(7)]);
+        // Every piece went out once, header then payload, on one stream or the other.
+        let mut seen: Vec<u8> = fast_wire
+            .chunks(h + 10)
+            .chain(slow_wire.chunks(h + 10))
+            .map(|p| {
+                let i = p[0];
+                assert_eq!(&p[h..], &(10 * i..10 * i + 10).collect::<Vec<_>>()[..]);
+                i
+            })
+            .collect();
+        seen.sort();
+        assert_eq!(seen, [0, 1, 2, 3, 4, 5]);
+        assert_eq!(fast.next(), Next::Wait);
+        // An orderly close writes out what the backlog still holds before the close.
+        assert!(backlog.push(tallied(8, vec![piece(9)])));
+        backlog.close();
+        assert!(fast_queue.push(Job::Close));
+        let wire = drive(&mut fast, usize::MAX);
+        assert_eq!(wire.len(), h + 10);
+        assert_eq!(fast.next(), Next::Close);
+        assert_eq!(
+            *hooks.parts.lock().unwrap(),
+            [WriteBatchId(7), WriteBatchId(8)]
+        );
+        fast.finish(WriteEnd::Closed);
+        slow.finish(WriteEnd::Closed);
+    }
+
+    #[test]
+    fn a_poke_wakes_a_waiting_writer_and_an_abort_drops_the_backlog() {
+        let queue = Arc::new(JobQueue::new());
+        let backlog = Arc::new(Backlog::default());
+        let mut out = Outbound::new(
+            PeerId(1),
+            (queue.clone(), backlog.clone()),
+            Arc::new(Recorder::default()),
+            Arc::new(StatCells::default()),
+            &TcpConfig::default(),
+        );
+        assert_eq!(out.next(), Next::Wait);
+        let waiter = {
+            let queue = queue.clone();
+            std::thread::spawn(move || queue.wait())
+        };
+        let src = Registered::Host(MemoryRegion::zeroed(64));
+        let piece = Piece::new([0; kvpipe_core::wire::DATA_WRITE_FRAME_LEN], &src, 0, 64).unwrap();
+        assert!(backlog.push(tallied(1, vec![piece])));
+        queue.poke();
+        waiter.join().unwrap();
+        assert_eq!(out.next(), Next::Write);
+        backlog.abort();
+        queue.abort();
+        assert_eq!(out.next(), Next::Stop);
+        assert!(!backlog.push(Vec::new()));
     }
 
     #[test]

@@ -21,7 +21,7 @@
 //! Waits are for copies of at most one slot issued earlier (tens to hundreds of microseconds at
 //! PCIe speed), bounded by [`STAGING_WAIT`]; the shells do not know about them (the async shell
 //! spends them on its worker, as it spends a socket write's memory copy). Nothing is reported
-//! (a batch part written, a write finished, a half stopped) while a copy that touches its
+//! (a batch written, a write finished, a half stopped) while a copy that touches its
 //! memory may still run.
 //!
 //! The GPU is reached through [`StagingGpu`] ([`CudaGpu`] over `kvpipe-cuda`), so the

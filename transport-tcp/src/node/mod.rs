@@ -3,7 +3,7 @@
 //!
 //! The lock holds the endpoint, the peer links and the write batches in flight, and is taken
 //! only for short calls: an engine command, a frame, an admission, a landed write, a written
-//! batch part, a stopped connection half, a timeout. Each call hands one input to the endpoint
+//! batch, a stopped connection half, a timeout. Each call hands one input to the endpoint
 //! and carries out its outputs at once ([`drain`]): frames and data-write pieces are queued to
 //! the connections' writers, events to the engine's queue. Socket reads and writes, and with
 //! them every payload byte, move outside the lock, on the backend's threads or tasks
