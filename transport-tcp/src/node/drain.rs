@@ -7,7 +7,7 @@ use kvpipe_core::wire::TransferStatus;
 use kvpipe_core::{Endpoint, Event, Instant, Output, PeerId, TransportInput, WritePlan};
 
 use super::{Shared, State};
-use crate::conn::{cut_plan, spread, BatchTally, Job, TalliedPiece};
+use crate::conn::{cut_plan, BatchTally, TalliedPiece};
 use crate::stats::bump;
 
 impl<E: Endpoint + Send + 'static> Shared<E> {
@@ -65,9 +65,9 @@ impl<E: Endpoint + Send + 'static> Shared<E> {
         }
     }
 
-    /// Cuts a write batch into pieces and queues them: on the peer's backlog, which its
-    /// connection writers take from as their streams run low, or (peer copies) bound to its
-    /// connections, each its share. Returns the batch's report when it is known at once.
+    /// Cuts a write batch into pieces and queues them to the peer's connections
+    /// ([`PeerLink::queue_pieces`](super::link::PeerLink::queue_pieces)). Returns the batch's
+    /// report when it is known at once.
     fn execute(
         &self,
         st: &mut State<E>,
@@ -106,27 +106,15 @@ impl<E: Endpoint + Send + 'static> Shared<E> {
         // One more than the pieces: the hold released below, once the pieces refused are known,
         // so that no writer reports the batch before.
         let tally = BatchTally::new(batch, count + 1);
-        let tallied = pieces.into_iter().map(|piece| TalliedPiece {
-            piece,
-            tally: tally.clone(),
-        });
-        let refused = if placed.is_some() {
-            // A peer copy runs on its writer's stream, so the shares are fixed up front:
-            // every connection issues its copies at once, ahead of its headers.
-            let shares = spread(tallied, link.conns.len(), |p| p.piece.len);
-            let mut refused = 0;
-            for (conn, share) in link.conns.iter().zip(shares) {
-                let n = share.len() as u64;
-                if n > 0 && !conn.queue.push(Job::Data(share)) {
-                    refused += n;
-                }
-            }
-            refused
-        } else if link.queue_pieces(tallied) {
-            0
-        } else {
-            count
-        };
+        let refused = link.queue_pieces(
+            pieces
+                .into_iter()
+                .map(|piece| TalliedPiece {
+                    piece,
+                    tally: tally.clone(),
+                })
+                .collect(),
+        );
         if refused == count {
             return Some(failed);
         }

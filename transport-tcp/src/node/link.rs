@@ -17,7 +17,8 @@ use bytes::Bytes;
 use kvpipe_core::PeerId;
 
 use super::lobby::Unproven;
-use crate::conn::{Backlog, Job, JobQueue, TalliedPiece};
+use crate::conn::{spread, Backlog, Job, JobQueue, TalliedPiece};
+use crate::peer_copy::Placement;
 use crate::preamble::Preamble;
 
 /// One connection of a bundle.
@@ -77,16 +78,38 @@ pub(crate) struct PeerLink {
 }
 
 impl PeerLink {
-    /// Queues `pieces` on the backlog and wakes the writers; `false` (nothing queued) unless
-    /// the link is open.
-    pub(crate) fn queue_pieces(&self, pieces: impl IntoIterator<Item = TalliedPiece>) -> bool {
+    /// Queues a batch's `pieces` to the connections' writers: on the backlog, which each
+    /// writer takes from as its stream runs low (waking them), or, for peer copies, bound to
+    /// the connections in shares up front (a copy runs on its writer's stream: every writer
+    /// issues its copies at once, ahead of their headers). Returns how many pieces were
+    /// refused: all of them unless the link is open, or those of a connection whose writer
+    /// stopped.
+    pub(crate) fn queue_pieces(&self, pieces: Vec<TalliedPiece>) -> u64 {
+        let count = pieces.len() as u64;
+        if matches!(self.placement, Placement::Send(_)) {
+            let shares = spread(pieces, self.conns.len(), |p| p.piece.len);
+            return self
+                .conns
+                .iter()
+                .zip(shares)
+                .filter(|(_, share)| !share.is_empty())
+                .map(|(conn, share)| {
+                    let n = share.len() as u64;
+                    if conn.queue.push(Job::Data(share)) {
+                        0
+                    } else {
+                        n
+                    }
+                })
+                .sum();
+        }
         if !self.backlog.push(pieces) {
-            return false;
+            return count;
         }
         for c in &self.conns {
             c.queue.poke();
         }
-        true
+        0
     }
 
     /// Queues an encoded frame on the control connection (dropped unless open).
