@@ -325,6 +325,16 @@ pub(crate) enum Placement {
     Send(std::sync::Arc<PeerMappings>),
 }
 
+impl Placement {
+    /// The peer's opened regions when this node places its writes there itself.
+    pub(crate) fn sent(&self) -> Option<&PeerMappings> {
+        match self {
+            Placement::Send(m) => Some(m),
+            _ => None,
+        }
+    }
+}
+
 /// Why the local regions cannot take part in peer copies, if they cannot: every region must be
 /// device memory (and there must be one).
 pub(crate) fn device_only(regions: &RegionTable) -> Result<(), String> {

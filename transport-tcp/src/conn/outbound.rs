@@ -557,7 +557,7 @@ mod tests {
 
     #[derive(Default)]
     struct Recorder {
-        parts: StdMutex<Vec<WriteBatchId>>,
+        written: StdMutex<Vec<WriteBatchId>>,
     }
 
     impl NodeHooks for Recorder {
@@ -570,7 +570,7 @@ mod tests {
         }
         fn write_finished(&self, _: WriteTicket, _: bool) {}
         fn batch_written(&self, batch: WriteBatchId) {
-            self.parts.lock().unwrap().push(batch);
+            self.written.lock().unwrap().push(batch);
         }
         fn half_ended(&self, _: PeerId, _: HalfEnd) {}
     }
@@ -596,7 +596,7 @@ mod tests {
     }
 
     #[test]
-    fn writes_in_bounded_slices_and_reports_parts_once_written() {
+    fn writes_in_bounded_slices_and_reports_batches_once_written() {
         let src = Registered::Host(MemoryRegion::from_vec((0..100u8).collect()));
         let hooks = Arc::new(Recorder::default());
         let queue = Arc::new(JobQueue::new());
@@ -641,7 +641,7 @@ mod tests {
         expected.extend(vec![9; h]);
         expected.extend([50, 51]);
         assert_eq!(wire, expected);
-        assert_eq!(*hooks.parts.lock().unwrap(), [WriteBatchId(4)]);
+        assert_eq!(*hooks.written.lock().unwrap(), [WriteBatchId(4)]);
         out.finish(WriteEnd::Closed);
     }
 
@@ -705,13 +705,13 @@ mod tests {
         assert_eq!(fast_wire.len(), (6 - held) * (h + 10));
         assert_eq!(backlog.len(), 0);
         assert!(
-            hooks.parts.lock().unwrap().is_empty(),
+            hooks.written.lock().unwrap().is_empty(),
             "the slow writer's pieces are left"
         );
         // The slow writer's pieces go out: the last byte of the batch reports it, once.
         let slow_wire = drive(&mut slow, usize::MAX);
         assert_eq!(slow_wire.len(), held * (h + 10));
-        assert_eq!(*hooks.parts.lock().unwrap(), [WriteBatchId(7)]);
+        assert_eq!(*hooks.written.lock().unwrap(), [WriteBatchId(7)]);
         // Every piece went out once, header then payload, on one stream or the other.
         let mut seen: Vec<u8> = fast_wire
             .chunks(h + 10)
@@ -733,7 +733,7 @@ mod tests {
         assert_eq!(wire.len(), h + 10);
         assert_eq!(fast.next(), Next::Close);
         assert_eq!(
-            *hooks.parts.lock().unwrap(),
+            *hooks.written.lock().unwrap(),
             [WriteBatchId(7), WriteBatchId(8)]
         );
         fast.finish(WriteEnd::Closed);
@@ -880,7 +880,7 @@ mod tests {
             expected.extend(&memory[40..57]);
             assert_eq!(wire, expected);
             assert_eq!(
-                *hooks.parts.lock().unwrap(),
+                *hooks.written.lock().unwrap(),
                 [WriteBatchId(1), WriteBatchId(2)]
             );
             let st = gpu.lock().unwrap();
@@ -917,11 +917,11 @@ mod tests {
             assert_eq!(concat(&out.slices()), header(1).to_vec());
             let n = header(1).len();
             out.written(n);
-            assert!(hooks.parts.lock().unwrap().is_empty());
+            assert!(hooks.written.lock().unwrap().is_empty());
             assert_eq!(out.next(), Next::Write);
             assert_eq!(concat(&out.slices()), header(2).to_vec());
             out.written(n);
-            assert_eq!(*hooks.parts.lock().unwrap(), [WriteBatchId(3)]);
+            assert_eq!(*hooks.written.lock().unwrap(), [WriteBatchId(3)]);
             assert_eq!(out.next(), Next::Close);
             assert_eq!(dst, src, "every byte placed, none on the stream");
             assert_eq!(out.placing.outstanding(), 0);
@@ -949,7 +949,7 @@ mod tests {
             out.finish(WriteEnd::Failed);
             // The copy still running was waited for; nothing was reported written.
             assert_eq!(gpu.lock().unwrap().pending(), 0);
-            assert!(hooks.parts.lock().unwrap().is_empty());
+            assert!(hooks.written.lock().unwrap().is_empty());
             assert_eq!(dst, src);
         }
 
@@ -974,7 +974,7 @@ mod tests {
             assert!(queue.push(data(1, vec![Piece::new(header(1), &dev, 0, 64).unwrap()])));
             assert_eq!(out.next(), Next::Stop);
             out.finish(WriteEnd::Failed);
-            assert!(hooks.parts.lock().unwrap().is_empty());
+            assert!(hooks.written.lock().unwrap().is_empty());
         }
     }
 }

@@ -83,17 +83,13 @@ impl<E: Endpoint + Send + 'static> Shared<E> {
             batch,
             status: TransferStatus::WriteFailed,
         };
-        let placed = match &link.placement {
-            crate::peer_copy::Placement::Send(m) => Some(&**m),
-            _ => None,
-        };
         let Ok(pieces) = cut_plan(
             plan,
             |region, offset, len| headers.encode(region, offset, len),
             link.conns.len(),
             (self.config.min_piece_bytes, self.config.max_piece_bytes),
             &self.regions,
-            placed,
+            link.placement.sent(),
         ) else {
             // A source extent outside registered memory, or (peer copies) a destination
             // outside the peer's opened regions: nothing is sent.

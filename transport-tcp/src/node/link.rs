@@ -74,7 +74,7 @@ pub(crate) struct PeerLink {
     /// Whether its handshake completed (the core reported it ready).
     pub(crate) authenticated: bool,
     /// How its data writes travel (negotiated on the control connection).
-    pub(crate) placement: crate::peer_copy::Placement,
+    pub(crate) placement: Placement,
 }
 
 impl PeerLink {
@@ -86,7 +86,7 @@ impl PeerLink {
     /// stopped.
     pub(crate) fn queue_pieces(&self, pieces: Vec<TalliedPiece>) -> u64 {
         let count = pieces.len() as u64;
-        if matches!(self.placement, Placement::Send(_)) {
+        if self.placement.sent().is_some() {
             let shares = spread(pieces, self.conns.len(), |p| p.piece.len);
             return self
                 .conns
