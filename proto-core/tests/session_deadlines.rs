@@ -4,7 +4,9 @@
 mod session_support;
 
 use kvpipe_core::session::state::{RecvPhase, SendPhase};
-use kvpipe_core::session::{CloseReason, Event, Output, ReceiverInput, SenderInput, Wait};
+use kvpipe_core::session::{
+    CloseReason, Event, Output, ReceiverInput, SenderInput, TransportInput, Wait,
+};
 use kvpipe_core::wire::{Frame, TransferStatus};
 use kvpipe_core::{Duration, RequestId};
 use session_support::*;
@@ -153,6 +155,43 @@ fn liveness_deadline_fails_the_peers_sessions() {
     // The closes were carried out: both sessions quiesced on the disconnect.
     assert_eq!(net.senders[0].phase(R), Some(SendPhase::Quiesced));
     assert_eq!(net.receivers[0].phase(R), Some(RecvPhase::Quiesced));
+}
+
+#[test]
+fn payload_still_arriving_keeps_a_peer_alive_and_its_end_does_not() {
+    let mut net = Net::connected(1, 1);
+    net.register(0, registration(R, 16, &[0]));
+    net.open(0, send_request(R, &[0]));
+    // The sender's frames queue behind a long payload: only the payload's bytes arrive, for
+    // three times the liveness timeout (400 ms).
+    net.stalled.insert((0, 0));
+    for _ in 0..12 {
+        net.advance(Duration::from_millis(100));
+        let now = net.now;
+        net.receivers[0]
+            .handle_input(ReceiverInput::Transport {
+                now,
+                input: TransportInput::DataArriving { peer: tx_peer(0) },
+            })
+            .unwrap();
+    }
+    assert!(!timed_out(&net, Side::Receiver(0), Wait::Liveness));
+    assert!(net.receivers[0].is_peer_ready(tx_peer(0)));
+    // The payload stops too: the liveness deadline ends the peer.
+    net.advance(Duration::from_millis(500));
+    assert!(timed_out(&net, Side::Receiver(0), Wait::Liveness));
+}
+
+#[test]
+fn a_sender_refuses_data_arriving() {
+    let mut net = Net::connected(1, 1);
+    let now = net.now;
+    assert!(net.senders[0]
+        .handle_input(SenderInput::Transport {
+            now,
+            input: TransportInput::DataArriving { peer: rx_peer(0) },
+        })
+        .is_err());
 }
 
 #[test]

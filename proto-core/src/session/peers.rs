@@ -213,6 +213,18 @@ impl PeerTable {
         }
     }
 
+    /// Bytes from `peer` arrived (a data write's header or payload): it is alive.
+    pub(crate) fn alive(&mut self, now: Instant, peer: PeerId) -> Result<(), UsageError> {
+        let p = self
+            .peers
+            .get_mut(&peer)
+            .ok_or(UsageError::UnknownPeer(peer))?;
+        if matches!(p.phase, PeerPhase::Handshaking | PeerPhase::Ready) {
+            p.last_rx = p.last_rx.max(now);
+        }
+        Ok(())
+    }
+
     /// Decodes and routes the bytes of one frame from `peer`.
     pub(crate) fn on_bytes(
         &mut self,

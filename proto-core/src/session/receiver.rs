@@ -466,6 +466,7 @@ impl Receiver {
             TransportInput::WriteFinished { ticket, landed } => {
                 self.on_write_finished(now, ticket, landed)?
             }
+            TransportInput::DataArriving { peer } => self.shell.peers.alive(now, peer)?,
             TransportInput::Timeout => {
                 for due in self.shell.due(now) {
                     match due {
@@ -702,6 +703,8 @@ impl Receiver {
         let Some(phase) = self.shell.peers.phase(peer) else {
             return Err(UsageError::UnknownPeer(peer));
         };
+        // A data write's header is a frame from the peer.
+        self.shell.peers.alive(now, peer)?;
         let refusal = match self.config.data_path {
             DataPath::Ordered => Err(WriteRefusal::NotAccepted),
             DataPath::Landed => self.check_write(now, peer, header),

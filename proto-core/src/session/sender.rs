@@ -647,6 +647,10 @@ impl Sender {
                 input: "WriteFinished",
                 role: Role::Sender,
             }),
+            TransportInput::DataArriving { .. } => Err(UsageError::WrongRole {
+                input: "DataArriving",
+                role: Role::Sender,
+            }),
             TransportInput::Timeout => {
                 for due in self.shell.due(now) {
                     match due {

@@ -70,6 +70,17 @@ pub enum TransportInput {
         /// Whether every byte of the write is in memory.
         landed: bool,
     },
+    /// (Receiver) payload bytes of an admitted write from `peer` are still arriving: the peer
+    /// is alive though no whole frame came from it lately. A write whose payload takes longer
+    /// than [`Deadlines::liveness_timeout`](super::Deadlines) (a large write on a slow link,
+    /// with the peer's heartbeats queued behind it on the same stream) would otherwise end the
+    /// peer while its bytes flow. A transport whose payload the receiver's CPU sees (sockets)
+    /// reports it while payload arrives, at most every so often and well within the liveness
+    /// timeout; one whose payload it does not see (RDMA writes) has no need to.
+    DataArriving {
+        /// The writing peer.
+        peer: PeerId,
+    },
     /// The deadline from `poll_timeout` passed (early delivery is harmless).
     Timeout,
 }

@@ -196,6 +196,9 @@ pub struct Net {
     pub connected: BTreeSet<(usize, usize)>,
     /// Links (sender, receiver) whose frames are dropped (both ways).
     pub cut: BTreeSet<(usize, usize)>,
+    /// Links (sender, receiver) whose sender → receiver frames are dropped (as if queued behind
+    /// a payload that takes long); the receiver's still reach the sender.
+    pub stalled: BTreeSet<(usize, usize)>,
 }
 
 impl Net {
@@ -213,6 +216,7 @@ impl Net {
             log: Vec::new(),
             connected: BTreeSet::new(),
             cut: BTreeSet::new(),
+            stalled: BTreeSet::new(),
         }
     }
 
@@ -334,7 +338,10 @@ impl Net {
         match o {
             Output::Transmit { peer, bytes, .. } => {
                 let j = (peer.0 - 1000) as usize;
-                if self.connected.contains(&(i, j)) && !self.cut.contains(&(i, j)) {
+                if self.connected.contains(&(i, j))
+                    && !self.cut.contains(&(i, j))
+                    && !self.stalled.contains(&(i, j))
+                {
                     self.receivers[j]
                         .handle_input(ReceiverInput::Transport {
                             now,

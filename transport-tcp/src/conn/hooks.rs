@@ -15,6 +15,11 @@ pub(crate) trait NodeHooks: Send + Sync {
     fn body_limit(&self, peer: PeerId) -> u32;
     /// The header of a data write from `peer` arrived: the core's answer.
     fn admit(&self, peer: PeerId, header: &[u8]) -> Admission;
+    /// Payload of an admitted write from `peer` is still arriving (the core's
+    /// `TransportInput::DataArriving`: the peer is alive while a long payload holds its frames
+    /// back). Called at most every [`ARRIVING_EVERY`](super::inbound::ARRIVING_EVERY) per
+    /// connection.
+    fn data_arriving(&self, peer: PeerId);
     /// An admitted write is over (`landed`: every byte is in memory).
     fn write_finished(&self, ticket: WriteTicket, landed: bool);
     /// The last piece of `batch` is written out (by this connection; the others were written

@@ -11,6 +11,7 @@
 //! reported landed once the copies of its last bytes completed.
 
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use kvpipe_core::stream::{ReadInto, StreamEnd, StreamError, StreamEvent, StreamReader};
 use kvpipe_core::wire::MAX_BODY_LEN;
@@ -25,6 +26,11 @@ use crate::stats::{bump, StatCells};
 
 /// Scratch buffer for payloads that are read and dropped.
 const DISCARD_CHUNK: usize = 64 << 10;
+
+/// How often a reader tells the node that an admitted write's payload is still arriving
+/// ([`NodeHooks::data_arriving`]): well within any sensible liveness timeout (the core's
+/// default is 10 s), rarely enough to cost nothing (one short call on the node's lock).
+pub(crate) const ARRIVING_EVERY: Duration = Duration::from_millis(250);
 
 /// Why a shell stopped reading.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -53,6 +59,9 @@ pub(crate) struct Inbound {
     /// The peer places its writes itself (peer copies, [`crate::peer_copy`]): headers come
     /// without payload.
     placed: bool,
+    /// When payload arriving was last reported, and how often it is ([`ARRIVING_EVERY`]).
+    arriving_reported: Instant,
+    arriving_every: Duration,
 }
 
 impl Inbound {
@@ -75,6 +84,8 @@ impl Inbound {
             #[cfg(feature = "cuda")]
             staging: RecvStaging::new(StagingSpec::from_config(config)),
             placed: false,
+            arriving_reported: Instant::now(),
+            arriving_every: ARRIVING_EVERY,
         }
     }
 
@@ -145,6 +156,11 @@ impl Inbound {
     pub(crate) fn consumed(&mut self, n: usize) -> Result<(), ReadEnd> {
         if self.reader.in_flight().is_some() {
             bump(&self.stats.bytes_applied, n as u64);
+            let now = Instant::now();
+            if now.duration_since(self.arriving_reported) >= self.arriving_every {
+                self.arriving_reported = now;
+                self.hooks.data_arriving(self.peer);
+            }
         }
         #[cfg(feature = "cuda")]
         let staged = self.staging.active();
@@ -370,6 +386,12 @@ mod tests {
             self.log.lock().unwrap().push("admit".into());
             self.answer
         }
+        fn data_arriving(&self, peer: PeerId) {
+            self.log
+                .lock()
+                .unwrap()
+                .push(format!("arriving {}", peer.0));
+        }
         fn write_finished(&self, ticket: WriteTicket, landed: bool) {
             self.log
                 .lock()
@@ -462,6 +484,34 @@ mod tests {
                 format!("frame {}", hb.len()),
                 "ended Read(Eof)".into(),
             ]
+        );
+    }
+
+    #[test]
+    fn payload_still_arriving_is_reported_between_reads_at_most_so_often() {
+        // Reads of at most 7 bytes: a 20-byte payload takes three.
+        let (mut r, hooks, _) = inbound(APPLY, 32);
+        r.arriving_every = Duration::ZERO;
+        let mut stream = data_write(20);
+        stream.extend(1..=20u8);
+        feed(&mut r, &stream).unwrap();
+        assert_eq!(
+            *hooks.log.lock().unwrap(),
+            [
+                "admit".to_string(),
+                "arriving 1".into(),
+                "arriving 1".into(),
+                "arriving 1".into(),
+                "finished 5 true".into(),
+            ]
+        );
+
+        // With the default interval, a payload read within it is not reported.
+        let (mut r, hooks, _) = inbound(APPLY, 32);
+        feed(&mut r, &stream).unwrap();
+        assert_eq!(
+            *hooks.log.lock().unwrap(),
+            ["admit".to_string(), "finished 5 true".into()]
         );
     }
 

@@ -568,6 +568,7 @@ mod tests {
         fn admit(&self, _: PeerId, _: &[u8]) -> Admission {
             Admission::Discard { len: 0 }
         }
+        fn data_arriving(&self, _: PeerId) {}
         fn write_finished(&self, _: WriteTicket, _: bool) {}
         fn batch_written(&self, batch: WriteBatchId) {
             self.written.lock().unwrap().push(batch);

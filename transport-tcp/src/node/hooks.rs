@@ -39,6 +39,10 @@ impl<E: Endpoint + Send + 'static> NodeHooks for Shared<E> {
         admission
     }
 
+    fn data_arriving(&self, peer: PeerId) {
+        self.input(TransportInput::DataArriving { peer });
+    }
+
     fn write_finished(&self, ticket: WriteTicket, landed: bool) {
         self.input(TransportInput::WriteFinished { ticket, landed });
     }
