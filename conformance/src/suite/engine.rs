@@ -79,7 +79,7 @@ impl RequestPlan {
         let mut start = self.sender_prefix.min(self.prompt);
         let step = self.chunk.max(1);
         loop {
-            let end = (start + step).min(self.prompt);
+            let end = start.saturating_add(step).min(self.prompt);
             out.push((start, end));
             if end >= self.prompt {
                 return out;
@@ -986,5 +986,23 @@ fn corrupt_one_byte(receiver: &mut ReferenceCache, request: RequestId) {
     let at = (u64::from(slot.0) * pool.slot_bytes + pool.slot_bytes / 2) as usize;
     if let Some(b) = receiver.region_mut(pool.region).and_then(|r| r.get_mut(at)) {
         *b ^= 0x5a;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::RequestPlan;
+
+    #[test]
+    fn a_chunk_longer_than_the_rest_of_the_prompt_is_the_rest() {
+        let mut plan = RequestPlan::new(1, 100, 40);
+        assert_eq!(plan.chunks(), vec![(0, 40), (40, 80), (80, 100)]);
+        // Chunk ends past u32::MAX end at the prompt instead of wrapping around.
+        plan.chunk = u32::MAX;
+        plan.sender_prefix = 10;
+        assert_eq!(plan.chunks(), vec![(10, 100)]);
+        plan.prompt = u32::MAX;
+        plan.sender_prefix = u32::MAX - 1;
+        assert_eq!(plan.chunks(), vec![(u32::MAX - 1, u32::MAX)]);
     }
 }

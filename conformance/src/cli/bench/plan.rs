@@ -89,7 +89,9 @@ fn groups() -> Vec<GroupSpec> {
 
 fn chunk(args: &PlanBenchArgs, index: u32) -> ChunkSpec {
     let start = index * args.chunk_tokens;
-    let end = (start + args.chunk_tokens).min(args.prompt_tokens);
+    let end = start
+        .saturating_add(args.chunk_tokens)
+        .min(args.prompt_tokens);
     ChunkSpec {
         start,
         end,

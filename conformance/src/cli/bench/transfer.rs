@@ -234,7 +234,7 @@ pub(super) fn chunks(tokens: u32, chunk: u32) -> Vec<ChunkSpec> {
     let mut out = Vec::new();
     let mut start = 0;
     while start < tokens {
-        let end = (start + chunk).min(tokens);
+        let end = start.saturating_add(chunk).min(tokens);
         out.push(ChunkSpec {
             start,
             end,

@@ -322,7 +322,7 @@ pub(super) fn run(
                 continue;
             }
             any = true;
-            let end = (start + step).min(args.prompt_tokens);
+            let end = start.saturating_add(step).min(args.prompt_tokens);
             let is_last = end >= args.prompt_tokens;
             next[k] = if is_last { u32::MAX } else { end };
             let compute_start = net.now();

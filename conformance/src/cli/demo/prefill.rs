@@ -120,7 +120,7 @@ pub(super) fn run(args: &DemoArgs, addr: &str, memory: PoolMemory) -> Result<Exi
                 next_start[i] = u32::MAX;
                 continue;
             }
-            let end = (begin + step).min(args.prompt_tokens);
+            let end = begin.saturating_add(step).min(args.prompt_tokens);
             any = true;
             cache.compute_chunk(id, begin, end)?;
             std::thread::sleep(Duration::from_millis(args.prefill_ms_per_chunk));

@@ -1,0 +1,107 @@
+//! The `kvpipe` program's flag checks, by running the binary: a chunk longer than the rest of
+//! the prompt is the rest (no wrapping of token counts), and flags a command cannot honour or
+//! values that cannot work are refused up front, naming the flag, instead of being ignored or
+//! failing after the run.
+
+mod support;
+
+use std::io::BufReader;
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+const KVPIPE: &str = env!("CARGO_BIN_EXE_kvpipe");
+
+/// One `kvpipe` at a time: on a small, shared machine runs at once can starve each other.
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+fn turn() -> std::sync::MutexGuard<'static, ()> {
+    ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+/// Waits for `child`, killing it (and failing) if it outlives `limit`.
+fn finish(mut child: Child, limit: Duration, what: &str) -> Output {
+    let start = Instant::now();
+    loop {
+        if child.try_wait().unwrap().is_some() {
+            return child.wait_with_output().unwrap();
+        }
+        if start.elapsed() > limit {
+            let _ = child.kill();
+            let out = child.wait_with_output().unwrap();
+            panic!(
+                "`kvpipe {what}` still ran after {limit:?}: {}{}",
+                text(&out.stdout),
+                text(&out.stderr)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Runs `kvpipe args`, failing if it outlives `limit`.
+fn run(args: &[&str], limit: Duration) -> Output {
+    let child = Command::new(KVPIPE)
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    finish(child, limit, &args.join(" "))
+}
+
+/// Chunks of u32::MAX tokens: the first chunk is the whole prompt after the prefix.
+const HUGE_CHUNKS: [&str; 10] = [
+    "--prompt-tokens",
+    "100",
+    "--sender-prefix",
+    "10",
+    "--chunk-tokens",
+    "4294967295",
+    "--prefill-ms-per-chunk",
+    "0",
+    "--requests",
+    "1",
+];
+
+#[test]
+fn a_chunk_past_the_largest_token_count_is_the_rest_of_the_prompt() {
+    let _turn = turn();
+    for extra in [&[][..], &["--sender-tp", "2"][..]] {
+        let mut args = vec!["demo", "--json"];
+        args.extend(HUGE_CHUNKS);
+        args.extend(extra);
+        let out = run(&args, Duration::from_secs(120));
+        assert!(out.status.success(), "{args:?}: {}", text(&out.stderr));
+    }
+}
+
+#[test]
+fn a_chunk_past_the_largest_token_count_crosses_processes_whole() {
+    let _turn = turn();
+    let mut serve = Command::new(KVPIPE)
+        .args(["serve", "--listen", "127.0.0.1:0", "--json"])
+        .args(["--accept-timeout-s", "60", "--prompt-tokens", "100"])
+        .args(["--requests", "1"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut err = BufReader::new(serve.stderr.take().unwrap());
+    let addr = support::listening_addr(&mut err);
+    // Keep reading what serve says, so that its writes to stderr do not fail.
+    std::thread::spawn(move || std::io::copy(&mut err, &mut std::io::sink()));
+    let mut args = vec!["demo", "--transport", "tcp", "--connect", &addr, "--json"];
+    args.extend(HUGE_CHUNKS);
+    let demo = run(&args, Duration::from_secs(120));
+    assert!(demo.status.success(), "demo: {}", text(&demo.stderr));
+    let prefill: serde_json::Value = serde_json::from_slice(&demo.stdout).unwrap();
+    assert_eq!(prefill["completed"], 1, "{prefill}");
+    assert_eq!(prefill["chunks"], 1, "{prefill}");
+    let out = finish(serve, Duration::from_secs(120), "serve");
+    assert!(out.status.success(), "serve: {}", text(&out.stdout));
+}
