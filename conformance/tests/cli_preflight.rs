@@ -105,3 +105,53 @@ fn a_chunk_past_the_largest_token_count_crosses_processes_whole() {
     let out = finish(serve, Duration::from_secs(120), "serve");
     assert!(out.status.success(), "serve: {}", text(&out.stdout));
 }
+
+/// Each of `cases` (arguments, then what the message must say) ends at once with status 1 and
+/// a one-line `kvpipe: …` message naming it, before anything ran.
+fn refused(cases: &[(Vec<&str>, &str)]) {
+    let _turn = turn();
+    for (args, expected) in cases {
+        let start = Instant::now();
+        let out = run(args, Duration::from_secs(60));
+        let err = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+        assert!(err.starts_with("kvpipe: "), "{args:?}: {err}");
+        assert_eq!(err.trim_end().lines().count(), 1, "{args:?}: {err}");
+        assert!(err.contains(expected), "{args:?}: {err}");
+        assert!(out.stdout.is_empty(), "{args:?}: {}", text(&out.stdout));
+        assert!(start.elapsed() < Duration::from_secs(30), "{args:?}");
+    }
+}
+
+#[test]
+fn demo_connect_refuses_the_flags_it_cannot_honour() {
+    // A port nothing listens on: a refusal comes before any connect.
+    let connect = ["demo", "--transport", "tcp", "--connect", "127.0.0.1:9"];
+    let with = |extra: &[&'static str]| -> Vec<&'static str> {
+        connect.iter().chain(extra).copied().collect()
+    };
+    refused(&[
+        (
+            with(&["--monolithic"]),
+            "--monolithic is not supported with --connect",
+        ),
+        (
+            with(&["--ranks", "2"]),
+            "--ranks 2 is not supported with --connect",
+        ),
+        (with(&["--sender-tp", "2"]), "not supported with --connect"),
+        (
+            with(&["--receiver-tp", "2"]),
+            "not supported with --connect",
+        ),
+        (
+            with(&["--receiver-pp", "2"]),
+            "not supported with --connect",
+        ),
+        (
+            with(&["--receiver-prefix", "64"]),
+            "--receiver-prefix 64 is the decode side's: give it to `kvpipe serve`",
+        ),
+        (with(&["--timeline", "t.svg"]), "--timeline"),
+    ]);
+}

@@ -76,7 +76,8 @@ pub(crate) struct DemoArgs {
     #[arg(long)]
     monolithic: bool,
     /// Skip the baseline: by default the same requests are also sent after prefill
-    /// (monolithic) in this run, and the table shows that tail beside the pipelined one.
+    /// (monolithic) in this run, and the table shows that tail beside the pipelined one
+    /// (with --connect there is no baseline either way).
     #[arg(long)]
     no_baseline: bool,
     /// Draw the run as an SVG picture in FILE: one lane per request (and rank), each chunk's
@@ -89,7 +90,9 @@ pub(crate) struct DemoArgs {
     #[arg(long, default_value = "mem")]
     transport: String,
     /// With --transport tcp or verbs: run only the prefill side, against `kvpipe serve`
-    /// listening at this address (give both the same workload flags).
+    /// listening at this address (give both the same workload flags; --receiver-prefix goes to
+    /// `serve`, and --monolithic, --ranks, --sender-tp/--receiver-tp/--receiver-pp and
+    /// --timeline are refused).
     #[arg(long)]
     connect: Option<String>,
     /// With --transport verbs: the RDMA device (default: the first with an active port).
@@ -186,6 +189,7 @@ pub(crate) fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
         if args.transport == "mem" {
             return Err("--connect needs --transport tcp or verbs".into());
         }
+        refuse_with_connect(&args, split)?;
         preflight::connect_address("--connect", addr)?;
         workload
             .one_side("--prompt-tokens, --requests or --tokens-per-block")
@@ -346,6 +350,43 @@ pub(crate) fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
             ExitCode::FAILURE
         },
     )
+}
+
+/// The flags the prefill side of a two-process demo (`--connect`) cannot honour, refused
+/// before anything is allocated or connected rather than silently ignored.
+fn refuse_with_connect(args: &DemoArgs, split: bool) -> Result<(), CliError> {
+    if args.monolithic {
+        return Err(
+            "--monolithic is not supported with --connect: the prefill side sends \
+                    each chunk as soon as it is computed"
+                .into(),
+        );
+    }
+    if args.ranks != 1 {
+        return Err(format!(
+            "--ranks {} is not supported with --connect: one prefill side talks to one \
+             `kvpipe serve`; run one pair per rank",
+            args.ranks
+        )
+        .into());
+    }
+    if split {
+        return Err(
+            "--sender-tp/--receiver-tp/--receiver-pp are not supported with \
+                    --connect: the heterogeneous split runs every rank of both sides in \
+                    this process (--transport mem)"
+                .into(),
+        );
+    }
+    if args.receiver_prefix != 0 {
+        return Err(format!(
+            "--receiver-prefix {} is the decode side's: give it to `kvpipe serve`, not to \
+             `kvpipe demo --connect`",
+            args.receiver_prefix
+        )
+        .into());
+    }
+    Ok(())
 }
 
 /// Why requests did not complete, grouped by what each side saw: one line per distinct pair
