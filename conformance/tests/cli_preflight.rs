@@ -155,3 +155,41 @@ fn demo_connect_refuses_the_flags_it_cannot_honour() {
         (with(&["--timeline", "t.svg"]), "--timeline"),
     ]);
 }
+
+#[test]
+fn a_picture_that_cannot_be_written_is_refused_before_the_run() {
+    let missing = std::env::temp_dir().join(format!("kvpipe-no-such-dir-{}", std::process::id()));
+    let file = missing.join("t.svg");
+    let file = file.to_str().unwrap();
+    let dir = std::env::temp_dir();
+    let dir = dir.to_str().unwrap();
+    refused(&[
+        (vec!["demo", "--timeline", file], "--timeline"),
+        (vec!["demo", "--timeline", dir], "it is a directory"),
+        (vec!["bench", "pipeline", "--timeline", file], "--timeline"),
+        (
+            vec![
+                "bench",
+                "pipeline",
+                "--sweep-chunk-tokens",
+                "256,512",
+                "--plot",
+                file,
+            ],
+            "--plot",
+        ),
+    ]);
+    assert!(!missing.exists());
+}
+
+#[test]
+fn the_picture_check_leaves_no_file_behind() {
+    // Checked writable, then refused for its memory: no empty picture is left.
+    let file = std::env::temp_dir().join(format!("kvpipe-preflight-{}.svg", std::process::id()));
+    let path = file.to_str().unwrap();
+    refused(&[(
+        vec!["demo", "--timeline", path, "--prompt-tokens", "100000000"],
+        "lower --prompt-tokens",
+    )]);
+    assert!(!file.exists());
+}

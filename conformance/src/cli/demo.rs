@@ -185,6 +185,9 @@ pub(crate) fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
                 .into(),
         );
     }
+    if let Some(path) = &args.timeline {
+        preflight::output_file("--timeline", path)?;
+    }
     if let Some(addr) = &args.connect {
         if args.transport == "mem" {
             return Err("--connect needs --transport tcp or verbs".into());

@@ -4,7 +4,9 @@
 //! `/proc/meminfo`). A run that does not fit is refused with a message naming what it needs,
 //! what is available and the flags that lower it; a run that fits goes ahead.
 
+use std::fs::OpenOptions;
 use std::net::{TcpListener, ToSocketAddrs};
+use std::path::Path;
 
 use kvpipe_conformance::cache::{split_rank, CacheSpec, GroupSpec};
 use kvpipe_conformance::suite::demo::Model;
@@ -82,6 +84,27 @@ pub(crate) fn connect_address(flag: &str, addr: &str) -> Result<(), CliError> {
         return Err(format!("{flag} {addr:?} resolves to no address").into());
     }
     Ok(())
+}
+
+/// A file the run will write at its end (a picture) that can be written now: its directory
+/// exists and it can be created or opened for writing there. A file that did not exist is
+/// removed again, so a run refused later leaves nothing behind; one that did is left as it was.
+pub(crate) fn output_file(flag: &str, path: &Path) -> Result<(), CliError> {
+    let refuse = |e: &dyn std::fmt::Display| -> CliError {
+        format!("{flag} {}: cannot write there: {e}", path.display()).into()
+    };
+    if path.is_dir() {
+        return Err(refuse(&"it is a directory"));
+    }
+    match OpenOptions::new().write(true).create_new(true).open(path) {
+        Ok(_) => std::fs::remove_file(path).map_err(|e| refuse(&e)),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => OpenOptions::new()
+            .write(true)
+            .open(path)
+            .map(drop)
+            .map_err(|e| refuse(&e)),
+        Err(e) => Err(refuse(&e)),
+    }
 }
 
 /// The memory a run will hold, part by part, and the flags that lower it.

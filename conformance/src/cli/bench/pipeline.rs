@@ -143,6 +143,12 @@ pub(crate) fn run(args: PipelineBenchArgs) -> Result<ExitCode, CliError> {
         255,
         "a bundle's size",
     )?;
+    if let Some(Some(path)) = &args.timeline {
+        preflight::output_file("--timeline", path)?;
+    }
+    if let Some(path) = &args.plot {
+        preflight::output_file("--plot", path)?;
+    }
     workload
         .in_process(1, "--prompt-tokens or --tokens-per-block")
         .check()?;
