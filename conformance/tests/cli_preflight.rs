@@ -193,3 +193,40 @@ fn the_picture_check_leaves_no_file_behind() {
     )]);
     assert!(!file.exists());
 }
+
+#[test]
+fn bench_flags_that_measure_nothing_are_refused() {
+    let tcp = |flag: &'static str, v: &'static str| {
+        vec!["bench", "transfer", "--transport", "tcp", flag, v]
+    };
+    refused(&[
+        (
+            tcp("--socket-write-bytes", "0"),
+            "--socket-write-bytes must be at least 4096 (got 0)",
+        ),
+        (
+            tcp("--socket-write-bytes", "2"),
+            "--socket-write-bytes must be at least 4096",
+        ),
+        (
+            tcp("--socket-read-bytes", "0"),
+            "--socket-read-bytes must be at least 4096",
+        ),
+        (
+            vec!["bench", "transfer", "--runs", "0"],
+            "--runs must be at least 1",
+        ),
+        (
+            vec!["bench", "pipeline", "--runs", "0"],
+            "--runs must be at least 1",
+        ),
+        (
+            vec!["bench", "fragments", "--runs", "0"],
+            "--runs must be at least 1",
+        ),
+        (
+            vec!["bench", "transfer", "--driver-wait", "nonsense"],
+            "--driver-wait must be poll or block",
+        ),
+    ]);
+}

@@ -122,6 +122,7 @@ fn layout(region: u32, first_head: u16, heads: u16) -> LayerGroupLayout {
 pub(crate) fn run(args: FragmentsBenchArgs) -> Result<ExitCode, CliError> {
     preflight::at_least("--fragments", args.fragments.into(), 1)?;
     preflight::at_least("--chunk-tokens", args.chunk_tokens.into(), 1)?;
+    preflight::at_least("--runs", args.runs.into(), 1)?;
     if let Some(t) = args.threads {
         preflight::at_least("--threads", t as u64, 1)?;
         preflight::at_most(

@@ -137,6 +137,7 @@ pub(crate) fn run(args: PipelineBenchArgs) -> Result<ExitCode, CliError> {
         "one minute of simulated compute per chunk",
     )?;
     preflight::at_least("--connections", args.connections as u64, 1)?;
+    preflight::at_least("--runs", args.runs.into(), 1)?;
     preflight::at_most(
         "--connections",
         args.connections as u64,

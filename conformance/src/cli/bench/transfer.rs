@@ -55,7 +55,8 @@ pub(crate) struct TransferBenchArgs {
     /// Tokens in the request (128 KiB of KV each).
     #[arg(long, default_value_t = 32_768)]
     tokens: u32,
-    /// Tokens per prefill chunk (one write batch each).
+    /// Tokens per prefill chunk (one write batch each), rounded down to whole blocks of
+    /// --tokens-per-block (at least one block).
     #[arg(long, default_value_t = 4096)]
     chunk_tokens: u32,
     /// Tokens per KV block.
@@ -71,10 +72,12 @@ pub(crate) struct TransferBenchArgs {
     /// Connections per peer (tcp; the tcp-raw baseline uses as many plain sockets).
     #[arg(long, default_value_t = 4)]
     connections: usize,
-    /// Most bytes per socket write of the transport (tcp; default: `TcpConfig`'s).
+    /// Most bytes per socket write of the transport (tcp; at least 4096; default:
+    /// `TcpConfig`'s).
     #[arg(long)]
     socket_write_bytes: Option<usize>,
-    /// Most payload bytes per socket read of the transport (tcp; default: `TcpConfig`'s).
+    /// Most payload bytes per socket read of the transport (tcp; at least 4096; default:
+    /// `TcpConfig`'s).
     #[arg(long)]
     socket_read_bytes: Option<usize>,
     /// Where both sides' KV pools live: host, or device (GPU 0, against cuMemcpyDtoDAsync of
@@ -190,12 +193,31 @@ pub(super) fn mem_available() -> Option<u64> {
     preflight::mem_available()
 }
 
+/// The smallest socket write or read `--socket-write-bytes`/`--socket-read-bytes` take: a page.
+const MIN_SOCKET_CALL_BYTES: u64 = 4096;
+
 /// Ranges, and the smallest run (one chunk, or the whole request if shorter) in host memory:
 /// the transports' runs shorten the request to what fits, never below that.
 fn preflight_transfer(args: &TransferBenchArgs) -> Result<(), CliError> {
     preflight::at_least("--tokens", args.tokens.into(), 1)?;
     preflight::at_least("--chunk-tokens", args.chunk_tokens.into(), 1)?;
     preflight::at_least("--tokens-per-block", args.tokens_per_block.into(), 1)?;
+    preflight::at_least("--runs", args.runs.into(), 1)?;
+    // Smaller socket calls make the transfer crawl (a syscall per few bytes) until the
+    // liveness deadlines fail it: they measure nothing.
+    if let Some(b) = args.socket_write_bytes {
+        preflight::at_least("--socket-write-bytes", b as u64, MIN_SOCKET_CALL_BYTES)?;
+    }
+    if let Some(b) = args.socket_read_bytes {
+        preflight::at_least("--socket-read-bytes", b as u64, MIN_SOCKET_CALL_BYTES)?;
+    }
+    if !matches!(args.driver_wait.as_str(), "poll" | "block") {
+        return Err(format!(
+            "--driver-wait must be poll or block (got {:?})",
+            args.driver_wait
+        )
+        .into());
+    }
     if let Some(t) = args.threads {
         preflight::at_least("--threads", t as u64, 1)?;
         preflight::at_most(
