@@ -230,3 +230,26 @@ fn bench_flags_that_measure_nothing_are_refused() {
         ),
     ]);
 }
+
+#[test]
+fn a_pipeline_split_past_the_models_layers_is_refused() {
+    let demo = |model: &'static str, pp: &'static str| {
+        vec![
+            "demo",
+            "--model",
+            model,
+            "--prompt-tokens",
+            "64",
+            "--receiver-pp",
+            pp,
+        ]
+    };
+    refused(&[
+        (demo("llama3-8b", "33"), "--receiver-pp must be at most 32"),
+        (
+            demo("llama3-70b-tp8", "81"),
+            "--receiver-pp must be at most 80",
+        ),
+        (demo("gemma3-swa", "41"), "--receiver-pp must be at most 40"),
+    ]);
+}

@@ -224,9 +224,24 @@ pub(crate) fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
             preflight::MAX_RANKS,
             "ranks run side by side",
         )?;
+        let whole = parallel::whole_model(args.model, args.window);
+        // Pipeline rank r holds layers of every group with more than r layers (an even split,
+        // the first ranks taking the remainder): past the largest group's layers a rank would
+        // hold none, and no prefill rank would write it.
+        let most_layers = whole.iter().map(|g| g.layers).max().unwrap_or(0);
+        preflight::at_most(
+            "--receiver-pp",
+            rpp.into(),
+            most_layers.into(),
+            &format!(
+                "{} has {most_layers} layers in its largest layer group, and every pipeline \
+                 rank needs at least one",
+                args.model.name()
+            ),
+        )?;
         workload
             .split(
-                &parallel::whole_model(args.model, args.window),
+                &whole,
                 stp,
                 (rtp, rpp),
                 "--prompt-tokens, --requests or the rank counts",
