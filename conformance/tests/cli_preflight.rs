@@ -253,3 +253,33 @@ fn a_pipeline_split_past_the_models_layers_is_refused() {
         (demo("gemma3-swa", "41"), "--receiver-pp must be at most 40"),
     ]);
 }
+
+#[test]
+fn plan_names_the_flag_out_of_range_first() {
+    let plan = |extra: &[&'static str]| -> Vec<&'static str> {
+        [
+            "plan",
+            "--prompt-tokens",
+            "32",
+            "--tokens-per-block",
+            "8",
+            "--chunks",
+            "0:32",
+        ]
+        .iter()
+        .chain(extra)
+        .copied()
+        .collect()
+    };
+    refused(&[
+        (
+            plan(&["--sender-prefix", "40"]),
+            "--sender-prefix 40 is longer than the prompt (32 tokens)",
+        ),
+        (
+            plan(&["--receiver-prefix", "33"]),
+            "--receiver-prefix 33 is longer than the prompt (32 tokens)",
+        ),
+        (plan(&["--window", "0"]), "--window must be at least 1"),
+    ]);
+}

@@ -124,6 +124,21 @@ pub(crate) fn report(args: &PlanArgs) -> Result<PlanReport, CliError> {
     let tpb = args.tokens_per_block;
     preflight::at_least("--prompt-tokens", args.prompt_tokens.into(), 1)?;
     preflight::at_least("--tokens-per-block", tpb.into(), 1)?;
+    if let Some(w) = args.window {
+        preflight::at_least("--window", w.into(), 1)?;
+    }
+    for (flag, prefix) in [
+        ("--sender-prefix", args.sender_prefix),
+        ("--receiver-prefix", args.receiver_prefix),
+    ] {
+        if prefix > args.prompt_tokens {
+            return Err(format!(
+                "{flag} {prefix} is longer than the prompt ({} tokens)",
+                args.prompt_tokens
+            )
+            .into());
+        }
+    }
     let total = total_blocks(args.prompt_tokens, tpb)?;
     // Both sides' block tables, and the block lists of the longest chunk.
     let longest = args
