@@ -105,3 +105,88 @@ fn serve_refuses_a_prefill_node_with_another_block_size() {
     let _ = serve.kill();
     let _ = serve.wait();
 }
+
+/// Runs `serve` with `serve_args` and `demo --connect` with `demo_args` against it; returns
+/// serve's exit status, stdout and stderr (after the listening line), and demo's output.
+fn pair(
+    serve_args: &[&str],
+    demo_args: &[&str],
+) -> (
+    std::process::ExitStatus,
+    String,
+    String,
+    std::process::Output,
+) {
+    let mut serve = Command::new(KVPIPE)
+        .args(["serve", "--listen", "127.0.0.1:0"])
+        .args(serve_args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut err = BufReader::new(serve.stderr.take().unwrap());
+    let addr = support::listening_addr(&mut err);
+    let demo = Command::new(KVPIPE)
+        .args(["demo", "--transport", "tcp", "--connect", &addr])
+        .args(demo_args)
+        .output()
+        .unwrap();
+    let start = Instant::now();
+    let status = loop {
+        if let Some(s) = serve.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(120),
+            "serve did not exit"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let (mut out, mut rest) = (String::new(), String::new());
+    std::io::Read::read_to_string(&mut serve.stdout.take().unwrap(), &mut out).unwrap();
+    std::io::Read::read_to_string(&mut err, &mut rest).unwrap();
+    (status, out, rest, demo)
+}
+
+#[test]
+fn serve_checks_only_the_blocks_a_prefill_side_with_a_smaller_window_sends() {
+    // The handshake lets the decode side keep a larger window (here full attention against a
+    // 256-token window): the blocks before the prefill side's stale boundary never come.
+    let workload = ["--prompt-tokens", "1000", "--requests", "1", "--json"];
+    let (status, out, err, demo) = pair(
+        &workload,
+        &[&workload[..], &["--window", "256", "--chunk-tokens", "250"]].concat(),
+    );
+    assert!(
+        demo.status.success(),
+        "demo: {}",
+        String::from_utf8_lossy(&demo.stderr)
+    );
+    assert!(status.success(), "serve: {out} {err}");
+    let decode: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(decode["verified"], true, "{decode}");
+    assert_eq!(decode["mismatched_blocks"], 0, "{decode}");
+    assert!(
+        err.contains(
+            "the prefill side keeps a 256-token window against this side's full attention"
+        ),
+        "{err}"
+    );
+    // Only the window's blocks were sent: fewer bytes than the whole prompt's 32 blocks.
+    let sent = decode["bytes"].as_u64().unwrap();
+    assert!(sent > 0 && sent < 32 * 32 * 128 * 1024, "{decode}");
+}
+
+#[test]
+fn serve_names_the_refusal_when_no_prefill_node_completes_the_handshake() {
+    let (status, _, err, demo) = pair(
+        &["--accept-timeout-s", "3", "--prompt-tokens", "300"],
+        &["--tokens-per-block", "16", "--prompt-tokens", "300"],
+    );
+    assert!(!demo.status.success());
+    assert!(!status.success());
+    assert!(
+        err.contains("no prefill node completed the handshake in time; the last one was refused: model layouts are incompatible"),
+        "{err}"
+    );
+}

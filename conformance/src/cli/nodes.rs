@@ -307,6 +307,17 @@ impl DecodeNode {
         }
     }
 
+    /// The windows `peer` keeps, group by group (`None`: full attention), from its handshake.
+    pub(crate) fn peer_windows(&self, peer: PeerId) -> Option<Vec<Option<u32>>> {
+        let windows = |groups: &[kvpipe_core::LayerGroupLayout]| {
+            groups.iter().map(|g| g.window).collect::<Vec<_>>()
+        };
+        match self {
+            DecodeNode::Tcp(n) => n.endpoint().peer_groups(peer).map(windows),
+            DecodeNode::Verbs(n) => n.endpoint().peer_groups(peer).map(windows),
+        }
+    }
+
     /// How the data arrived: "peer-copy" (CUDA IPC), "socket" (TCP) or "rdma".
     pub(crate) fn data_path(&self) -> &'static str {
         match self {

@@ -12,7 +12,7 @@ use kvpipe_conformance::cache::{CacheSpec, GroupSpec, ReferenceCache};
 use kvpipe_conformance::suite::demo::{percentile, Model};
 use kvpipe_core::session::{Deadlines, LocalHello, Registration};
 use kvpipe_core::wire::{Role, Topology};
-use kvpipe_core::{Event, InstanceId, PeerId, RequestId};
+use kvpipe_core::{Event, GroupIndex, InstanceId, PeerId, RequestId, StaleBoundary};
 use serde::Serialize;
 
 use super::nodes::{DecodeNode, TransportChoice};
@@ -253,6 +253,22 @@ pub(crate) fn run(args: ServeArgs) -> Result<ExitCode, CliError> {
         eprintln!("kvpipe serve: {peer} left right after its handshake; waiting for another");
     };
     eprintln!("kvpipe serve: prefill node connected as {peer}");
+    // A prefill side keeping a smaller window (allowed: the handshake only refuses a smaller
+    // one here) never sends the blocks before its own stale boundary: they are not checked.
+    let sender_windows = rx.peer_windows(peer).unwrap_or_default();
+    for (g, (l, sent)) in cache.layouts().iter().zip(&sender_windows).enumerate() {
+        let kept = l.window.unwrap_or(u32::MAX);
+        if let Some(sent) = sent.filter(|&w| w < kept && w < args.prompt_tokens) {
+            let kept = l
+                .window
+                .map_or("full attention".into(), |w| format!("{w} tokens"));
+            eprintln!(
+                "kvpipe serve: layer group {g}: the prefill side keeps a {sent}-token window \
+                 against this side's {kept}: blocks before its stale boundary are not sent, and \
+                 not checked"
+            );
+        }
+    }
     let start = Instant::now();
     let ids: Vec<RequestId> = (1..=args.requests)
         .map(|i| RequestId(u64::from(i)))
@@ -321,7 +337,10 @@ pub(crate) fn run(args: ServeArgs) -> Result<ExitCode, CliError> {
     // Every request quiesced: no transfer touches the pools. Device pools are read back whole.
     cache.sync_from_device()?;
     let (data_path, writes_placed) = (rx.data_path(), rx.writes_placed());
-    let mismatched_blocks: usize = completed.iter().map(|&r| cache.verify(r).len()).sum();
+    let mismatched_blocks: usize = completed
+        .iter()
+        .map(|&r| verify_sent(&cache, r, args.prompt_tokens, &sender_windows).len())
+        .sum();
     let writes_refused = rx.writes_refused();
     // An orderly close: what is still queued (the last results) reaches the other side before
     // this process exits.
@@ -433,12 +452,47 @@ pub(crate) fn deadline_in(d: Duration) -> Instant {
         .unwrap_or_else(|| now + Duration::from_secs(100 * 365 * 24 * 3600))
 }
 
+/// The blocks of `request` that differ from the expected content, among those the prefill
+/// side sends: in each group from the sender's stale boundary (its window `sender_windows[g]`,
+/// from its handshake; `None`: full attention, every block) to the end of the prompt.
+fn verify_sent(
+    cache: &ReferenceCache,
+    request: RequestId,
+    prompt_tokens: u32,
+    sender_windows: &[Option<u32>],
+) -> Vec<kvpipe_conformance::cache::BlockMismatch> {
+    let tpb = cache.tokens_per_block();
+    (0..cache.group_count())
+        .flat_map(|g| {
+            let first = sender_windows
+                .get(g)
+                .copied()
+                .flatten()
+                .and_then(|w| StaleBoundary::new(prompt_tokens, w, tpb).ok())
+                .map_or(0, |b| b.ordinal());
+            cache.verify_blocks(
+                request,
+                GroupIndex(g as u16),
+                first..prompt_tokens.div_ceil(tpb),
+            )
+        })
+        .collect()
+}
+
 /// Waits for a prefill node's handshake, by `deadline`.
 fn wait_for_prefill_node(rx: &DecodeNode, deadline: Instant) -> Result<PeerId, CliError> {
+    let mut refused = None;
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
-            return Err("no prefill node connected in time".into());
+            return Err(match refused {
+                None => "no prefill node connected in time".into(),
+                Some(message) => format!(
+                    "no prefill node completed the handshake in time; the last one was refused: \
+                     {message}"
+                )
+                .into(),
+            });
         }
         match rx.next_event(left) {
             Some(Event::PeerReady {
@@ -448,6 +502,7 @@ fn wait_for_prefill_node(rx: &DecodeNode, deadline: Instant) -> Result<PeerId, C
             }) => return Ok(peer),
             Some(Event::PeerRejected { message, .. }) => {
                 eprintln!("kvpipe serve: refused a peer: {message}");
+                refused = Some(message);
             }
             _ => {}
         }

@@ -309,6 +309,13 @@ impl Receiver {
         self.shell.peers.is_ready(peer)
     }
 
+    /// The layer groups `peer` described in its handshake (its windows among them: a sender
+    /// keeping a smaller window than this side's never writes the blocks before its own stale
+    /// boundary), once its `Hello` arrived.
+    pub fn peer_groups(&self, peer: PeerId) -> Option<&[crate::layout::LayerGroupLayout]> {
+        self.shell.peers.remote(peer).map(|h| h.groups.as_slice())
+    }
+
     /// Admitted data writes not reported finished yet.
     pub fn writes_in_flight(&self) -> usize {
         self.writes.len()
