@@ -213,7 +213,7 @@ impl PeerTable {
         }
     }
 
-    /// Bytes from `peer` arrived (a data write's header or payload): it is alive.
+    /// Payload from `peer` is arriving on the stream its frames take: it is alive.
     pub(crate) fn alive(&mut self, now: Instant, peer: PeerId) -> Result<(), UsageError> {
         let p = self
             .peers

@@ -710,8 +710,6 @@ impl Receiver {
         let Some(phase) = self.shell.peers.phase(peer) else {
             return Err(UsageError::UnknownPeer(peer));
         };
-        // A data write's header is a frame from the peer.
-        self.shell.peers.alive(now, peer)?;
         let refusal = match self.config.data_path {
             DataPath::Ordered => Err(WriteRefusal::NotAccepted),
             DataPath::Landed => self.check_write(now, peer, header),

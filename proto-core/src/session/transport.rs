@@ -70,13 +70,14 @@ pub enum TransportInput {
         /// Whether every byte of the write is in memory.
         landed: bool,
     },
-    /// (Receiver) payload bytes of an admitted write from `peer` are still arriving: the peer
-    /// is alive though no whole frame came from it lately. A write whose payload takes longer
-    /// than [`Deadlines::liveness_timeout`](super::Deadlines) (a large write on a slow link,
-    /// with the peer's heartbeats queued behind it on the same stream) would otherwise end the
-    /// peer while its bytes flow. A transport whose payload the receiver's CPU sees (sockets)
-    /// reports it while payload arrives, at most every so often and well within the liveness
-    /// timeout; one whose payload it does not see (RDMA writes) has no need to.
+    /// (Receiver) payload bytes of an admitted write from `peer` are still arriving on the
+    /// stream that carries `peer`'s frames: the peer is alive though no whole frame came from
+    /// it lately. A write whose payload takes longer than
+    /// [`Deadlines::liveness_timeout`](super::Deadlines) (a large write on a slow link, with
+    /// the peer's heartbeats queued behind it) would otherwise end the peer while its bytes
+    /// flow. A transport whose frames can wait behind payload (TCP's first connection) reports
+    /// it while such payload arrives, at most every so often and well within the liveness
+    /// timeout; payload on other streams holds no frame back and is not reported.
     DataArriving {
         /// The writing peer.
         peer: PeerId,

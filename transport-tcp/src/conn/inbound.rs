@@ -59,6 +59,9 @@ pub(crate) struct Inbound {
     /// The peer places its writes itself (peer copies, [`crate::peer_copy`]): headers come
     /// without payload.
     placed: bool,
+    /// The peer's control frames travel on this connection: payload arriving here holds them
+    /// back, and is reported to keep the peer alive.
+    carries_frames: bool,
     /// When payload arriving was last reported, and how often it is ([`ARRIVING_EVERY`]).
     arriving_reported: Instant,
     arriving_every: Duration,
@@ -84,6 +87,7 @@ impl Inbound {
             #[cfg(feature = "cuda")]
             staging: RecvStaging::new(StagingSpec::from_config(config)),
             placed: false,
+            carries_frames: true,
             arriving_reported: Instant::now(),
             arriving_every: ARRIVING_EVERY,
         }
@@ -93,6 +97,14 @@ impl Inbound {
     /// write is reported landed as soon as it is admitted, and no payload is read.
     pub(crate) fn placed(mut self, placed: bool) -> Self {
         self.placed = placed;
+        self
+    }
+
+    /// The same reader on a connection that does (`true`, the default) or does not carry the
+    /// peer's control frames. Only the first reports payload still arriving
+    /// ([`NodeHooks::data_arriving`]): payload elsewhere holds no frame back.
+    pub(crate) fn carries_frames(mut self, carries: bool) -> Self {
+        self.carries_frames = carries;
         self
     }
 
@@ -157,7 +169,9 @@ impl Inbound {
         if self.reader.in_flight().is_some() {
             bump(&self.stats.bytes_applied, n as u64);
             let now = Instant::now();
-            if now.duration_since(self.arriving_reported) >= self.arriving_every {
+            if self.carries_frames
+                && now.duration_since(self.arriving_reported) >= self.arriving_every
+            {
                 self.arriving_reported = now;
                 self.hooks.data_arriving(self.peer);
             }
@@ -504,6 +518,16 @@ mod tests {
                 "arriving 1".into(),
                 "finished 5 true".into(),
             ]
+        );
+
+        // A connection that carries no frames holds none back: nothing to report.
+        let (r, hooks, _) = inbound(APPLY, 32);
+        let mut r = r.carries_frames(false);
+        r.arriving_every = Duration::ZERO;
+        feed(&mut r, &stream).unwrap();
+        assert_eq!(
+            *hooks.log.lock().unwrap(),
+            ["admit".to_string(), "finished 5 true".into()]
         );
 
         // With the default interval, a payload read within it is not reported.

@@ -342,7 +342,7 @@ impl<E: Endpoint + Send + 'static> Shared<E> {
         };
         let wanted = 2 * link.conns.len() as u32;
         let mut started = 0;
-        for conn in &mut link.conns {
+        for (i, conn) in link.conns.iter_mut().enumerate() {
             let Some(stream) = conn.pending.take() else {
                 continue;
             };
@@ -353,7 +353,9 @@ impl<E: Endpoint + Send + 'static> Shared<E> {
                 self.stats.clone(),
                 &self.config,
             )
-            .placed(matches!(link.placement, Placement::Receive));
+            .placed(matches!(link.placement, Placement::Receive))
+            // Control frames travel on the first connection only.
+            .carries_frames(i == 0);
             let outbound = Outbound::new(
                 peer,
                 (conn.queue.clone(), link.backlog.clone()),
