@@ -19,29 +19,19 @@ const WORKLOAD: [&str; 6] = [
 
 #[test]
 fn serve_and_demo_connect_transfer_and_verify_across_processes() {
-    let mut serve = Command::new(KVPIPE)
-        .args([
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
+    let serve_args = [&["--json", "--accept-timeout-s", "60"], &WORKLOAD[..]].concat();
+    let demo_args = [
+        &[
             "--json",
-            "--accept-timeout-s",
-            "60",
-        ])
-        .args(WORKLOAD)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    // The bound address is printed on stderr.
-    let mut err = BufReader::new(serve.stderr.take().unwrap());
-    let addr = support::listening_addr(&mut err);
-    let demo = Command::new(KVPIPE)
-        .args(["demo", "--transport", "tcp", "--connect", &addr, "--json"])
-        .args(["--chunk-tokens", "64", "--prefill-ms-per-chunk", "1"])
-        .args(WORKLOAD)
-        .output()
-        .unwrap();
+            "--chunk-tokens",
+            "64",
+            "--prefill-ms-per-chunk",
+            "1",
+        ],
+        &WORKLOAD[..],
+    ]
+    .concat();
+    let (status, out, _, demo) = pair(&serve_args, &demo_args);
     assert!(
         demo.status.success(),
         "demo: {}",
@@ -50,20 +40,6 @@ fn serve_and_demo_connect_transfer_and_verify_across_processes() {
     let prefill: serde_json::Value = serde_json::from_slice(&demo.stdout).unwrap();
     assert_eq!(prefill["completed"], 2, "{prefill}");
     assert_eq!(prefill["chunks"], 10, "{prefill}");
-
-    let start = Instant::now();
-    let status = loop {
-        if let Some(s) = serve.try_wait().unwrap() {
-            break s;
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(120),
-            "serve did not exit"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    let mut out = String::new();
-    std::io::Read::read_to_string(&mut serve.stdout.take().unwrap(), &mut out).unwrap();
     assert!(status.success(), "serve: {out}");
     let decode: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
     assert_eq!(decode["verified"], true, "{decode}");
