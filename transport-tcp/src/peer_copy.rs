@@ -264,6 +264,10 @@ fn read_by(mut stream: &TcpStream, buf: &mut [u8], deadline: Instant) -> io::Res
             Ok(0) => break Err(io::Error::from(io::ErrorKind::UnexpectedEof)),
             Ok(n) => filled += n,
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            // A read timeout (EAGAIN on Linux): the deadline passed.
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                break Err(io::Error::from(io::ErrorKind::TimedOut))
+            }
             Err(e) => break Err(e),
         }
     };

@@ -246,3 +246,38 @@ fn an_explicit_peer_copy_request_that_is_declined_fails_the_connect_with_the_rea
     let err = rx2.connect(addr).unwrap_err().to_string();
     assert!(err.contains("connecting sender"), "{err}");
 }
+
+#[test]
+fn connecting_to_a_listener_that_never_answers_fails_in_time_and_says_so() {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    // Accepts every connection and sends nothing.
+    let held = std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for _ in 0..2 {
+            held.push(listener.accept().unwrap().0);
+        }
+        std::thread::sleep(Duration::from_secs(3));
+    });
+    let config = sender_config(1);
+    let tx_regions = regions(&config.local.groups, 4, true);
+    // `Auto` (the CLI's default) reads the listener's peer-copy offer before anything else.
+    let tx_tcp = TcpConfig {
+        preamble_timeout: Duration::from_millis(500),
+        data_path: TcpDataPath::Auto,
+        ..tcp(2)
+    };
+    let tx = TcpSender::new(config, tx_tcp, tx_regions).unwrap();
+    let start = std::time::Instant::now();
+    let err = tx.connect(addr).unwrap_err();
+    assert!(start.elapsed() < Duration::from_secs(3));
+    assert_eq!(err.kind(), std::io::ErrorKind::TimedOut);
+    let msg = err.to_string();
+    assert!(
+        msg.contains(&format!(
+            "the peer at {addr} sent no peer-copy offer within 500ms"
+        )),
+        "{msg}"
+    );
+    held.join().unwrap();
+}

@@ -221,7 +221,9 @@ impl<E: Endpoint + Send + 'static> Shared<E> {
         }
         let control = &streams[0].1;
         let deadline = std::time::Instant::now() + self.config.preamble_timeout;
-        let answer = Offer::read(control, deadline).map(|o| peer_copy::accept(&o, &self.regions));
+        let answer = Offer::read(control, deadline)
+            .map_err(|e| offer_error(e, addr, self.config.preamble_timeout))
+            .map(|o| peer_copy::accept(&o, &self.regions));
         let placement = match answer {
             Ok(Ok(mappings)) => {
                 peer_copy::write_all(control, &peer_copy::encode_answer(true))?;
@@ -399,4 +401,20 @@ impl<E: Endpoint + Send + 'static> Shared<E> {
         stream.set_write_timeout(self.config.write_stall_timeout)?;
         Ok(())
     }
+}
+
+/// Says what a failed read of a listener's peer-copy offer means for the connect.
+fn offer_error(e: io::Error, addr: std::net::SocketAddr, within: StdDuration) -> io::Error {
+    let kind = e.kind();
+    let what = match kind {
+        io::ErrorKind::TimedOut => format!(
+            "the peer at {addr} sent no peer-copy offer within {within:?} (a kvpipe receiver \
+             sends one as soon as it accepts; is it one, and is it answering?)"
+        ),
+        io::ErrorKind::UnexpectedEof => {
+            format!("the peer at {addr} closed the connection before sending its peer-copy offer")
+        }
+        _ => format!("reading the peer-copy offer of {addr}: {e}"),
+    };
+    io::Error::new(kind, what)
 }
