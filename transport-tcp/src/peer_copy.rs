@@ -91,7 +91,8 @@ pub enum TcpDataPath {
     /// handles open here (same host); otherwise the socket path, without an error.
     Auto,
     /// Peer copies or nothing: a connecting sender fails `connect` with the reason when the
-    /// peer declines or a handle does not open.
+    /// peer declines or a handle does not open; a receiver whose regions cannot be exported
+    /// fails `listen` with the reason, and drops a connection whose sender declines its offer.
     PeerCopy,
 }
 

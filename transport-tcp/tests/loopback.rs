@@ -281,3 +281,17 @@ fn connecting_to_a_listener_that_never_answers_fails_in_time_and_says_so() {
     );
     held.join().unwrap();
 }
+
+#[test]
+fn a_receiver_that_must_use_peer_copies_but_cannot_offer_them_refuses_to_listen() {
+    // Host memory cannot be exported: `PeerCopy` (no fall back) fails at once, with why.
+    let ((tx, _), (rx, _)) = nodes_with(1, TcpDataPath::PeerCopy, TcpDataPath::PeerCopy);
+    let err = rx.listen("127.0.0.1:0").unwrap_err().to_string();
+    assert!(
+        err.contains("peer copies were asked for, but this node cannot offer them")
+            && err.contains("host memory"),
+        "{err}"
+    );
+    // A sender negotiates where it connects: it still listens.
+    tx.listen("127.0.0.1:0").unwrap();
+}

@@ -35,7 +35,17 @@ pub(super) fn listen<E: Endpoint + Send + 'static>(
     // The peer-copy offer is made here, on the caller's thread: exporting calls into the CUDA
     // driver, which the small stacks of the preamble threads are not sized for.
     if shared.config.data_path != TcpDataPath::Socket {
-        shared.peer_copy_offer();
+        let offer = shared.peer_copy_offer();
+        // `PeerCopy` refuses to fall back: a receiver that cannot offer its memory says so
+        // now. (A sender negotiates peer copies where it connects, not where it listens.)
+        let receiver = shared.state.lock().endpoint.role() == Role::Receiver;
+        if let (TcpDataPath::PeerCopy, Offer::Declined(why), true) =
+            (shared.config.data_path, offer, receiver)
+        {
+            return Err(io::Error::other(format!(
+                "peer copies were asked for, but this node cannot offer them: {why}"
+            )));
+        }
     }
     let shared = shared.clone();
     let handle = thread::Builder::new()
@@ -262,6 +272,15 @@ impl<E: Endpoint + Send + 'static> Shared<E> {
         let offer = self.peer_copy_offer();
         peer_copy::write_all(stream, &offer.encode()).ok()?;
         let accepted = peer_copy::read_answer(stream, deadline).ok()?;
+        if !accepted
+            && self.config.data_path == TcpDataPath::PeerCopy
+            && matches!(offer, Offer::Regions(_))
+        {
+            // No fall back to the sockets: the connection is dropped, as one whose preamble
+            // failed.
+            tracing::warn!(target: "kvpipe::tcp", "a sender declined peer copies; dropped (data path peer-copy)");
+            return None;
+        }
         Some(if accepted && matches!(offer, Offer::Regions(_)) {
             bump(&self.stats.peer_copy_peers, 1);
             Placement::Receive
