@@ -168,12 +168,12 @@ impl Inbound {
     pub(crate) fn consumed(&mut self, n: usize) -> Result<(), ReadEnd> {
         if self.reader.in_flight().is_some() {
             bump(&self.stats.bytes_applied, n as u64);
-            let now = Instant::now();
-            if self.carries_frames
-                && now.duration_since(self.arriving_reported) >= self.arriving_every
-            {
-                self.arriving_reported = now;
-                self.hooks.data_arriving(self.peer);
+            if self.carries_frames {
+                let now = Instant::now();
+                if now.duration_since(self.arriving_reported) >= self.arriving_every {
+                    self.arriving_reported = now;
+                    self.hooks.data_arriving(self.peer);
+                }
             }
         }
         #[cfg(feature = "cuda")]

@@ -363,7 +363,7 @@ impl<E: Endpoint + Send + 'static> Shared<E> {
         };
         let wanted = 2 * link.conns.len() as u32;
         let mut started = 0;
-        for (i, conn) in link.conns.iter_mut().enumerate() {
+        for conn in &mut link.conns {
             let Some(stream) = conn.pending.take() else {
                 continue;
             };
@@ -375,8 +375,7 @@ impl<E: Endpoint + Send + 'static> Shared<E> {
                 &self.config,
             )
             .placed(matches!(link.placement, Placement::Receive))
-            // Control frames travel on the first connection only.
-            .carries_frames(i == 0);
+            .carries_frames(conn.carries_frames());
             let outbound = Outbound::new(
                 peer,
                 (conn.queue.clone(), link.backlog.clone()),

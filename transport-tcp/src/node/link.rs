@@ -33,6 +33,13 @@ pub(crate) struct Conn {
     pub(crate) pending: Option<TcpStream>,
 }
 
+impl Conn {
+    /// Whether the peer's control frames travel on this connection (the bundle's first).
+    pub(crate) fn carries_frames(&self) -> bool {
+        self.index == 0
+    }
+}
+
 /// Where a link is in its life.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum LinkPhase {
