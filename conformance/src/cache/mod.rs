@@ -36,8 +36,9 @@ mod split;
 use std::collections::HashMap;
 
 use kvpipe_core::{
-    stale_boundary, AnchoredRun, BlockId, BlockRun, BlockSource, BlockSourceError, GroupIndex,
-    GroupShard, LayerGroupLayout, PoolLayout, RegionId, RequestId, StaleBoundary, WritePlan,
+    stale_boundary, AnchoredRun, BlockId, BlockRun, BlockSource, BlockSourceError, GeometryError,
+    GroupIndex, GroupShard, LayerGroupLayout, PoolLayout, RegionId, RequestId, StaleBoundary,
+    WritePlan,
 };
 use thiserror::Error;
 
@@ -941,6 +942,34 @@ impl ReferenceCache {
                 self.verify_blocks(request, GroupIndex(g as u16), 0..blocks)
             })
             .collect()
+    }
+
+    /// [`ReferenceCache::verify_blocks`] over the blocks of `request` a sender sends when it
+    /// keeps a window of `sender_windows[g]` tokens in group `g` (`None`, or no entry: full
+    /// attention): from its stale boundary to the end of the prompt. A receiver may keep a
+    /// larger window than the sender; the older blocks are never written.
+    pub fn verify_sent(
+        &self,
+        request: RequestId,
+        sender_windows: &[Option<u32>],
+    ) -> Result<Vec<BlockMismatch>, GeometryError> {
+        let Some(req) = self.requests.get(&request) else {
+            return Ok(Vec::new());
+        };
+        let (prompt, tpb) = (req.prompt_len, self.tpb);
+        let mut out = Vec::new();
+        for g in 0..self.groups.len() {
+            let first = match sender_windows.get(g).copied().flatten() {
+                Some(w) => StaleBoundary::new(prompt, w, tpb)?.ordinal(),
+                None => 0,
+            };
+            out.extend(self.verify_blocks(
+                request,
+                GroupIndex(g as u16),
+                first..prompt.div_ceil(tpb),
+            ));
+        }
+        Ok(out)
     }
 
     /// A copy of every region's bytes, in [`ReferenceCache::region_ids`] order.

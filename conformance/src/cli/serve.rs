@@ -12,7 +12,7 @@ use kvpipe_conformance::cache::{CacheSpec, GroupSpec, ReferenceCache};
 use kvpipe_conformance::suite::demo::{percentile, Model};
 use kvpipe_core::session::{Deadlines, LocalHello, Registration};
 use kvpipe_core::wire::{Role, Topology};
-use kvpipe_core::{Event, GroupIndex, InstanceId, PeerId, RequestId, StaleBoundary};
+use kvpipe_core::{Event, InstanceId, PeerId, RequestId};
 use serde::Serialize;
 
 use super::nodes::{DecodeNode, TransportChoice};
@@ -339,7 +339,11 @@ pub(crate) fn run(args: ServeArgs) -> Result<ExitCode, CliError> {
     let (data_path, writes_placed) = (rx.data_path(), rx.writes_placed());
     let mismatched_blocks: usize = completed
         .iter()
-        .map(|&r| verify_sent(&cache, r, args.prompt_tokens, &sender_windows).len())
+        .map(|&r| {
+            // A window the handshake accepted always has a stale boundary.
+            let bad = cache.verify_sent(r, &sender_windows);
+            bad.unwrap_or_else(|_| cache.verify(r)).len()
+        })
         .sum();
     let writes_refused = rx.writes_refused();
     // An orderly close: what is still queued (the last results) reaches the other side before
@@ -450,33 +454,6 @@ pub(crate) fn deadline_in(d: Duration) -> Instant {
     let now = Instant::now();
     now.checked_add(d)
         .unwrap_or_else(|| now + Duration::from_secs(100 * 365 * 24 * 3600))
-}
-
-/// The blocks of `request` that differ from the expected content, among those the prefill
-/// side sends: in each group from the sender's stale boundary (its window `sender_windows[g]`,
-/// from its handshake; `None`: full attention, every block) to the end of the prompt.
-fn verify_sent(
-    cache: &ReferenceCache,
-    request: RequestId,
-    prompt_tokens: u32,
-    sender_windows: &[Option<u32>],
-) -> Vec<kvpipe_conformance::cache::BlockMismatch> {
-    let tpb = cache.tokens_per_block();
-    (0..cache.group_count())
-        .flat_map(|g| {
-            let first = sender_windows
-                .get(g)
-                .copied()
-                .flatten()
-                .and_then(|w| StaleBoundary::new(prompt_tokens, w, tpb).ok())
-                .map_or(0, |b| b.ordinal());
-            cache.verify_blocks(
-                request,
-                GroupIndex(g as u16),
-                first..prompt_tokens.div_ceil(tpb),
-            )
-        })
-        .collect()
 }
 
 /// Waits for a prefill node's handshake, by `deadline`.

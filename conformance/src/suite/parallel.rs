@@ -17,7 +17,7 @@ use kvpipe_core::session::{LocalHello, Registration, SendRequest};
 use kvpipe_core::wire::{AuxData, Role, Topology};
 use kvpipe_core::{
     AnchoredRun, BlockId, ChunkSpec, Event, GroupIndex, InstanceId, Instant, ReceiverConfig,
-    RequestId, SenderConfig, SenderInput, StaleBoundary,
+    RequestId, SenderConfig, SenderInput,
 };
 
 use super::engine::suite_deadlines;
@@ -425,24 +425,22 @@ impl ParallelScenario {
 
         // Every decode rank holds the whole model's content for its part; the prefill ranks'
         // blocks are unchanged; nothing outside the granted blocks changed.
-        for (&id, &(prompt, ..)) in ids.iter().zip(&REQUESTS) {
+        for &id in &ids {
             for (j, r) in receivers.iter().enumerate() {
-                let layouts = r.cache.layouts();
-                for (g, l) in layouts.iter().enumerate() {
-                    let group = GroupIndex(g as u16);
-                    // The prefill side never sends below its own stale boundary; a larger
-                    // decode window's older blocks are the decode side's own business.
-                    let sender_window = l.window.map(|_| self.window);
-                    let stale = sender_window
-                        .map_or(Ok(StaleBoundary(0)), |w| StaleBoundary::new(prompt, w, TPB))
-                        .map_err(|e| SuiteError::Check(e.to_string()))?
-                        .ordinal();
-                    let bad = r
-                        .cache
-                        .verify_blocks(id, group, stale..prompt.div_ceil(TPB));
-                    if !bad.is_empty() {
-                        return check(format!("decode rank {j}, {id}: {bad:?}"));
-                    }
+                // The prefill side never sends below its own stale boundary; a larger decode
+                // window's older blocks are the decode side's own business.
+                let sender_windows: Vec<Option<u32>> = r
+                    .cache
+                    .layouts()
+                    .iter()
+                    .map(|l| l.window.map(|_| self.window))
+                    .collect();
+                let bad = r
+                    .cache
+                    .verify_sent(id, &sender_windows)
+                    .map_err(|e| SuiteError::Check(e.to_string()))?;
+                if !bad.is_empty() {
+                    return check(format!("decode rank {j}, {id}: {bad:?}"));
                 }
             }
             for (i, s) in senders.iter().enumerate() {
