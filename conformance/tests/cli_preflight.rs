@@ -5,7 +5,6 @@
 
 mod support;
 
-use std::io::BufReader;
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -83,16 +82,18 @@ fn a_chunk_past_the_largest_token_count_is_the_rest_of_the_prompt() {
 #[test]
 fn a_chunk_past_the_largest_token_count_crosses_processes_whole() {
     let _turn = turn();
-    let mut serve = Command::new(KVPIPE)
-        .args(["serve", "--listen", "127.0.0.1:0", "--json"])
-        .args(["--accept-timeout-s", "60", "--prompt-tokens", "100"])
-        .args(["--requests", "1"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut err = BufReader::new(serve.stderr.take().unwrap());
-    let addr = support::listening_addr(&mut err);
+    let (serve, addr, mut err) = support::spawn_serve(
+        KVPIPE,
+        &[
+            "--json",
+            "--accept-timeout-s",
+            "60",
+            "--prompt-tokens",
+            "100",
+            "--requests",
+            "1",
+        ],
+    );
     // Keep reading what serve says, so that its writes to stderr do not fail.
     std::thread::spawn(move || std::io::copy(&mut err, &mut std::io::sink()));
     let mut args = vec!["demo", "--transport", "tcp", "--connect", &addr, "--json"];

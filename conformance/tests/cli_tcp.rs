@@ -3,9 +3,8 @@
 
 mod support;
 
-use std::io::BufReader;
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Command;
+use std::time::Duration;
 
 const KVPIPE: &str = env!("CARGO_BIN_EXE_kvpipe");
 const WORKLOAD: [&str; 6] = [
@@ -54,21 +53,10 @@ fn serve_and_demo_connect_transfer_and_verify_across_processes() {
 
 #[test]
 fn serve_refuses_a_prefill_node_with_another_block_size() {
-    let mut serve = Command::new(KVPIPE)
-        .args([
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--accept-timeout-s",
-            "3",
-        ])
-        .args(WORKLOAD)
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut err = BufReader::new(serve.stderr.take().unwrap());
-    let addr = support::listening_addr(&mut err);
+    let (mut serve, addr, _err) = support::spawn_serve(
+        KVPIPE,
+        &[&["--accept-timeout-s", "3"], &WORKLOAD[..]].concat(),
+    );
     let demo = Command::new(KVPIPE)
         .args(["demo", "--transport", "tcp", "--connect", &addr])
         .args(["--tokens-per-block", "16"])
@@ -93,31 +81,13 @@ fn pair(
     String,
     std::process::Output,
 ) {
-    let mut serve = Command::new(KVPIPE)
-        .args(["serve", "--listen", "127.0.0.1:0"])
-        .args(serve_args)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut err = BufReader::new(serve.stderr.take().unwrap());
-    let addr = support::listening_addr(&mut err);
+    let (mut serve, addr, mut err) = support::spawn_serve(KVPIPE, serve_args);
     let demo = Command::new(KVPIPE)
         .args(["demo", "--transport", "tcp", "--connect", &addr])
         .args(demo_args)
         .output()
         .unwrap();
-    let start = Instant::now();
-    let status = loop {
-        if let Some(s) = serve.try_wait().unwrap() {
-            break s;
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(120),
-            "serve did not exit"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let status = support::wait_exit(&mut serve, Duration::from_secs(120));
     let (mut out, mut rest) = (String::new(), String::new());
     std::io::Read::read_to_string(&mut serve.stdout.take().unwrap(), &mut out).unwrap();
     std::io::Read::read_to_string(&mut err, &mut rest).unwrap();

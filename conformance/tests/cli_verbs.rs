@@ -5,9 +5,8 @@
 
 mod support;
 
-use std::io::BufReader;
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Command;
+use std::time::Duration;
 
 const KVPIPE: &str = env!("CARGO_BIN_EXE_kvpipe");
 /// Small enough for a debug build under emulation: 2 requests × 4 blocks of 32 tokens × 40 KiB.
@@ -52,17 +51,15 @@ fn demo_over_verbs_completes_and_verifies_every_byte() {
 #[test]
 #[ignore = "needs an RDMA device: runs in the Soft-RoCE guest (scripts/test-verbs)"]
 fn serve_and_demo_over_verbs_transfer_and_verify_across_processes() {
-    let mut serve = Command::new(KVPIPE)
-        .args(["serve", "--transport", "verbs", "--listen", "127.0.0.1:0"])
-        .args(["--json", "--accept-timeout-s", "60"])
-        .args(WORKLOAD)
-        .args(device_args())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut err = BufReader::new(serve.stderr.take().unwrap());
-    let addr = support::listening_addr(&mut err);
+    let device = device_args();
+    let device: Vec<&str> = device.iter().map(String::as_str).collect();
+    let serve_args = [
+        &["--transport", "verbs", "--json", "--accept-timeout-s", "60"],
+        &WORKLOAD[..],
+        &device[..],
+    ]
+    .concat();
+    let (mut serve, addr, _err) = support::spawn_serve(KVPIPE, &serve_args);
     let demo = Command::new(KVPIPE)
         .args(["demo", "--transport", "verbs", "--connect", &addr, "--json"])
         .args(["--chunk-tokens", "32", "--prefill-ms-per-chunk", "1"])
@@ -79,17 +76,7 @@ fn serve_and_demo_over_verbs_transfer_and_verify_across_processes() {
     assert_eq!(prefill["transport"], "verbs", "{prefill}");
     assert_eq!(prefill["completed"], 2, "{prefill}");
     assert_eq!(prefill["chunks"], 8, "{prefill}");
-    let start = Instant::now();
-    let status = loop {
-        if let Some(s) = serve.try_wait().unwrap() {
-            break s;
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(120),
-            "serve did not exit"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let status = support::wait_exit(&mut serve, Duration::from_secs(120));
     let mut out = String::new();
     std::io::Read::read_to_string(&mut serve.stdout.take().unwrap(), &mut out).unwrap();
     assert!(status.success(), "serve: {out}");
