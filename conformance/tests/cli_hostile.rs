@@ -6,7 +6,7 @@
 
 mod support;
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{BufRead, Read, Write};
 use std::net::TcpStream;
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::{Arc, Mutex};
@@ -20,46 +20,9 @@ use kvpipe_core::wire::{
 };
 use kvpipe_core::{InstanceId, SenderSliceId};
 use kvpipe_tcp::preamble::Preamble;
+use support::{finish, run, turn};
 
 const KVPIPE: &str = env!("CARGO_BIN_EXE_kvpipe");
-
-/// One `kvpipe` at a time: the runs keep deadlines of seconds, and several at once on a small,
-/// shared machine can starve each other past them.
-static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
-
-fn turn() -> std::sync::MutexGuard<'static, ()> {
-    ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-/// Runs `kvpipe args`, killing it (and failing) if it outlives `limit`.
-fn run(args: &[&str], limit: Duration) -> Output {
-    let child = Command::new(KVPIPE)
-        .args(args)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    finish(child, limit, &args.join(" "))
-}
-
-fn finish(mut child: Child, limit: Duration, what: &str) -> Output {
-    let start = Instant::now();
-    loop {
-        if child.try_wait().unwrap().is_some() {
-            return child.wait_with_output().unwrap();
-        }
-        if start.elapsed() > limit {
-            let _ = child.kill();
-            let out = child.wait_with_output().unwrap();
-            panic!(
-                "`kvpipe {what}` still ran after {limit:?}: {}{}",
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
-            );
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
 
 /// A running `kvpipe serve`, its address and what it printed on stderr so far.
 struct Serve {
@@ -70,15 +33,7 @@ struct Serve {
 
 impl Serve {
     fn start(args: &[&str]) -> Serve {
-        let mut child = Command::new(KVPIPE)
-            .args(["serve", "--listen", "127.0.0.1:0"])
-            .args(args)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let mut err = BufReader::new(child.stderr.take().unwrap());
-        let addr = support::listening_addr(&mut err);
+        let (child, addr, err) = support::spawn_serve(KVPIPE, args);
         let stderr = Arc::new(Mutex::new(String::new()));
         let sink = stderr.clone();
         std::thread::spawn(move || {

@@ -5,52 +5,13 @@
 
 mod support;
 
-use std::process::{Child, Command, Output, Stdio};
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
+use support::{finish, run, turn};
 
 const KVPIPE: &str = env!("CARGO_BIN_EXE_kvpipe");
 
-/// One `kvpipe` at a time: on a small, shared machine runs at once can starve each other.
-static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
-
-fn turn() -> std::sync::MutexGuard<'static, ()> {
-    ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
-}
-
 fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
-}
-
-/// Waits for `child`, killing it (and failing) if it outlives `limit`.
-fn finish(mut child: Child, limit: Duration, what: &str) -> Output {
-    let start = Instant::now();
-    loop {
-        if child.try_wait().unwrap().is_some() {
-            return child.wait_with_output().unwrap();
-        }
-        if start.elapsed() > limit {
-            let _ = child.kill();
-            let out = child.wait_with_output().unwrap();
-            panic!(
-                "`kvpipe {what}` still ran after {limit:?}: {}{}",
-                text(&out.stdout),
-                text(&out.stderr)
-            );
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-/// Runs `kvpipe args`, failing if it outlives `limit`.
-fn run(args: &[&str], limit: Duration) -> Output {
-    let child = Command::new(KVPIPE)
-        .args(args)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    finish(child, limit, &args.join(" "))
 }
 
 /// Chunks of u32::MAX tokens: the first chunk is the whole prompt after the prefix.

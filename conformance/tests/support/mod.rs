@@ -46,3 +46,43 @@ pub(crate) fn wait_exit(child: &mut Child, limit: Duration) -> ExitStatus {
         std::thread::sleep(Duration::from_millis(20));
     }
 }
+
+/// One `kvpipe` at a time within a test binary: the runs keep deadlines of seconds, and several
+/// at once on a small, shared machine can starve each other past them.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// Holds the turn to run `kvpipe` (see [`ONE_AT_A_TIME`]).
+pub(crate) fn turn() -> std::sync::MutexGuard<'static, ()> {
+    ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Runs `kvpipe args` (the crate's binary), killing it (and failing) if it outlives `limit`.
+pub(crate) fn run(args: &[&str], limit: Duration) -> std::process::Output {
+    let child = Command::new(env!("CARGO_BIN_EXE_kvpipe"))
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    finish(child, limit, &args.join(" "))
+}
+
+/// Waits for `child` and collects its output, killing it (and failing) if it outlives `limit`.
+pub(crate) fn finish(mut child: Child, limit: Duration, what: &str) -> std::process::Output {
+    let start = Instant::now();
+    loop {
+        if child.try_wait().unwrap().is_some() {
+            return child.wait_with_output().unwrap();
+        }
+        if start.elapsed() > limit {
+            let _ = child.kill();
+            let out = child.wait_with_output().unwrap();
+            panic!(
+                "`kvpipe {what}` still ran after {limit:?}: {}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
