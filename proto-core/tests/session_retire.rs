@@ -107,41 +107,119 @@ fn retire_before_quiesce_is_refused() {
 }
 
 #[test]
-fn more_retirements_than_remembered_never_recreate_a_request() {
+fn retired_ids_in_any_order_are_refused_within_the_horizon_then_forgotten() {
     let mut config = sender_config(0);
-    config.max_retired = 1;
+    config.retired_horizon = kvpipe_core::Duration::from_secs(10);
     let mut sender = kvpipe_core::Sender::new(config).unwrap();
-    let now = kvpipe_core::Instant::from_millis(1);
-    let ids = [RequestId(10), RequestId(11), RequestId(12)];
+    let t0 = kvpipe_core::Instant::from_millis(1);
+    // Hashed string ids: no order, any value.
+    let ids = [
+        RequestId(u64::MAX),
+        RequestId(7),
+        RequestId(1 << 40),
+        RequestId(0),
+    ];
     for id in ids {
-        sender.open_request(now, send_request(id, &[0])).unwrap();
-        sender.cancel(now, id).unwrap();
-        sender.retire(now, id).unwrap();
+        sender.open_request(t0, send_request(id, &[0])).unwrap();
+        sender.cancel(t0, id).unwrap();
+        sender.retire(t0, id).unwrap();
     }
-    // Only one id is remembered exactly, yet none of the three can be opened again.
     for id in ids {
         assert_eq!(
-            sender.open_request(now, send_request(id, &[0])),
+            sender.open_request(t0, send_request(id, &[0])),
             Err(UsageError::Retired(id)),
             "{id}"
         );
         assert_eq!(sender.phase(id), Some(SendPhase::Retired));
     }
-    sender
-        .open_request(now, send_request(RequestId(13), &[0]))
-        .unwrap();
+    // Ids between and around the retired ones are fresh.
+    for id in [RequestId(6), RequestId(8), RequestId(u64::MAX - 1)] {
+        sender.open_request(t0, send_request(id, &[0])).unwrap();
+        sender.cancel(t0, id).unwrap();
+    }
+    assert_eq!(sender.retired_count(), 4);
+    // A retirement after the horizon forgets those whose horizon passed.
+    let later = t0 + kvpipe_core::Duration::from_secs(11);
+    sender.retire(later, RequestId(6)).unwrap();
+    assert_eq!(sender.retired_count(), 1);
+    assert_eq!(
+        sender.phase(RequestId(7)),
+        None,
+        "forgotten after the horizon"
+    );
+    assert_eq!(sender.counters().retired_forgotten_early, 0);
+
     let mut config = receiver_config(0);
-    config.max_retired = 1;
+    config.retired_horizon = kvpipe_core::Duration::from_secs(10);
+    config.max_retired = 2;
     let mut receiver = kvpipe_core::Receiver::new(config).unwrap();
     for id in ids {
-        receiver.register(now, registration(id, 16, &[0])).unwrap();
-        receiver.cancel(now, id).unwrap();
-        receiver.retire(now, id).unwrap();
+        receiver.register(t0, registration(id, 16, &[0])).unwrap();
+        receiver.cancel(t0, id).unwrap();
+        receiver.retire(t0, id).unwrap();
     }
-    for id in ids {
+    // Past `max_retired`, the oldest retirements are forgotten early, and counted.
+    assert_eq!(receiver.retired_count(), 2);
+    assert_eq!(receiver.counters().retired_forgotten_early, 2);
+    for id in &ids[2..] {
         assert_eq!(
-            receiver.register(now, registration(id, 16, &[0])),
-            Err(UsageError::Retired(id))
+            receiver.register(t0, registration(*id, 16, &[0])),
+            Err(UsageError::Retired(*id))
         );
     }
+    receiver
+        .register(t0, registration(ids[0], 16, &[0]))
+        .expect("forgotten early: a fresh registration, never a refusal");
+}
+
+/// Many requests with random 64-bit ids (as engines hash their string ids) through a connected
+/// pair, each completed and retired: none is refused, and the retired ids remembered stay at
+/// one horizon's worth.
+#[test]
+fn random_request_ids_through_a_pair_are_never_refused_and_memory_stays_bounded() {
+    const N: usize = 20_000;
+    let horizon = kvpipe_core::Duration::from_millis(500);
+    let step = kvpipe_core::Duration::from_millis(1);
+    let mut net = Net::new(1, 1);
+    let mut s = sender_config(0);
+    s.retired_horizon = horizon;
+    // Small enough that an id-order bound would have refused fresh ids long before the end.
+    s.max_retired = 4096;
+    net.senders[0] = kvpipe_core::Sender::new(s).unwrap();
+    let mut r = receiver_config(0);
+    r.retired_horizon = horizon;
+    r.max_retired = 4096;
+    net.receivers[0] = kvpipe_core::Receiver::new(r).unwrap();
+    net.connect(0, 0);
+    net.pump();
+    let mut state = 0x0dd_ba11_u64;
+    let mut most = 0;
+    for _ in 0..N {
+        state = state
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        let id = RequestId(state ^ (state >> 29));
+        let mut source = TestSource::with(id, 100, 1);
+        net.register(0, registration(id, 4, &[0]));
+        net.open(0, send_request(id, &[0]));
+        net.submit(0, id, chunk(0, 4, 4, true), &mut source);
+        net.aux(0, id);
+        let now = net.now;
+        net.senders[0].retire(now, id).unwrap();
+        net.receivers[0].retire(now, id).unwrap();
+        most = most
+            .max(net.senders[0].retired_count())
+            .max(net.receivers[0].retired_count());
+        net.log.clear();
+        net.advance(step);
+    }
+    assert_eq!(net.receivers[0].counters().completions, N as u64);
+    assert_eq!(net.senders[0].counters().completions, N as u64);
+    let per_horizon = (horizon.as_nanos() / step.as_nanos()) as usize;
+    assert!(
+        most <= per_horizon + 1,
+        "{most} retired ids remembered, more than one horizon's {per_horizon}"
+    );
+    assert_eq!(net.senders[0].session_count(), 0);
+    assert_eq!(net.receivers[0].session_count(), 0);
 }

@@ -9,6 +9,11 @@ use crate::wire::{
     Capabilities, Hello, Role, Topology, VersionRange, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION,
 };
 
+/// How long a retired id is remembered by default (see [`SenderConfig::retired_horizon`]).
+pub const DEFAULT_RETIRED_HORIZON: Duration = Duration::from_secs(120);
+/// The most retired ids remembered at once by default (see [`SenderConfig::max_retired`]).
+pub const DEFAULT_MAX_RETIRED: usize = 1 << 18;
+
 /// Every deadline an endpoint keeps. Nothing waits without one.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Deadlines {
@@ -116,8 +121,15 @@ pub struct SenderConfig {
     pub deadlines: Deadlines,
     /// How many cancels for not-yet-opened requests are remembered (oldest forgotten first).
     pub max_remembered_cancels: usize,
-    /// How many retired request ids are remembered exactly; when more retire, the smallest is
-    /// forgotten and every id at or below it counts as retired from then on (never re-created).
+    /// How long a retired request id is remembered after its retirement: a frame naming it
+    /// within this horizon never re-creates the request, and the engine cannot reuse the id.
+    /// Past it the id is forgotten (no frame about it can still arrive: keep it longer than
+    /// every deadline, `liveness_timeout` above all). Default: 2 minutes.
+    pub retired_horizon: Duration,
+    /// The most retired ids remembered at once (memory bound); past it the oldest retirement
+    /// is forgotten before its horizon and counted in
+    /// [`Counters::retired_forgotten_early`](super::Counters::retired_forgotten_early).
+    /// Default 262,144: two minutes of retirements at over 2,000 requests per second.
     pub max_retired: usize,
     /// How many registrations for not-yet-opened requests are held (newer ones are refused
     /// with a `Cancel`).
@@ -134,7 +146,8 @@ impl SenderConfig {
             local,
             deadlines: Deadlines::default(),
             max_remembered_cancels: 4096,
-            max_retired: 65536,
+            retired_horizon: DEFAULT_RETIRED_HORIZON,
+            max_retired: DEFAULT_MAX_RETIRED,
             max_pending_registrations: 4096,
             pipeline: PipelineConfig::default(),
         }
@@ -153,8 +166,15 @@ pub struct ReceiverConfig {
     pub grant_seed: u64,
     /// How many cancels for not-yet-registered requests are remembered (oldest forgotten first).
     pub max_remembered_cancels: usize,
-    /// How many retired request ids are remembered exactly; when more retire, the smallest is
-    /// forgotten and every id at or below it counts as retired from then on (never re-created).
+    /// How long a retired request id is remembered after its retirement: a frame naming it
+    /// within this horizon never re-creates the request, and the engine cannot reuse the id.
+    /// Past it the id is forgotten (no frame about it can still arrive: keep it longer than
+    /// every deadline, `liveness_timeout` above all). Default: 2 minutes.
+    pub retired_horizon: Duration,
+    /// The most retired ids remembered at once (memory bound); past it the oldest retirement
+    /// is forgotten before its horizon and counted in
+    /// [`Counters::retired_forgotten_early`](super::Counters::retired_forgotten_early).
+    /// Default 262,144: two minutes of retirements at over 2,000 requests per second.
     pub max_retired: usize,
     /// Where the transport's data writes land, which decides when a result is trusted
     /// ([`DataPath::Landed`] unless the transport's fabric orders data before frames).
@@ -172,7 +192,8 @@ impl ReceiverConfig {
             deadlines: Deadlines::default(),
             grant_seed,
             max_remembered_cancels: 4096,
-            max_retired: 65536,
+            retired_horizon: DEFAULT_RETIRED_HORIZON,
+            max_retired: DEFAULT_MAX_RETIRED,
             data_path: DataPath::Landed,
             pipeline: PipelineConfig::default(),
         }

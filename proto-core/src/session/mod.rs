@@ -46,9 +46,10 @@
 //!   A sender answers a peer's cancel for a request it does not hold with a `Cancel` at once.
 //! - **Retirement.** [`Sender::retire`] / [`Receiver::retire`] are accepted after the request
 //!   quiesced (or completed); a retired id is refused with [`UsageError::Retired`] and frames
-//!   about it never re-create it. The last `max_retired` retired ids are remembered exactly;
-//!   older ones raise a floor at or below which every id counts as retired, so memory stays
-//!   bounded and no id is ever re-created (request ids should increase, as engine counters do).
+//!   about it never re-create it. Ids may be any `u64`s in any order (engines hash string
+//!   ids): a retired id is remembered for [`SenderConfig::retired_horizon`] (longer than every
+//!   deadline, so no frame about it can arrive later), then forgotten; memory holds one
+//!   horizon's retirements, at most `max_retired`. A fresh id is never refused.
 //! - **Disconnects** end exactly the active sessions that still needed that peer, with
 //!   [`TransferStatus::PeerLost`]. The transport promises that after it reports a disconnect no
 //!   write of that connection touches memory on either side.
@@ -71,7 +72,10 @@ use core::fmt;
 
 use thiserror::Error;
 
-pub use config::{Deadlines, LocalHello, ReceiverConfig, SenderConfig};
+pub use config::{
+    Deadlines, LocalHello, ReceiverConfig, SenderConfig, DEFAULT_MAX_RETIRED,
+    DEFAULT_RETIRED_HORIZON,
+};
 pub use grants::GrantedExtents;
 
 pub use receiver::{Receiver, ReceiverInput, Registration};
@@ -841,6 +845,9 @@ pub struct Counters {
     pub quiesced: u64,
     /// Requests retired.
     pub retirements: u64,
+    /// Retired ids forgotten before their horizon passed because `max_retired` were remembered
+    /// (a late frame naming one is then treated as one for an unknown request).
+    pub retired_forgotten_early: u64,
     /// Protocol errors seen from peers.
     pub protocol_errors: u64,
     /// Duplicate frames ignored.

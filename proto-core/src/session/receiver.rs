@@ -241,7 +241,7 @@ impl Receiver {
         Ok(Receiver {
             shell: Shell::new(hello, config.deadlines, config.max_remembered_cancels),
             sessions: BTreeMap::new(),
-            retired: Retired::new(config.max_retired),
+            retired: Retired::new(config.retired_horizon, config.max_retired),
             writes: WritesInFlight::default(),
             next_slice: 0,
             grant_state: config.grant_seed,
@@ -314,6 +314,12 @@ impl Receiver {
     /// boundary), once its `Hello` arrived.
     pub fn peer_groups(&self, peer: PeerId) -> Option<&[crate::layout::LayerGroupLayout]> {
         self.shell.peers.remote(peer).map(|h| h.groups.as_slice())
+    }
+
+    /// Retired request ids remembered now (at most one horizon's retirements, see
+    /// [`ReceiverConfig::retired_horizon`](super::ReceiverConfig::retired_horizon)).
+    pub fn retired_count(&self) -> usize {
+        self.retired.len()
     }
 
     /// Admitted data writes not reported finished yet.
@@ -393,7 +399,7 @@ impl Receiver {
             ReceiverInput::Transport { now, input } => self.on_transport(now, input).map(|_| ()),
             ReceiverInput::Register { now, registration } => self.on_register(now, registration),
             ReceiverInput::Cancel { now, request } => self.on_cancel(now, request),
-            ReceiverInput::Retire { now: _, request } => self.on_retire(request),
+            ReceiverInput::Retire { now, request } => self.on_retire(now, request),
         }?;
         if let (Some(log), Some(input)) = (&mut self.recorded, recorded) {
             log.push(input);
@@ -626,7 +632,7 @@ impl Receiver {
         Ok(())
     }
 
-    fn on_retire(&mut self, request: RequestId) -> Result<(), UsageError> {
+    fn on_retire(&mut self, now: Instant, request: RequestId) -> Result<(), UsageError> {
         if self.retired.contains(request) {
             return Err(UsageError::Retired(request));
         }
@@ -638,6 +644,7 @@ impl Receiver {
             Transition::To(_) => {
                 let s = self.sessions.remove(&request).expect("present");
                 self.retired.insert(
+                    now,
                     request,
                     RetiredGrant {
                         grant: s.frame.grant,
@@ -645,6 +652,7 @@ impl Receiver {
                     },
                 );
                 self.shell.counters.retirements += 1;
+                self.shell.counters.retired_forgotten_early = self.retired.forgotten_early();
                 Ok(())
             }
             _ => Err(UsageError::NotQuiesced(request)),

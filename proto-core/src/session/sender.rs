@@ -352,7 +352,7 @@ impl Sender {
             shell: Shell::new(hello, config.deadlines, config.max_remembered_cancels),
             sessions: BTreeMap::new(),
             pending_registrations: PendingRegistrations::default(),
-            retired: Retired::new(config.max_retired),
+            retired: Retired::new(config.retired_horizon, config.max_retired),
             batches: BTreeMap::new(),
             next_batch: 0,
             plan_buffer: WritePlan::new(),
@@ -413,6 +413,12 @@ impl Sender {
     /// Write batches handed to the transport and not reported yet.
     pub fn batches_in_flight(&self) -> usize {
         self.batches.len()
+    }
+
+    /// Retired request ids remembered now (at most one horizon's retirements, see
+    /// [`SenderConfig::retired_horizon`]).
+    pub fn retired_count(&self) -> usize {
+        self.retired.len()
     }
 
     /// Registrations held for requests the engine has not opened yet.
@@ -573,7 +579,7 @@ impl Sender {
                 .map(|_| ()),
             SenderInput::Aux { now, request, data } => self.on_aux_submitted(now, request, data),
             SenderInput::Cancel { now, request } => self.on_cancel(now, request),
-            SenderInput::Retire { now: _, request } => self.on_retire(request),
+            SenderInput::Retire { now, request } => self.on_retire(now, request),
         }?;
         if let Some(input) = recorded {
             self.record(input);
@@ -1026,7 +1032,7 @@ impl Sender {
         Ok(())
     }
 
-    fn on_retire(&mut self, request: RequestId) -> Result<(), UsageError> {
+    fn on_retire(&mut self, now: Instant, request: RequestId) -> Result<(), UsageError> {
         if self.retired.contains(request) {
             return Err(UsageError::Retired(request));
         }
@@ -1037,8 +1043,9 @@ impl Sender {
         match s.phase.on(SendEvent::Retire) {
             Transition::To(_) => {
                 self.sessions.remove(&request);
-                self.retired.insert(request, ());
+                self.retired.insert(now, request, ());
                 self.shell.counters.retirements += 1;
+                self.shell.counters.retired_forgotten_early = self.retired.forgotten_early();
                 Ok(())
             }
             _ => Err(UsageError::NotQuiesced(request)),
