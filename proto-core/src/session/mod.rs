@@ -483,6 +483,25 @@ pub enum ProtocolError {
         /// Bytes that landed (transports that report landings).
         landed: Option<u64>,
     },
+    /// A registration ends a group before its prompt's last block: the tail would never be
+    /// written, yet every writer would report its share and the request would complete.
+    #[error(
+        "registration of {request} {group} ends at block ordinal {end}, but a prompt of \
+         {prompt_len} tokens has {blocks} blocks: register every block from the first one \
+         the decode side does not hold to the last one"
+    )]
+    RegistrationShort {
+        /// The request.
+        request: RequestId,
+        /// The group.
+        group: GroupIndex,
+        /// One past the last ordinal registered.
+        end: u64,
+        /// The prompt's length in tokens.
+        prompt_len: u32,
+        /// Blocks of the prompt.
+        blocks: u32,
+    },
     /// A registration names block ordinals past its prompt's blocks.
     #[error(
         "registration of {request} {group} reaches block ordinal {end}, but a prompt of \
@@ -667,6 +686,20 @@ pub enum UsageError {
         /// The frame body cap.
         max: u64,
     },
+    /// The registration cannot be encoded (for example a hand-built [`AnchoredRun`] that is
+    /// not canonical: an empty id run, or one that continues the previous one — build runs
+    /// with [`AnchoredRun::from_ids`] or [`AnchoredRun::push`]).
+    ///
+    /// [`AnchoredRun`]: crate::AnchoredRun
+    /// [`AnchoredRun::from_ids`]: crate::AnchoredRun::from_ids
+    /// [`AnchoredRun::push`]: crate::AnchoredRun::push
+    #[error("registration of {request} cannot be sent: {error}")]
+    RegistrationUnencodable {
+        /// The request.
+        request: RequestId,
+        /// Why the wire cannot carry it.
+        error: crate::wire::EncodeError,
+    },
     /// No data write was ever admitted with that ticket.
     #[error("{0} was never issued")]
     UnknownTicket(WriteTicket),
@@ -682,13 +715,28 @@ pub enum UsageError {
         /// Whether the prefix was sent early.
         sent_early: bool,
     },
+    /// The first chunk starts after the cached prefix: the tokens between would never be
+    /// sent.
+    #[error(
+        "the first chunk of {request} starts at token {start}, but its cached prefix ends at \
+         {prepopulated_len}: the first chunk starts where the prefix ends (tokens between would \
+         never be sent)"
+    )]
+    FirstChunkAfterPrefix {
+        /// The request.
+        request: RequestId,
+        /// The chunk's first token.
+        start: u32,
+        /// The prefix length it declared.
+        prepopulated_len: u32,
+    },
     /// The early prefix goes before the first chunk, once.
     #[error("the prefix of {0} can only be sent early once, before its first chunk")]
     PrefixAfterChunks(RequestId),
-    /// The registration names block ordinals past its prompt's blocks (see
-    /// [`ProtocolError::RegistrationPastPrompt`]).
+    /// The registration's block ordinals do not end at its prompt's last block (see
+    /// [`ProtocolError::RegistrationPastPrompt`] and [`ProtocolError::RegistrationShort`]).
     #[error(transparent)]
-    RegistrationPastPrompt(ProtocolError),
+    RegistrationOutsidePrompt(ProtocolError),
     /// A chunk's prompt length differs from what a receiver registered; the request was failed
     /// on both sides (the KV of the other tokens would never move).
     #[error(
@@ -892,7 +940,9 @@ pub(crate) fn frame_kind(frame: &Frame) -> &'static str {
     }
 }
 
-/// Checks that every group's registered ordinals lie inside the prompt's blocks.
+/// Checks that every group's registered ordinals end exactly at the prompt's last block: never
+/// past it, and never short of it (the receiver's cached prefix is left out at the front; an
+/// empty run anchored at the last block means every block is cached already).
 pub(crate) fn check_registration_ordinals(
     request: RequestId,
     prompt_len: u32,
@@ -902,8 +952,17 @@ pub(crate) fn check_registration_ordinals(
     for (g, (run, l)) in groups.iter().zip(layout).enumerate() {
         let blocks = crate::geometry::total_blocks(prompt_len, l.tokens_per_block).unwrap_or(0);
         let end = run.end_ordinal();
-        if run.block_count() > 0 && end > u64::from(blocks) {
+        if end > u64::from(blocks) {
             return Err(ProtocolError::RegistrationPastPrompt {
+                request,
+                group: GroupIndex(g as u16),
+                end,
+                prompt_len,
+                blocks,
+            });
+        }
+        if end < u64::from(blocks) {
+            return Err(ProtocolError::RegistrationShort {
                 request,
                 group: GroupIndex(g as u16),
                 end,

@@ -527,7 +527,7 @@ impl Receiver {
             &reg.groups,
             &self.config.local.groups,
         )
-        .map_err(UsageError::RegistrationPastPrompt)?;
+        .map_err(UsageError::RegistrationOutsidePrompt)?;
         let slice = ReceiverSliceId(self.next_slice);
         let frame = RecvRegistration {
             request,
@@ -545,6 +545,11 @@ impl Receiver {
                 len,
                 max: u64::from(MAX_BODY_LEN),
             });
+        }
+        // A registration the wire cannot carry (a hand-built run that is not canonical) would
+        // never reach a writer and the request would wait out its deadline: refuse it now.
+        if let Err(error) = frame.to_vec() {
+            return Err(UsageError::RegistrationUnencodable { request, error });
         }
         let Frame::RecvRegistration(mut frame) = frame else {
             unreachable!("built above")

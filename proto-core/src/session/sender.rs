@@ -277,6 +277,25 @@ struct BatchRef {
     slice: usize,
 }
 
+/// When a write batch towards `peer` issued with deadline `issued_deadline` (issue time +
+/// `write_completion`) is due: never before `write_completion` has passed with no batch towards
+/// `peer` completing (`progress`: when one last did), so batches queued behind others on a slow
+/// but moving link (a late registration's replay, a long prompt) are not failed while their
+/// link works. A link that stops completing fails them `write_completion` after its last
+/// completion.
+fn write_deadline(
+    progress: &BTreeMap<PeerId, Instant>,
+    write_completion: crate::time::Duration,
+    peer: PeerId,
+    issued_deadline: Option<Instant>,
+) -> Option<Instant> {
+    let at = issued_deadline?;
+    Some(match progress.get(&peer) {
+        Some(&last) => at.max(last + write_completion),
+        None => at,
+    })
+}
+
 /// Why a session stops.
 #[derive(Clone, Copy, Debug)]
 enum Stop {
@@ -337,6 +356,9 @@ pub struct Sender {
     pending_registrations: PendingRegistrations,
     retired: Retired<()>,
     batches: BTreeMap<WriteBatchId, BatchRef>,
+    /// Per receiver, when a write batch towards it last completed: a link that keeps
+    /// completing batches is moving, so its queued batches' deadlines follow it.
+    link_progress: BTreeMap<PeerId, Instant>,
     next_batch: u64,
     plan_buffer: WritePlan,
     recorded: Option<Vec<SenderInput>>,
@@ -354,6 +376,7 @@ impl Sender {
             pending_registrations: PendingRegistrations::default(),
             retired: Retired::new(config.retired_horizon, config.max_retired),
             batches: BTreeMap::new(),
+            link_progress: BTreeMap::new(),
             next_batch: 0,
             plan_buffer: WritePlan::new(),
             recorded: None,
@@ -776,14 +799,24 @@ impl Sender {
                 });
             }
         };
-        if let Some(expected) = session.next_start {
-            if spec.start != expected {
+        match session.next_start {
+            Some(expected) if spec.start != expected => {
                 return Err(UsageError::ChunkOutOfOrder {
                     request,
                     expected,
                     got: spec.start,
                 });
             }
+            // The first chunk starts where the cached prefix ends: one that starts later
+            // leaves tokens no chunk sends, and the request would complete without them.
+            None if spec.start > spec.prepopulated_len => {
+                return Err(UsageError::FirstChunkAfterPrefix {
+                    request,
+                    start: spec.start,
+                    prepopulated_len: spec.prepopulated_len,
+                });
+            }
+            _ => {}
         }
         if let Some(expected) = session.prompt_len {
             if spec.prompt_len != expected {
@@ -1443,6 +1476,8 @@ impl Sender {
         let ts = &mut target.slices[r.slice];
         ts.deadline = None;
         if status == TransferStatus::Success {
+            let last = self.link_progress.entry(peer).or_insert(now);
+            *last = (*last).max(now);
             ts.done = true;
             let bytes = ts.bytes;
             session.bytes_written += bytes;
@@ -1552,6 +1587,7 @@ impl Sender {
     fn on_disconnected(&mut self, now: Instant, peer: PeerId) -> Result<(), UsageError> {
         self.shell.peers.disconnected(peer)?;
         self.pending_registrations.remove_peer(peer);
+        self.link_progress.remove(&peer);
         // Batches towards the peer can no longer touch memory.
         let sessions = &self.sessions;
         self.batches.retain(|_, r| {
@@ -1653,11 +1689,12 @@ impl Sender {
             return;
         };
         if session.phase.is_active() {
-            let write_due = session
-                .targets
-                .iter()
-                .flat_map(|t| t.slices.iter())
-                .any(|ts| ts.deadline.is_some_and(|at| at <= now));
+            let (progress, wc) = (&self.link_progress, self.config.deadlines.write_completion);
+            let write_due = session.targets.iter().any(|t| {
+                t.slices.iter().any(|ts| {
+                    write_deadline(progress, wc, t.peer, ts.deadline).is_some_and(|at| at <= now)
+                })
+            });
             if write_due {
                 self.stop(now, request, Stop::TimedOut(Wait::Writes));
                 return;
@@ -1705,7 +1742,12 @@ impl Sender {
         if session.phase.is_active() {
             for t in &session.targets {
                 for ts in &t.slices {
-                    consider(ts.deadline);
+                    consider(write_deadline(
+                        &self.link_progress,
+                        self.config.deadlines.write_completion,
+                        t.peer,
+                        ts.deadline,
+                    ));
                 }
             }
             if session

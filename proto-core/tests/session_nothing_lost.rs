@@ -1,0 +1,240 @@
+//! Nothing lost: a request the endpoints report complete holds every byte of its KV. Each test
+//! here is a path by which a request could once complete (or wait out a deadline) without it.
+
+mod session_support;
+
+use kvpipe_core::session::{Event, ProtocolError, UsageError};
+use kvpipe_core::wire::{EncodeError, Frame, Malformation, RecvRegistration, TransferStatus};
+use kvpipe_core::{
+    AnchoredRun, BlockId, ChunkSpec, Duration, GrantId, IdRun, ReceiverSliceId, RequestId,
+};
+use session_support::*;
+use smallvec::smallvec;
+
+const R: RequestId = RequestId(0x7a11);
+
+#[test]
+fn a_registration_that_ends_before_the_prompts_last_block_is_refused() {
+    let mut net = Net::connected(1, 1);
+    let now = net.now;
+    // 16 tokens are 4 blocks; the engine registered 3.
+    let mut short = registration(R, 16, &[0]);
+    short.groups[0] = AnchoredRun::from_ids(0, &[BlockId(500), BlockId(501), BlockId(502)]);
+    let refused = net.receivers[0].register(now, short);
+    assert!(
+        matches!(
+            refused,
+            Err(UsageError::RegistrationOutsidePrompt(
+                ProtocolError::RegistrationShort {
+                    end: 3,
+                    blocks: 4,
+                    prompt_len: 16,
+                    ..
+                }
+            ))
+        ),
+        "{refused:?}"
+    );
+    assert_eq!(
+        net.receivers[0].session_count(),
+        0,
+        "a usage error changes nothing"
+    );
+    // A receiver that holds a cached prefix registers from its first missing block; one that
+    // holds every block registers an empty run anchored at the end.
+    let mut tail = registration(R, 16, &[0]);
+    tail.groups[0] = AnchoredRun::from_ids(1, &[BlockId(501), BlockId(502), BlockId(503)]);
+    net.receivers[0].register(now, tail).unwrap();
+    let mut all_cached = registration(RequestId(2), 16, &[0]);
+    all_cached.groups[0] = AnchoredRun::empty(4);
+    net.receivers[0].register(now, all_cached).unwrap();
+}
+
+#[test]
+fn a_sender_fails_a_short_registration_from_its_peer() {
+    let mut net = Net::connected(1, 1);
+    net.open(0, send_request(R, &[0]));
+    let frame = Frame::RecvRegistration(RecvRegistration {
+        request: R,
+        slice: ReceiverSliceId(0),
+        prompt_len: 16,
+        grant: GrantId(9),
+        aux_capacity: 64,
+        groups: vec![AnchoredRun::from_ids(0, &[BlockId(500), BlockId(501)])],
+    });
+    let now = net.now;
+    net.senders[0]
+        .handle_transport(
+            now,
+            kvpipe_core::session::TransportInput::FrameReceived {
+                peer: rx_peer(0),
+                bytes: frame.to_bytes().unwrap(),
+            },
+        )
+        .unwrap();
+    let events: Vec<Event> = std::iter::from_fn(|| net.senders[0].poll_output())
+        .filter_map(|o| match o {
+            kvpipe_core::session::Output::Event(e) => Some(e),
+            _ => None,
+        })
+        .collect();
+    assert!(
+        events.iter().any(|e| matches!(
+            e,
+            Event::Failed { request, cause: TransferStatus::ProtocolError, .. } if *request == R
+        )),
+        "{events:?}"
+    );
+}
+
+#[test]
+fn a_first_chunk_that_starts_after_the_cached_prefix_is_refused() {
+    let mut net = Net::connected(1, 1);
+    let mut source = TestSource::with(R, 100, 4);
+    net.register(0, registration(R, 16, &[0]));
+    net.open(0, send_request(R, &[0]));
+    let now = net.now;
+    // Prefix of 4 tokens, first chunk at 8: tokens 4..8 would never be sent.
+    let gap = ChunkSpec {
+        prepopulated_len: 4,
+        ..chunk(8, 16, 16, true)
+    };
+    assert_eq!(
+        net.senders[0].submit_chunk(now, R, gap, &mut source),
+        Err(UsageError::FirstChunkAfterPrefix {
+            request: R,
+            start: 8,
+            prepopulated_len: 4
+        })
+    );
+    assert!(
+        source.queries.is_empty(),
+        "refused before asking the engine"
+    );
+    // The same request then goes through from the prefix's end.
+    let from_prefix = ChunkSpec {
+        prepopulated_len: 4,
+        ..chunk(4, 16, 16, true)
+    };
+    net.submit(0, R, from_prefix, &mut source);
+    net.aux(0, R);
+    assert!(net
+        .events(Side::Receiver(0))
+        .iter()
+        .any(|e| matches!(e, Event::Completed { request, .. } if *request == R)));
+}
+
+#[test]
+fn a_hand_built_non_canonical_run_is_refused_at_once_saying_why() {
+    let mut net = Net::connected(1, 1);
+    let now = net.now;
+    let cases = [
+        (
+            // Two runs that continue each other: the canonical form merges them.
+            smallvec![
+                IdRun {
+                    first: BlockId(500),
+                    len: 2
+                },
+                IdRun {
+                    first: BlockId(502),
+                    len: 2
+                }
+            ],
+            Malformation::UnmergedRun,
+        ),
+        (
+            smallvec![
+                IdRun {
+                    first: BlockId(500),
+                    len: 4
+                },
+                IdRun {
+                    first: BlockId(900),
+                    len: 0
+                }
+            ],
+            Malformation::ZeroLengthRun,
+        ),
+    ];
+    for (runs, why) in cases {
+        let mut reg = registration(R, 16, &[0]);
+        reg.groups[0] = AnchoredRun {
+            first_ordinal: 0,
+            runs,
+        };
+        let refused = net.receivers[0].register(now, reg);
+        assert!(
+            matches!(
+                &refused,
+                Err(UsageError::RegistrationUnencodable {
+                    request: R,
+                    error: EncodeError::Invalid { reason, .. }
+                }) if *reason == why
+            ),
+            "{refused:?}"
+        );
+        assert!(refused.unwrap_err().to_string().contains("cannot be sent"));
+        assert_eq!(net.receivers[0].session_count(), 0);
+    }
+}
+
+/// A receiver that registers late gets every queued slice at once; on a slow link they complete
+/// one after another. Each batch's deadline follows the link's progress, so none fails while
+/// batches towards that receiver keep completing; a link that stops fails them.
+#[test]
+fn write_deadlines_follow_the_links_progress() {
+    let wc = deadlines().write_completion; // 200 ms
+    let mut net = Net::connected(1, 1);
+    net.auto_complete = false;
+    let mut source = TestSource::with(R, 100, 4);
+    net.open(0, send_request(R, &[0]));
+    for k in 0..4 {
+        net.submit(0, R, chunk(4 * k, 4 * k + 4, 16, k == 3), &mut source);
+    }
+    net.aux(0, R);
+    net.register(0, registration(R, 16, &[0]));
+    assert_eq!(net.held.len(), 4, "the replay issues every queued slice");
+    // Each batch takes 3/4 of the deadline: the last one ends 3 deadlines after the replay.
+    let step = Duration::from_nanos(wc.as_nanos() * 3 / 4);
+    for _ in 0..4 {
+        net.advance(step);
+        net.complete_held(0);
+    }
+    let events = net.events(Side::Sender(0));
+    assert!(
+        events
+            .iter()
+            .any(|e| matches!(e, Event::Completed { request, .. } if *request == R)),
+        "{events:?}"
+    );
+
+    // A link that stops completing fails what it still holds one deadline after its last
+    // completion.
+    const Q: RequestId = RequestId(0x51a11);
+    let mut source = TestSource::with(Q, 200, 4);
+    net.log.clear();
+    net.open(0, send_request(Q, &[0]));
+    for k in 0..2 {
+        net.submit(0, Q, chunk(4 * k, 4 * k + 4, 16, false), &mut source);
+    }
+    net.register(0, registration(Q, 16, &[0]));
+    net.advance(step);
+    net.complete_held(0);
+    net.advance(step);
+    let events = net.events(Side::Sender(0));
+    assert!(
+        !events
+            .iter()
+            .any(|e| matches!(e, Event::TimedOut { .. } | Event::Failed { .. })),
+        "still within a deadline of progress: {events:?}"
+    );
+    net.advance(wc);
+    let events = net.events(Side::Sender(0));
+    assert!(
+        events
+            .iter()
+            .any(|e| matches!(e, Event::TimedOut { request, .. } if *request == Q)),
+        "{events:?}"
+    );
+}
