@@ -848,6 +848,7 @@ impl Pair {
                     groups: vec![AnchoredRun::from_ids(first, &ids)],
                     writers: [SENDER].into_iter().collect(),
                     aux_capacity: 256,
+                    expected_part: None,
                 };
                 self.receiver_input(ReceiverInput::Register { now, registration });
             }

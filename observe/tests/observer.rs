@@ -177,6 +177,7 @@ fn gauges_follow_sessions_and_pinned_blocks_and_are_taken_back_on_drop() {
                 groups: vec![AnchoredRun::from_ids(0, &ids)],
                 writers: [PeerId(1)].into_iter().collect(),
                 aux_capacity: 64,
+                expected_part: None,
             },
         )
         .unwrap();

@@ -126,7 +126,7 @@
 //! let ids: Vec<BlockId> = (50..54).map(BlockId).collect();
 //! receiver.register(now, Registration {
 //!     request, prompt_len: 16, groups: vec![AnchoredRun::from_ids(0, &ids)],
-//!     writers: [to_sender].into_iter().collect(), aux_capacity: 256,
+//!     writers: [to_sender].into_iter().collect(), aux_capacity: 256, expected_part: None,
 //! }).unwrap();
 //! // The prefill side opens the request and submits its chunks as prefill computes them.
 //! sender.open_request(now, SendRequest::new(request, [to_receiver])).unwrap();

@@ -3,7 +3,7 @@
 
 mod session_support;
 
-use kvpipe_core::session::{Event, ProtocolError, UsageError};
+use kvpipe_core::session::{CoverFault, Event, GroupPart, ProtocolError, UsageError};
 use kvpipe_core::wire::{EncodeError, Frame, Malformation, RecvRegistration, TransferStatus};
 use kvpipe_core::{
     AnchoredRun, BlockId, ChunkSpec, Duration, GrantId, IdRun, ReceiverSliceId, RequestId,
@@ -237,4 +237,132 @@ fn write_deadlines_follow_the_links_progress() {
             .any(|e| matches!(e, Event::TimedOut { request, .. } if *request == Q)),
         "{events:?}"
     );
+}
+
+/// Sender `rank` of a tensor-parallel prefill side of `heads` ranks, holding KV head `head` of
+/// the model's `heads` (the support network's `tensor_parallel` gives rank `i` head `i`).
+fn tp_sender(rank: u16, head: u16, heads: u16) -> kvpipe_core::Sender {
+    let mut groups = layout(1);
+    groups[0].shard.model_kv_heads = heads;
+    groups[0].shard.first_head = head;
+    let topology = kvpipe_core::wire::Topology {
+        tp_size: heads,
+        tp_rank: rank,
+        pp_size: 1,
+        pp_rank: 0,
+        layer_begin: 0,
+        layer_end: 2,
+    };
+    let mut c = kvpipe_core::SenderConfig::new(kvpipe_core::session::LocalHello::new(
+        kvpipe_core::InstanceId(90 + u64::from(rank)),
+        topology,
+        groups,
+    ));
+    c.deadlines = deadlines();
+    kvpipe_core::Sender::new(c).unwrap()
+}
+
+fn part(layers: std::ops::Range<u32>, heads: std::ops::Range<u32>) -> GroupPart {
+    GroupPart { layers, heads }
+}
+
+#[test]
+fn a_registration_listing_one_of_two_tensor_ranks_is_refused_naming_the_missing_heads() {
+    let mut net = Net::tensor_parallel(2);
+    let now = net.now;
+    let refused = net.receivers[0].register(now, registration(R, 16, &[0]));
+    assert_eq!(
+        refused,
+        Err(UsageError::WritersDoNotCover(
+            ProtocolError::WritersDoNotCover {
+                request: R,
+                group: kvpipe_core::GroupIndex(0),
+                fault: CoverFault::Missing {
+                    part: part(0..2, 1..2)
+                },
+            }
+        ))
+    );
+    let message = refused.unwrap_err().to_string();
+    assert!(
+        message.contains("KV heads 1..2 is written by none"),
+        "{message}"
+    );
+    assert_eq!(net.receivers[0].session_count(), 0);
+    // Both ranks listed: accepted.
+    net.receivers[0]
+        .register(now, registration(R, 16, &[0, 1]))
+        .unwrap();
+}
+
+#[test]
+fn two_senders_claiming_the_same_rank_fail_the_request_once_both_handshakes_are_known() {
+    let mut net = Net::tensor_parallel(2);
+    // Writer 1 is not connected yet when the decode engine registers.
+    net.disconnect(1, 0);
+    net.register(0, registration(R, 16, &[0, 1]));
+    assert_eq!(net.receivers[0].session_count(), 1, "cover not known yet");
+    // It comes up claiming rank 0's head as well.
+    net.senders[1] = tp_sender(0, 0, 2);
+    net.connect(1, 0);
+    net.pump();
+    let violations: Vec<Event> = net
+        .events(Side::Receiver(0))
+        .into_iter()
+        .filter(|e| matches!(e, Event::ProtocolViolation { .. } | Event::Failed { .. }))
+        .collect();
+    assert!(
+        violations.iter().any(|e| matches!(
+            e,
+            Event::ProtocolViolation {
+                error: ProtocolError::WritersDoNotCover {
+                    fault: CoverFault::Doubled { .. },
+                    ..
+                },
+                ..
+            }
+        )),
+        "{violations:?}"
+    );
+    assert!(violations.iter().any(|e| matches!(
+        e,
+        Event::Failed { request, cause: TransferStatus::ProtocolError, .. } if *request == R
+    )));
+}
+
+#[test]
+fn a_declared_part_completes_with_its_own_writer_and_refuses_others() {
+    let mut net = Net::tensor_parallel(2);
+    let now = net.now;
+    let mut source = TestSource::with(R, 100, 4);
+    // One endpoint per writer: this registration expects only head 0, from writer 0.
+    let mut reg = registration(R, 16, &[0]);
+    reg.expected_part = Some(vec![part(0..2, 0..1)]);
+    net.register(0, reg);
+    net.open(0, send_request(R, &[0]));
+    net.submit(0, R, chunk(0, 16, 16, true), &mut source);
+    net.aux(0, R);
+    assert!(net
+        .events(Side::Receiver(0))
+        .iter()
+        .any(|e| matches!(e, Event::Completed { request, .. } if *request == R)));
+    // Writer 1 writes head 1, outside a part of head 0.
+    let mut other = registration(RequestId(2), 16, &[1]);
+    other.expected_part = Some(vec![part(0..2, 0..1)]);
+    assert!(matches!(
+        net.receivers[0].register(now, other),
+        Err(UsageError::WritersDoNotCover(
+            ProtocolError::WritersDoNotCover {
+                fault: CoverFault::Outside { .. },
+                ..
+            }
+        ))
+    ));
+    // A part the rank does not hold is a usage error.
+    let mut beyond = registration(RequestId(3), 16, &[0]);
+    beyond.expected_part = Some(vec![part(0..4, 0..1)]);
+    assert!(matches!(
+        net.receivers[0].register(now, beyond),
+        Err(UsageError::ExpectedPartNotHeld { .. })
+    ));
 }

@@ -37,6 +37,7 @@ fn register(rx: &VerbsReceiver, request: RequestId, first_slot: u32, writer: Pee
         groups: vec![AnchoredRun::from_ids(0, &ids)],
         writers: smallvec![writer],
         aux_capacity: 64,
+        expected_part: None,
     })
     .unwrap();
 }

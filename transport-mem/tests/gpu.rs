@@ -173,6 +173,7 @@ fn transfer(pair: &mut MemPair) -> Result<Vec<(Endpoint, Event)>, Failed> {
             groups: vec![anchored],
             writers: std::iter::once(SENDER_PEER).collect(),
             aux_capacity: 64,
+            expected_part: None,
         },
     )?;
     pair.sender_mut().open_request(

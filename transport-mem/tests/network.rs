@@ -121,6 +121,7 @@ fn losing_one_decode_process_fails_only_its_requests() {
                     groups: vec![AnchoredRun::from_ids(0, &ids)],
                     writers: std::iter::once(sender_peer(0)).collect(),
                     aux_capacity: 64,
+                    expected_part: None,
                 },
             )
             .unwrap();

@@ -48,6 +48,7 @@ fn a_sender_closing_right_after_completing_loses_nothing() {
             groups: vec![AnchoredRun::from_ids(0, &dst)],
             writers: smallvec![at_rx],
             aux_capacity: 64,
+            expected_part: None,
         })
         .unwrap();
         tx.open_request(SendRequest {

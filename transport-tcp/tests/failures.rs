@@ -38,6 +38,7 @@ fn register(rx: &TcpReceiver, request: RequestId, first_slot: u32, writer: PeerI
         groups: vec![AnchoredRun::from_ids(0, &ids)],
         writers: smallvec![writer],
         aux_capacity: 64,
+        expected_part: None,
     })
     .unwrap();
 }

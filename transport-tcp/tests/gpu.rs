@@ -230,6 +230,7 @@ fn transfer(
         groups: vec![anchored],
         writers: std::iter::once(sender_peer).collect(),
         aux_capacity: 64,
+        expected_part: None,
     })?;
     tx.open_request(SendRequest {
         request,

@@ -49,6 +49,7 @@ fn setup() -> (
         groups: vec![AnchoredRun::from_ids(0, &[BlockId(5), BlockId(6)])],
         writers: smallvec![peer],
         aux_capacity: 64,
+        expected_part: None,
     })
     .unwrap();
     let Some(Frame::RecvRegistration(reg)) =

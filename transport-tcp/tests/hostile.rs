@@ -43,6 +43,7 @@ fn registered_raw_writer() -> (TcpReceiver, RawPeer) {
         groups: vec![AnchoredRun::from_ids(0, &[BlockId(5), BlockId(6)])],
         writers: smallvec![peer],
         aux_capacity: 64,
+        expected_part: None,
     })
     .unwrap();
     raw.recv_until(|f| matches!(f, Frame::RecvRegistration(_)))

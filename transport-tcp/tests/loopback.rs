@@ -80,6 +80,7 @@ fn run_transfer_with(connections: usize, tx_path: TcpDataPath, rx_path: TcpDataP
             groups: vec![AnchoredRun::from_ids(0, &ids)],
             writers: smallvec![peer_at_rx],
             aux_capacity: 64,
+            expected_part: None,
         })
         .unwrap();
         tx.open_request(SendRequest {

@@ -68,6 +68,7 @@ async fn async_transfer_lands_every_byte() {
         groups: vec![AnchoredRun::from_ids(0, &dst)],
         writers: smallvec![peer_at_rx],
         aux_capacity: 64,
+        expected_part: None,
     })
     .unwrap();
     tx.open_request(SendRequest {
@@ -137,6 +138,7 @@ async fn async_receiver_refuses_a_write_outside_the_grant() {
         groups: vec![AnchoredRun::from_ids(0, &[BlockId(5), BlockId(6)])],
         writers: smallvec![peer],
         aux_capacity: 64,
+        expected_part: None,
     })
     .unwrap();
     let raw = tokio::task::spawn_blocking(move || {
@@ -195,6 +197,7 @@ async fn async_sender_closing_right_after_completing_loses_nothing() {
             groups: vec![AnchoredRun::from_ids(0, &dst)],
             writers: smallvec![peer_at_rx],
             aux_capacity: 64,
+            expected_part: None,
         })
         .unwrap();
         tx.open_request(SendRequest {

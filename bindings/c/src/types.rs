@@ -450,5 +450,6 @@ pub(crate) unsafe fn registration(r: &kvpipe_registration) -> Result<Registratio
         groups,
         writers: writers.iter().copied().map(PeerId).collect(),
         aux_capacity: r.aux_capacity,
+        expected_part: None,
     })
 }

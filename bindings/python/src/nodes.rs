@@ -407,6 +407,7 @@ impl Receiver {
             groups: anchored_runs(blocks)?,
             writers: writers.into_iter().map(PeerId).collect(),
             aux_capacity,
+            expected_part: None,
         };
         run(py, || self.node.register(reg)).map(|s| s.0)
     }

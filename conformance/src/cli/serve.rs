@@ -282,6 +282,7 @@ pub(crate) fn run(args: ServeArgs) -> Result<ExitCode, CliError> {
             groups,
             writers: std::iter::once(peer).collect(),
             aux_capacity: 1024,
+            expected_part: None,
         })?;
     }
     // If it left meanwhile, requests registered after its departure would wait for it until

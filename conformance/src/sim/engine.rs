@@ -364,6 +364,7 @@ impl Simulation {
                     groups,
                     writers: plan.writers.iter().map(|&r| sender_peer(r)).collect(),
                     aux_capacity: AUX_CAPACITY,
+                    expected_part: None,
                 },
             )
             .map(|_| ());

@@ -848,6 +848,7 @@ fn register(
                 groups,
                 writers: std::iter::once(writer).collect(),
                 aux_capacity: 4096,
+                expected_part: None,
             },
         )
         .map_err(usage(Role::Receiver))?;

@@ -314,6 +314,7 @@ impl ParallelScenario {
                             groups: per_receiver[p.receiver].clone(),
                             writers: std::iter::once(writer).collect(),
                             aux_capacity: 1024,
+                            expected_part: None,
                         },
                     )
                     .map_err(usage(Role::Receiver))?;

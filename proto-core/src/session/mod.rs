@@ -57,6 +57,7 @@
 //! Phases and their checked transitions are in [`state`].
 
 mod config;
+mod coverage;
 mod grants;
 mod peers;
 mod receiver;
@@ -76,6 +77,7 @@ pub use config::{
     Deadlines, LocalHello, ReceiverConfig, SenderConfig, DEFAULT_MAX_RETIRED,
     DEFAULT_RETIRED_HORIZON,
 };
+pub use coverage::{CoverFault, GroupPart};
 pub use grants::GrantedExtents;
 
 pub use receiver::{Receiver, ReceiverInput, Registration};
@@ -502,6 +504,18 @@ pub enum ProtocolError {
         /// Blocks of the prompt.
         blocks: u32,
     },
+    /// The registration's writers do not write every layer and head of the part the decode
+    /// rank expects exactly once (one of them missing, two claiming the same part, or one
+    /// writing outside it): the request would complete with KV never written.
+    #[error("the writers of {request} do not cover {group} exactly once: {fault}")]
+    WritersDoNotCover {
+        /// The request.
+        request: RequestId,
+        /// The group.
+        group: GroupIndex,
+        /// What is missing, doubled or outside.
+        fault: CoverFault,
+    },
     /// A registration names block ordinals past its prompt's blocks.
     #[error(
         "registration of {request} {group} reaches block ordinal {end}, but a prompt of \
@@ -699,6 +713,27 @@ pub enum UsageError {
         request: RequestId,
         /// Why the wire cannot carry it.
         error: crate::wire::EncodeError,
+    },
+    /// The registration's writers do not cover what it expects exactly once (see
+    /// [`ProtocolError::WritersDoNotCover`]); checked at once when every writer's handshake is
+    /// known, else when the last one completes (then the request fails).
+    #[error(transparent)]
+    WritersDoNotCover(ProtocolError),
+    /// The registration's expected part is not one part per layer group inside what this rank
+    /// holds.
+    #[error(
+        "registration of {request} expects {group}'s {part}, but this rank holds {held} \
+         (give one part per layer group, inside what the rank holds)"
+    )]
+    ExpectedPartNotHeld {
+        /// The request.
+        request: RequestId,
+        /// The group (the first one past the layout when the counts differ).
+        group: GroupIndex,
+        /// The part expected (empty when missing).
+        part: GroupPart,
+        /// What the rank holds of the group (empty past the layout).
+        held: GroupPart,
     },
     /// No data write was ever admitted with that ticket.
     #[error("{0} was never issued")]

@@ -6,6 +6,7 @@ use bytes::Bytes;
 use smallvec::SmallVec;
 
 use super::config::ReceiverConfig;
+use super::coverage::{check_group_cover, GroupPart};
 use super::grants::{Flight, GrantedExtents, WritesInFlight};
 use super::peers::Route;
 use super::retired::Retired;
@@ -19,7 +20,7 @@ use super::{
 };
 use crate::blocks::AnchoredRun;
 use crate::geometry::{stale_boundary, total_blocks};
-use crate::ids::{GrantId, PeerId, ReceiverSliceId, RequestId, SenderSliceId};
+use crate::ids::{GrantId, GroupIndex, PeerId, ReceiverSliceId, RequestId, SenderSliceId};
 use crate::shard::writes_group;
 use crate::time::Instant;
 use crate::wire::{
@@ -78,6 +79,12 @@ pub struct Registration {
     pub writers: SmallVec<[PeerId; 2]>,
     /// Capacity of the aux slot in bytes.
     pub aux_capacity: u32,
+    /// What the writers together write, per layer group, in group order: `None` (the usual
+    /// case) expects every layer and head this rank holds. An engine that deliberately spreads
+    /// one rank's writers over several receivers (one endpoint per writer) declares here the
+    /// part this registration receives, and must itself wait for every part. The writers must
+    /// cover the expected part exactly once ([`UsageError::WritersDoNotCover`]).
+    pub expected_part: Option<Vec<GroupPart>>,
 }
 
 /// Most frames held per writer while they wait for the data they report to land.
@@ -148,6 +155,10 @@ struct RecvSession {
     bytes_written: u64,
     /// Blocks of the registration, released (counted) when the session quiesces.
     blocks_pinned: u64,
+    /// The part the writers must cover (`None`: all the rank holds).
+    expected_part: Option<Vec<GroupPart>>,
+    /// The writers' cover was proved (every writer's handshake was known).
+    cover_proved: bool,
 }
 
 impl RecvSession {
@@ -528,6 +539,15 @@ impl Receiver {
             &self.config.local.groups,
         )
         .map_err(UsageError::RegistrationOutsidePrompt)?;
+        if let Some(parts) = &reg.expected_part {
+            self.check_expected_part(request, parts)?;
+        }
+        let cover_proved =
+            match self.prove_cover(request, &reg.writers, reg.expected_part.as_deref()) {
+                Some(Err(error)) => return Err(UsageError::WritersDoNotCover(error)),
+                Some(Ok(())) => true,
+                None => false,
+            };
         let slice = ReceiverSliceId(self.next_slice);
         let frame = RecvRegistration {
             request,
@@ -602,6 +622,8 @@ impl Receiver {
                 quiesce_deadline: None,
                 bytes_written: 0,
                 blocks_pinned,
+                expected_part: reg.expected_part,
+                cover_proved,
             },
         );
         self.shell.counters.blocks_pinned += blocks_pinned;
@@ -709,7 +731,100 @@ impl Receiver {
             .collect();
         for request in waiting {
             self.send_registration(now, request, peer);
+            self.prove_session_cover(now, request, peer);
         }
+    }
+
+    /// Once every writer of `request` completed its handshake (the last one, `peer`, just did),
+    /// proves that they cover what the registration expects; fails the request if not.
+    fn prove_session_cover(&mut self, now: Instant, request: RequestId, peer: PeerId) {
+        let Some(session) = self.sessions.get(&request) else {
+            return;
+        };
+        if session.cover_proved || !session.phase.is_active() {
+            return;
+        }
+        let writers: SmallVec<[PeerId; 2]> = session.writers.iter().map(|w| w.peer).collect();
+        match self.prove_cover(request, &writers, session.expected_part.as_deref()) {
+            None => {}
+            Some(Ok(())) => {
+                if let Some(s) = self.sessions.get_mut(&request) {
+                    s.cover_proved = true;
+                }
+            }
+            Some(Err(error)) => self.stop_protocol(now, request, peer, error),
+        }
+    }
+
+    /// What this rank holds of each layer group.
+    fn held_parts(&self) -> impl Iterator<Item = GroupPart> + '_ {
+        self.config.local.groups.iter().map(|g| GroupPart {
+            layers: g.layer_range(),
+            heads: g.head_range(),
+        })
+    }
+
+    /// Refuses an expected part that is not one part per group inside what the rank holds.
+    fn check_expected_part(
+        &self,
+        request: RequestId,
+        parts: &[GroupPart],
+    ) -> Result<(), UsageError> {
+        let held: Vec<GroupPart> = self.held_parts().collect();
+        for g in 0..held.len().max(parts.len()) {
+            let part = parts.get(g).cloned().unwrap_or_default();
+            let within = held.get(g).cloned().unwrap_or_default();
+            if g >= held.len() || g >= parts.len() || !within.contains(&part) {
+                return Err(UsageError::ExpectedPartNotHeld {
+                    request,
+                    group: GroupIndex(g as u16),
+                    part,
+                    held: within,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether `writers` (every one's handshake known) write each group's expected part exactly
+    /// once; `None` while a writer's handshake is not known yet.
+    fn prove_cover(
+        &self,
+        request: RequestId,
+        writers: &[PeerId],
+        expected: Option<&[GroupPart]>,
+    ) -> Option<Result<(), ProtocolError>> {
+        let local = &self.config.local;
+        let hellos: Vec<(PeerId, &crate::wire::Hello)> = writers
+            .iter()
+            .map(|&w| self.shell.peers.remote(w).map(|h| (w, h)))
+            .collect::<Option<_>>()?;
+        for (g, (dst, held)) in local.groups.iter().zip(self.held_parts()).enumerate() {
+            let expected = expected.and_then(|e| e.get(g)).unwrap_or(&held);
+            let parts: SmallVec<[(PeerId, GroupPart); 4]> = hellos
+                .iter()
+                .map(|&(w, hello)| {
+                    let part = match hello.groups.get(g) {
+                        Some(src) if writes_group(&hello.topology, src, &local.topology, dst) => {
+                            held.intersect(&GroupPart {
+                                layers: src.layer_range(),
+                                heads: src.head_range(),
+                            })
+                        }
+                        _ => GroupPart::default(),
+                    };
+                    (w, part)
+                })
+                .collect();
+            if let Err(fault) = check_group_cover(expected, &parts) {
+                return Some(Err(ProtocolError::WritersDoNotCover {
+                    request,
+                    group: GroupIndex(g as u16),
+                    fault,
+                }));
+            }
+        }
+        Some(Ok(()))
     }
 
     // ----- admission -----

@@ -156,6 +156,7 @@ pub fn registration(request: RequestId, prompt_len: u32, writers: &[usize]) -> R
         )],
         writers: writers.iter().map(|&i| tx_peer(i)).collect(),
         aux_capacity: 1024,
+        expected_part: None,
     }
 }
 

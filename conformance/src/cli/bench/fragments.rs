@@ -273,6 +273,7 @@ pub(crate) fn run(args: FragmentsBenchArgs) -> Result<ExitCode, CliError> {
                 groups: vec![anchored.clone()],
                 writers: std::iter::once(SENDER_PEER).collect(),
                 aux_capacity: 64,
+                expected_part: None,
             },
         )?;
         pair.sender_mut().open_request(

@@ -302,6 +302,7 @@ pub(super) fn run(
                     groups,
                     writers: writers[j].iter().map(|&i| sender_peer(i)).collect(),
                     aux_capacity: 4096,
+                    expected_part: None,
                 },
             )?;
         }

@@ -256,6 +256,7 @@ mod gpu {
                     groups: vec![anchored.clone()],
                     writers: std::iter::once(SENDER_PEER).collect(),
                     aux_capacity: 64,
+                    expected_part: None,
                 },
             )?;
             pair.sender_mut().open_request(

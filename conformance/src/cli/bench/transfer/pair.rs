@@ -150,6 +150,7 @@ impl<'a, T: PrefillSide, R: DecodeSide> Pair<'a, T, R> {
             groups: vec![anchored.clone()],
             writers: std::iter::once(self.sender_peer).collect(),
             aux_capacity: 64,
+            expected_part: None,
         })?;
         tx.open_request(SendRequest {
             request,
