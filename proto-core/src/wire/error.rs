@@ -2,8 +2,8 @@
 
 use core::fmt;
 
-use super::frame::VersionRange;
 use super::header::{FrameKind, HEADER_LEN, MAGIC};
+use super::version::VersionRange;
 
 /// Why bytes from a peer are not a valid frame. Decoding never panics; every rejection is one
 /// of these.

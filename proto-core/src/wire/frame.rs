@@ -1,253 +1,25 @@
-//! Validated frame representations. Each struct is what one frame kind carries; the byte
-//! layout of each is documented in `docs/PROTOCOL.md`.
+//! [`Frame`]: any frame, and the one place that dispatches on the kind — the header check
+//! against each kind's cap, [`Frame::parse`] and [`Frame::emit`] around the frame files' body
+//! encodings, and `Display`.
+//!
+//! Decoding follows `docs/PROTOCOL.md`'s numbered rules: the header first (magic, version,
+//! kind, flags, the body-length cap — decided before any body byte is read), then the body,
+//! which must be used up exactly. Encoding checks the same rules before writing, so nothing is
+//! emitted that a peer would refuse.
 
-use crate::blocks::AnchoredRun;
-use crate::ids::{GrantId, InstanceId, ReceiverSliceId, RegionId, RequestId, SenderSliceId};
-use crate::layout::LayerGroupLayout;
+use core::fmt;
 
-/// The newest wire protocol version this build speaks.
-pub const PROTOCOL_VERSION: u16 = 1;
-/// The oldest wire protocol version this build speaks.
-pub const MIN_PROTOCOL_VERSION: u16 = 1;
+use bytes::BytesMut;
+use zerocopy::{FromBytes, IntoBytes};
 
-/// An inclusive range of protocol versions an endpoint speaks.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
-pub struct VersionRange {
-    /// Oldest version spoken.
-    pub min: u16,
-    /// Newest version spoken.
-    pub max: u16,
-}
-
-/// Optional features an endpoint supports, as bits.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-#[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
-pub struct Capabilities(pub u64);
-
-/// Which side of a transfer an endpoint plays.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
-#[repr(u8)]
-pub enum Role {
-    /// Prefill (context) side: writes KV.
-    Sender = 1,
-    /// Decode (generation) side: receives KV.
-    Receiver = 2,
-}
-
-/// Parallel topology of one endpoint.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-#[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
-pub struct Topology {
-    /// Tensor-parallel size.
-    pub tp_size: u16,
-    /// This endpoint's tensor-parallel rank.
-    pub tp_rank: u16,
-    /// Pipeline-parallel size.
-    pub pp_size: u16,
-    /// This endpoint's pipeline-parallel rank.
-    pub pp_rank: u16,
-    /// First model layer held by this rank.
-    pub layer_begin: u16,
-    /// One past the last model layer held by this rank.
-    pub layer_end: u16,
-}
-
-/// First frame on every connection, from both sides.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
-#[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
-pub struct Hello {
-    /// Versions this endpoint speaks.
-    pub versions: VersionRange,
-    /// Optional features this endpoint supports.
-    pub capabilities: Capabilities,
-    /// Hash over model geometry, dtype, tokens per block and layout (see `docs/PROTOCOL.md`).
-    pub compat_hash: u64,
-    /// This endpoint's instance.
-    pub instance: InstanceId,
-    /// Sender or receiver.
-    pub role: Role,
-    /// Parallel topology.
-    pub topology: Topology,
-    /// Pool layout per layer group, in group order.
-    pub groups: Vec<LayerGroupLayout>,
-}
-
-/// The handshake succeeded; both sides use `version` from now on.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
-pub struct HelloAccept {
-    /// The negotiated version (the highest both speak).
-    pub version: u16,
-    /// The accepting endpoint's instance.
-    pub instance: InstanceId,
-}
-
-/// Why a handshake was refused.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
-#[repr(u8)]
-pub enum RejectReason {
-    /// No protocol version in common.
-    VersionMismatch = 1,
-    /// The compatibility hashes differ (model geometry, dtype, tokens per block, layout).
-    CompatibilityMismatch = 2,
-    /// The pool layouts cannot be paired (group count, layers, heads, …).
-    LayoutMismatch = 3,
-    /// The parallel topologies cannot be paired.
-    TopologyMismatch = 4,
-    /// Both endpoints play the same role.
-    RoleMismatch = 5,
-}
-
-/// The handshake was refused; the connection closes after this frame.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
-#[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
-pub struct HelloReject {
-    /// Machine-readable reason.
-    pub reason: RejectReason,
-    /// Human-readable explanation naming what differs (both versions, both values).
-    pub message: String,
-}
-
-/// The receiver's destination for one request, sent before (or while) prefill runs.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
-#[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
-pub struct RecvRegistration {
-    /// The request.
-    pub request: RequestId,
-    /// The receiver's id for this registration.
-    pub slice: ReceiverSliceId,
-    /// The request's whole prompt length in tokens.
-    pub prompt_len: u32,
-    /// The memory grant data writes for this request must carry.
-    pub grant: GrantId,
-    /// Capacity of the receiver's aux slot in bytes (inline aux data larger than this is refused).
-    pub aux_capacity: u32,
-    /// The receiver's blocks, one anchored run per layer group, in group order.
-    pub groups: Vec<AnchoredRun>,
-}
-
-/// Outcome of a slice or of a whole transfer.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
-#[repr(u8)]
-pub enum TransferStatus {
-    /// Every write of the slice completed.
-    Success = 0,
-    /// A write failed; the destination holds unknown bytes.
-    WriteFailed = 1,
-    /// The outcome is unknown (a deadline passed with writes outstanding).
-    InDoubt = 2,
-    /// Cancelled by the engine on either side.
-    Cancelled = 3,
-    /// A deadline passed.
-    TimedOut = 4,
-    /// A write fell outside the receiver's grant and was refused.
-    GrantViolation = 5,
-    /// The peer disconnected or stopped answering.
-    PeerLost = 6,
-    /// The peer broke a protocol rule.
-    ProtocolError = 7,
-    /// The sender's engine described the request's KV in a way that breaks the block-source
-    /// contract (a run longer or shorter than asked, ending elsewhere, a changed prefix): the KV
-    /// cannot be trusted.
-    EngineError = 8,
-}
-
-/// Result of one slice (the reference design's KV_AGENT_RESULT).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
-pub struct KvResult {
-    /// The request.
-    pub request: RequestId,
-    /// The sender's id for the slice.
-    pub sender_slice: SenderSliceId,
-    /// The receiver's id for the registration the slice wrote into.
-    pub receiver_slice: ReceiverSliceId,
-    /// Whether this is the request's last slice from this sender.
-    pub is_last: bool,
-    /// How the slice ended.
-    pub status: TransferStatus,
-    /// Bytes the slice wrote.
-    pub bytes_written: u64,
-}
-
-/// The small per-request data that travels inline after the KV.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
-#[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
-pub struct AuxData {
-    /// Prompt length in tokens.
-    pub prompt_tokens: u32,
-    /// Tokens the sender had cached (prefix reuse).
-    pub cached_tokens: u32,
-    /// The first generated token(s).
-    pub first_tokens: Vec<u32>,
-    /// Speculative draft tokens.
-    pub draft_tokens: Vec<u32>,
-}
-
-/// Inline aux data for a request.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
-#[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
-pub struct AuxResult {
-    /// The request.
-    pub request: RequestId,
-    /// Whether the aux data is valid.
-    pub status: TransferStatus,
-    /// The data.
-    pub data: AuxData,
-}
-
-/// Why a request was cancelled.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
-#[repr(u8)]
-pub enum CancelReason {
-    /// The engine cancelled the request (client gone, preempted, …).
-    Engine = 1,
-    /// A deadline passed on the cancelling side.
-    Timeout = 2,
-    /// The cancelling side failed the request (write failure, protocol error, …).
-    Failure = 3,
-    /// The cancelling endpoint is shutting down.
-    Shutdown = 4,
-}
-
-/// Cancels a request on the other side.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
-pub struct Cancel {
-    /// The request.
-    pub request: RequestId,
-    /// Why.
-    pub reason: CancelReason,
-}
-
-/// Liveness probe; either side sends it when idle.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
-pub struct Heartbeat {
-    /// Sequence number, echoed by nothing; lets captures show gaps.
-    pub seq: u64,
-}
-
-/// Header of one data write on a stream transport; `len` payload bytes follow the frame.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
-pub struct DataWrite {
-    /// The request the bytes belong to.
-    pub request: RequestId,
-    /// The grant from the request's registration.
-    pub grant: GrantId,
-    /// Destination region on the receiver.
-    pub region: RegionId,
-    /// Destination offset inside the region.
-    pub offset: u64,
-    /// Payload length in bytes.
-    pub len: u64,
-}
+use super::body::{BodyReader, BodyWriter, FrameBody};
+use super::error::{DecodeError, EncodeError};
+use super::frames::{
+    AuxResult, Cancel, DataWrite, Heartbeat, Hello, HelloAccept, HelloReject, KvResult,
+    RecvRegistration,
+};
+use super::header::{FrameHeader, FrameKind, HEADER_LEN, MAGIC};
+use super::version::{VersionRange, PROTOCOL_VERSION};
 
 /// Any frame.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -271,4 +43,273 @@ pub enum Frame {
     Heartbeat(Heartbeat),
     /// Data write header (stream transports).
     DataWrite(DataWrite),
+}
+
+impl FrameKind {
+    /// The largest body this kind may declare: the exact size for fixed-size frames,
+    /// [`MAX_BODY_LEN`](super::MAX_BODY_LEN) or the field-imposed limit for variable ones.
+    pub fn max_body_len(self) -> u32 {
+        match self {
+            FrameKind::Hello => Hello::MAX_BODY_LEN,
+            FrameKind::HelloAccept => HelloAccept::MAX_BODY_LEN,
+            FrameKind::HelloReject => HelloReject::MAX_BODY_LEN,
+            FrameKind::RecvRegistration => RecvRegistration::MAX_BODY_LEN,
+            FrameKind::KvResult => KvResult::MAX_BODY_LEN,
+            FrameKind::AuxResult => AuxResult::MAX_BODY_LEN,
+            FrameKind::Cancel => Cancel::MAX_BODY_LEN,
+            FrameKind::Heartbeat => Heartbeat::MAX_BODY_LEN,
+            FrameKind::DataWrite => DataWrite::MAX_BODY_LEN,
+        }
+    }
+}
+
+impl FrameHeader {
+    /// Validates the header for a connection where `negotiated` is the agreed version (`None`
+    /// before the handshake completes): magic, version, kind, flags and the body-length cap.
+    ///
+    /// Handshake kinds are accepted at every version except 0 (their layout is frozen);
+    /// session kinds only at a version this build speaks (and, once negotiated, only at that
+    /// one).
+    pub fn check(&self, negotiated: Option<u16>) -> Result<FrameKind, DecodeError> {
+        if self.magic != MAGIC {
+            return Err(DecodeError::BadMagic { found: self.magic });
+        }
+        let version = self.version.get();
+        let unsupported = DecodeError::UnsupportedVersion {
+            version,
+            supported: VersionRange::SUPPORTED,
+        };
+        if version == 0 {
+            return Err(unsupported);
+        }
+        let kind = match FrameKind::from_code(self.kind) {
+            Some(kind) => kind,
+            None if !VersionRange::SUPPORTED.contains(version) => return Err(unsupported),
+            None => return Err(DecodeError::UnknownKind { code: self.kind }),
+        };
+        if !kind.is_handshake() {
+            if !VersionRange::SUPPORTED.contains(version) {
+                return Err(unsupported);
+            }
+            if let Some(negotiated) = negotiated {
+                if version != negotiated {
+                    return Err(DecodeError::VersionNotNegotiated {
+                        version,
+                        negotiated,
+                    });
+                }
+            }
+        }
+        if self.flags != 0 {
+            return Err(DecodeError::ReservedFlags {
+                kind,
+                flags: self.flags,
+            });
+        }
+        let len = self.body_len.get();
+        let max = kind.max_body_len();
+        if len > max {
+            return Err(DecodeError::BodyTooLong { kind, len, max });
+        }
+        Ok(kind)
+    }
+}
+
+impl Frame {
+    /// The frame's kind.
+    pub fn kind(&self) -> FrameKind {
+        match self {
+            Frame::Hello(_) => Hello::KIND,
+            Frame::HelloAccept(_) => HelloAccept::KIND,
+            Frame::HelloReject(_) => HelloReject::KIND,
+            Frame::RecvRegistration(_) => RecvRegistration::KIND,
+            Frame::KvResult(_) => KvResult::KIND,
+            Frame::AuxResult(_) => AuxResult::KIND,
+            Frame::Cancel(_) => Cancel::KIND,
+            Frame::Heartbeat(_) => Heartbeat::KIND,
+            Frame::DataWrite(_) => DataWrite::KIND,
+        }
+    }
+
+    /// Length of the body in bytes (what the header's `body_len` will say).
+    pub fn body_len(&self) -> usize {
+        match self {
+            Frame::Hello(x) => x.body_len(),
+            Frame::HelloAccept(x) => x.body_len(),
+            Frame::HelloReject(x) => x.body_len(),
+            Frame::RecvRegistration(x) => x.body_len(),
+            Frame::KvResult(x) => x.body_len(),
+            Frame::AuxResult(x) => x.body_len(),
+            Frame::Cancel(x) => x.body_len(),
+            Frame::Heartbeat(x) => x.body_len(),
+            Frame::DataWrite(x) => x.body_len(),
+        }
+    }
+
+    /// Bytes [`Frame::emit`] writes: header plus body (a [`DataWrite`]'s payload not included).
+    pub fn encoded_len(&self) -> usize {
+        HEADER_LEN + self.body_len()
+    }
+
+    /// Decodes one frame from the start of `buf`, returning it and the bytes it took (header
+    /// plus body; a [`DataWrite`]'s payload follows and is not counted).
+    ///
+    /// Session frames are accepted at any version this build speaks; use
+    /// [`Frame::parse_negotiated`] once the handshake has fixed the version. On
+    /// [`DecodeError::Truncated`] read more and retry; every other error is final.
+    pub fn parse(buf: &[u8]) -> Result<(Frame, usize), DecodeError> {
+        Frame::parse_checked(buf, None)
+    }
+
+    /// Like [`Frame::parse`], but session frames must carry the `negotiated` version.
+    pub fn parse_negotiated(buf: &[u8], negotiated: u16) -> Result<(Frame, usize), DecodeError> {
+        Frame::parse_checked(buf, Some(negotiated))
+    }
+
+    /// The header at the start of `buf` and the frame's version, checked as in
+    /// [`Frame::parse`] but without reading the body (for stream readers that need the length
+    /// first).
+    pub fn peek_header(buf: &[u8]) -> Result<(FrameKind, u16, usize), DecodeError> {
+        let header = FrameHeader::view(buf).ok_or(DecodeError::Truncated {
+            needed: HEADER_LEN,
+            have: buf.len(),
+        })?;
+        let kind = header.check(None)?;
+        Ok((kind, header.version.get(), header.frame_len()))
+    }
+
+    fn parse_checked(buf: &[u8], negotiated: Option<u16>) -> Result<(Frame, usize), DecodeError> {
+        let Ok((header, rest)) = FrameHeader::ref_from_prefix(buf) else {
+            return Err(DecodeError::Truncated {
+                needed: HEADER_LEN,
+                have: buf.len(),
+            });
+        };
+        let kind = header.check(negotiated)?;
+        let body_len = header.body_len.get() as usize;
+        let Some(body) = rest.get(..body_len) else {
+            return Err(DecodeError::Truncated {
+                needed: HEADER_LEN + body_len,
+                have: buf.len(),
+            });
+        };
+        let mut r = BodyReader::new(kind, body);
+        let frame = match kind {
+            FrameKind::Hello => Frame::Hello(Hello::parse_body(&mut r)?),
+            FrameKind::HelloAccept => Frame::HelloAccept(HelloAccept::parse_body(&mut r)?),
+            FrameKind::HelloReject => Frame::HelloReject(HelloReject::parse_body(&mut r)?),
+            FrameKind::RecvRegistration => {
+                Frame::RecvRegistration(RecvRegistration::parse_body(&mut r)?)
+            }
+            FrameKind::KvResult => Frame::KvResult(KvResult::parse_body(&mut r)?),
+            FrameKind::AuxResult => Frame::AuxResult(AuxResult::parse_body(&mut r)?),
+            FrameKind::Cancel => Frame::Cancel(Cancel::parse_body(&mut r)?),
+            FrameKind::Heartbeat => Frame::Heartbeat(Heartbeat::parse_body(&mut r)?),
+            FrameKind::DataWrite => Frame::DataWrite(DataWrite::parse_body(&mut r)?),
+        };
+        r.finish()?;
+        Ok((frame, HEADER_LEN + body_len))
+    }
+
+    /// Encodes the frame at the start of `out` in this build's newest version
+    /// ([`PROTOCOL_VERSION`]) and returns the bytes written. Use it for the handshake; after
+    /// it, use [`Frame::emit_versioned`] with the negotiated version.
+    pub fn emit(&self, out: &mut [u8]) -> Result<usize, EncodeError> {
+        self.emit_versioned(PROTOCOL_VERSION, out)
+    }
+
+    /// Encodes the frame at the start of `out` with `version` in its header and returns the
+    /// bytes written. Session frames need a version this build speaks; handshake frames take
+    /// any nonzero version (their layout is frozen). On error the buffer's content is
+    /// unspecified.
+    pub fn emit_versioned(&self, version: u16, out: &mut [u8]) -> Result<usize, EncodeError> {
+        let kind = self.kind();
+        let version_ok = if kind.is_handshake() {
+            version != 0
+        } else {
+            VersionRange::SUPPORTED.contains(version)
+        };
+        if !version_ok {
+            return Err(EncodeError::UnsupportedVersion {
+                kind,
+                version,
+                supported: VersionRange::SUPPORTED,
+            });
+        }
+        let body_len = self.body_len();
+        let max = kind.max_body_len();
+        if body_len > max as usize {
+            return Err(EncodeError::BodyTooLong {
+                kind,
+                len: body_len,
+                max,
+            });
+        }
+        let total = HEADER_LEN + body_len;
+        let have = out.len();
+        let Some(out) = out.get_mut(..total) else {
+            return Err(EncodeError::BufferTooSmall {
+                needed: total,
+                have,
+            });
+        };
+        let mut w = BodyWriter::new(kind, out);
+        w.put(FrameHeader::new(kind, version, body_len as u32).as_bytes())?;
+        match self {
+            Frame::Hello(x) => x.emit_body(&mut w),
+            Frame::HelloAccept(x) => x.emit_body(&mut w),
+            Frame::HelloReject(x) => x.emit_body(&mut w),
+            Frame::RecvRegistration(x) => x.emit_body(&mut w),
+            Frame::KvResult(x) => x.emit_body(&mut w),
+            Frame::AuxResult(x) => x.emit_body(&mut w),
+            Frame::Cancel(x) => x.emit_body(&mut w),
+            Frame::Heartbeat(x) => x.emit_body(&mut w),
+            Frame::DataWrite(x) => x.emit_body(&mut w),
+        }?;
+        debug_assert_eq!(w.position(), total, "body_len disagrees with the encoder");
+        Ok(total)
+    }
+
+    /// Appends the frame, encoded with `version`, to `out`; returns the bytes appended. On
+    /// error `out` is left as it was.
+    pub fn encode_to(&self, version: u16, out: &mut BytesMut) -> Result<usize, EncodeError> {
+        let start = out.len();
+        out.resize(start + self.encoded_len(), 0);
+        match self.emit_versioned(version, &mut out[start..]) {
+            Ok(n) => Ok(n),
+            Err(e) => {
+                out.truncate(start);
+                Err(e)
+            }
+        }
+    }
+
+    /// The frame encoded in [`PROTOCOL_VERSION`], in a new vector.
+    pub fn to_vec(&self) -> Result<Vec<u8>, EncodeError> {
+        let mut out = vec![0; self.encoded_len()];
+        self.emit(&mut out)?;
+        Ok(out)
+    }
+
+    /// The frame encoded in this build's newest version, as shared bytes (what a peer on this
+    /// build's version receives before the handshake, and tests feed to endpoints).
+    pub fn to_bytes(&self) -> Result<bytes::Bytes, EncodeError> {
+        self.to_vec().map(bytes::Bytes::from)
+    }
+}
+
+impl fmt::Display for Frame {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Frame::Hello(x) => x.fmt(f),
+            Frame::HelloAccept(x) => x.fmt(f),
+            Frame::HelloReject(x) => x.fmt(f),
+            Frame::RecvRegistration(x) => x.fmt(f),
+            Frame::KvResult(x) => x.fmt(f),
+            Frame::AuxResult(x) => x.fmt(f),
+            Frame::Cancel(x) => x.fmt(f),
+            Frame::Heartbeat(x) => x.fmt(f),
+            Frame::DataWrite(x) => x.fmt(f),
+        }
+    }
 }

@@ -7,8 +7,8 @@
 
 use core::fmt;
 
-use super::codec::MAX_REJECT_MESSAGE;
-use super::frame::{Hello, HelloAccept, HelloReject, RejectReason, Role, VersionRange};
+use super::frames::{Hello, HelloAccept, HelloReject, RejectReason, Role, MAX_REJECT_MESSAGE};
+use super::version::VersionRange;
 use crate::ids::GroupIndex;
 use crate::layout::LayerGroupLayout;
 use crate::shard::check_shard;

@@ -4,8 +4,14 @@
 
 use smallvec::smallvec;
 
-use super::frame::*;
+use super::frame::Frame;
+use super::frames::{
+    AuxData, AuxResult, Cancel, CancelReason, Capabilities, DataWrite, Heartbeat, Hello,
+    HelloAccept, HelloReject, KvResult, RecvRegistration, RejectReason, Role, Topology,
+};
 use super::handshake::compat_hash;
+use super::status::TransferStatus;
+use super::version::{VersionRange, PROTOCOL_VERSION};
 use crate::blocks::{AnchoredRun, IdRun};
 use crate::ids::{
     BlockId, GrantId, InstanceId, ReceiverSliceId, RegionId, RequestId, SenderSliceId,
