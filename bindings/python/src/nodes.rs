@@ -484,7 +484,9 @@ impl Receiver {
 /// A prefill and a decode node connected in this process (memory copies on the transport's
 /// copy threads). The handshake completes as the nodes are polled; the prefill node names the
 /// decode node :data:`MEM_RECEIVER_PEER`, the decode node names it :data:`MEM_SENDER_PEER`.
-/// Each side's pools are kept alive until both nodes are gone.
+/// Each side's pools are kept alive until both nodes are gone. Both nodes hold the whole model
+/// (one rank each); tensor- and pipeline-parallel ranks are placed with :meth:`Sender.tcp`'s
+/// ``tp_*``/``pp_*`` arguments.
 #[pyfunction]
 #[pyo3(signature = (sender_layout, sender_pools, receiver_layout, receiver_pools, *, deadlines = None))]
 pub(crate) fn mem_pair(

@@ -240,3 +240,55 @@ def test_unit_dimensions_and_empty_pools_are_contiguous_whatever_their_strides()
 def test_a_pool_key_must_be_a_region_id():
     with pytest.raises(TypeError, match="a pool's key is its region id"):
         kvpipe.Receiver.tcp(layout(3), {"3": np.zeros(4, np.uint8)})
+
+
+class NumpyDLPack:
+    """A numpy array seen only through DLPack (numpy's own capsules: a real producer), as a
+    torch CPU tensor is; ``legacy`` drops ``max_version``, as a pre-1.0 producer would."""
+
+    def __init__(self, array, legacy=False):
+        self.array, self.legacy = array, legacy
+
+    def __dlpack_device__(self):
+        return self.array.__dlpack_device__()
+
+    def __dlpack__(self, **kw):
+        if self.legacy and "max_version" in kw:
+            raise TypeError("__dlpack__() got an unexpected keyword argument 'max_version'")
+        return self.array.__dlpack__(**kw)
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["dlpack-1.x", "dlpack-legacy"])
+def test_numpy_dlpack_capsules_carry_a_transfer_into_a_slice(legacy):
+    src = np.arange(SLOTS * SLOT // 2, dtype=np.uint16).reshape(SLOTS, SLOT // 2)
+    full = np.zeros((SLOTS + 4, SLOT // 4), dtype=np.float32)
+    dst = full[4:]  # starts 4 rows into its buffer
+    tx, rx = kvpipe.mem_pair(layout(1), {1: NumpyDLPack(src, legacy)},
+                             layout(9), {9: NumpyDLPack(dst, legacy)})
+    until(tx, "peer_ready")
+    until(rx, "peer_ready")
+    rx.register(5, 8, [(0, [SLOTS - 2, SLOTS - 1])], [kvpipe.MEM_SENDER_PEER])
+    tx.open_request(5, [kvpipe.MEM_RECEIVER_PEER])
+    tx.submit_chunk(5, 0, 8, 8, [[3, SLOTS - 1]])
+    tx.submit_aux(5, [1])
+    until(rx, "quiesced")
+    until(tx, "quiesced")
+    landed, sent = full.view(np.uint8), src.view(np.uint8)
+    assert (landed[4 + SLOTS - 2] == sent[3]).all() and (landed[4 + SLOTS - 1] == sent[SLOTS - 1]).all()
+    assert not landed[: 4 + SLOTS - 2].any()
+    tx.close()
+    rx.close()
+
+
+def test_numpy_dlpack_read_only_and_strided_arrays_are_refused():
+    readonly = np.zeros((SLOTS, SLOT), dtype=np.uint8)
+    readonly.setflags(write=False)
+    with pytest.raises(BufferError, match="pool 3 is read-only"):
+        kvpipe.Receiver.tcp(layout(3), {3: NumpyDLPack(readonly)})
+    kvpipe.Sender.tcp(layout(3), {3: NumpyDLPack(readonly)}).close()
+    strided = np.zeros((SLOTS, 2 * SLOT), dtype=np.uint8)[:, ::2]
+    with pytest.raises(BufferError, match="pool 3 is not C-contiguous"):
+        kvpipe.Sender.tcp(layout(3), {3: NumpyDLPack(strided)})
+    fortran = np.zeros((SLOT, SLOTS), dtype=np.uint8, order="F")
+    with pytest.raises(BufferError, match="pool 3 is not C-contiguous"):
+        kvpipe.Sender.tcp(layout(3), {3: NumpyDLPack(fortran)})
