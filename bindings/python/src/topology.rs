@@ -63,10 +63,10 @@ impl RankPlace {
         for group in layout {
             let range = group.layer_range();
             if !range.is_empty() {
-                begin = begin.min(offset + range.start);
-                end = end.max(offset + range.end);
+                begin = begin.min(offset.saturating_add(range.start));
+                end = end.max(offset.saturating_add(range.end));
             }
-            offset += u32::from(group.model_layers());
+            offset = offset.saturating_add(u32::from(group.model_layers()));
         }
         let clamp = |layer: u32| u16::try_from(layer).unwrap_or(u16::MAX);
         let topology = Topology {

@@ -22,7 +22,8 @@ class ConfigError(KvpipeError):
     """The configuration cannot run pipelined transfer."""
 
 class TransportError(KvpipeError):
-    """A socket operation or the transport failed (listen, connect, an unfinished close)."""
+    """A socket operation or the transport failed (listen, connect, an unfinished close), or the
+    transport cannot use the memory given (a GPU pool in this build)."""
 
 class ClosedError(KvpipeError):
     """The node was closed."""
