@@ -4,6 +4,7 @@ with ctypes (legacy ``dltensor`` and versioned ``dltensor_versioned``). Nothing 
 dereferences a device address: kvpipe only reads the capsule and the interface dict."""
 
 import ctypes
+import itertools
 
 # dlpack.h's device types.
 CPU, CUDA, CUDA_HOST, ROCM, CUDA_MANAGED = 1, 2, 3, 10, 13
@@ -49,21 +50,29 @@ _capsule_new = ctypes.pythonapi.PyCapsule_New
 _capsule_new.restype = ctypes.py_object
 _capsule_new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
 
-# Capsules released (by name), counted by the capsules' destructor: a released capsule is the
-# producer's cue to free the tensor.
-released = []
+# Capsules released, per producer tag, counted by the capsules' destructors: a released capsule
+# is the producer's cue to free the tensor. The destructors live as long as the module, since a
+# capsule may outlive its producer.
+released = {}
+_destructors = []
+_tags = itertools.count()
 
 
-@ctypes.CFUNCTYPE(None, ctypes.c_void_p)
-def _destructor(_capsule):
-    released.append(1)
+def _destructor_for(tag):
+    @ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+    def destructor(_capsule):
+        released[tag] = released.get(tag, 0) + 1
+
+    _destructors.append(destructor)
+    return ctypes.cast(destructor, ctypes.c_void_p).value
 
 
 class DLPackTensor:
     """A DLPack producer over memory at ``ptr`` (an int; a host address or a pretend device
     address). ``bits``/``lanes``: the item type; ``strides`` in items or None; ``legacy``: its
     ``__dlpack__`` predates DLPack 1.0 (no ``max_version``); the other fields break the capsule
-    on purpose. ``keep`` is held, as a producer holds the memory it exports."""
+    on purpose. ``keep`` is held, as a producer holds the memory it exports; ``released[tag]``
+    counts this producer's capsules released."""
 
     def __init__(self, ptr, shape, *, bits=8, lanes=1, device=(CPU, 0), strides=None,
                  byte_offset=0, legacy=False, flags=0, major=1, tensor_device=None, ndim=None,
@@ -75,6 +84,8 @@ class DLPackTensor:
         self.ndim = len(self.shape) if ndim is None else ndim
         self.null_shape, self.name, self.keep = null_shape, name, keep
         self.alive = []
+        self.tag = next(_tags)
+        self._destructor = _destructor_for(self.tag)
 
     def __dlpack_device__(self):
         return self.device
@@ -105,8 +116,7 @@ class DLPackTensor:
         self.alive.append(managed)
         name = self.name or (b"dltensor_versioned" if versioned else b"dltensor")
         self.alive.append(name)
-        destructor = ctypes.cast(_destructor, ctypes.c_void_p).value
-        return _capsule_new(ctypes.addressof(managed), name, destructor)
+        return _capsule_new(ctypes.addressof(managed), name, self._destructor)
 
     def __dlpack__(self, *, stream=None, max_version=None):
         if self.legacy and max_version is not None:
