@@ -20,6 +20,9 @@ pub struct RawRegion {
     pub ptr: *mut u8,
     /// Length in bytes.
     pub len: usize,
+    /// Where the bytes are: `None`, host memory; `Some(ordinal)`, `ptr` is a CUDA device
+    /// address on GPU `ordinal`.
+    pub device: Option<u32>,
 }
 
 /// How a node is set up; [`NodeConfig::new`] gives the defaults around a layout.
@@ -101,8 +104,9 @@ pub(crate) unsafe fn tcp_regions(regions: &[RawRegion]) -> RegionTable {
         .collect()
 }
 
-/// Refuses regions that share an id or have a null address, and a layout whose pools name a
-/// region that is not given (every write to or from it would fail at run time instead).
+/// Refuses regions that share an id, have a null address or are GPU memory (no transport of
+/// this layer reads or writes device addresses yet), and a layout whose pools name a region
+/// that is not given (every write to or from it would fail at run time instead).
 pub(crate) fn check_regions(
     config: &NodeConfig,
     regions: &[RawRegion],
@@ -115,6 +119,12 @@ pub(crate) fn check_regions(
         if !seen.insert(r.id) {
             return Err(crate::EmbedError::DuplicateRegion(r.id));
         }
+        if let Some(ordinal) = r.device {
+            return Err(crate::EmbedError::DeviceRegion {
+                region: r.id,
+                ordinal,
+            });
+        }
     }
     for (g, group) in config.layout.iter().enumerate() {
         if let Some(pool) = group.pools.iter().find(|p| !seen.contains(&p.region)) {
@@ -125,4 +135,58 @@ pub(crate) fn check_regions(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvpipe_core::{GroupShard, PoolLayout};
+
+    #[test]
+    fn a_gpu_region_is_refused_by_name() {
+        let config = NodeConfig::new(vec![LayerGroupLayout {
+            layers: 1,
+            kv_factor: 2,
+            kv_heads: 1,
+            head_dim: 8,
+            elem_bytes: 2,
+            tokens_per_block: 4,
+            window: None,
+            block_layout: Default::default(),
+            pools: [PoolLayout {
+                region: RegionId(3),
+                layer_begin: 0,
+                layers: 1,
+                slot_bytes: 128,
+            }]
+            .into_iter()
+            .collect(),
+            shard: GroupShard::default(),
+        }]);
+        let mut bytes = [0u8; 256];
+        let host = RawRegion {
+            id: RegionId(3),
+            ptr: bytes.as_mut_ptr(),
+            len: bytes.len(),
+            device: None,
+        };
+        assert!(check_regions(&config, &[host]).is_ok());
+        let gpu = RawRegion {
+            device: Some(1),
+            ..host
+        };
+        let err = check_regions(&config, &[gpu]).unwrap_err();
+        assert!(matches!(
+            err,
+            crate::EmbedError::DeviceRegion {
+                region: RegionId(3),
+                ordinal: 1
+            }
+        ));
+        assert_eq!(
+            err.to_string(),
+            "region#3 is memory on GPU 1, which this build's transports cannot read or write \
+             yet; give host memory"
+        );
+    }
 }

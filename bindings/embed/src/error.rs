@@ -40,6 +40,17 @@ pub enum EmbedError {
     /// A region's address is null while its length is not zero.
     #[error("{0} has a null address")]
     NullRegion(RegionId),
+    /// A region is GPU memory, which no transport of this layer reads or writes yet.
+    #[error(
+        "{region} is memory on GPU {ordinal}, which this build's transports cannot read or \
+         write yet; give host memory"
+    )]
+    DeviceRegion {
+        /// The region.
+        region: RegionId,
+        /// The GPU's ordinal.
+        ordinal: u32,
+    },
     /// The operation does not exist on this transport (listening on an in-process node).
     #[error("{operation} is not available on the {transport} transport")]
     Unsupported {

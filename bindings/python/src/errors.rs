@@ -28,7 +28,8 @@ create_exception!(
     kvpipe,
     TransportError,
     KvpipeError,
-    "A socket operation or the transport failed (listen, connect, an unfinished close)."
+    "A socket operation or the transport failed (listen, connect, an unfinished close), or the \
+     transport cannot use the memory given (a GPU pool in this build)."
 );
 create_exception!(kvpipe, ClosedError, KvpipeError, "The node was closed.");
 
@@ -46,6 +47,7 @@ pub(crate) fn to_py(e: EmbedError) -> PyErr {
         | EmbedError::Close(_)
         | EmbedError::Registration(_)
         | EmbedError::Drive(_)
-        | EmbedError::Unsupported { .. } => TransportError::new_err(message),
+        | EmbedError::Unsupported { .. }
+        | EmbedError::DeviceRegion { .. } => TransportError::new_err(message),
     }
 }

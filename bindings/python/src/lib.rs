@@ -10,6 +10,7 @@ mod layout;
 mod nodes;
 mod pools;
 mod source;
+mod topology;
 
 use pyo3::prelude::*;
 

@@ -20,6 +20,7 @@ use crate::event::Event;
 use crate::layout::{deadlines, layout, LayerGroup};
 use crate::pools::{pools, Pools};
 use crate::source::PySource;
+use crate::topology::RankPlace;
 
 /// Longest stretch a blocking wait runs without checking for Ctrl-C.
 const SIGNAL_SLICE: Duration = Duration::from_millis(50);
@@ -29,6 +30,7 @@ fn config(
     connections: usize,
     given: Option<&Bound<'_, PyDict>>,
     instance: Option<u64>,
+    place: RankPlace,
 ) -> PyResult<NodeConfig> {
     if !(1..=255).contains(&connections) {
         return Err(PyValueError::new_err(format!(
@@ -36,6 +38,7 @@ fn config(
         )));
     }
     let mut c = NodeConfig::new(layout(groups));
+    c.topology = place.topology(&c.layout)?;
     c.deadlines = deadlines(given)?;
     c.instance = instance.map(InstanceId);
     c.tcp.connections_per_peer = connections;
@@ -120,20 +123,38 @@ pub(crate) struct Receiver {
 #[pymethods]
 impl Sender {
     /// A prefill node over TCP. ``layout`` is the KV cache's layer groups; ``pools`` maps each
-    /// region id the pools name to an object exporting a C-contiguous buffer (a numpy array),
-    /// read in place and kept alive while the node exists. ``connections``: sockets per peer
-    /// (this side connects); ``deadlines``: ``{name: seconds}`` over the core's defaults;
-    /// ``instance``: the handshake's instance id (default: from the process id and clock).
+    /// region id the pools name to its memory, read in place and kept alive while the node
+    /// exists: a C-contiguous buffer (a numpy array), a DLPack tensor (a torch tensor) or a
+    /// ``__cuda_array_interface__`` array. ``connections``: sockets per peer (this side
+    /// connects); ``deadlines``: ``{name: seconds}`` over the core's defaults; ``instance``: the
+    /// handshake's instance id (default: from the process id and clock). ``tp_size``,
+    /// ``tp_rank``, ``pp_size``, ``pp_rank``: this rank's place in the parallel topology
+    /// (default: the whole model on one rank); each layer group's heads must be those of
+    /// ``tp_rank``, or ``ValueError`` says which.
     #[staticmethod]
-    #[pyo3(signature = (layout, pools, *, connections = 2, deadlines = None, instance = None))]
+    #[pyo3(signature = (
+        layout, pools, *, connections = 2, deadlines = None, instance = None, tp_size = 1,
+        tp_rank = 0, pp_size = 1, pp_rank = 0
+    ))]
+    #[allow(clippy::too_many_arguments)]
     fn tcp(
         layout: Vec<PyRef<'_, LayerGroup>>,
         pools: &Bound<'_, PyDict>,
         connections: usize,
         deadlines: Option<&Bound<'_, PyDict>>,
         instance: Option<u64>,
+        tp_size: i64,
+        tp_rank: i64,
+        pp_size: i64,
+        pp_rank: i64,
     ) -> PyResult<Self> {
-        let c = config(&layout, connections, deadlines, instance)?;
+        let place = RankPlace {
+            tp_size,
+            tp_rank,
+            pp_size,
+            pp_rank,
+        };
+        let c = config(&layout, connections, deadlines, instance, place)?;
         let (regions, held) = self::pools(pools, false)?;
         // SAFETY: the buffers stay exported (held) as long as the node: `_pools` is declared
         // after `node`, so the node and its threads are gone before a buffer is released.
@@ -333,19 +354,33 @@ fn anchored_runs(blocks: &Bound<'_, PyAny>) -> PyResult<Vec<AnchoredRun>> {
 
 #[pymethods]
 impl Receiver {
-    /// A decode node over TCP. ``pools`` maps region ids to writable C-contiguous buffers
-    /// (numpy arrays) the received KV lands in, in place; the rest as :meth:`Sender.tcp`
-    /// (``connections`` applies when this side connects).
+    /// A decode node over TCP. ``pools`` maps region ids to writable memory the received KV
+    /// lands in, in place (as in :meth:`Sender.tcp`; a read-only pool is refused); the rest as
+    /// :meth:`Sender.tcp` (``connections`` applies when this side connects).
     #[staticmethod]
-    #[pyo3(signature = (layout, pools, *, connections = 2, deadlines = None, instance = None))]
+    #[pyo3(signature = (
+        layout, pools, *, connections = 2, deadlines = None, instance = None, tp_size = 1,
+        tp_rank = 0, pp_size = 1, pp_rank = 0
+    ))]
+    #[allow(clippy::too_many_arguments)]
     fn tcp(
         layout: Vec<PyRef<'_, LayerGroup>>,
         pools: &Bound<'_, PyDict>,
         connections: usize,
         deadlines: Option<&Bound<'_, PyDict>>,
         instance: Option<u64>,
+        tp_size: i64,
+        tp_rank: i64,
+        pp_size: i64,
+        pp_rank: i64,
     ) -> PyResult<Self> {
-        let c = config(&layout, connections, deadlines, instance)?;
+        let place = RankPlace {
+            tp_size,
+            tp_rank,
+            pp_size,
+            pp_rank,
+        };
+        let c = config(&layout, connections, deadlines, instance, place)?;
         let (regions, held) = self::pools(pools, true)?;
         // SAFETY: as in `Sender::tcp`.
         let node = unsafe { Node::<CoreReceiver>::tcp(&c, &regions) }.map_err(to_py)?;
@@ -450,7 +485,9 @@ impl Receiver {
 /// A prefill and a decode node connected in this process (memory copies on the transport's
 /// copy threads). The handshake completes as the nodes are polled; the prefill node names the
 /// decode node :data:`MEM_RECEIVER_PEER`, the decode node names it :data:`MEM_SENDER_PEER`.
-/// Each side's pools are kept alive until both nodes are gone.
+/// Each side's pools are kept alive until both nodes are gone. Both nodes hold the whole model
+/// (one rank each); tensor- and pipeline-parallel ranks are placed with :meth:`Sender.tcp`'s
+/// ``tp_*``/``pp_*`` arguments.
 #[pyfunction]
 #[pyo3(signature = (sender_layout, sender_pools, receiver_layout, receiver_pools, *, deadlines = None))]
 pub(crate) fn mem_pair(
@@ -460,8 +497,8 @@ pub(crate) fn mem_pair(
     receiver_pools: &Bound<'_, PyDict>,
     deadlines: Option<&Bound<'_, PyDict>>,
 ) -> PyResult<(Sender, Receiver)> {
-    let s = config(&sender_layout, 1, deadlines, None)?;
-    let r = config(&receiver_layout, 1, deadlines, None)?;
+    let s = config(&sender_layout, 1, deadlines, None, RankPlace::default())?;
+    let r = config(&receiver_layout, 1, deadlines, None, RankPlace::default())?;
     let (s_regions, s_held) = pools(sender_pools, false)?;
     let (r_regions, r_held) = pools(receiver_pools, true)?;
     // SAFETY: both nodes hold both sides' buffers (`_pools`, dropped after `node`), so no

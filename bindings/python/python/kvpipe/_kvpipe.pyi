@@ -22,7 +22,8 @@ class ConfigError(KvpipeError):
     """The configuration cannot run pipelined transfer."""
 
 class TransportError(KvpipeError):
-    """A socket operation or the transport failed (listen, connect, an unfinished close)."""
+    """A socket operation or the transport failed (listen, connect, an unfinished close), or the
+    transport cannot use the memory given (a GPU pool in this build)."""
 
 class ClosedError(KvpipeError):
     """The node was closed."""
@@ -140,8 +141,48 @@ Deadlines = Mapping[
 ]
 """Seconds, over the core's defaults."""
 
-Pools = Mapping[int, Buffer]
-"""Region id -> a C-contiguous buffer (a numpy array), used in place."""
+class DLPackTensor(Protocol):
+    """A DLPack producer (a torch tensor, CuPy or JAX array, numpy array): kvpipe calls
+    ``__dlpack_device__()`` and ``__dlpack__(max_version=(1, 1))`` (``__dlpack__()`` where that
+    keyword is refused) and holds the capsule, unconsumed, while the node exists."""
+
+    def __dlpack__(self, *args: Any, **kwargs: Any) -> Any: ...
+    def __dlpack_device__(self) -> tuple[int, int]: ...
+
+class CudaArray(Protocol):
+    """An object exposing ``__cuda_array_interface__`` (version 2 or 3). The interface does not
+    say which GPU holds the memory, so the object must also have ``__dlpack_device__``."""
+
+    @property
+    def __cuda_array_interface__(self) -> Mapping[str, Any]: ...
+    def __dlpack_device__(self) -> tuple[int, int]: ...
+
+PoolMemory = Buffer | DLPackTensor | CudaArray
+"""The memory of one pool, used in place (never copied) and kept alive while its node exists.
+Tried in this order:
+
+1. a C-contiguous **buffer** (numpy array, ``bytearray``, ``mmap``): host memory;
+2. a **DLPack** tensor (torch tensor, CuPy, JAX): host memory when ``__dlpack_device__()``
+   says CPU (1) or CUDA pinned host (3), a **device pool** on GPU ``device_id`` when it says
+   CUDA (2) or CUDA managed (13); any other device raises ``ValueError``;
+3. a ``__cuda_array_interface__`` array: a device pool on the GPU its ``__dlpack_device__()``
+   names.
+
+The pool's bytes are its elements × item size. Strides must describe a C-contiguous array (or
+be absent), else ``BufferError``; a decode pool must be writable (``BufferError`` for a
+read-only buffer, a ``__cuda_array_interface__`` with ``data=(ptr, True)`` or a DLPack 1.x
+tensor flagged read-only; a pre-1.0 DLPack capsule cannot say). A DLPack export flagged as a
+copy is refused (writes would land in the copy). A malformed object raises ``TypeError``,
+``ValueError`` or ``BufferError`` naming the pool. kvpipe synchronises no CUDA stream when it
+takes a pool: submit a chunk only once its KV is computed.
+
+Device pools are passed to the node as GPU memory; the transports of this build cannot read or
+write it yet, so a node given one raises :class:`TransportError` ("region#N is memory on GPU
+K, ..."). Torch CPU tensors (through DLPack) and numpy arrays are host pools and work today.
+"""
+
+Pools = Mapping[int, PoolMemory]
+"""Region id -> the pool's memory (see :data:`PoolMemory`), used in place."""
 
 class Sender:
     """A prefill-side node: kvpipe's core sender over a transport."""
@@ -154,7 +195,18 @@ class Sender:
         connections: int = 2,
         deadlines: Deadlines | None = None,
         instance: int | None = None,
-    ) -> Sender: ...
+        tp_size: int = 1,
+        tp_rank: int = 0,
+        pp_size: int = 1,
+        pp_rank: int = 0,
+    ) -> Sender:
+        """A prefill node over TCP. ``tp_size``/``tp_rank`` and ``pp_size``/``pp_rank``
+        are this rank's place in the tensor- and pipeline-parallel topology (default: the whole
+        model on one rank). ``ValueError`` when a size is not 1..65535, a rank is not below
+        its size, or a layer group's heads (``first_head``, ``kv_heads`` of
+        ``model_kv_heads``) are not those of ``tp_rank``: rank ``r`` of ``T`` holds heads
+        ``r*H/T .. (r+1)*H/T`` of ``H`` (one replicated head when ``H < T``). The rank's layer
+        range (sent in the handshake) is taken from the groups' ``first_layer``."""
     @property
     def transport(self) -> Literal["tcp", "mem"]: ...
     def listen(self, addr: str) -> int: ...
@@ -204,7 +256,18 @@ class Receiver:
         connections: int = 2,
         deadlines: Deadlines | None = None,
         instance: int | None = None,
-    ) -> Receiver: ...
+        tp_size: int = 1,
+        tp_rank: int = 0,
+        pp_size: int = 1,
+        pp_rank: int = 0,
+    ) -> Receiver:
+        """A decode node over TCP. ``tp_size``/``tp_rank`` and ``pp_size``/``pp_rank``
+        are this rank's place in the tensor- and pipeline-parallel topology (default: the whole
+        model on one rank). ``ValueError`` when a size is not 1..65535, a rank is not below
+        its size, or a layer group's heads (``first_head``, ``kv_heads`` of
+        ``model_kv_heads``) are not those of ``tp_rank``: rank ``r`` of ``T`` holds heads
+        ``r*H/T .. (r+1)*H/T`` of ``H`` (one replicated head when ``H < T``). The rank's layer
+        range (sent in the handshake) is taken from the groups' ``first_layer``."""
     @property
     def transport(self) -> Literal["tcp", "mem"]: ...
     def listen(self, addr: str) -> int: ...

@@ -1,0 +1,90 @@
+//! A rank's place in the parallel topology, from the node constructors' keyword arguments.
+
+use kvpipe_core::wire::Topology;
+use kvpipe_core::{check_shard, LayerGroupLayout};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+
+/// The constructors' ``tp_size``, ``tp_rank``, ``pp_size`` and ``pp_rank``, as Python gave them
+/// (checked by [`RankPlace::topology`]).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct RankPlace {
+    /// Tensor-parallel size.
+    pub(crate) tp_size: i64,
+    /// This rank's tensor-parallel rank.
+    pub(crate) tp_rank: i64,
+    /// Pipeline-parallel size.
+    pub(crate) pp_size: i64,
+    /// This rank's pipeline-parallel rank.
+    pub(crate) pp_rank: i64,
+}
+
+impl Default for RankPlace {
+    /// The whole model on one rank.
+    fn default() -> Self {
+        RankPlace {
+            tp_size: 1,
+            tp_rank: 0,
+            pp_size: 1,
+            pp_rank: 0,
+        }
+    }
+}
+
+/// `size` and `rank` of one kind of parallelism, or why they cannot be.
+fn size_and_rank(kind: &str, size: i64, rank: i64) -> PyResult<(u16, u16)> {
+    let size = match u16::try_from(size) {
+        Ok(s) if s >= 1 => s,
+        _ => {
+            return Err(PyValueError::new_err(format!(
+                "{kind}_size must be between 1 and 65535 (1: no {kind} parallelism), got {size}"
+            )))
+        }
+    };
+    match u16::try_from(rank) {
+        Ok(r) if r < size => Ok((size, r)),
+        _ => Err(PyValueError::new_err(format!(
+            "{kind}_rank must be between 0 and {kind}_size - 1 = {}, got {rank}",
+            size - 1
+        ))),
+    }
+}
+
+impl RankPlace {
+    /// The topology of a rank holding `layout`: the sizes and ranks given, checked, and the
+    /// rank's layers (counting the groups' layers one group after another, as each group's
+    /// `first_layer` places them in the model). Every group's heads must be those its tensor
+    /// rank holds (the check each handshake makes, made once here so a wrong rank is refused
+    /// when the node is made, not at every peer).
+    pub(crate) fn topology(&self, layout: &[LayerGroupLayout]) -> PyResult<Topology> {
+        let (tp_size, tp_rank) = size_and_rank("tp", self.tp_size, self.tp_rank)?;
+        let (pp_size, pp_rank) = size_and_rank("pp", self.pp_size, self.pp_rank)?;
+        let (mut offset, mut begin, mut end) = (0u32, u32::MAX, 0u32);
+        for group in layout {
+            let range = group.layer_range();
+            if !range.is_empty() {
+                begin = begin.min(offset.saturating_add(range.start));
+                end = end.max(offset.saturating_add(range.end));
+            }
+            offset = offset.saturating_add(u32::from(group.model_layers()));
+        }
+        let clamp = |layer: u32| u16::try_from(layer).unwrap_or(u16::MAX);
+        let topology = Topology {
+            tp_size,
+            tp_rank,
+            pp_size,
+            pp_rank,
+            layer_begin: clamp(begin.min(end)),
+            layer_end: clamp(end),
+        };
+        for (g, group) in layout.iter().enumerate() {
+            if let Err(e) = check_shard(&topology, group) {
+                return Err(PyValueError::new_err(format!(
+                    "layer group {g}: {e} (tp_size={tp_size}, tp_rank={tp_rank}; a group's \
+                     first_head and kv_heads must be those of the rank's tensor-parallel rank)"
+                )));
+            }
+        }
+        Ok(topology)
+    }
+}
