@@ -366,3 +366,73 @@ fn a_declared_part_completes_with_its_own_writer_and_refuses_others() {
         Err(UsageError::ExpectedPartNotHeld { .. })
     ));
 }
+
+/// A writer that writes one extent twice and leaves out another of the same size lands the
+/// right byte count; completion requires the landed extents to be what it had to write, so the
+/// second copy is refused and the request fails instead of completing without the tail.
+#[test]
+fn a_duplicated_write_plus_an_omission_of_the_same_size_does_not_complete() {
+    let mut net = Net::connected(1, 1);
+    net.auto_complete = false;
+    let mut source = TestSource::with(R, 100, 4);
+    net.register(0, registration(R, 16, &[0]));
+    net.open(0, send_request(R, &[0]));
+    net.submit(0, R, chunk(0, 16, 16, true), &mut source);
+    let held = net.held.remove(0);
+    let extent = *held.plan.extents().first().expect("one coalesced extent");
+    assert_eq!(extent.len, 4 * BLOCK_BYTES);
+    let now = net.now;
+    let (region, at) = (extent.dst_region, extent.dst_offset);
+    let pieces = [
+        (at, BLOCK_BYTES),
+        (at, BLOCK_BYTES), // again
+        (at + BLOCK_BYTES, 2 * BLOCK_BYTES),
+        // [at + 3 blocks, +1 block) never written
+    ];
+    let mut admissions = Vec::new();
+    for (offset, len) in pieces {
+        let header = held.headers.encode(region, offset, len);
+        let admission = net.receivers[0].admit_write(now, tx_peer(0), &header);
+        if let kvpipe_core::session::Admission::Apply { ticket, .. } = admission {
+            net.receivers[0]
+                .handle_transport(
+                    now,
+                    kvpipe_core::session::TransportInput::WriteFinished {
+                        ticket,
+                        landed: true,
+                    },
+                )
+                .unwrap();
+        }
+        admissions.push(admission);
+    }
+    assert!(
+        matches!(
+            admissions[1],
+            kvpipe_core::session::Admission::Refuse(
+                kvpipe_core::session::WriteRefusal::Overlap { .. }
+            )
+        ),
+        "{admissions:?}"
+    );
+    net.senders[0]
+        .handle_transport(
+            now,
+            kvpipe_core::session::TransportInput::WritesCompleted { batch: held.batch },
+        )
+        .unwrap();
+    net.pump();
+    // The refusal failed the request on both sides at once.
+    let now = net.now;
+    assert!(net.senders[0]
+        .submit_aux(now, R, Default::default())
+        .is_err());
+    let events = net.events(Side::Receiver(0));
+    assert!(
+        !events.iter().any(|e| matches!(e, Event::Completed { .. })),
+        "{events:?}"
+    );
+    assert!(events
+        .iter()
+        .any(|e| matches!(e, Event::Failed { request, .. } if *request == R)));
+}

@@ -149,6 +149,48 @@ impl WritesInFlight {
     }
 }
 
+/// The bytes of one request that landed, merged: completion requires that no byte landed twice,
+/// so with every writer's landed count equal to its share the landed extents are exactly what
+/// the writers had to write (a duplicated write plus an omission of the same size no longer
+/// adds up).
+#[derive(Clone, Debug, Default)]
+pub(crate) struct LandedExtents {
+    /// Start → end, disjoint and not touching (touching extents are merged).
+    by_start: BTreeMap<(RegionId, u64), u64>,
+}
+
+impl LandedExtents {
+    /// Whether `[offset, end)` of `region` overlaps bytes that landed.
+    pub(crate) fn overlaps(&self, region: RegionId, offset: u64, end: u64) -> bool {
+        self.by_start
+            .range((region, 0)..(region, end))
+            .next_back()
+            .is_some_and(|(_, &e)| e > offset)
+    }
+
+    /// Records `[offset, end)` of `region` as landed (the caller checked it overlaps nothing),
+    /// merged with the extents it touches.
+    pub(crate) fn insert(&mut self, region: RegionId, offset: u64, end: u64) {
+        let (mut start, mut stop) = (offset, end);
+        if let Some((&(r, s), &e)) = self.by_start.range(..=(region, offset)).next_back() {
+            if r == region && e == offset {
+                start = s;
+                self.by_start.remove(&(r, s));
+            }
+        }
+        if let Some(e) = self.by_start.remove(&(region, end)) {
+            stop = e;
+        }
+        self.by_start.insert((region, start), stop);
+    }
+
+    /// Merged extents held (for tests).
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
+        self.by_start.len()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -233,5 +275,19 @@ mod tests {
         assert!(w.issued(a) && w.issued(b) && !w.issued(WriteTicket(9)));
         assert_eq!(w.remove_peer(PeerId(1)).len(), 1);
         assert_eq!(w.len(), 0);
+    }
+
+    #[test]
+    fn landed_extents_merge_and_find_overlaps() {
+        let mut l = LandedExtents::default();
+        l.insert(RegionId(1), 0, 10);
+        l.insert(RegionId(1), 20, 30);
+        l.insert(RegionId(2), 10, 20);
+        assert_eq!(l.len(), 3);
+        l.insert(RegionId(1), 10, 20);
+        assert_eq!(l.len(), 2, "0..10, 10..20 and 20..30 merge into one");
+        assert!(l.overlaps(RegionId(1), 29, 31) && l.overlaps(RegionId(1), 0, 1));
+        assert!(!l.overlaps(RegionId(1), 30, 40) && !l.overlaps(RegionId(2), 0, 10));
+        assert!(l.overlaps(RegionId(2), 15, 16) && !l.overlaps(RegionId(2), 20, 21));
     }
 }

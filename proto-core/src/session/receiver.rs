@@ -7,7 +7,7 @@ use smallvec::SmallVec;
 
 use super::config::ReceiverConfig;
 use super::coverage::{check_group_cover, GroupPart};
-use super::grants::{Flight, GrantedExtents, WritesInFlight};
+use super::grants::{Flight, GrantedExtents, LandedExtents, WritesInFlight};
 use super::peers::Route;
 use super::retired::Retired;
 use super::shell::{Due, Shell};
@@ -155,6 +155,8 @@ struct RecvSession {
     bytes_written: u64,
     /// Blocks of the registration, released (counted) when the session quiesces.
     blocks_pinned: u64,
+    /// The bytes that landed; a write overlapping them is refused (no byte lands twice).
+    landed: LandedExtents,
     /// The part the writers must cover (`None`: all the rank holds).
     expected_part: Option<Vec<GroupPart>>,
     /// The writers' cover was proved (every writer's handshake was known).
@@ -622,6 +624,7 @@ impl Receiver {
                 quiesce_deadline: None,
                 bytes_written: 0,
                 blocks_pinned,
+                landed: LandedExtents::default(),
                 expected_part: reg.expected_part,
                 cover_proved,
             },
@@ -908,7 +911,9 @@ impl Receiver {
             return Ok(Admission::Discard { len: w.len });
         }
         let end = w.offset + w.len; // `contains` checked it does not overflow
-        if self.writes.overlaps(w.region, w.offset, end) {
+        if self.writes.overlaps(w.region, w.offset, end)
+            || session.landed.overlaps(w.region, w.offset, end)
+        {
             return Err(WriteRefusal::Overlap {
                 request,
                 region: w.region,
@@ -992,6 +997,9 @@ impl Receiver {
             session.timings.last_byte = Some(now);
             self.note_progress(now, request);
             let session = self.sessions.get_mut(&request).expect("present");
+            session
+                .landed
+                .insert(flight.region, flight.offset, flight.offset + flight.len);
             self.shell.counters.bytes_landed += flight.len;
             if let Some(w) = session.writers.iter_mut().find(|w| w.peer == flight.peer) {
                 w.landed = w.landed.saturating_add(flight.len);

@@ -178,8 +178,12 @@ pub enum WriteRefusal {
         /// Length.
         len: u64,
     },
-    /// The destination overlaps another write that is still being applied.
-    #[error("data write for {request} to {region} [{offset}, +{len}) overlaps a write in flight")]
+    /// The destination overlaps another write that is still being applied, or bytes of the
+    /// request that already landed (no byte lands twice).
+    #[error(
+        "data write for {request} to {region} [{offset}, +{len}) overlaps a write in flight or \
+         bytes that already landed"
+    )]
     Overlap {
         /// The request.
         request: RequestId,
