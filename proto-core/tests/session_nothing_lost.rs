@@ -436,3 +436,87 @@ fn a_duplicated_write_plus_an_omission_of_the_same_size_does_not_complete() {
         .iter()
         .any(|e| matches!(e, Event::Failed { request, .. } if *request == R)));
 }
+
+/// The DESIGN's pipelined mode needs a prefill side without pipeline parallelism; the rank's
+/// topology says when it has it, and the sender refuses at once.
+#[test]
+fn a_prefill_side_split_by_pipeline_parallelism_is_refused_when_made() {
+    let mut c = sender_config(0);
+    c.local.topology.pp_size = 2;
+    assert_eq!(
+        kvpipe_core::Sender::new(c).err(),
+        Some(kvpipe_core::ConfigError::SenderPipelineParallel(2))
+    );
+}
+
+/// MLA (`kv_factor` 1, one latent "head" every tensor rank holds in full) from two prefill
+/// tensor ranks to one decode rank: the replica rule picks rank 0 as the writer, so a
+/// registration naming rank 0 completes with every byte and one naming only rank 1 is refused.
+#[test]
+fn mla_across_tensor_parallel_sizes_is_covered_by_the_replica_the_rule_picks() {
+    let mla = |region: u32| {
+        let mut g = layout(region);
+        g[0].kv_factor = 1;
+        g[0].shard.model_kv_heads = 1;
+        g[0].pools[0].slot_bytes = BLOCK_BYTES / 2;
+        g
+    };
+    let mut net = Net::new(2, 1);
+    for rank in 0..2u16 {
+        let topology = kvpipe_core::wire::Topology {
+            tp_size: 2,
+            tp_rank: rank,
+            pp_size: 1,
+            pp_rank: 0,
+            layer_begin: 0,
+            layer_end: 2,
+        };
+        let mut c = kvpipe_core::SenderConfig::new(kvpipe_core::session::LocalHello::new(
+            kvpipe_core::InstanceId(70 + u64::from(rank)),
+            topology,
+            mla(1),
+        ));
+        c.deadlines = deadlines();
+        net.senders[usize::from(rank)] = kvpipe_core::Sender::new(c).unwrap();
+    }
+    let mut c = kvpipe_core::ReceiverConfig::new(
+        kvpipe_core::session::LocalHello::new(
+            kvpipe_core::InstanceId(80),
+            Default::default(),
+            mla(2),
+        ),
+        0x31a,
+    );
+    c.deadlines = deadlines();
+    net.receivers[0] = kvpipe_core::Receiver::new(c).unwrap();
+    net.connect(0, 0);
+    net.connect(1, 0);
+    net.pump();
+    let now = net.now;
+    assert!(matches!(
+        net.receivers[0].register(now, registration(R, 16, &[1])),
+        Err(UsageError::WritersDoNotCover(
+            ProtocolError::WritersDoNotCover {
+                fault: CoverFault::Missing { .. },
+                ..
+            }
+        ))
+    ));
+    let mut source = TestSource::with(R, 100, 4);
+    net.register(0, registration(R, 16, &[0]));
+    net.open(0, send_request(R, &[0]));
+    net.submit(0, R, chunk(0, 16, 16, true), &mut source);
+    net.aux(0, R);
+    let completed = net
+        .events(Side::Receiver(0))
+        .into_iter()
+        .find_map(|e| match e {
+            Event::Completed { bytes_written, .. } => Some(bytes_written),
+            _ => None,
+        });
+    assert_eq!(
+        completed,
+        Some(4 * BLOCK_BYTES / 2),
+        "every latent byte of 4 blocks"
+    );
+}

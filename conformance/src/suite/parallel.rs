@@ -6,14 +6,14 @@
 //! A harness connects one sender to one receiver, so each (prefill rank, decode rank) pair that
 //! shares part of the model is one connected pair, and the ranks' caches are shared by their
 //! pairs: the decode rank's memory receives the head slices and layer ranges of every prefill
-//! rank that writes it, each over its own connection, and each pair's receiver expects that
-//! one writer. (A decode rank with several writers on one endpoint is exercised by
+//! rank that writes it, each over its own connection, and each pair's registrations declare the
+//! part of the decode rank that its one writer writes (`Registration::expected_part`). (A decode rank with several writers on one endpoint is exercised by
 //! `kvpipe demo --sender-tp/--receiver-tp/--receiver-pp` and the simulator.) Each scenario
 //! checks that every request completes on every pair, that every decode rank's bytes equal the
 //! whole model's content for its part, that the prefill ranks' blocks are unchanged, that
 //! nothing outside the granted blocks changed, and that nothing is left behind.
 
-use kvpipe_core::session::{LocalHello, Registration, SendRequest};
+use kvpipe_core::session::{GroupPart, LocalHello, Registration, SendRequest};
 use kvpipe_core::wire::{AuxData, Role, Topology};
 use kvpipe_core::{
     AnchoredRun, BlockId, ChunkSpec, Event, GroupIndex, InstanceId, Instant, ReceiverConfig,
@@ -155,6 +155,8 @@ fn rank(model: &[GroupSpec], at: (u16, u16, u16, u16), region: u32) -> Result<Ra
 struct Pair<L> {
     sender: usize,
     receiver: usize,
+    /// What the pair's one writer writes of the decode rank: the part its registrations expect.
+    expected: Vec<GroupPart>,
     link: L,
     completed: [usize; 2],
     quiesced: usize,
@@ -212,9 +214,16 @@ impl ParallelScenario {
                         &FaultPlan::default(),
                     )?
                 };
+                let expected = (senders[s].cache.layouts().iter())
+                    .zip(&r.cache.layouts())
+                    .map(|(src, dst)| {
+                        GroupPart::written_by(&senders[s].topology, src, &r.topology, dst)
+                    })
+                    .collect();
                 pairs.push(Pair {
                     sender: s,
                     receiver: j,
+                    expected,
                     link,
                     completed: [0; 2],
                     quiesced: 0,
@@ -314,7 +323,7 @@ impl ParallelScenario {
                             groups: per_receiver[p.receiver].clone(),
                             writers: std::iter::once(writer).collect(),
                             aux_capacity: 1024,
-                            expected_part: None,
+                            expected_part: Some(p.expected.clone()),
                         },
                     )
                     .map_err(usage(Role::Receiver))?;

@@ -15,6 +15,9 @@ use core::fmt;
 use core::ops::Range;
 
 use crate::ids::PeerId;
+use crate::layout::LayerGroupLayout;
+use crate::shard::writes_group;
+use crate::wire::Topology;
 
 /// A part of one layer group: the model's layers `layers` × its KV heads `heads`.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
@@ -28,6 +31,31 @@ pub struct GroupPart {
 }
 
 impl GroupPart {
+    /// What a rank holds of a layer group: its layers × its KV heads.
+    pub fn held(layout: &LayerGroupLayout) -> GroupPart {
+        GroupPart {
+            layers: layout.layer_range(),
+            heads: layout.head_range(),
+        }
+    }
+
+    /// The part of receiver rank `dst`'s group that sender rank `src` writes: the overlap of
+    /// what both hold when the sender writes the group to that rank
+    /// ([`writes_group`](crate::shard::writes_group)), else empty. An engine that gives each
+    /// writer its own receiving endpoint declares this part in that endpoint's registrations.
+    pub fn written_by(
+        src_topology: &Topology,
+        src: &LayerGroupLayout,
+        dst_topology: &Topology,
+        dst: &LayerGroupLayout,
+    ) -> GroupPart {
+        if writes_group(src_topology, src, dst_topology, dst) {
+            GroupPart::held(dst).intersect(&GroupPart::held(src))
+        } else {
+            GroupPart::default()
+        }
+    }
+
     /// Whether the part holds nothing.
     pub fn is_empty(&self) -> bool {
         self.layers.is_empty() || self.heads.is_empty()

@@ -761,10 +761,7 @@ impl Receiver {
 
     /// What this rank holds of each layer group.
     fn held_parts(&self) -> impl Iterator<Item = GroupPart> + '_ {
-        self.config.local.groups.iter().map(|g| GroupPart {
-            layers: g.layer_range(),
-            heads: g.head_range(),
-        })
+        self.config.local.groups.iter().map(GroupPart::held)
     }
 
     /// Refuses an expected part that is not one part per group inside what the rank holds.
@@ -807,15 +804,9 @@ impl Receiver {
             let parts: SmallVec<[(PeerId, GroupPart); 4]> = hellos
                 .iter()
                 .map(|&(w, hello)| {
-                    let part = match hello.groups.get(g) {
-                        Some(src) if writes_group(&hello.topology, src, &local.topology, dst) => {
-                            held.intersect(&GroupPart {
-                                layers: src.layer_range(),
-                                heads: src.head_range(),
-                            })
-                        }
-                        _ => GroupPart::default(),
-                    };
+                    let part = hello.groups.get(g).map_or_else(GroupPart::default, |src| {
+                        GroupPart::written_by(&hello.topology, src, &local.topology, dst)
+                    });
                     (w, part)
                 })
                 .collect();

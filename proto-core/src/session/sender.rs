@@ -368,7 +368,14 @@ impl Sender {
     /// A sender with no peers and no sessions, or the first reason its configuration cannot
     /// run pipelined transfer.
     pub fn new(config: SenderConfig) -> Result<Self, ConfigError> {
-        config.pipeline.validate()?;
+        // The rank's own topology says how the prefill side is split by pipeline parallelism:
+        // a setting of 1 does not override a topology of several stages.
+        let stages = u32::from(config.local.topology.pp_size.max(1));
+        PipelineConfig {
+            sender_pp_size: config.pipeline.sender_pp_size.max(stages),
+            ..config.pipeline
+        }
+        .validate()?;
         let hello = config.local.to_hello(Role::Sender);
         Ok(Sender {
             shell: Shell::new(hello, config.deadlines, config.max_remembered_cancels),

@@ -25,7 +25,7 @@ use std::time::Duration;
 
 use kvpipe_conformance::cache::fill_filler;
 use kvpipe_conformance::suite::demo::median;
-use kvpipe_core::session::{LocalHello, Registration, SendRequest};
+use kvpipe_core::session::{GroupPart, LocalHello, Registration, SendRequest};
 use kvpipe_core::wire::{AuxData, Topology};
 use kvpipe_core::{
     chunk_window, plan_rank_group, AnchoredRun, BlockId, BlockRun, DstCursor, Event, GroupShard,
@@ -273,7 +273,13 @@ pub(crate) fn run(args: FragmentsBenchArgs) -> Result<ExitCode, CliError> {
                 groups: vec![anchored.clone()],
                 writers: std::iter::once(SENDER_PEER).collect(),
                 aux_capacity: 64,
-                expected_part: None,
+                // One endpoint per writer: this pair receives the sender's heads only.
+                expected_part: Some(vec![GroupPart::written_by(
+                    &s_topo,
+                    &src_layout,
+                    &r_topo,
+                    &dst_layout,
+                )]),
             },
         )?;
         pair.sender_mut().open_request(
