@@ -520,3 +520,37 @@ fn mla_across_tensor_parallel_sizes_is_covered_by_the_replica_the_rule_picks() {
         "every latent byte of 4 blocks"
     );
 }
+
+/// Sink tokens are never transferred: the sender's bounded query drops a windowed group's blocks
+/// up to the last gap, sinks included. A decode engine that registers them would get the
+/// request completed with them unwritten, so the registration is refused, naming the boundary.
+#[test]
+fn a_windowed_registration_below_the_stale_boundary_is_refused() {
+    let mut groups = layout(2);
+    groups[0].window = Some(8);
+    let mut c = kvpipe_core::ReceiverConfig::new(
+        kvpipe_core::session::LocalHello::new(
+            kvpipe_core::InstanceId(5),
+            Default::default(),
+            groups,
+        ),
+        1,
+    );
+    c.deadlines = deadlines();
+    let mut receiver = kvpipe_core::Receiver::new(c).unwrap();
+    let now = kvpipe_core::Instant::from_millis(1);
+    // 16 tokens, window 8, 4 tokens per block: the stale boundary is block (16 + 1 - 8) / 4 = 2.
+    let with_sinks = registration(R, 16, &[0]);
+    assert_eq!(
+        receiver.register(now, with_sinks),
+        Err(UsageError::RegistrationBelowWindow {
+            request: R,
+            group: kvpipe_core::GroupIndex(0),
+            first: 0,
+            stale: 2
+        })
+    );
+    let mut window = registration(R, 16, &[0]);
+    window.groups[0] = AnchoredRun::from_ids(2, &[BlockId(7), BlockId(8)]);
+    receiver.register(now, window).unwrap();
+}

@@ -714,6 +714,23 @@ pub enum UsageError {
         /// Why the wire cannot carry it.
         error: crate::wire::EncodeError,
     },
+    /// A windowed group's registration starts below the group's stale boundary: blocks there
+    /// (sink tokens among them) are never sent.
+    #[error(
+        "registration of {request} {group} starts at block {first}, below the window's stale \
+         boundary {stale}: blocks below it (sink tokens among them) are never sent; register \
+         from block {stale} and fill the blocks below it on the decode side"
+    )]
+    RegistrationBelowWindow {
+        /// The request.
+        request: RequestId,
+        /// The group.
+        group: GroupIndex,
+        /// The registration's first ordinal.
+        first: u32,
+        /// The group's stale boundary for the prompt.
+        stale: u32,
+    },
     /// The registration's writers do not cover what it expects exactly once (see
     /// [`ProtocolError::WritersDoNotCover`]); checked at once when every writer's handshake is
     /// known, else when the last one completes (then the request fails).

@@ -541,6 +541,7 @@ impl Receiver {
             &self.config.local.groups,
         )
         .map_err(UsageError::RegistrationOutsidePrompt)?;
+        self.check_registration_window(request, reg.prompt_len, &reg.groups)?;
         if let Some(parts) = &reg.expected_part {
             self.check_expected_part(request, parts)?;
         }
@@ -762,6 +763,32 @@ impl Receiver {
     /// What this rank holds of each layer group.
     fn held_parts(&self) -> impl Iterator<Item = GroupPart> + '_ {
         self.config.local.groups.iter().map(GroupPart::held)
+    }
+
+    /// Refuses a windowed group's blocks below its stale boundary: they are never sent (sink
+    /// tokens among them), so the request would complete without them. The decode engine fills
+    /// such blocks itself (see docs/PROTOCOL.md, "Sink tokens").
+    fn check_registration_window(
+        &self,
+        request: RequestId,
+        prompt_len: u32,
+        groups: &[AnchoredRun],
+    ) -> Result<(), UsageError> {
+        for (g, (run, layout)) in groups.iter().zip(&self.config.local.groups).enumerate() {
+            let Some(window) = layout.window else {
+                continue;
+            };
+            let stale = stale_boundary(prompt_len, window, layout.tokens_per_block).unwrap_or(0);
+            if run.block_count() > 0 && run.first_ordinal < stale {
+                return Err(UsageError::RegistrationBelowWindow {
+                    request,
+                    group: GroupIndex(g as u16),
+                    first: run.first_ordinal,
+                    stale,
+                });
+            }
+        }
+        Ok(())
     }
 
     /// Refuses an expected part that is not one part per group inside what the rank holds.
