@@ -2,8 +2,8 @@
 
 use std::ffi::c_void;
 
+use kvpipe::RawRegion;
 use kvpipe_core::RegionId;
-use kvpipe_embed::RawRegion;
 use pyo3::buffer::PyUntypedBuffer;
 use pyo3::exceptions::PyBufferError;
 use pyo3::prelude::*;

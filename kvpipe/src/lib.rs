@@ -1,4 +1,4 @@
-//! # kvpipe-embed
+//! # kvpipe
 //!
 //! What an engine embeds, as one API whatever the transport: a [`PrefillNode`] (a core
 //! [`Sender`](kvpipe_core::Sender) driven by a transport) and a [`DecodeNode`] (a core
