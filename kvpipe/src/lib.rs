@@ -23,14 +23,35 @@
 
 mod config;
 mod error;
+mod gpu;
 mod mem;
 mod node;
 mod role;
 mod tables;
+mod transport;
+#[cfg(feature = "verbs")]
+mod verbs;
 
 pub use config::{instance_id, NodeConfig, RawRegion};
 pub use error::EmbedError;
+pub use gpu::GpuUnavailable;
+#[cfg(feature = "verbs")]
+pub use kvpipe_ibverbs::{DeviceSpec, FabricConfig};
+pub use kvpipe_tcp::{TcpConfig, TcpDataPath};
 pub use mem::{MEM_RECEIVER_PEER, MEM_SENDER_PEER};
 pub use node::{mem_pair, DecodeNode, Node, PrefillNode};
 pub use role::Role;
 pub use tables::BlockTables;
+pub use transport::Transport;
+#[cfg(feature = "verbs")]
+pub use transport::VerbsConfig;
+
+/// The protocol core this crate drives, for what the re-exports below leave out.
+pub use kvpipe_core;
+pub use kvpipe_core::session::{Counters, Deadlines, Registration, SendRequest, UsageError};
+pub use kvpipe_core::wire::{AuxData, Topology};
+pub use kvpipe_core::{
+    AnchoredRun, BlockId, BlockRun, BlockSource, BlockSourceError, ChunkSpec, ConfigError, Event,
+    GroupIndex, InstanceId, LayerGroupLayout, PeerId, PoolLayout, ReceiverSliceId, RegionId,
+    RequestId, SenderSliceId,
+};

@@ -10,11 +10,12 @@ use kvpipe_core::{
     BlockSource, ChunkSpec, Event, Instant, PeerId, Receiver, ReceiverSliceId, RequestId, Sender,
     SenderSliceId,
 };
-use kvpipe_tcp::{TcpNode, TcpReceiver, TcpSender};
+use kvpipe_tcp::{TcpConfig, TcpNode};
 
 use crate::config::{check_regions, tcp_regions, NodeConfig, RawRegion};
 use crate::mem::{self, MemSide};
 use crate::role::Role;
+use crate::transport::Transport;
 use crate::EmbedError;
 
 /// A prefill-side handle: a core [`Sender`] over a transport.
@@ -28,6 +29,8 @@ const LONGEST_WAIT: Duration = Duration::from_millis(100);
 pub(crate) enum Inner<E: Role> {
     Tcp(TcpNode<E>),
     Mem(MemSide),
+    #[cfg(feature = "verbs")]
+    Verbs(kvpipe_ibverbs::VerbsNode<E>),
 }
 
 /// One core endpoint driven by a transport, usable from several threads at once: engine
@@ -66,6 +69,12 @@ impl<E: Role> Node<E> {
                 Ok(f(&mut endpoint, now)?)
             }
             Inner::Mem(side) => side.command(f),
+            #[cfg(feature = "verbs")]
+            Inner::Verbs(node) => {
+                let mut endpoint = node.endpoint();
+                let now = endpoint.now();
+                Ok(f(&mut endpoint, now)?)
+            }
         })
     }
 
@@ -74,34 +83,44 @@ impl<E: Role> Node<E> {
             Ok(match inner {
                 Inner::Tcp(node) => f(&node.endpoint()),
                 Inner::Mem(side) => side.read(|e: &mut E| f(e)),
+                #[cfg(feature = "verbs")]
+                Inner::Verbs(node) => f(&node.endpoint()),
             })
         })
     }
 
-    /// The transport's name: `"tcp"` or `"mem"`.
+    /// The transport's name: `"tcp"`, `"mem"` or `"verbs"` (as [`Transport::name`]).
     pub fn transport(&self) -> Result<&'static str, EmbedError> {
         self.with(|inner| {
             Ok(match inner {
                 Inner::Tcp(_) => "tcp",
                 Inner::Mem(_) => "mem",
+                #[cfg(feature = "verbs")]
+                Inner::Verbs(_) => "verbs",
             })
         })
     }
 
-    /// Accepts peers on `addr` (TCP; port 0 picks a free one) and returns the bound address.
+    /// Accepts peers on `addr` (TCP, or the verbs transport's TCP side channel; port 0 picks
+    /// a free one) and returns the bound address.
     pub fn listen(&self, addr: &str) -> Result<SocketAddr, EmbedError> {
         self.with(|inner| match inner {
             Inner::Tcp(node) => Ok(node.listen(addr)?),
             Inner::Mem(_) => Err(unsupported("listen")),
+            #[cfg(feature = "verbs")]
+            Inner::Verbs(node) => Ok(node.listen(addr)?),
         })
     }
 
-    /// Connects to a peer listening at `addr` (TCP) and returns the id this node gives it; the
-    /// handshake goes on in the background ([`Event::PeerReady`] or [`Event::PeerRejected`]).
+    /// Connects to a peer listening at `addr` (TCP, or the verbs side channel) and returns the
+    /// id this node gives it; the handshake goes on in the background ([`Event::PeerReady`] or
+    /// [`Event::PeerRejected`]).
     pub fn connect(&self, addr: &str) -> Result<PeerId, EmbedError> {
         self.with(|inner| match inner {
             Inner::Tcp(node) => Ok(node.connect(addr)?),
             Inner::Mem(_) => Err(unsupported("connect")),
+            #[cfg(feature = "verbs")]
+            Inner::Verbs(node) => Ok(node.connect(addr)?),
         })
     }
 
@@ -119,6 +138,8 @@ impl<E: Role> Node<E> {
             let event = self.with(|inner| match inner {
                 Inner::Tcp(node) => Ok(node.next_event(wait)),
                 Inner::Mem(side) => side.next_event(wait),
+                #[cfg(feature = "verbs")]
+                Inner::Verbs(node) => Ok(node.next_event(wait)),
             })?;
             if event.is_some() || (deadline.is_some() && wait == left) {
                 return Ok(event);
@@ -155,8 +176,24 @@ impl<E: Role> Node<E> {
         match taken {
             Some(Inner::Tcp(node)) => Ok(node.close(within)?),
             Some(Inner::Mem(_)) => Ok(()),
+            #[cfg(feature = "verbs")]
+            Some(Inner::Verbs(node)) => crate::verbs::closed(node.close(within)),
             None => Err(EmbedError::Closed),
         }
+    }
+}
+
+/// `config` over TCP with its `tcp` settings.
+fn over_tcp(config: &NodeConfig) -> NodeConfig {
+    let tcp: TcpConfig = config.tcp.clone();
+    config.clone().with_transport(Transport::Tcp(tcp))
+}
+
+/// The refusal of a lone in-process node.
+fn mem_alone() -> EmbedError {
+    EmbedError::Unsupported {
+        operation: "making one node alone (mem_pair makes both sides of a pair in this process)",
+        transport: "mem",
     }
 }
 
@@ -168,17 +205,50 @@ fn unsupported(operation: &'static str) -> EmbedError {
 }
 
 impl Node<Sender> {
-    /// A prefill node over TCP reading source bytes from `regions`, or the first reason the
-    /// configuration cannot run pipelined transfer.
+    /// A prefill node over `config.transport` reading source bytes from `regions`, or the
+    /// first reason it cannot be made: a region refused (duplicate id, null address, GPU memory
+    /// this build or machine cannot serve, a pool without memory), a configuration that cannot
+    /// run pipelined transfer, no RDMA device (verbs), or [`Transport::Mem`], whose two sides
+    /// [`mem_pair`] makes together.
+    ///
+    /// # Safety
+    /// Every region follows [`RawRegion`]'s contract until the node is dropped.
+    pub unsafe fn new(config: &NodeConfig, regions: &[RawRegion]) -> Result<Self, EmbedError> {
+        check_regions(config, regions)?;
+        let core = config.sender_config();
+        let inner = match &config.transport {
+            Transport::Mem => return Err(mem_alone()),
+            Transport::Tcp(tcp) => {
+                // SAFETY: forwarded from the caller.
+                let table = unsafe { tcp_regions(regions)? };
+                Inner::Tcp(kvpipe_tcp::TcpSender::new(core, tcp.clone(), table)?)
+            }
+            #[cfg(feature = "verbs")]
+            Transport::Verbs(verbs) => {
+                // The configuration's errors before the device's, as on the other transports.
+                core.pipeline.validate()?;
+                // SAFETY: forwarded from the caller.
+                let (device, table) =
+                    unsafe { crate::verbs::open(verbs, regions, kvpipe_ibverbs::Exposure::Local)? };
+                Inner::Verbs(kvpipe_ibverbs::VerbsSender::sender(
+                    core,
+                    device,
+                    table,
+                    crate::verbs::node_config(verbs),
+                )?)
+            }
+        };
+        Ok(Node::from_inner(inner))
+    }
+
+    /// A prefill node over TCP with `config.tcp`'s settings (whatever `config.transport` says):
+    /// [`new`](Self::new) with [`Transport::Tcp`].
     ///
     /// # Safety
     /// Every region follows [`RawRegion`]'s contract until the node is dropped.
     pub unsafe fn tcp(config: &NodeConfig, regions: &[RawRegion]) -> Result<Self, EmbedError> {
-        check_regions(config, regions)?;
         // SAFETY: forwarded from the caller.
-        let table = unsafe { tcp_regions(regions) };
-        let node = TcpSender::new(config.sender_config(), config.tcp.clone(), table)?;
-        Ok(Node::from_inner(Inner::Tcp(node)))
+        unsafe { Self::new(&over_tcp(config), regions) }
     }
 
     /// Opens a request before its first chunk (see [`Sender::open_request`]).
@@ -227,17 +297,47 @@ impl Node<Sender> {
 }
 
 impl Node<Receiver> {
-    /// A decode node over TCP landing admitted writes in `regions`, or the first reason the
-    /// configuration cannot run pipelined transfer.
+    /// A decode node over `config.transport` landing admitted writes in `regions`, or the
+    /// first reason it cannot be made (as [`PrefillNode::new`]).
+    ///
+    /// # Safety
+    /// Every region follows [`RawRegion`]'s contract until the node is dropped.
+    pub unsafe fn new(config: &NodeConfig, regions: &[RawRegion]) -> Result<Self, EmbedError> {
+        check_regions(config, regions)?;
+        let core = config.receiver_config();
+        let inner = match &config.transport {
+            Transport::Mem => return Err(mem_alone()),
+            Transport::Tcp(tcp) => {
+                // SAFETY: forwarded from the caller.
+                let table = unsafe { tcp_regions(regions)? };
+                Inner::Tcp(kvpipe_tcp::TcpReceiver::new(core, tcp.clone(), table)?)
+            }
+            #[cfg(feature = "verbs")]
+            Transport::Verbs(verbs) => {
+                core.pipeline.validate()?;
+                // SAFETY: forwarded from the caller.
+                let (device, table) = unsafe {
+                    crate::verbs::open(verbs, regions, kvpipe_ibverbs::Exposure::RemoteWrite)?
+                };
+                Inner::Verbs(kvpipe_ibverbs::VerbsReceiver::receiver(
+                    core,
+                    device,
+                    table,
+                    crate::verbs::node_config(verbs),
+                )?)
+            }
+        };
+        Ok(Node::from_inner(inner))
+    }
+
+    /// A decode node over TCP with `config.tcp`'s settings (whatever `config.transport` says):
+    /// [`new`](Self::new) with [`Transport::Tcp`].
     ///
     /// # Safety
     /// Every region follows [`RawRegion`]'s contract until the node is dropped.
     pub unsafe fn tcp(config: &NodeConfig, regions: &[RawRegion]) -> Result<Self, EmbedError> {
-        check_regions(config, regions)?;
         // SAFETY: forwarded from the caller.
-        let table = unsafe { tcp_regions(regions) };
-        let node = TcpReceiver::new(config.receiver_config(), config.tcp.clone(), table)?;
-        Ok(Node::from_inner(Inner::Tcp(node)))
+        unsafe { Self::new(&over_tcp(config), regions) }
     }
 
     /// Registers a request's destination blocks and its writers (see [`Receiver::register`]).

@@ -36,6 +36,7 @@ fn close_ends_a_wait_without_deadline() {
         id: kvpipe_core::RegionId(id),
         ptr: bytes.as_mut_ptr(),
         len: bytes.len(),
+        device: None,
     };
     let (s_regions, r_regions) = ([region(1, &mut src)], [region(2, &mut dst)]);
     // SAFETY: `src` and `dst` outlive both nodes (dropped at the end of the test).

@@ -75,7 +75,9 @@ impl From<EmbedError> for Failure {
             EmbedError::DuplicateRegion(_)
             | EmbedError::NullRegion(_)
             | EmbedError::MissingRegion { .. } => KVPIPE_ERR_INVALID_ARGUMENT,
-            EmbedError::Unsupported { .. } => KVPIPE_ERR_UNSUPPORTED,
+            EmbedError::Unsupported { .. } | EmbedError::DeviceRegion { .. } => {
+                KVPIPE_ERR_UNSUPPORTED
+            }
             EmbedError::Closed => KVPIPE_ERR_CLOSED,
         };
         Failure {

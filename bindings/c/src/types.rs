@@ -388,6 +388,7 @@ pub(crate) unsafe fn read_config(config: *const kvpipe_node_config) -> Result<Re
             id: RegionId(r.id),
             ptr: r.ptr.cast(),
             len: r.len,
+            device: None,
         })
         .collect();
     Ok(ReadConfig { node, regions })

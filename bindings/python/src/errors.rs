@@ -46,6 +46,7 @@ pub(crate) fn to_py(e: EmbedError) -> PyErr {
         | EmbedError::Close(_)
         | EmbedError::Registration(_)
         | EmbedError::Drive(_)
-        | EmbedError::Unsupported { .. } => TransportError::new_err(message),
+        | EmbedError::Unsupported { .. }
+        | EmbedError::DeviceRegion { .. } => TransportError::new_err(message),
     }
 }

@@ -42,6 +42,7 @@ pub(crate) fn pools(
             id: RegionId(id),
             ptr: ptr.cast(),
             len: buffer.len_bytes(),
+            device: None,
         });
         buffers.push(buffer);
     }
