@@ -33,10 +33,29 @@ pub(crate) enum Inner<E: Role> {
     Verbs(kvpipe_ibverbs::VerbsNode<E>),
 }
 
-/// One core endpoint driven by a transport, usable from several threads at once: engine
-/// commands (each applied at once and carried out by the transport), a blocking
-/// [`next_event`](Self::next_event), and [`close`](Self::close). Made by
-/// [`PrefillNode::tcp`], [`DecodeNode::tcp`] or [`mem_pair`](crate::mem_pair).
+/// One core endpoint driven by a transport, usable from several threads at once (`&self`
+/// everywhere): a [`PrefillNode`] drives a core [`Sender`], a [`DecodeNode`] a core
+/// [`Receiver`]. Made by [`PrefillNode::new`] / [`DecodeNode::new`] on the transport the
+/// configuration names, or both at once in this process by [`mem_pair`](crate::mem_pair).
+///
+/// Its methods, as the crate doc lays them out:
+///
+/// - **Getters**: [`transport`](Self::transport), [`is_peer_ready`](Self::is_peer_ready),
+///   [`counters`](Self::counters), [`session_count`](Self::session_count).
+/// - **Commands**: [`listen`](Self::listen) / [`connect`](Self::connect) (across processes);
+///   prefill: [`open_request`](Self::open_request), [`submit_prefix`](Self::submit_prefix),
+///   [`submit_chunk`](Self::submit_chunk), [`submit_aux`](Self::submit_aux),
+///   [`cancel`](Self::cancel), [`retire`](Self::retire); decode:
+///   [`register`](Node::register), [`cancel`](Node::cancel), [`retire`](Node::retire); and
+///   [`close`](Self::close). Each is applied to the endpoint at once (its error is the core's,
+///   with the endpoint unchanged) and what it produced is handed to the transport before it
+///   returns; [`command`](Self::command) runs any other endpoint call the same way.
+/// - **Events**: [`next_event`](Self::next_event), one at a time in the order the endpoint
+///   emitted them. Per request, every outcome (`Completed`, `Failed`, `TimedOut`,
+///   `Cancelled`) is followed by `Quiesced`; only then may the engine reuse the request's
+///   blocks and [`retire`](Self::retire) it.
+///
+/// Dropping a node closes it (bounded by the transport's close grace).
 pub struct Node<E: Role> {
     inner: RwLock<Option<Inner<E>>>,
 }
@@ -54,6 +73,76 @@ impl<E: Role> Node<E> {
             Some(inner) => f(inner),
             None => Err(EmbedError::Closed),
         }
+    }
+
+    fn read<T>(&self, f: impl FnOnce(&E) -> T) -> Result<T, EmbedError> {
+        self.with(|inner| {
+            Ok(match inner {
+                Inner::Tcp(node) => f(&node.endpoint()),
+                Inner::Mem(side) => side.read(|e: &mut E| f(e)),
+                #[cfg(feature = "verbs")]
+                Inner::Verbs(node) => f(&node.endpoint()),
+            })
+        })
+    }
+}
+
+/// # Getters
+impl<E: Role> Node<E> {
+    /// The transport's name: `"tcp"`, `"mem"` or `"verbs"` (as [`Transport::name`]).
+    pub fn transport(&self) -> Result<&'static str, EmbedError> {
+        self.with(|inner| {
+            Ok(match inner {
+                Inner::Tcp(_) => "tcp",
+                Inner::Mem(_) => "mem",
+                #[cfg(feature = "verbs")]
+                Inner::Verbs(_) => "verbs",
+            })
+        })
+    }
+
+    /// Whether the handshake with `peer` completed.
+    pub fn is_peer_ready(&self, peer: PeerId) -> Result<bool, EmbedError> {
+        self.read(|e| e.is_peer_ready(peer))
+    }
+
+    /// The core endpoint's counters.
+    pub fn counters(&self) -> Result<Counters, EmbedError> {
+        self.read(|e| *e.counters())
+    }
+
+    /// Sessions the endpoint still holds (not retired).
+    pub fn session_count(&self) -> Result<usize, EmbedError> {
+        self.read(|e| e.session_count())
+    }
+}
+
+/// # Commands of both roles
+///
+/// The role's own commands are on [`PrefillNode`] (open, submit, cancel, retire) and
+/// [`DecodeNode`] (register, cancel, retire).
+impl<E: Role> Node<E> {
+    /// Connects to a peer listening at `addr` (TCP, or the verbs side channel) and returns the
+    /// id this node gives it; the handshake goes on in the background ([`Event::PeerReady`] or
+    /// [`Event::PeerRejected`]).
+    pub fn connect(&self, addr: &str) -> Result<PeerId, EmbedError> {
+        self.with(|inner| match inner {
+            Inner::Tcp(node) => Ok(node.connect(addr)?),
+            Inner::Mem(_) => Err(unsupported("connect")),
+            #[cfg(feature = "verbs")]
+            Inner::Verbs(node) => Ok(node.connect(addr)?),
+        })
+    }
+
+    /// Accepts peers on `addr` (TCP, or the verbs transport's TCP side channel; port 0 picks
+    /// a free one) and returns the bound address.
+    pub fn listen(&self, addr: &str) -> Result<SocketAddr, EmbedError> {
+        self.with(|inner| match inner {
+            Inner::Tcp(node) => Ok(node.listen(addr)?),
+            Inner::Mem(_) => Err(unsupported("listen")),
+            #[cfg(feature = "verbs")]
+            Inner::Verbs(node) => Ok(node.listen(addr)?),
+        })
     }
 
     /// Runs one engine command on the endpoint with the transport's `now`; the transport
@@ -78,52 +167,29 @@ impl<E: Role> Node<E> {
         })
     }
 
-    fn read<T>(&self, f: impl FnOnce(&E) -> T) -> Result<T, EmbedError> {
-        self.with(|inner| {
-            Ok(match inner {
-                Inner::Tcp(node) => f(&node.endpoint()),
-                Inner::Mem(side) => side.read(|e: &mut E| f(e)),
-                #[cfg(feature = "verbs")]
-                Inner::Verbs(node) => f(&node.endpoint()),
-            })
-        })
-    }
-
-    /// The transport's name: `"tcp"`, `"mem"` or `"verbs"` (as [`Transport::name`]).
-    pub fn transport(&self) -> Result<&'static str, EmbedError> {
-        self.with(|inner| {
-            Ok(match inner {
-                Inner::Tcp(_) => "tcp",
-                Inner::Mem(_) => "mem",
-                #[cfg(feature = "verbs")]
-                Inner::Verbs(_) => "verbs",
-            })
-        })
-    }
-
-    /// Accepts peers on `addr` (TCP, or the verbs transport's TCP side channel; port 0 picks
-    /// a free one) and returns the bound address.
-    pub fn listen(&self, addr: &str) -> Result<SocketAddr, EmbedError> {
-        self.with(|inner| match inner {
-            Inner::Tcp(node) => Ok(node.listen(addr)?),
-            Inner::Mem(_) => Err(unsupported("listen")),
+    /// Closes the node: over TCP every peer is closed in order (what was queued reaches it
+    /// first), bounded by `within`; an in-process handle lets go of its side of the pair. A
+    /// `next_event` waiting on another thread returns [`EmbedError::Closed`] within 100 ms.
+    /// Every later call returns [`EmbedError::Closed`]. Dropping the node closes it too, bounded
+    /// by the TCP close grace.
+    pub fn close(&self, within: Duration) -> Result<(), EmbedError> {
+        let taken = self
+            .inner
+            .write()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        match taken {
+            Some(Inner::Tcp(node)) => Ok(node.close(within)?),
+            Some(Inner::Mem(_)) => Ok(()),
             #[cfg(feature = "verbs")]
-            Inner::Verbs(node) => Ok(node.listen(addr)?),
-        })
+            Some(Inner::Verbs(node)) => crate::verbs::closed(node.close(within)),
+            None => Err(EmbedError::Closed),
+        }
     }
+}
 
-    /// Connects to a peer listening at `addr` (TCP, or the verbs side channel) and returns the
-    /// id this node gives it; the handshake goes on in the background ([`Event::PeerReady`] or
-    /// [`Event::PeerRejected`]).
-    pub fn connect(&self, addr: &str) -> Result<PeerId, EmbedError> {
-        self.with(|inner| match inner {
-            Inner::Tcp(node) => Ok(node.connect(addr)?),
-            Inner::Mem(_) => Err(unsupported("connect")),
-            #[cfg(feature = "verbs")]
-            Inner::Verbs(node) => Ok(node.connect(addr)?),
-        })
-    }
-
+/// # Events
+impl<E: Role> Node<E> {
     /// The endpoint's next event, waiting up to `timeout` (`Ok(None)`: none came in time; a
     /// timeout too long to add to the clock waits until an event comes).
     pub fn next_event(&self, timeout: Duration) -> Result<Option<Event>, EmbedError> {
@@ -144,41 +210,6 @@ impl<E: Role> Node<E> {
             if event.is_some() || (deadline.is_some() && wait == left) {
                 return Ok(event);
             }
-        }
-    }
-
-    /// Whether the handshake with `peer` completed.
-    pub fn is_peer_ready(&self, peer: PeerId) -> Result<bool, EmbedError> {
-        self.read(|e| e.is_peer_ready(peer))
-    }
-
-    /// The core endpoint's counters.
-    pub fn counters(&self) -> Result<Counters, EmbedError> {
-        self.read(|e| *e.counters())
-    }
-
-    /// Sessions the endpoint still holds (not retired).
-    pub fn session_count(&self) -> Result<usize, EmbedError> {
-        self.read(|e| e.session_count())
-    }
-
-    /// Closes the node: over TCP every peer is closed in order (what was queued reaches it
-    /// first), bounded by `within`; an in-process handle lets go of its side of the pair. A
-    /// `next_event` waiting on another thread returns [`EmbedError::Closed`] within 100 ms.
-    /// Every later call returns [`EmbedError::Closed`]. Dropping the node closes it too, bounded
-    /// by the TCP close grace.
-    pub fn close(&self, within: Duration) -> Result<(), EmbedError> {
-        let taken = self
-            .inner
-            .write()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take();
-        match taken {
-            Some(Inner::Tcp(node)) => Ok(node.close(within)?),
-            Some(Inner::Mem(_)) => Ok(()),
-            #[cfg(feature = "verbs")]
-            Some(Inner::Verbs(node)) => crate::verbs::closed(node.close(within)),
-            None => Err(EmbedError::Closed),
         }
     }
 }
@@ -204,6 +235,7 @@ fn unsupported(operation: &'static str) -> EmbedError {
     }
 }
 
+/// # Prefill: construction and commands
 impl Node<Sender> {
     /// A prefill node over `config.transport` reading source bytes from `regions`, or the
     /// first reason it cannot be made: a region refused (duplicate id, null address, GPU memory
@@ -296,6 +328,7 @@ impl Node<Sender> {
     }
 }
 
+/// # Decode: construction and commands
 impl Node<Receiver> {
     /// A decode node over `config.transport` landing admitted writes in `regions`, or the
     /// first reason it cannot be made (as [`PrefillNode::new`]).
