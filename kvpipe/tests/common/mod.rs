@@ -84,23 +84,24 @@ impl Sides {
 
     /// Every registered block landed byte for byte; every other slot is still zero.
     pub(crate) fn check(&self) {
-        let blocks = PROMPT.div_ceil(4);
-        for o in 0..blocks {
-            let (s, d) = (src_slot(o) as usize * SLOT, dst_slot(o) as usize * SLOT);
-            assert_eq!(
-                self.dst[d..d + SLOT],
-                self.src[s..s + SLOT],
-                "block {o} did not land"
-            );
-        }
-        let used: Vec<u32> = (0..blocks).map(dst_slot).collect();
-        for slot in (0..SLOTS as u32).filter(|s| !used.contains(s)) {
-            let d = slot as usize * SLOT;
-            assert!(
-                self.dst[d..d + SLOT].iter().all(|&b| b == 0),
-                "slot {slot} was written"
-            );
-        }
+        check_landed(&self.src, &self.dst);
+    }
+}
+
+/// Every registered block of `dst` holds its block of `src`; every other slot is still zero.
+pub(crate) fn check_landed(src: &[u8], dst: &[u8]) {
+    let blocks = PROMPT.div_ceil(4);
+    for o in 0..blocks {
+        let (s, d) = (src_slot(o) as usize * SLOT, dst_slot(o) as usize * SLOT);
+        assert_eq!(dst[d..d + SLOT], src[s..s + SLOT], "block {o} did not land");
+    }
+    let used: Vec<u32> = (0..blocks).map(dst_slot).collect();
+    for slot in (0..SLOTS as u32).filter(|s| !used.contains(s)) {
+        let d = slot as usize * SLOT;
+        assert!(
+            dst[d..d + SLOT].iter().all(|&b| b == 0),
+            "slot {slot} was written"
+        );
     }
 }
 
