@@ -168,7 +168,7 @@ pub use config::{instance_id, NodeConfig, RawRegion};
 pub use error::EmbedError;
 pub use gpu::GpuUnavailable;
 #[cfg(feature = "verbs")]
-pub use kvpipe_ibverbs::{DeviceSpec, FabricConfig};
+pub use kvpipe_ibverbs::{DeviceSpec, FabricConfig, IdlePolicy};
 pub use kvpipe_tcp::{TcpConfig, TcpDataPath};
 pub use mem::{MEM_RECEIVER_PEER, MEM_SENDER_PEER};
 pub use node::{mem_pair, DecodeNode, Node, PrefillNode};

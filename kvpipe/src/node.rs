@@ -168,10 +168,11 @@ impl<E: Role> Node<E> {
     }
 
     /// Closes the node: over TCP every peer is closed in order (what was queued reaches it
-    /// first), bounded by `within`; an in-process handle lets go of its side of the pair. A
-    /// `next_event` waiting on another thread returns [`EmbedError::Closed`] within 100 ms.
+    /// first), over verbs every link (queued frames and writes are sent and acknowledged
+    /// first), both bounded by `within`; an in-process handle lets go of its side of the pair.
+    /// A `next_event` waiting on another thread returns [`EmbedError::Closed`] within 100 ms.
     /// Every later call returns [`EmbedError::Closed`]. Dropping the node closes it too, bounded
-    /// by the TCP close grace.
+    /// by the transport's close grace (verbs: at once).
     pub fn close(&self, within: Duration) -> Result<(), EmbedError> {
         let taken = self
             .inner
@@ -389,11 +390,14 @@ impl Node<Receiver> {
     }
 }
 
-/// A prefill and a decode handle connected in this process (`kvpipe-mem`): write batches are
-/// memory copies on the transport's copy threads; frames go through the wire codec. Each side's
-/// regions are registered, the connection is made, and the handshake completes as the handles
-/// are polled ([`Event::PeerReady`] on each side). The prefill side names the decode side
-/// [`MEM_RECEIVER_PEER`](crate::MEM_RECEIVER_PEER); the decode side names it [`MEM_SENDER_PEER`](crate::MEM_SENDER_PEER).
+/// A prefill and a decode handle connected in this process (`kvpipe-mem`), whatever the
+/// configurations' `transport`: write batches are memory copies on the transport's copy threads
+/// (`memcpy` between host regions; the GPU's copy engines where a region is GPU memory, `cuda`
+/// feature); frames go through the wire codec. Each side's regions are checked and registered
+/// (as [`PrefillNode::new`] checks them), the connection is made, and the handshake completes
+/// as the handles are polled ([`Event::PeerReady`] on each side). The prefill side names the
+/// decode side [`MEM_RECEIVER_PEER`](crate::MEM_RECEIVER_PEER); the decode side names it
+/// [`MEM_SENDER_PEER`](crate::MEM_SENDER_PEER).
 ///
 /// # Safety
 /// Every region follows [`RawRegion`]'s contract until both handles are dropped.
