@@ -211,7 +211,12 @@ pub(crate) fn transfer(tx: &PrefillNode, rx: &DecodeNode, to_receiver: PeerId, t
     rx.retire(request).unwrap();
     assert_eq!(tx.session_count().unwrap(), 0);
     assert_eq!(rx.session_count().unwrap(), 0);
-    assert_eq!(rx.counters().unwrap().bytes_landed, bytes);
+    assert_eq!(tx.counters().unwrap().bytes_written, bytes);
+    // The receiving transport counts what it landed itself; over verbs the adapter places the
+    // data and nothing is counted on the decode side.
+    if rx.transport().unwrap() != "verbs" {
+        assert_eq!(rx.counters().unwrap().bytes_landed, bytes);
+    }
 }
 
 /// The configs of both sides on `transport`.
