@@ -45,7 +45,7 @@ pub enum EmbedError {
     #[error("{0} has a null address")]
     NullRegion(RegionId),
     /// A region is GPU memory, which this build or this machine cannot serve.
-    #[error("{region} is memory on GPU {ordinal}, but {reason}; give host memory")]
+    #[error("{region} is memory on GPU {ordinal}, {reason}; give host memory")]
     DeviceRegion {
         /// The region.
         region: RegionId,

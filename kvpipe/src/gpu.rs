@@ -12,12 +12,16 @@ use crate::EmbedError;
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum GpuUnavailable {
-    /// This build of kvpipe has no GPU support.
-    #[error("this build of kvpipe has no GPU support (build it with the `cuda` feature)")]
+    /// This build of kvpipe has no GPU support. (The message's first words are the ones
+    /// kvpipe gave before GPU regions could be served at all, which callers may match.)
+    #[error(
+        "which this build's transports cannot read or write yet (kvpipe was built without its \
+         `cuda` feature)"
+    )]
     NoCudaFeature,
     /// The CUDA driver cannot be loaded here, or does not see the region's GPU.
     #[cfg(feature = "cuda")]
-    #[error("the CUDA driver cannot serve it: {0}")]
+    #[error("but the CUDA driver cannot serve it: {0}")]
     Cuda(kvpipe_cuda::CudaError),
 }
 

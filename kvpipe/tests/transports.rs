@@ -124,9 +124,10 @@ fn assert_gpu_refused(err: EmbedError) {
     };
     assert_eq!((region, ordinal), (RegionId(1), 4096));
     assert!(
-        message.starts_with("region#1 is memory on GPU 4096, but "),
+        message.starts_with("region#1 is memory on GPU 4096, "),
         "{message}"
     );
+    assert!(message.ends_with("; give host memory"), "{message}");
     if cfg!(feature = "cuda") {
         assert!(
             !matches!(reason, GpuUnavailable::NoCudaFeature),
@@ -134,7 +135,8 @@ fn assert_gpu_refused(err: EmbedError) {
         );
         // Without a driver: "no CUDA driver"; with one: no device 4096.
         assert!(
-            message.contains("no CUDA driver") || message.contains("no CUDA device 4096"),
+            message.contains(", but the CUDA driver cannot serve it: no CUDA driver")
+                || message.contains(", but the CUDA driver cannot serve it: no CUDA device 4096"),
             "{message}"
         );
     } else {
@@ -142,7 +144,12 @@ fn assert_gpu_refused(err: EmbedError) {
             matches!(reason, GpuUnavailable::NoCudaFeature),
             "{reason:?}"
         );
-        assert!(message.contains("`cuda` feature"), "{message}");
+        // The words kvpipe used before it could serve GPU regions, then what is missing.
+        assert_eq!(
+            message,
+            "region#1 is memory on GPU 4096, which this build's transports cannot read or write \
+             yet (kvpipe was built without its `cuda` feature); give host memory"
+        );
     }
 }
 
