@@ -4,9 +4,9 @@ use std::ffi::{c_char, c_void};
 use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
+use kvpipe::{mem_pair, DecodeNode, EmbedError, Node, PrefillNode, Role};
 use kvpipe_core::session::SendRequest;
 use kvpipe_core::{PeerId, RequestId, SenderSliceId};
-use kvpipe_embed::{mem_pair, DecodeNode, EmbedError, Node, PrefillNode, Role};
 
 use crate::event::{kvpipe_event, EventStorage};
 use crate::source::{kvpipe_block_source_fn, CallbackSource};

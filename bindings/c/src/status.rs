@@ -5,7 +5,7 @@ use std::cell::RefCell;
 use std::ffi::{c_char, CStr, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
-use kvpipe_embed::EmbedError;
+use kvpipe::EmbedError;
 
 /// What a call did. Non-negative: success; negative: an error, whose message
 /// [`kvpipe_last_error_message`] returns on the same thread.

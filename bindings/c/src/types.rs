@@ -3,13 +3,13 @@
 
 use std::ffi::{c_char, c_void, CStr};
 
+use kvpipe::{NodeConfig, RawRegion};
 use kvpipe_core::session::{Deadlines, Registration};
 use kvpipe_core::wire::{AuxData, Topology};
 use kvpipe_core::{
     AnchoredRun, BlockId, ChunkSpec, Duration, GroupShard, InstanceId, LayerGroupLayout, PeerId,
     PoolLayout, RegionId, RequestId,
 };
-use kvpipe_embed::{NodeConfig, RawRegion};
 
 use crate::status::Failure;
 

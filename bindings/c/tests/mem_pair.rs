@@ -5,7 +5,7 @@
 use std::ffi::{c_void, CStr};
 use std::ptr;
 
-use kvpipe::*;
+use kvpipe_c::*;
 
 const TPB: u32 = 4;
 /// kv factor 2 × one head × 4 tokens × 8 dims × 2 bytes × 2 layers.

@@ -4,7 +4,7 @@
  * compared with the source and every slot outside the registration must still be zero. Also
  * checks that a refused command returns KVPIPE_ERR_USAGE with the core's message.
  *
- * Built and run by scripts/test-c:  cc -std=c11 tcp_transfer.c -I../include libkvpipe.a ...  */
+ * Built and run by scripts/test-c:  cc -std=c11 tcp_transfer.c -I../include libkvpipe_c.a ...  */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>

@@ -1,6 +1,6 @@
 //! The package's exceptions, each carrying the underlying crate's message.
 
-use kvpipe_embed::EmbedError;
+use kvpipe::EmbedError;
 use pyo3::create_exception;
 use pyo3::exceptions::{PyException, PyValueError};
 use pyo3::PyErr;

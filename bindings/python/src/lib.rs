@@ -1,6 +1,6 @@
 //! The native part of kvpipe's Python package (`kvpipe._kvpipe`; the package re-exports it).
 //!
-//! It binds `kvpipe-embed`'s prefill and decode nodes: every call that touches a node releases
+//! It binds `kvpipe`'s prefill and decode nodes: every call that touches a node releases
 //! the GIL first (the node's lock is never waited for while holding it), and a Python block
 //! source takes the GIL back only while it answers the core's query.
 
@@ -32,8 +32,8 @@ mod native {
     #[pymodule_init]
     fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {
         m.add("__version__", env!("CARGO_PKG_VERSION"))?;
-        m.add("MEM_SENDER_PEER", kvpipe_embed::MEM_SENDER_PEER.0)?;
-        m.add("MEM_RECEIVER_PEER", kvpipe_embed::MEM_RECEIVER_PEER.0)?;
+        m.add("MEM_SENDER_PEER", kvpipe::MEM_SENDER_PEER.0)?;
+        m.add("MEM_RECEIVER_PEER", kvpipe::MEM_RECEIVER_PEER.0)?;
         Ok(())
     }
 }

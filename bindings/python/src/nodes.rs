@@ -4,13 +4,13 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use kvpipe::{mem_pair as embed_mem_pair, EmbedError, Node, NodeConfig, Role};
 use kvpipe_core::session::{Registration, SendRequest};
 use kvpipe_core::wire::AuxData;
 use kvpipe_core::{
     AnchoredRun, BlockId, ChunkSpec, InstanceId, PeerId, Receiver as CoreReceiver, RequestId,
     Sender as CoreSender,
 };
-use kvpipe_embed::{mem_pair as embed_mem_pair, EmbedError, Node, NodeConfig, Role};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;

@@ -20,8 +20,8 @@
 
 use std::ffi::{c_void, CStr};
 
+use kvpipe::RawRegion;
 use kvpipe_core::RegionId;
-use kvpipe_embed::RawRegion;
 use pyo3::buffer::PyUntypedBuffer;
 use pyo3::exceptions::{PyBufferError, PyTypeError, PyValueError};
 use pyo3::prelude::*;

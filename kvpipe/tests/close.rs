@@ -4,8 +4,8 @@
 
 use std::time::Duration;
 
+use kvpipe::{mem_pair, EmbedError, NodeConfig, RawRegion};
 use kvpipe_core::Event;
-use kvpipe_embed::{mem_pair, EmbedError, NodeConfig, RawRegion};
 
 #[test]
 fn close_ends_a_wait_without_deadline() {
@@ -63,5 +63,5 @@ fn close_ends_a_wait_without_deadline() {
         Err(EmbedError::Closed)
     ));
     // The prefill handle still reaches the pair.
-    assert!(tx.is_peer_ready(kvpipe_embed::MEM_RECEIVER_PEER).unwrap());
+    assert!(tx.is_peer_ready(kvpipe::MEM_RECEIVER_PEER).unwrap());
 }

@@ -3,6 +3,8 @@
 use kvpipe_core::session::UsageError;
 use kvpipe_core::{ConfigError, RegionId};
 
+use crate::gpu::GpuUnavailable;
+
 /// Why a node could not be made or a command was refused. Each message is the underlying
 /// crate's, which names the values involved and says what to change.
 #[derive(Debug, thiserror::Error)]
@@ -14,7 +16,9 @@ pub enum EmbedError {
     /// The configuration cannot run pipelined transfer.
     #[error(transparent)]
     Config(#[from] ConfigError),
-    /// A socket operation failed (listen, connect, address resolution).
+    /// A socket or device operation failed: listen, connect, address resolution; over RDMA
+    /// verbs also opening the device (none found, none active), registering memory with it, or
+    /// closing every link in order before the deadline. The message says which.
     #[error(transparent)]
     Io(#[from] std::io::Error),
     /// The TCP node could not close every peer in order before the deadline.
@@ -40,18 +44,18 @@ pub enum EmbedError {
     /// A region's address is null while its length is not zero.
     #[error("{0} has a null address")]
     NullRegion(RegionId),
-    /// A region is GPU memory, which no transport of this layer reads or writes yet.
-    #[error(
-        "{region} is memory on GPU {ordinal}, which this build's transports cannot read or \
-         write yet; give host memory"
-    )]
+    /// A region is GPU memory, which this build or this machine cannot serve.
+    #[error("{region} is memory on GPU {ordinal}, {reason}; give host memory")]
     DeviceRegion {
         /// The region.
         region: RegionId,
         /// The GPU's ordinal.
         ordinal: u32,
+        /// What is missing.
+        reason: GpuUnavailable,
     },
-    /// The operation does not exist on this transport (listening on an in-process node).
+    /// The operation does not exist on this transport (listening on an in-process node, or
+    /// making one in-process node alone: [`mem_pair`](crate::mem_pair) makes both).
     #[error("{operation} is not available on the {transport} transport")]
     Unsupported {
         /// What was asked.

@@ -117,7 +117,7 @@ pub(crate) unsafe fn sides(
     ] {
         for r in regions {
             // SAFETY: the caller keeps the region valid while the pair exists.
-            unsafe { pair.register_host(side, r.id, RegionUse::KvPool, r.ptr, r.len)? };
+            unsafe { register(&mut pair, side, r)? };
         }
     }
     pair.connect()?;
@@ -130,4 +130,49 @@ pub(crate) unsafe fn sides(
         side,
     };
     Ok((side(Endpoint::Sender), side(Endpoint::Receiver)))
+}
+
+/// Registers `region` with `side` of `pair`: host memory copied by `memcpy`, GPU memory (`cuda`
+/// feature) by the GPU's copy engines.
+///
+/// # Safety
+/// As [`RawRegion`], until the pair is dropped.
+unsafe fn register(
+    pair: &mut MemPair,
+    side: Endpoint,
+    region: &RawRegion,
+) -> Result<(), EmbedError> {
+    match region.device {
+        None => {
+            // SAFETY: forwarded from the caller.
+            unsafe {
+                pair.register_host(side, region.id, RegionUse::KvPool, region.ptr, region.len)?
+            };
+        }
+        #[cfg(feature = "cuda")]
+        Some(ordinal) => {
+            let node = match side {
+                Endpoint::Sender => kvpipe_mem::Node::Sender(0),
+                Endpoint::Receiver => kvpipe_mem::Node::Receiver(0),
+            };
+            let table = pair
+                .network()
+                .regions_mut(node)
+                .expect("a pair has both endpoints");
+            // SAFETY: forwarded from the caller: `ptr` is device memory of GPU `ordinal`
+            // allocated in this process.
+            unsafe {
+                table.register_device(
+                    region.id,
+                    RegionUse::KvPool,
+                    ordinal as usize,
+                    region.ptr as u64,
+                    region.len,
+                )?
+            };
+        }
+        #[cfg(not(feature = "cuda"))]
+        Some(ordinal) => return Err(crate::gpu::refuse(region.id, ordinal)),
+    }
+    Ok(())
 }

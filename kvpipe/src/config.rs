@@ -1,17 +1,22 @@
-//! What a node is made from: the KV layout, the handshake's identity, deadlines, the TCP
-//! settings, and the engine's memory.
+//! What a node is made from: the KV layout, the handshake's identity, deadlines, the
+//! transport and its settings, and the engine's memory.
 
 use kvpipe_core::session::{Deadlines, LocalHello};
 use kvpipe_core::wire::Topology;
 use kvpipe_core::{InstanceId, LayerGroupLayout, ReceiverConfig, RegionId, SenderConfig};
 use kvpipe_tcp::{MemoryRegion, RegionTable, TcpConfig};
 
-/// One region of the engine's memory (a KV pool), lent to a node by address.
+use crate::transport::Transport;
+use crate::EmbedError;
+
+/// One region of the engine's memory (a KV pool), lent to a node by address: host memory, or
+/// (`cuda` feature) memory of one GPU.
 ///
 /// Whoever makes a node from it promises what [`MemoryRegion::from_raw_parts`] asks: the bytes
 /// stay valid (not freed, not moved) while the node exists, and the engine leaves a request's
 /// blocks alone from the chunk that sends them (prefill) or the registration (decode) until the
-/// request's `Quiesced` event.
+/// request's `Quiesced` event. GPU memory must be allocated in this process (`cuMemAlloc`,
+/// `cudaMalloc`, or a framework's allocator on top of them).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RawRegion {
     /// The id the layout's pools name ([`kvpipe_core::PoolLayout::region`]).
@@ -23,6 +28,19 @@ pub struct RawRegion {
     /// Where the bytes are: `None`, host memory; `Some(ordinal)`, `ptr` is a CUDA device
     /// address on GPU `ordinal`.
     pub device: Option<u32>,
+}
+
+impl RawRegion {
+    /// `bytes` as a host region named `id`. The slice is only borrowed for its address: the
+    /// node's contract ([`RawRegion`]) is the caller's to keep.
+    pub fn host(id: RegionId, bytes: &mut [u8]) -> Self {
+        RawRegion {
+            id,
+            ptr: bytes.as_mut_ptr(),
+            len: bytes.len(),
+            device: None,
+        }
+    }
 }
 
 /// How a node is set up; [`NodeConfig::new`] gives the defaults around a layout.
@@ -39,7 +57,13 @@ pub struct NodeConfig {
     pub deadlines: Deadlines,
     /// (Decode) the seed of the memory grants (`None`: drawn like the instance id).
     pub grant_seed: Option<u64>,
-    /// The TCP transport's settings (connections per peer, socket call sizes, close grace).
+    /// The transport [`PrefillNode::new`](crate::PrefillNode::new) and
+    /// [`DecodeNode::new`](crate::DecodeNode::new) build, with its settings (default: TCP with
+    /// default settings). [`mem_pair`](crate::mem_pair) ignores it.
+    pub transport: Transport,
+    /// The TCP settings [`PrefillNode::tcp`](crate::PrefillNode::tcp) and
+    /// [`DecodeNode::tcp`](crate::DecodeNode::tcp) use (`transport` is the one place for new
+    /// code: `Transport::Tcp` carries its own).
     pub tcp: TcpConfig,
 }
 
@@ -52,8 +76,15 @@ impl NodeConfig {
             instance: None,
             deadlines: Deadlines::default(),
             grant_seed: None,
+            transport: Transport::Tcp(TcpConfig::default()),
             tcp: TcpConfig::default(),
         }
+    }
+
+    /// The same configuration over `transport`.
+    pub fn with_transport(mut self, transport: Transport) -> Self {
+        self.transport = transport;
+        self
     }
 
     fn local(&self) -> LocalHello {
@@ -89,104 +120,57 @@ pub fn instance_id() -> InstanceId {
     InstanceId(nanos ^ (u64::from(std::process::id()) << 40))
 }
 
-/// The TCP transport's table of `regions`.
+/// The TCP transport's table of `regions`: host regions read and written in place, GPU
+/// regions (`cuda` feature) through pinned staging or peer copies.
 ///
 /// # Safety
 /// As [`RawRegion`].
-pub(crate) unsafe fn tcp_regions(regions: &[RawRegion]) -> RegionTable {
-    regions
-        .iter()
-        .map(|r| {
-            // SAFETY: the caller keeps the bytes valid while the node exists (RawRegion's
-            // contract, forwarded).
-            (r.id, unsafe { MemoryRegion::from_raw_parts(r.ptr, r.len) })
-        })
-        .collect()
+pub(crate) unsafe fn tcp_regions(regions: &[RawRegion]) -> Result<RegionTable, EmbedError> {
+    let mut table = RegionTable::new();
+    for r in regions {
+        match r.device {
+            None => {
+                // SAFETY: the caller keeps the bytes valid while the node exists (RawRegion's
+                // contract, forwarded).
+                table.insert(r.id, unsafe { MemoryRegion::from_raw_parts(r.ptr, r.len) });
+            }
+            #[cfg(feature = "cuda")]
+            Some(ordinal) => {
+                // SAFETY: as above; `ptr` is device memory of GPU `ordinal` (RawRegion's
+                // contract), which the transport only reaches through the driver's copies.
+                let region = unsafe {
+                    kvpipe_tcp::DeviceRegion::from_raw_parts(ordinal as usize, r.ptr as u64, r.len)
+                };
+                table.insert_device(r.id, region);
+            }
+            #[cfg(not(feature = "cuda"))]
+            Some(ordinal) => return Err(crate::gpu::refuse(r.id, ordinal)),
+        }
+    }
+    Ok(table)
 }
 
-/// Refuses regions that share an id, have a null address or are GPU memory (no transport of
-/// this layer reads or writes device addresses yet), and a layout whose pools name a region
-/// that is not given (every write to or from it would fail at run time instead).
-pub(crate) fn check_regions(
-    config: &NodeConfig,
-    regions: &[RawRegion],
-) -> Result<(), crate::EmbedError> {
+/// Refuses regions that share an id or have a null address, GPU regions this build or machine
+/// cannot serve (see [`crate::gpu::check`]), and a layout whose pools name a region that is not
+/// given (every write to or from it would fail at run time instead).
+pub(crate) fn check_regions(config: &NodeConfig, regions: &[RawRegion]) -> Result<(), EmbedError> {
     let mut seen = std::collections::HashSet::new();
     for r in regions {
         if r.ptr.is_null() && r.len > 0 {
-            return Err(crate::EmbedError::NullRegion(r.id));
+            return Err(EmbedError::NullRegion(r.id));
         }
         if !seen.insert(r.id) {
-            return Err(crate::EmbedError::DuplicateRegion(r.id));
-        }
-        if let Some(ordinal) = r.device {
-            return Err(crate::EmbedError::DeviceRegion {
-                region: r.id,
-                ordinal,
-            });
+            return Err(EmbedError::DuplicateRegion(r.id));
         }
     }
+    crate::gpu::check(regions)?;
     for (g, group) in config.layout.iter().enumerate() {
         if let Some(pool) = group.pools.iter().find(|p| !seen.contains(&p.region)) {
-            return Err(crate::EmbedError::MissingRegion {
+            return Err(EmbedError::MissingRegion {
                 group: g,
                 region: pool.region,
             });
         }
     }
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use kvpipe_core::{GroupShard, PoolLayout};
-
-    #[test]
-    fn a_gpu_region_is_refused_by_name() {
-        let config = NodeConfig::new(vec![LayerGroupLayout {
-            layers: 1,
-            kv_factor: 2,
-            kv_heads: 1,
-            head_dim: 8,
-            elem_bytes: 2,
-            tokens_per_block: 4,
-            window: None,
-            block_layout: Default::default(),
-            pools: [PoolLayout {
-                region: RegionId(3),
-                layer_begin: 0,
-                layers: 1,
-                slot_bytes: 128,
-            }]
-            .into_iter()
-            .collect(),
-            shard: GroupShard::default(),
-        }]);
-        let mut bytes = [0u8; 256];
-        let host = RawRegion {
-            id: RegionId(3),
-            ptr: bytes.as_mut_ptr(),
-            len: bytes.len(),
-            device: None,
-        };
-        assert!(check_regions(&config, &[host]).is_ok());
-        let gpu = RawRegion {
-            device: Some(1),
-            ..host
-        };
-        let err = check_regions(&config, &[gpu]).unwrap_err();
-        assert!(matches!(
-            err,
-            crate::EmbedError::DeviceRegion {
-                region: RegionId(3),
-                ordinal: 1
-            }
-        ));
-        assert_eq!(
-            err.to_string(),
-            "region#3 is memory on GPU 1, which this build's transports cannot read or write \
-             yet; give host memory"
-        );
-    }
 }

@@ -1,0 +1,200 @@
+//! One engine API over every transport: the same request moved in process and over TCP (by
+//! `new` with the transport in the configuration, and by the `tcp` alias), and what cannot be
+//! made refused with an error that names why: a lone in-process node, GPU memory this build or
+//! machine cannot serve.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{configs, connect, transfer, Sides};
+use kvpipe::{
+    mem_pair, DecodeNode, EmbedError, GpuUnavailable, NodeConfig, PrefillNode, RawRegion, RegionId,
+    TcpConfig, Transport, MEM_RECEIVER_PEER, MEM_SENDER_PEER,
+};
+
+#[test]
+fn a_request_moves_in_process() {
+    let mut sides = Sides::new();
+    let (s, r) = configs(Transport::Mem);
+    let (src, dst) = (sides.src_region(), sides.dst_region());
+    // SAFETY: `sides` outlives both nodes (dropped before it, at the end of the block).
+    {
+        let (tx, rx) = unsafe { mem_pair(&s, &src, &r, &dst) }.unwrap();
+        assert_eq!(tx.transport().unwrap(), "mem");
+        common::wait_for(&rx, "PeerReady", |e| {
+            matches!(e, kvpipe::Event::PeerReady { .. })
+        });
+        common::wait_for(&tx, "PeerReady", |e| {
+            matches!(e, kvpipe::Event::PeerReady { .. })
+        });
+        transfer(&tx, &rx, MEM_RECEIVER_PEER, MEM_SENDER_PEER);
+    }
+    sides.check();
+}
+
+#[test]
+fn a_request_moves_over_tcp_chosen_by_configuration() {
+    let mut sides = Sides::new();
+    let tcp = TcpConfig {
+        connections_per_peer: 2,
+        ..TcpConfig::default()
+    };
+    let (s, r) = configs(Transport::Tcp(tcp));
+    let (src, dst) = (sides.src_region(), sides.dst_region());
+    {
+        // SAFETY: `sides` outlives both nodes (closed at the end of the block).
+        let rx = unsafe { DecodeNode::new(&r, &dst) }.unwrap();
+        // SAFETY: as above.
+        let tx = unsafe { PrefillNode::new(&s, &src) }.unwrap();
+        assert_eq!(tx.transport().unwrap(), "tcp");
+        let (to_receiver, to_sender) = connect(&tx, &rx, "127.0.0.1");
+        transfer(&tx, &rx, to_receiver, to_sender);
+        tx.close(Duration::from_secs(5)).unwrap();
+        rx.close(Duration::from_secs(5)).unwrap();
+    }
+    sides.check();
+}
+
+#[test]
+fn the_tcp_alias_ignores_the_configured_transport() {
+    let mut sides = Sides::new();
+    // `tcp` builds a TCP node from `config.tcp` even where the configuration names another
+    // transport (here one that cannot be made alone).
+    let (s, r) = configs(Transport::Mem);
+    let (src, dst) = (sides.src_region(), sides.dst_region());
+    {
+        // SAFETY: `sides` outlives both nodes (closed at the end of the block).
+        let rx = unsafe { DecodeNode::tcp(&r, &dst) }.unwrap();
+        // SAFETY: as above.
+        let tx = unsafe { PrefillNode::tcp(&s, &src) }.unwrap();
+        let (to_receiver, to_sender) = connect(&tx, &rx, "127.0.0.1");
+        transfer(&tx, &rx, to_receiver, to_sender);
+        tx.close(Duration::from_secs(5)).unwrap();
+        rx.close(Duration::from_secs(5)).unwrap();
+    }
+    sides.check();
+}
+
+#[test]
+fn an_in_process_node_cannot_be_made_alone() {
+    let mut sides = Sides::new();
+    let (s, r) = configs(Transport::Mem);
+    let (src, dst) = (sides.src_region(), sides.dst_region());
+    // SAFETY: refused before any region is used.
+    let err = unsafe { PrefillNode::new(&s, &src) }
+        .err()
+        .expect("refused");
+    assert!(
+        matches!(
+            err,
+            EmbedError::Unsupported {
+                transport: "mem",
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("mem_pair"), "{err}");
+    // SAFETY: as above.
+    let err = unsafe { DecodeNode::new(&r, &dst) }.err().expect("refused");
+    assert!(matches!(err, EmbedError::Unsupported { .. }), "{err:?}");
+}
+
+/// A GPU region on a GPU no machine has (so the refusal is the same with or without a driver).
+fn gpu_region() -> RawRegion {
+    RawRegion {
+        id: RegionId(1),
+        ptr: 0x7f00_0000_0000 as *mut u8,
+        len: common::SLOT * common::SLOTS,
+        device: Some(4096),
+    }
+}
+
+/// The refusal names the region, the GPU and what is missing.
+fn assert_gpu_refused(err: EmbedError) {
+    let message = err.to_string();
+    let EmbedError::DeviceRegion {
+        region,
+        ordinal,
+        reason,
+    } = err
+    else {
+        panic!("not a device-region refusal: {err:?}")
+    };
+    assert_eq!((region, ordinal), (RegionId(1), 4096));
+    assert!(
+        message.starts_with("region#1 is memory on GPU 4096, "),
+        "{message}"
+    );
+    assert!(message.ends_with("; give host memory"), "{message}");
+    if cfg!(feature = "cuda") {
+        assert!(
+            !matches!(reason, GpuUnavailable::NoCudaFeature),
+            "{reason:?}"
+        );
+        // Without a driver: "no CUDA driver"; with one: no device 4096.
+        assert!(
+            message.contains(", but the CUDA driver cannot serve it: no CUDA driver")
+                || message.contains(", but the CUDA driver cannot serve it: no CUDA device 4096"),
+            "{message}"
+        );
+    } else {
+        assert!(
+            matches!(reason, GpuUnavailable::NoCudaFeature),
+            "{reason:?}"
+        );
+        // The words kvpipe used before it could serve GPU regions, then what is missing.
+        assert_eq!(
+            message,
+            "region#1 is memory on GPU 4096, which this build's transports cannot read or write \
+             yet (kvpipe was built without its `cuda` feature); give host memory"
+        );
+    }
+}
+
+#[test]
+fn a_gpu_region_is_refused_with_what_is_missing_on_every_transport() {
+    let mut dst = vec![0u8; common::SLOT * common::SLOTS];
+    let host = [RawRegion::host(RegionId(2), &mut dst)];
+    let gpu = [gpu_region()];
+    let config = NodeConfig::new(common::layout(1));
+    // SAFETY: refused before the (fake) device address is handed to any transport.
+    assert_gpu_refused(
+        unsafe { PrefillNode::new(&config, &gpu) }
+            .err()
+            .expect("refused"),
+    );
+    // SAFETY: as above.
+    assert_gpu_refused(
+        unsafe { PrefillNode::tcp(&config, &gpu) }
+            .err()
+            .expect("refused"),
+    );
+    let decode = NodeConfig::new(common::layout(1));
+    // SAFETY: as above.
+    assert_gpu_refused(
+        unsafe { DecodeNode::new(&decode, &gpu) }
+            .err()
+            .expect("refused"),
+    );
+    // SAFETY: as above; `dst` outlives the call.
+    assert_gpu_refused(
+        unsafe { mem_pair(&config, &gpu, &NodeConfig::new(common::layout(2)), &host) }
+            .err()
+            .expect("refused"),
+    );
+    #[cfg(feature = "verbs")]
+    {
+        // The region is refused before a device is looked for.
+        let verbs = config.with_transport(Transport::Verbs(kvpipe::VerbsConfig::on_device(
+            "kvpipe-no-such-device",
+        )));
+        // SAFETY: as above.
+        assert_gpu_refused(
+            unsafe { PrefillNode::new(&verbs, &gpu) }
+                .err()
+                .expect("refused"),
+        );
+    }
+}
