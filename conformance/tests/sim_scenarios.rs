@@ -2,6 +2,7 @@
 //! endpoints emit, or in what order, shows up as a reviewed diff. Each scenario also asserts its
 //! outcome on every side.
 
+use kvpipe_conformance::cache::RankSplit;
 use kvpipe_conformance::sim::{
     CancelSide, FaultSet, Outcome, RequestPlan, ScriptedFault, SimConfig, SimReport, Simulation,
     Terminal,
@@ -11,7 +12,28 @@ use kvpipe_core::Duration;
 
 /// Runs the scenario (no random fault), returns its report and trace.
 fn run(plans: Vec<RequestPlan>, script: Vec<ScriptedFault>) -> (SimReport, String) {
+    run_split(plans, script, RankSplit::WHOLE)
+}
+
+/// Two prefill tensor ranks, each holding half of the model's KV heads, write the decode rank
+/// (which holds them all): the request's writers are both ranks.
+fn run_two_tensor_ranks(
+    plans: Vec<RequestPlan>,
+    script: Vec<ScriptedFault>,
+) -> (SimReport, String) {
+    run_split(plans, script, RankSplit::tensor(2, 1, 0))
+}
+
+fn run_split(
+    plans: Vec<RequestPlan>,
+    script: Vec<ScriptedFault>,
+    split: RankSplit,
+) -> (SimReport, String) {
     let mut cfg = SimConfig::new(7, FaultSet::NONE);
+    if split.sender_tp > 1 {
+        cfg.senders = usize::from(split.sender_tp);
+    }
+    cfg.split = split;
     cfg.tokens_per_block = 4;
     cfg.window = 24;
     cfg.sink_tokens = 4;
@@ -62,9 +84,8 @@ fn sim_scenario_late_registration_replays_queued_slices_in_order() {
 
 #[test]
 fn sim_scenario_two_writer_ranks_complete_one_request() {
-    let mut plan = RequestPlan::simple(1, 30, 2);
-    plan.writers = vec![0, 1];
-    let (report, trace) = run(vec![plan], vec![]);
+    let plan = RequestPlan::simple(1, 30, 2);
+    let (report, trace) = run_two_tensor_ranks(vec![plan], vec![]);
     assert_eq!(sides(&report, 0), (Outcome::Completed, C, vec![C, C]));
     insta::assert_snapshot!(trace);
 }
@@ -180,14 +201,13 @@ fn sim_scenario_silent_death_with_writes_in_flight_is_fenced_before_memory_is_fr
 fn sim_scenario_one_writer_rank_fails_and_the_other_is_stopped() {
     // Two writer ranks; rank 1's second write batch fails. The receiver fails the request at
     // once, naming rank 1's slice, and tells rank 0, which stops too; both quiesce.
-    let mut plan = RequestPlan::simple(1, 40, 4);
-    plan.writers = vec![0, 1];
+    let plan = RequestPlan::simple(1, 40, 4);
     let fail = ScriptedFault::FailBatch {
         sender: 1,
         nth: 1,
         status: TransferStatus::GrantViolation,
     };
-    let (report, trace) = run(vec![plan], vec![fail]);
+    let (report, trace) = run_two_tensor_ranks(vec![plan], vec![fail]);
     let o = &report.outcomes[0];
     assert_eq!(o.outcome, Outcome::Failed);
     assert!(o.fatal && !o.one_sided);
