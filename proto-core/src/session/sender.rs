@@ -506,21 +506,19 @@ impl Sender {
         spec: ChunkSpec,
         source: &mut impl BlockSource,
     ) -> Result<Option<SenderSliceId>, UsageError> {
-        self.check_chunk(request, &spec)?;
-        let mut runs = Vec::new();
-        for (g, layout) in self.config.local.groups.iter().enumerate() {
-            let window = chunk_window(&spec, layout)
-                .map_err(|error| UsageError::Geometry { request, error })?;
-            if let Some(w) = window {
-                let group = GroupIndex(g as u16);
-                let mut run = BlockRun::default();
-                source
-                    .block_run(request, group, w.begin, w.end, &mut run)
-                    .map_err(|error| UsageError::BlockSource { request, error })?;
-                runs.push((group, run));
-            }
+        // The checks and the block windows are computed once, here: the engine's answers are
+        // applied without computing them again.
+        let next_phase = self.check_chunk(request, &spec)?;
+        let windows = self.chunk_windows(request, &spec)?;
+        let mut runs = Vec::with_capacity(windows.len());
+        for &(group, w) in &windows {
+            let mut run = BlockRun::default();
+            source
+                .block_run(request, group, w.begin, w.end, &mut run)
+                .map_err(|error| UsageError::BlockSource { request, error })?;
+            runs.push((group, run));
         }
-        let outcome = self.on_chunk(now, request, spec, runs.clone())?;
+        let outcome = self.apply_chunk(now, request, spec, next_phase, &windows, runs.clone())?;
         self.record(SenderInput::Chunk {
             now,
             request,
@@ -921,17 +919,40 @@ impl Sender {
         runs: Vec<(GroupIndex, BlockRun)>,
     ) -> Result<Result<Option<SenderSliceId>, UsageError>, UsageError> {
         let next_phase = self.check_chunk(request, &spec)?;
-        // The runs must answer exactly the chunk's block windows, group by group.
-        let mut windows = Vec::new();
+        let windows = self.chunk_windows(request, &spec)?;
+        self.apply_chunk(now, request, spec, next_phase, &windows, runs)
+    }
+
+    /// The chunk's block window in each group that sends something, in group order.
+    fn chunk_windows(
+        &self,
+        request: RequestId,
+        spec: &ChunkSpec,
+    ) -> Result<SmallVec<[(GroupIndex, BlockWindow); 4]>, UsageError> {
+        let mut windows = SmallVec::new();
         for (g, layout) in self.config.local.groups.iter().enumerate() {
-            let window = chunk_window(&spec, layout)
+            let window = chunk_window(spec, layout)
                 .map_err(|error| UsageError::Geometry { request, error })?;
             if let Some(w) = window {
                 windows.push((GroupIndex(g as u16), w));
             }
         }
+        Ok(windows)
+    }
+
+    /// Applies a checked chunk whose block windows are `windows`: `runs` must answer exactly
+    /// those, group by group (errors as in [`Self::on_chunk`]).
+    fn apply_chunk(
+        &mut self,
+        now: Instant,
+        request: RequestId,
+        spec: ChunkSpec,
+        next_phase: SendPhase,
+        windows: &[(GroupIndex, BlockWindow)],
+        runs: Vec<(GroupIndex, BlockRun)>,
+    ) -> Result<Result<Option<SenderSliceId>, UsageError>, UsageError> {
         let given: Vec<GroupIndex> = runs.iter().map(|(g, _)| *g).collect();
-        if given.len() != windows.len() || given.iter().zip(&windows).any(|(a, (b, _))| a != b) {
+        if given.len() != windows.len() || given.iter().zip(windows).any(|(a, (b, _))| a != b) {
             return Err(UsageError::RunsDoNotMatchChunk {
                 request,
                 expected: windows.iter().map(|(g, _)| *g).collect(),
@@ -975,7 +996,7 @@ impl Sender {
                 }));
             }
         }
-        for ((group, run), (_, asked)) in runs.iter().zip(&windows) {
+        for ((group, run), (_, asked)) in runs.iter().zip(windows) {
             let layout = &self.config.local.groups[usize::from(group.0)];
             if let Some(error) = check_run(request, *group, *asked, run, layout, spec.prompt_len) {
                 self.fail_engine(now, request);
