@@ -1,0 +1,446 @@
+//! Chunk intake: the engine's open, chunks, early prefix, aux data, cancel and retire, checked and applied; a chunk becomes a slice.
+
+use super::*;
+
+impl Sender {
+    pub(super) fn on_open(&mut self, now: Instant, req: SendRequest) -> Result<(), UsageError> {
+        let request = req.request;
+        if self.retired.contains(request) {
+            return Err(UsageError::Retired(request));
+        }
+        if self.sessions.contains_key(&request) {
+            return Err(UsageError::DuplicateRequest(request));
+        }
+        if req.receivers.is_empty() {
+            return Err(UsageError::NoPeers(request));
+        }
+        let settings = PipelineConfig {
+            beam_width: req.beam_width,
+            ..self.config.pipeline
+        };
+        if let Err(error) = settings.validate() {
+            return Err(UsageError::Unsupported { request, error });
+        }
+        for (i, p) in req.receivers.iter().enumerate() {
+            if req.receivers[..i].contains(p) {
+                return Err(UsageError::DuplicatePeer { request, peer: *p });
+            }
+        }
+        let registration_deadline = now + self.config.deadlines.registration;
+        self.sessions.insert(
+            request,
+            SendSession {
+                phase: SendPhase::Streaming,
+                targets: req.receivers.iter().map(|&p| Target::new(p)).collect(),
+                slices: Vec::new(),
+                next_start: None,
+                prompt_len: None,
+                prepopulated_len: None,
+                prefix_sent_early: false,
+                aux: None,
+                registration_deadline,
+                aux_deadline: None,
+                quiesce_deadline: None,
+                stop_status: TransferStatus::Success,
+                stop_slice: None,
+                bytes_written: 0,
+                timings: RequestTimings {
+                    started: now,
+                    ended: now,
+                    ..RequestTimings::default()
+                },
+                blocks_pinned: 0,
+            },
+        );
+        self.shell
+            .timers
+            .arm(registration_deadline, TimerKey::Request(request));
+        if let Some(origin) = self.shell.remembered_cancels.take(request) {
+            self.pending_registrations.take(request);
+            self.stop(now, request, Stop::Cancelled(origin));
+            return Ok(());
+        }
+        for (peer, reg) in self.pending_registrations.take(request) {
+            self.on_registration(now, peer, reg);
+        }
+        Ok(())
+    }
+
+    /// The checks on a chunk that need no block run; the state is not changed.
+    pub(super) fn check_chunk(
+        &self,
+        request: RequestId,
+        spec: &ChunkSpec,
+    ) -> Result<SendPhase, UsageError> {
+        if self.retired.contains(request) {
+            return Err(UsageError::Retired(request));
+        }
+        let session = self
+            .sessions
+            .get(&request)
+            .ok_or(UsageError::UnknownRequest(request))?;
+        let event = if spec.is_last {
+            SendEvent::LastChunk
+        } else {
+            SendEvent::Chunk
+        };
+        let next_phase = match session.phase.on(event) {
+            Transition::To(p) => p,
+            Transition::Ignored | Transition::Refused => {
+                return Err(if session.phase == SendPhase::Finishing {
+                    UsageError::ChunkAfterLast(request)
+                } else {
+                    UsageError::SessionEnded(request)
+                });
+            }
+        };
+        match session.next_start {
+            Some(expected) if spec.start != expected => {
+                return Err(UsageError::ChunkOutOfOrder {
+                    request,
+                    expected,
+                    got: spec.start,
+                });
+            }
+            // The first chunk starts where the cached prefix ends: one that starts later
+            // leaves tokens no chunk sends, and the request would complete without them.
+            None if spec.start > spec.prepopulated_len => {
+                return Err(UsageError::FirstChunkAfterPrefix {
+                    request,
+                    start: spec.start,
+                    prepopulated_len: spec.prepopulated_len,
+                });
+            }
+            _ => {}
+        }
+        if let Some(expected) = session.prompt_len {
+            if spec.prompt_len != expected {
+                return Err(UsageError::PromptLenChanged {
+                    request,
+                    expected,
+                    got: spec.prompt_len,
+                });
+            }
+        }
+        if spec.prefix_sent_early != session.prefix_sent_early {
+            return Err(UsageError::EarlyPrefixMismatch {
+                request,
+                sent_early: session.prefix_sent_early,
+            });
+        }
+        spec.validate()
+            .map_err(|error| UsageError::Geometry { request, error })?;
+        Ok(next_phase)
+    }
+
+    /// The checks on an early prefix that need no block run, and its block windows.
+    pub(super) fn check_prefix(
+        &self,
+        request: RequestId,
+        prompt_len: u32,
+        prepopulated_len: u32,
+    ) -> Result<Vec<(GroupIndex, BlockWindow)>, UsageError> {
+        if self.retired.contains(request) {
+            return Err(UsageError::Retired(request));
+        }
+        let session = self
+            .sessions
+            .get(&request)
+            .ok_or(UsageError::UnknownRequest(request))?;
+        if !session.phase.is_active() {
+            return Err(UsageError::SessionEnded(request));
+        }
+        if session.next_start.is_some() || session.prefix_sent_early {
+            return Err(UsageError::PrefixAfterChunks(request));
+        }
+        let mut windows = Vec::new();
+        for (g, layout) in self.config.local.groups.iter().enumerate() {
+            let window = early_prefix_window(prompt_len, prepopulated_len, layout)
+                .map_err(|error| UsageError::Geometry { request, error })?;
+            if let Some(w) = window {
+                windows.push((GroupIndex(g as u16), w));
+            }
+        }
+        Ok(windows)
+    }
+
+    /// Applies an early prefix (errors as in [`Self::on_chunk`]).
+    pub(super) fn on_prefix(
+        &mut self,
+        now: Instant,
+        request: RequestId,
+        prompt_len: u32,
+        prepopulated_len: u32,
+        runs: Vec<(GroupIndex, BlockRun)>,
+    ) -> Result<Result<Option<SenderSliceId>, UsageError>, UsageError> {
+        let windows = self.check_prefix(request, prompt_len, prepopulated_len)?;
+        let given: Vec<GroupIndex> = runs.iter().map(|(g, _)| *g).collect();
+        if given.len() != windows.len() || given.iter().zip(&windows).any(|(a, (b, _))| a != b) {
+            return Err(UsageError::RunsDoNotMatchChunk {
+                request,
+                expected: windows.iter().map(|(g, _)| *g).collect(),
+                given,
+            });
+        }
+        for ((group, run), (_, asked)) in runs.iter().zip(&windows) {
+            let layout = &self.config.local.groups[usize::from(group.0)];
+            if let Some(error) = check_run(request, *group, *asked, run, layout, prompt_len) {
+                self.fail_engine(now, request);
+                return Ok(Err(UsageError::BlockRun(error)));
+            }
+        }
+        let session = self.sessions.get_mut(&request).expect("checked above");
+        session.prefix_sent_early = true;
+        session.prompt_len = Some(prompt_len);
+        session.prepopulated_len = Some(prepopulated_len);
+        if runs.is_empty() {
+            return Ok(Ok(None));
+        }
+        Ok(Ok(Some(self.add_slice(now, request, false, runs))))
+    }
+
+    /// Applies a chunk. The outer error is a usage error (nothing changed); the inner one an
+    /// engine error that failed the session (the input was applied).
+    pub(super) fn on_chunk(
+        &mut self,
+        now: Instant,
+        request: RequestId,
+        spec: ChunkSpec,
+        runs: Vec<(GroupIndex, BlockRun)>,
+    ) -> Result<Result<Option<SenderSliceId>, UsageError>, UsageError> {
+        let next_phase = self.check_chunk(request, &spec)?;
+        let windows = self.chunk_windows(request, &spec)?;
+        self.apply_chunk(now, request, spec, next_phase, &windows, runs)
+    }
+
+    /// The chunk's block window in each group that sends something, in group order.
+    pub(super) fn chunk_windows(
+        &self,
+        request: RequestId,
+        spec: &ChunkSpec,
+    ) -> Result<SmallVec<[(GroupIndex, BlockWindow); 4]>, UsageError> {
+        let mut windows = SmallVec::new();
+        for (g, layout) in self.config.local.groups.iter().enumerate() {
+            let window = chunk_window(spec, layout)
+                .map_err(|error| UsageError::Geometry { request, error })?;
+            if let Some(w) = window {
+                windows.push((GroupIndex(g as u16), w));
+            }
+        }
+        Ok(windows)
+    }
+
+    /// Applies a checked chunk whose block windows are `windows`: `runs` must answer exactly
+    /// those, group by group (errors as in [`Self::on_chunk`]).
+    pub(super) fn apply_chunk(
+        &mut self,
+        now: Instant,
+        request: RequestId,
+        spec: ChunkSpec,
+        next_phase: SendPhase,
+        windows: &[(GroupIndex, BlockWindow)],
+        runs: Vec<(GroupIndex, BlockRun)>,
+    ) -> Result<Result<Option<SenderSliceId>, UsageError>, UsageError> {
+        let given: Vec<GroupIndex> = runs.iter().map(|(g, _)| *g).collect();
+        if given.len() != windows.len() || given.iter().zip(windows).any(|(a, (b, _))| a != b) {
+            return Err(UsageError::RunsDoNotMatchChunk {
+                request,
+                expected: windows.iter().map(|(g, _)| *g).collect(),
+                given,
+            });
+        }
+        // From here on the input is applied: an engine error fails the session.
+        let session = self.sessions.get_mut(&request).expect("checked above");
+        let mismatch = session.targets.iter().find_map(|t| {
+            t.registration
+                .as_ref()
+                .filter(|reg| reg.prompt_len != spec.prompt_len)
+                .map(|reg| (t.peer, reg.prompt_len))
+        });
+        if let Some((peer, registered)) = mismatch {
+            self.shell.counters.protocol_errors += 1;
+            self.stop_protocol(
+                now,
+                request,
+                peer,
+                ProtocolError::PromptLenMismatch {
+                    request,
+                    registered,
+                    local: spec.prompt_len,
+                },
+            );
+            return Ok(Err(UsageError::PromptLenDiffersFromRegistration {
+                request,
+                registered,
+                local: spec.prompt_len,
+            }));
+        }
+        let session = self.sessions.get_mut(&request).expect("checked above");
+        if let Some(expected) = session.prepopulated_len {
+            if spec.prepopulated_len != expected {
+                self.fail_engine(now, request);
+                return Ok(Err(UsageError::PrefixChanged {
+                    request,
+                    expected,
+                    got: spec.prepopulated_len,
+                }));
+            }
+        }
+        for ((group, run), (_, asked)) in runs.iter().zip(windows) {
+            let layout = &self.config.local.groups[usize::from(group.0)];
+            if let Some(error) = check_run(request, *group, *asked, run, layout, spec.prompt_len) {
+                self.fail_engine(now, request);
+                return Ok(Err(UsageError::BlockRun(error)));
+            }
+        }
+        let session = self.sessions.get_mut(&request).expect("checked above");
+        session.next_start = Some(spec.end);
+        session.prompt_len = Some(spec.prompt_len);
+        session.prepopulated_len = Some(spec.prepopulated_len);
+        session.timings.first_chunk.get_or_insert(now);
+        if spec.is_last {
+            session.timings.last_chunk = Some(now);
+        }
+        if runs.is_empty() && !spec.is_last {
+            return Ok(Ok(None));
+        }
+        session.phase = next_phase;
+        Ok(Ok(Some(self.add_slice(now, request, spec.is_last, runs))))
+    }
+
+    /// Creates a slice of the request from its block runs and writes it to every receiver that
+    /// has registered.
+    pub(super) fn add_slice(
+        &mut self,
+        now: Instant,
+        request: RequestId,
+        is_last: bool,
+        runs: Vec<(GroupIndex, BlockRun)>,
+    ) -> SenderSliceId {
+        let session = self.sessions.get_mut(&request).expect("the caller checked");
+        let id = SenderSliceId(session.slices.len() as u32);
+        let blocks: u64 = runs.iter().map(|(_, run)| run.ids.len() as u64).sum();
+        session.blocks_pinned += blocks;
+        self.shell.counters.blocks_pinned += blocks;
+        session.slices.push(Slice {
+            id,
+            is_last,
+            runs,
+            planned_by: 0,
+        });
+        self.shell.counters.slices += 1;
+        if is_last && session.aux.is_none() {
+            let at = now + self.config.deadlines.aux_wait;
+            session.aux_deadline = Some(at);
+            self.shell.timers.arm(at, TimerKey::Request(request));
+        }
+        for t in 0..session.targets.len() {
+            self.issue_pending(now, request, t);
+        }
+        self.progress(now, request);
+        id
+    }
+
+    /// The engine broke its contract for `request`: the KV cannot be trusted, so the request
+    /// fails on both sides.
+    pub(super) fn fail_engine(&mut self, now: Instant, request: RequestId) {
+        self.stop(
+            now,
+            request,
+            Stop::Failed {
+                cause: TransferStatus::EngineError,
+                peer: None,
+                slice: None,
+                receiver_slice: None,
+            },
+        );
+    }
+
+    pub(super) fn on_cancel(&mut self, now: Instant, request: RequestId) -> Result<(), UsageError> {
+        if self.retired.contains(request) {
+            return Err(UsageError::Retired(request));
+        }
+        match self.sessions.get(&request) {
+            None => {
+                self.shell
+                    .remembered_cancels
+                    .insert(request, CancelOrigin::Local);
+                // Receivers that already registered learn at once.
+                let waiting = self.pending_registrations.take(request);
+                for (peer, _) in waiting {
+                    let frame = Frame::Cancel(Cancel {
+                        request,
+                        reason: CancelReason::Engine,
+                    });
+                    self.shell.send(now, peer, frame);
+                }
+            }
+            Some(s) if s.phase.is_active() => {
+                self.stop(now, request, Stop::Cancelled(CancelOrigin::Local))
+            }
+            Some(_) => {}
+        }
+        Ok(())
+    }
+
+    pub(super) fn on_retire(&mut self, now: Instant, request: RequestId) -> Result<(), UsageError> {
+        if self.retired.contains(request) {
+            return Err(UsageError::Retired(request));
+        }
+        let s = self
+            .sessions
+            .get(&request)
+            .ok_or(UsageError::UnknownRequest(request))?;
+        match s.phase.on(SendEvent::Retire) {
+            Transition::To(_) => {
+                self.sessions.remove(&request);
+                self.retired.insert(now, request, ());
+                self.shell.counters.retirements += 1;
+                self.shell.counters.retired_forgotten_early = self.retired.forgotten_early();
+                Ok(())
+            }
+            _ => Err(UsageError::NotQuiesced(request)),
+        }
+    }
+
+    pub(super) fn on_aux_submitted(
+        &mut self,
+        now: Instant,
+        request: RequestId,
+        data: AuxData,
+    ) -> Result<(), UsageError> {
+        if self.retired.contains(request) {
+            return Err(UsageError::Retired(request));
+        }
+        let session = self
+            .sessions
+            .get_mut(&request)
+            .ok_or(UsageError::UnknownRequest(request))?;
+        if session.aux.is_some() {
+            return Err(UsageError::AuxAlreadySubmitted(request));
+        }
+        if !session.phase.is_active() {
+            return Err(UsageError::SessionEnded(request));
+        }
+        let frame = Frame::AuxResult(AuxResult {
+            request,
+            status: TransferStatus::Success,
+            data,
+        });
+        let len = frame.body_len() as u64;
+        if len > u64::from(MAX_BODY_LEN) {
+            return Err(UsageError::AuxTooLarge {
+                request,
+                len,
+                max: u64::from(MAX_BODY_LEN),
+            });
+        }
+        let Frame::AuxResult(AuxResult { data, .. }) = frame else {
+            unreachable!("built above")
+        };
+        session.aux = Some(data);
+        session.aux_deadline = None;
+        self.progress(now, request);
+        Ok(())
+    }
+}

@@ -1,0 +1,271 @@
+//! Issue and planning: a receiver's registration is checked and adopted, and every slice it has not had yet is planned into its blocks and handed to the transport as a write batch, in slice order.
+
+use super::*;
+
+impl Sender {
+    pub(super) fn on_registration(&mut self, now: Instant, peer: PeerId, reg: RecvRegistration) {
+        let request = reg.request;
+        let refuse = Frame::Cancel(Cancel {
+            request,
+            reason: CancelReason::Failure,
+        });
+        if self.retired.contains(request) {
+            self.shell.send(now, peer, refuse);
+            return;
+        }
+        let Some(session) = self.sessions.get_mut(&request) else {
+            if self.shell.remembered_cancels.contains(request) {
+                let frame = Frame::Cancel(Cancel {
+                    request,
+                    reason: CancelReason::Engine,
+                });
+                self.shell.send(now, peer, frame);
+            } else if self.pending_registrations.len < self.config.max_pending_registrations {
+                if self.pending_registrations.push(now, peer, reg) {
+                    let at = now + self.config.deadlines.registration;
+                    self.shell.timers.arm(at, TimerKey::Request(request));
+                }
+            } else {
+                self.shell.send(now, peer, refuse);
+            }
+            return;
+        };
+        let Some(t) = session.targets.iter().position(|t| t.peer == peer) else {
+            self.shell.send(now, peer, refuse);
+            self.shell.violation(
+                peer,
+                ProtocolError::NotAParticipant {
+                    kind: "RecvRegistration",
+                    request,
+                },
+            );
+            return;
+        };
+        if let Some(known) = &session.targets[t].registration {
+            if *known == reg {
+                self.shell.counters.duplicates += 1;
+            } else {
+                self.shell.counters.protocol_errors += 1;
+                self.stop_protocol(
+                    now,
+                    request,
+                    peer,
+                    ProtocolError::DuplicateRegistration { request },
+                );
+            }
+            return;
+        }
+        if !session.phase.is_active() {
+            // The session ended before this receiver registered: nothing was or will be written.
+            let target = &mut session.targets[t];
+            if target.on(TargetEvent::TerminalSent) {
+                let frame = Frame::Cancel(Cancel {
+                    request,
+                    reason: status_reason(session.stop_status),
+                });
+                self.shell.send(now, peer, frame);
+            }
+            return;
+        }
+        let expected = self.config.local.groups.len();
+        if reg.groups.len() != expected {
+            let got = reg.groups.len();
+            self.adopt_registration(request, t, reg);
+            self.shell.counters.protocol_errors += 1;
+            self.stop_protocol(
+                now,
+                request,
+                peer,
+                ProtocolError::GroupCountMismatch {
+                    request,
+                    expected,
+                    got,
+                },
+            );
+            return;
+        }
+        if let Err(error) = crate::session::check_registration_ordinals(
+            request,
+            reg.prompt_len,
+            &reg.groups,
+            &self.config.local.groups,
+        ) {
+            self.adopt_registration(request, t, reg);
+            self.shell.counters.protocol_errors += 1;
+            self.stop_protocol(now, request, peer, error);
+            return;
+        }
+        let session = self.sessions.get_mut(&request).expect("checked above");
+        if let Some(local) = session.prompt_len {
+            if local != reg.prompt_len {
+                let registered = reg.prompt_len;
+                self.adopt_registration(request, t, reg);
+                self.shell.counters.protocol_errors += 1;
+                self.stop_protocol(
+                    now,
+                    request,
+                    peer,
+                    ProtocolError::PromptLenMismatch {
+                        request,
+                        registered,
+                        local,
+                    },
+                );
+                return;
+            }
+        }
+        let receiver_slice = reg.slice;
+        self.adopt_registration(request, t, reg);
+        self.shell.event(Event::Registered {
+            request,
+            peer,
+            receiver_slice,
+        });
+        self.issue_pending(now, request, t);
+        self.progress(now, request);
+    }
+
+    pub(super) fn adopt_registration(
+        &mut self,
+        request: RequestId,
+        t: usize,
+        reg: RecvRegistration,
+    ) {
+        if let Some(target) = self
+            .sessions
+            .get_mut(&request)
+            .and_then(|s| s.targets.get_mut(t))
+        {
+            target.registration = Some(reg);
+            target.on(TargetEvent::Registered);
+        }
+    }
+
+    /// Plans and hands to the transport every slice target `t` has not been given yet, in order.
+    pub(super) fn issue_pending(&mut self, now: Instant, request: RequestId, t: usize) {
+        loop {
+            let Some(session) = self.sessions.get_mut(&request) else {
+                return;
+            };
+            if !session.phase.is_active() {
+                return;
+            }
+            let target = &mut session.targets[t];
+            let Some(reg) = &target.registration else {
+                return;
+            };
+            let k = target.slices.len();
+            if k >= session.slices.len() {
+                return;
+            }
+            let peer = target.peer;
+            let (Some(remote), Some(version)) = (
+                self.shell.peers.remote(peer),
+                self.shell.peers.version(peer),
+            ) else {
+                return;
+            };
+            let slice = &session.slices[k];
+            let plan = &mut self.plan_buffer;
+            plan.clear();
+            let mut error = None;
+            let groups = self.config.local.groups.len();
+            target.cursors.resize(groups, DstCursor::default());
+            for (group, run) in &slice.runs {
+                let g = usize::from(group.0);
+                // Group counts were checked against the layout at the handshake and at the
+                // registration; a miss here is reported, never indexed.
+                let (Some(src), Some(dst), Some(dst_run), Some(cursor)) = (
+                    self.config.local.groups.get(g),
+                    remote.groups.get(g),
+                    reg.groups.get(g),
+                    target.cursors.get_mut(g),
+                ) else {
+                    error = Some(ProtocolError::GroupCountMismatch {
+                        request,
+                        expected: groups,
+                        got: reg.groups.len().min(remote.groups.len()),
+                    });
+                    break;
+                };
+                let src = RankGroup {
+                    topology: &self.config.local.topology,
+                    layout: src,
+                };
+                let dst = RankGroup {
+                    topology: &remote.topology,
+                    layout: dst,
+                };
+                if let Err(e) = plan_rank_group(src, dst, run, dst_run, cursor, plan) {
+                    error = Some(ProtocolError::Unplannable { request, error: e });
+                    break;
+                }
+            }
+            if let Some(error) = error {
+                self.shell.counters.protocol_errors += 1;
+                // Attributed to the slice being planned, on both sides.
+                let slice = self
+                    .sessions
+                    .get(&request)
+                    .and_then(|s| s.slices.get(k))
+                    .map(|s| s.id);
+                self.stop_protocol_at(now, request, peer, error, slice);
+                return;
+            }
+            let slice_id = slice.id;
+            let grant = reg.grant;
+            let bytes = plan.total_bytes();
+            let session = self.sessions.get_mut(&request).expect("present");
+            let slice = &mut session.slices[k];
+            slice.planned_by += 1;
+            if slice.planned_by >= session.targets.len() {
+                // Every receiver has its plan: the block runs are no longer needed.
+                slice.runs = Vec::new();
+            }
+            let target = &mut session.targets[t];
+            if self.plan_buffer.is_empty() {
+                target.slices.push(TargetSlice {
+                    done: true,
+                    bytes: 0,
+                    deadline: None,
+                });
+                continue;
+            }
+            let batch = WriteBatchId(self.next_batch);
+            self.next_batch += 1;
+            let deadline = now + self.config.deadlines.write_completion;
+            target.slices.push(TargetSlice {
+                done: false,
+                bytes,
+                deadline: Some(deadline),
+            });
+            target.inflight += 1;
+            session.timings.first_byte.get_or_insert(now);
+            session.timings.writes += 1;
+            self.batches.insert(
+                batch,
+                BatchRef {
+                    request,
+                    target: t,
+                    slice: k,
+                },
+            );
+            self.shell.counters.bytes_planned += bytes;
+            self.shell.counters.write_batches += 1;
+            self.shell.timers.arm(deadline, TimerKey::Request(request));
+            self.shell.outputs.push_back(Output::ExecuteWrites {
+                peer,
+                batch,
+                request,
+                slice: slice_id,
+                grant,
+                plan: self.plan_buffer.clone(),
+                headers: DataWriteHeaders {
+                    version,
+                    request,
+                    grant,
+                },
+            });
+        }
+    }
+}

@@ -1,0 +1,644 @@
+//! The prefill-side endpoint, split by concern: the [`Sender`] type with its getters, commands
+//! and input dispatch here; chunk intake ([`intake`]), issue and planning ([`issue`]), results
+//! ([`results`]) and stop/quiesce ([`stop`]) in their own files, each an `impl Sender` block
+//! over the state defined here.
+
+mod intake;
+mod issue;
+mod results;
+mod session;
+mod stop;
+
+use std::collections::BTreeMap;
+
+use session::{BatchRef, PendingRegistrations, SendSession, Slice, Stop, Target, TargetSlice};
+
+use smallvec::SmallVec;
+
+use super::config::SenderConfig;
+use super::peers::Route;
+use super::retired::Retired;
+use super::shell::{Due, Shell};
+use super::state::{SendEvent, SendPhase, TargetEvent, TargetPhase, Transition};
+use super::timers::TimerKey;
+use super::transport::{Admission, DataWriteHeaders, Endpoint, TransportInput, WriteRefusal};
+use super::{
+    frame_kind, BlockRunError, BlockRunFault, CancelOrigin, CloseReason, Counters, Event, Output,
+    ProtocolError, RequestTimings, UsageError, Wait, WriteBatchId,
+};
+use crate::blocks::BlockRun;
+use crate::config::{ConfigError, PipelineConfig};
+use crate::geometry::{chunk_window, early_prefix_window, BlockWindow, ChunkSpec};
+use crate::ids::{GroupIndex, PeerId, ReceiverSliceId, RequestId, SenderSliceId};
+use crate::plan::{plan_rank_group, DstCursor, RankGroup, WritePlan};
+use crate::source::BlockSource;
+use crate::time::Instant;
+use crate::wire::{
+    AuxData, AuxResult, Cancel, CancelReason, Frame, KvResult, RecvRegistration, Role,
+    TransferStatus, MAX_BODY_LEN,
+};
+
+/// One input to a [`Sender`]: everything that can change its state, as data, so a recorded list
+/// of inputs replays into a fresh sender with the same outputs. Every input carries `now`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
+pub enum SenderInput {
+    /// What the transport saw (see [`TransportInput`]).
+    Transport {
+        /// Current time.
+        now: Instant,
+        /// The report.
+        input: TransportInput,
+    },
+    /// The engine opens a request before its first chunk ([`Sender::open_request`]).
+    Open {
+        /// Current time.
+        now: Instant,
+        /// The request and its receivers.
+        request: SendRequest,
+    },
+    /// The engine computed a prefill chunk; `runs` are the block source's answers for the
+    /// chunk's block windows, one per group that sends something, in group order
+    /// ([`Sender::submit_chunk`] queries the source and builds this input).
+    Chunk {
+        /// Current time.
+        now: Instant,
+        /// The request.
+        request: RequestId,
+        /// The chunk.
+        spec: ChunkSpec,
+        /// The block source's runs.
+        runs: Vec<(GroupIndex, BlockRun)>,
+    },
+    /// Before the first chunk: the engine sends the request's cached prefix early
+    /// ([`Sender::submit_prefix`] queries the source and builds this input). Chunks then carry
+    /// `prefix_sent_early` and skip those blocks.
+    Prefix {
+        /// Current time.
+        now: Instant,
+        /// The request.
+        request: RequestId,
+        /// Tokens in the whole prompt.
+        prompt_len: u32,
+        /// Prefix tokens cached on the sender.
+        prepopulated_len: u32,
+        /// The block source's runs for the prefix's block windows, one per group that sends
+        /// something, in group order.
+        runs: Vec<(GroupIndex, BlockRun)>,
+    },
+    /// The engine's aux data for `request` (first tokens, draft tokens, counts).
+    Aux {
+        /// Current time.
+        now: Instant,
+        /// The request.
+        request: RequestId,
+        /// The data.
+        data: AuxData,
+    },
+    /// The engine cancels `request` (remembered if the request is not open yet).
+    Cancel {
+        /// Current time.
+        now: Instant,
+        /// The request.
+        request: RequestId,
+    },
+    /// The engine is done with `request` (after [`Event::Quiesced`]); its id is never reused.
+    Retire {
+        /// Current time.
+        now: Instant,
+        /// The request.
+        request: RequestId,
+    },
+}
+
+/// A request the engine opens on the sender before submitting its chunks.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
+pub struct SendRequest {
+    /// The request.
+    pub request: RequestId,
+    /// The receivers (decode ranks) this rank writes the request to; each must send a
+    /// registration.
+    pub receivers: SmallVec<[PeerId; 2]>,
+    /// Beams of the request; pipelined transfer needs 1 (checked when the request is opened).
+    pub beam_width: u32,
+}
+
+impl SendRequest {
+    /// A request written to `receivers`, with one beam.
+    pub fn new(request: RequestId, receivers: impl IntoIterator<Item = PeerId>) -> Self {
+        SendRequest {
+            request,
+            receivers: receivers.into_iter().collect(),
+            beam_width: 1,
+        }
+    }
+}
+
+/// The prefill-side endpoint: one per prefill rank, holding a session per request.
+///
+/// # Contract
+///
+/// **Getters**: [`counters`](Self::counters), [`phase`](Self::phase),
+/// [`session_count`](Self::session_count), [`peer_count`](Self::peer_count),
+/// [`is_peer_ready`](Self::is_peer_ready), [`batches_in_flight`](Self::batches_in_flight),
+/// [`pending_registration_count`](Self::pending_registration_count), [`config`](Self::config).
+/// A leak check at the end of a run expects no session, batch or pending registration.
+///
+/// **Inputs** (each carries `now`): [`handle_input`](Self::handle_input) with a
+/// [`SenderInput`] — what the transport saw ([`TransportInput`], also through the
+/// [`Endpoint`] trait), and the engine's open, chunk, aux data, cancel and retire. Every state
+/// change is one of these inputs, so [`record_inputs`](Self::record_inputs) captures a run that
+/// replays exactly into a fresh sender.
+///
+/// **Commands** (sugar for inputs): [`open_request`](Self::open_request) (before the first
+/// chunk; names the receivers), [`submit_chunk`](Self::submit_chunk) (queries the engine's
+/// [`BlockSource`] for the chunk's bounded block windows, then applies
+/// [`SenderInput::Chunk`]), [`submit_aux`](Self::submit_aux), [`cancel`](Self::cancel),
+/// [`retire`](Self::retire).
+///
+/// **Outputs**: after every input, call [`poll_output`](Self::poll_output) until it returns
+/// `None`, then [`poll_timeout`](Self::poll_timeout) and arm a timer for it. Outputs come out in
+/// the order they were produced, which is causal: per (request, receiver) the
+/// [`Output::ExecuteWrites`] of slices leave in slice order; the [`KvResult`] of slice `k` leaves
+/// only after the transport reported slice `k`'s writes complete and after the results of every
+/// earlier slice; the `is_last` result is followed by the aux data.
+///
+/// **Errors**: a method returns [`UsageError`] for a caller bug and changes nothing. A peer's
+/// misbehaviour never returns an error: it fails the sessions involved (an
+/// [`Event::Failed`] with [`TransferStatus::ProtocolError`]) or is reported as
+/// [`Event::ProtocolViolation`].
+///
+/// **Memory**: a session pins the engine's blocks from [`open_request`](Self::open_request) to
+/// [`Event::Quiesced`], which follows [`Event::Completed`] at once, and follows a failure,
+/// timeout or cancel only once no write batch of the request is unreported (or its peer was
+/// reported disconnected). If that takes longer than [`Deadlines::quiesce`](super::Deadlines),
+/// the sender asks the transport to close the peer ([`Output::ClosePeer`]).
+#[derive(Debug)]
+pub struct Sender {
+    config: SenderConfig,
+    shell: Shell,
+    sessions: BTreeMap<RequestId, SendSession>,
+    pending_registrations: PendingRegistrations,
+    retired: Retired<()>,
+    batches: BTreeMap<WriteBatchId, BatchRef>,
+    /// Per receiver, when a write batch towards it last completed: a link that keeps
+    /// completing batches is moving, so its queued batches' deadlines follow it.
+    link_progress: BTreeMap<PeerId, Instant>,
+    next_batch: u64,
+    plan_buffer: WritePlan,
+    recorded: Option<Vec<SenderInput>>,
+}
+
+impl Sender {
+    /// A sender with no peers and no sessions, or the first reason its configuration cannot
+    /// run pipelined transfer.
+    pub fn new(config: SenderConfig) -> Result<Self, ConfigError> {
+        // The rank's own topology says how the prefill side is split by pipeline parallelism:
+        // a setting of 1 does not override a topology of several stages.
+        let stages = u32::from(config.local.topology.pp_size.max(1));
+        PipelineConfig {
+            sender_pp_size: config.pipeline.sender_pp_size.max(stages),
+            ..config.pipeline
+        }
+        .validate()?;
+        let hello = config.local.to_hello(Role::Sender);
+        Ok(Sender {
+            shell: Shell::new(hello, config.deadlines, config.max_remembered_cancels),
+            sessions: BTreeMap::new(),
+            pending_registrations: PendingRegistrations::default(),
+            retired: Retired::new(config.retired_horizon, config.max_retired),
+            batches: BTreeMap::new(),
+            link_progress: BTreeMap::new(),
+            next_batch: 0,
+            plan_buffer: WritePlan::new(),
+            recorded: None,
+            config,
+        })
+    }
+
+    // ----- getters -----
+
+    /// The configuration.
+    pub fn config(&self) -> &SenderConfig {
+        &self.config
+    }
+
+    /// What the sender has done so far.
+    pub fn counters(&self) -> &Counters {
+        &self.shell.counters
+    }
+
+    /// The phase of `request`'s session: `None` if unknown, [`SendPhase::Retired`] if retired
+    /// (and still remembered).
+    pub fn phase(&self, request: RequestId) -> Option<SendPhase> {
+        if let Some(s) = self.sessions.get(&request) {
+            Some(s.phase)
+        } else if self.retired.contains(request) {
+            Some(SendPhase::Retired)
+        } else {
+            None
+        }
+    }
+
+    /// The phase of `peer` within `request`'s session (`None`: no such session or receiver).
+    pub fn target_phase(&self, request: RequestId, peer: PeerId) -> Option<TargetPhase> {
+        let session = self.sessions.get(&request)?;
+        session
+            .targets
+            .iter()
+            .find(|t| t.peer == peer)
+            .map(|t| t.phase)
+    }
+
+    /// Sessions held (not yet retired).
+    pub fn session_count(&self) -> usize {
+        self.sessions.len()
+    }
+
+    /// Connected peers (handshaking, ready or closing).
+    pub fn peer_count(&self) -> usize {
+        self.shell.peers.len()
+    }
+
+    /// Whether the handshake with `peer` completed.
+    pub fn is_peer_ready(&self, peer: PeerId) -> bool {
+        self.shell.peers.is_ready(peer)
+    }
+
+    /// Write batches handed to the transport and not reported yet.
+    pub fn batches_in_flight(&self) -> usize {
+        self.batches.len()
+    }
+
+    /// Retired request ids remembered now (at most one horizon's retirements, see
+    /// [`SenderConfig::retired_horizon`]).
+    pub fn retired_count(&self) -> usize {
+        self.retired.len()
+    }
+
+    /// Registrations held for requests the engine has not opened yet.
+    pub fn pending_registration_count(&self) -> usize {
+        self.pending_registrations.len
+    }
+
+    // ----- outputs -----
+
+    /// The next output, or `None` when there is nothing to do until the next input.
+    pub fn poll_output(&mut self) -> Option<Output> {
+        self.shell.outputs.pop_front()
+    }
+
+    /// When to deliver [`TransportInput::Timeout`] next (`None`: no deadline pending).
+    pub fn poll_timeout(&mut self) -> Option<Instant> {
+        self.shell.timers.next()
+    }
+
+    // ----- recording -----
+
+    /// Starts (or stops, with `false`) recording every input applied, for
+    /// [`take_recorded_inputs`](Self::take_recorded_inputs). Inputs refused with a usage error
+    /// are not recorded (they changed nothing).
+    pub fn record_inputs(&mut self, on: bool) {
+        self.recorded = on.then(Vec::new);
+    }
+
+    /// The inputs applied since recording started (recording goes on).
+    pub fn take_recorded_inputs(&mut self) -> Vec<SenderInput> {
+        self.recorded
+            .as_mut()
+            .map(std::mem::take)
+            .unwrap_or_default()
+    }
+
+    // ----- commands -----
+
+    /// Opens `req` before its first chunk (see [`SenderInput::Open`]). Registrations that
+    /// arrived before are adopted now; a cancel that arrived before cancels it at once.
+    pub fn open_request(&mut self, now: Instant, req: SendRequest) -> Result<(), UsageError> {
+        self.handle_input(SenderInput::Open { now, request: req })
+    }
+
+    /// Submits one computed prefill chunk of `request`. The sender asks `source` for the chunk's
+    /// bounded block windows (only those) and applies [`SenderInput::Chunk`] with its answers:
+    /// a slice is created and written to every receiver that has registered (the others get
+    /// it, in order, when their registration arrives).
+    ///
+    /// Returns the slice's id, or `None` when the chunk completes no block (it sends nothing).
+    pub fn submit_chunk(
+        &mut self,
+        now: Instant,
+        request: RequestId,
+        spec: ChunkSpec,
+        source: &mut impl BlockSource,
+    ) -> Result<Option<SenderSliceId>, UsageError> {
+        // The checks and the block windows are computed once, here: the engine's answers are
+        // applied without computing them again.
+        let next_phase = self.check_chunk(request, &spec)?;
+        let windows = self.chunk_windows(request, &spec)?;
+        let mut runs = Vec::with_capacity(windows.len());
+        for &(group, w) in &windows {
+            let mut run = BlockRun::default();
+            source
+                .block_run(request, group, w.begin, w.end, &mut run)
+                .map_err(|error| UsageError::BlockSource { request, error })?;
+            runs.push((group, run));
+        }
+        let outcome = self.apply_chunk(now, request, spec, next_phase, &windows, runs.clone())?;
+        self.record(SenderInput::Chunk {
+            now,
+            request,
+            spec,
+            runs,
+        });
+        outcome
+    }
+
+    /// Sends the request's cached prefix before its first chunk (see [`SenderInput::Prefix`]):
+    /// the fully cached blocks `[0, prepopulated_len / tpb)` (from the stale boundary in a
+    /// windowed group), so only the computed part waits for prefill. The request's chunks must
+    /// then set [`ChunkSpec::prefix_sent_early`]. Returns the slice's id, or `None` when the
+    /// prefix fills no whole block.
+    pub fn submit_prefix(
+        &mut self,
+        now: Instant,
+        request: RequestId,
+        prompt_len: u32,
+        prepopulated_len: u32,
+        source: &mut impl BlockSource,
+    ) -> Result<Option<SenderSliceId>, UsageError> {
+        let windows = self.check_prefix(request, prompt_len, prepopulated_len)?;
+        let mut runs = Vec::with_capacity(windows.len());
+        for (group, w) in windows {
+            let mut run = BlockRun::default();
+            source
+                .block_run(request, group, w.begin, w.end, &mut run)
+                .map_err(|error| UsageError::BlockSource { request, error })?;
+            runs.push((group, run));
+        }
+        let outcome = self.on_prefix(now, request, prompt_len, prepopulated_len, runs.clone())?;
+        self.record(SenderInput::Prefix {
+            now,
+            request,
+            prompt_len,
+            prepopulated_len,
+            runs,
+        });
+        outcome
+    }
+
+    /// Submits the request's aux data (see [`SenderInput::Aux`]).
+    pub fn submit_aux(
+        &mut self,
+        now: Instant,
+        request: RequestId,
+        data: AuxData,
+    ) -> Result<(), UsageError> {
+        self.handle_input(SenderInput::Aux { now, request, data })
+    }
+
+    /// Cancels `request` (see [`SenderInput::Cancel`]).
+    pub fn cancel(&mut self, now: Instant, request: RequestId) -> Result<(), UsageError> {
+        self.handle_input(SenderInput::Cancel { now, request })
+    }
+
+    /// Retires `request` (see [`SenderInput::Retire`]).
+    pub fn retire(&mut self, now: Instant, request: RequestId) -> Result<(), UsageError> {
+        self.handle_input(SenderInput::Retire { now, request })
+    }
+
+    // ----- inputs -----
+
+    /// Applies one input. Returns a usage error, with nothing changed, for a caller bug.
+    pub fn handle_input(&mut self, input: SenderInput) -> Result<(), UsageError> {
+        let recorded = self.recorded.is_some().then(|| input.clone());
+        match input {
+            SenderInput::Transport { now, input } => self.on_transport(now, input),
+            SenderInput::Open { now, request } => self.on_open(now, request),
+            SenderInput::Chunk {
+                now,
+                request,
+                spec,
+                runs,
+            } => self.on_chunk(now, request, spec, runs).map(|_| ()),
+            // (An engine error inside `on_chunk` ended the session: the input was applied.)
+            SenderInput::Prefix {
+                now,
+                request,
+                prompt_len,
+                prepopulated_len,
+                runs,
+            } => self
+                .on_prefix(now, request, prompt_len, prepopulated_len, runs)
+                .map(|_| ()),
+            SenderInput::Aux { now, request, data } => self.on_aux_submitted(now, request, data),
+            SenderInput::Cancel { now, request } => self.on_cancel(now, request),
+            SenderInput::Retire { now, request } => self.on_retire(now, request),
+        }?;
+        if let Some(input) = recorded {
+            self.record(input);
+        }
+        Ok(())
+    }
+
+    /// Applies what the transport saw (see [`SenderInput::Transport`]).
+    pub fn handle_transport(
+        &mut self,
+        now: Instant,
+        input: TransportInput,
+    ) -> Result<(), UsageError> {
+        self.handle_input(SenderInput::Transport { now, input })
+    }
+
+    /// A sender accepts no data writes: the answer is always a refusal, and a connected peer
+    /// that sends one is closed.
+    pub fn admit_write(&mut self, now: Instant, peer: PeerId, header: &[u8]) -> Admission {
+        let input = TransportInput::WriteArrived {
+            peer,
+            header: bytes::Bytes::copy_from_slice(header),
+        };
+        let _ = self.handle_transport(now, input);
+        Admission::Refuse(WriteRefusal::NotAccepted)
+    }
+
+    // ----- internals -----
+
+    fn record(&mut self, input: SenderInput) {
+        if let Some(log) = &mut self.recorded {
+            log.push(input);
+        }
+    }
+
+    fn on_transport(&mut self, now: Instant, input: TransportInput) -> Result<(), UsageError> {
+        match input {
+            TransportInput::PeerConnected { peer } => self.shell.connected(now, peer),
+            TransportInput::PeerDisconnected { peer } => self.on_disconnected(now, peer),
+            TransportInput::FrameReceived { peer, bytes } => {
+                match self.shell.frame(now, peer, &bytes)? {
+                    Route::Session(frame) => self.on_session_frame(now, peer, frame),
+                    Route::Malformed => self.fail_peer_sessions(
+                        now,
+                        peer,
+                        Stop::Failed {
+                            cause: TransferStatus::ProtocolError,
+                            peer: Some(peer),
+                            slice: None,
+                            receiver_slice: None,
+                        },
+                    ),
+                    Route::Done | Route::BecameReady => {}
+                }
+                Ok(())
+            }
+            TransportInput::WritesCompleted { batch } => {
+                self.on_batch_report(now, batch, TransferStatus::Success)
+            }
+            TransportInput::WritesFailed { batch, status } => {
+                if status == TransferStatus::Success {
+                    return Err(UsageError::FailureWithSuccessStatus(batch));
+                }
+                self.on_batch_report(now, batch, status)
+            }
+            TransportInput::WriteArrived { peer, .. } => {
+                self.refuse_write(peer);
+                Ok(())
+            }
+            TransportInput::WriteFinished { .. } => Err(UsageError::WrongRole {
+                input: "WriteFinished",
+                role: Role::Sender,
+            }),
+            TransportInput::DataArriving { .. } => Err(UsageError::WrongRole {
+                input: "DataArriving",
+                role: Role::Sender,
+            }),
+            TransportInput::Timeout => {
+                for due in self.shell.due(now) {
+                    match due {
+                        Due::Liveness(peer) => {
+                            self.fail_peer_sessions(now, peer, Stop::TimedOut(Wait::Liveness))
+                        }
+                        Due::Request(request) => self.on_request_timeout(now, request),
+                        // A session waits for its receiver's registration under its own
+                        // deadline.
+                        Due::Handshake(_) => {}
+                    }
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// A data write towards a sender: a receiver never writes, so the peer is not trusted any
+    /// more.
+    fn refuse_write(&mut self, peer: PeerId) {
+        if self.shell.peers.phase(peer).is_some() {
+            self.shell.violation(
+                peer,
+                ProtocolError::UnexpectedFrame {
+                    kind: "DataWrite",
+                    role: Role::Sender,
+                },
+            );
+            self.shell.close(peer, CloseReason::ProtocolViolation);
+        }
+    }
+
+    fn on_session_frame(&mut self, now: Instant, peer: PeerId, frame: Frame) {
+        match frame {
+            Frame::RecvRegistration(reg) => self.on_registration(now, peer, reg),
+            Frame::Cancel(cancel) => self.on_peer_cancel(now, peer, cancel),
+            other => self.shell.violation(
+                peer,
+                ProtocolError::UnexpectedFrame {
+                    kind: frame_kind(&other),
+                    role: Role::Sender,
+                },
+            ),
+        }
+    }
+}
+
+impl Endpoint for Sender {
+    fn role(&self) -> Role {
+        Role::Sender
+    }
+
+    fn handle_transport(&mut self, now: Instant, input: TransportInput) -> Result<(), UsageError> {
+        Sender::handle_transport(self, now, input)
+    }
+
+    fn admit_write(&mut self, now: Instant, peer: PeerId, header: &[u8]) -> Admission {
+        Sender::admit_write(self, now, peer, header)
+    }
+
+    fn poll_output(&mut self) -> Option<Output> {
+        Sender::poll_output(self)
+    }
+
+    fn poll_timeout(&mut self) -> Option<Instant> {
+        Sender::poll_timeout(self)
+    }
+
+    fn counters(&self) -> &Counters {
+        Sender::counters(self)
+    }
+
+    fn is_peer_ready(&self, peer: PeerId) -> bool {
+        Sender::is_peer_ready(self, peer)
+    }
+
+    fn frame_body_limit(&self, peer: PeerId) -> u32 {
+        self.shell.peers.body_limit(peer)
+    }
+
+    fn peer_count(&self) -> usize {
+        Sender::peer_count(self)
+    }
+
+    fn session_count(&self) -> usize {
+        Sender::session_count(self)
+    }
+}
+
+/// Checks one group's block run against the bounded block-source contract: it ends exactly at
+/// the asked end, is never longer than asked, and is shorter only in a windowed group (whose
+/// evicted head the contract allows).
+fn check_run(
+    request: RequestId,
+    group: GroupIndex,
+    asked: BlockWindow,
+    run: &BlockRun,
+    layout: &crate::layout::LayerGroupLayout,
+    prompt_len: u32,
+) -> Option<BlockRunError> {
+    let len = u32::try_from(run.ids.len()).unwrap_or(u32::MAX);
+    let returned = BlockWindow {
+        begin: run.first_ordinal,
+        end: run.first_ordinal.saturating_add(len),
+    };
+    let fault = if len > asked.len() {
+        BlockRunFault::TooLong
+    } else if returned.end != asked.end || run.first_ordinal.checked_add(len).is_none() {
+        BlockRunFault::WrongEnd
+    } else if len < asked.len() && !layout.is_windowed_for(prompt_len) {
+        BlockRunFault::TooShort
+    } else {
+        return None;
+    };
+    Some(BlockRunError {
+        request,
+        group,
+        asked,
+        returned,
+        fault,
+    })
+}
+
+/// The cancel reason that carries `status` to a peer that has no registration to name.
+fn status_reason(status: TransferStatus) -> CancelReason {
+    match status {
+        TransferStatus::Cancelled => CancelReason::Engine,
+        TransferStatus::TimedOut | TransferStatus::InDoubt => CancelReason::Timeout,
+        _ => CancelReason::Failure,
+    }
+}

@@ -1,0 +1,188 @@
+//! Results: write batches reported by the transport, results sent in slice order after their writes, the aux data, and a receiver's cancel.
+
+use super::*;
+
+impl Sender {
+    /// Sends every result that may leave now, in slice order, then the aux data; completes the
+    /// session when everything went out.
+    pub(super) fn progress(&mut self, now: Instant, request: RequestId) {
+        let Some(session) = self.sessions.get_mut(&request) else {
+            return;
+        };
+        if !session.phase.is_active() {
+            return;
+        }
+        let mut frames: Vec<(PeerId, Frame)> = Vec::new();
+        for target in session.targets.iter_mut() {
+            if !matches!(
+                target.phase,
+                TargetPhase::Streaming | TargetPhase::AwaitingAux
+            ) {
+                continue;
+            }
+            let Some(reg) = &target.registration else {
+                continue;
+            };
+            let receiver_slice = reg.slice;
+            while target.results_sent < target.slices.len()
+                && target.slices[target.results_sent].done
+            {
+                let k = target.results_sent;
+                let slice = &session.slices[k];
+                let ts = target.slices[k];
+                frames.push((
+                    target.peer,
+                    Frame::KvResult(KvResult {
+                        request,
+                        sender_slice: slice.id,
+                        receiver_slice,
+                        is_last: slice.is_last,
+                        status: TransferStatus::Success,
+                        bytes_written: ts.bytes,
+                    }),
+                ));
+                target.results_sent += 1;
+                if slice.is_last {
+                    target.on(TargetEvent::LastResultSent);
+                }
+            }
+            if target.phase == TargetPhase::AwaitingAux {
+                if let Some(aux) = &session.aux {
+                    frames.push((
+                        target.peer,
+                        Frame::AuxResult(AuxResult {
+                            request,
+                            status: TransferStatus::Success,
+                            data: aux.clone(),
+                        }),
+                    ));
+                    target.on(TargetEvent::Finished);
+                }
+            }
+        }
+        let finished = session.targets.iter().all(|t| t.phase.is_finished());
+        let bytes = session.bytes_written;
+        session.timings.ended = now;
+        let timings = session.timings;
+        let blocks_pinned = session.blocks_pinned;
+        let mut transition = None;
+        if finished {
+            if let Transition::To(p) = session.phase.on(SendEvent::Finished) {
+                session.phase = p;
+                transition = Some(p);
+            }
+        }
+        self.send_frames(now, frames);
+        if transition == Some(SendPhase::Completed) {
+            self.shell.counters.completions += 1;
+            self.shell.counters.quiesced += 1;
+            self.shell.counters.blocks_released += blocks_pinned;
+            self.shell.event(Event::Completed {
+                request,
+                bytes_written: bytes,
+                aux: None,
+                timings,
+            });
+            self.shell.event(Event::Quiesced { request });
+        }
+    }
+
+    pub(super) fn send_frames(&mut self, now: Instant, frames: Vec<(PeerId, Frame)>) {
+        for (peer, frame) in frames {
+            if let Frame::KvResult(r) = &frame {
+                self.shell.counters.results.bump(r.status);
+            }
+            self.shell.send(now, peer, frame);
+        }
+    }
+
+    pub(super) fn on_batch_report(
+        &mut self,
+        now: Instant,
+        batch: WriteBatchId,
+        status: TransferStatus,
+    ) -> Result<(), UsageError> {
+        let Some(r) = self.batches.remove(&batch) else {
+            if batch.0 < self.next_batch {
+                // Issued, and forgotten when its peer disconnected: a late report is harmless.
+                return Ok(());
+            }
+            return Err(UsageError::UnknownBatch(batch));
+        };
+        let Some(session) = self.sessions.get_mut(&r.request) else {
+            return Ok(());
+        };
+        let target = &mut session.targets[r.target];
+        target.inflight = target.inflight.saturating_sub(1);
+        let peer = target.peer;
+        let receiver_slice = target.receiver_slice();
+        let ts = &mut target.slices[r.slice];
+        ts.deadline = None;
+        if status == TransferStatus::Success {
+            let last = self.link_progress.entry(peer).or_insert(now);
+            *last = (*last).max(now);
+            ts.done = true;
+            let bytes = ts.bytes;
+            session.bytes_written += bytes;
+            session.timings.last_byte = Some(now);
+            self.shell.counters.bytes_written += bytes;
+            if session.phase.is_active() {
+                self.progress(now, r.request);
+            } else {
+                self.check_drained(now, r.request);
+            }
+        } else if session.phase.is_active() {
+            let slice = session.slices[r.slice].id;
+            self.stop(
+                now,
+                r.request,
+                Stop::Failed {
+                    cause: status,
+                    peer: Some(peer),
+                    slice: Some(slice),
+                    receiver_slice,
+                },
+            );
+        } else {
+            self.check_drained(now, r.request);
+        }
+        Ok(())
+    }
+
+    pub(super) fn on_peer_cancel(&mut self, now: Instant, peer: PeerId, cancel: Cancel) {
+        let request = cancel.request;
+        let confirm = Frame::Cancel(Cancel {
+            request,
+            reason: cancel.reason,
+        });
+        if self.retired.contains(request) {
+            // Nothing of a retired request is in flight: confirm at once.
+            self.shell.send(now, peer, confirm);
+            return;
+        }
+        let Some(session) = self.sessions.get_mut(&request) else {
+            // Not opened yet: nothing is in flight. Confirm, and cancel it when it opens.
+            self.shell
+                .remembered_cancels
+                .insert(request, CancelOrigin::Peer(peer));
+            self.pending_registrations.remove(request, peer);
+            self.shell.send(now, peer, confirm);
+            return;
+        };
+        if !session.targets.iter().any(|t| t.peer == peer) {
+            self.shell.violation(
+                peer,
+                ProtocolError::NotAParticipant {
+                    kind: "Cancel",
+                    request,
+                },
+            );
+            return;
+        }
+        if session.phase.is_active() {
+            self.stop(now, request, Stop::Cancelled(CancelOrigin::Peer(peer)));
+        } else {
+            self.check_drained(now, request);
+        }
+    }
+}

@@ -1,0 +1,400 @@
+//! Stop and quiesce: failures, timeouts, cancels and lost peers end a session on both sides, and its blocks stay pinned until no write of it can still land.
+
+use super::*;
+
+impl Sender {
+    pub(super) fn on_disconnected(&mut self, now: Instant, peer: PeerId) -> Result<(), UsageError> {
+        self.shell.peers.disconnected(peer)?;
+        self.pending_registrations.remove_peer(peer);
+        self.link_progress.remove(&peer);
+        // Batches towards the peer can no longer touch memory.
+        let sessions = &self.sessions;
+        self.batches.retain(|_, r| {
+            sessions
+                .get(&r.request)
+                .is_none_or(|s| s.targets[r.target].peer != peer)
+        });
+        let involved: Vec<RequestId> = self
+            .sessions
+            .iter()
+            .filter(|(_, s)| s.targets.iter().any(|t| t.peer == peer))
+            .map(|(r, _)| *r)
+            .collect();
+        for request in involved {
+            let session = self.sessions.get_mut(&request).expect("listed");
+            let target = session
+                .targets
+                .iter_mut()
+                .find(|t| t.peer == peer)
+                .expect("listed");
+            let finished_here = target.phase.is_finished();
+            target.on(TargetEvent::Disconnected);
+            target.inflight = 0;
+            for ts in &mut target.slices {
+                ts.deadline = None;
+            }
+            let receiver_slice = target.receiver_slice();
+            if session.phase.is_active() && !finished_here {
+                self.stop(
+                    now,
+                    request,
+                    Stop::Failed {
+                        cause: TransferStatus::PeerLost,
+                        peer: Some(peer),
+                        slice: None,
+                        receiver_slice,
+                    },
+                );
+            } else {
+                self.check_drained(now, request);
+            }
+        }
+        Ok(())
+    }
+
+    pub(super) fn fail_peer_sessions(&mut self, now: Instant, peer: PeerId, why: Stop) {
+        let involved: Vec<RequestId> = self
+            .sessions
+            .iter()
+            .filter(|(_, s)| {
+                s.phase.is_active()
+                    && s.targets
+                        .iter()
+                        .any(|t| t.peer == peer && !t.phase.is_finished())
+            })
+            .map(|(r, _)| *r)
+            .collect();
+        for request in involved {
+            let why = match why {
+                Stop::Failed {
+                    cause,
+                    peer,
+                    slice,
+                    receiver_slice: None,
+                } => Stop::Failed {
+                    cause,
+                    peer,
+                    slice,
+                    receiver_slice: self.sessions.get(&request).and_then(|s| {
+                        s.targets
+                            .iter()
+                            .find(|t| Some(t.peer) == peer)
+                            .and_then(Target::receiver_slice)
+                    }),
+                },
+                other => other,
+            };
+            self.stop(now, request, why);
+        }
+    }
+
+    pub(super) fn on_request_timeout(&mut self, now: Instant, request: RequestId) {
+        let Some(session) = self.sessions.get_mut(&request) else {
+            // Registrations held for a request the engine never opened: after the registration
+            // deadline nobody will write them; their receivers learn at once.
+            let expired = self
+                .pending_registrations
+                .since(request)
+                .is_some_and(|at| at + self.config.deadlines.registration <= now);
+            if expired {
+                for (peer, _) in self.pending_registrations.take(request) {
+                    let frame = Frame::Cancel(Cancel {
+                        request,
+                        reason: CancelReason::Timeout,
+                    });
+                    self.shell.send(now, peer, frame);
+                }
+            }
+            return;
+        };
+        if session.phase.is_active() {
+            let (progress, wc) = (&self.link_progress, self.config.deadlines.write_completion);
+            let write_due = session.targets.iter().any(|t| {
+                t.slices.iter().any(|ts| {
+                    write_deadline(progress, wc, t.peer, ts.deadline).is_some_and(|at| at <= now)
+                })
+            });
+            if write_due {
+                self.stop(now, request, Stop::TimedOut(Wait::Writes));
+                return;
+            }
+            let unregistered = session
+                .targets
+                .iter()
+                .any(|t| t.phase == TargetPhase::AwaitingRegistration);
+            if unregistered && session.registration_deadline <= now {
+                self.stop(now, request, Stop::TimedOut(Wait::Registration));
+                return;
+            }
+            if session.aux_deadline.is_some_and(|at| at <= now) {
+                self.stop(now, request, Stop::TimedOut(Wait::Aux));
+                return;
+            }
+        } else if session.phase == SendPhase::Stopping
+            && session.quiesce_deadline.is_some_and(|at| at <= now)
+        {
+            let fence: Vec<PeerId> = session
+                .targets
+                .iter_mut()
+                .filter(|t| t.inflight > 0)
+                .filter_map(|t| t.on(TargetEvent::FenceRequested).then_some(t.peer))
+                .collect();
+            for peer in fence {
+                self.shell.close(peer, CloseReason::QuiesceFence);
+            }
+            return;
+        }
+        self.rearm(request);
+    }
+
+    /// Arms the session's earliest pending deadline.
+    pub(super) fn rearm(&mut self, request: RequestId) {
+        let Some(session) = self.sessions.get(&request) else {
+            return;
+        };
+        let mut next: Option<Instant> = None;
+        let mut consider = |at: Option<Instant>| {
+            if let Some(at) = at {
+                next = Some(next.map_or(at, |n: Instant| n.min(at)));
+            }
+        };
+        if session.phase.is_active() {
+            for t in &session.targets {
+                for ts in &t.slices {
+                    consider(write_deadline(
+                        &self.link_progress,
+                        self.config.deadlines.write_completion,
+                        t.peer,
+                        ts.deadline,
+                    ));
+                }
+            }
+            if session
+                .targets
+                .iter()
+                .any(|t| t.phase == TargetPhase::AwaitingRegistration)
+            {
+                consider(Some(session.registration_deadline));
+            }
+            consider(session.aux_deadline);
+        } else if session.phase == SendPhase::Stopping {
+            consider(session.quiesce_deadline);
+        }
+        self.shell.timers.arm_opt(next, TimerKey::Request(request));
+    }
+
+    pub(super) fn stop_protocol(
+        &mut self,
+        now: Instant,
+        request: RequestId,
+        peer: PeerId,
+        error: ProtocolError,
+    ) {
+        self.stop_protocol_at(now, request, peer, error, None);
+    }
+
+    /// Fails the session for a peer's protocol error, attributed to `slice` when one is known.
+    pub(super) fn stop_protocol_at(
+        &mut self,
+        now: Instant,
+        request: RequestId,
+        peer: PeerId,
+        error: ProtocolError,
+        slice: Option<SenderSliceId>,
+    ) {
+        let receiver_slice = self.sessions.get(&request).and_then(|s| {
+            s.targets
+                .iter()
+                .find(|t| t.peer == peer)
+                .and_then(Target::receiver_slice)
+        });
+        self.shell.event(Event::ProtocolViolation { peer, error });
+        self.stop(
+            now,
+            request,
+            Stop::Failed {
+                cause: TransferStatus::ProtocolError,
+                peer: Some(peer),
+                slice,
+                receiver_slice,
+            },
+        );
+    }
+
+    /// Ends an active session: reports it, tells every receiver at once, and waits for the
+    /// in-flight writes before [`Event::Quiesced`].
+    pub(super) fn stop(&mut self, now: Instant, request: RequestId, why: Stop) {
+        let Some(session) = self.sessions.get_mut(&request) else {
+            return;
+        };
+        let Transition::To(phase) = session.phase.on(SendEvent::Stop) else {
+            return;
+        };
+        session.phase = phase;
+        let (status, event) = match why {
+            Stop::Failed {
+                cause,
+                peer,
+                slice,
+                receiver_slice,
+            } => {
+                session.stop_slice = slice;
+                (
+                    cause,
+                    Event::Failed {
+                        request,
+                        cause,
+                        peer,
+                        sender_slice: slice,
+                        receiver_slice,
+                    },
+                )
+            }
+            Stop::TimedOut(wait) => (
+                if wait == Wait::Writes {
+                    TransferStatus::InDoubt
+                } else {
+                    TransferStatus::TimedOut
+                },
+                Event::TimedOut {
+                    request,
+                    waiting_for: wait,
+                },
+            ),
+            Stop::Cancelled(origin) => (
+                TransferStatus::Cancelled,
+                Event::Cancelled { request, origin },
+            ),
+        };
+        session.stop_status = status;
+        // The slice the failure is attributed to, named the same on both sides (none when the
+        // failure is not a slice's).
+        let failed_slice = session.stop_slice.unwrap_or(SenderSliceId::NONE);
+        let quiesce_at = now + self.config.deadlines.quiesce;
+        session.quiesce_deadline = Some(quiesce_at);
+        let mut frames = Vec::new();
+        for target in session.targets.iter_mut() {
+            for ts in &mut target.slices {
+                ts.deadline = None;
+            }
+            if !target.on(TargetEvent::SessionStopped) {
+                continue;
+            }
+            match target.receiver_slice() {
+                Some(receiver_slice) => {
+                    let is_last = target.inflight == 0;
+                    if is_last {
+                        target.on(TargetEvent::TerminalSent);
+                    }
+                    frames.push((
+                        target.peer,
+                        Frame::KvResult(KvResult {
+                            request,
+                            sender_slice: failed_slice,
+                            receiver_slice,
+                            is_last,
+                            status,
+                            bytes_written: 0,
+                        }),
+                    ));
+                }
+                None => {
+                    target.on(TargetEvent::TerminalSent);
+                    frames.push((
+                        target.peer,
+                        Frame::Cancel(Cancel {
+                            request,
+                            reason: status_reason(status),
+                        }),
+                    ));
+                }
+            }
+        }
+        self.shell.counters.failures.bump(status);
+        match why {
+            Stop::TimedOut(_) => self.shell.counters.timeouts += 1,
+            Stop::Cancelled(_) => self.shell.counters.cancellations += 1,
+            Stop::Failed { .. } => {}
+        }
+        self.shell.event(event);
+        self.send_frames(now, frames);
+        self.shell
+            .timers
+            .arm(quiesce_at, TimerKey::Request(request));
+        self.check_drained(now, request);
+    }
+
+    /// In a stopping session: sends each receiver's terminal result once its writes drained, and
+    /// quiesces the session once no write is in flight.
+    pub(super) fn check_drained(&mut self, now: Instant, request: RequestId) {
+        let Some(session) = self.sessions.get_mut(&request) else {
+            return;
+        };
+        if session.phase != SendPhase::Stopping {
+            return;
+        }
+        let status = session.stop_status;
+        // The slice the failure is attributed to, named the same on both sides (none when the
+        // failure is not a slice's).
+        let failed_slice = session.stop_slice.unwrap_or(SenderSliceId::NONE);
+        let mut frames = Vec::new();
+        for target in session.targets.iter_mut() {
+            if target.inflight > 0
+                || !matches!(target.phase, TargetPhase::Draining | TargetPhase::Fencing)
+            {
+                continue;
+            }
+            target.on(TargetEvent::TerminalSent);
+            let frame = match target.receiver_slice() {
+                Some(receiver_slice) => Frame::KvResult(KvResult {
+                    request,
+                    sender_slice: failed_slice,
+                    receiver_slice,
+                    is_last: true,
+                    status,
+                    bytes_written: 0,
+                }),
+                None => Frame::Cancel(Cancel {
+                    request,
+                    reason: status_reason(status),
+                }),
+            };
+            frames.push((target.peer, frame));
+        }
+        let drained = session.targets.iter().all(|t| t.inflight == 0);
+        let blocks_pinned = session.blocks_pinned;
+        let mut quiesced = false;
+        if drained {
+            if let Transition::To(p) = session.phase.on(SendEvent::Drained) {
+                session.phase = p;
+                session.quiesce_deadline = None;
+                quiesced = true;
+            }
+        }
+        self.send_frames(now, frames);
+        if quiesced {
+            self.shell.counters.quiesced += 1;
+            self.shell.counters.blocks_released += blocks_pinned;
+            self.shell.event(Event::Quiesced { request });
+        }
+    }
+}
+
+/// When a write batch towards `peer` issued with deadline `issued_deadline` (issue time +
+/// `write_completion`) is due: never before `write_completion` has passed with no batch towards
+/// `peer` completing (`progress`: when one last did), so batches queued behind others on a slow
+/// but moving link (a late registration's replay, a long prompt) are not failed while their
+/// link works. A link that stops completing fails them `write_completion` after its last
+/// completion.
+fn write_deadline(
+    progress: &BTreeMap<PeerId, Instant>,
+    write_completion: crate::time::Duration,
+    peer: PeerId,
+    issued_deadline: Option<Instant>,
+) -> Option<Instant> {
+    let at = issued_deadline?;
+    Some(match progress.get(&peer) {
+        Some(&last) => at.max(last + write_completion),
+        None => at,
+    })
+}
