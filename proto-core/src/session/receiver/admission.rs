@@ -1,0 +1,190 @@
+//! Admission: each data write is checked against the request's grant, its writers and the bytes in flight or landed before a byte of it is applied, and its landing is recorded.
+
+use super::*;
+
+impl Receiver {
+    pub(super) fn on_write_arrived(
+        &mut self,
+        now: Instant,
+        peer: PeerId,
+        header: &Bytes,
+    ) -> Result<Admission, UsageError> {
+        let Some(phase) = self.shell.peers.phase(peer) else {
+            return Err(UsageError::UnknownPeer(peer));
+        };
+        let refusal = match self.config.data_path {
+            DataPath::Ordered => Err(WriteRefusal::NotAccepted),
+            DataPath::Landed => self.check_write(now, peer, header),
+        };
+        match refusal {
+            Ok(admission) => Ok(admission),
+            Err(refusal) => {
+                self.shell.counters.writes_refused += 1;
+                if matches!(
+                    phase,
+                    crate::session::state::PeerPhase::Handshaking
+                        | crate::session::state::PeerPhase::Ready
+                ) {
+                    self.refuse(now, peer, refusal);
+                }
+                Ok(Admission::Refuse(refusal))
+            }
+        }
+    }
+
+    /// Decides on a data write; admits it (recording the flight) or says why not.
+    pub(super) fn check_write(
+        &mut self,
+        now: Instant,
+        peer: PeerId,
+        header: &[u8],
+    ) -> Result<Admission, WriteRefusal> {
+        let version = match self.shell.peers.version(peer) {
+            Some(v) if self.shell.peers.is_ready(peer) => v,
+            _ => return Err(WriteRefusal::PeerNotReady(peer)),
+        };
+        let w: DataWrite = match Frame::parse_negotiated(header, version) {
+            Ok((Frame::DataWrite(w), n)) if n == header.len() => w,
+            _ => return Err(WriteRefusal::Malformed),
+        };
+        let request = w.request;
+        let Some(session) = self.sessions.get_mut(&request) else {
+            return match self.retired.get(request) {
+                Some(r) if r.grant == w.grant && r.writers.contains(&peer) => {
+                    self.shell.counters.late_writes += 1;
+                    Ok(Admission::Discard { len: w.len })
+                }
+                _ => Err(WriteRefusal::UnknownRequest(request)),
+            };
+        };
+        if session.frame.grant != w.grant {
+            return Err(WriteRefusal::WrongGrant {
+                request,
+                got: w.grant,
+            });
+        }
+        if !session
+            .writers
+            .iter()
+            .any(|x| x.peer == peer && x.phase != WriterPhase::Unregistered)
+        {
+            return Err(WriteRefusal::NotAWriter { request, peer });
+        }
+        if !session.extents.contains(w.region, w.offset, w.len) {
+            return Err(WriteRefusal::OutsideGrant {
+                request,
+                region: w.region,
+                offset: w.offset,
+                len: w.len,
+            });
+        }
+        if !session.phase.is_active() {
+            self.shell.counters.late_writes += 1;
+            return Ok(Admission::Discard { len: w.len });
+        }
+        let end = w.offset + w.len; // `contains` checked it does not overflow
+        if self.writes.overlaps(w.region, w.offset, end)
+            || session.landed.overlaps(w.region, w.offset, end)
+        {
+            return Err(WriteRefusal::Overlap {
+                request,
+                region: w.region,
+                offset: w.offset,
+                len: w.len,
+            });
+        }
+        // Data begins to move again after the request's pipeline drained: every write landed
+        // and every byte landed was reported by a result (see `RequestTimings::last_burst`).
+        if session.writes_in_flight == 0 && session.writers.iter().all(|x| x.landed == x.reported) {
+            session.timings.last_burst = Some(now);
+        }
+        session.writes_in_flight += 1;
+        session.timings.writes += 1;
+        let ticket = self.writes.admit(Flight {
+            request,
+            peer,
+            region: w.region,
+            offset: w.offset,
+            len: w.len,
+        });
+        Ok(Admission::Apply {
+            ticket,
+            region: w.region,
+            offset: w.offset,
+            len: w.len,
+        })
+    }
+
+    /// A refused write: the peer is not trusted any more. The request it named fails on both
+    /// sides (when the peer is one of its writers), then the peer is closed.
+    pub(super) fn refuse(&mut self, now: Instant, peer: PeerId, refusal: WriteRefusal) {
+        let named = match refusal {
+            WriteRefusal::WrongGrant { request, .. }
+            | WriteRefusal::OutsideGrant { request, .. }
+            | WriteRefusal::Overlap { request, .. } => Some(request),
+            _ => None,
+        };
+        if let Some(request) = named {
+            let writer = self
+                .sessions
+                .get(&request)
+                .is_some_and(|s| s.phase.is_active() && s.writers.iter().any(|w| w.peer == peer));
+            if writer {
+                self.stop(
+                    now,
+                    request,
+                    Stop::Failed {
+                        cause: TransferStatus::GrantViolation,
+                        peer: Some(peer),
+                        slice: None,
+                    },
+                );
+            }
+        }
+        self.shell
+            .violation(peer, ProtocolError::WriteRefused { refusal });
+        self.shell.close(peer, CloseReason::GrantViolation);
+    }
+
+    pub(super) fn on_write_finished(
+        &mut self,
+        now: Instant,
+        ticket: crate::session::WriteTicket,
+        landed: bool,
+    ) -> Result<(), UsageError> {
+        let Some(flight) = self.writes.finish(ticket) else {
+            if self.writes.issued(ticket) {
+                // Forgotten when its peer disconnected: a late report is harmless.
+                return Ok(());
+            }
+            return Err(UsageError::UnknownTicket(ticket));
+        };
+        let request = flight.request;
+        let Some(session) = self.sessions.get_mut(&request) else {
+            return Ok(());
+        };
+        session.writes_in_flight = session.writes_in_flight.saturating_sub(1);
+        if landed {
+            session.timings.first_byte.get_or_insert(now);
+            session.timings.last_byte = Some(now);
+            self.note_progress(now, request);
+            let session = self.sessions.get_mut(&request).expect("present");
+            session
+                .landed
+                .insert(flight.region, flight.offset, flight.offset + flight.len);
+            self.shell.counters.bytes_landed += flight.len;
+            if let Some(w) = session.writers.iter_mut().find(|w| w.peer == flight.peer) {
+                w.landed = w.landed.saturating_add(flight.len);
+            }
+            self.release_held(now, request, flight.peer);
+        }
+        if self
+            .sessions
+            .get(&request)
+            .is_some_and(|s| s.phase == RecvPhase::Stopping)
+        {
+            self.check_drained(now, request);
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,57 @@
+//! Aux data: the writers' first tokens and counts, which must agree.
+
+use super::*;
+
+impl Receiver {
+    pub(super) fn on_aux(&mut self, now: Instant, peer: PeerId, aux: AuxResult) {
+        let request = aux.request;
+        let Some(w) = self.locate(now, peer, request, "AuxResult") else {
+            return;
+        };
+        let session = self.sessions.get_mut(&request).expect("located");
+        if !session.phase.is_active() || session.writers[w].aux {
+            self.shell.counters.duplicates += 1;
+            return;
+        }
+        if aux.status != TransferStatus::Success {
+            self.stop(
+                now,
+                request,
+                Stop::Failed {
+                    cause: aux.status,
+                    peer: Some(peer),
+                    slice: None,
+                },
+            );
+            return;
+        }
+        let len = aux_encoded_len(&aux.data);
+        let capacity = session.frame.aux_capacity;
+        if len > u64::from(capacity) {
+            self.stop_protocol(
+                now,
+                request,
+                peer,
+                ProtocolError::AuxTooLarge {
+                    request,
+                    len,
+                    capacity,
+                },
+            );
+            return;
+        }
+        if session.aux.as_ref().is_some_and(|known| *known != aux.data) {
+            self.stop_protocol(now, request, peer, ProtocolError::AuxMismatch { request });
+            return;
+        }
+        session.writers[w].aux = true;
+        session.aux.get_or_insert(aux.data);
+        self.note_progress(now, request);
+        self.progress(now, request);
+    }
+}
+
+/// Bytes the aux data takes in the receiver's aux slot: two counts, two lengths and the tokens.
+fn aux_encoded_len(data: &AuxData) -> u64 {
+    16 + 4 * (data.first_tokens.len() as u64 + data.draft_tokens.len() as u64)
+}

@@ -1,0 +1,464 @@
+//! The decode-side endpoint, split by concern: the [`Receiver`] type with its getters, commands
+//! and input dispatch here; registration ([`registration`]), admission of data writes
+//! ([`admission`]), held results ([`results`]), aux data ([`aux`]) and stop/quiesce ([`stop`])
+//! in their own files, each an `impl Receiver` block over the state defined here.
+
+mod admission;
+mod aux;
+mod registration;
+mod results;
+mod session;
+mod stop;
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+
+use session::{RecvSession, RetiredGrant, Stop, Writer, MAX_HELD_FRAMES};
+
+use bytes::Bytes;
+use smallvec::SmallVec;
+
+use super::config::ReceiverConfig;
+use super::coverage::{check_group_cover, GroupPart};
+use super::grants::{Flight, GrantedExtents, LandedExtents, WritesInFlight};
+use super::peers::Route;
+use super::retired::Retired;
+use super::shell::{Due, Shell};
+use super::state::{RecvEvent, RecvPhase, Transition, WriterEvent, WriterPhase};
+use super::timers::TimerKey;
+use super::transport::{Admission, DataPath, Endpoint, TransportInput, WriteRefusal};
+use super::{
+    frame_kind, CancelOrigin, CloseReason, Counters, Event, Output, ProtocolError, RequestTimings,
+    UsageError, Wait,
+};
+use crate::blocks::AnchoredRun;
+use crate::geometry::{stale_boundary, total_blocks};
+use crate::ids::{GrantId, GroupIndex, PeerId, ReceiverSliceId, RequestId, SenderSliceId};
+use crate::shard::writes_group;
+use crate::time::Instant;
+use crate::wire::{
+    AuxData, AuxResult, Cancel, CancelReason, DataWrite, Frame, KvResult, RecvRegistration, Role,
+    TransferStatus, MAX_BODY_LEN,
+};
+
+/// One input to a [`Receiver`]: everything that can change its state, as data, so a recorded
+/// list of inputs replays into a fresh receiver with the same outputs. Every input carries
+/// `now`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
+pub enum ReceiverInput {
+    /// What the transport saw (see [`TransportInput`]).
+    Transport {
+        /// Current time.
+        now: Instant,
+        /// The report.
+        input: TransportInput,
+    },
+    /// The engine registers the destination of a request ([`Receiver::register`]).
+    Register {
+        /// Current time.
+        now: Instant,
+        /// The destination blocks and the writers.
+        registration: Registration,
+    },
+    /// The engine cancels `request` (remembered if it is not registered yet).
+    Cancel {
+        /// Current time.
+        now: Instant,
+        /// The request.
+        request: RequestId,
+    },
+    /// The engine is done with `request` (after [`Event::Quiesced`]); its id is never reused.
+    Retire {
+        /// Current time.
+        now: Instant,
+        /// The request.
+        request: RequestId,
+    },
+}
+
+/// The destination of one request, registered by the decode engine before (or while) prefill
+/// runs.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
+pub struct Registration {
+    /// The request.
+    pub request: RequestId,
+    /// The whole prompt's length in tokens.
+    pub prompt_len: u32,
+    /// The destination blocks, one anchored run per layer group, in group order.
+    pub groups: Vec<AnchoredRun>,
+    /// The sender ranks that write this request; each must send a successful last result.
+    pub writers: SmallVec<[PeerId; 2]>,
+    /// Capacity of the aux slot in bytes.
+    pub aux_capacity: u32,
+    /// What the writers together write, per layer group, in group order: `None` (the usual
+    /// case) expects every layer and head this rank holds. An engine that deliberately spreads
+    /// one rank's writers over several receivers (one endpoint per writer) declares here the
+    /// part this registration receives, and must itself wait for every part. The writers must
+    /// cover the expected part exactly once ([`UsageError::WritersDoNotCover`]).
+    pub expected_part: Option<Vec<GroupPart>>,
+}
+
+/// The decode-side endpoint: one per decode rank, holding a session per request.
+///
+/// # Contract
+///
+/// **Getters**: [`counters`](Self::counters), [`phase`](Self::phase),
+/// [`writer_phase`](Self::writer_phase), [`grant`](Self::grant),
+/// [`granted_extents`](Self::granted_extents), [`session_count`](Self::session_count),
+/// [`peer_count`](Self::peer_count), [`is_peer_ready`](Self::is_peer_ready),
+/// [`writes_in_flight`](Self::writes_in_flight), [`config`](Self::config).
+///
+/// **Inputs** (each carries `now`): [`handle_input`](Self::handle_input) with a
+/// [`ReceiverInput`] — what the transport saw ([`TransportInput`], also through the
+/// [`Endpoint`] trait, including the admission of data writes), and the engine's register,
+/// cancel and retire. [`record_inputs`](Self::record_inputs) captures a run that replays
+/// exactly into a fresh receiver.
+///
+/// **Commands** (sugar for inputs): [`register`](Self::register) (the destination blocks of a
+/// request and its writers; sends a `RecvRegistration` to each writer once its handshake is
+/// done), [`cancel`](Self::cancel), [`retire`](Self::retire).
+///
+/// **Admission** ([`DataPath::Landed`] transports): before applying a data write the transport
+/// asks [`Endpoint::admit_write`]; the receiver admits it only for a registered request, with
+/// its grant, from one of its writers, inside the granted extents and overlapping no write in
+/// flight, and holds each writer's results until the bytes they report have landed.
+///
+/// **Outputs**: after every input, call [`poll_output`](Self::poll_output) until it returns
+/// `None`, then [`poll_timeout`](Self::poll_timeout) and arm a timer for it. Outputs come out in
+/// the order they were produced. A request ends with exactly one of [`Event::Completed`] (one
+/// successful last result from every writer, plus the aux data), [`Event::Failed`],
+/// [`Event::TimedOut`] or [`Event::Cancelled`], and then [`Event::Quiesced`].
+///
+/// **Memory**: the destination blocks stay pinned until [`Event::Quiesced`]: after a failure,
+/// timeout or cancel that is when every writer confirmed it stopped (its terminal `KvResult`
+/// or a `Cancel`) or was reported disconnected, and no admitted write is still being applied.
+/// A writer that does not confirm before the quiesce deadline is fenced with
+/// [`Output::ClosePeer`]; the blocks are handed back only once the transport reports the
+/// disconnect, so no remote write can land in reused memory.
+///
+/// **Errors**: [`UsageError`] for caller bugs (nothing changed); peer misbehaviour fails the
+/// session ([`TransferStatus::ProtocolError`]) or is reported as [`Event::ProtocolViolation`].
+#[derive(Debug)]
+pub struct Receiver {
+    config: ReceiverConfig,
+    shell: Shell,
+    sessions: BTreeMap<RequestId, RecvSession>,
+    retired: Retired<RetiredGrant>,
+    writes: WritesInFlight,
+    next_slice: u32,
+    grant_state: u64,
+    recorded: Option<Vec<ReceiverInput>>,
+}
+
+impl Receiver {
+    /// A receiver with no peers and no sessions, or the first reason its configuration cannot
+    /// run pipelined transfer.
+    pub fn new(config: ReceiverConfig) -> Result<Self, crate::config::ConfigError> {
+        config.pipeline.validate()?;
+        let hello = config.local.to_hello(Role::Receiver);
+        Ok(Receiver {
+            shell: Shell::new(hello, config.deadlines, config.max_remembered_cancels),
+            sessions: BTreeMap::new(),
+            retired: Retired::new(config.retired_horizon, config.max_retired),
+            writes: WritesInFlight::default(),
+            next_slice: 0,
+            grant_state: config.grant_seed,
+            recorded: None,
+            config,
+        })
+    }
+
+    // ----- getters -----
+
+    /// The configuration.
+    pub fn config(&self) -> &ReceiverConfig {
+        &self.config
+    }
+
+    /// What the receiver has done so far.
+    pub fn counters(&self) -> &Counters {
+        &self.shell.counters
+    }
+
+    /// The phase of `request`'s session: `None` if unknown, [`RecvPhase::Retired`] if retired
+    /// (and still remembered).
+    pub fn phase(&self, request: RequestId) -> Option<RecvPhase> {
+        if let Some(s) = self.sessions.get(&request) {
+            Some(s.phase)
+        } else if self.retired.contains(request) {
+            Some(RecvPhase::Retired)
+        } else {
+            None
+        }
+    }
+
+    /// The phase of writer `peer` within `request`'s session.
+    pub fn writer_phase(&self, request: RequestId, peer: PeerId) -> Option<WriterPhase> {
+        let session = self.sessions.get(&request)?;
+        session
+            .writers
+            .iter()
+            .find(|w| w.peer == peer)
+            .map(|w| w.phase)
+    }
+
+    /// The memory grant of `request`'s registration.
+    pub fn grant(&self, request: RequestId) -> Option<GrantId> {
+        self.sessions.get(&request).map(|s| s.frame.grant)
+    }
+
+    /// The destination bytes granted to `request`.
+    pub fn granted_extents(&self, request: RequestId) -> Option<&GrantedExtents> {
+        self.sessions.get(&request).map(|s| &s.extents)
+    }
+
+    /// Sessions held (not yet retired).
+    pub fn session_count(&self) -> usize {
+        self.sessions.len()
+    }
+
+    /// Connected peers (handshaking, ready or closing).
+    pub fn peer_count(&self) -> usize {
+        self.shell.peers.len()
+    }
+
+    /// Whether the handshake with `peer` completed.
+    pub fn is_peer_ready(&self, peer: PeerId) -> bool {
+        self.shell.peers.is_ready(peer)
+    }
+
+    /// The layer groups `peer` described in its handshake (its windows among them: a sender
+    /// keeping a smaller window than this side's never writes the blocks before its own stale
+    /// boundary), once its `Hello` arrived.
+    pub fn peer_groups(&self, peer: PeerId) -> Option<&[crate::layout::LayerGroupLayout]> {
+        self.shell.peers.remote(peer).map(|h| h.groups.as_slice())
+    }
+
+    /// Retired request ids remembered now (at most one horizon's retirements, see
+    /// [`ReceiverConfig::retired_horizon`](super::ReceiverConfig::retired_horizon)).
+    pub fn retired_count(&self) -> usize {
+        self.retired.len()
+    }
+
+    /// Admitted data writes not reported finished yet.
+    pub fn writes_in_flight(&self) -> usize {
+        self.writes.len()
+    }
+
+    // ----- outputs -----
+
+    /// The next output, or `None` when there is nothing to do until the next input.
+    pub fn poll_output(&mut self) -> Option<Output> {
+        self.shell.outputs.pop_front()
+    }
+
+    /// When to deliver [`TransportInput::Timeout`] next (`None`: no deadline pending).
+    pub fn poll_timeout(&mut self) -> Option<Instant> {
+        self.shell.timers.next()
+    }
+
+    // ----- recording -----
+
+    /// Starts (or stops, with `false`) recording every input applied, for
+    /// [`take_recorded_inputs`](Self::take_recorded_inputs). Inputs refused with a usage error
+    /// are not recorded (they changed nothing).
+    pub fn record_inputs(&mut self, on: bool) {
+        self.recorded = on.then(Vec::new);
+    }
+
+    /// The inputs applied since recording started (recording goes on).
+    pub fn take_recorded_inputs(&mut self) -> Vec<ReceiverInput> {
+        self.recorded
+            .as_mut()
+            .map(std::mem::take)
+            .unwrap_or_default()
+    }
+
+    // ----- commands -----
+
+    /// Registers the destination of a request (see [`ReceiverInput::Register`]) and sends it to
+    /// every writer whose handshake is done (the others get it when theirs completes). Returns
+    /// the receiver's slice id for it.
+    ///
+    /// A cancel that arrived before (from the engine or a writer) cancels it at once.
+    pub fn register(
+        &mut self,
+        now: Instant,
+        reg: Registration,
+    ) -> Result<ReceiverSliceId, UsageError> {
+        let request = reg.request;
+        self.handle_input(ReceiverInput::Register {
+            now,
+            registration: reg,
+        })?;
+        Ok(self
+            .sessions
+            .get(&request)
+            .map(|s| s.frame.slice)
+            .expect("registered above"))
+    }
+
+    /// Cancels `request` (see [`ReceiverInput::Cancel`]).
+    pub fn cancel(&mut self, now: Instant, request: RequestId) -> Result<(), UsageError> {
+        self.handle_input(ReceiverInput::Cancel { now, request })
+    }
+
+    /// Retires `request` (see [`ReceiverInput::Retire`]).
+    pub fn retire(&mut self, now: Instant, request: RequestId) -> Result<(), UsageError> {
+        self.handle_input(ReceiverInput::Retire { now, request })
+    }
+
+    // ----- inputs -----
+
+    /// Applies one input. Returns a usage error, with nothing changed, for a caller bug.
+    pub fn handle_input(&mut self, input: ReceiverInput) -> Result<(), UsageError> {
+        let recorded = self.recorded.is_some().then(|| input.clone());
+        match input {
+            ReceiverInput::Transport { now, input } => self.on_transport(now, input).map(|_| ()),
+            ReceiverInput::Register { now, registration } => self.on_register(now, registration),
+            ReceiverInput::Cancel { now, request } => self.on_cancel(now, request),
+            ReceiverInput::Retire { now, request } => self.on_retire(now, request),
+        }?;
+        if let (Some(log), Some(input)) = (&mut self.recorded, recorded) {
+            log.push(input);
+        }
+        Ok(())
+    }
+
+    /// Applies what the transport saw (see [`ReceiverInput::Transport`]).
+    pub fn handle_transport(
+        &mut self,
+        now: Instant,
+        input: TransportInput,
+    ) -> Result<(), UsageError> {
+        self.handle_input(ReceiverInput::Transport { now, input })
+    }
+
+    /// Asks whether the data write whose encoded `DataWrite` frame is `header` may be applied
+    /// (see [`Admission`]); recorded as [`TransportInput::WriteArrived`]. A refusal has already
+    /// failed the request it named (when `peer` is one of its writers) and asked to close the
+    /// peer.
+    pub fn admit_write(&mut self, now: Instant, peer: PeerId, header: &[u8]) -> Admission {
+        let input = TransportInput::WriteArrived {
+            peer,
+            header: Bytes::copy_from_slice(header),
+        };
+        let recorded = self.recorded.is_some().then(|| ReceiverInput::Transport {
+            now,
+            input: input.clone(),
+        });
+        match self.on_transport(now, input) {
+            Ok(Some(admission)) => {
+                if let (Some(log), Some(input)) = (&mut self.recorded, recorded) {
+                    log.push(input);
+                }
+                admission
+            }
+            Ok(None) | Err(_) => Admission::Refuse(WriteRefusal::PeerNotReady(peer)),
+        }
+    }
+
+    // ----- internals -----
+
+    /// Applies a transport input; for [`TransportInput::WriteArrived`] returns the admission.
+    fn on_transport(
+        &mut self,
+        now: Instant,
+        input: TransportInput,
+    ) -> Result<Option<Admission>, UsageError> {
+        match input {
+            TransportInput::PeerConnected { peer } => self.shell.connected(now, peer)?,
+            TransportInput::PeerDisconnected { peer } => self.on_disconnected(now, peer)?,
+            TransportInput::FrameReceived { peer, bytes } => {
+                match self.shell.frame(now, peer, &bytes)? {
+                    Route::Done => {}
+                    Route::BecameReady => self.on_peer_ready(now, peer),
+                    Route::Session(frame) => self.on_session_frame(now, peer, frame),
+                    Route::Malformed => self.fail_peer_sessions(
+                        now,
+                        peer,
+                        Stop::Failed {
+                            cause: TransferStatus::ProtocolError,
+                            peer: Some(peer),
+                            slice: None,
+                        },
+                    ),
+                }
+            }
+            TransportInput::WritesCompleted { .. } | TransportInput::WritesFailed { .. } => {
+                return Err(UsageError::WrongRole {
+                    input: "a write batch report",
+                    role: Role::Receiver,
+                });
+            }
+            TransportInput::WriteArrived { peer, header } => {
+                return Ok(Some(self.on_write_arrived(now, peer, &header)?));
+            }
+            TransportInput::WriteFinished { ticket, landed } => {
+                self.on_write_finished(now, ticket, landed)?
+            }
+            TransportInput::DataArriving { peer } => self.shell.peers.alive(now, peer)?,
+            TransportInput::Timeout => {
+                for due in self.shell.due(now) {
+                    match due {
+                        Due::Handshake(peer) => {
+                            self.fail_peer_sessions(now, peer, Stop::TimedOut(Wait::Handshake))
+                        }
+                        Due::Liveness(peer) => {
+                            self.fail_peer_sessions(now, peer, Stop::TimedOut(Wait::Liveness))
+                        }
+                        Due::Request(request) => self.on_request_timeout(now, request),
+                    }
+                }
+            }
+        }
+        Ok(None)
+    }
+
+    // ----- admission -----
+
+    // ----- session frames -----
+}
+
+impl Endpoint for Receiver {
+    fn role(&self) -> Role {
+        Role::Receiver
+    }
+
+    fn handle_transport(&mut self, now: Instant, input: TransportInput) -> Result<(), UsageError> {
+        Receiver::handle_transport(self, now, input)
+    }
+
+    fn admit_write(&mut self, now: Instant, peer: PeerId, header: &[u8]) -> Admission {
+        Receiver::admit_write(self, now, peer, header)
+    }
+
+    fn poll_output(&mut self) -> Option<Output> {
+        Receiver::poll_output(self)
+    }
+
+    fn poll_timeout(&mut self) -> Option<Instant> {
+        Receiver::poll_timeout(self)
+    }
+
+    fn counters(&self) -> &Counters {
+        Receiver::counters(self)
+    }
+
+    fn is_peer_ready(&self, peer: PeerId) -> bool {
+        Receiver::is_peer_ready(self, peer)
+    }
+
+    fn frame_body_limit(&self, peer: PeerId) -> u32 {
+        self.shell.peers.body_limit(peer)
+    }
+
+    fn peer_count(&self) -> usize {
+        Receiver::peer_count(self)
+    }
+
+    fn session_count(&self) -> usize {
+        Receiver::session_count(self)
+    }
+}

@@ -1,0 +1,347 @@
+//! Registration: the engine's registration checked (prompt, window, canonical runs, expected part) and sent to each writer once its handshake is done; the writers' cover proved once every writer is known; cancel and retire.
+
+use super::*;
+
+impl Receiver {
+    pub(super) fn on_register(
+        &mut self,
+        now: Instant,
+        reg: Registration,
+    ) -> Result<(), UsageError> {
+        let request = reg.request;
+        if self.retired.contains(request) {
+            return Err(UsageError::Retired(request));
+        }
+        if self.sessions.contains_key(&request) {
+            return Err(UsageError::DuplicateRequest(request));
+        }
+        if reg.writers.is_empty() {
+            return Err(UsageError::NoPeers(request));
+        }
+        for (i, p) in reg.writers.iter().enumerate() {
+            if reg.writers[..i].contains(p) {
+                return Err(UsageError::DuplicatePeer { request, peer: *p });
+            }
+        }
+        let expected = self.config.local.groups.len();
+        if reg.groups.len() != expected {
+            return Err(UsageError::GroupCountMismatch {
+                request,
+                expected,
+                got: reg.groups.len(),
+            });
+        }
+        crate::session::check_registration_ordinals(
+            request,
+            reg.prompt_len,
+            &reg.groups,
+            &self.config.local.groups,
+        )
+        .map_err(UsageError::RegistrationOutsidePrompt)?;
+        self.check_registration_window(request, reg.prompt_len, &reg.groups)?;
+        if let Some(parts) = &reg.expected_part {
+            self.check_expected_part(request, parts)?;
+        }
+        let cover_proved =
+            match self.prove_cover(request, &reg.writers, reg.expected_part.as_deref()) {
+                Some(Err(error)) => return Err(UsageError::WritersDoNotCover(error)),
+                Some(Ok(())) => true,
+                None => false,
+            };
+        let slice = ReceiverSliceId(self.next_slice);
+        let frame = RecvRegistration {
+            request,
+            slice,
+            prompt_len: reg.prompt_len,
+            grant: GrantId(0),
+            aux_capacity: reg.aux_capacity,
+            groups: reg.groups,
+        };
+        let frame = Frame::RecvRegistration(frame);
+        let len = frame.body_len() as u64;
+        if len > u64::from(MAX_BODY_LEN) {
+            return Err(UsageError::RegistrationTooLarge {
+                request,
+                len,
+                max: u64::from(MAX_BODY_LEN),
+            });
+        }
+        // A registration the wire cannot carry (a hand-built run that is not canonical) would
+        // never reach a writer and the request would wait out its deadline: refuse it now.
+        if let Err(error) = frame.to_vec() {
+            return Err(UsageError::RegistrationUnencodable { request, error });
+        }
+        let Frame::RecvRegistration(mut frame) = frame else {
+            unreachable!("built above")
+        };
+        // Validated: from here on the state changes.
+        self.next_slice = self.next_slice.wrapping_add(1);
+        frame.grant = GrantId(self.next_grant());
+        let extents = GrantedExtents::compute(&self.config.local.groups, &frame.groups);
+        let blocks_pinned: u64 = frame.groups.iter().map(|g| g.block_count()).sum();
+        let d = self.config.deadlines;
+        let per_token = d.result_per_token.as_nanos();
+        let result_cap = now
+            + d.result_wait
+            + crate::time::Duration::from_nanos(
+                per_token.saturating_mul(u64::from(frame.prompt_len)),
+            );
+        self.sessions.insert(
+            request,
+            RecvSession {
+                phase: RecvPhase::Receiving,
+                frame,
+                extents,
+                writers: reg
+                    .writers
+                    .iter()
+                    .map(|&peer| Writer {
+                        peer,
+                        phase: WriterPhase::Unregistered,
+                        seen: BTreeSet::new(),
+                        last: None,
+                        arrived: BTreeSet::new(),
+                        landed: 0,
+                        reported: 0,
+                        held: VecDeque::new(),
+                        aux: false,
+                        result_bytes: 0,
+                    })
+                    .collect(),
+                writes_in_flight: 0,
+                aux: None,
+                timings: RequestTimings {
+                    started: now,
+                    ended: now,
+                    ..RequestTimings::default()
+                },
+                result_cap,
+                last_progress: None,
+                result_armed: Some(result_cap),
+                aux_deadline: None,
+                quiesce_deadline: None,
+                bytes_written: 0,
+                blocks_pinned,
+                landed: LandedExtents::default(),
+                expected_part: reg.expected_part,
+                cover_proved,
+            },
+        );
+        self.shell.counters.blocks_pinned += blocks_pinned;
+        self.shell
+            .timers
+            .arm(result_cap, TimerKey::Request(request));
+        if let Some(origin) = self.shell.remembered_cancels.take(request) {
+            self.stop(now, request, Stop::Cancelled(origin));
+            return Ok(());
+        }
+        for peer in reg.writers {
+            if self.shell.peers.is_ready(peer) {
+                self.send_registration(now, request, peer);
+            }
+        }
+        Ok(())
+    }
+
+    pub(super) fn on_cancel(&mut self, now: Instant, request: RequestId) -> Result<(), UsageError> {
+        if self.retired.contains(request) {
+            return Err(UsageError::Retired(request));
+        }
+        match self.sessions.get(&request) {
+            None => self
+                .shell
+                .remembered_cancels
+                .insert(request, CancelOrigin::Local),
+            Some(s) if s.phase.is_active() => {
+                self.stop(now, request, Stop::Cancelled(CancelOrigin::Local))
+            }
+            Some(_) => {}
+        }
+        Ok(())
+    }
+
+    pub(super) fn on_retire(&mut self, now: Instant, request: RequestId) -> Result<(), UsageError> {
+        if self.retired.contains(request) {
+            return Err(UsageError::Retired(request));
+        }
+        let s = self
+            .sessions
+            .get(&request)
+            .ok_or(UsageError::UnknownRequest(request))?;
+        match s.phase.on(RecvEvent::Retire) {
+            Transition::To(_) => {
+                let s = self.sessions.remove(&request).expect("present");
+                self.retired.insert(
+                    now,
+                    request,
+                    RetiredGrant {
+                        grant: s.frame.grant,
+                        writers: s.writers.iter().map(|w| w.peer).collect(),
+                    },
+                );
+                self.shell.counters.retirements += 1;
+                self.shell.counters.retired_forgotten_early = self.retired.forgotten_early();
+                Ok(())
+            }
+            _ => Err(UsageError::NotQuiesced(request)),
+        }
+    }
+
+    /// splitmix64: a seeded, well-mixed sequence; never zero.
+    pub(super) fn next_grant(&mut self) -> u64 {
+        loop {
+            self.grant_state = self.grant_state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = self.grant_state;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            z ^= z >> 31;
+            if z != 0 {
+                return z;
+            }
+        }
+    }
+
+    pub(super) fn send_registration(&mut self, now: Instant, request: RequestId, peer: PeerId) {
+        let Some(session) = self.sessions.get_mut(&request) else {
+            return;
+        };
+        if !session.phase.is_active() {
+            return;
+        }
+        let Some(w) = session.writers.iter_mut().find(|w| w.peer == peer) else {
+            return;
+        };
+        if !w.on(WriterEvent::RegistrationSent) {
+            return;
+        }
+        let frame = Frame::RecvRegistration(session.frame.clone());
+        self.shell.send(now, peer, frame);
+    }
+
+    pub(super) fn on_peer_ready(&mut self, now: Instant, peer: PeerId) {
+        let waiting: Vec<RequestId> = self
+            .sessions
+            .iter()
+            .filter(|(_, s)| {
+                s.phase.is_active()
+                    && s.writers
+                        .iter()
+                        .any(|w| w.peer == peer && w.phase == WriterPhase::Unregistered)
+            })
+            .map(|(r, _)| *r)
+            .collect();
+        for request in waiting {
+            self.send_registration(now, request, peer);
+            self.prove_session_cover(now, request, peer);
+        }
+    }
+
+    /// Once every writer of `request` completed its handshake (the last one, `peer`, just did),
+    /// proves that they cover what the registration expects; fails the request if not.
+    pub(super) fn prove_session_cover(&mut self, now: Instant, request: RequestId, peer: PeerId) {
+        let Some(session) = self.sessions.get(&request) else {
+            return;
+        };
+        if session.cover_proved || !session.phase.is_active() {
+            return;
+        }
+        let writers: SmallVec<[PeerId; 2]> = session.writers.iter().map(|w| w.peer).collect();
+        match self.prove_cover(request, &writers, session.expected_part.as_deref()) {
+            None => {}
+            Some(Ok(())) => {
+                if let Some(s) = self.sessions.get_mut(&request) {
+                    s.cover_proved = true;
+                }
+            }
+            Some(Err(error)) => self.stop_protocol(now, request, peer, error),
+        }
+    }
+
+    /// What this rank holds of each layer group.
+    pub(super) fn held_parts(&self) -> impl Iterator<Item = GroupPart> + '_ {
+        self.config.local.groups.iter().map(GroupPart::held)
+    }
+
+    /// Refuses a windowed group's blocks below its stale boundary: they are never sent (sink
+    /// tokens among them), so the request would complete without them. The decode engine fills
+    /// such blocks itself (see docs/PROTOCOL.md, "Sink tokens").
+    pub(super) fn check_registration_window(
+        &self,
+        request: RequestId,
+        prompt_len: u32,
+        groups: &[AnchoredRun],
+    ) -> Result<(), UsageError> {
+        for (g, (run, layout)) in groups.iter().zip(&self.config.local.groups).enumerate() {
+            let Some(window) = layout.window else {
+                continue;
+            };
+            let stale = stale_boundary(prompt_len, window, layout.tokens_per_block).unwrap_or(0);
+            if run.block_count() > 0 && run.first_ordinal < stale {
+                return Err(UsageError::RegistrationBelowWindow {
+                    request,
+                    group: GroupIndex(g as u16),
+                    first: run.first_ordinal,
+                    stale,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Refuses an expected part that is not one part per group inside what the rank holds.
+    pub(super) fn check_expected_part(
+        &self,
+        request: RequestId,
+        parts: &[GroupPart],
+    ) -> Result<(), UsageError> {
+        let held: Vec<GroupPart> = self.held_parts().collect();
+        for g in 0..held.len().max(parts.len()) {
+            let part = parts.get(g).cloned().unwrap_or_default();
+            let within = held.get(g).cloned().unwrap_or_default();
+            if g >= held.len() || g >= parts.len() || !within.contains(&part) {
+                return Err(UsageError::ExpectedPartNotHeld {
+                    request,
+                    group: GroupIndex(g as u16),
+                    part,
+                    held: within,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether `writers` (every one's handshake known) write each group's expected part exactly
+    /// once; `None` while a writer's handshake is not known yet.
+    pub(super) fn prove_cover(
+        &self,
+        request: RequestId,
+        writers: &[PeerId],
+        expected: Option<&[GroupPart]>,
+    ) -> Option<Result<(), ProtocolError>> {
+        let local = &self.config.local;
+        let hellos: Vec<(PeerId, &crate::wire::Hello)> = writers
+            .iter()
+            .map(|&w| self.shell.peers.remote(w).map(|h| (w, h)))
+            .collect::<Option<_>>()?;
+        for (g, (dst, held)) in local.groups.iter().zip(self.held_parts()).enumerate() {
+            let expected = expected.and_then(|e| e.get(g)).unwrap_or(&held);
+            let parts: SmallVec<[(PeerId, GroupPart); 4]> = hellos
+                .iter()
+                .map(|&(w, hello)| {
+                    let part = hello.groups.get(g).map_or_else(GroupPart::default, |src| {
+                        GroupPart::written_by(&hello.topology, src, &local.topology, dst)
+                    });
+                    (w, part)
+                })
+                .collect();
+            if let Err(fault) = check_group_cover(expected, &parts) {
+                return Some(Err(ProtocolError::WritersDoNotCover {
+                    request,
+                    group: GroupIndex(g as u16),
+                    fault,
+                }));
+            }
+        }
+        Some(Ok(()))
+    }
+}

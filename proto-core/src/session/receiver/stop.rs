@@ -1,0 +1,256 @@
+//! Stop and quiesce: failures, timeouts, cancels and lost peers end a session on both sides, and its blocks stay pinned until no writer can still write them.
+
+use super::*;
+
+impl Receiver {
+    pub(super) fn on_peer_cancel(&mut self, now: Instant, peer: PeerId, cancel: Cancel) {
+        let request = cancel.request;
+        if self.retired.contains(request) {
+            self.shell.counters.duplicates += 1;
+            return;
+        }
+        let Some(session) = self.sessions.get_mut(&request) else {
+            // Not registered yet: remember it and cancel the registration when it comes.
+            self.shell
+                .remembered_cancels
+                .insert(request, CancelOrigin::Peer(peer));
+            return;
+        };
+        let Some(w) = session.writers.iter_mut().find(|w| w.peer == peer) else {
+            self.shell.violation(
+                peer,
+                ProtocolError::NotAParticipant {
+                    kind: "Cancel",
+                    request,
+                },
+            );
+            return;
+        };
+        // A sender sends Cancel only when none of its writes for the request is in flight.
+        w.on(WriterEvent::Confirmed);
+        if session.phase.is_active() {
+            self.stop(now, request, Stop::Cancelled(CancelOrigin::Peer(peer)));
+        } else {
+            self.check_drained(now, request);
+        }
+    }
+
+    pub(super) fn on_disconnected(&mut self, now: Instant, peer: PeerId) -> Result<(), UsageError> {
+        self.shell.peers.disconnected(peer)?;
+        // The transport promises none of the peer's admitted writes still applies.
+        for flight in self.writes.remove_peer(peer) {
+            if let Some(s) = self.sessions.get_mut(&flight.request) {
+                s.writes_in_flight = s.writes_in_flight.saturating_sub(1);
+            }
+        }
+        let involved: Vec<RequestId> = self
+            .sessions
+            .iter()
+            .filter(|(_, s)| s.writers.iter().any(|w| w.peer == peer))
+            .map(|(r, _)| *r)
+            .collect();
+        for request in involved {
+            let session = self.sessions.get_mut(&request).expect("listed");
+            let w = session
+                .writers
+                .iter_mut()
+                .find(|w| w.peer == peer)
+                .expect("listed");
+            let done = w.finished();
+            w.on(WriterEvent::Disconnected);
+            w.held.clear();
+            if session.phase.is_active() && !done {
+                self.stop(
+                    now,
+                    request,
+                    Stop::Failed {
+                        cause: TransferStatus::PeerLost,
+                        peer: Some(peer),
+                        slice: None,
+                    },
+                );
+            } else {
+                self.check_drained(now, request);
+            }
+        }
+        Ok(())
+    }
+
+    pub(super) fn fail_peer_sessions(&mut self, now: Instant, peer: PeerId, why: Stop) {
+        let involved: Vec<RequestId> = self
+            .sessions
+            .iter()
+            .filter(|(_, s)| {
+                s.phase.is_active() && s.writers.iter().any(|w| w.peer == peer && !w.finished())
+            })
+            .map(|(r, _)| *r)
+            .collect();
+        for request in involved {
+            self.stop(now, request, why);
+        }
+    }
+
+    pub(super) fn on_request_timeout(&mut self, now: Instant, request: RequestId) {
+        let Some(session) = self.sessions.get_mut(&request) else {
+            return;
+        };
+        if session.phase.is_active() {
+            let all_done = session.writers.iter().all(|w| w.phase == WriterPhase::Done);
+            let result_deadline = session.result_deadline(self.config.deadlines.result_idle);
+            if !all_done && result_deadline <= now {
+                self.stop(now, request, Stop::TimedOut(Wait::Results));
+                return;
+            }
+            if session.aux_deadline.is_some_and(|at| at <= now) {
+                self.stop(now, request, Stop::TimedOut(Wait::Aux));
+                return;
+            }
+            let next = if all_done {
+                session.aux_deadline
+            } else {
+                session.result_armed = Some(result_deadline);
+                Some(result_deadline)
+            };
+            self.shell.timers.arm_opt(next, TimerKey::Request(request));
+        } else if session.phase == RecvPhase::Stopping {
+            if session.quiesce_deadline.is_some_and(|at| at <= now) {
+                let fence: Vec<PeerId> = session
+                    .writers
+                    .iter_mut()
+                    .filter_map(|w| w.on(WriterEvent::FenceRequested).then_some(w.peer))
+                    .collect();
+                // Writes still landing from writers that did confirm are fenced too.
+                let landing: Vec<PeerId> = if session.writes_in_flight > 0 {
+                    session.writers.iter().map(|w| w.peer).collect()
+                } else {
+                    Vec::new()
+                };
+                for peer in fence.into_iter().chain(landing) {
+                    self.shell.close(peer, CloseReason::QuiesceFence);
+                }
+            } else {
+                self.shell
+                    .timers
+                    .arm_opt(session.quiesce_deadline, TimerKey::Request(request));
+            }
+        }
+    }
+
+    pub(super) fn stop_protocol(
+        &mut self,
+        now: Instant,
+        request: RequestId,
+        peer: PeerId,
+        error: ProtocolError,
+    ) {
+        self.shell.violation(peer, error);
+        self.stop(
+            now,
+            request,
+            Stop::Failed {
+                cause: TransferStatus::ProtocolError,
+                peer: Some(peer),
+                slice: None,
+            },
+        );
+    }
+
+    /// Ends an active session: reports it, tells every writer that has not stopped, and waits
+    /// for their confirmation before [`Event::Quiesced`].
+    pub(super) fn stop(&mut self, now: Instant, request: RequestId, why: Stop) {
+        let Some(session) = self.sessions.get_mut(&request) else {
+            return;
+        };
+        let Transition::To(phase) = session.phase.on(RecvEvent::Stop) else {
+            return;
+        };
+        session.phase = phase;
+        let receiver_slice = session.frame.slice;
+        let (status, reason, event) = match why {
+            Stop::Failed { cause, peer, slice } => (
+                cause,
+                CancelReason::Failure,
+                Event::Failed {
+                    request,
+                    cause,
+                    peer,
+                    sender_slice: slice,
+                    receiver_slice: Some(receiver_slice),
+                },
+            ),
+            Stop::TimedOut(wait) => (
+                TransferStatus::TimedOut,
+                CancelReason::Timeout,
+                Event::TimedOut {
+                    request,
+                    waiting_for: wait,
+                },
+            ),
+            Stop::Cancelled(origin) => (
+                TransferStatus::Cancelled,
+                CancelReason::Engine,
+                Event::Cancelled { request, origin },
+            ),
+        };
+        let quiesce_at = now + self.config.deadlines.quiesce;
+        session.quiesce_deadline = Some(quiesce_at);
+        let mut notify = Vec::new();
+        let mut held = Vec::new();
+        for w in session.writers.iter_mut() {
+            held.extend(w.held.drain(..).map(|(_, frame)| (w.peer, frame)));
+            if w.phase == WriterPhase::Unregistered {
+                // The writer never got the grant: nothing of it can land, so it is not waited
+                // for. It is still told (when connected), so that it stops computing and
+                // pinning the request instead of waiting out its registration deadline.
+                w.on(WriterEvent::SessionStopped);
+                if self.shell.peers.is_ready(w.peer) {
+                    notify.push(w.peer);
+                }
+            } else {
+                // Every writer that got the registration hears of it, even one that already
+                // sent its last result (it may still be waiting to send the aux data); only
+                // those that have not stopped are waited for.
+                notify.push(w.peer);
+            }
+        }
+        self.shell.counters.failures.bump(status);
+        match why {
+            Stop::TimedOut(_) => self.shell.counters.timeouts += 1,
+            Stop::Cancelled(_) => self.shell.counters.cancellations += 1,
+            Stop::Failed { .. } => {}
+        }
+        self.shell.event(event);
+        for peer in notify {
+            self.shell
+                .send(now, peer, Frame::Cancel(Cancel { request, reason }));
+        }
+        self.shell
+            .timers
+            .arm(quiesce_at, TimerKey::Request(request));
+        // Frames that waited for data are the writers' word now (a terminal result confirms a
+        // writer stopped); late data is discarded.
+        for (peer, frame) in held {
+            self.process_frame(now, peer, frame);
+        }
+        self.check_drained(now, request);
+    }
+
+    pub(super) fn check_drained(&mut self, _now: Instant, request: RequestId) {
+        let Some(session) = self.sessions.get_mut(&request) else {
+            return;
+        };
+        if session.phase != RecvPhase::Stopping
+            || session.writes_in_flight > 0
+            || !session.writers.iter().all(|w| w.phase.has_stopped())
+        {
+            return;
+        }
+        if let Transition::To(p) = session.phase.on(RecvEvent::Drained) {
+            session.phase = p;
+            session.quiesce_deadline = None;
+            self.shell.counters.quiesced += 1;
+            self.shell.counters.blocks_released += session.blocks_pinned;
+            self.shell.event(Event::Quiesced { request });
+        }
+    }
+}
