@@ -5,7 +5,7 @@
 use kvpipe_core::session::Deadlines;
 use kvpipe_core::wire::TransferStatus;
 use kvpipe_core::{Duration, RequestId};
-use kvpipe_mem::netem::{BatchFault, LossModel, NetemConfig, ScriptedBatch};
+use kvpipe_netem::{BatchFault, LossModel, NetemConfig, ScriptedBatch};
 
 use super::faults::{FaultKind, FaultRates, FaultSet};
 use super::SimRng;

@@ -12,7 +12,7 @@
 //!   delay spikes and connection death — each a [`FaultKind`] switched on separately — and,
 //!   off by default, damaged frame headers ([`FaultRates::corruption`]). Every fault is decided
 //!   by the network emulation shared with the in-process transport and the fuzz crate
-//!   ([`kvpipe_mem::netem`], configured by [`SimConfig::netem_config`]); the engines draw their
+//!   ([`kvpipe_netem`], configured by [`SimConfig::netem_config`]); the engines draw their
 //!   own choices from a separate [`SimRng`] stream.
 //!
 //! The parts: `scheduler` (virtual time, the event queue, step bounds), `network` (links over
@@ -57,7 +57,7 @@ mod world;
 pub use config::{PlantedBug, ScriptedFault, SimConfig};
 pub use faults::{FaultKind, FaultParseError, FaultRates, FaultSet};
 /// The simulator's seeded generator (the network emulation's).
-pub use kvpipe_mem::netem::SeededRng as SimRng;
+pub use kvpipe_netem::SeededRng as SimRng;
 pub use network::NetCounters;
 pub use report::{Outcome, RequestOutcome, SimReport, Terminal};
 pub use workload::{random_workload, CancelSide, RequestPlan, WorkloadShape};

@@ -1,6 +1,6 @@
 //! The simulated network and transport: one connection per sender rank to the receiver, each
 //! ordered (the transport contract), over the seeded network emulation
-//! ([`kvpipe_mem::netem`]) — frames delayed, lost and retransmitted (or the connection reset),
+//! ([`kvpipe_netem`]) — frames delayed, lost and retransmitted (or the connection reset),
 //! duplicated, damaged; write batches executed against the caches' bytes after a latency, failed
 //! part-way, stalled on a silently dead connection; connections killed (both ends told, one a
 //! little later) or broken silently, and reconnected.
@@ -16,7 +16,7 @@ use kvpipe_core::session::{
 };
 use kvpipe_core::wire::{Frame, TransferStatus};
 use kvpipe_core::{GrantId, RequestId, WritePlan};
-use kvpipe_mem::netem::{Direction, FrameFate, Link, Netem};
+use kvpipe_netem::{Direction, FrameFate, Link, Netem};
 
 use super::config::PlantedBug;
 use super::oracle::foreign_owner;

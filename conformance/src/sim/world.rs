@@ -8,7 +8,7 @@ use kvpipe_core::session::{
 };
 use kvpipe_core::wire::{Frame, Topology};
 use kvpipe_core::{Duration, InstanceId, Instant, PeerId};
-use kvpipe_mem::netem::Netem;
+use kvpipe_netem::Netem;
 
 use super::config::{ScriptedFault, SimConfig};
 use super::engine::{who, Engine};
