@@ -310,7 +310,7 @@ pub(crate) fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
     };
     if args.transport == "verbs" {
         // Checked here, to say what is missing and what to do, not as the first connect's error.
-        crate::cli::nodes::open_device(args.device.as_deref())?;
+        crate::nodes::open_device(args.device.as_deref())?;
     }
     let verbs = VerbsHarness {
         device: args.device.clone(),
@@ -478,7 +478,7 @@ fn device_memory(gpu: usize) -> Result<PoolMemory, CliError> {
 
 #[cfg(not(feature = "cuda"))]
 fn device_memory(_gpu: usize) -> Result<PoolMemory, CliError> {
-    Err(crate::cli::NEEDS_CUDA.into())
+    Err(crate::NEEDS_CUDA.into())
 }
 
 /// How much memory the run took against the KV its caches held.

@@ -1,12 +1,23 @@
-//! `kvpipe`: run the demo, the benchmarks and the diagnostic tools.
+//! `kvpipe`: run the demo, the benchmarks and the diagnostic tools. One module per subcommand;
+//! `picture` draws the SVG pictures they write.
 
-mod cli;
+mod bench;
+mod demo;
+mod nodes;
+mod observe;
+mod outcome;
+mod picture;
+mod pictures;
+mod plan;
+mod preflight;
+mod serve;
+mod sim;
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use clap::Parser;
+use clap::{Parser, Subcommand};
 
 /// The system allocator, counting allocations so benches can show that steady-state planning
 /// allocates nothing. One relaxed atomic increment per allocation.
@@ -41,6 +52,48 @@ unsafe impl GlobalAlloc for CountingAllocator {
     }
 }
 
+/// Streams an LLM request's KV cache from prefill to decode while prefill runs.
+#[derive(Debug, Parser)]
+#[command(name = "kvpipe", version, about)]
+pub(crate) struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run a pipelined prefill→decode transfer and verify every byte.
+    Demo(demo::DemoArgs),
+    /// Show, per prefill chunk and layer group, the block window and the coalesced writes.
+    Plan(plan::PlanArgs),
+    /// Decode side of a two-process transfer over TCP or RDMA verbs: listen, receive, verify.
+    Serve(serve::ServeArgs),
+    /// Run a benchmark and report its figures against a same-run baseline.
+    Bench(bench::BenchArgs),
+    /// Simulate many requests over a seeded, faulty virtual network and check every outcome.
+    Sim(sim::SimArgs),
+}
+
+/// A command's failure, printed as `kvpipe: <message>` with a non-zero exit status.
+pub(crate) type CliError = Box<dyn std::error::Error + Send + Sync>;
+
+/// What `--memory device` answers in a kvpipe built without the `cuda` feature.
+#[cfg(not(feature = "cuda"))]
+pub(crate) const NEEDS_CUDA: &str = "--memory device needs kvpipe built with the `cuda` feature \
+     (cargo build --release -p kvpipe-cli --features cuda)";
+
+impl Cli {
+    pub(crate) fn run(self) -> Result<ExitCode, CliError> {
+        match self.command {
+            Command::Demo(args) => demo::run(args),
+            Command::Plan(args) => plan::run(args),
+            Command::Bench(args) => bench::run(args),
+            Command::Serve(args) => serve::run(args),
+            Command::Sim(args) => sim::run(args),
+        }
+    }
+}
+
 #[global_allocator]
 static GLOBAL: CountingAllocator = CountingAllocator;
 
@@ -50,8 +103,8 @@ pub(crate) fn allocations() -> u64 {
 }
 
 fn main() -> ExitCode {
-    let cli = cli::Cli::parse();
-    cli::observe::init();
+    let cli = Cli::parse();
+    observe::init();
     match cli.run() {
         Ok(code) => code,
         Err(err) => {

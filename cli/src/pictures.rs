@@ -1,9 +1,9 @@
 //! The pictures the commands write: `kvpipe demo --timeline`, `kvpipe bench pipeline --timeline`
-//! and `--plot` (drawn by [`kvpipe_conformance::picture`]).
+//! and `--plot` (drawn by [`crate::picture`]).
 
 use std::path::Path;
 
-use kvpipe_conformance::picture::{sweep_svg, timeline_svg, SweepPoint, TimelinePanel};
+use crate::picture::{sweep_svg, timeline_svg, SweepPoint, TimelinePanel};
 use kvpipe_conformance::suite::demo::DemoConfig;
 use kvpipe_conformance::suite::timeline::Timeline;
 use kvpipe_conformance::suite::TransferMode;

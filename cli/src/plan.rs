@@ -347,7 +347,7 @@ mod tests {
     use clap::Parser;
 
     use super::*;
-    use crate::cli::{Cli, Command};
+    use crate::{Cli, Command};
 
     fn args(line: &str) -> PlanArgs {
         let cli = Cli::try_parse_from(line.split_whitespace()).unwrap();

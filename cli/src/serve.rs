@@ -108,7 +108,7 @@ pub(crate) fn two_process_memory(
         #[cfg(not(feature = "cuda"))]
         "device" => {
             let _ = gpu;
-            Err(crate::cli::NEEDS_CUDA.into())
+            Err(crate::NEEDS_CUDA.into())
         }
         other => Err(format!("--memory {other:?}: use host or device").into()),
     }

@@ -4,7 +4,7 @@
 use std::process::ExitCode;
 use std::time::Instant as WallClock;
 
-use kvpipe_conformance::sim::{FaultSet, SimConfig, SimReport, Simulation};
+use kvpipe_sim::{FaultSet, SimConfig, SimReport, Simulation};
 
 use super::{preflight, CliError};
 

@@ -9,7 +9,7 @@ use kvpipe_netem::{BatchFault, LossModel, NetemConfig, ScriptedBatch};
 
 use super::faults::{FaultKind, FaultRates, FaultSet};
 use super::SimRng;
-use crate::cache::{CacheSpec, GroupSpec, RankSplit};
+use kvpipe_conformance::cache::{CacheSpec, GroupSpec, RankSplit};
 
 /// Everything a simulation run is parameterised by.
 #[derive(Clone, Debug, PartialEq)]

@@ -1,3 +1,5 @@
+//! # kvpipe-sim
+//!
 //! The deterministic simulator: sender ranks and a receiver, their reference caches, a seeded
 //! sans-IO network between them and an engine that drives requests, all on a virtual clock.
 //!
@@ -42,7 +44,7 @@
 //! counts as `split`: the protocol has no acknowledgement of the last frames, so that is its
 //! inherent race, reported but not a bug.
 //!
-//! [`ReferenceCache`]: crate::cache::ReferenceCache
+//! [`ReferenceCache`]: kvpipe_conformance::cache::ReferenceCache
 
 mod config;
 mod engine;

@@ -15,7 +15,7 @@ use super::engine::who;
 use super::report::{Outcome, RequestOutcome, SimReport, Terminal};
 use super::workload::RequestPlan;
 use super::world::{event_summary, Hosts, Simulation};
-use crate::cache::ReferenceCache;
+use kvpipe_conformance::cache::ReferenceCache;
 
 /// One side's view of a request.
 #[derive(Clone, Copy, Debug, Default)]

@@ -4,7 +4,7 @@
 use kvpipe_core::{Duration, RequestId};
 
 use super::SimRng;
-use crate::cache::AllocationStyle;
+use kvpipe_conformance::cache::AllocationStyle;
 
 /// Which engine cancels a request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -169,7 +169,7 @@ pub fn random_workload(rng: &mut SimRng, count: usize, shape: &WorkloadShape) ->
 #[cfg(test)]
 mod tests {
     use super::{random_workload, WorkloadShape};
-    use crate::sim::SimRng;
+    use crate::SimRng;
     use kvpipe_core::Duration;
 
     #[test]

@@ -19,7 +19,7 @@ use super::report::SimReport;
 use super::scheduler::Scheduler;
 use super::workload::{random_workload, CancelSide, RequestPlan, WorkloadShape};
 use super::SimRng;
-use crate::cache::{writers_of, RankSplit, ReferenceCache};
+use kvpipe_conformance::cache::{writers_of, RankSplit, ReferenceCache};
 
 /// How the receiver names sender rank `r`.
 pub(crate) fn sender_peer(rank: usize) -> PeerId {

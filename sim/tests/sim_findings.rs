@@ -2,8 +2,8 @@
 //! with a scripted scenario and asserts the behaviour the design asks for (both were fixed in
 //! the sessions; the tests keep them fixed).
 
-use kvpipe_conformance::sim::{CancelSide, FaultSet, RequestPlan, SimConfig, Simulation};
 use kvpipe_core::Duration;
+use kvpipe_sim::{CancelSide, FaultSet, RequestPlan, SimConfig, Simulation};
 
 /// The prefill engine cancels a request before opening it (the cancel is remembered). The
 /// receiver's registration arrives; the sender refuses it with a `Cancel`; the receiver stops and
@@ -55,7 +55,7 @@ fn sim_finding_a_remembered_receiver_cancel_reaches_the_writers() {
     let o = &report.outcomes[0];
     assert_eq!(
         o.senders,
-        vec![Some(kvpipe_conformance::sim::Terminal::Cancelled)],
+        vec![Some(kvpipe_sim::Terminal::Cancelled)],
         "the writer was not told of the cancel:\n{trace}"
     );
     assert!(

@@ -1,8 +1,8 @@
 //! An endpoint's recorded inputs are its whole story: replayed into a fresh endpoint after a
 //! faulty simulated run, they give exactly the outputs the original endpoint gave.
 
-use kvpipe_conformance::sim::{FaultSet, SimConfig, Simulation};
 use kvpipe_core::session::{Output, Receiver, Sender, SenderInput, TransportInput};
+use kvpipe_sim::{FaultSet, SimConfig, Simulation};
 
 fn replay_sender(sim: &mut Simulation, rank: usize) -> (usize, Vec<Output>, Vec<Output>) {
     let inputs = sim.sender_mut(rank).take_recorded_inputs();

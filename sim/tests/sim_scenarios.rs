@@ -2,12 +2,12 @@
 //! endpoints emit, or in what order, shows up as a reviewed diff. Each scenario also asserts its
 //! outcome on every side.
 
-use kvpipe_conformance::sim::{
+use kvpipe_core::wire::TransferStatus;
+use kvpipe_core::Duration;
+use kvpipe_sim::{
     CancelSide, FaultSet, Outcome, RequestPlan, ScriptedFault, SimConfig, SimReport, Simulation,
     Terminal,
 };
-use kvpipe_core::wire::TransferStatus;
-use kvpipe_core::Duration;
 
 /// Runs the scenario (no random fault), returns its report and trace.
 fn run(plans: Vec<RequestPlan>, script: Vec<ScriptedFault>) -> (SimReport, String) {

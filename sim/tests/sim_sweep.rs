@@ -2,10 +2,8 @@
 //! fault, each fault kind alone, and all faults together. Hung, corrupted, leaked and one-sided
 //! requests, stray writes and engine anomalies must all be zero.
 
-use kvpipe_conformance::sim::{
-    FaultKind, FaultSet, Outcome, PlantedBug, SimConfig, SimReport, Simulation,
-};
 use kvpipe_core::RequestId;
+use kvpipe_sim::{FaultKind, FaultSet, Outcome, PlantedBug, SimConfig, SimReport, Simulation};
 
 fn sweep(seed: u64, faults: FaultSet, requests: usize) -> SimReport {
     sweep_with(SimConfig::new(seed, faults), requests)

@@ -38,7 +38,7 @@ use kvpipe_mem::{
 use serde::Serialize;
 
 use super::transfer::{chunks, ContiguousSource};
-use crate::cli::{preflight, CliError};
+use crate::{preflight, CliError};
 
 /// Layers of the benchmarked group.
 const LAYERS: u16 = 80;

@@ -26,7 +26,7 @@ use kvpipe_conformance::suite::timeline::Timeline;
 use kvpipe_conformance::suite::{MemHarness, RunReport, SuiteError, TcpHarness, TransferMode};
 use serde::Serialize;
 
-use crate::cli::{pictures, preflight, CliError};
+use crate::{pictures, preflight, CliError};
 
 mod sweep;
 
@@ -37,7 +37,7 @@ pub(crate) struct PipelineBenchArgs {
     #[arg(long, default_value = "mem")]
     transport: String,
     /// Model whose KV cache is moved: llama3-8b, llama3-70b-tp8 or gemma3-swa.
-    #[arg(long, default_value = "llama3-8b", value_parser = crate::cli::demo::parse_model)]
+    #[arg(long, default_value = "llama3-8b", value_parser = crate::demo::parse_model)]
     model: Model,
     /// With --transport tcp: connections per peer.
     #[arg(long, default_value_t = 2)]

@@ -20,7 +20,7 @@ use kvpipe_core::{
 };
 use serde::Serialize;
 
-use crate::cli::{preflight, CliError};
+use crate::{preflight, CliError};
 
 /// Arguments of `kvpipe bench plan`.
 #[derive(Debug, clap::Args)]

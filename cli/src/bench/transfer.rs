@@ -31,7 +31,7 @@ use kvpipe_mem::{
 };
 use serde::Serialize;
 
-use crate::cli::{preflight, CliError};
+use crate::{preflight, CliError};
 
 mod device;
 mod pair;

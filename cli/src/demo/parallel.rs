@@ -31,7 +31,7 @@ use kvpipe_mem::{receiver_peer, sender_peer, MemNetwork, NetworkConfig, Node, Re
 use serde::Serialize;
 
 use super::DemoArgs;
-use crate::cli::CliError;
+use crate::CliError;
 
 /// The figures of a heterogeneous run.
 #[derive(Debug, Serialize)]

@@ -14,10 +14,10 @@ use kvpipe_core::{ChunkSpec, Event, RequestId, SenderConfig};
 use serde::Serialize;
 
 use super::DemoArgs;
-use crate::cli::nodes::{PrefillNode, TransportChoice};
-use crate::cli::outcome::Failures;
-use crate::cli::serve::{instance_id, two_process_cache, two_process_deadlines};
-use crate::cli::CliError;
+use crate::nodes::{PrefillNode, TransportChoice};
+use crate::outcome::Failures;
+use crate::serve::{instance_id, two_process_cache, two_process_deadlines};
+use crate::CliError;
 
 #[derive(Debug, Serialize)]
 struct PrefillReport {

@@ -19,12 +19,12 @@ use thiserror::Error;
 mod sweep;
 mod timeline;
 
-pub use sweep::{sweep_svg, SweepPoint};
-pub use timeline::{timeline_svg, TimelinePanel};
+pub(crate) use sweep::{sweep_svg, SweepPoint};
+pub(crate) use timeline::{timeline_svg, TimelinePanel};
 
 /// Why a picture could not be drawn.
 #[derive(Clone, Debug, PartialEq, Eq, Error)]
-pub enum PictureError {
+pub(crate) enum PictureError {
     /// The plotting library refused a drawing operation.
     #[error("drawing the picture failed: {0}")]
     Draw(String),
@@ -68,13 +68,13 @@ fn hex(c: RGBColor) -> String {
 #[derive(Clone, Debug, PartialEq)]
 pub(crate) struct Tag {
     /// Unique in the picture.
-    pub id: String,
+    pub(crate) id: String,
     /// What kind of element it is (`compute`, `transfer`, ...).
-    pub class: &'static str,
+    pub(crate) class: &'static str,
     /// Shown on hover.
-    pub title: String,
+    pub(crate) title: String,
     /// `data-*` attributes (name without the prefix, value).
-    pub data: Vec<(&'static str, String)>,
+    pub(crate) data: Vec<(&'static str, String)>,
 }
 
 /// The elements of a picture that get names, per (element, colour), in drawing order.
@@ -164,7 +164,7 @@ mod tests {
     use kvpipe_core::{Duration, Instant, RequestId};
 
     use super::*;
-    use crate::suite::timeline::{BatchSpan, ChunkTiming, Lane, Timeline};
+    use kvpipe_conformance::suite::timeline::{BatchSpan, ChunkTiming, Lane, Timeline};
 
     fn tag(id: &str) -> Tag {
         Tag {

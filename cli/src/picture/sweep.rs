@@ -11,17 +11,17 @@ use super::{draw_err, PictureError, Tag, Tags, COMPUTE, TRANSFER};
 
 /// The figures of one chunk size.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
-pub struct SweepPoint {
+pub(crate) struct SweepPoint {
     /// Tokens per prefill chunk.
-    pub chunk_tokens: u32,
+    pub(crate) chunk_tokens: u32,
     /// Pipelined: median exposed tail (last chunk computed → decode side complete), ms.
-    pub exposed_tail_ms: f64,
+    pub(crate) exposed_tail_ms: f64,
     /// Monolithic: median exposed tail, ms.
-    pub monolithic_tail_ms: f64,
+    pub(crate) monolithic_tail_ms: f64,
     /// Pipelined: median over runs of the write batches' copy times summed, ms.
-    pub transfer_ms: f64,
+    pub(crate) transfer_ms: f64,
     /// Monolithic: the same, ms.
-    pub monolithic_transfer_ms: f64,
+    pub(crate) monolithic_transfer_ms: f64,
 }
 
 const WIDTH: u32 = 1200;
@@ -33,7 +33,7 @@ const MUTED: RGBColor = RGBColor(0x66, 0x66, 0x66);
 const GRID: RGBColor = RGBColor(0xE4, 0xE4, 0xE4);
 
 /// Draws `points` (in the order given, one x position each) under `title` as an SVG document.
-pub fn sweep_svg(title: &str, points: &[SweepPoint]) -> Result<String, PictureError> {
+pub(crate) fn sweep_svg(title: &str, points: &[SweepPoint]) -> Result<String, PictureError> {
     if points.is_empty() {
         return Err(PictureError::Empty("the sweep has no chunk sizes"));
     }

@@ -9,18 +9,18 @@ use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
 
 use super::{draw_err, PictureError, Tag, Tags, COMPLETED, COMPUTE, LAST_COMPUTED, TAIL, TRANSFER};
-use crate::suite::demo::median;
-use crate::suite::timeline::{Lane, Timeline};
+use kvpipe_conformance::suite::demo::median;
+use kvpipe_conformance::suite::timeline::{Lane, Timeline};
 
 /// One run, drawn as one panel.
 #[derive(Clone, Copy, Debug)]
-pub struct TimelinePanel<'a> {
+pub(crate) struct TimelinePanel<'a> {
     /// Its name (`pipelined`, `monolithic`): the panel's heading and its elements' `data-panel`.
-    pub name: &'a str,
+    pub(crate) name: &'a str,
     /// What the run did, after the name in the heading.
-    pub description: &'a str,
+    pub(crate) description: &'a str,
     /// Its lanes.
-    pub timeline: &'a Timeline,
+    pub(crate) timeline: &'a Timeline,
 }
 
 const WIDTH: u32 = 1200;
@@ -87,7 +87,10 @@ fn lane_name(l: &Lane, ranks: bool) -> String {
 }
 
 /// Draws `panels` under `title` as an SVG document.
-pub fn timeline_svg(title: &str, panels: &[TimelinePanel<'_>]) -> Result<String, PictureError> {
+pub(crate) fn timeline_svg(
+    title: &str,
+    panels: &[TimelinePanel<'_>],
+) -> Result<String, PictureError> {
     if panels.iter().all(|p| p.timeline.lanes.is_empty()) {
         return Err(PictureError::Empty("the runs have no requests"));
     }

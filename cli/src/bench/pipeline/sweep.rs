@@ -8,12 +8,12 @@
 use std::process::ExitCode;
 use std::time::Duration;
 
-use kvpipe_conformance::picture::SweepPoint;
+use crate::picture::SweepPoint;
 use kvpipe_conformance::suite::demo::DemoConfig;
 use serde::Serialize;
 
 use super::{measure, PipelineBenchArgs};
-use crate::cli::{pictures, CliError};
+use crate::{pictures, CliError};
 
 /// One chunk size's figures in `--json`.
 #[derive(Debug, Serialize)]

@@ -11,7 +11,7 @@ use kvpipe_core::{
     AnchoredRun, BlockSource, ChunkSpec, Event, PeerId, ReceiverSliceId, RequestId, SenderSliceId,
 };
 
-use crate::cli::CliError;
+use crate::CliError;
 
 /// The prefill node's calls a timed request makes (TCP and verbs nodes have the same ones).
 pub(super) trait PrefillSide {

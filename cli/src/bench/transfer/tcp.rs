@@ -32,7 +32,7 @@ use serde::Serialize;
 
 use super::pair::{Pair, Patience};
 use super::{chunks, layout, mem_available, ContiguousSource, TransferBenchArgs};
-use crate::cli::CliError;
+use crate::CliError;
 
 /// Write sizes of the plain-socket sweep (`None`: each connection's whole share in one call).
 pub(super) const RAW_WRITES: [Option<usize>; 5] = [

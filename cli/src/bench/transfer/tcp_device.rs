@@ -22,12 +22,12 @@
 
 use std::process::ExitCode;
 
-use crate::cli::CliError;
+use crate::CliError;
 
 /// Without the `cuda` feature there is no device memory to measure.
 #[cfg(not(feature = "cuda"))]
 pub(super) fn run(_args: super::TransferBenchArgs) -> Result<ExitCode, CliError> {
-    Err(crate::cli::NEEDS_CUDA.into())
+    Err(crate::NEEDS_CUDA.into())
 }
 
 #[cfg(feature = "cuda")]

@@ -26,8 +26,8 @@ use serde::Serialize;
 
 use super::pair::{Pair, Patience};
 use super::{chunks, layout, mem_available, ContiguousSource, TransferBenchArgs};
-use crate::cli::nodes::open_device;
-use crate::cli::CliError;
+use crate::nodes::open_device;
+use crate::CliError;
 
 #[derive(Debug, Serialize)]
 struct VerbsTransferReport {
