@@ -33,7 +33,7 @@ pub enum BatchFault {
 /// A fault for the `nth` write batch (counted from 0) that writer `writer` issues.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ScriptedBatch {
-    /// The writer (the index the driver passes to [`Netem::batch`]).
+    /// The writer (the index the driver passes to [`Netem::batch`](crate::Netem::batch)).
     pub writer: usize,
     /// Which of its batches.
     pub nth: u64,
@@ -41,7 +41,7 @@ pub struct ScriptedBatch {
     pub fault: BatchFault,
 }
 
-/// Which faults a [`Netem`] injects, and how often. The default injects nothing: no latency, no
+/// Which faults a [`Netem`](crate::Netem) injects, and how often. The default injects nothing: no latency, no
 /// loss, every frame delivered once, in order, unchanged; every batch completes at once.
 #[derive(Clone, Debug, PartialEq)]
 pub struct NetemConfig {

@@ -1,11 +1,11 @@
 //! What the emulator hands back (the fate of a frame, of a write batch, a connection's death)
-//! and the per-connection state it keeps ([`Link`]).
+//! and the per-connection state it keeps ([`Link`](crate::Link)).
 
 use bytes::Bytes;
 use kvpipe_core::wire::TransferStatus;
 use kvpipe_core::{Duration, Instant};
 
-/// One direction of a [`Link`].
+/// One direction of a [`Link`](crate::Link).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Direction {
     /// From the sender to the receiver.
@@ -15,7 +15,7 @@ pub enum Direction {
 }
 
 /// An emulated connection: its base latency and what keeps it in order. Made by
-/// [`Netem::link`]; the driver keeps one per connection and passes it with every frame and
+/// [`Netem::link`](crate::Netem::link); the driver keeps one per connection and passes it with every frame and
 /// batch.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Link {
@@ -49,7 +49,7 @@ pub enum FrameFate {
         /// 1, or 2 when duplicated.
         copies: u8,
         /// It overtakes the frame queued before it on its link (which is then due at the same
-        /// time as this one, see [`FrameQueue::push`]).
+        /// time as this one, see [`FrameQueue::push`](crate::FrameQueue::push)).
         overtake: bool,
         /// The bytes as they arrive (damaged when corrupted).
         bytes: Bytes,
@@ -74,7 +74,7 @@ pub struct BatchFate {
     pub done_at: Instant,
 }
 
-/// A connection death [`Netem::peer_death`] scheduled.
+/// A connection death [`Netem::peer_death`](crate::Netem::peer_death) scheduled.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PeerDeath<T> {
     /// Whose connection dies.

@@ -4,18 +4,25 @@
 //! the aux data, sometimes cancel from either side, sometimes submit to a request that already
 //! ended (refused, nothing changes), and free a request's blocks and retire it only on
 //! `Quiesced`.
+//!
+//! The [`Engine`] acts on the [`Stage`] it is lent and records what it did with the [`Oracle`].
+//! An action that calls several endpoints in turn ([`EngineAction`]) is taken one call at a
+//! time ([`Engine::step`]), so the world can drain the endpoints after each call.
 
 use kvpipe_core::session::{Registration, SendRequest, SenderInput, UsageError};
 use kvpipe_core::wire::AuxData;
-use kvpipe_core::{
-    BlockId, BlockRun, BlockSource, BlockSourceError, ChunkSpec, Duration, GroupIndex, Instant,
-    RequestId,
-};
+use kvpipe_core::{ChunkSpec, Duration, Instant, RequestId};
 
-use super::config::PlantedBug;
-use super::workload::{CancelSide, RequestPlan};
-use super::world::{sender_peer, Action, Simulation, RECEIVER_PEER};
-use super::SimRng;
+use kvpipe_netem::Netem;
+
+use crate::action::{sender_peer, Action, RECEIVER_PEER};
+use crate::config::PlantedBug;
+use crate::mistake::{EngineMistake, Mistaken, Mistakes};
+use crate::oracle::Oracle;
+use crate::stage::{Called, Stage};
+use crate::summary::who;
+use crate::workload::{CancelSide, RequestPlan};
+use crate::SimRng;
 
 /// Bytes of the receiver's aux slot.
 const AUX_CAPACITY: u32 = 1024;
@@ -28,31 +35,23 @@ pub(crate) struct Engine {
     /// The engines' own choices (late submits, partial cancels, when to retire), a stream
     /// apart from the network's, so a change of fault rates does not move them.
     rng: SimRng,
-    /// The engines' mistakes (see [`EngineMistake`]), a stream of their own for the same reason.
-    mistakes: SimRng,
-    /// Probability that a writer's chunk carries a mistake (0 unless the `engine` fault is on).
-    mistake_rate: f64,
+    /// The engines' mistakes (see [`EngineMistake`]).
+    mistakes: Mistakes,
     /// The next request to admit.
-    pub(crate) next_admit: usize,
+    next_admit: usize,
     /// Requests admitted and not finished on every side.
-    pub(crate) active: usize,
+    active: usize,
     /// When the last request was admitted.
     pub(crate) last_start: Instant,
 }
 
 impl Engine {
-    pub(crate) fn new(
-        mut plans: Vec<RequestPlan>,
-        rng: SimRng,
-        mistakes: SimRng,
-        mistake_rate: f64,
-    ) -> Self {
+    pub(crate) fn new(mut plans: Vec<RequestPlan>, rng: SimRng, mistakes: Mistakes) -> Self {
         plans.sort_by_key(|p| p.arrival);
         Engine {
             plans,
             rng,
             mistakes,
-            mistake_rate,
             next_admit: 0,
             active: 0,
             last_start: Instant::ZERO,
@@ -95,18 +94,116 @@ impl Engine {
     }
 }
 
-impl Simulation {
+/// An engine action that calls the endpoints one writer at a time: the world takes its steps
+/// ([`Engine::step`]) and drains the endpoints after each call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum EngineAction {
+    /// The prefill engines of the writer ranks open request `.0`.
+    Open(usize),
+    /// The decode engine registers request `.0`'s destination blocks.
+    Register(usize),
+    /// The writer ranks computed chunk `.1` of request `.0` and submit it.
+    Compute(usize, usize),
+    /// Every writer rank submits request `.0`'s aux data.
+    Aux(usize),
+    /// An engine cancels request `.0`.
+    Cancel(usize, CancelSide),
+}
+
+/// Where an [`EngineAction`] is: the writer whose turn is next and what the action learned so
+/// far. Made by [`Engine::begin`].
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Progress {
+    action: EngineAction,
+    /// The next writer's index (the receiver's turn is index 0 of a receiver action).
+    next: usize,
+    /// (Compute) a writer's session was still active.
+    any: bool,
+    /// (Cancel from the sender side) the only writer whose engine cancels, when only one does.
+    only: Option<usize>,
+}
+
+impl Engine {
+    /// Starts `action` (a partial sender-side cancel picks its writer here, before any turn).
+    pub(crate) fn begin(&mut self, action: EngineAction) -> Progress {
+        let only = match action {
+            EngineAction::Cancel(i, CancelSide::Sender) => {
+                let writers = self.plans[i].writers.len();
+                // Usually every writer rank's engine cancels; sometimes only one of them.
+                (writers > 1 && self.rng.chance(0.4))
+                    .then(|| self.rng.below(writers as u64) as usize)
+            }
+            _ => None,
+        };
+        Progress {
+            action,
+            next: 0,
+            any: false,
+            only,
+        }
+    }
+
+    /// Takes the next turn of `p`: one writer's (or the receiver's) part, saying whether it
+    /// called an endpoint; `None` once the action is over (its closing part, such as scheduling
+    /// the next chunk, then done).
+    pub(crate) fn step(
+        &mut self,
+        stage: &mut Stage,
+        oracle: &mut Oracle,
+        p: &mut Progress,
+    ) -> Option<Called> {
+        let turn = p.next;
+        p.next += 1;
+        match p.action {
+            EngineAction::Open(i) if turn < self.plans[i].writers.len() => {
+                Some(self.open(stage, oracle, i, turn))
+            }
+            EngineAction::Open(i) => {
+                let at = stage.now() + self.compute_time(i, 0);
+                stage.sched.schedule(at, Action::Compute(i, 0));
+                None
+            }
+            EngineAction::Register(i) if turn == 0 => Some(self.register(stage, oracle, i)),
+            EngineAction::Compute(i, k) if turn < self.plans[i].writers.len() => {
+                Some(self.compute(stage, oracle, i, k, turn, &mut p.any))
+            }
+            EngineAction::Compute(i, k) => {
+                if p.any {
+                    let now = stage.now();
+                    if self.chunk_spec(i, k).is_last {
+                        let at = now + self.plans[i].aux_after;
+                        stage.sched.schedule(at, Action::Aux(i));
+                    } else {
+                        let at = now + self.compute_time(i, k + 1);
+                        stage.sched.schedule(at, Action::Compute(i, k + 1));
+                    }
+                }
+                None
+            }
+            EngineAction::Aux(i) if turn < self.plans[i].writers.len() => {
+                Some(self.aux(stage, oracle, i, turn))
+            }
+            EngineAction::Cancel(i, CancelSide::Sender) if turn < self.plans[i].writers.len() => {
+                Some(self.cancel_sender(stage, oracle, i, turn, p.only))
+            }
+            EngineAction::Cancel(i, CancelSide::Receiver) if turn == 0 => {
+                Some(self.cancel_receiver(stage, oracle, i))
+            }
+            EngineAction::Register(_) | EngineAction::Aux(_) | EngineAction::Cancel(..) => None,
+        }
+    }
+
     /// Starts the next request: schedules its open, registration and cancel, and (by fault
-    /// injection) the death of one of its connections.
-    pub(crate) fn admit(&mut self) {
-        let now = self.sched.now();
-        let i = self.engine.next_admit;
-        self.engine.next_admit += 1;
-        self.engine.active += 1;
-        self.engine.last_start = now;
-        self.oracle.records[i].started_at = Some(now);
-        let plan = self.engine.plans[i].clone();
-        self.note(|| {
+    /// injection, drawn from `netem`) the death of one of its connections.
+    pub(crate) fn admit(&mut self, stage: &mut Stage, oracle: &mut Oracle, netem: &mut Netem) {
+        let now = stage.now();
+        let i = self.next_admit;
+        self.next_admit += 1;
+        self.active += 1;
+        self.last_start = now;
+        oracle.records[i].started_at = Some(now);
+        let plan = self.plans[i].clone();
+        stage.note(|| {
             format!(
                 "engine start {} prompt={} chunks={:?} sender_prefix={} receiver_prefix={} \
                  writers={:?}",
@@ -118,17 +215,18 @@ impl Simulation {
                 plan.writers
             )
         });
-        self.sched.schedule(now + plan.open_after, Action::Open(i));
-        self.sched
+        stage.sched.schedule(now + plan.open_after, Action::Open(i));
+        stage
+            .sched
             .schedule(now + plan.register_after, Action::Register(i));
         if let Some((after, side)) = plan.cancel {
-            self.sched.schedule(now + after, Action::Cancel(i, side));
+            stage.sched.schedule(now + after, Action::Cancel(i, side));
         }
         let span = Duration::from_nanos(
             plan.per_token.as_nanos() * u64::from(plan.prompt_len) + 1_000_000,
         );
-        if let Some(death) = self.net.netem.peer_death(&plan.writers, span) {
-            self.sched.schedule(
+        if let Some(death) = netem.peer_death(&plan.writers, span) {
+            stage.sched.schedule(
                 now + death.after,
                 Action::KillLink {
                     link: death.victim,
@@ -139,92 +237,93 @@ impl Simulation {
         }
     }
 
-    /// The prefill engines of the writer ranks open request `i`.
-    pub(crate) fn open(&mut self, i: usize) {
-        let now = self.sched.now();
-        let plan = self.engine.plans[i].clone();
-        for (w, &rank) in plan.writers.iter().enumerate() {
-            let res = self.hosts.sender_caches[rank].begin_prefill(
-                plan.id,
-                plan.prompt_len,
-                plan.sender_prefix,
-                plan.allocation,
-            );
-            self.check(res, || format!("S{rank} cache begin {}", plan.id));
-            self.oracle.records[i].senders[w].started = true;
-            self.note(|| format!("engine S{rank} open {}", plan.id));
-            let res = self.hosts.senders[rank].open_request(
-                now,
-                SendRequest {
-                    request: plan.id,
-                    receivers: [RECEIVER_PEER].into_iter().collect(),
-                    beam_width: 1,
-                },
-            );
-            self.check(res, || format!("S{rank} open {}", plan.id));
-            self.drain();
-        }
-        let at = now + self.engine.compute_time(i, 0);
-        self.sched.schedule(at, Action::Compute(i, 0));
+    /// Writer `w`'s prefill engine opens request `i`.
+    fn open(&mut self, stage: &mut Stage, oracle: &mut Oracle, i: usize, w: usize) -> Called {
+        let now = stage.now();
+        let plan = &self.plans[i];
+        let rank = plan.writers[w];
+        let res = stage.hosts.sender_caches[rank].begin_prefill(
+            plan.id,
+            plan.prompt_len,
+            plan.sender_prefix,
+            plan.allocation,
+        );
+        stage.check(res, || format!("S{rank} cache begin {}", plan.id));
+        oracle.records[i].senders[w].started = true;
+        stage.note(|| format!("engine S{rank} open {}", plan.id));
+        let res = stage.hosts.senders[rank].open_request(
+            now,
+            SendRequest {
+                request: plan.id,
+                receivers: [RECEIVER_PEER].into_iter().collect(),
+                beam_width: 1,
+            },
+        );
+        stage.check(res, || format!("S{rank} open {}", plan.id));
+        Called::Endpoint
     }
 
-    /// The writer ranks computed chunk `k` of request `i` and submit it.
-    pub(crate) fn compute(&mut self, i: usize, k: usize) {
-        let now = self.sched.now();
-        let spec = self.engine.chunk_spec(i, k);
-        let request = self.engine.plans[i].id;
-        let writers = self.engine.plans[i].writers.clone();
-        let mut any = false;
-        for (w, &rank) in writers.iter().enumerate() {
-            if self.oracle.records[i].senders[w].terminal.is_some() {
-                // An engine that learns of the end late still submits: refused, nothing
-                // changes.
-                if self.engine_rng().chance(0.3) {
-                    let res = self.hosts.senders[rank]
-                        .submit_chunk(now, request, spec, &mut self.hosts.sender_caches[rank])
-                        .map(|_| ());
-                    self.expect_ended(res, rank, request);
-                    self.drain();
-                }
-                continue;
+    /// Writer `w` computed chunk `k` of request `i` and submits it (`any`: set when its
+    /// session is still active).
+    fn compute(
+        &mut self,
+        stage: &mut Stage,
+        oracle: &mut Oracle,
+        i: usize,
+        k: usize,
+        w: usize,
+        any: &mut bool,
+    ) -> Called {
+        let now = stage.now();
+        let spec = self.chunk_spec(i, k);
+        let request = self.plans[i].id;
+        let rank = self.plans[i].writers[w];
+        if oracle.records[i].senders[w].terminal.is_some() {
+            // An engine that learns of the end late still submits: refused, nothing changes.
+            if !self.rng.chance(0.3) {
+                return Called::Nothing;
             }
-            any = true;
-            let res = self.hosts.sender_caches[rank].compute_chunk(request, spec.start, spec.end);
-            self.check(res, || format!("S{rank} cache compute {request}"));
-            self.note(|| {
-                format!(
-                    "engine S{rank} chunk {request} [{}, {}){}",
-                    spec.start,
-                    spec.end,
-                    if spec.is_last { " last" } else { "" }
-                )
-            });
-            match self.engine.mistake(k) {
-                Some(mistake) => self.submit_mistaken(i, w, k, mistake),
-                None => self.submit_plain(i, w, k),
-            }
+            let res = stage.hosts.senders[rank]
+                .submit_chunk(now, request, spec, &mut stage.hosts.sender_caches[rank])
+                .map(|_| ());
+            expect_ended(stage, res, rank, request);
+            return Called::Endpoint;
         }
-        if !any {
-            return;
+        *any = true;
+        let res = stage.hosts.sender_caches[rank].compute_chunk(request, spec.start, spec.end);
+        stage.check(res, || format!("S{rank} cache compute {request}"));
+        stage.note(|| {
+            format!(
+                "engine S{rank} chunk {request} [{}, {}){}",
+                spec.start,
+                spec.end,
+                if spec.is_last { " last" } else { "" }
+            )
+        });
+        match self.mistakes.draw(k) {
+            Some(mistake) => self.submit_mistaken(stage, oracle, i, w, k, mistake),
+            None => self.submit_plain(stage, oracle, i, w, k),
         }
-        if spec.is_last {
-            let at = now + self.engine.plans[i].aux_after;
-            self.sched.schedule(at, Action::Aux(i));
-        } else {
-            let at = now + self.engine.compute_time(i, k + 1);
-            self.sched.schedule(at, Action::Compute(i, k + 1));
-        }
+        Called::Endpoint
     }
 
     /// Writer `w` of request `i` submits chunk `k` with an engine mistake. The sender must
     /// refuse it and fail the request on both sides; the one mistake the contract cannot see at
     /// once (a windowed group's run short of blocks the receiver needs) must fail it when the
     /// writer's bytes fall short of its share. Either way the request may not complete.
-    fn submit_mistaken(&mut self, i: usize, w: usize, k: usize, mistake: EngineMistake) {
-        let now = self.sched.now();
-        let mut spec = self.engine.chunk_spec(i, k);
-        let request = self.engine.plans[i].id;
-        let rank = self.engine.plans[i].writers[w];
+    fn submit_mistaken(
+        &mut self,
+        stage: &mut Stage,
+        oracle: &mut Oracle,
+        i: usize,
+        w: usize,
+        k: usize,
+        mistake: EngineMistake,
+    ) {
+        let now = stage.now();
+        let mut spec = self.chunk_spec(i, k);
+        let request = self.plans[i].id;
+        let rank = self.plans[i].writers[w];
         if let EngineMistake::PrefixChanged = mistake {
             // A later chunk claims another cached prefix than the first one did.
             spec.prepopulated_len = if spec.prepopulated_len == 0 {
@@ -232,128 +331,122 @@ impl Simulation {
             } else {
                 spec.prepopulated_len - 1
             };
-            if spec.prepopulated_len == self.engine.chunk_spec(i, k).prepopulated_len {
+            if spec.prepopulated_len == self.chunk_spec(i, k).prepopulated_len {
                 // Nothing to change (a chunk at token 0 cannot claim a prefix).
-                return self.submit_plain(i, w, k);
+                return self.submit_plain(stage, oracle, i, w, k);
             }
         }
         let mut source = Mistaken {
-            cache: &mut self.hosts.sender_caches[rank],
+            cache: &mut stage.hosts.sender_caches[rank],
             mistake,
             bent: false,
         };
-        let res = self.hosts.senders[rank].submit_chunk(now, request, spec, &mut source);
+        let res = stage.hosts.senders[rank].submit_chunk(now, request, spec, &mut source);
         let bent = source.bent || matches!(mistake, EngineMistake::PrefixChanged);
         if !bent {
             // Every run was empty: nothing to bend, a plain chunk.
             if res.is_ok() && spec.is_last {
-                self.oracle.records[i].senders[w].last_chunk = true;
+                oracle.records[i].senders[w].last_chunk = true;
             }
-            self.check(res.map(|_| ()), || format!("S{rank} submit {request}"));
-            self.drain();
+            stage.check(res.map(|_| ()), || format!("S{rank} submit {request}"));
             return;
         }
-        self.oracle.engine_mistakes += 1;
-        self.oracle.records[i].engine_mistake = true;
-        self.note(|| format!("engine S{rank} mistaken chunk {request} ({mistake:?}): {res:?}"));
+        oracle.engine_mistakes += 1;
+        oracle.records[i].engine_mistake = true;
+        stage.note(|| format!("engine S{rank} mistaken chunk {request} ({mistake:?}): {res:?}"));
         match res {
             // Caught at once: the session ended with EngineError.
             Err(UsageError::BlockRun(_) | UsageError::PrefixChanged { .. }) => {
-                self.oracle.records[i].fatal[w] = true;
+                oracle.records[i].fatal[w] = true;
             }
             Ok(_) => {
                 // A windowed group's short run: within the contract, so accepted; the writer's
                 // share check must fail it later.
                 if spec.is_last {
-                    self.oracle.records[i].senders[w].last_chunk = true;
+                    oracle.records[i].senders[w].last_chunk = true;
                 }
-                self.oracle.records[i].fatal[w] = true;
+                oracle.records[i].fatal[w] = true;
             }
-            Err(other) => self.anomaly(format!(
+            Err(other) => stage.anomaly(format!(
                 "S{rank} mistaken chunk {request} ({mistake:?}) gave {other:?}"
             )),
         }
-        self.drain();
     }
 
     /// Writer `w` of request `i` submits chunk `k` as computed.
-    fn submit_plain(&mut self, i: usize, w: usize, k: usize) {
-        let now = self.sched.now();
-        let spec = self.engine.chunk_spec(i, k);
-        let request = self.engine.plans[i].id;
-        let rank = self.engine.plans[i].writers[w];
-        let res = self.hosts.senders[rank]
-            .submit_chunk(now, request, spec, &mut self.hosts.sender_caches[rank])
+    fn submit_plain(
+        &mut self,
+        stage: &mut Stage,
+        oracle: &mut Oracle,
+        i: usize,
+        w: usize,
+        k: usize,
+    ) {
+        let now = stage.now();
+        let spec = self.chunk_spec(i, k);
+        let request = self.plans[i].id;
+        let rank = self.plans[i].writers[w];
+        let res = stage.hosts.senders[rank]
+            .submit_chunk(now, request, spec, &mut stage.hosts.sender_caches[rank])
             .map(|_| ());
         if res.is_ok() && spec.is_last {
-            self.oracle.records[i].senders[w].last_chunk = true;
+            oracle.records[i].senders[w].last_chunk = true;
         }
-        self.check(res, || {
+        stage.check(res, || {
             format!("S{rank} submit {request} [{}, {})", spec.start, spec.end)
         });
-        self.drain();
     }
 
-    /// Every writer rank submits request `i`'s aux data.
-    pub(crate) fn aux(&mut self, i: usize) {
-        let now = self.sched.now();
-        let request = self.engine.plans[i].id;
-        for w in 0..self.engine.plans[i].writers.len() {
-            let rank = self.engine.plans[i].writers[w];
-            if self.oracle.records[i].senders[w].terminal.is_some() {
-                // An engine that learns of the end late still submits: refused, nothing
-                // changes.
-                if self.engine_rng().chance(0.3) {
-                    let res = self.hosts.senders[rank].handle_input(SenderInput::Aux {
-                        now,
-                        request,
-                        data: AuxData::default(),
-                    });
-                    self.expect_ended(res, rank, request);
-                }
-                continue;
+    /// Writer `w` submits request `i`'s aux data.
+    fn aux(&mut self, stage: &mut Stage, oracle: &mut Oracle, i: usize, w: usize) -> Called {
+        let now = stage.now();
+        let request = self.plans[i].id;
+        let rank = self.plans[i].writers[w];
+        if oracle.records[i].senders[w].terminal.is_some() {
+            // An engine that learns of the end late still submits: refused, nothing changes.
+            if !self.rng.chance(0.3) {
+                return Called::Nothing;
             }
-            let data = AuxData {
-                prompt_tokens: self.engine.plans[i].prompt_len,
-                cached_tokens: self.engine.plans[i].sender_prefix,
-                first_tokens: vec![(request.0 % 50_000) as u32],
-                draft_tokens: vec![],
-            };
-            self.note(|| format!("engine S{rank} aux {request}"));
-            let res =
-                self.hosts.senders[rank].handle_input(SenderInput::Aux { now, request, data });
-            self.oracle.records[i].senders[w].aux |= res.is_ok();
-            self.check(res, || format!("S{rank} aux {request}"));
-            self.drain();
+            let res = stage.hosts.senders[rank].handle_input(SenderInput::Aux {
+                now,
+                request,
+                data: AuxData::default(),
+            });
+            expect_ended(stage, res, rank, request);
+            // Refused: it queued no output, so nothing to drain.
+            return Called::Nothing;
         }
-    }
-
-    /// A call on a request that already ended must be refused as ended (or retired).
-    fn expect_ended(&mut self, res: Result<(), UsageError>, rank: usize, request: RequestId) {
-        match res {
-            Err(UsageError::SessionEnded(r) | UsageError::Retired(r)) if r == request => {}
-            other => self.anomaly(format!("S{rank} call on ended {request} gave {other:?}")),
-        }
+        let data = AuxData {
+            prompt_tokens: self.plans[i].prompt_len,
+            cached_tokens: self.plans[i].sender_prefix,
+            first_tokens: vec![(request.0 % 50_000) as u32],
+            draft_tokens: vec![],
+        };
+        stage.note(|| format!("engine S{rank} aux {request}"));
+        let res = stage.hosts.senders[rank].handle_input(SenderInput::Aux { now, request, data });
+        oracle.records[i].senders[w].aux |= res.is_ok();
+        stage.check(res, || format!("S{rank} aux {request}"));
+        Called::Endpoint
     }
 
     /// The decode engine registers request `i`'s destination blocks.
-    pub(crate) fn register(&mut self, i: usize) {
-        let now = self.sched.now();
-        let plan = self.engine.plans[i].clone();
-        let groups = match self.hosts.receiver_cache.register_destination(
+    fn register(&mut self, stage: &mut Stage, oracle: &mut Oracle, i: usize) -> Called {
+        let now = stage.now();
+        let plan = &self.plans[i];
+        let groups = match stage.hosts.receiver_cache.register_destination(
             plan.id,
             plan.prompt_len,
             plan.receiver_prefix,
         ) {
             Ok(g) => g,
             Err(e) => {
-                self.check(Err(e), || format!("R cache register {}", plan.id));
-                return;
+                stage.check(Err(e), || format!("R cache register {}", plan.id));
+                return Called::Nothing;
             }
         };
-        self.oracle.records[i].receiver.started = true;
-        self.note(|| format!("engine R register {}", plan.id));
-        let res = self
+        oracle.records[i].receiver.started = true;
+        stage.note(|| format!("engine R register {}", plan.id));
+        let res = stage
             .hosts
             .receiver
             .register(
@@ -368,184 +461,114 @@ impl Simulation {
             )
             .map(|_| ());
         if res.is_ok() {
-            self.oracle.records[i].registered_at = Some(now);
+            oracle.records[i].registered_at = Some(now);
         }
-        self.check(res, || format!("R register {}", plan.id));
-        self.drain();
+        stage.check(res, || format!("R register {}", plan.id));
+        Called::Endpoint
     }
 
-    /// An engine cancels request `i`.
-    pub(crate) fn cancel(&mut self, i: usize, side: CancelSide) {
-        let now = self.sched.now();
-        let request = self.engine.plans[i].id;
-        match side {
-            CancelSide::Sender => {
-                let writers = self.engine.plans[i].writers.clone();
-                // Usually every writer rank's engine cancels; sometimes only one of them.
-                let only = (writers.len() > 1 && self.engine_rng().chance(0.4))
-                    .then(|| self.engine_rng().below(writers.len() as u64) as usize);
-                for (w, &rank) in writers.iter().enumerate() {
-                    if self.oracle.records[i].senders[w].retired || only.is_some_and(|o| o != w) {
-                        continue;
-                    }
-                    self.oracle.records[i].cancel_issued = true;
-                    self.note(|| format!("engine S{rank} cancel {request}"));
-                    let res = self.hosts.senders[rank].cancel(now, request);
-                    self.check(res, || format!("S{rank} cancel {request}"));
-                    self.drain();
-                }
-            }
-            CancelSide::Receiver => {
-                if self.oracle.records[i].receiver.retired {
-                    return;
-                }
-                self.oracle.records[i].cancel_issued = true;
-                self.note(|| format!("engine R cancel {request}"));
-                let res = self.hosts.receiver.cancel(now, request);
-                self.check(res, || format!("R cancel {request}"));
-                self.drain();
-            }
+    /// Writer `w`'s engine cancels request `i` (unless it retired it, or `only` another one
+    /// cancels).
+    fn cancel_sender(
+        &mut self,
+        stage: &mut Stage,
+        oracle: &mut Oracle,
+        i: usize,
+        w: usize,
+        only: Option<usize>,
+    ) -> Called {
+        let now = stage.now();
+        let request = self.plans[i].id;
+        let rank = self.plans[i].writers[w];
+        if oracle.records[i].senders[w].retired || only.is_some_and(|o| o != w) {
+            return Called::Nothing;
         }
+        oracle.records[i].cancel_issued = true;
+        stage.note(|| format!("engine S{rank} cancel {request}"));
+        let res = stage.hosts.senders[rank].cancel(now, request);
+        stage.check(res, || format!("S{rank} cancel {request}"));
+        Called::Endpoint
+    }
+
+    /// The decode engine cancels request `i` (unless it retired it).
+    fn cancel_receiver(&mut self, stage: &mut Stage, oracle: &mut Oracle, i: usize) -> Called {
+        let now = stage.now();
+        let request = self.plans[i].id;
+        if oracle.records[i].receiver.retired {
+            return Called::Nothing;
+        }
+        oracle.records[i].cancel_issued = true;
+        stage.note(|| format!("engine R cancel {request}"));
+        let res = stage.hosts.receiver.cancel(now, request);
+        stage.check(res, || format!("R cancel {request}"));
+        Called::Endpoint
     }
 
     /// `Quiesced` for request `i` on sender rank `from` (`None`: the receiver): no write can
     /// touch its blocks any more; the engine frees them and retires the request, at once or a
     /// little later (late frames then meet a quiesced session).
-    pub(crate) fn on_quiesced(&mut self, i: usize, from: Option<usize>) {
-        let request = self.engine.plans[i].id;
+    pub(crate) fn on_quiesced(
+        &mut self,
+        stage: &mut Stage,
+        oracle: &mut Oracle,
+        i: usize,
+        from: Option<usize>,
+    ) {
+        let request = self.plans[i].id;
         match from {
-            Some(_) if self.cfg.planted_bug == Some(PlantedBug::KeepBlocks(request)) => {}
-            Some(rank) => self.hosts.sender_caches[rank].release(request),
-            None => self.hosts.receiver_cache.release(request),
+            Some(_) if stage.cfg.planted_bug == Some(PlantedBug::KeepBlocks(request)) => {}
+            Some(rank) => stage.hosts.sender_caches[rank].release(request),
+            None => stage.hosts.receiver_cache.release(request),
         }
-        if self.engine_rng().chance(0.5) {
-            self.retire(i, from);
+        if self.rng.chance(0.5) {
+            self.retire(stage, oracle, i, from);
         } else {
-            let at = self.sched.now() + Duration::from_nanos(self.engine_rng().below(3_000_000));
-            self.sched.schedule(at, Action::Retire(i, from));
+            let at = stage.now() + Duration::from_nanos(self.rng.below(3_000_000));
+            stage.sched.schedule(at, Action::Retire(i, from));
         }
     }
 
     /// The engine of sender rank `from` (`None`: the receiver's) retires request `i`.
-    pub(crate) fn retire(&mut self, i: usize, from: Option<usize>) {
-        let now = self.sched.now();
-        let request = self.engine.plans[i].id;
+    pub(crate) fn retire(
+        &mut self,
+        stage: &mut Stage,
+        oracle: &mut Oracle,
+        i: usize,
+        from: Option<usize>,
+    ) {
+        let now = stage.now();
+        let request = self.plans[i].id;
         let who = who(from);
         let res = match from {
             Some(rank) => {
-                let w = self.engine.plans[i]
+                let w = self.plans[i]
                     .writers
                     .iter()
                     .position(|&r| r == rank)
                     .expect("a writer");
-                self.oracle.records[i].senders[w].retired = true;
-                self.hosts.senders[rank].retire(now, request)
+                oracle.records[i].senders[w].retired = true;
+                stage.hosts.senders[rank].retire(now, request)
             }
             None => {
-                self.oracle.records[i].receiver.retired = true;
-                self.hosts.receiver.retire(now, request)
+                oracle.records[i].receiver.retired = true;
+                stage.hosts.receiver.retire(now, request)
             }
         };
-        self.note(|| format!("engine {who} retire {request}"));
-        self.check(res, || format!("{who} retire {request}"));
-        let r = &self.oracle.records[i];
+        stage.note(|| format!("engine {who} retire {request}"));
+        stage.check(res, || format!("{who} retire {request}"));
+        let r = &oracle.records[i];
         if r.finished_at.is_none() && r.receiver.retired && r.senders.iter().all(|s| s.retired) {
-            self.oracle.records[i].finished_at = Some(now);
-            self.engine.active -= 1;
-            self.note(|| format!("engine finished {request}"));
+            oracle.records[i].finished_at = Some(now);
+            self.active -= 1;
+            stage.note(|| format!("engine finished {request}"));
         }
     }
-
-    /// The engines' generator.
-    fn engine_rng(&mut self) -> &mut SimRng {
-        &mut self.engine.rng
-    }
 }
 
-/// How the trace names sender rank `from` (`None`: the receiver).
-pub(crate) fn who(from: Option<usize>) -> String {
-    match from {
-        Some(r) => format!("S{r}"),
-        None => "R".to_string(),
-    }
-}
-
-/// A mistake of the prefill engine in the chunk it hands the sender.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum EngineMistake {
-    /// One block more than asked.
-    TooLong,
-    /// The run's first block dropped (allowed only in a windowed group, where the receiver's
-    /// share check catches it).
-    DropHead,
-    /// The run starts one ordinal late, so it ends past the asked end.
-    Shifted,
-    /// The run's last block dropped, so it ends early.
-    EndsEarly,
-    /// A later chunk claims another cached prefix.
-    PrefixChanged,
-}
-
-impl Engine {
-    /// Whether a writer's chunk `k` carries a mistake, and which.
-    fn mistake(&mut self, k: usize) -> Option<EngineMistake> {
-        if self.mistake_rate == 0.0 || !self.mistakes.chance(self.mistake_rate) {
-            return None;
-        }
-        let kinds: &[EngineMistake] = if k == 0 {
-            &[
-                EngineMistake::TooLong,
-                EngineMistake::DropHead,
-                EngineMistake::Shifted,
-                EngineMistake::EndsEarly,
-            ]
-        } else {
-            &[
-                EngineMistake::TooLong,
-                EngineMistake::DropHead,
-                EngineMistake::Shifted,
-                EngineMistake::EndsEarly,
-                EngineMistake::PrefixChanged,
-            ]
-        };
-        self.mistakes.pick(kinds).copied()
-    }
-}
-
-/// A block source that bends the cache's first non-empty run by `mistake`.
-struct Mistaken<'a, S> {
-    cache: &'a mut S,
-    mistake: EngineMistake,
-    /// Whether a run was bent (an empty run has nothing to bend).
-    bent: bool,
-}
-
-impl<S: BlockSource> BlockSource for Mistaken<'_, S> {
-    fn block_run(
-        &mut self,
-        request: RequestId,
-        group: GroupIndex,
-        begin: u32,
-        end: u32,
-        out: &mut BlockRun,
-    ) -> Result<(), BlockSourceError> {
-        self.cache.block_run(request, group, begin, end, out)?;
-        if self.bent || out.ids.is_empty() {
-            return Ok(());
-        }
-        match self.mistake {
-            EngineMistake::TooLong => out.ids.push(BlockId(u32::MAX - 1)),
-            EngineMistake::DropHead => {
-                out.ids.remove(0);
-                out.first_ordinal += 1;
-            }
-            EngineMistake::Shifted => out.first_ordinal += 1,
-            EngineMistake::EndsEarly => {
-                out.ids.pop();
-            }
-            EngineMistake::PrefixChanged => return Ok(()),
-        }
-        self.bent = true;
-        Ok(())
+/// A call on a request that already ended must be refused as ended (or retired).
+fn expect_ended(stage: &mut Stage, res: Result<(), UsageError>, rank: usize, request: RequestId) {
+    match res {
+        Err(UsageError::SessionEnded(r) | UsageError::Retired(r)) if r == request => {}
+        other => stage.anomaly(format!("S{rank} call on ended {request} gave {other:?}")),
     }
 }

@@ -17,10 +17,13 @@
 //!   ([`kvpipe_netem`], configured by [`SimConfig::netem_config`]); the engines draw their
 //!   own choices from a separate [`SimRng`] stream.
 //!
-//! The parts: `scheduler` (virtual time, the event queue, step bounds), `network` (links over
-//! the emulation, batches in flight, writes landed through the receiver's admission), `engine`
-//! (the workload's engine actions), `oracle` (what must hold, judged per request) and `report`;
-//! `world` wires them into the [`Simulation`].
+//! The parts, each importing only those below it: `stage` (what every part acts on: the
+//! configuration, the `scheduler`'s virtual time, event queue and step bounds, the endpoints
+//! with their caches, the trace), `oracle` (what must hold, judged per request), `network`
+//! (links over the emulation, batches in flight, writes landed through the receiver's
+//! admission), `engine` (the workload's engine actions, one endpoint call at a time), and
+//! `world`, which owns them all, drains the endpoints after every call and routes each output
+//! to the part it concerns: the [`Simulation`].
 //! - **Real memory.** Write batches are executed against the [`ReferenceCache`]s' bytes after a
 //!   latency (or fail part-way by fault injection); every write checks that its source and
 //!   destination blocks still belong to its request and that the grant is live, so a write after
@@ -46,24 +49,30 @@
 //!
 //! [`ReferenceCache`]: kvpipe_conformance::cache::ReferenceCache
 
+mod action;
 mod config;
 mod engine;
 mod faults;
+mod mistake;
 mod network;
 mod oracle;
 mod report;
 mod scheduler;
+mod stage;
+mod summary;
 mod workload;
 mod world;
 
+pub use action::RECEIVER_PEER;
 pub use config::{PlantedBug, ScriptedFault, SimConfig};
 pub use faults::{FaultKind, FaultParseError, FaultRates, FaultSet};
 /// The simulator's seeded generator (the network emulation's).
 pub use kvpipe_netem::SeededRng as SimRng;
 pub use network::NetCounters;
 pub use report::{Outcome, RequestOutcome, SimReport, Terminal};
+pub use summary::{event_summary, frame_summary};
 pub use workload::{random_workload, CancelSide, RequestPlan, WorkloadShape};
-pub use world::{event_summary, frame_summary, Simulation, RECEIVER_PEER};
+pub use world::Simulation;
 
 /// Runs `requests` random requests with `seed` under `faults` and reports.
 pub fn run(requests: usize, seed: u64, faults: FaultSet) -> SimReport {

@@ -7,6 +7,9 @@
 //!
 //! The receiving transport lands every write through the receiver's admission, as a real one
 //! would, and the oracle checks that every admitted byte lands in blocks of its own request.
+//!
+//! The [`Network`] acts on the [`Stage`] it is lent and reports to the [`Oracle`]; a method that
+//! hands an endpoint an input says so ([`Called`]) and the world drains the endpoints.
 
 use std::collections::BTreeMap;
 
@@ -18,9 +21,12 @@ use kvpipe_core::wire::{Frame, TransferStatus};
 use kvpipe_core::{GrantId, RequestId, WritePlan};
 use kvpipe_netem::{Direction, FrameFate, Link, Netem};
 
-use super::config::PlantedBug;
-use super::oracle::foreign_owner;
-use super::world::{frame_summary, sender_peer, Action, Simulation, RECEIVER_PEER};
+use crate::action::{sender_peer, Action, RECEIVER_PEER};
+use crate::config::PlantedBug;
+use crate::oracle::{foreign_owner, Oracle};
+use crate::stage::{Called, Stage};
+use crate::summary::frame_summary;
+use crate::workload::RequestPlan;
 
 /// Counters of what the simulated network and transport did.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -79,8 +85,8 @@ pub(crate) struct InFlightBatch {
 #[derive(Debug)]
 pub(crate) struct Network {
     pub(crate) netem: Netem,
-    pub(crate) links: Vec<SimLink>,
-    pub(crate) batches: BTreeMap<(usize, WriteBatchId), InFlightBatch>,
+    links: Vec<SimLink>,
+    batches: BTreeMap<(usize, WriteBatchId), InFlightBatch>,
     pub(crate) counters: NetCounters,
 }
 
@@ -126,18 +132,17 @@ impl Network {
             ..self.counters
         }
     }
-}
 
-impl Simulation {
     /// Hands an encoded frame to the connection of sender rank `link`.
     pub(crate) fn send_frame(
         &mut self,
+        stage: &mut Stage,
         link: usize,
         to_receiver: bool,
         frame: Frame,
         bytes: Bytes,
     ) {
-        self.net.counters.frames += 1;
+        self.counters.frames += 1;
         // Every frame crosses the wire as the bytes the endpoint encoded: they must decode to
         // the frame it meant.
         match Frame::parse(&bytes) {
@@ -147,13 +152,13 @@ impl Simulation {
                     "frame {} does not cross the wire: {other:?}",
                     frame_summary(&frame)
                 );
-                self.anomaly(line);
+                stage.anomaly(line);
                 return;
             }
         }
-        let l = &mut self.net.links[link];
+        let l = &mut self.links[link];
         if !l.up || l.broken {
-            self.net.counters.dropped += 1;
+            self.counters.dropped += 1;
             return;
         }
         let direction = if to_receiver {
@@ -162,13 +167,13 @@ impl Simulation {
             Direction::ToSender
         };
         let epoch = l.epoch;
-        let now = self.sched.now();
-        match self.net.netem.frame(now, &mut l.emulated, direction, bytes) {
+        let now = stage.sched.now();
+        match self.netem.frame(now, &mut l.emulated, direction, bytes) {
             FrameFate::Deliver {
                 at, copies, bytes, ..
             } => {
                 for _ in 0..copies {
-                    self.sched.schedule(
+                    stage.sched.schedule(
                         at,
                         Action::Deliver {
                             link,
@@ -181,9 +186,9 @@ impl Simulation {
             }
             // The stream gives up: the connection resets.
             FrameFate::Reset { at } => {
-                let losses = self.cfg.rates.loss_reset_after;
-                self.note(|| format!("link S{link} lost a frame {losses} times"));
-                self.sched.schedule(
+                let losses = stage.cfg.rates.loss_reset_after;
+                stage.note(|| format!("link S{link} lost a frame {losses} times"));
+                stage.sched.schedule(
                     at,
                     Action::KillLink {
                         link,
@@ -198,15 +203,22 @@ impl Simulation {
 
     /// Delivers a frame that crossed the connection of sender rank `link` (unless the
     /// connection died since it was sent).
-    pub(crate) fn deliver(&mut self, link: usize, to_receiver: bool, epoch: u64, bytes: Bytes) {
-        let l = &self.net.links[link];
+    pub(crate) fn deliver(
+        &mut self,
+        stage: &mut Stage,
+        link: usize,
+        to_receiver: bool,
+        epoch: u64,
+        bytes: Bytes,
+    ) -> Called {
+        let l = &self.links[link];
         if !l.up || l.epoch != epoch {
-            self.net.counters.dropped += 1;
-            return;
+            self.counters.dropped += 1;
+            return Called::Nothing;
         }
-        let now = self.sched.now();
+        let now = stage.sched.now();
         let res = if to_receiver {
-            self.hosts.receiver.handle_transport(
+            stage.hosts.receiver.handle_transport(
                 now,
                 TransportInput::FrameReceived {
                     peer: sender_peer(link),
@@ -214,7 +226,7 @@ impl Simulation {
                 },
             )
         } else {
-            self.hosts.senders[link].handle_transport(
+            stage.hosts.senders[link].handle_transport(
                 now,
                 TransportInput::FrameReceived {
                     peer: RECEIVER_PEER,
@@ -222,14 +234,18 @@ impl Simulation {
                 },
             )
         };
-        self.check(res, || format!("deliver on link {link}"));
-        self.drain();
+        stage.check(res, || format!("deliver on link {link}"));
+        Called::Endpoint
     }
 
     /// Starts a write batch of sender rank `rank`; its outcome is reported when the emulation
     /// says it is done.
+    #[allow(clippy::too_many_arguments)] // the parts of one `ExecuteWrites` output
     pub(crate) fn issue_batch(
         &mut self,
+        stage: &mut Stage,
+        oracle: &mut Oracle,
+        plans: &[RequestPlan],
         rank: usize,
         batch: WriteBatchId,
         request: RequestId,
@@ -237,11 +253,10 @@ impl Simulation {
         plan: WritePlan,
         headers: DataWriteHeaders,
     ) {
-        let now = self.sched.now();
-        self.net.counters.write_batches += 1;
-        let l = &mut self.net.links[rank];
+        let now = stage.sched.now();
+        self.counters.write_batches += 1;
+        let l = &mut self.links[rank];
         let fate = self
-            .net
             .netem
             .batch(now, &mut l.emulated, rank, plan.total_bytes());
         // The transport cannot start it on a connection that is down: failed at once.
@@ -252,7 +267,7 @@ impl Simulation {
             (fate.done_at, fate.fail)
         };
         let broken = l.broken;
-        self.net.batches.insert(
+        self.batches.insert(
             (rank, batch),
             InFlightBatch {
                 request,
@@ -263,7 +278,7 @@ impl Simulation {
                 stillborn,
             },
         );
-        self.sched.schedule(
+        stage.sched.schedule(
             at,
             Action::WriteDone {
                 sender: rank,
@@ -272,78 +287,91 @@ impl Simulation {
         );
         if broken {
             // It stalls on the silently dead connection: the writer cannot complete.
-            self.mark_fatal(rank, request);
+            mark_fatal(stage, oracle, plans, rank, request);
         }
     }
 
     /// A write batch is done: its extents land (all, or part of a failed one) and the sender
     /// is told.
-    pub(crate) fn write_done(&mut self, rank: usize, batch: WriteBatchId) {
-        let now = self.sched.now();
-        if self.net.links[rank].broken
+    pub(crate) fn write_done(
+        &mut self,
+        stage: &mut Stage,
+        oracle: &mut Oracle,
+        plans: &[RequestPlan],
+        rank: usize,
+        batch: WriteBatchId,
+    ) -> Called {
+        let now = stage.sched.now();
+        if self.links[rank].broken
             && self
-                .net
                 .batches
                 .get(&(rank, batch))
                 .is_some_and(|b| !b.stillborn)
         {
             // The connection died silently: the batch stalls until the connection is closed.
-            return;
+            return Called::Nothing;
         }
-        let Some(b) = self.net.batches.remove(&(rank, batch)) else {
+        let Some(b) = self.batches.remove(&(rank, batch)) else {
             // Dropped with its connection.
-            return;
+            return Called::Nothing;
         };
         let input = match b.fail {
             None => {
-                self.land(rank, &b, b.plan.len());
-                self.note(|| format!("S{rank} {batch} completed"));
+                self.land(stage, oracle, rank, &b, b.plan.len());
+                stage.note(|| format!("S{rank} {batch} completed"));
                 TransportInput::WritesCompleted { batch }
             }
             Some(status) => {
-                let part = self.net.netem.landed_extents(b.plan.len());
+                let part = self.netem.landed_extents(b.plan.len());
                 if !b.stillborn {
-                    self.land(rank, &b, part);
-                    self.net.counters.write_failures += 1;
-                    self.mark_fatal(rank, b.request);
-                    if let Some(i) = self.oracle.find(b.request) {
-                        self.oracle.records[i].exposed = true;
+                    self.land(stage, oracle, rank, &b, part);
+                    self.counters.write_failures += 1;
+                    mark_fatal(stage, oracle, plans, rank, b.request);
+                    if let Some(i) = oracle.find(b.request) {
+                        oracle.records[i].exposed = true;
                     }
                 }
-                self.note(|| format!("S{rank} {batch} failed: {status:?}"));
+                stage.note(|| format!("S{rank} {batch} failed: {status:?}"));
                 TransportInput::WritesFailed { batch, status }
             }
         };
-        let res = self.hosts.senders[rank].handle_input(SenderInput::Transport { now, input });
-        self.check(res, || format!("S{rank} report {batch}"));
-        self.drain();
+        let res = stage.hosts.senders[rank].handle_input(SenderInput::Transport { now, input });
+        stage.check(res, || format!("S{rank} report {batch}"));
+        Called::Endpoint
     }
 
     /// Lands the first `extents` extents of `b` as the receiving transport would: each is
     /// admitted by the receiver, copied from sender `rank`'s memory to the receiver's, and
     /// reported landed. The oracle checks that every block an admitted write touched still
     /// belongs to the request.
-    fn land(&mut self, rank: usize, b: &InFlightBatch, extents: usize) {
-        let now = self.sched.now();
-        let grant_ok = self.hosts.receiver.grant(b.request) == Some(b.grant);
+    fn land(
+        &mut self,
+        stage: &mut Stage,
+        oracle: &mut Oracle,
+        rank: usize,
+        b: &InFlightBatch,
+        extents: usize,
+    ) {
+        let now = stage.sched.now();
+        let grant_ok = stage.hosts.receiver.grant(b.request) == Some(b.grant);
         let mut stray: Vec<Option<RequestId>> = Vec::new();
         for e in &b.plan.extents()[..extents] {
             let header = b.headers.encode(e.dst_region, e.dst_offset, e.len);
-            let ticket = match self
+            let ticket = match stage
                 .hosts
                 .receiver
                 .admit_write(now, sender_peer(rank), &header)
             {
                 Admission::Apply { ticket, .. } => {
-                    if let Some(i) = self.oracle.find(b.request) {
-                        self.oracle.records[i].last_landing = Some(now);
+                    if let Some(i) = oracle.find(b.request) {
+                        oracle.records[i].last_landing = Some(now);
                     }
                     ticket
                 }
                 Admission::Discard { .. } => continue,
                 Admission::Refuse(reason) => {
-                    self.net.counters.refused_writes += 1;
-                    self.note(|| format!("S{rank} write refused: {reason}"));
+                    self.counters.refused_writes += 1;
+                    stage.note(|| format!("S{rank} write refused: {reason}"));
                     break;
                 }
             };
@@ -351,17 +379,17 @@ impl Simulation {
                 stray.push(None);
             }
             for (cache, region, offset) in [
-                (&self.hosts.sender_caches[rank], e.src_region, e.src_offset),
-                (&self.hosts.receiver_cache, e.dst_region, e.dst_offset),
+                (&stage.hosts.sender_caches[rank], e.src_region, e.src_offset),
+                (&stage.hosts.receiver_cache, e.dst_region, e.dst_offset),
             ] {
                 if let Some(other) = foreign_owner(cache, region, offset, e.len, b.request) {
                     stray.push(other);
                 }
             }
-            let src = self.hosts.sender_caches[rank]
+            let src = stage.hosts.sender_caches[rank]
                 .region(e.src_region)
                 .and_then(|m| m.get(e.src_offset as usize..(e.src_offset + e.len) as usize));
-            let dst = self
+            let dst = stage
                 .hosts
                 .receiver_cache
                 .region_mut(e.dst_region)
@@ -369,32 +397,32 @@ impl Simulation {
             match (src, dst) {
                 (Some(s), Some(d)) => {
                     d.copy_from_slice(s);
-                    if self.cfg.planted_bug == Some(PlantedBug::FlipByte(b.request)) {
+                    if stage.cfg.planted_bug == Some(PlantedBug::FlipByte(b.request)) {
                         d[0] ^= 0x5a;
                     }
                 }
                 _ => stray.push(None),
             }
-            let res = self.hosts.receiver.handle_transport(
+            let res = stage.hosts.receiver.handle_transport(
                 now,
                 TransportInput::WriteFinished {
                     ticket,
                     landed: true,
                 },
             );
-            self.check(res, || format!("S{rank} write landed"));
+            stage.check(res, || format!("S{rank} write landed"));
         }
         if !stray.is_empty() {
-            self.net.counters.stray_writes += stray.len() as u64;
+            self.counters.stray_writes += stray.len() as u64;
             let request = b.request;
-            self.note(|| format!("STRAY write of {request} ({} extents)", stray.len()));
-            self.oracle.anomalies.push(format!(
+            stage.note(|| format!("STRAY write of {request} ({} extents)", stray.len()));
+            stage.trace.anomalies.push(format!(
                 "stray write of {request} at {now}: {} extents outside its blocks or grant",
                 stray.len()
             ));
             for r in std::iter::once(Some(request)).chain(stray) {
-                if let Some(i) = r.and_then(|r| self.oracle.find(r)) {
-                    self.oracle.records[i].corrupted = true;
+                if let Some(i) = r.and_then(|r| oracle.find(r)) {
+                    oracle.records[i].corrupted = true;
                 }
             }
         }
@@ -402,35 +430,42 @@ impl Simulation {
 
     /// The connection of sender rank `link` dies (`how`): writes in flight land in part, one
     /// end learns at once and the other a little later, and it comes back after a while.
-    pub(crate) fn kill_link(&mut self, link: usize, injected: bool, how: &str) {
-        let now = self.sched.now();
-        let l = &mut self.net.links[link];
+    pub(crate) fn kill_link(
+        &mut self,
+        stage: &mut Stage,
+        oracle: &mut Oracle,
+        plans: &[RequestPlan],
+        link: usize,
+        injected: bool,
+        how: &str,
+    ) -> Called {
+        let now = stage.sched.now();
+        let l = &mut self.links[link];
         if !l.up {
-            return;
+            return Called::Nothing;
         }
         l.up = false;
         l.broken = false;
         l.epoch += 1;
-        self.oracle.expose_link(&self.engine.plans, link);
-        self.net.counters.link_deaths += u64::from(injected);
-        self.note(|| format!("link S{link} {how}"));
+        oracle.expose_link(plans, link);
+        self.counters.link_deaths += u64::from(injected);
+        stage.note(|| format!("link S{link} {how}"));
         // Writes in flight either landed before the death or never will.
         let dying: Vec<(usize, WriteBatchId)> = self
-            .net
             .batches
             .keys()
             .filter(|(r, _)| *r == link)
             .copied()
             .collect();
         for key in dying {
-            let b = self.net.batches.remove(&key).expect("listed");
-            let part = self.net.netem.landed_extents(b.plan.len());
+            let b = self.batches.remove(&key).expect("listed");
+            let part = self.netem.landed_extents(b.plan.len());
             if !b.stillborn {
-                self.land(link, &b, part);
+                self.land(stage, oracle, link, &b, part);
             }
         }
-        let notice = self.net.netem.death_notice();
-        self.sched.schedule(
+        let notice = self.netem.death_notice();
+        stage.sched.schedule(
             now + notice.other_after,
             Action::NotifyDown {
                 link,
@@ -438,9 +473,10 @@ impl Simulation {
                 injected,
             },
         );
-        self.sched
+        stage
+            .sched
             .schedule(now + notice.reconnect_after, Action::Reconnect { link });
-        self.notify_down(link, notice.receiver_first, injected);
+        self.notify_down(stage, oracle, plans, link, notice.receiver_first, injected)
     }
 
     /// Tells one side that the connection of sender rank `link` is gone.
@@ -449,97 +485,116 @@ impl Simulation {
     /// active when the sender learns of it (a session that completed before, having handed its
     /// last frames to the dying connection, is the protocol's inherent race, not a fault it
     /// could act on).
-    pub(crate) fn notify_down(&mut self, link: usize, to_receiver: bool, injected: bool) {
-        let now = self.sched.now();
+    pub(crate) fn notify_down(
+        &mut self,
+        stage: &mut Stage,
+        oracle: &mut Oracle,
+        plans: &[RequestPlan],
+        link: usize,
+        to_receiver: bool,
+        injected: bool,
+    ) -> Called {
+        let now = stage.sched.now();
         // Requests that started while the death was not yet noticed are touched by it too.
-        self.oracle.expose_link(&self.engine.plans, link);
+        oracle.expose_link(plans, link);
         if injected && !to_receiver {
-            for request in self.oracle.open_on_link(&self.engine.plans, link) {
-                self.mark_fatal(link, request);
+            for request in oracle.open_on_link(plans, link) {
+                mark_fatal(stage, oracle, plans, link, request);
             }
         }
-        self.note(|| {
+        stage.note(|| {
             format!(
                 "{} learns link S{link} is down",
                 if to_receiver { "R" } else { "S" }
             )
         });
         let res = if to_receiver {
-            self.hosts.receiver.handle_input(ReceiverInput::Transport {
+            stage.hosts.receiver.handle_input(ReceiverInput::Transport {
                 now,
                 input: TransportInput::PeerDisconnected {
                     peer: sender_peer(link),
                 },
             })
         } else {
-            self.hosts.senders[link].handle_input(SenderInput::Transport {
+            stage.hosts.senders[link].handle_input(SenderInput::Transport {
                 now,
                 input: TransportInput::PeerDisconnected {
                     peer: RECEIVER_PEER,
                 },
             })
         };
-        self.check(res, || format!("link S{link} down"));
-        self.drain();
+        stage.check(res, || format!("link S{link} down"));
+        Called::Endpoint
     }
 
     /// The connection of sender rank `link` dies silently: nobody is told; frames vanish and
     /// writes stall until an endpoint's deadline closes it.
-    pub(crate) fn break_link(&mut self, link: usize, injected: bool) {
-        let l = &mut self.net.links[link];
+    pub(crate) fn break_link(
+        &mut self,
+        stage: &mut Stage,
+        oracle: &mut Oracle,
+        plans: &[RequestPlan],
+        link: usize,
+        injected: bool,
+    ) {
+        let l = &mut self.links[link];
         if !l.up || l.broken {
             return;
         }
         l.broken = true;
         l.epoch += 1;
-        self.oracle.expose_link(&self.engine.plans, link);
-        self.net.counters.link_deaths += u64::from(injected);
-        self.note(|| format!("link S{link} died silently"));
+        oracle.expose_link(plans, link);
+        self.counters.link_deaths += u64::from(injected);
+        stage.note(|| format!("link S{link} died silently"));
         // A writer with a batch stalled on it can complete neither side.
         let stalled: Vec<RequestId> = self
-            .net
             .batches
             .iter()
             .filter(|((r, _), _)| *r == link)
             .map(|(_, b)| b.request)
             .collect();
         for request in stalled {
-            self.mark_fatal(link, request);
+            mark_fatal(stage, oracle, plans, link, request);
         }
     }
 
     /// The connection of sender rank `link` is up (again): both ends start a handshake.
-    pub(crate) fn reconnect(&mut self, link: usize) {
-        let now = self.sched.now();
-        let l = &mut self.net.links[link];
+    pub(crate) fn reconnect(&mut self, stage: &mut Stage, link: usize) -> Called {
+        let now = stage.sched.now();
+        let l = &mut self.links[link];
         if l.up {
-            return;
+            return Called::Nothing;
         }
         l.up = true;
         l.broken = false;
         l.epoch += 1;
         l.emulated.restart(now);
-        self.note(|| format!("link S{link} connected"));
-        let res = self.hosts.senders[link].handle_input(SenderInput::Transport {
+        stage.note(|| format!("link S{link} connected"));
+        let res = stage.hosts.senders[link].handle_input(SenderInput::Transport {
             now,
             input: TransportInput::PeerConnected {
                 peer: RECEIVER_PEER,
             },
         });
-        self.check(res, || format!("S{link} connect"));
-        let res = self.hosts.receiver.handle_input(ReceiverInput::Transport {
+        stage.check(res, || format!("S{link} connect"));
+        let res = stage.hosts.receiver.handle_input(ReceiverInput::Transport {
             now,
             input: TransportInput::PeerConnected {
                 peer: sender_peer(link),
             },
         });
-        self.check(res, || format!("R connect S{link}"));
-        self.drain();
+        stage.check(res, || format!("R connect S{link}"));
+        Called::Endpoint
     }
+}
 
-    /// Marks `request`'s writer `rank` as hit by a fatal fault if its session is still active.
-    pub(crate) fn mark_fatal(&mut self, rank: usize, request: RequestId) {
-        self.oracle
-            .mark_fatal(&self.engine.plans, &self.hosts.senders[rank], rank, request);
-    }
+/// Marks `request`'s writer `rank` as hit by a fatal fault if its session is still active.
+fn mark_fatal(
+    stage: &Stage,
+    oracle: &mut Oracle,
+    plans: &[RequestPlan],
+    rank: usize,
+    request: RequestId,
+) {
+    oracle.mark_fatal(plans, &stage.hosts.senders[rank], rank, request);
 }

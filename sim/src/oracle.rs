@@ -3,19 +3,23 @@
 //! every side (no hang), no write touched a block that was not its request's (no stray write),
 //! the receiver's bytes are exactly the sender's, nothing is left behind (no leak), and a fatal
 //! fault never leaves one side completed (no one-sided outcome).
+//!
+//! The oracle reads the endpoints and caches on the [`Stage`] and the plans it is given; it
+//! never calls an endpoint. When an endpoint reports `Quiesced` it says so ([`Quiesced`]) and
+//! the world hands it to the engine.
 
 use std::collections::HashMap;
 
+use kvpipe_conformance::cache::ReferenceCache;
 use kvpipe_core::session::state::{RecvPhase, SendPhase};
 use kvpipe_core::session::{Event, Wait};
 use kvpipe_core::{GroupIndex, Instant, RegionId, RequestId, Sender};
 use smallvec::SmallVec;
 
-use super::engine::who;
-use super::report::{Outcome, RequestOutcome, SimReport, Terminal};
-use super::workload::RequestPlan;
-use super::world::{event_summary, Hosts, Simulation};
-use kvpipe_conformance::cache::ReferenceCache;
+use crate::report::{Outcome, RequestOutcome, SimReport, Terminal};
+use crate::stage::{Hosts, Stage};
+use crate::summary::{event_summary, who};
+use crate::workload::RequestPlan;
 
 /// One side's view of a request.
 #[derive(Clone, Copy, Debug, Default)]
@@ -51,17 +55,26 @@ pub(crate) struct RequestRecord {
     pub(crate) last_landing: Option<Instant>,
 }
 
-/// The records of every request and the anomalies met.
+/// The records of every request (the anomalies met are in the [`Trace`](crate::stage::Trace)).
 #[derive(Debug)]
 pub(crate) struct Oracle {
     pub(crate) records: Vec<RequestRecord>,
     index: HashMap<RequestId, usize>,
-    pub(crate) anomalies: Vec<String>,
     /// Mistaken chunks the engines handed their senders.
     pub(crate) engine_mistakes: u64,
     /// Requests the receiver timed out while they were progressing (see
-    /// [`Simulation::check_result_timeout`]).
+    /// [`Oracle::check_result_timeout`]).
     pub(crate) timed_out_progressing: u64,
+}
+
+/// An endpoint reported `Quiesced` for a request: no write can touch its blocks any more, so
+/// its engine may free them and retire it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Quiesced {
+    /// The request's index in the plans.
+    pub(crate) index: usize,
+    /// The sender rank that reported it (`None`: the receiver).
+    pub(crate) from: Option<usize>,
 }
 
 impl Oracle {
@@ -86,7 +99,6 @@ impl Oracle {
                 })
                 .collect(),
             index: plans.iter().enumerate().map(|(i, p)| (p.id, i)).collect(),
-            anomalies: Vec::new(),
             engine_mistakes: 0,
             timed_out_progressing: 0,
         }
@@ -140,13 +152,15 @@ impl Oracle {
         }
     }
 
-    /// Judges every request and the endpoints at the end of a run (see the module doc).
+    /// Judges every request and the endpoints at the end of a run (see the module doc), with
+    /// the `anomalies` the run met.
     pub(crate) fn judge(
         &self,
         plans: &[RequestPlan],
         hosts: &Hosts,
         batch_requests: &[RequestId],
         slots_per_group: u32,
+        anomalies: &[String],
     ) -> SimReport {
         let mut report = SimReport {
             requests: plans.len() as u64,
@@ -250,38 +264,41 @@ impl Oracle {
             }
             report.leak_details = left;
         }
-        report.anomalies = self.anomalies.len() as u64;
-        report.first_anomalies = self.anomalies.iter().take(5).cloned().collect();
+        report.anomalies = anomalies.len() as u64;
+        report.first_anomalies = anomalies.iter().take(5).cloned().collect();
         report.outcomes = outcomes;
         report
     }
-}
 
-impl Simulation {
     /// The receiver timed request `i` out waiting for results. That is right only once the
     /// overall cap passed (registration + `result_wait` + prompt × `result_per_token`) or the
     /// request stopped progressing; a write of it that landed within `result_idle` is progress
     /// the deadline must have followed. (Only landings count here: results and aux data are
     /// progress too, but a duplicate of an old frame is not, so counting frames could blame a
     /// correct timeout.)
-    pub(crate) fn check_result_timeout(&mut self, i: usize) {
-        let now = self.sched.now();
-        let rec = &self.oracle.records[i];
+    pub(crate) fn check_result_timeout(
+        &mut self,
+        stage: &mut Stage,
+        plans: &[RequestPlan],
+        i: usize,
+    ) {
+        let now = stage.now();
+        let rec = &self.records[i];
         let Some(registered) = rec.registered_at else {
             return;
         };
-        let d = &self.cfg.deadlines;
+        let d = &stage.cfg.deadlines;
         let per_token = d.result_per_token.as_nanos();
         let cap = registered
             + d.result_wait
             + kvpipe_core::Duration::from_nanos(
-                per_token.saturating_mul(u64::from(self.engine.plans[i].prompt_len)),
+                per_token.saturating_mul(u64::from(plans[i].prompt_len)),
             );
         if let Some(landed) = rec.last_landing.filter(|&at| now < at + d.result_idle) {
             if now < cap {
-                let request = self.engine.plans[i].id;
-                self.oracle.timed_out_progressing += 1;
-                self.oracle.anomalies.push(format!(
+                let request = plans[i].id;
+                self.timed_out_progressing += 1;
+                stage.trace.anomalies.push(format!(
                     "R timed {request} out at {now} while progressing (last write landed at \
                      {landed}, cap {cap})"
                 ));
@@ -291,8 +308,17 @@ impl Simulation {
 
     /// Records an endpoint's event and checks it: one terminal event per side, a writer
     /// completes only after its last chunk, its aux data and its writes, the receiver only with
-    /// exactly the sender's bytes; `Quiesced` only after the terminal event, once.
-    pub(crate) fn on_event(&mut self, from: Option<usize>, event: Event) {
+    /// exactly the sender's bytes; `Quiesced` only after the terminal event, once (and then
+    /// returned, for the engine). `in_flight(rank, request)`: whether a write batch of `request`
+    /// from sender rank `rank` is still in flight.
+    pub(crate) fn on_event(
+        &mut self,
+        stage: &mut Stage,
+        plans: &[RequestPlan],
+        in_flight: impl Fn(usize, RequestId) -> bool,
+        from: Option<usize>,
+        event: Event,
+    ) -> Option<Quiesced> {
         let who = who(from);
         let (request, terminal) = match &event {
             Event::Completed { request, .. } => (*request, Some(Terminal::Completed)),
@@ -302,17 +328,18 @@ impl Simulation {
             Event::Quiesced { request } => (*request, None),
             other => {
                 let text = event_summary(other);
-                self.note(|| format!("{who} event {text}"));
-                return;
+                stage.note(|| format!("{who} event {text}"));
+                return None;
             }
         };
         let text = event_summary(&event);
-        self.note(|| format!("{who} event {text}"));
-        let Some(i) = self.oracle.find(request) else {
-            self.oracle
+        stage.note(|| format!("{who} event {text}"));
+        let Some(i) = self.find(request) else {
+            stage
+                .trace
                 .anomalies
                 .push(format!("{who} event for unknown {request}"));
-            return;
+            return None;
         };
         if let (
             None,
@@ -322,23 +349,24 @@ impl Simulation {
             },
         ) = (from, &event)
         {
-            self.check_result_timeout(i);
+            self.check_result_timeout(stage, plans, i);
         }
         let side = match from {
-            Some(rank) => match self.engine.plans[i].writers.iter().position(|&r| r == rank) {
-                Some(w) => &mut self.oracle.records[i].senders[w],
+            Some(rank) => match plans[i].writers.iter().position(|&r| r == rank) {
+                Some(w) => &mut self.records[i].senders[w],
                 None => {
-                    self.oracle.anomalies.push(format!(
+                    stage.trace.anomalies.push(format!(
                         "{who} event for {request}, which it does not write"
                     ));
-                    return;
+                    return None;
                 }
             },
-            None => &mut self.oracle.records[i].receiver,
+            None => &mut self.records[i].receiver,
         };
         if let Some(t) = terminal {
             if side.terminal.is_some() {
-                self.oracle
+                stage
+                    .trace
                     .anomalies
                     .push(format!("{who} second terminal event {text}"));
             } else {
@@ -347,38 +375,36 @@ impl Simulation {
             if let (Some(rank), Terminal::Completed) = (from, t) {
                 // A writer completes only after its last chunk (and its aux data), with none of
                 // its write batches still in flight.
-                let w = self.engine.plans[i].writers.iter().position(|&r| r == rank);
-                let s = w
-                    .map(|w| self.oracle.records[i].senders[w])
-                    .unwrap_or_default();
-                let in_flight = self.net.has_batch(rank, request);
-                if !s.last_chunk || !s.aux || in_flight {
-                    self.oracle.anomalies.push(format!(
+                let w = plans[i].writers.iter().position(|&r| r == rank);
+                let s = w.map(|w| self.records[i].senders[w]).unwrap_or_default();
+                let writing = in_flight(rank, request);
+                if !s.last_chunk || !s.aux || writing {
+                    stage.trace.anomalies.push(format!(
                         "{who} completed {request} early: last chunk {}, aux {}, writes in \
-                         flight {in_flight}",
+                         flight {writing}",
                         s.last_chunk, s.aux
                     ));
                 }
             }
             if from.is_none() && t == Terminal::Completed {
-                self.oracle.records[i].verified = true;
-                let bad = self.hosts.receiver_cache.verify(request);
+                self.records[i].verified = true;
+                let bad = stage.hosts.receiver_cache.verify(request);
                 if !bad.is_empty() {
                     let first = bad[0];
-                    self.note(|| format!("CORRUPTED {request}: {first:?}"));
-                    self.oracle.records[i].corrupted = true;
+                    stage.note(|| format!("CORRUPTED {request}: {first:?}"));
+                    self.records[i].corrupted = true;
                 }
             }
-            return;
+            return None;
         }
-        // Quiesced: no write can touch the blocks any more; free them and retire.
+        // Quiesced: no write can touch the blocks any more; the engine frees them and retires.
         if side.quiesced || side.terminal.is_none() {
-            self.oracle.anomalies.push(format!(
+            stage.trace.anomalies.push(format!(
                 "{who} Quiesced for {request} twice or before its terminal event"
             ));
         }
         side.quiesced = true;
-        self.on_quiesced(i, from);
+        Some(Quiesced { index: i, from })
     }
 }
 

@@ -1,114 +1,38 @@
-//! The simulation itself: the endpoints and their caches ([`Hosts`]), wired to the scheduler,
-//! the network, the engines and the oracle, advanced one earliest deadline at a time.
+//! The simulation itself: the world owns the [`Stage`] (the configuration, the virtual clock,
+//! the endpoints and their caches, the trace) and the three parts that act on it — the
+//! [`Network`], the [`Engine`] and the [`Oracle`] — and advances them one earliest deadline at a
+//! time. It is the one place that drains the endpoints' outputs and routes each one to the part
+//! it concerns; the parts never call each other.
 
-use bytes::Bytes;
+use kvpipe_conformance::cache::{writers_of, RankSplit, ReferenceCache};
 use kvpipe_core::session::{
-    Event, LocalHello, Output, Receiver, ReceiverConfig, ReceiverInput, Sender, SenderConfig,
-    SenderInput, TransportInput, WriteBatchId,
+    LocalHello, Output, Receiver, ReceiverConfig, ReceiverInput, Sender, SenderConfig, SenderInput,
+    TransportInput,
 };
 use kvpipe_core::wire::{Frame, Topology};
-use kvpipe_core::{Duration, InstanceId, Instant, PeerId};
+use kvpipe_core::{Duration, InstanceId, Instant};
 use kvpipe_netem::Netem;
 
-use super::config::{ScriptedFault, SimConfig};
-use super::engine::{who, Engine};
-use super::faults::FaultKind;
-use super::network::{NetCounters, Network};
-use super::oracle::Oracle;
-use super::report::SimReport;
-use super::scheduler::Scheduler;
-use super::workload::{random_workload, CancelSide, RequestPlan, WorkloadShape};
-use super::SimRng;
-use kvpipe_conformance::cache::{writers_of, RankSplit, ReferenceCache};
+use crate::action::Action;
+use crate::config::{ScriptedFault, SimConfig};
+use crate::engine::{Engine, EngineAction};
+use crate::faults::FaultKind;
+use crate::mistake::Mistakes;
+use crate::network::{NetCounters, Network};
+use crate::oracle::Oracle;
+use crate::report::SimReport;
+use crate::scheduler::Scheduler;
+use crate::stage::{Called, Hosts, Stage, Trace};
+use crate::summary::{frame_summary, who};
+use crate::workload::{random_workload, RequestPlan, WorkloadShape};
+use crate::SimRng;
 
-/// How the receiver names sender rank `r`.
-pub(crate) fn sender_peer(rank: usize) -> PeerId {
-    PeerId(rank as u32)
-}
-
-/// How every sender rank names the receiver.
-pub const RECEIVER_PEER: PeerId = PeerId(1000);
-
-/// Something scheduled at a point of virtual time.
-#[derive(Clone, Debug)]
-pub(crate) enum Action {
-    Open(usize),
-    Register(usize),
-    Compute(usize, usize),
-    Aux(usize),
-    Cancel(usize, CancelSide),
-    /// The engine retires request `.0` on sender rank `Some(r)` or the receiver (`None`).
-    Retire(usize, Option<usize>),
-    Deliver {
-        link: usize,
-        to_receiver: bool,
-        epoch: u64,
-        bytes: Bytes,
-    },
-    WriteDone {
-        sender: usize,
-        batch: WriteBatchId,
-    },
-    KillLink {
-        link: usize,
-        injected: bool,
-        silent: bool,
-    },
-    NotifyDown {
-        link: usize,
-        to_receiver: bool,
-        injected: bool,
-    },
-    Reconnect {
-        link: usize,
-    },
-}
-
-/// The endpoints and the memory they move: sender ranks and the receiver with their reference
-/// caches.
-#[derive(Debug)]
-pub(crate) struct Hosts {
-    pub(crate) senders: Vec<Sender>,
-    pub(crate) receiver: Receiver,
-    pub(crate) sender_caches: Vec<ReferenceCache>,
-    pub(crate) receiver_cache: ReferenceCache,
-    /// Slots per group of every cache (all free at the end of a clean run).
-    pub(crate) slots_per_group: u32,
-}
-
-/// What the run leaves for a reader: a readable line per step, and every output drained from
-/// each endpoint, when asked for.
-#[derive(Debug, Default)]
-pub(crate) struct Trace {
-    on: bool,
-    lines: Vec<String>,
-    /// Outputs drained, with their endpoint (sender rank, or `None`: the receiver).
-    outputs: Option<Vec<(Option<usize>, Output)>>,
-}
-
-impl Trace {
-    pub(crate) fn note(&mut self, now: Instant, line: impl FnOnce() -> String) {
-        if self.on {
-            let t = now.as_nanos();
-            let text = line();
-            self.lines.push(format!(
-                "{:>5}.{:03}ms {text}",
-                t / 1_000_000,
-                (t / 1_000) % 1_000
-            ));
-        }
-    }
-}
-
-/// A deterministic simulation of sender ranks and a receiver (see the module doc).
+/// A deterministic simulation of sender ranks and a receiver (see the crate doc).
 pub struct Simulation {
-    pub(crate) cfg: SimConfig,
-    pub(crate) sched: Scheduler<Action>,
-    pub(crate) hosts: Hosts,
-    pub(crate) net: Network,
-    pub(crate) engine: Engine,
-    pub(crate) oracle: Oracle,
-    pub(crate) trace: Trace,
+    stage: Stage,
+    net: Network,
+    engine: Engine,
+    oracle: Oracle,
 }
 
 impl Simulation {
@@ -200,31 +124,32 @@ impl Simulation {
         let engine = Engine::new(
             plans,
             SimRng::new(cfg.seed).fork(4),
-            SimRng::new(cfg.seed).fork(6),
-            mistake_rate,
+            Mistakes::new(SimRng::new(cfg.seed).fork(6), mistake_rate),
         );
         let mut sim = Simulation {
-            sched: Scheduler::new(max_steps),
-            hosts: Hosts {
-                senders: sender_endpoints,
-                receiver: Receiver::new(rc)
-                    .expect("the simulator's endpoint configurations are supported"),
-                sender_caches,
-                receiver_cache,
-                slots_per_group: receiver_spec.slots_per_group,
+            stage: Stage {
+                sched: Scheduler::new(max_steps),
+                hosts: Hosts {
+                    senders: sender_endpoints,
+                    receiver: Receiver::new(rc)
+                        .expect("the simulator's endpoint configurations are supported"),
+                    sender_caches,
+                    receiver_cache,
+                    slots_per_group: receiver_spec.slots_per_group,
+                },
+                trace: Trace {
+                    on: cfg.trace,
+                    ..Trace::default()
+                },
+                cfg,
             },
             net: Network::new(netem, senders),
             oracle: Oracle::new(&engine.plans),
             engine,
-            trace: Trace {
-                on: cfg.trace,
-                lines: Vec::new(),
-                outputs: None,
-            },
-            cfg,
         };
         for link in 0..senders {
-            sim.sched
+            sim.stage
+                .sched
                 .schedule(Instant::ZERO, Action::Reconnect { link });
         }
         for f in &script {
@@ -233,7 +158,7 @@ impl Simulation {
                 ScriptedFault::BreakLink { sender, at } => (sender, at, true),
                 ScriptedFault::FailBatch { .. } => continue,
             };
-            sim.sched.schedule(
+            sim.stage.sched.schedule(
                 Instant::ZERO + at,
                 Action::KillLink {
                     link,
@@ -249,17 +174,17 @@ impl Simulation {
 
     /// Current virtual time.
     pub fn now(&self) -> Instant {
-        self.sched.now()
+        self.stage.sched.now()
     }
 
     /// The readable trace (empty unless [`SimConfig::trace`] is on).
     pub fn trace(&self) -> &[String] {
-        &self.trace.lines
+        &self.stage.trace.lines
     }
 
     /// Usage errors and other surprises the engine side met (each one a bug somewhere).
     pub fn anomalies(&self) -> &[String] {
-        &self.oracle.anomalies
+        &self.stage.trace.anomalies
     }
 
     /// What the network and transport did.
@@ -269,39 +194,39 @@ impl Simulation {
 
     /// The sender endpoint of rank `rank`.
     pub fn sender(&self, rank: usize) -> &Sender {
-        &self.hosts.senders[rank]
+        &self.stage.hosts.senders[rank]
     }
 
     /// The receiver endpoint.
     pub fn receiver(&self) -> &Receiver {
-        &self.hosts.receiver
+        &self.stage.hosts.receiver
     }
 
     /// The receiver endpoint (for its recorded inputs).
     pub fn receiver_mut(&mut self) -> &mut Receiver {
-        &mut self.hosts.receiver
+        &mut self.stage.hosts.receiver
     }
 
     /// The sender endpoint of rank `rank` (for its recorded inputs).
     pub fn sender_mut(&mut self, rank: usize) -> &mut Sender {
-        &mut self.hosts.senders[rank]
+        &mut self.stage.hosts.senders[rank]
     }
 
     /// Switches recording on or off: every endpoint records its inputs
     /// ([`Sender::record_inputs`]) and the simulation keeps every output it drains, so an
     /// endpoint can be replayed and compared ([`take_outputs`](Self::take_outputs)).
     pub fn record(&mut self, on: bool) {
-        for s in &mut self.hosts.senders {
+        for s in &mut self.stage.hosts.senders {
             s.record_inputs(on);
         }
-        self.hosts.receiver.record_inputs(on);
-        self.trace.outputs = on.then(Vec::new);
+        self.stage.hosts.receiver.record_inputs(on);
+        self.stage.trace.outputs = on.then(Vec::new);
     }
 
     /// The outputs drained from sender rank `Some(r)` (`None`: the receiver) since recording
     /// started, in order; the others are kept.
     pub fn take_outputs(&mut self, from: Option<usize>) -> Vec<Output> {
-        let Some(all) = &mut self.trace.outputs else {
+        let Some(all) = &mut self.stage.trace.outputs else {
             return Vec::new();
         };
         let (taken, kept) = std::mem::take(all)
@@ -322,8 +247,8 @@ impl Simulation {
     /// requests then count as hung), and reports.
     pub fn run(&mut self) -> SimReport {
         while !self.finished() {
-            if self.sched.exhausted()
-                || self.sched.now() > self.engine.last_start + self.cfg.time_limit
+            if self.stage.sched.exhausted()
+                || self.stage.sched.now() > self.engine.last_start + self.stage.cfg.time_limit
                 || !self.step()
             {
                 break;
@@ -351,94 +276,113 @@ impl Simulation {
                 }
             }
         };
-        consider(self.sched.next_at(), Next::Action);
-        for r in 0..self.hosts.senders.len() {
-            consider(self.hosts.senders[r].poll_timeout(), Next::SenderTimer(r));
+        consider(self.stage.sched.next_at(), Next::Action);
+        for r in 0..self.stage.hosts.senders.len() {
+            consider(
+                self.stage.hosts.senders[r].poll_timeout(),
+                Next::SenderTimer(r),
+            );
         }
-        consider(self.hosts.receiver.poll_timeout(), Next::ReceiverTimer);
+        consider(
+            self.stage.hosts.receiver.poll_timeout(),
+            Next::ReceiverTimer,
+        );
         consider(
             self.engine
-                .next_arrival(self.cfg.max_active, self.sched.now()),
+                .next_arrival(self.stage.cfg.max_active, self.stage.sched.now()),
             Next::Arrival,
         );
         let Some((at, next)) = best else {
             return false;
         };
-        self.sched.begin_step(at);
-        let now = self.sched.now();
+        self.stage.sched.begin_step(at);
+        let now = self.stage.sched.now();
         match next {
             Next::Action => {
-                let action = self.sched.pop().expect("peeked");
+                let action = self.stage.sched.pop().expect("peeked");
                 self.perform(action);
             }
             Next::SenderTimer(r) => {
-                let res = self.hosts.senders[r].handle_input(SenderInput::Transport {
+                let res = self.stage.hosts.senders[r].handle_input(SenderInput::Transport {
                     now,
                     input: TransportInput::Timeout,
                 });
-                self.check(res, || format!("S{r} timeout"));
+                self.stage.check(res, || format!("S{r} timeout"));
                 self.drain();
             }
             Next::ReceiverTimer => {
-                let res = self.hosts.receiver.handle_input(ReceiverInput::Transport {
-                    now,
-                    input: TransportInput::Timeout,
-                });
-                self.check(res, || "R timeout".to_string());
+                let res = self
+                    .stage
+                    .hosts
+                    .receiver
+                    .handle_input(ReceiverInput::Transport {
+                        now,
+                        input: TransportInput::Timeout,
+                    });
+                self.stage.check(res, || "R timeout".to_string());
                 self.drain();
             }
-            Next::Arrival => self.admit(),
+            Next::Arrival => {
+                self.engine
+                    .admit(&mut self.stage, &mut self.oracle, &mut self.net.netem)
+            }
         }
         true
     }
 
     fn perform(&mut self, action: Action) {
-        match action {
-            Action::Open(i) => self.open(i),
-            Action::Register(i) => self.register(i),
-            Action::Compute(i, k) => self.compute(i, k),
-            Action::Aux(i) => self.aux(i),
-            Action::Cancel(i, side) => self.cancel(i, side),
-            Action::Retire(i, from) => self.retire(i, from),
+        let (stage, oracle, plans) = (&mut self.stage, &mut self.oracle, &self.engine.plans);
+        let called = match action {
+            Action::Open(i) => return self.engine_action(EngineAction::Open(i)),
+            Action::Register(i) => return self.engine_action(EngineAction::Register(i)),
+            Action::Compute(i, k) => return self.engine_action(EngineAction::Compute(i, k)),
+            Action::Aux(i) => return self.engine_action(EngineAction::Aux(i)),
+            Action::Cancel(i, side) => return self.engine_action(EngineAction::Cancel(i, side)),
+            Action::Retire(i, from) => return self.engine.retire(stage, oracle, i, from),
             Action::Deliver {
                 link,
                 to_receiver,
                 epoch,
                 bytes,
-            } => self.deliver(link, to_receiver, epoch, bytes),
-            Action::WriteDone { sender, batch } => self.write_done(sender, batch),
+            } => self.net.deliver(stage, link, to_receiver, epoch, bytes),
+            Action::WriteDone { sender, batch } => {
+                self.net.write_done(stage, oracle, plans, sender, batch)
+            }
             Action::KillLink {
                 link,
                 injected,
                 silent: true,
-            } => self.break_link(link, injected),
-            Action::KillLink { link, injected, .. } => self.kill_link(link, injected, "died"),
+            } => return self.net.break_link(stage, oracle, plans, link, injected),
+            Action::KillLink { link, injected, .. } => self
+                .net
+                .kill_link(stage, oracle, plans, link, injected, "died"),
             Action::NotifyDown {
                 link,
                 to_receiver,
                 injected,
-            } => self.notify_down(link, to_receiver, injected),
-            Action::Reconnect { link } => self.reconnect(link),
+            } => self
+                .net
+                .notify_down(stage, oracle, plans, link, to_receiver, injected),
+            Action::Reconnect { link } => self.net.reconnect(stage, link),
+        };
+        self.drain_if(called);
+    }
+
+    /// Takes an engine action one endpoint call at a time, draining the endpoints after each.
+    fn engine_action(&mut self, action: EngineAction) {
+        let mut progress = self.engine.begin(action);
+        while let Some(called) = self
+            .engine
+            .step(&mut self.stage, &mut self.oracle, &mut progress)
+        {
+            self.drain_if(called);
         }
     }
 
-    pub(crate) fn note(&mut self, line: impl FnOnce() -> String) {
-        self.trace.note(self.sched.now(), line);
-    }
-
-    /// Records an anomaly (each one a bug somewhere).
-    pub(crate) fn anomaly(&mut self, line: String) {
-        self.note(|| format!("ANOMALY {line}"));
-        self.oracle.anomalies.push(line);
-    }
-
-    pub(crate) fn check<E: std::fmt::Display>(
-        &mut self,
-        res: Result<(), E>,
-        what: impl FnOnce() -> String,
-    ) {
-        if let Err(e) = res {
-            self.anomaly(format!("{}: {e}", what()));
+    /// Drains the endpoints if a part called one.
+    fn drain_if(&mut self, called: Called) {
+        if called == Called::Endpoint {
+            self.drain();
         }
     }
 
@@ -446,11 +390,11 @@ impl Simulation {
     ///
     /// An endpoint whose outputs never run dry within one step is a livelock: the run stops
     /// (unfinished requests then count as hung) and the anomaly is recorded.
-    pub(crate) fn drain(&mut self) {
+    fn drain(&mut self) {
         loop {
             let mut any = false;
-            for r in 0..self.hosts.senders.len() {
-                while let Some(o) = self.hosts.senders[r].poll_output() {
+            for r in 0..self.stage.hosts.senders.len() {
+                while let Some(o) = self.stage.hosts.senders[r].poll_output() {
                     any = true;
                     if self.count_output() {
                         return;
@@ -458,7 +402,7 @@ impl Simulation {
                     self.on_output(Some(r), o);
                 }
             }
-            while let Some(o) = self.hosts.receiver.poll_output() {
+            while let Some(o) = self.stage.hosts.receiver.poll_output() {
                 any = true;
                 if self.count_output() {
                     return;
@@ -473,12 +417,12 @@ impl Simulation {
 
     /// Counts one output of this step; `true` once the step produced too many (livelock).
     fn count_output(&mut self) -> bool {
-        match self.sched.count_output() {
+        match self.stage.sched.count_output() {
             None => false,
             Some(first) => {
                 if first {
-                    let now = self.sched.now();
-                    self.oracle.anomalies.push(format!(
+                    let now = self.stage.sched.now();
+                    self.stage.trace.anomalies.push(format!(
                         "livelock at {now}: outputs never ran dry within one step"
                     ));
                 }
@@ -488,7 +432,7 @@ impl Simulation {
     }
 
     fn on_output(&mut self, from: Option<usize>, output: Output) {
-        if let Some(all) = &mut self.trace.outputs {
+        if let Some(all) = &mut self.stage.trace.outputs {
             all.push((from, output.clone()));
         }
         let who = who(from);
@@ -501,9 +445,11 @@ impl Simulation {
                     } else {
                         format!("S{link}")
                     };
-                    self.note(|| format!("{who} -> {to} {}", frame_summary(&frame)));
+                    self.stage
+                        .note(|| format!("{who} -> {to} {}", frame_summary(&frame)));
                 }
-                self.send_frame(link, from.is_some(), frame, bytes);
+                self.net
+                    .send_frame(&mut self.stage, link, from.is_some(), frame, bytes);
             }
             Output::ExecuteWrites {
                 peer: _,
@@ -515,22 +461,54 @@ impl Simulation {
                 headers,
             } => {
                 let rank = from.unwrap_or(0);
-                self.note(|| {
+                self.stage.note(|| {
                     format!(
                         "{who} writes {batch} {request} {slice} {}B in {} extents",
                         plan.total_bytes(),
                         plan.len()
                     )
                 });
-                self.issue_batch(rank, batch, request, grant, plan, headers);
+                self.net.issue_batch(
+                    &mut self.stage,
+                    &mut self.oracle,
+                    &self.engine.plans,
+                    rank,
+                    batch,
+                    request,
+                    grant,
+                    plan,
+                    headers,
+                );
             }
             Output::ClosePeer { peer, reason } => {
                 let link = from.unwrap_or(peer.0 as usize);
                 self.net.counters.closes += 1;
-                self.note(|| format!("{who} close link S{link}: {reason:?}"));
-                self.kill_link(link, false, "closed");
+                self.stage
+                    .note(|| format!("{who} close link S{link}: {reason:?}"));
+                let called = self.net.kill_link(
+                    &mut self.stage,
+                    &mut self.oracle,
+                    &self.engine.plans,
+                    link,
+                    false,
+                    "closed",
+                );
+                self.drain_if(called);
             }
-            Output::Event(event) => self.on_event(from, event),
+            Output::Event(event) => {
+                let net = &self.net;
+                let quiesced = self.oracle.on_event(
+                    &mut self.stage,
+                    &self.engine.plans,
+                    |rank, request| net.has_batch(rank, request),
+                    from,
+                    event,
+                );
+                if let Some(q) = quiesced {
+                    self.engine
+                        .on_quiesced(&mut self.stage, &mut self.oracle, q.index, q.from);
+                }
+            }
         }
     }
 
@@ -539,13 +517,14 @@ impl Simulation {
     fn report(&mut self) -> SimReport {
         let mut report = self.oracle.judge(
             &self.engine.plans,
-            &self.hosts,
+            &self.stage.hosts,
             &self.net.batch_requests(),
-            self.hosts.slots_per_group,
+            self.stage.hosts.slots_per_group,
+            &self.stage.trace.anomalies,
         );
         let net = self.net.counters();
-        report.virtual_ms = self.sched.now().as_nanos() / 1_000_000;
-        report.steps = self.sched.steps();
+        report.virtual_ms = self.stage.sched.now().as_nanos() / 1_000_000;
+        report.steps = self.stage.sched.steps();
         report.stray_writes = net.stray_writes;
         report.refused_writes = net.refused_writes;
         report.frames = net.frames;
@@ -555,79 +534,5 @@ impl Simulation {
         report.engine_faults = self.oracle.engine_mistakes;
         report.timed_out_progressing = self.oracle.timed_out_progressing;
         report
-    }
-}
-
-/// One line about a frame (no grants or hashes: they are seeded values).
-pub fn frame_summary(frame: &Frame) -> String {
-    match frame {
-        Frame::Hello(h) => format!("Hello {:?} inst#{}", h.role, h.instance.0),
-        Frame::HelloAccept(a) => format!("HelloAccept v{}", a.version),
-        Frame::HelloReject(r) => format!("HelloReject {:?}", r.reason),
-        Frame::RecvRegistration(r) => format!(
-            "RecvRegistration {} {} prompt={} groups={}",
-            r.request,
-            r.slice,
-            r.prompt_len,
-            r.groups
-                .iter()
-                .map(|g| format!("{}+{}", g.first_ordinal, g.block_count()))
-                .collect::<Vec<_>>()
-                .join(",")
-        ),
-        Frame::KvResult(r) => format!(
-            "KvResult {} {} {}{} {:?} {}B",
-            r.request,
-            r.sender_slice,
-            r.receiver_slice,
-            if r.is_last { " last" } else { "" },
-            r.status,
-            r.bytes_written
-        ),
-        Frame::AuxResult(a) => format!("AuxResult {} {:?}", a.request, a.status),
-        Frame::Cancel(c) => format!("Cancel {} {:?}", c.request, c.reason),
-        Frame::Heartbeat(h) => format!("Heartbeat {}", h.seq),
-        Frame::DataWrite(d) => format!("DataWrite {} {}B", d.request, d.len),
-    }
-}
-
-/// One line about an event.
-pub fn event_summary(event: &Event) -> String {
-    match event {
-        Event::PeerReady { peer, role, .. } => format!("PeerReady {peer} {role:?}"),
-        Event::PeerRejected { peer, reason, .. } => format!("PeerRejected {peer} {reason:?}"),
-        Event::ProtocolViolation { peer, error } => format!("ProtocolViolation {peer}: {error}"),
-        Event::Registered {
-            request,
-            peer,
-            receiver_slice,
-        } => format!("Registered {request} {peer} {receiver_slice}"),
-        Event::Completed {
-            request,
-            bytes_written,
-            aux,
-            ..
-        } => format!(
-            "Completed {request} {bytes_written}B{}",
-            if aux.is_some() { " +aux" } else { "" }
-        ),
-        Event::Failed {
-            request,
-            cause,
-            peer,
-            sender_slice,
-            receiver_slice,
-        } => format!(
-            "Failed {request} {cause:?} peer={} sslice={} rslice={}",
-            peer.map_or("-".into(), |p| p.to_string()),
-            sender_slice.map_or("-".into(), |s| s.0.to_string()),
-            receiver_slice.map_or("-".into(), |s| s.0.to_string()),
-        ),
-        Event::TimedOut {
-            request,
-            waiting_for,
-        } => format!("TimedOut {request} {waiting_for:?}"),
-        Event::Cancelled { request, origin } => format!("Cancelled {request} {origin:?}"),
-        Event::Quiesced { request } => format!("Quiesced {request}"),
     }
 }
