@@ -1,10 +1,8 @@
 //! # kvpipe-conformance
 //!
-//! What every kvpipe transport is checked against: the scenario suite, the reference paged KV
-//! cache used by tests and benches, and the deterministic simulated network. The `kvpipe`
-//! command-line program (demo, bench, plan, sim) is built from this crate too.
+//! What every kvpipe transport is checked against: the scenario suite and its harnesses, and the
+//! reference paged KV cache used by tests, benches and the simulator (`kvpipe-sim`). The
+//! `kvpipe` command-line program lives in `kvpipe-cli`.
 
 pub mod cache;
-pub mod picture;
-pub mod sim;
 pub mod suite;

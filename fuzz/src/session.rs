@@ -1,6 +1,6 @@
 //! The `session` target: the endpoints' own input enums ([`SenderInput`], [`ReceiverInput`]
 //! with [`TransportInput`]) applied to one connected sender/receiver pair, with the frames
-//! between them carried by the seeded network emulation (`kvpipe_mem::netem`: delayed, lost,
+//! between them carried by the seeded network emulation (`kvpipe_netem`: delayed, lost,
 //! duplicated, reordered as the case's configuration says), and the sessions' safety rules
 //! checked after every step.
 //!
@@ -49,7 +49,7 @@ use kvpipe_core::{
     AnchoredRun, BlockId, BlockRun, BlockSource, BlockSourceError, ChunkSpec, Duration, GroupIndex,
     InstanceId, Instant, LayerGroupLayout, PeerId, PoolLayout, RegionId, RequestId, WritePlan,
 };
-use kvpipe_mem::netem::{Direction, FrameQueue, Link, LossModel, Netem, NetemConfig};
+use kvpipe_netem::{Direction, FrameQueue, Link, LossModel, Netem, NetemConfig};
 
 /// Tokens per block of the fixed layout.
 const TPB: u32 = 4;

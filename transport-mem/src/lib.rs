@@ -19,10 +19,10 @@
 //!   receiver; the core's run loop with real time ([`Clock`]), timers armed from
 //!   `poll_timeout`, a copy worker thread, bounded waits everywhere. [`MemPair`] is its
 //!   one-sender, one-receiver form.
-//! - [`netem`]: seeded network emulation — dropped, duplicated, reordered, delayed and
-//!   corrupted frames, failed and stalled writes ([`NetemConfig`], the transport's fault
-//!   injection; the conformance simulator and the fuzz crate use the same module); and
-//!   [`MemNetwork::kill`] / [`MemPair::kill`] for a peer's death.
+//! - Fault injection: `kvpipe-netem`'s seeded network emulation decides which frames are
+//!   dropped, duplicated, reordered, delayed and corrupted and which writes fail or stall
+//!   ([`PairConfig::faults`], [`NetworkConfig::faults`]; the simulator and the fuzz crate use
+//!   the same crate); and [`MemNetwork::kill`] / [`MemPair::kill`] for a peer's death.
 //!
 //! The codec costs nothing measurable here: a transfer sends a few dozen frames of tens of
 //! bytes against gigabytes of copies.
@@ -49,7 +49,6 @@
 
 pub mod clock;
 pub mod copy;
-pub mod netem;
 mod network;
 mod pair;
 pub mod region;
@@ -59,7 +58,6 @@ pub use clock::Clock;
 #[cfg(feature = "cuda")]
 pub use copy::InFlight;
 pub use copy::{split_even, CopyError, Piece, ResolvedBatch, WriteError};
-pub use netem::{NetemConfig, NetemCounters};
 pub use network::{
     receiver_peer, sender_peer, BatchTiming, DriveError, MemNetwork, NetworkConfig, Node, PairStats,
 };

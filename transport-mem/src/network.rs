@@ -18,9 +18,9 @@ use thiserror::Error;
 
 use crate::clock::Clock;
 use crate::copy::ResolvedBatch;
-use crate::netem::{Direction, FrameQueue, Link, Netem, NetemConfig, NetemCounters};
 use crate::region::{RegionTable, RegionUse, RegistrationError};
 use crate::worker::{CopyWorker, Done, Job};
+use kvpipe_netem::{Direction, FrameQueue, Link, Netem, NetemConfig, NetemCounters};
 
 /// One endpoint of a network: sender `i` or receiver `j`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]

@@ -6,11 +6,11 @@ use kvpipe_core::{
 };
 
 use crate::clock::Clock;
-use crate::netem::{NetemConfig, NetemCounters};
 use crate::network::{
     receiver_peer, sender_peer, BatchTiming, DriveError, MemNetwork, NetworkConfig, Node, PairStats,
 };
 use crate::region::{RegionTable, RegionUse, RegistrationError};
+use kvpipe_netem::{NetemConfig, NetemCounters};
 
 /// How the receiver names the sender.
 pub const SENDER_PEER: PeerId = PeerId(1);

@@ -5,7 +5,8 @@ use std::time::Duration;
 use kvpipe_core::session::{LocalHello, ProtocolError};
 use kvpipe_core::wire::Topology;
 use kvpipe_core::{Event, InstanceId, ReceiverConfig, SenderConfig};
-use kvpipe_mem::{Endpoint, MemPair, NetemConfig, PairConfig, RECEIVER_PEER, SENDER_PEER};
+use kvpipe_mem::{Endpoint, MemPair, PairConfig, RECEIVER_PEER, SENDER_PEER};
+use kvpipe_netem::NetemConfig;
 
 #[test]
 fn a_damaged_frame_closes_its_connection_as_a_protocol_violation() {

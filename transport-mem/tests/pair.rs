@@ -5,7 +5,8 @@ use std::time::Duration;
 use kvpipe_core::session::LocalHello;
 use kvpipe_core::wire::{Topology, VersionRange};
 use kvpipe_core::{Event, InstanceId, ReceiverConfig, SenderConfig};
-use kvpipe_mem::{Endpoint, MemPair, NetemConfig, PairConfig, RECEIVER_PEER, SENDER_PEER};
+use kvpipe_mem::{Endpoint, MemPair, PairConfig, RECEIVER_PEER, SENDER_PEER};
+use kvpipe_netem::NetemConfig;
 
 fn config() -> PairConfig {
     let hello = |i| LocalHello::new(InstanceId(i), Topology::default(), Vec::new());

@@ -342,7 +342,7 @@ fn host_sender_to_device_receiver(d: &Device) -> Result<(), Failed> {
 
 /// Both nodes in one process: the driver refuses to open a process's own IPC handles, so
 /// `Auto` falls back to staging (and lands every block), and `PeerCopy` fails the connect
-/// naming the failed import. (Two processes: `kvpipe-conformance`'s GPU tests.)
+/// naming the failed import. (Two processes: `kvpipe-cli`'s GPU tests.)
 fn in_one_process_peer_copies_fall_back_or_fail_the_connect(d: &Device) -> Result<(), Failed> {
     transfer_and_check_on(Some(d), Some(d), 2, TcpDataPath::Auto)?;
     let sb = slot_bytes();

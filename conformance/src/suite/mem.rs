@@ -8,8 +8,8 @@ use kvpipe_core::session::{ReceiverConfig, SenderConfig};
 use kvpipe_core::wire::Role;
 use kvpipe_core::wire::TransferStatus;
 use kvpipe_core::{Duration, Event, Instant, PeerId, Receiver, Sender};
-use kvpipe_mem::netem::{BatchFault, LossModel, NetemConfig, ScriptedBatch};
 use kvpipe_mem::{Endpoint, MemPair, PairConfig, RegionUse, RECEIVER_PEER, SENDER_PEER};
+use kvpipe_netem::{BatchFault, LossModel, NetemConfig, ScriptedBatch};
 
 use super::{BatchTiming, FaultKind, FaultPlan, Harness, Link, LinkError, PoolMemory};
 use crate::cache::ReferenceCache;

@@ -14,16 +14,22 @@
 //! - that nothing is left behind: no session, no write in flight.
 //!
 //! Transports run the suite with [`conformance_tests!`](crate::conformance_tests), which makes one
-//! `#[test]` per scenario. [`MemHarness`] runs it over `kvpipe-mem`.
+//! `#[test]` per scenario. The built-in transports' harnesses are features: `MemHarness` (`mem`,
+//! over `kvpipe-mem`), `TcpHarness` (`tcp`) and `VerbsHarness` (`verbs`); a transport of its own
+//! implements [`Harness`] and [`Link`].
 
 pub mod demo;
 mod engine;
+#[cfg(feature = "mem")]
 mod mem;
 pub mod parallel;
 mod scenarios;
+#[cfg(feature = "tcp")]
 mod tcp;
+#[cfg(any(feature = "tcp", feature = "verbs"))]
 mod threaded;
 pub mod timeline;
+#[cfg(feature = "verbs")]
 mod verbs;
 
 use kvpipe_core::session::{ReceiverConfig, SenderConfig};
@@ -37,10 +43,14 @@ pub use engine::{
     run_workload, run_workload_with, verify_against_sender, Interrupt, Outcome, RequestPlan,
     RequestReport, RunReport, TransferMode, Workload,
 };
+#[cfg(feature = "mem")]
 pub use mem::MemHarness;
 pub use scenarios::{check_clean, scenario, scenarios, Scenario};
+#[cfg(feature = "tcp")]
 pub use tcp::{TcpHarness, TcpLink};
+#[cfg(any(feature = "tcp", feature = "verbs"))]
 pub use threaded::{ThreadedLink, ThreadedNode, ThreadedSenderNode};
+#[cfg(feature = "verbs")]
 pub use verbs::{VerbsHarness, VerbsLink};
 
 /// Where a harness puts both caches' pools.

@@ -65,9 +65,13 @@ macro_rules! threaded_node {
     };
 }
 
+#[cfg(feature = "tcp")]
 threaded_node!(sender kvpipe_tcp::TcpSender, kvpipe_tcp::EndpointGuard<Sender>);
+#[cfg(feature = "tcp")]
 threaded_node!(kvpipe_tcp::TcpReceiver, kvpipe_tcp::EndpointGuard<Receiver>);
+#[cfg(feature = "verbs")]
 threaded_node!(sender kvpipe_ibverbs::VerbsSender, kvpipe_ibverbs::EndpointGuard<Sender>);
+#[cfg(feature = "verbs")]
 threaded_node!(
     kvpipe_ibverbs::VerbsReceiver,
     kvpipe_ibverbs::EndpointGuard<Receiver>

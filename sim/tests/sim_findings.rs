@@ -1,0 +1,66 @@
+//! What the simulator found in the session state machines: each test reproduces one finding
+//! with a scripted scenario and asserts the behaviour the design asks for (both were fixed in
+//! the sessions; the tests keep them fixed).
+
+use kvpipe_core::Duration;
+use kvpipe_sim::{CancelSide, FaultSet, RequestPlan, SimConfig, Simulation};
+
+/// The prefill engine cancels a request before opening it (the cancel is remembered). The
+/// receiver's registration arrives; the sender refuses it with a `Cancel`; the receiver stops and
+/// sends its own `Cancel` back. That answer overwrites the remembered origin, so when the engine
+/// opens the request the sender reports `Cancelled { origin: Peer(receiver) }` — but the engine
+/// cancelled it itself, first (`Remembered::insert` replaces the value of a known id).
+#[test]
+fn sim_finding_a_local_cancel_keeps_its_origin_when_the_receiver_answers_it() {
+    let mut plan = RequestPlan::simple(1, 40, 4);
+    plan.cancel = Some((Duration::ZERO, CancelSide::Sender));
+    plan.register_after = Duration::from_micros(50);
+    plan.open_after = Duration::from_micros(100);
+    let mut cfg = SimConfig::new(7, FaultSet::NONE);
+    cfg.trace = true;
+    let mut sim = Simulation::new(cfg, vec![plan], vec![]);
+    let report = sim.run();
+    let trace = sim.trace().join("\n");
+    assert!(!report.has_bugs(), "{trace}");
+    let cancelled: Vec<&str> = trace
+        .lines()
+        .filter(|l| l.contains("S0 event Cancelled req#1"))
+        .collect();
+    assert_eq!(cancelled.len(), 1, "{trace}");
+    assert!(
+        cancelled[0].ends_with("Cancelled req#1 Local"),
+        "the engine cancelled first, the sender reports: {}\n{trace}",
+        cancelled[0]
+    );
+}
+
+/// The decode engine cancels a request before registering it (the cancel is remembered), then
+/// registers it: the receiver cancels it at once — but tells no writer, because none was sent
+/// the registration. The writer ranks keep computing and pinning the request's blocks until
+/// their registration deadline (1 s here) ends it as `TimedOut(Registration)`. A cancel from the
+/// decode side must reach the prefill side, as the prefill side's remembered cancel reaches the
+/// receivers (the receiver knows the writers when it registers).
+#[test]
+fn sim_finding_a_remembered_receiver_cancel_reaches_the_writers() {
+    let mut plan = RequestPlan::simple(1, 40, 4);
+    plan.cancel = Some((Duration::ZERO, CancelSide::Receiver));
+    plan.register_after = Duration::from_micros(50);
+    plan.open_after = Duration::from_micros(100);
+    let mut cfg = SimConfig::new(7, FaultSet::NONE);
+    cfg.trace = true;
+    let mut sim = Simulation::new(cfg, vec![plan], vec![]);
+    let report = sim.run();
+    let trace = sim.trace().join("\n");
+    assert!(!report.has_bugs(), "{trace}");
+    let o = &report.outcomes[0];
+    assert_eq!(
+        o.senders,
+        vec![Some(kvpipe_sim::Terminal::Cancelled)],
+        "the writer was not told of the cancel:\n{trace}"
+    );
+    assert!(
+        o.duration.is_some_and(|d| d < Duration::from_millis(50)),
+        "the writer held the request for {:?}:\n{trace}",
+        o.duration
+    );
+}
