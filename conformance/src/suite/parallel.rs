@@ -7,8 +7,9 @@
 //! shares part of the model is one connected pair, and the ranks' caches are shared by their
 //! pairs: the decode rank's memory receives the head slices and layer ranges of every prefill
 //! rank that writes it, each over its own connection, and each pair's registrations declare the
-//! part of the decode rank that its one writer writes (`Registration::expected_part`). (A decode rank with several writers on one endpoint is exercised by
-//! `kvpipe demo --sender-tp/--receiver-tp/--receiver-pp` and the simulator.) Each scenario
+//! part of the decode rank that its one writer writes (`Registration::expected_part`). (A
+//! decode rank with several writers on one endpoint is exercised by `kvpipe demo
+//! --sender-tp/--receiver-tp/--receiver-pp` and the simulator.) Each scenario
 //! checks that every request completes on every pair, that every decode rank's bytes equal the
 //! whole model's content for its part, that the prefill ranks' blocks are unchanged, that
 //! nothing outside the granted blocks changed, and that nothing is left behind.
