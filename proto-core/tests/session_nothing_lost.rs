@@ -300,8 +300,17 @@ fn two_senders_claiming_the_same_rank_fail_the_request_once_both_handshakes_are_
     let mut net = Net::tensor_parallel(2);
     // Writer 1 is not connected yet when the decode engine registers.
     net.disconnect(1, 0);
+    net.open(0, send_request(R, &[0]));
     net.register(0, registration(R, 16, &[0, 1]));
     assert_eq!(net.receivers[0].session_count(), 1, "cover not known yet");
+    // Until the cover is proved no writer gets the registration, so none can write (and
+    // complete on its side) a request that is about to fail.
+    assert!(
+        !net.events(Side::Sender(0))
+            .iter()
+            .any(|e| matches!(e, Event::Registered { .. })),
+        "writer 0 was sent the registration before writer 1's handshake"
+    );
     // It comes up claiming rank 0's head as well.
     net.senders[1] = tp_sender(0, 0, 2);
     net.connect(1, 0);
@@ -553,4 +562,49 @@ fn a_windowed_registration_below_the_stale_boundary_is_refused() {
     let mut window = registration(R, 16, &[0]);
     window.groups[0] = AnchoredRun::from_ids(2, &[BlockId(7), BlockId(8)]);
     receiver.register(now, window).unwrap();
+}
+
+/// A decode engine that lists a prefill rank writing none of its heads (here: MLA's other
+/// replica) would wait for that writer's results in vain while the real writer completes; the
+/// registration is refused, naming the writer.
+#[test]
+fn a_listed_writer_that_writes_nothing_here_is_refused() {
+    // A one-KV-head model over two prefill tensor ranks: both hold head 0, and the replica
+    // rule picks rank 0 to write this decode rank; rank 1 writes nothing here.
+    let mut net = Net::new(2, 1);
+    for rank in 0..2u16 {
+        let mut groups = layout(1);
+        groups[0].shard.model_kv_heads = 1;
+        let topology = kvpipe_core::wire::Topology {
+            tp_size: 2,
+            tp_rank: rank,
+            pp_size: 1,
+            pp_rank: 0,
+            layer_begin: 0,
+            layer_end: 2,
+        };
+        let mut c = kvpipe_core::SenderConfig::new(kvpipe_core::session::LocalHello::new(
+            kvpipe_core::InstanceId(60 + u64::from(rank)),
+            topology,
+            groups,
+        ));
+        c.deadlines = deadlines();
+        net.senders[usize::from(rank)] = kvpipe_core::Sender::new(c).unwrap();
+        net.connect(usize::from(rank), 0);
+    }
+    net.pump();
+    let now = net.now;
+    let refused = net.receivers[0].register(now, registration(R, 16, &[0, 1]));
+    assert_eq!(
+        refused,
+        Err(UsageError::WritersDoNotCover(
+            ProtocolError::WriterWritesNothing {
+                request: R,
+                writer: tx_peer(1)
+            }
+        ))
+    );
+    net.receivers[0]
+        .register(now, registration(R, 16, &[0]))
+        .unwrap();
 }

@@ -516,6 +516,19 @@ pub enum ProtocolError {
         /// What is missing, doubled or outside.
         fault: CoverFault,
     },
+    /// A registration lists a writer that writes none of this rank's layers and heads (its
+    /// layers or heads do not overlap, or another replica of its heads writes this rank): it
+    /// would be waited for in vain.
+    #[error(
+        "the writers of {request} include {writer}, which writes none of this rank's layers and \
+         heads: list exactly the prefill ranks that write this rank (`writes_to`)"
+    )]
+    WriterWritesNothing {
+        /// The request.
+        request: RequestId,
+        /// The writer.
+        writer: PeerId,
+    },
     /// A registration names block ordinals past its prompt's blocks.
     #[error(
         "registration of {request} {group} reaches block ordinal {end}, but a prompt of \

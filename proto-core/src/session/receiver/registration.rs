@@ -135,12 +135,31 @@ impl Receiver {
             self.stop(now, request, Stop::Cancelled(origin));
             return Ok(());
         }
-        for peer in reg.writers {
-            if self.shell.peers.is_ready(peer) {
-                self.send_registration(now, request, peer);
-            }
+        // No writer may start (and so complete on its side) before the writers' cover is
+        // proved: a writer whose handshake comes later could still prove it wrong.
+        if cover_proved {
+            self.send_registrations(now, request);
         }
         Ok(())
+    }
+
+    /// Sends the registration to every writer of `request` whose handshake is done and that
+    /// has not had it yet.
+    fn send_registrations(&mut self, now: Instant, request: RequestId) {
+        let ready: SmallVec<[PeerId; 2]> = self
+            .sessions
+            .get(&request)
+            .map(|s| {
+                (s.writers.iter())
+                    .filter(|w| w.phase == WriterPhase::Unregistered)
+                    .map(|w| w.peer)
+                    .filter(|&p| self.shell.peers.is_ready(p))
+                    .collect()
+            })
+            .unwrap_or_default();
+        for peer in ready {
+            self.send_registration(now, request, peer);
+        }
     }
 
     pub(super) fn on_cancel(&mut self, now: Instant, request: RequestId) -> Result<(), UsageError> {
@@ -231,29 +250,43 @@ impl Receiver {
             .map(|(r, _)| *r)
             .collect();
         for request in waiting {
-            self.send_registration(now, request, peer);
-            self.prove_session_cover(now, request, peer);
+            if self.prove_session_cover(now, request, peer) {
+                self.send_registrations(now, request);
+            }
         }
     }
 
     /// Once every writer of `request` completed its handshake (the last one, `peer`, just did),
-    /// proves that they cover what the registration expects; fails the request if not.
-    pub(super) fn prove_session_cover(&mut self, now: Instant, request: RequestId, peer: PeerId) {
+    /// proves that they cover what the registration expects; fails the request if not. Returns
+    /// whether the cover is proved (the registration may go to the writers).
+    pub(super) fn prove_session_cover(
+        &mut self,
+        now: Instant,
+        request: RequestId,
+        peer: PeerId,
+    ) -> bool {
         let Some(session) = self.sessions.get(&request) else {
-            return;
+            return false;
         };
-        if session.cover_proved || !session.phase.is_active() {
-            return;
+        if !session.phase.is_active() {
+            return false;
+        }
+        if session.cover_proved {
+            return true;
         }
         let writers: SmallVec<[PeerId; 2]> = session.writers.iter().map(|w| w.peer).collect();
         match self.prove_cover(request, &writers, session.expected_part.as_deref()) {
-            None => {}
+            None => false,
             Some(Ok(())) => {
                 if let Some(s) = self.sessions.get_mut(&request) {
                     s.cover_proved = true;
                 }
+                true
             }
-            Some(Err(error)) => self.stop_protocol(now, request, peer, error),
+            Some(Err(error)) => {
+                self.stop_protocol(now, request, peer, error);
+                false
+            }
         }
     }
 
@@ -323,6 +356,8 @@ impl Receiver {
             .iter()
             .map(|&w| self.shell.peers.remote(w).map(|h| (w, h)))
             .collect::<Option<_>>()?;
+        // Writers that write some group here; one that writes none would be waited for in vain.
+        let mut writes_some: SmallVec<[bool; 4]> = SmallVec::from_elem(false, hellos.len());
         for (g, (dst, held)) in local.groups.iter().zip(self.held_parts()).enumerate() {
             let expected = expected.and_then(|e| e.get(g)).unwrap_or(&held);
             let parts: SmallVec<[(PeerId, GroupPart); 4]> = hellos
@@ -334,6 +369,9 @@ impl Receiver {
                     (w, part)
                 })
                 .collect();
+            for (some, (_, part)) in writes_some.iter_mut().zip(&parts) {
+                *some |= !part.is_empty();
+            }
             if let Err(fault) = check_group_cover(expected, &parts) {
                 return Some(Err(ProtocolError::WritersDoNotCover {
                     request,
@@ -341,6 +379,12 @@ impl Receiver {
                     fault,
                 }));
             }
+        }
+        if let Some(((writer, _), _)) = hellos.iter().zip(&writes_some).find(|(_, some)| !**some) {
+            return Some(Err(ProtocolError::WriterWritesNothing {
+                request,
+                writer: *writer,
+            }));
         }
         Some(Ok(()))
     }
