@@ -18,7 +18,7 @@ pub(crate) struct SimArgs {
     #[arg(long, default_value_t = 1)]
     seed: u64,
     /// Faults to inject: `none`, `all`, or a comma list of latency, loss, duplication,
-    /// reordering, delay, write-failure, peer-death, engine.
+    /// reordering, delay, write-failure, peer-death, engine, decode, random-ids.
     #[arg(long, default_value = "none")]
     faults: FaultSet,
     /// Sender ranks (some requests are written by two of them, as under tensor parallelism).
@@ -91,7 +91,7 @@ fn print_table(r: &SimReport, seed: u64, faults: FaultSet) {
         "seed {seed}, faults {faults}, {} ms of virtual time, {} steps",
         r.virtual_ms, r.steps
     );
-    let rows: [(&str, u64); 18] = [
+    let rows: [(&str, u64); 19] = [
         ("requests", r.requests),
         ("completed", r.completed),
         ("failed", r.failed),
@@ -106,6 +106,7 @@ fn print_table(r: &SimReport, seed: u64, faults: FaultSet) {
         ("fatal faults", r.fatal),
         ("one-sided", r.one_sided),
         ("engine faults", r.engine_faults),
+        ("decode faults", r.decode_faults),
         ("undetected", r.undetected),
         ("split", r.split),
         ("stray writes", r.stray_writes),

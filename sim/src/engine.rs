@@ -17,8 +17,9 @@ use kvpipe_netem::Netem;
 
 use crate::action::{sender_peer, Action, RECEIVER_PEER};
 use crate::config::PlantedBug;
-use crate::mistake::{EngineMistake, Mistaken, Mistakes};
+use crate::mistake::{DecodeMistake, EngineMistake, Mistaken, Mistakes};
 use crate::oracle::Oracle;
+use crate::report::Terminal;
 use crate::stage::{Called, Stage};
 use crate::summary::who;
 use crate::workload::{CancelSide, RequestPlan};
@@ -446,25 +447,62 @@ impl Engine {
         };
         oracle.records[i].receiver.started = true;
         stage.note(|| format!("engine R register {}", plan.id));
-        let res = stage
-            .hosts
-            .receiver
-            .register(
-                now,
-                Registration {
-                    request: plan.id,
-                    prompt_len: plan.prompt_len,
-                    groups,
-                    writers: plan.writers.iter().map(|&r| sender_peer(r)).collect(),
-                    aux_capacity: AUX_CAPACITY,
-                    expected_part: None,
-                },
-            )
-            .map(|_| ());
-        if res.is_ok() {
-            oracle.records[i].registered_at = Some(now);
+        let mut registration = Registration {
+            request: plan.id,
+            prompt_len: plan.prompt_len,
+            groups,
+            writers: plan.writers.iter().map(|&r| sender_peer(r)).collect(),
+            aux_capacity: AUX_CAPACITY,
+            expected_part: None,
+        };
+        let spare: Vec<usize> = (0..stage.hosts.senders.len())
+            .filter(|r| !plan.writers.contains(r))
+            .collect();
+        let mistake = self.mistakes.draw_decode(plan.writers.len(), spare.len());
+        if let Some(m) = mistake {
+            bend_registration(&mut registration, m, &spare);
         }
-        stage.check(res, || format!("R register {}", plan.id));
+        let res = stage.hosts.receiver.register(now, registration).map(|_| ());
+        let Some(mistake) = mistake else {
+            if res.is_ok() {
+                oracle.records[i].registered_at = Some(now);
+            }
+            stage.check(res, || format!("R register {}", plan.id));
+            return Called::Endpoint;
+        };
+        oracle.decode_mistakes += 1;
+        let record = &mut oracle.records[i];
+        record.engine_mistake = true;
+        record.fatal.iter_mut().for_each(|f| *f = true);
+        stage.note(|| {
+            format!(
+                "engine R mistaken registration {} ({mistake:?}): {res:?}",
+                plan.id
+            )
+        });
+        match res {
+            Ok(()) => {
+                // A writer's handshake is not known yet: the receiver must fail the request
+                // once it is (or wait out a writer that never writes).
+                record.registered_at = Some(now);
+            }
+            Err(UsageError::WritersDoNotCover(_) | UsageError::RegistrationOutsidePrompt(_)) => {
+                // Refused, nothing held: the engine frees its blocks and recomputes.
+                record.registration_refused = true;
+                record.receiver.terminal = Some(Terminal::Failed);
+                record.receiver.quiesced = true;
+                record.receiver.retired = true;
+                stage.hosts.receiver_cache.release(plan.id);
+                if record.finished_at.is_none() && record.senders.iter().all(|s| s.retired) {
+                    record.finished_at = Some(now);
+                    self.active -= 1;
+                }
+            }
+            Err(other) => stage.anomaly(format!(
+                "R mistaken registration {} ({mistake:?}) gave {other:?}",
+                plan.id
+            )),
+        }
         Called::Endpoint
     }
 
@@ -562,6 +600,27 @@ impl Engine {
             oracle.records[i].finished_at = Some(now);
             self.active -= 1;
             stage.note(|| format!("engine finished {request}"));
+        }
+    }
+}
+
+/// Bends a registration by the decode engine's `mistake` (`spare`: sender ranks that are not
+/// writers of the request).
+fn bend_registration(reg: &mut Registration, mistake: DecodeMistake, spare: &[usize]) {
+    match mistake {
+        DecodeMistake::DropWriter => {
+            reg.writers.pop();
+        }
+        DecodeMistake::ExtraWriter => reg.writers.push(sender_peer(spare[0])),
+        DecodeMistake::Truncated => {
+            if let Some(run) = reg.groups.iter_mut().find(|g| g.block_count() > 0) {
+                let last = run.runs.last_mut().expect("a non-empty run has an id run");
+                if last.len == 1 {
+                    run.runs.pop();
+                } else {
+                    last.len -= 1;
+                }
+            }
         }
     }
 }

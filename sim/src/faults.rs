@@ -34,11 +34,19 @@ pub enum FaultKind {
     /// than asked, short of its head, shifted, ending early, or the chunk says another prefix
     /// was cached. The sender must catch it and fail the request on both sides.
     Engine,
+    /// The decode engine makes a mistake in a registration: it leaves out one of the request's
+    /// writer ranks, lists a rank that holds the same part as another writer, or registers too
+    /// few blocks. The receiver must refuse the registration (or, when a writer's handshake
+    /// comes later, fail the request): it may never complete.
+    Decode,
+    /// Request ids are random 64-bit values in any order (engines hash their string ids), not
+    /// a counter.
+    RandomIds,
 }
 
 impl FaultKind {
     /// Every kind, in a fixed order.
-    pub const ALL: [FaultKind; 8] = [
+    pub const ALL: [FaultKind; 10] = [
         FaultKind::Latency,
         FaultKind::Loss,
         FaultKind::Duplication,
@@ -47,6 +55,8 @@ impl FaultKind {
         FaultKind::WriteFailure,
         FaultKind::PeerDeath,
         FaultKind::Engine,
+        FaultKind::Decode,
+        FaultKind::RandomIds,
     ];
 
     /// The kind's name on the command line.
@@ -60,11 +70,13 @@ impl FaultKind {
             FaultKind::WriteFailure => "write-failure",
             FaultKind::PeerDeath => "peer-death",
             FaultKind::Engine => "engine",
+            FaultKind::Decode => "decode",
+            FaultKind::RandomIds => "random-ids",
         }
     }
 
-    fn bit(self) -> u8 {
-        1 << (self as u8)
+    fn bit(self) -> u16 {
+        1 << (self as u16)
     }
 }
 
@@ -76,7 +88,7 @@ impl fmt::Display for FaultKind {
 
 /// A set of [`FaultKind`]s.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub struct FaultSet(u8);
+pub struct FaultSet(u16);
 
 impl FaultSet {
     /// No fault at all.
@@ -123,7 +135,7 @@ pub enum FaultParseError {
     /// An unknown name.
     #[error(
         "unknown fault kind `{0}` (expected none, all, or a comma list of latency, loss, \
-         duplication, reordering, delay, write-failure, peer-death, engine)"
+         duplication, reordering, delay, write-failure, peer-death, engine, decode, random-ids)"
     )]
     UnknownKind(String),
 }
@@ -168,6 +180,8 @@ pub struct FaultRates {
     pub peer_death: f64,
     /// Probability that a writer's chunk is handed to the sender with an engine mistake.
     pub engine: f64,
+    /// Probability that the decode engine's registration of a request carries a mistake.
+    pub decode: f64,
     /// Probability that a frame's header is damaged on the wire (decoding catches it, and the
     /// receiving endpoint closes the connection). Applies whatever the fault set: off (0) by
     /// default, and not a [`FaultKind`], so `--faults all` keeps its meaning.
@@ -185,6 +199,7 @@ impl Default for FaultRates {
             write_failure: 0.01,
             peer_death: 0.01,
             engine: 0.01,
+            decode: 0.01,
             corruption: 0.0,
         }
     }

@@ -47,8 +47,12 @@ pub(crate) struct RequestRecord {
     pub(crate) exposed: bool,
     pub(crate) corrupted: bool,
     pub(crate) verified: bool,
-    /// A writer's engine handed its sender a mistaken chunk.
+    /// A writer's engine handed its sender a mistaken chunk, or the decode engine a mistaken
+    /// registration: the request may not complete.
     pub(crate) engine_mistake: bool,
+    /// The receiver refused the decode engine's mistaken registration: it never held a session
+    /// for the request (the engine then recomputes the prompt itself).
+    pub(crate) registration_refused: bool,
     /// When the receiver's engine registered it.
     pub(crate) registered_at: Option<Instant>,
     /// When one of its writes last landed on the receiver (admitted and applied).
@@ -62,6 +66,8 @@ pub(crate) struct Oracle {
     index: HashMap<RequestId, usize>,
     /// Mistaken chunks the engines handed their senders.
     pub(crate) engine_mistakes: u64,
+    /// Mistaken registrations the decode engine handed the receiver.
+    pub(crate) decode_mistakes: u64,
     /// Requests the receiver timed out while they were progressing (see
     /// [`Oracle::check_result_timeout`]).
     pub(crate) timed_out_progressing: u64,
@@ -94,12 +100,14 @@ impl Oracle {
                     corrupted: false,
                     verified: false,
                     engine_mistake: false,
+                    registration_refused: false,
                     registered_at: None,
                     last_landing: None,
                 })
                 .collect(),
             index: plans.iter().enumerate().map(|(i, p)| (p.id, i)).collect(),
             engine_mistakes: 0,
+            decode_mistakes: 0,
             timed_out_progressing: 0,
         }
     }
@@ -187,7 +195,9 @@ impl Oracle {
                 if hosts.receiver_cache.computed_tokens(request).is_some() {
                     leak.push("receiver blocks not freed");
                 }
-                if hosts.receiver.phase(request) != Some(RecvPhase::Retired) {
+                // A refused registration left no session behind.
+                let held = !rec.registration_refused;
+                if held && hosts.receiver.phase(request) != Some(RecvPhase::Retired) {
                     leak.push("receiver session not retired");
                 }
             }

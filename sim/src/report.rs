@@ -89,6 +89,8 @@ pub struct SimReport {
     pub undetected: u64,
     /// Mistaken chunks the engines handed their senders (the `engine` fault).
     pub engine_faults: u64,
+    /// Mistaken registrations the decode engine handed the receiver (the `decode` fault).
+    pub decode_faults: u64,
     /// Requests the receiver timed out waiting for results before the overall cap while
     /// their writes were still landing within the idle deadline (bug: a deadline that does
     /// not follow progress).

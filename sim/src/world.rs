@@ -56,6 +56,20 @@ impl Simulation {
             .fork(5)
             .pick(&splits)
             .expect("non-empty");
+        if cfg.faults.contains(FaultKind::RandomIds) {
+            // As engines hash their string ids: any 64-bit value, in any order (distinct).
+            let mut ids = SimRng::new(cfg.seed).fork(9);
+            let mut taken = std::collections::HashSet::new();
+            for p in &mut plans {
+                let id = loop {
+                    let id = ids.next_u64();
+                    if taken.insert(id) {
+                        break id;
+                    }
+                };
+                p.id = kvpipe_core::RequestId(id);
+            }
+        }
         for p in &mut plans {
             // Separate instances: one writes the whole model (tensor-parallel ranks: the
             // ranks that hold the receiver's part, set by `Simulation::new`).
@@ -121,10 +135,20 @@ impl Simulation {
         } else {
             0.0
         };
+        let decode_rate = if cfg.faults.contains(FaultKind::Decode) {
+            cfg.rates.decode
+        } else {
+            0.0
+        };
         let engine = Engine::new(
             plans,
             SimRng::new(cfg.seed).fork(4),
-            Mistakes::new(SimRng::new(cfg.seed).fork(6), mistake_rate),
+            Mistakes::new(
+                SimRng::new(cfg.seed).fork(6),
+                mistake_rate,
+                SimRng::new(cfg.seed).fork(8),
+                decode_rate,
+            ),
         );
         let mut sim = Simulation {
             stage: Stage {
@@ -532,6 +556,7 @@ impl Simulation {
         report.write_failures = net.write_failures;
         report.link_deaths = net.link_deaths;
         report.engine_faults = self.oracle.engine_mistakes;
+        report.decode_faults = self.oracle.decode_mistakes;
         report.timed_out_progressing = self.oracle.timed_out_progressing;
         report
     }

@@ -81,6 +81,15 @@ fn sim_sweep_each_fault_kind_alone() {
                 assert!(r.engine_faults > 0 && r.fatal > 0, "{kind}: {json}");
                 assert!(r.receiver_failed > 0, "{kind}: {json}");
             }
+            // Every mistaken registration is refused or fails its request (at the default rate
+            // a short sweep may draw none: `sim_decode_engine_mistakes_never_complete_anywhere`
+            // draws many).
+            FaultKind::Decode => assert!(r.fatal >= r.decode_faults.min(1), "{kind}: {json}"),
+            // Hashed ids in any order: nothing fails for it.
+            FaultKind::RandomIds => {
+                assert_eq!(r.failed, 0, "{kind}: {json}");
+                assert_eq!(r.fatal, 0, "{kind}: {json}");
+            }
             FaultKind::Loss | FaultKind::Delay => {}
         }
     }
@@ -108,6 +117,22 @@ fn sim_engine_mistakes_never_complete_on_the_decode_side() {
         let json = serde_json::to_string(&r).unwrap();
         assert!(r.engine_faults >= 20, "{json}");
         assert!(r.receiver_failed > 0, "{json}");
+    }
+}
+
+#[test]
+fn sim_decode_engine_mistakes_never_complete_anywhere() {
+    // Many mistaken registrations (a writer left out, a writer of the same part listed, too
+    // few blocks) over several sender ranks, on every split: none completes on the decode side
+    // (`undetected` is zero in `sweep_with`), and no writer completes a request the decode
+    // side then fails (`one_sided`).
+    for seed in 51..=54 {
+        let mut cfg = SimConfig::new(seed, FaultSet::NONE.with(FaultKind::Decode));
+        cfg.rates.decode = 0.2;
+        let r = sweep_with(cfg, 300);
+        let json = serde_json::to_string(&r).unwrap();
+        assert!(r.decode_faults >= 30, "{json}");
+        assert_eq!(r.one_sided, 0, "{json}");
     }
 }
 
