@@ -54,6 +54,12 @@ impl Shell {
     }
 
     pub(crate) fn event(&mut self, event: Event) {
+        if let Event::Quiesced { request } = event {
+            // A quiesced request is completed, or stopped with nothing in flight: none of its
+            // deadlines can matter any more (each would fire as a no-op), so they go now
+            // instead of staying queued for up to the longest deadline after it is retired.
+            self.timers.disarm(TimerKey::Request(request));
+        }
         self.outputs.push_back(Output::Event(event));
     }
 
