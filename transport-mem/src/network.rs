@@ -96,6 +96,10 @@ pub struct PairStats {
     pub failed_batches: u64,
 }
 
+/// Batch timings a network keeps at most ([`MemNetwork::batch_timings`]): when full, the oldest
+/// half is dropped.
+pub const MAX_BATCH_TIMINGS: usize = 1 << 16;
+
 /// When one write batch was handed to the copy worker and when its outcome was reported.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct BatchTiming {
@@ -185,6 +189,9 @@ pub struct MemNetwork {
     /// Batches whose report is to be held, with how long.
     stalls: HashMap<(usize, WriteBatchId), kvpipe_core::Duration>,
     issued: HashMap<(usize, WriteBatchId), (u64, Instant)>,
+    /// Timings of recent batches, in report order: at most [`MAX_BATCH_TIMINGS`] (the oldest
+    /// half is dropped when full), so a long-running network does not grow with the batches it
+    /// carried.
     timings: Vec<BatchTiming>,
     netem: Netem,
     events: VecDeque<(Node, Instant, Event)>,
@@ -356,9 +363,16 @@ impl MemNetwork {
         self.in_flight
     }
 
-    /// Issue and report times of every write batch so far, in report order.
+    /// Issue and report times of the recent write batches, in report order: every batch since
+    /// the last [`take_batch_timings`](Self::take_batch_timings) while fewer than
+    /// [`MAX_BATCH_TIMINGS`] were reported, else at least the most recent half of that.
     pub fn batch_timings(&self) -> &[BatchTiming] {
         &self.timings
+    }
+
+    /// Takes the timings [`batch_timings`](Self::batch_timings) shows, leaving none.
+    pub fn take_batch_timings(&mut self) -> Vec<BatchTiming> {
+        std::mem::take(&mut self.timings)
     }
 
     /// Whether sender `s` and receiver `r` are connected.
@@ -670,6 +684,9 @@ impl MemNetwork {
             self.links[l].in_flight -= 1;
             self.stats.batches += 1;
             if let Some((bytes, issued)) = self.issued.remove(&(done.sender, done.batch)) {
+                if self.timings.len() >= MAX_BATCH_TIMINGS {
+                    self.timings.drain(..MAX_BATCH_TIMINGS / 2);
+                }
                 self.timings.push(BatchTiming {
                     sender: done.sender,
                     receiver: done.receiver,
