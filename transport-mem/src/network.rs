@@ -100,6 +100,15 @@ pub struct PairStats {
 /// half is dropped.
 pub const MAX_BATCH_TIMINGS: usize = 1 << 16;
 
+/// Appends `item` to `recent`, first dropping the oldest half when it holds `max` already:
+/// amortized O(1), and never more than `max` kept.
+fn keep_recent<T>(recent: &mut Vec<T>, max: usize, item: T) {
+    if recent.len() >= max {
+        recent.drain(..max.div_ceil(2));
+    }
+    recent.push(item);
+}
+
 /// When one write batch was handed to the copy worker and when its outcome was reported.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct BatchTiming {
@@ -684,19 +693,20 @@ impl MemNetwork {
             self.links[l].in_flight -= 1;
             self.stats.batches += 1;
             if let Some((bytes, issued)) = self.issued.remove(&(done.sender, done.batch)) {
-                if self.timings.len() >= MAX_BATCH_TIMINGS {
-                    self.timings.drain(..MAX_BATCH_TIMINGS / 2);
-                }
-                self.timings.push(BatchTiming {
-                    sender: done.sender,
-                    receiver: done.receiver,
-                    batch: done.batch,
-                    bytes,
-                    issued,
-                    copy_started: done.started,
-                    copy_finished: done.finished,
-                    reported: self.clock.now(),
-                });
+                keep_recent(
+                    &mut self.timings,
+                    MAX_BATCH_TIMINGS,
+                    BatchTiming {
+                        sender: done.sender,
+                        receiver: done.receiver,
+                        batch: done.batch,
+                        bytes,
+                        issued,
+                        copy_started: done.started,
+                        copy_finished: done.finished,
+                        reported: self.clock.now(),
+                    },
+                );
             }
             let landed = done.status == TransferStatus::Success;
             if landed {
@@ -959,4 +969,22 @@ impl Drop for MemNetwork {
 
 fn usage(node: Node) -> impl Fn(UsageError) -> DriveError {
     move |error| DriveError::Usage { node, error }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn recent_timings_stay_bounded_and_keep_the_newest() {
+        let mut recent = Vec::new();
+        for i in 0..1_000u32 {
+            keep_recent(&mut recent, 8, i);
+            assert!(recent.len() <= 8);
+            assert_eq!(recent.last(), Some(&i));
+        }
+        // The most recent ones, in order, none skipped: at least half of the bound.
+        assert!(recent.len() > 4);
+        assert!(recent.windows(2).all(|w| w[1] == w[0] + 1));
+    }
 }
