@@ -1,7 +1,7 @@
 //! [`Observer`]: one endpoint's outputs, batch reports and counters turned into spans, events
 //! and metrics.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use kvpipe_core::session::{
@@ -31,6 +31,16 @@ pub fn is_enabled() -> bool {
 /// Requests whose span is kept at most (an endpoint that never quiesces its requests cannot
 /// grow the map without bound; past it, the oldest are closed).
 const MAX_SPANS: usize = 1 << 16;
+
+/// Entries of the opening order kept beyond twice the open spans before the order is compacted
+/// (the entries of closed spans dropped).
+const ORDER_SLACK: usize = 64;
+
+/// An open span, with the number it was opened under (its entry in the opening order).
+struct Opened {
+    seq: u64,
+    span: Span,
+}
 
 /// A write batch between its `ExecuteWrites` and its report.
 struct Issued {
@@ -71,9 +81,14 @@ struct Handles {
 pub struct Observer {
     role: Role,
     transport: &'static str,
-    spans: HashMap<RequestId, Span>,
-    /// Order in which spans were opened, for the bound on `spans`.
-    opened: std::collections::VecDeque<RequestId>,
+    spans: HashMap<RequestId, Opened>,
+    /// Order in which spans were opened, for the bound on `spans`: `(request, seq)`, current
+    /// while `spans[request].seq == seq`. Entries of closed spans are dropped whenever they
+    /// outnumber the open ones, so the order stays within twice the open spans (plus a
+    /// constant) however many requests were served.
+    opened: VecDeque<(RequestId, u64)>,
+    /// Number of the next span opened.
+    next_seq: u64,
     batches: HashMap<WriteBatchId, Issued>,
     last: Counters,
     /// What this observer added to the gauges (taken back when it is dropped).
@@ -166,7 +181,8 @@ impl Observer {
             role,
             transport,
             spans: HashMap::new(),
-            opened: std::collections::VecDeque::new(),
+            opened: VecDeque::new(),
+            next_seq: 0,
             batches: HashMap::new(),
             last: Counters::default(),
             sessions: 0.0,
@@ -189,8 +205,9 @@ impl Observer {
     fn span(&mut self, request: RequestId, peer: Option<PeerId>) -> &Span {
         if !self.spans.contains_key(&request) {
             if self.spans.len() >= MAX_SPANS {
-                while let Some(old) = self.opened.pop_front() {
-                    if self.spans.remove(&old).is_some() {
+                while let Some((old, seq)) = self.opened.pop_front() {
+                    if self.spans.get(&old).is_some_and(|o| o.seq == seq) {
+                        self.spans.remove(&old);
                         break;
                     }
                 }
@@ -206,10 +223,29 @@ impl Observer {
             if let Some(peer) = peer {
                 span.record("peer", tracing::field::display(peer));
             }
-            self.opened.push_back(request);
-            self.spans.insert(request, span);
+            let seq = self.next_seq;
+            self.next_seq += 1;
+            self.opened.push_back((request, seq));
+            self.spans.insert(request, Opened { seq, span });
         }
-        &self.spans[&request]
+        &self.spans[&request].span
+    }
+
+    /// Closes `request`'s span (if open), and drops the opening order's entries of closed
+    /// spans once they outnumber the open ones (amortized O(1) per span).
+    fn close_span(&mut self, request: RequestId) -> Option<Span> {
+        let closed = self.spans.remove(&request)?;
+        if self.opened.len() > 2 * self.spans.len() + ORDER_SLACK {
+            let spans = &self.spans;
+            self.opened
+                .retain(|(id, seq)| spans.get(id).is_some_and(|o| o.seq == *seq));
+        }
+        Some(closed.span)
+    }
+
+    /// The open span of `request`, if any.
+    fn span_of(&self, request: RequestId) -> Option<&Span> {
+        self.spans.get(&request).map(|o| &o.span)
     }
 
     /// Observes one output of the endpoint, before the driver carries it out.
@@ -264,7 +300,7 @@ impl Observer {
                 );
             }
             Frame::KvResult(r) => {
-                if let Some(span) = self.spans.get(&r.request) {
+                if let Some(span) = self.span_of(r.request) {
                     debug!(
                         target: TARGET, parent: span, %peer, sender_slice = r.sender_slice.0,
                         receiver_slice = r.receiver_slice.0, is_last = r.is_last,
@@ -273,12 +309,12 @@ impl Observer {
                 }
             }
             Frame::AuxResult(a) => {
-                if let Some(span) = self.spans.get(&a.request) {
+                if let Some(span) = self.span_of(a.request) {
                     debug!(target: TARGET, parent: span, %peer, status = %a.status, "aux data sent");
                 }
             }
             Frame::Cancel(c) => {
-                if let Some(span) = self.spans.get(&c.request) {
+                if let Some(span) = self.span_of(c.request) {
                     debug!(target: TARGET, parent: span, %peer, reason = ?c.reason, "cancel sent");
                 } else {
                     debug!(
@@ -407,7 +443,7 @@ impl Observer {
                 info!(target: TARGET, parent: span, by, "cancelled");
             }
             Event::Quiesced { request } => {
-                if let Some(span) = self.spans.remove(request) {
+                if let Some(span) = self.close_span(*request) {
                     debug!(target: TARGET, parent: &span, "quiesced: its blocks may be reused");
                 }
                 // A batch never reported (its peer was lost) is over now too.
@@ -441,7 +477,7 @@ impl Observer {
         };
         let took = now - issued.at;
         self.handles.batch_seconds.record(secs(took));
-        if let Some(span) = self.spans.get(&issued.request) {
+        if let Some(span) = self.span_of(issued.request) {
             if status == TransferStatus::Success {
                 debug!(
                     target: TARGET, parent: span, batch = batch.0, slice = issued.slice.0,
@@ -499,5 +535,49 @@ impl Drop for Observer {
         // Several endpoints add to one gauge: take back what this one added.
         self.handles.open_sessions.decrement(self.sessions);
         self.handles.pinned_blocks.decrement(self.pinned);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Spans of quiesced requests leave no trace: what the observer keeps is bounded by the
+    /// requests open at once, not by the requests served.
+    #[test]
+    fn memory_does_not_grow_with_requests_served() {
+        let mut obs = Observer::new(Role::Receiver, "mem");
+        let peer = PeerId(1);
+        let mut most = 0;
+        for wave in 0..2_000u64 {
+            let ids: Vec<RequestId> = (0..8).map(|i| RequestId(wave * 8 + i)).collect();
+            for &request in &ids {
+                let registered = Event::Registered {
+                    request,
+                    peer,
+                    receiver_slice: kvpipe_core::ReceiverSliceId(0),
+                };
+                obs.output(Instant::ZERO, &Output::Event(registered));
+            }
+            for &request in &ids {
+                obs.output(Instant::ZERO, &Output::Event(Event::Quiesced { request }));
+            }
+            most = most.max(obs.opened.len());
+        }
+        assert_eq!(obs.open_spans(), 0);
+        assert!(
+            most <= 2 * 8 + ORDER_SLACK + 1,
+            "the opening order grew to {most} entries for 8 open spans"
+        );
+        // A span reopened after it closed is current under its new entry only.
+        let r = RequestId(1);
+        for _ in 0..3 {
+            let _ = obs.span(r, None);
+            obs.close_span(r);
+        }
+        let _ = obs.span(r, None);
+        let current = obs.spans[&r].seq;
+        assert_eq!(obs.opened.back(), Some(&(r, current)));
+        assert_eq!(obs.open_spans(), 1);
     }
 }

@@ -59,7 +59,8 @@ pub use clock::Clock;
 pub use copy::InFlight;
 pub use copy::{split_even, CopyError, Piece, ResolvedBatch, WriteError};
 pub use network::{
-    receiver_peer, sender_peer, BatchTiming, DriveError, MemNetwork, NetworkConfig, Node, PairStats,
+    receiver_peer, sender_peer, BatchTiming, DriveError, MemNetwork, NetworkConfig, Node,
+    PairStats, MAX_BATCH_TIMINGS,
 };
 pub use pair::{Endpoint, MemPair, PairConfig, RECEIVER_PEER, SENDER_PEER};
 #[cfg(feature = "cuda")]

@@ -96,6 +96,19 @@ pub struct PairStats {
     pub failed_batches: u64,
 }
 
+/// Batch timings a network keeps at most ([`MemNetwork::batch_timings`]): when full, the oldest
+/// half is dropped.
+pub const MAX_BATCH_TIMINGS: usize = 1 << 16;
+
+/// Appends `item` to `recent`, first dropping the oldest half when it holds `max` already:
+/// amortized O(1), and never more than `max` kept.
+fn keep_recent<T>(recent: &mut Vec<T>, max: usize, item: T) {
+    if recent.len() >= max {
+        recent.drain(..max.div_ceil(2));
+    }
+    recent.push(item);
+}
+
 /// When one write batch was handed to the copy worker and when its outcome was reported.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct BatchTiming {
@@ -185,6 +198,9 @@ pub struct MemNetwork {
     /// Batches whose report is to be held, with how long.
     stalls: HashMap<(usize, WriteBatchId), kvpipe_core::Duration>,
     issued: HashMap<(usize, WriteBatchId), (u64, Instant)>,
+    /// Timings of recent batches, in report order: at most [`MAX_BATCH_TIMINGS`] (the oldest
+    /// half is dropped when full), so a long-running network does not grow with the batches it
+    /// carried.
     timings: Vec<BatchTiming>,
     netem: Netem,
     events: VecDeque<(Node, Instant, Event)>,
@@ -356,9 +372,16 @@ impl MemNetwork {
         self.in_flight
     }
 
-    /// Issue and report times of every write batch so far, in report order.
+    /// Issue and report times of the recent write batches, in report order: every batch since
+    /// the last [`take_batch_timings`](Self::take_batch_timings) while fewer than
+    /// [`MAX_BATCH_TIMINGS`] were reported, else at least the most recent half of that.
     pub fn batch_timings(&self) -> &[BatchTiming] {
         &self.timings
+    }
+
+    /// Takes the timings [`batch_timings`](Self::batch_timings) shows, leaving none.
+    pub fn take_batch_timings(&mut self) -> Vec<BatchTiming> {
+        std::mem::take(&mut self.timings)
     }
 
     /// Whether sender `s` and receiver `r` are connected.
@@ -670,16 +693,20 @@ impl MemNetwork {
             self.links[l].in_flight -= 1;
             self.stats.batches += 1;
             if let Some((bytes, issued)) = self.issued.remove(&(done.sender, done.batch)) {
-                self.timings.push(BatchTiming {
-                    sender: done.sender,
-                    receiver: done.receiver,
-                    batch: done.batch,
-                    bytes,
-                    issued,
-                    copy_started: done.started,
-                    copy_finished: done.finished,
-                    reported: self.clock.now(),
-                });
+                keep_recent(
+                    &mut self.timings,
+                    MAX_BATCH_TIMINGS,
+                    BatchTiming {
+                        sender: done.sender,
+                        receiver: done.receiver,
+                        batch: done.batch,
+                        bytes,
+                        issued,
+                        copy_started: done.started,
+                        copy_finished: done.finished,
+                        reported: self.clock.now(),
+                    },
+                );
             }
             let landed = done.status == TransferStatus::Success;
             if landed {
@@ -942,4 +969,22 @@ impl Drop for MemNetwork {
 
 fn usage(node: Node) -> impl Fn(UsageError) -> DriveError {
     move |error| DriveError::Usage { node, error }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn recent_timings_stay_bounded_and_keep_the_newest() {
+        let mut recent = Vec::new();
+        for i in 0..1_000u32 {
+            keep_recent(&mut recent, 8, i);
+            assert!(recent.len() <= 8);
+            assert_eq!(recent.last(), Some(&i));
+        }
+        // The most recent ones, in order, none skipped: at least half of the bound.
+        assert!(recent.len() > 4);
+        assert!(recent.windows(2).all(|w| w[1] == w[0] + 1));
+    }
 }

@@ -181,9 +181,15 @@ impl MemPair {
         self.net.writes_in_flight()
     }
 
-    /// Issue and report times of every write batch so far, in report order.
+    /// Issue and report times of the recent write batches, in report order (see
+    /// [`MemNetwork::batch_timings`]: at most [`MAX_BATCH_TIMINGS`](crate::MAX_BATCH_TIMINGS)).
     pub fn batch_timings(&self) -> &[BatchTiming] {
         self.net.batch_timings()
+    }
+
+    /// Takes the timings [`batch_timings`](Self::batch_timings) shows, leaving none.
+    pub fn take_batch_timings(&mut self) -> Vec<BatchTiming> {
+        self.net.take_batch_timings()
     }
 
     /// Whether the connection is up.

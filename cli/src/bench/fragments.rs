@@ -298,7 +298,8 @@ pub(crate) fn run(args: FragmentsBenchArgs) -> Result<ExitCode, CliError> {
             registered
         })
         .map_err(|e| format!("registration: {e}"))?;
-        let batches_before = pair.batch_timings().len();
+        // Only this request's batches are timed below.
+        drop(pair.take_batch_timings());
         let (mut plan_s, mut post_s) = (0.0, 0.0);
         let secs = |d: kvpipe_core::Duration| d.as_nanos() as f64 / 1e9;
         for (spec, plan) in specs.iter().zip(&chunk_plans) {
@@ -341,7 +342,7 @@ pub(crate) fn run(args: FragmentsBenchArgs) -> Result<ExitCode, CliError> {
             completed && quiesced >= 2
         })
         .map_err(|e| format!("transfer: {e}"))?;
-        let timings = &pair.batch_timings()[batches_before..];
+        let timings = &pair.take_batch_timings();
         let copy_s: f64 = timings
             .iter()
             .map(|t| (t.copy_finished - t.copy_started).as_nanos() as f64 / 1e9)

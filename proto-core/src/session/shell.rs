@@ -54,6 +54,12 @@ impl Shell {
     }
 
     pub(crate) fn event(&mut self, event: Event) {
+        if let Event::Quiesced { request } = event {
+            // A quiesced request is completed, or stopped with nothing in flight: none of its
+            // deadlines can matter any more (each would fire as a no-op), so they go now
+            // instead of staying queued for up to the longest deadline after it is retired.
+            self.timers.disarm(TimerKey::Request(request));
+        }
         self.outputs.push_back(Output::Event(event));
     }
 
@@ -117,5 +123,41 @@ impl Shell {
             }
         }
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ids::InstanceId;
+    use crate::session::config::LocalHello;
+    use crate::wire::{Role, Topology};
+
+    #[test]
+    fn a_quiesced_request_leaves_no_deadline_behind() {
+        let hello = LocalHello::new(InstanceId(1), Topology::default(), Vec::new());
+        let mut shell = Shell::new(hello.to_hello(Role::Sender), Deadlines::default(), 0);
+        let at = Instant::from_millis;
+        let (a, b) = (RequestId(1), RequestId(2));
+        shell.timers.arm(at(10), TimerKey::Request(a));
+        shell.timers.arm(at(20), TimerKey::Request(a));
+        shell.timers.arm(at(30), TimerKey::Request(b));
+        shell.timers.arm(at(5), TimerKey::Peer(PeerId(7)));
+        // Other events of a request keep its deadlines (a stopped request still waits for its
+        // writes).
+        shell.event(Event::Cancelled {
+            request: a,
+            origin: CancelOrigin::Local,
+        });
+        assert_eq!(shell.timers.len(), 4);
+        shell.event(Event::Quiesced { request: a });
+        assert_eq!(shell.timers.len(), 2);
+        let due = shell.timers.due(at(100));
+        assert_eq!(
+            due,
+            vec![TimerKey::Peer(PeerId(7)), TimerKey::Request(b)],
+            "the quiesced request's deadlines never fire"
+        );
+        assert_eq!(shell.outputs.len(), 2, "both events are still reported");
     }
 }

@@ -275,7 +275,8 @@ mod gpu {
                 registered
             })
             .map_err(|e| format!("registration: {e}"))?;
-            let timings_before = pair.batch_timings().len();
+            // Only this round's batches are timed below.
+            drop(pair.take_batch_timings());
             let t0 = Instant::now();
             let t0_core = pair.now();
             for spec in &specs {
@@ -344,7 +345,7 @@ mod gpu {
             let now = pair.now();
             pair.sender_mut().retire(now, request)?;
             pair.receiver_mut().retire(now, request)?;
-            let timings = &pair.batch_timings()[timings_before..];
+            let timings = &pair.take_batch_timings();
             let secs = |d: kvpipe_core::Duration| d.as_nanos() as f64 / 1e9;
             let (span, start_lag, end_lag) = match (
                 timings.iter().map(|t| t.issued).min(),
