@@ -12,14 +12,14 @@
 use std::process::ExitCode;
 use std::time::{Duration, Instant as StdInstant};
 
+use kvpipe::{
+    mem_pair, BlockTables, DecodeNode, NodeConfig, PrefillNode, RawRegion, MEM_RECEIVER_PEER,
+    MEM_SENDER_PEER,
+};
 use kvpipe_core::session::{Registration, SendRequest};
 use kvpipe_core::wire::AuxData;
 use kvpipe_core::{
     AnchoredRun, BlockId, ChunkSpec, Event, LayerGroupLayout, PoolLayout, RegionId, RequestId,
-};
-use kvpipe_embed::{
-    mem_pair, BlockTables, DecodeNode, NodeConfig, PrefillNode, RawRegion, MEM_RECEIVER_PEER,
-    MEM_SENDER_PEER,
 };
 
 const TPB: u32 = 4;
@@ -105,7 +105,7 @@ fn next(node: &dyn Fn(Duration) -> Option<Event>, side: &str) -> Result<Event, S
 
 /// One wave: `wave` requests with consecutive ids from `first`, block `i` of the pools each.
 fn wave(tx: &PrefillNode, rx: &DecodeNode, first: u64, wave: u64) -> Result<(), String> {
-    let e = |e: kvpipe_embed::EmbedError| e.to_string();
+    let e = |e: kvpipe::EmbedError| e.to_string();
     for i in 0..wave {
         let request = RequestId(first + i);
         let block = BlockId(i as u32);
@@ -115,6 +115,7 @@ fn wave(tx: &PrefillNode, rx: &DecodeNode, first: u64, wave: u64) -> Result<(), 
             groups: vec![AnchoredRun::from_ids(0, &[block])],
             writers: [MEM_SENDER_PEER].into_iter().collect(),
             aux_capacity: 64,
+            expected_part: None,
         })
         .map_err(e)?;
         tx.open_request(SendRequest::new(request, [MEM_RECEIVER_PEER]))
@@ -159,7 +160,7 @@ fn retire_quiesced(
     side: &str,
     count: u64,
     poll: &dyn Fn(Duration) -> Option<Event>,
-    retire: &dyn Fn(RequestId) -> Result<(), kvpipe_embed::EmbedError>,
+    retire: &dyn Fn(RequestId) -> Result<(), kvpipe::EmbedError>,
 ) -> Result<(), String> {
     let mut quiesced = 0;
     while quiesced < count {
@@ -178,6 +179,7 @@ fn run(a: &Args) -> Result<(), String> {
         id: RegionId(id),
         ptr: bytes.as_mut_ptr(),
         len: bytes.len(),
+        device: None,
     };
     let (s_regions, r_regions) = ([region(1, &mut src)], [region(2, &mut dst)]);
     // SAFETY: `src` and `dst` outlive both nodes (dropped at the end of this function, after
