@@ -1,4 +1,5 @@
-//! Admission: each data write is checked against the request's grant, its writers and the bytes in flight or landed before a byte of it is applied, and its landing is recorded.
+//! Admission: each data write is checked against the request's grant, its writers and the bytes in
+//! flight or landed before a byte of it is applied, and its landing is recorded.
 
 use super::*;
 

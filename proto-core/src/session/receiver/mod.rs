@@ -116,8 +116,8 @@ pub struct Registration {
 /// exactly into a fresh receiver.
 ///
 /// **Commands** (sugar for inputs): [`register`](Self::register) (the destination blocks of a
-/// request and its writers; sends a `RecvRegistration` to each writer once its handshake is
-/// done), [`cancel`](Self::cancel), [`retire`](Self::retire).
+/// request and its writers; sends a `RecvRegistration` to the writers once every writer's
+/// handshake is known and their cover proved), [`cancel`](Self::cancel), [`retire`](Self::retire).
 ///
 /// **Admission** ([`DataPath::Landed`] transports): before applying a data write the transport
 /// asks [`Endpoint::admit_write`]; the receiver admits it only for a registered request, with
@@ -277,9 +277,16 @@ impl Receiver {
 
     // ----- commands -----
 
-    /// Registers the destination of a request (see [`ReceiverInput::Register`]) and sends it to
-    /// every writer whose handshake is done (the others get it when theirs completes). Returns
-    /// the receiver's slice id for it.
+    /// Registers the destination of a request (see [`ReceiverInput::Register`]). Once every
+    /// writer's handshake is known (now, or when the last one completes) and the writers are
+    /// proved to cover what the registration expects exactly once
+    /// ([`Registration::expected_part`]), it is sent to every writer whose handshake is done
+    /// (the others get it when theirs completes); until then no writer can start. Returns the
+    /// receiver's slice id for it.
+    ///
+    /// Refused with nothing changed: a registration that does not end at the prompt's last
+    /// block, starts a windowed group below its stale boundary, cannot be encoded, or whose
+    /// writers (all known) do not cover it exactly once.
     ///
     /// A cancel that arrived before (from the engine or a writer) cancels it at once.
     pub fn register(

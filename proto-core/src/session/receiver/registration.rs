@@ -1,4 +1,6 @@
-//! Registration: the engine's registration checked (prompt, window, canonical runs, expected part) and sent to each writer once its handshake is done; the writers' cover proved once every writer is known; cancel and retire.
+//! Registration: the engine's registration checked (prompt, window, canonical runs, expected
+//! part); the writers' cover proved once every writer's handshake is known, and only then the
+//! registration sent to them; cancel and retire.
 
 use super::*;
 

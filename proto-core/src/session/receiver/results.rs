@@ -1,4 +1,5 @@
-//! Held results: a writer's results are taken in slice order once the bytes they report have landed, each writer's share is checked, and the request completes.
+//! Held results: a writer's results are taken in slice order once the bytes they report have
+//! landed, each writer's share is checked, and the request completes.
 
 use super::*;
 

@@ -1,4 +1,5 @@
-//! Stop and quiesce: failures, timeouts, cancels and lost peers end a session on both sides, and its blocks stay pinned until no writer can still write them.
+//! Stop and quiesce: failures, timeouts, cancels and lost peers end a session on both sides, and
+//! its blocks stay pinned until no writer can still write them.
 
 use super::*;
 

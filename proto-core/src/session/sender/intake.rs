@@ -1,4 +1,5 @@
-//! Chunk intake: the engine's open, chunks, early prefix, aux data, cancel and retire, checked and applied; a chunk becomes a slice.
+//! Chunk intake: the engine's open, chunks, early prefix, aux data, cancel and retire, checked and
+//! applied; a chunk becomes a slice.
 
 use super::*;
 

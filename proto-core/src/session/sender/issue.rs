@@ -1,4 +1,5 @@
-//! Issue and planning: a receiver's registration is checked and adopted, and every slice it has not had yet is planned into its blocks and handed to the transport as a write batch, in slice order.
+//! Issue and planning: a receiver's registration is checked and adopted, and every slice it has not
+//! had yet is planned into its blocks and handed to the transport as a write batch, in slice order.
 
 use super::*;
 

@@ -1,4 +1,5 @@
-//! Results: write batches reported by the transport, results sent in slice order after their writes, the aux data, and a receiver's cancel.
+//! Results: write batches reported by the transport, results sent in slice order after their
+//! writes, the aux data, and a receiver's cancel.
 
 use super::*;
 

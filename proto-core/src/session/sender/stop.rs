@@ -1,4 +1,5 @@
-//! Stop and quiesce: failures, timeouts, cancels and lost peers end a session on both sides, and its blocks stay pinned until no write of it can still land.
+//! Stop and quiesce: failures, timeouts, cancels and lost peers end a session on both sides, and
+//! its blocks stay pinned until no write of it can still land.
 
 use super::*;
 
