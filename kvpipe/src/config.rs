@@ -163,7 +163,7 @@ pub(crate) fn check_regions(config: &NodeConfig, regions: &[RawRegion]) -> Resul
             return Err(EmbedError::DuplicateRegion(r.id));
         }
     }
-    crate::gpu::check(regions)?;
+    crate::gpu::check(regions.iter().map(|r| (r.id, r.device)))?;
     for (g, group) in config.layout.iter().enumerate() {
         if let Some(pool) = group.pools.iter().find(|p| !seen.contains(&p.region)) {
             return Err(EmbedError::MissingRegion {

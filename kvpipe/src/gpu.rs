@@ -5,7 +5,6 @@
 
 use kvpipe_core::RegionId;
 
-use crate::config::RawRegion;
 use crate::EmbedError;
 
 /// Why a GPU region cannot be served (see [`EmbedError::DeviceRegion`]).
@@ -25,11 +24,14 @@ pub enum GpuUnavailable {
     Cuda(kvpipe_cuda::CudaError),
 }
 
-/// Refuses the first GPU region this build or machine cannot serve.
-pub(crate) fn check(regions: &[RawRegion]) -> Result<(), EmbedError> {
-    for r in regions {
-        if let Some(ordinal) = r.device {
-            usable(r.id, ordinal)?;
+/// Refuses the first GPU region this build or machine cannot serve, of `regions` given as
+/// `(id, GPU ordinal or None for host memory)`.
+pub(crate) fn check(
+    regions: impl IntoIterator<Item = (RegionId, Option<u32>)>,
+) -> Result<(), EmbedError> {
+    for (id, device) in regions {
+        if let Some(ordinal) = device {
+            usable(id, ordinal)?;
         }
     }
     Ok(())
