@@ -50,9 +50,11 @@ and a cache it can generate from (the KV landed in its pool and gathered into a
 import argparse
 import json
 import os
+import queue
 import statistics
 import subprocess
 import sys
+import threading
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -83,7 +85,11 @@ def model_config(kind, size):
         dims = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4,
                     num_attention_heads=4, num_key_value_heads=2, vocab_size=1000)
         window = 640
-    common = dict(max_position_embeddings=65536, tie_word_embeddings=False, **dims)
+    # Weights drawn wider than the usual 0.02, so that greedy tokens depend on the whole prompt
+    # (with 0.02 a random model repeats one or two tokens whatever its cache holds, and a check
+    # of equal tokens would prove little).
+    common = dict(max_position_embeddings=65536, tie_word_embeddings=False, initializer_range=0.1,
+                  **dims)
     if kind == "llama":
         return LlamaConfig(head_dim=dims["hidden_size"] // dims["num_attention_heads"], **common)
     layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention"
@@ -122,11 +128,14 @@ class KvShape:
         if sliding:
             self.groups.append(sliding)
         self.windows = [None] + ([self.window] if sliding else [])
-        self.num_blocks = -(-max(args.prompt_lens) // self.block) + 2
+        self.num_blocks = -(-max(args.prompt_lens) // self.block) + 3
         self.slot_bytes = 2 * self.block * self.kv_heads * self.head_dim * self.elem
-        # side 0 (prefill) puts ordinal o in slot o + 1; side 1 (decode) in slot num_blocks-1-o,
-        # so a transfer that ignored the block tables would be caught.
+        # Side 0 (prefill) puts ordinal o in slot o + 1; side 1 (decode) in slot o + 2
+        # (--decode-blocks contiguous) or num_blocks - 1 - o (reversed: no two blocks adjacent on
+        # both sides, so kvpipe cannot coalesce them), so a transfer that ignored the block tables
+        # would be caught.
         self.side = side
+        self.reversed = side == 1 and args.decode_blocks == "reversed"
         # Per layer, vLLM's (num_blocks, 2, block_size, kv_heads, head_dim) tensor; region = layer.
         self.pools = [torch.zeros((self.num_blocks, 2, self.block, self.kv_heads, self.head_dim),
                                   dtype=args.torch_dtype, device=args.device)
@@ -148,7 +157,10 @@ class KvShape:
         return {layer: pool for layer, pool in enumerate(self.pools)}
 
     def slot(self, ordinal):
-        return ordinal + 1 if self.side == 0 else self.num_blocks - 1 - ordinal
+        """The pool slot of a block ordinal (an int or a tensor of them)."""
+        if self.reversed:
+            return self.num_blocks - 1 - ordinal
+        return ordinal + 1 + self.side
 
     def first_ordinal(self, group, prompt_len):
         """The group's first block the decode side needs (the stale boundary of a window)."""
@@ -170,9 +182,7 @@ class KvShape:
     def token_index(self, positions, kv):
         """Rows of a layer's pool viewed as (num_blocks * 2 * block, heads, dim) for ``positions``
         (K plane: kv 0, V plane: kv 1)."""
-        ordinals = positions // self.block
-        slots = ordinals + 1 if self.side == 0 else self.num_blocks - 1 - ordinals
-        return slots * (2 * self.block) + kv * self.block + positions % self.block
+        return self.slot(positions // self.block) * (2 * self.block) + kv * self.block + positions % self.block
 
     def store_chunk(self, cache, start, end):
         """Copies the K/V of tokens ``[start, end)`` of every layer from the model's cache into
@@ -249,9 +259,13 @@ def generate(model, cache, first_token, prompt_len, steps, device):
     return tokens, first_logits
 
 
-def wait_for(node, kinds, request, timeout):
+def wait_for(node, kinds, request, timeout, alive=None):
+    """The next event of one of ``kinds`` for ``request``; raises on a failure event, when
+    ``alive()`` turns false (the other process ended) or after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        if alive is not None and not alive():
+            raise RuntimeError(f"waiting for {kinds}: the prefill process ended")
         e = node.next_event(min(1.0, max(0.0, deadline - time.monotonic())))
         if e is None:
             continue
@@ -267,6 +281,46 @@ def wait_for(node, kinds, request, timeout):
 # The prefill process
 
 
+class Submitter:
+    """Hands chunks to kvpipe from a thread of their own, each once the GPU has finished writing
+    it into the pool (kvpipe synchronises no stream): the prefill loop records a CUDA event after
+    a chunk's copy and goes on launching the next chunk while this thread waits for the event
+    and submits, as an engine's KV-save hook would."""
+
+    def __init__(self):
+        self.queue = queue.Queue()
+        self.busy_s = 0.0
+        self.error = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def put(self, device, fn):
+        event = None
+        if device.startswith("cuda"):
+            event = torch.cuda.Event()
+            event.record()
+        self.queue.put((event, fn))
+
+    def drain(self):
+        self.queue.join()
+        if self.error is not None:
+            raise self.error
+
+    def _run(self):
+        while True:
+            event, fn = self.queue.get()
+            try:
+                if event is not None:
+                    event.synchronize()
+                t = time.monotonic()
+                fn()
+                self.busy_s += time.monotonic() - t
+            except Exception as e:  # raised again by drain()
+                self.error = e
+            finally:
+                self.queue.task_done()
+
+
 def prefill_main(args):
     model, checksum = build_model(args)
     kv = KvShape(model.config, args, side=0)
@@ -274,6 +328,7 @@ def prefill_main(args):
                                data_path=args.data_path, connections=args.connections)
     peer = sender.connect(args.connect)
     wait_for(sender, ("peer_ready",), None, 60)
+    submitter = Submitter()
     say({"ready": True, "checksum": checksum})
     while line := sys.stdin.readline():
         cmd = json.loads(line)
@@ -284,30 +339,27 @@ def prefill_main(args):
         ids = prompt_ids(prompt_len, model.config.vocab_size, args.device)
         tables = kv.tables(prompt_len)
         sender.open_request(request, [peer])
-        submit_s = 0.0
+        submitter.busy_s = 0.0
 
         def on_chunk(cache, s, e):
-            nonlocal submit_s
             kv.store_chunk(cache, s, e)
             if mode == "pipelined":
-                sync(args.device)  # kvpipe synchronises no stream: the chunk must be in the pool
-                t = time.monotonic()
-                sender.submit_chunk(request, s, e, prompt_len, tables)
-                submit_s += time.monotonic() - t
+                submitter.put(args.device, lambda: sender.submit_chunk(request, s, e, prompt_len, tables))
 
         _, first = chunked_prefill(model, ids, args.chunk, on_chunk)
         sync(args.device)
         t_prefill_end = time.monotonic()
         if mode == "monolithic":
-            sender.submit_chunk(request, 0, prompt_len, prompt_len, tables)
-        sender.submit_aux(request, [first], prompt_tokens=prompt_len)
+            submitter.put(args.device, lambda: sender.submit_chunk(request, 0, prompt_len, prompt_len, tables))
+        submitter.put(args.device, lambda: sender.submit_aux(request, [first], prompt_tokens=prompt_len))
+        submitter.drain()
         t_submitted = time.monotonic()
         wait_for(sender, ("completed",), request, 300)
         t_completed = time.monotonic()
         wait_for(sender, ("quiesced",), request, 60)
         sender.retire(request)
         say({"done": request, "first_token": first, "t_start": t_start, "t_prefill_end": t_prefill_end,
-             "t_submitted": t_submitted, "t_completed": t_completed, "submit_s": submit_s,
+             "t_submitted": t_submitted, "t_completed": t_completed, "submit_s": submitter.busy_s,
              "bytes_written": sender.counters()["bytes_written"]})
     sender.close()
 
@@ -325,6 +377,9 @@ class PrefillProcess:
         argv = [sys.executable, os.path.abspath(__file__), "--role", "prefill",
                 "--connect", f"127.0.0.1:{port}"] + args.passthrough
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def alive(self):
+        return self.proc.poll() is None
 
     def send(self, obj):
         self.proc.stdin.write(json.dumps(obj) + "\n")
@@ -356,7 +411,7 @@ class Decode:
                                             data_path=args.data_path)
         port = self.receiver.listen("127.0.0.1:0")
         self.prefill = PrefillProcess(args, port)
-        self.peer = wait_for(self.receiver, ("peer_ready",), None, 300).peer
+        self.peer = wait_for(self.receiver, ("peer_ready",), None, 300, self.prefill.alive).peer
         hello = self.prefill.read()
         if hello["checksum"] != self.checksum:
             raise RuntimeError("the two processes built different weights")
@@ -387,7 +442,7 @@ class Decode:
         self.receiver.register(request, prompt_len, self.kv.registration(prompt_len), [self.peer])
         t0 = time.monotonic()
         self.prefill.send({"cmd": "run", "request": request, "prompt_len": prompt_len, "mode": mode})
-        done = wait_for(self.receiver, ("completed",), request, 300)
+        done = wait_for(self.receiver, ("completed",), request, 300, self.prefill.alive)
         t_completed = time.monotonic()
         first = done.first_tokens[0]
         cache = self.kv.load_cache(self.model.config, prompt_len)
@@ -410,24 +465,48 @@ class Decode:
             result["corruption"] = self.corrupted_run(prompt_len, first, tokens, logits)
         return result
 
+    @torch.inference_mode()
+    def most_attended(self, layer, prompt_len, first):
+        """The prompt token that head 0 of ``layer`` attends to most in the first decode step
+        from this side's pool (eager attention for this one step, to read the weights)."""
+        cache = self.kv.load_cache(self.model.config, prompt_len)
+        self.model.set_attn_implementation("eager")
+        try:
+            out = self.model(input_ids=torch.tensor([[first]], device=self.args.device),
+                             position_ids=torch.tensor([[prompt_len]], device=self.args.device),
+                             past_key_values=cache, use_cache=True, output_attentions=True)
+        finally:
+            self.model.set_attn_implementation("sdpa")
+        weights = out.attentions[layer][0, 0, -1].float()  # over the cache's keys, then itself
+        return int(weights[:-1].argmax()), float(weights[:-1].max())
+
     def corrupted_run(self, prompt_len, first, tokens, logits):
-        """Flips one byte of the decode pool (the high byte of a K element of the last prompt
-        token in layer 0) and generates again from the pool: the logits must change."""
+        """Changes one byte of the decode pool and generates again from the pool: the logits must
+        change. The byte is the high byte of the first V element (head 0, dim 0) of the prompt
+        token that head 0 of the first full-attention layer attends to most in the first step,
+        set to 0x46: the element becomes about 1e4 (bf16 and fp32 alike), finite, and carried
+        into that step's attention output with the token's weight. (A token the step does not
+        attend to would change nothing: with these random weights attention is nearly one-hot.)"""
         layer = self.kv.groups[0][0]
+        token, weight = self.most_attended(layer, prompt_len, first)
         pool = self.kv.pools[layer]
         raw = pool.view(torch.uint8).view(-1)
-        row = int(self.kv.token_index(torch.tensor([prompt_len - 1]), 0)[0])
+        row = int(self.kv.token_index(torch.tensor([token]), 1)[0])
         offset = row * self.kv.kv_heads * self.kv.head_dim * self.kv.elem + self.kv.elem - 1
         original = raw[offset].clone()
-        raw[offset] ^= 0x40  # an exponent bit of a bf16/fp32 element
+        raw[offset] = 0x46 if int(original) != 0x46 else 0xC6
+        changed = {"layer": layer, "token": token, "attention_weight": round(weight, 4), "byte": offset,
+                   "old": int(original), "new": int(raw[offset])}
         cache = self.kv.load_cache(self.model.config, prompt_len)
         bad_tokens, bad_logits = generate(self.model, cache, first, prompt_len, self.args.new_tokens,
                                           self.args.device)
         raw[offset] = original
+        diff = (bad_logits - logits).abs()
         return {
-            "flipped": {"layer": layer, "byte": offset},
+            "changed": changed,
             "tokens_differ": bad_tokens != tokens,
-            "logits_max_abs_diff": float((bad_logits - logits).abs().max()),
+            "logits_differ": bool(torch.isnan(diff).any() or diff.max() > 0),
+            "logits_max_abs_diff": float(diff.max()) if bool(torch.isfinite(diff).all()) else None,
         }
 
     def close(self):
@@ -461,12 +540,13 @@ def decode_main(args):
                             for r in runs[m])
             verified = verified and ok
             c = runs["pipelined"][0]["corruption"]
-            corruption.append(c["tokens_differ"] or c["logits_max_abs_diff"] > 0)
+            corruption.append(c["tokens_differ"] or c["logits_differ"])
             ttft = {m: median([r["ttft_s"] for r in runs[m]]) * 1e3 for m in runs}
             entry = {
                 "prompt_len": prompt_len,
                 "verified": ok,
                 "tokens_compared": len(reference),
+                "distinct_tokens": len(set(reference)),
                 "tokens": reference,
                 "ttft_ms": {m: round(v, 2) for m, v in ttft.items()},
                 "ttft_ms_all": {m: [round(r["ttft_s"] * 1e3, 2) for r in runs[m]] for m in runs},
@@ -496,7 +576,7 @@ def decode_main(args):
         "layers": d.model.config.num_hidden_layers, "kv_heads": d.kv.kv_heads, "head_dim": d.kv.head_dim,
         "layer_groups": [{"layers": g, "window": w} for g, w in zip(d.kv.groups, d.kv.windows)],
         "block_size": args.block_size, "chunk": args.chunk, "new_tokens": args.new_tokens,
-        "reps": args.reps, "data_path": args.data_path,
+        "reps": args.reps, "data_path": args.data_path, "decode_blocks": args.decode_blocks,
         "pool_layout": "per layer (num_blocks, 2, block_size, kv_heads, head_dim), one kvpipe pool each",
         "torch": torch.__version__, "kvpipe": kvpipe.__version__,
         "wall_s": round(time.time() - started, 1),
@@ -528,6 +608,10 @@ def main():
     p.add_argument("--data-path", choices=["socket", "auto", "peer_copy"], default=None,
                    help="kvpipe's TCP data path (default: peer_copy on CUDA, socket on CPU)")
     p.add_argument("--connections", type=int, default=2)
+    p.add_argument("--decode-blocks", choices=["contiguous", "reversed"], default="contiguous",
+                   help="the decode side's block table: ordinal o in slot o + 2 (runs of blocks "
+                        "coalesce into one write per layer) or in slot num_blocks - 1 - o (one "
+                        "write per block and layer)")
     p.add_argument("--out", default=None, help="also write the JSON summary here")
     p.add_argument("--role", choices=["decode", "prefill"], default="decode", help=argparse.SUPPRESS)
     p.add_argument("--connect", default=None, help=argparse.SUPPRESS)
@@ -545,7 +629,8 @@ def main():
     args.passthrough = ["--device", args.device, "--model", args.model, "--size", args.size,
                         "--dtype", args.dtype, "--prompt-lens", ",".join(map(str, args.prompt_lens)),
                         "--chunk", str(args.chunk), "--block-size", str(args.block_size),
-                        "--data-path", args.data_path, "--connections", str(args.connections)]
+                        "--data-path", args.data_path, "--connections", str(args.connections),
+                        "--decode-blocks", args.decode_blocks]
     if args.role == "prefill":
         prefill_main(args)
         return 0
