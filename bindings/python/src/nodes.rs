@@ -26,7 +26,7 @@ use crate::topology::RankPlace;
 const SIGNAL_SLICE: Duration = Duration::from_millis(50);
 
 /// The TCP data path a ``data_path`` argument names.
-fn data_path(name: &str) -> PyResult<TcpDataPath> {
+fn tcp_data_path(name: &str) -> PyResult<TcpDataPath> {
     match name {
         "socket" => Ok(TcpDataPath::Socket),
         "auto" => Ok(TcpDataPath::Auto),
@@ -43,7 +43,6 @@ fn config(
     given: Option<&Bound<'_, PyDict>>,
     instance: Option<u64>,
     place: RankPlace,
-    path: &str,
 ) -> PyResult<NodeConfig> {
     if !(1..=255).contains(&connections) {
         return Err(PyValueError::new_err(format!(
@@ -55,7 +54,6 @@ fn config(
     c.deadlines = deadlines(given)?;
     c.instance = instance.map(InstanceId);
     c.tcp.connections_per_peer = connections;
-    c.tcp.data_path = data_path(path)?;
     Ok(c)
 }
 
@@ -175,7 +173,8 @@ impl Sender {
             pp_size,
             pp_rank,
         };
-        let c = config(&layout, connections, deadlines, instance, place, data_path)?;
+        let mut c = config(&layout, connections, deadlines, instance, place)?;
+        c.tcp.data_path = tcp_data_path(data_path)?;
         let (regions, held) = self::pools(pools, false)?;
         // SAFETY: the buffers stay exported (held) as long as the node: `_pools` is declared
         // after `node`, so the node and its threads are gone before a buffer is released.
@@ -405,7 +404,8 @@ impl Receiver {
             pp_size,
             pp_rank,
         };
-        let c = config(&layout, connections, deadlines, instance, place, data_path)?;
+        let mut c = config(&layout, connections, deadlines, instance, place)?;
+        c.tcp.data_path = tcp_data_path(data_path)?;
         let (regions, held) = self::pools(pools, true)?;
         // SAFETY: as in `Sender::tcp`.
         let node = unsafe { Node::<CoreReceiver>::tcp(&c, &regions) }.map_err(to_py)?;
@@ -522,8 +522,8 @@ pub(crate) fn mem_pair(
     receiver_pools: &Bound<'_, PyDict>,
     deadlines: Option<&Bound<'_, PyDict>>,
 ) -> PyResult<(Sender, Receiver)> {
-    let s = config(&sender_layout, 1, deadlines, None, RankPlace::default(), "socket")?;
-    let r = config(&receiver_layout, 1, deadlines, None, RankPlace::default(), "socket")?;
+    let s = config(&sender_layout, 1, deadlines, None, RankPlace::default())?;
+    let r = config(&receiver_layout, 1, deadlines, None, RankPlace::default())?;
     let (s_regions, s_held) = pools(sender_pools, false)?;
     let (r_regions, r_held) = pools(receiver_pools, true)?;
     // SAFETY: both nodes hold both sides' buffers (`_pools`, dropped after `node`), so no
