@@ -7,6 +7,7 @@ side's greedy tokens must equal those of one process doing everything.
     python disagg_generate.py --device cuda --prompt-lens 1024,8192,32768
     python disagg_generate.py --device cuda --model sliding  # Qwen2, sliding layers every other
     python disagg_generate.py --device cpu                   # tiny model, host pools, fp32
+    python disagg_generate.py --device cuda --data-path socket --decode-blocks reversed
 
 The model is built from a config written here with random weights from a fixed seed
 (``torch.manual_seed``); nothing is downloaded (``HF_HUB_OFFLINE=1``). This process is the decode
@@ -26,7 +27,14 @@ layer's block, ``2 * block_size * kv_heads * head_dim * elem_bytes``): a block s
 exactly vLLM's contiguous ``pool[b]``, and kvpipe copies whole slots byte for byte. The order
 inside a slot only matters to kvpipe when it cuts heads out of a slot (different tensor-parallel
 sizes on the two sides), which this example does not do (one rank each side, whole blocks; the
-last, partly filled block is sent whole).
+last, partly filled block is sent whole). vLLM's FlashAttention backend keeps K and V apart,
+``(2, num_blocks, block_size, kv_heads, head_dim)`` per layer: a slot would then be two
+separate ranges, which one kvpipe pool cannot name (it would take a K and a V layer group of
+``kv_factor=1`` sharing one block table).
+
+The prefill loop hands each chunk to a submit thread, which waits for a CUDA event recorded after
+the chunk's copy into the pool (kvpipe synchronises no stream) and then calls ``submit_chunk``,
+so the next chunk's kernels are launched meanwhile.
 
 **Layer groups**: the Llama config is one full-attention group. The sliding config (Qwen2 with
 ``layer_types`` alternating sliding/full and a ``sliding_window``) has two groups: the full layers
@@ -38,8 +46,9 @@ registers only those.
 ``verified``: the decode side's tokens (first token from the prefill side's aux data, then
 ``--new-tokens`` greedy steps from the KV rebuilt out of the pool) equal those of the ``local``
 run, where the decode process computes the same chunked prefill itself and generates;
-``corruption_detected``: one byte of a K element in the decode pool flipped before a second
-generation changes the logits (and usually the tokens); the time to first token on the decode
+``corruption_detected``: one byte of the decode pool changed before a second generation (the
+high byte of a V element of the prompt token the first decode step attends to most) changes the
+logits and the tokens; the time to first token on the decode
 side for ``pipelined`` (each chunk submitted as computed), ``monolithic`` (the whole prompt
 submitted once prefill ends) and ``local`` runs, with ratios. TTFT here is from the moment the
 decode process tells the prefill process to start until the decode process holds the first token
