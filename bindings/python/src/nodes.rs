@@ -4,7 +4,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvpipe::{mem_pair as embed_mem_pair, EmbedError, Node, NodeConfig, Role};
+use kvpipe::{mem_pair as embed_mem_pair, EmbedError, Node, NodeConfig, Role, TcpDataPath};
 use kvpipe_core::session::{Registration, SendRequest};
 use kvpipe_core::wire::AuxData;
 use kvpipe_core::{
@@ -24,6 +24,18 @@ use crate::topology::RankPlace;
 
 /// Longest stretch a blocking wait runs without checking for Ctrl-C.
 const SIGNAL_SLICE: Duration = Duration::from_millis(50);
+
+/// The TCP data path a ``data_path`` argument names.
+fn tcp_data_path(name: &str) -> PyResult<TcpDataPath> {
+    match name {
+        "socket" => Ok(TcpDataPath::Socket),
+        "auto" => Ok(TcpDataPath::Auto),
+        "peer_copy" => Ok(TcpDataPath::PeerCopy),
+        _ => Err(PyValueError::new_err(format!(
+            "data_path must be \"socket\", \"auto\" or \"peer_copy\", got {name:?}"
+        ))),
+    }
+}
 
 fn config(
     groups: &[PyRef<'_, LayerGroup>],
@@ -130,11 +142,17 @@ impl Sender {
     /// handshake's instance id (default: from the process id and clock). ``tp_size``,
     /// ``tp_rank``, ``pp_size``, ``pp_rank``: this rank's place in the parallel topology
     /// (default: the whole model on one rank); each layer group's heads must be those of
-    /// ``tp_rank``, or ``ValueError`` says which.
+    /// ``tp_rank``, or ``ValueError`` says which. ``data_path``: how KV bytes reach the decode
+    /// node's pools: ``"socket"`` (the default; GPU pools through pinned staging),
+    /// ``"peer_copy"`` (CUDA IPC: this process copies device to device straight into the
+    /// decode process's GPU pools, control frames still over TCP; both sides' pools on GPUs of
+    /// one host, a wheel built with the ``cuda`` feature, this side connecting; ``connect``
+    /// raises with the reason otherwise) or ``"auto"`` (peer copies where they work, else the
+    /// socket).
     #[staticmethod]
     #[pyo3(signature = (
         layout, pools, *, connections = 2, deadlines = None, instance = None, tp_size = 1,
-        tp_rank = 0, pp_size = 1, pp_rank = 0
+        tp_rank = 0, pp_size = 1, pp_rank = 0, data_path = "socket"
     ))]
     #[allow(clippy::too_many_arguments)]
     fn tcp(
@@ -147,6 +165,7 @@ impl Sender {
         tp_rank: i64,
         pp_size: i64,
         pp_rank: i64,
+        data_path: &str,
     ) -> PyResult<Self> {
         let place = RankPlace {
             tp_size,
@@ -154,7 +173,8 @@ impl Sender {
             pp_size,
             pp_rank,
         };
-        let c = config(&layout, connections, deadlines, instance, place)?;
+        let mut c = config(&layout, connections, deadlines, instance, place)?;
+        c.tcp.data_path = tcp_data_path(data_path)?;
         let (regions, held) = self::pools(pools, false)?;
         // SAFETY: the buffers stay exported (held) as long as the node: `_pools` is declared
         // after `node`, so the node and its threads are gone before a buffer is released.
@@ -356,11 +376,14 @@ fn anchored_runs(blocks: &Bound<'_, PyAny>) -> PyResult<Vec<AnchoredRun>> {
 impl Receiver {
     /// A decode node over TCP. ``pools`` maps region ids to writable memory the received KV
     /// lands in, in place (as in :meth:`Sender.tcp`; a read-only pool is refused); the rest as
-    /// :meth:`Sender.tcp` (``connections`` applies when this side connects).
+    /// :meth:`Sender.tcp` (``connections`` applies when this side connects). ``data_path``
+    /// ``"peer_copy"`` or ``"auto"`` offers this node's GPU pools (CUDA IPC) to prefill nodes
+    /// that connect here asking for peer copies; with ``"peer_copy"``, ``listen`` raises when
+    /// a pool cannot be exported (host memory, no ``cuda`` feature).
     #[staticmethod]
     #[pyo3(signature = (
         layout, pools, *, connections = 2, deadlines = None, instance = None, tp_size = 1,
-        tp_rank = 0, pp_size = 1, pp_rank = 0
+        tp_rank = 0, pp_size = 1, pp_rank = 0, data_path = "socket"
     ))]
     #[allow(clippy::too_many_arguments)]
     fn tcp(
@@ -373,6 +396,7 @@ impl Receiver {
         tp_rank: i64,
         pp_size: i64,
         pp_rank: i64,
+        data_path: &str,
     ) -> PyResult<Self> {
         let place = RankPlace {
             tp_size,
@@ -380,7 +404,8 @@ impl Receiver {
             pp_size,
             pp_rank,
         };
-        let c = config(&layout, connections, deadlines, instance, place)?;
+        let mut c = config(&layout, connections, deadlines, instance, place)?;
+        c.tcp.data_path = tcp_data_path(data_path)?;
         let (regions, held) = self::pools(pools, true)?;
         // SAFETY: as in `Sender::tcp`.
         let node = unsafe { Node::<CoreReceiver>::tcp(&c, &regions) }.map_err(to_py)?;

@@ -176,9 +176,13 @@ copy is refused (writes would land in the copy). A malformed object raises ``Typ
 ``ValueError`` or ``BufferError`` naming the pool. kvpipe synchronises no CUDA stream when it
 takes a pool: submit a chunk only once its KV is computed.
 
-Device pools are passed to the node as GPU memory; the transports of this build cannot read or
-write it yet, so a node given one raises :class:`TransportError` ("region#N is memory on GPU
-K, ..."). Torch CPU tensors (through DLPack) and numpy arrays are host pools and work today.
+Device pools are passed to the node as GPU memory. A wheel built with the ``cuda`` feature
+(``maturin build --features cuda``) serves them: device copies in :func:`mem_pair`, pinned
+staging or CUDA IPC peer copies (``data_path``) over TCP; where no CUDA driver sees the GPU a
+node given one raises :class:`TransportError` ("region#N is memory on GPU K, but the CUDA
+driver cannot serve it: ..."). A wheel built without it raises :class:`TransportError`
+("region#N is memory on GPU K, which this build's transports cannot read or write yet ...").
+Torch CPU tensors (through DLPack) and numpy arrays are host pools and work in every build.
 """
 
 Pools = Mapping[int, PoolMemory]
@@ -199,6 +203,7 @@ class Sender:
         tp_rank: int = 0,
         pp_size: int = 1,
         pp_rank: int = 0,
+        data_path: Literal["socket", "auto", "peer_copy"] = "socket",
     ) -> Sender:
         """A prefill node over TCP. ``tp_size``/``tp_rank`` and ``pp_size``/``pp_rank``
         are this rank's place in the tensor- and pipeline-parallel topology (default: the whole
@@ -206,7 +211,14 @@ class Sender:
         its size, or a layer group's heads (``first_head``, ``kv_heads`` of
         ``model_kv_heads``) are not those of ``tp_rank``: rank ``r`` of ``T`` holds heads
         ``r*H/T .. (r+1)*H/T`` of ``H`` (one replicated head when ``H < T``). The rank's layer
-        range (sent in the handshake) is taken from the groups' ``first_layer``."""
+        range (sent in the handshake) is taken from the groups' ``first_layer``.
+
+        ``data_path`` says how KV bytes reach the decode node's pools: ``"socket"`` (the
+        default; GPU pools go through pinned staging), ``"peer_copy"`` (CUDA IPC: this process
+        copies device to device straight into the decode process's GPU pools, control frames
+        still over TCP; needs GPU pools on both sides on one host, a wheel built with the
+        ``cuda`` feature, and this side connecting, else ``connect`` raises with the reason)
+        or ``"auto"`` (peer copies where they work, else the socket)."""
     @property
     def transport(self) -> Literal["tcp", "mem"]: ...
     def listen(self, addr: str) -> int: ...
@@ -260,6 +272,7 @@ class Receiver:
         tp_rank: int = 0,
         pp_size: int = 1,
         pp_rank: int = 0,
+        data_path: Literal["socket", "auto", "peer_copy"] = "socket",
     ) -> Receiver:
         """A decode node over TCP. ``tp_size``/``tp_rank`` and ``pp_size``/``pp_rank``
         are this rank's place in the tensor- and pipeline-parallel topology (default: the whole
@@ -267,7 +280,12 @@ class Receiver:
         its size, or a layer group's heads (``first_head``, ``kv_heads`` of
         ``model_kv_heads``) are not those of ``tp_rank``: rank ``r`` of ``T`` holds heads
         ``r*H/T .. (r+1)*H/T`` of ``H`` (one replicated head when ``H < T``). The rank's layer
-        range (sent in the handshake) is taken from the groups' ``first_layer``."""
+        range (sent in the handshake) is taken from the groups' ``first_layer``.
+
+        ``data_path`` ``"peer_copy"`` or ``"auto"`` offers this node's GPU pools (CUDA IPC) to
+        prefill nodes that connect here asking for peer copies (see :meth:`Sender.tcp`); with
+        ``"peer_copy"`` a pool that cannot be exported (host memory, a wheel without the
+        ``cuda`` feature) makes ``listen`` raise."""
     @property
     def transport(self) -> Literal["tcp", "mem"]: ...
     def listen(self, addr: str) -> int: ...
