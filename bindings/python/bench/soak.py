@@ -1,10 +1,11 @@
-"""Soak through the Python package: waves of one-block requests with sequential ids, each
-completed, quiesced and retired on both sides, printing the resident set size (MiB) every
-``--every`` requests. Exits non-zero when a side's size grew more than ``--max-growth`` percent
+"""Soak through the Python package: waves of one-block requests (sequential ids, or random
+63-bit ones with ``--random-ids``), each completed, quiesced and retired on both sides,
+printing the resident set size (MiB) every ``--every`` requests. Exits non-zero when a side's size grew more than ``--max-growth`` percent
 between the end of the warm-up (``--warmup``, a fraction of the run) and the end.
 
     python soak.py mem [--requests N] [--wave 8]     # the in-process pair
     python soak.py tcp [--requests N] [--wave 32]    # a decode child process over TCP
+    python soak.py mem --random-ids                  # ids as engines hash them
 
 Build the package in release first (``maturin develop --release`` in bindings/python): a debug
 build is slow enough that the deadlines, not the request count, decide what is held.
@@ -82,8 +83,20 @@ class Meter:
         return 0 if growth <= self.args.max_growth else 1
 
 
+# Request k's id: k itself, or with --random-ids a 63-bit hash of k (as engines hash their
+# string ids: any value, in any order), the same function on both sides.
+REQUEST_ID = int
+
+
+def hashed_id(k):
+    z = (k * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF  # splitmix64's finaliser
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) >> 1
+
+
 def prefill_wave(tx, peer, first, n):
-    ids = list(range(first, first + n))
+    ids = [REQUEST_ID(k) for k in range(first, first + n)]
     for i, r in enumerate(ids):
         tx.open_request(r, [peer])
         tx.submit_chunk(r, 0, TPB, TPB, [[i]])
@@ -92,7 +105,7 @@ def prefill_wave(tx, peer, first, n):
 
 
 def decode_wave(rx, peer, first, n):
-    ids = list(range(first, first + n))
+    ids = [REQUEST_ID(k) for k in range(first, first + n)]
     for i, r in enumerate(ids):
         rx.register(r, TPB, [(0, [i])], [peer], aux_capacity=64)
     return ids
@@ -170,7 +183,12 @@ def main():
     p.add_argument("--every", type=int, default=50_000)
     p.add_argument("--warmup", type=float, default=0.5)
     p.add_argument("--max-growth", type=float, default=5.0)
+    p.add_argument("--random-ids", action="store_true",
+                   help="random 63-bit request ids in any order instead of 1, 2, 3, ...")
     args = p.parse_args()
+    if args.random_ids:
+        global REQUEST_ID
+        REQUEST_ID = hashed_id
     run = {"mem": run_mem, "tcp": run_tcp, "tcp-decode": run_tcp_decode}[args.mode]
     return run(args)
 
