@@ -1,7 +1,8 @@
 """Soak through the Python package: waves of one-block requests (sequential ids, or random
 63-bit ones with ``--random-ids``), each completed, quiesced and retired on both sides,
-printing the resident set size (MiB) every ``--every`` requests. Exits non-zero when a side's size grew more than ``--max-growth`` percent
-between the end of the warm-up (``--warmup``, a fraction of the run) and the end.
+printing the resident set size (MiB) every ``--every`` requests. Exits non-zero when a side's
+size grew more than ``--max-growth`` percent between the end of the warm-up (``--warmup``, a
+fraction of the run) and the end.
 
     python soak.py mem [--requests N] [--wave 8]     # the in-process pair
     python soak.py tcp [--requests N] [--wave 32]    # a decode child process over TCP
