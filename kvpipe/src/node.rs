@@ -290,15 +290,19 @@ impl Node<Sender> {
     }
 
     /// Submits a computed prefill chunk; `source` answers the core's bounded block queries
-    /// (see [`Sender::submit_chunk`]) while the node is locked, so it must not call into this
-    /// node. `None`: the chunk completes no block and sends nothing.
+    /// (see [`Sender::submit_chunk`]). The queries run with the node unlocked, so the
+    /// transport's connections go on meanwhile (`source` may even call into this node); the
+    /// chunk is checked again when the answers are applied. `None`: the chunk completes no block
+    /// and sends nothing.
     pub fn submit_chunk(
         &self,
         request: RequestId,
         spec: ChunkSpec,
         source: &mut impl BlockSource,
     ) -> Result<Option<SenderSliceId>, EmbedError> {
-        self.command(|s, now| s.submit_chunk(now, request, spec, source))
+        let query = self.command(|s, _| s.chunk_query(request, &spec))?;
+        let runs = query.ask(source)?;
+        self.command(|s, now| s.submit_chunk_runs(now, request, spec, runs))
     }
 
     /// Sends the request's cached prefix before its first chunk (see

@@ -198,3 +198,100 @@ fn a_gpu_region_is_refused_with_what_is_missing_on_every_transport() {
         );
     }
 }
+
+/// The engine's block source runs with the node unlocked: a source that calls into the same
+/// node while it answers (as an engine's block table guarded by the engine's own calls may)
+/// does not deadlock, and the chunk still goes out.
+#[test]
+fn the_block_source_runs_without_the_node_locked() {
+    use kvpipe::{AnchoredRun, BlockId, BlockRun, BlockSource, ChunkSpec, Registration};
+    use kvpipe::{BlockSourceError, GroupIndex, RequestId, SendRequest};
+
+    struct Reentrant<'a> {
+        node: &'a PrefillNode,
+        calls: u32,
+    }
+    impl BlockSource for Reentrant<'_> {
+        fn block_run(
+            &mut self,
+            _request: RequestId,
+            _group: GroupIndex,
+            begin: u32,
+            end: u32,
+            out: &mut BlockRun,
+        ) -> Result<(), BlockSourceError> {
+            // Reads the node while answering: with the node locked, this waited forever.
+            self.calls += self.node.session_count().map_or(0, |_| 1);
+            out.first_ordinal = begin;
+            out.ids = (begin..end).map(|o| BlockId(common::src_slot(o))).collect();
+            Ok(())
+        }
+    }
+
+    let mut sides = Sides::new();
+    let (s, r) = configs(Transport::Tcp(TcpConfig::default()));
+    let (src, dst) = (sides.src_region(), sides.dst_region());
+    {
+        // SAFETY: `sides` outlives both nodes (closed at the end of the block).
+        let rx = unsafe { DecodeNode::new(&r, &dst) }.unwrap();
+        // SAFETY: as above.
+        let tx = unsafe { PrefillNode::new(&s, &src) }.unwrap();
+        let (to_receiver, to_sender) = connect(&tx, &rx, "127.0.0.1");
+        let request = RequestId(7);
+        let blocks = common::PROMPT.div_ceil(4);
+        let ids: Vec<BlockId> = (0..blocks).map(|o| BlockId(common::dst_slot(o))).collect();
+        rx.register(Registration {
+            request,
+            prompt_len: common::PROMPT,
+            groups: vec![AnchoredRun::from_ids(0, &ids)],
+            writers: [to_sender].into_iter().collect(),
+            aux_capacity: 64,
+            expected_part: None,
+        })
+        .unwrap();
+        tx.open_request(SendRequest::new(request, [to_receiver]))
+            .unwrap();
+        let spec = ChunkSpec {
+            start: 0,
+            end: common::PROMPT,
+            prompt_len: common::PROMPT,
+            prepopulated_len: 0,
+            is_last: true,
+            prefix_sent_early: false,
+        };
+        let (done_tx, done_rx) = std::sync::mpsc::channel();
+        std::thread::scope(|scope| {
+            scope.spawn(|| {
+                let mut source = Reentrant {
+                    node: &tx,
+                    calls: 0,
+                };
+                let outcome = tx.submit_chunk(request, spec, &mut source);
+                done_tx.send((outcome.is_ok(), source.calls)).unwrap();
+            });
+            match done_rx.recv_timeout(Duration::from_secs(20)) {
+                Ok(done) => assert_eq!(done, (true, 1)),
+                Err(_) => {
+                    // The submitting thread is stuck and cannot be joined: fail the binary.
+                    eprintln!("the submission did not return: the source ran with the node locked");
+                    std::process::exit(101);
+                }
+            }
+        });
+        tx.submit_aux(
+            request,
+            kvpipe::AuxData {
+                prompt_tokens: common::PROMPT,
+                cached_tokens: 0,
+                first_tokens: vec![1],
+                draft_tokens: vec![],
+            },
+        )
+        .unwrap();
+        common::wait_for(&rx, "Completed (decode)", |e| {
+            matches!(e, kvpipe::Event::Completed { .. })
+        });
+        tx.close(Duration::from_secs(5)).unwrap();
+        rx.close(Duration::from_secs(5)).unwrap();
+    }
+}

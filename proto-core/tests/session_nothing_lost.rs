@@ -608,3 +608,38 @@ fn a_listed_writer_that_writes_nothing_here_is_refused() {
         .register(now, registration(R, 16, &[0]))
         .unwrap();
 }
+
+/// A submission in two halves (the driver queries the engine without holding the sender):
+/// the query changes nothing, the runs are checked again when applied, and a request that
+/// ended in between refuses them.
+#[test]
+fn a_chunk_submitted_in_two_halves_is_checked_again_when_applied() {
+    let mut net = Net::connected(1, 1);
+    let mut source = TestSource::with(R, 100, 4);
+    net.register(0, registration(R, 16, &[0]));
+    net.open(0, send_request(R, &[0]));
+    let now = net.now;
+    let spec = chunk(0, 8, 16, false);
+    let query = net.senders[0].chunk_query(R, &spec).unwrap();
+    assert_eq!(query.windows().len(), 1);
+    assert_eq!(
+        net.senders[0].counters().slices,
+        0,
+        "the query changes nothing"
+    );
+    let runs = query.ask(&mut source).unwrap();
+    assert_eq!(source.queries, [(R, kvpipe_core::GroupIndex(0), 0, 2)]);
+    let slice = net.senders[0]
+        .submit_chunk_runs(now, R, spec, runs.clone())
+        .unwrap();
+    assert_eq!(slice, Some(kvpipe_core::SenderSliceId(0)));
+    // The next chunk's query, then a cancel before its answers are applied.
+    let next = chunk(8, 16, 16, true);
+    let query = net.senders[0].chunk_query(R, &next).unwrap();
+    let runs = query.ask(&mut source).unwrap();
+    net.senders[0].cancel(now, R).unwrap();
+    assert_eq!(
+        net.senders[0].submit_chunk_runs(now, R, next, runs),
+        Err(UsageError::SessionEnded(R))
+    );
+}

@@ -487,7 +487,10 @@ impl VerbsNode<Sender> {
         spec: ChunkSpec,
         source: &mut impl BlockSource,
     ) -> Result<Option<SenderSliceId>, UsageError> {
-        self.with(|ep, now| ep.submit_chunk(now, request, spec, source))
+        // The engine's block source runs with the driver unlocked (see kvpipe-tcp's).
+        let query = self.with(|ep, _| ep.chunk_query(request, &spec))?;
+        let runs = query.ask(source)?;
+        self.with(|ep, now| ep.submit_chunk_runs(now, request, spec, runs))
     }
 
     /// Submits the request's aux data.

@@ -166,9 +166,17 @@ impl TcpNode<Sender> {
         spec: ChunkSpec,
         source: &mut impl BlockSource,
     ) -> Result<Option<SenderSliceId>, UsageError> {
+        // The engine's block source runs with the node unlocked, so every connection's
+        // admissions and reports go on meanwhile; the sender checks the chunk again when the
+        // answers are applied.
+        let query = self
+            .node
+            .shared
+            .with(|ep, _| ep.chunk_query(request, &spec))?;
+        let runs = query.ask(source)?;
         self.node
             .shared
-            .with(|ep, now| ep.submit_chunk(now, request, spec, source))
+            .with(|ep, now| ep.submit_chunk_runs(now, request, spec, runs))
     }
 
     /// Submits the request's aux data.

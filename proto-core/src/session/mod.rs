@@ -81,7 +81,7 @@ pub use coverage::{CoverFault, GroupPart};
 pub use grants::GrantedExtents;
 
 pub use receiver::{Receiver, ReceiverInput, Registration};
-pub use sender::{SendRequest, Sender, SenderInput};
+pub use sender::{ChunkQuery, SendRequest, Sender, SenderInput};
 pub use transport::{
     is_data_write, Admission, DataPath, DataWriteHeaders, Endpoint, TransportInput, WriteRefusal,
     WriteTicket,

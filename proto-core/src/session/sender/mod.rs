@@ -111,6 +111,39 @@ pub enum SenderInput {
     },
 }
 
+/// The block windows one chunk needs, from [`Sender::chunk_query`]: what a driver asks the
+/// engine's block source without holding the sender.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ChunkQuery {
+    request: RequestId,
+    windows: SmallVec<[(GroupIndex, BlockWindow); 4]>,
+}
+
+impl ChunkQuery {
+    /// The chunk's block window in each group that sends something, in group order.
+    pub fn windows(&self) -> &[(GroupIndex, BlockWindow)] {
+        &self.windows
+    }
+
+    /// Asks `source` for every window's block run (bounded queries, one per window), in group
+    /// order: the runs [`Sender::submit_chunk_runs`] takes.
+    pub fn ask(
+        &self,
+        source: &mut impl BlockSource,
+    ) -> Result<Vec<(GroupIndex, BlockRun)>, UsageError> {
+        let request = self.request;
+        let mut runs = Vec::with_capacity(self.windows.len());
+        for &(group, w) in &self.windows {
+            let mut run = BlockRun::default();
+            source
+                .block_run(request, group, w.begin, w.end, &mut run)
+                .map_err(|error| UsageError::BlockSource { request, error })?;
+            runs.push((group, run));
+        }
+        Ok(runs)
+    }
+}
+
 /// A request the engine opens on the sender before submitting its chunks.
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
@@ -325,6 +358,11 @@ impl Sender {
     /// it, in order, when their registration arrives).
     ///
     /// Returns the slice's id, or `None` when the chunk completes no block (it sends nothing).
+    ///
+    /// A driver that shares the sender between threads should not hold it while the engine's
+    /// block source runs: it asks [`chunk_query`](Self::chunk_query) for the windows, queries
+    /// the source with the sender released ([`ChunkQuery::ask`]), and applies the answers with
+    /// [`submit_chunk_runs`](Self::submit_chunk_runs).
     pub fn submit_chunk(
         &mut self,
         now: Instant,
@@ -335,16 +373,49 @@ impl Sender {
         // The checks and the block windows are computed once, here: the engine's answers are
         // applied without computing them again.
         let next_phase = self.check_chunk(request, &spec)?;
-        let windows = self.chunk_windows(request, &spec)?;
-        let mut runs = Vec::with_capacity(windows.len());
-        for &(group, w) in &windows {
-            let mut run = BlockRun::default();
-            source
-                .block_run(request, group, w.begin, w.end, &mut run)
-                .map_err(|error| UsageError::BlockSource { request, error })?;
-            runs.push((group, run));
-        }
-        let outcome = self.apply_chunk(now, request, spec, next_phase, &windows, runs.clone())?;
+        let query = ChunkQuery {
+            request,
+            windows: self.chunk_windows(request, &spec)?,
+        };
+        let runs = query.ask(source)?;
+        let outcome =
+            self.apply_chunk(now, request, spec, next_phase, &query.windows, runs.clone())?;
+        self.record(SenderInput::Chunk {
+            now,
+            request,
+            spec,
+            runs,
+        });
+        outcome
+    }
+
+    /// The block windows chunk `spec` of `request` needs, after every check
+    /// [`submit_chunk`](Self::submit_chunk) makes before asking the engine (nothing changes):
+    /// the first half of a submission whose block queries run without the sender.
+    pub fn chunk_query(
+        &self,
+        request: RequestId,
+        spec: &ChunkSpec,
+    ) -> Result<ChunkQuery, UsageError> {
+        self.check_chunk(request, spec)?;
+        Ok(ChunkQuery {
+            request,
+            windows: self.chunk_windows(request, spec)?,
+        })
+    }
+
+    /// Applies a chunk whose block runs the engine gave for its [`chunk_query`](Self::chunk_query)
+    /// (the second half of a submission): the checks are made again, since the sender may have
+    /// changed in between (a cancel, a failure), and the runs must answer the chunk's windows.
+    /// Errors and outcome as [`submit_chunk`](Self::submit_chunk).
+    pub fn submit_chunk_runs(
+        &mut self,
+        now: Instant,
+        request: RequestId,
+        spec: ChunkSpec,
+        runs: Vec<(GroupIndex, BlockRun)>,
+    ) -> Result<Option<SenderSliceId>, UsageError> {
+        let outcome = self.on_chunk(now, request, spec, runs.clone())?;
         self.record(SenderInput::Chunk {
             now,
             request,
