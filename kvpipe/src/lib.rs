@@ -127,8 +127,8 @@
 //!   [`close`](Node::close). A command is applied to the endpoint at once and handed to the
 //!   transport before it returns; it never waits for the peer. A block source
 //!   ([`BlockSource`], or [`BlockTables`] over the engine's block
-//!   tables) is asked only for the blocks of the chunk being submitted, while the node is
-//!   locked: it must not call into the node.
+//!   tables) is asked only for the blocks of the chunk being submitted, with the node
+//!   unlocked (it may call into the node; the chunk is checked again when applied).
 //! - **Events**: [`next_event`](Node::next_event) blocks up to a timeout and returns the
 //!   endpoint's events in order: `PeerReady` / `PeerRejected` per peer; per request
 //!   `Registered` (prefill), then exactly one outcome — `Completed`, `Failed` (both sides learn

@@ -446,9 +446,9 @@ typedef struct kvpipe_block_run {
 // last gap. `begin == end` is an empty run anchored at `end`. `end` past the request's
 // allocated blocks is `KVPIPE_BLOCK_SOURCE_PAST_ALLOCATION`, never clamped. Cost O(end - begin).
 //
-// Called on the thread that submits the chunk, before the submit call returns, while the node
-// is locked: it must not call into the same node. `user` is the pointer given to the submit
-// call. Returns a [`kvpipe_block_source_status`] value.
+// Called on the thread that submits the chunk, before the submit call returns, with the node
+// unlocked (the chunk is checked again when the answers are applied). `user` is the pointer
+// given to the submit call. Returns a [`kvpipe_block_source_status`] value.
 typedef int32_t (*kvpipe_block_source_fn)(void *user,
                                           uint64_t request,
                                           uint16_t group,
