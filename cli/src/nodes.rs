@@ -9,7 +9,7 @@ use kvpipe_core::session::{Registration, SendRequest, UsageError};
 use kvpipe_core::wire::AuxData;
 use kvpipe_core::{
     BlockSource, ChunkSpec, Event, Instant, PeerId, ReceiverConfig, ReceiverSliceId, RequestId,
-    SenderConfig, SenderSliceId,
+    SenderConfig, Submitted,
 };
 use kvpipe_ibverbs::{
     DeviceSpec, Exposure, MemoryTable, VerbsConfig, VerbsDevice, VerbsReceiver, VerbsSender,
@@ -185,7 +185,7 @@ impl PrefillNode {
         request: RequestId,
         spec: ChunkSpec,
         source: &mut impl BlockSource,
-    ) -> Result<Option<SenderSliceId>, UsageError> {
+    ) -> Result<Submitted, UsageError> {
         match self {
             PrefillNode::Tcp(n) => n.submit_chunk(request, spec, source),
             PrefillNode::Verbs(n) => n.submit_chunk(request, spec, source),

@@ -181,7 +181,9 @@ pub use transport::VerbsConfig;
 
 /// The protocol core this crate drives, for what the re-exports below leave out.
 pub use kvpipe_core;
-pub use kvpipe_core::session::{Counters, Deadlines, Registration, SendRequest, UsageError};
+pub use kvpipe_core::session::{
+    Counters, Deadlines, EngineFault, Registration, SendRequest, Submitted, UsageError,
+};
 pub use kvpipe_core::wire::{AuxData, Topology};
 pub use kvpipe_core::{
     AnchoredRun, BlockId, BlockRun, BlockSource, BlockSourceError, ChunkSpec, ConfigError, Event,

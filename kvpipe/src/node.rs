@@ -8,7 +8,7 @@ use kvpipe_core::session::{Counters, Registration, SendRequest, UsageError};
 use kvpipe_core::wire::AuxData;
 use kvpipe_core::{
     BlockSource, ChunkSpec, Event, Instant, PeerId, Receiver, ReceiverSliceId, RequestId, Sender,
-    SenderSliceId,
+    Submitted,
 };
 use kvpipe_tcp::{TcpConfig, TcpNode};
 
@@ -292,14 +292,15 @@ impl Node<Sender> {
     /// Submits a computed prefill chunk; `source` answers the core's bounded block queries
     /// (see [`Sender::submit_chunk`]). The queries run with the node unlocked, so the
     /// transport's connections go on meanwhile (`source` may even call into this node); the
-    /// chunk is checked again when the answers are applied. `None`: the chunk completes no block
-    /// and sends nothing.
+    /// chunk is checked again when the answers are applied. The outcome: the slice sent,
+    /// nothing (the chunk completes no block), or the engine's fault (the request failed on
+    /// both sides; see [`Submitted`]).
     pub fn submit_chunk(
         &self,
         request: RequestId,
         spec: ChunkSpec,
         source: &mut impl BlockSource,
-    ) -> Result<Option<SenderSliceId>, EmbedError> {
+    ) -> Result<Submitted, EmbedError> {
         let query = self.command(|s, _| s.chunk_query(request, &spec))?;
         let runs = query.ask(source)?;
         self.command(|s, now| s.submit_chunk_runs(now, request, spec, runs))
@@ -313,7 +314,7 @@ impl Node<Sender> {
         prompt_len: u32,
         prepopulated_len: u32,
         source: &mut impl BlockSource,
-    ) -> Result<Option<SenderSliceId>, EmbedError> {
+    ) -> Result<Submitted, EmbedError> {
         self.command(|s, now| s.submit_prefix(now, request, prompt_len, prepopulated_len, source))
     }
 

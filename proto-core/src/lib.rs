@@ -187,8 +187,8 @@ pub use plan::{
     PairStats, PlanError, RankGroup, Side, WriteExtent, WritePlan,
 };
 pub use session::{
-    Admission, DataPath, Endpoint, Event, Output, Receiver, ReceiverConfig, ReceiverInput, Sender,
-    SenderConfig, SenderInput, TransportInput, WriteTicket,
+    Admission, DataPath, Endpoint, EngineFault, Event, Output, Receiver, ReceiverConfig,
+    ReceiverInput, Sender, SenderConfig, SenderInput, Submitted, TransportInput, WriteTicket,
 };
 pub use shard::{check_shard, writes_group, writes_to, ShardError};
 pub use source::{BlockSource, BlockSourceError};

@@ -5,7 +5,9 @@
 mod session_support;
 
 use kvpipe_core::session::state::{RecvPhase, SendPhase};
-use kvpipe_core::session::{BlockRunFault, CancelOrigin, Event, UsageError};
+use kvpipe_core::session::{
+    BlockRunFault, CancelOrigin, EngineFault, Event, Submitted, UsageError,
+};
 use kvpipe_core::wire::TransferStatus;
 use kvpipe_core::{
     BlockId, BlockRun, BlockSource, BlockSourceError, ChunkSpec, GroupIndex, RequestId,
@@ -55,13 +57,18 @@ fn spec(start: u32, end: u32, prepopulated_len: u32) -> ChunkSpec {
 }
 
 /// Submits a chunk and returns the sender's answer; pumps the network.
-fn submit(net: &mut Net, spec: ChunkSpec, source: &mut impl BlockSource) -> UsageError {
+/// Submits a chunk whose answer breaks the engine's contract: the call succeeds (it is no
+/// usage error) and its outcome is the engine's fault.
+fn submit(net: &mut Net, spec: ChunkSpec, source: &mut impl BlockSource) -> EngineFault {
     let now = net.now;
-    let err = net.senders[0]
+    let outcome = net.senders[0]
         .submit_chunk(now, R, spec, source)
-        .expect_err("the engine's mistake is refused");
+        .expect("an engine's fault is an outcome, not a usage error");
     net.pump();
-    err
+    match outcome {
+        Submitted::EngineFault(fault) => fault,
+        other => panic!("the engine's mistake was taken: {other:?}"),
+    }
 }
 
 /// Both sides ended the request with an engine error, quiesced, and nothing completed.
@@ -106,7 +113,7 @@ fn a_run_missing_its_head_in_a_full_attention_group() {
     });
     let err = submit(&mut net, spec(6, 16, 0), &mut headless);
     assert!(
-        matches!(err, UsageError::BlockRun(e) if e.fault == BlockRunFault::TooShort
+        matches!(err, EngineFault::BlockRun(e) if e.fault == BlockRunFault::TooShort
             && (e.asked.begin, e.asked.end, e.returned.begin, e.returned.end) == (1, 4, 3, 4)),
         "{err}"
     );
@@ -128,7 +135,7 @@ fn an_over_long_run_would_send_blocks_not_computed_yet() {
     });
     let err = submit(&mut net, spec(0, 6, 0), &mut whole);
     assert!(
-        matches!(err, UsageError::BlockRun(e) if e.fault == BlockRunFault::TooLong),
+        matches!(err, EngineFault::BlockRun(e) if e.fault == BlockRunFault::TooLong),
         "{err}"
     );
     assert_failed_on_both_sides(&net);
@@ -148,7 +155,7 @@ fn a_run_ending_early_would_never_send_the_last_block() {
     });
     let err = submit(&mut net, spec(6, 16, 0), &mut early);
     assert!(
-        matches!(err, UsageError::BlockRun(e) if e.fault == BlockRunFault::WrongEnd),
+        matches!(err, EngineFault::BlockRun(e) if e.fault == BlockRunFault::WrongEnd),
         "{err}"
     );
     assert_failed_on_both_sides(&net);
@@ -161,7 +168,7 @@ fn a_changed_prefix_would_send_blocks_twice() {
     let err = submit(&mut net, spec(6, 16, 6), &mut Bent(|_, _, _| {}));
     assert_eq!(
         err,
-        UsageError::PrefixChanged {
+        EngineFault::PrefixChanged {
             request: R,
             expected: 0,
             got: 6
@@ -183,7 +190,7 @@ fn the_failing_chunk_is_recorded_and_replays() {
         spec(0, 6, 0),
         &mut Bent(|_, _, run: &mut BlockRun| run.ids.push(BlockId(7))),
     );
-    assert!(matches!(err, UsageError::BlockRun(_)));
+    assert!(matches!(err, EngineFault::BlockRun(_)));
     let inputs = net.senders[0].take_recorded_inputs();
     assert!(inputs
         .iter()
@@ -231,7 +238,7 @@ fn a_failure_before_the_first_slice_names_no_slice() {
         spec(0, 6, 0),
         &mut Bent(|_, _, run: &mut BlockRun| run.first_ordinal += 1),
     );
-    assert!(matches!(err, UsageError::BlockRun(_)));
+    assert!(matches!(err, EngineFault::BlockRun(_)));
     let receiver = net.events(Side::Receiver(0));
     assert!(
         receiver.iter().any(|e| matches!(
@@ -256,7 +263,7 @@ fn an_early_prefix_and_the_chunks_send_every_block_exactly_once() {
         .submit_prefix(now, R, 16, 6, &mut source)
         .unwrap();
     net.pump();
-    assert!(early.is_some());
+    assert!(matches!(early, Submitted::Slice(_)));
     let early_spec = |start, end| ChunkSpec {
         prefix_sent_early: true,
         ..spec(start, end, 6)
@@ -314,13 +321,14 @@ fn a_chunk_whose_prompt_differs_from_the_registration_fails_both_sides() {
         prompt_len: 24,
         ..spec(0, 8, 0)
     };
-    let err = net.senders[0]
+    let outcome = net.senders[0]
         .submit_chunk(now, R, long, &mut source)
-        .unwrap_err();
+        .expect("an engine's fault is an outcome, not a usage error");
     net.pump();
+    let err = outcome.engine_fault().cloned().expect("the request failed");
     assert_eq!(
         err,
-        UsageError::PromptLenDiffersFromRegistration {
+        EngineFault::PromptLenDiffersFromRegistration {
             request: R,
             registered: 16,
             local: 24

@@ -263,8 +263,11 @@ fn usage_errors_change_nothing() {
         Err(UsageError::BlockSource { .. })
     ));
     assert_eq!(s.counters().slices, 0);
-    s.submit_chunk(now, R, chunk(0, 8, 16, false), &mut source)
-        .unwrap();
+    assert!(s
+        .submit_chunk(now, R, chunk(0, 8, 16, false), &mut source)
+        .unwrap()
+        .slice()
+        .is_some());
     assert_eq!(
         s.submit_chunk(now, R, chunk(4, 16, 16, true), &mut source),
         Err(UsageError::ChunkOutOfOrder {
@@ -285,8 +288,11 @@ fn usage_errors_change_nothing() {
         s.submit_chunk(now, R, chunk(8, 12, 16, true), &mut source),
         Err(UsageError::Geometry { .. })
     ));
-    s.submit_chunk(now, R, chunk(8, 16, 16, true), &mut source)
-        .unwrap();
+    assert!(s
+        .submit_chunk(now, R, chunk(8, 16, 16, true), &mut source)
+        .unwrap()
+        .slice()
+        .is_some());
     assert_eq!(
         s.submit_chunk(now, R, chunk(16, 16, 16, true), &mut source),
         Err(UsageError::ChunkAfterLast(R))

@@ -632,7 +632,7 @@ fn a_chunk_submitted_in_two_halves_is_checked_again_when_applied() {
     let slice = net.senders[0]
         .submit_chunk_runs(now, R, spec, runs.clone())
         .unwrap();
-    assert_eq!(slice, Some(kvpipe_core::SenderSliceId(0)));
+    assert_eq!(slice.slice(), Some(kvpipe_core::SenderSliceId(0)));
     // The next chunk's query, then a cancel before its answers are applied.
     let next = chunk(8, 16, 16, true);
     let query = net.senders[0].chunk_query(R, &next).unwrap();

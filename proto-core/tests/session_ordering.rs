@@ -172,9 +172,10 @@ fn late_registration_replays_queued_slices_in_order_exactly_once() {
             },
         })
         .unwrap();
-    net.senders[0]
+    let last = net.senders[0]
         .submit_chunk(now, R, chunk(16, 24, 24, true), &mut source)
         .unwrap();
+    assert_eq!(last.slice(), Some(SenderSliceId(2)));
     net.pump();
     assert_eq!(batches(&net), [0, 1, 2].map(SenderSliceId));
     let r = results(&net);

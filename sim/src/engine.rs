@@ -9,7 +9,9 @@
 //! An action that calls several endpoints in turn ([`EngineAction`]) is taken one call at a
 //! time ([`Engine::step`]), so the world can drain the endpoints after each call.
 
-use kvpipe_core::session::{Registration, SendRequest, SenderInput, UsageError};
+use kvpipe_core::session::{
+    EngineFault, Registration, SendRequest, SenderInput, Submitted, UsageError,
+};
 use kvpipe_core::wire::AuxData;
 use kvpipe_core::{ChunkSpec, Duration, Instant, RequestId};
 
@@ -284,9 +286,13 @@ impl Engine {
             if !self.rng.chance(0.3) {
                 return Called::Nothing;
             }
-            let res = stage.hosts.senders[rank]
-                .submit_chunk(now, request, spec, &mut stage.hosts.sender_caches[rank])
-                .map(|_| ());
+            let res = stage.hosts.senders[rank].submit_chunk(
+                now,
+                request,
+                spec,
+                &mut stage.hosts.sender_caches[rank],
+            );
+            let res = plain(stage, res, rank, request);
             expect_ended(stage, res, rank, request);
             return Called::Endpoint;
         }
@@ -349,7 +355,8 @@ impl Engine {
             if res.is_ok() && spec.is_last {
                 oracle.records[i].senders[w].last_chunk = true;
             }
-            stage.check(res.map(|_| ()), || format!("S{rank} submit {request}"));
+            let res = plain(stage, res, rank, request);
+            stage.check(res, || format!("S{rank} submit {request}"));
             return;
         }
         oracle.engine_mistakes += 1;
@@ -357,10 +364,15 @@ impl Engine {
         stage.note(|| format!("engine S{rank} mistaken chunk {request} ({mistake:?}): {res:?}"));
         match res {
             // Caught at once: the session ended with EngineError.
-            Err(UsageError::BlockRun(_) | UsageError::PrefixChanged { .. }) => {
+            Ok(Submitted::EngineFault(
+                EngineFault::BlockRun(_) | EngineFault::PrefixChanged { .. },
+            )) => {
                 oracle.records[i].fatal[w] = true;
             }
-            Ok(_) => {
+            Ok(Submitted::EngineFault(other)) => stage.anomaly(format!(
+                "S{rank} mistaken chunk {request} ({mistake:?}) gave {other:?}"
+            )),
+            Ok(Submitted::Slice(_) | Submitted::Nothing) => {
                 // A windowed group's short run: within the contract, so accepted; the writer's
                 // share check must fail it later.
                 if spec.is_last {
@@ -387,9 +399,13 @@ impl Engine {
         let spec = self.chunk_spec(i, k);
         let request = self.plans[i].id;
         let rank = self.plans[i].writers[w];
-        let res = stage.hosts.senders[rank]
-            .submit_chunk(now, request, spec, &mut stage.hosts.sender_caches[rank])
-            .map(|_| ());
+        let res = stage.hosts.senders[rank].submit_chunk(
+            now,
+            request,
+            spec,
+            &mut stage.hosts.sender_caches[rank],
+        );
+        let res = plain(stage, res, rank, request);
         if res.is_ok() && spec.is_last {
             oracle.records[i].senders[w].last_chunk = true;
         }
@@ -622,6 +638,24 @@ fn bend_registration(reg: &mut Registration, mistake: DecodeMistake, spare: &[us
                 }
             }
         }
+    }
+}
+
+/// A submission of a chunk the engine computed as it should: an engine fault there is the
+/// simulator's or the core's bug, an anomaly; a usage error is left to the caller's check.
+fn plain(
+    stage: &mut Stage,
+    res: Result<Submitted, UsageError>,
+    rank: usize,
+    request: RequestId,
+) -> Result<(), UsageError> {
+    match res {
+        Ok(Submitted::EngineFault(fault)) => {
+            stage.anomaly(format!("S{rank} plain chunk {request} gave {fault}"));
+            Ok(())
+        }
+        Ok(Submitted::Slice(_) | Submitted::Nothing) => Ok(()),
+        Err(e) => Err(e),
     }
 }
 

@@ -37,7 +37,7 @@ use kvpipe_core::wire::{AuxData, TransferStatus};
 use kvpipe_core::Endpoint as CoreEndpoint;
 use kvpipe_core::{
     BlockSource, ChunkSpec, Event, Instant, Output, PeerId, Receiver, ReceiverConfig,
-    ReceiverSliceId, RequestId, Sender, SenderConfig, SenderSliceId,
+    ReceiverSliceId, RequestId, Sender, SenderConfig, Submitted,
 };
 use kvpipe_observe::Observer;
 use parking_lot::{Condvar, Mutex, MutexGuard};
@@ -486,7 +486,7 @@ impl VerbsNode<Sender> {
         request: RequestId,
         spec: ChunkSpec,
         source: &mut impl BlockSource,
-    ) -> Result<Option<SenderSliceId>, UsageError> {
+    ) -> Result<Submitted, UsageError> {
         // The engine's block source runs with the driver unlocked (see kvpipe-tcp's).
         let query = self.with(|ep, _| ep.chunk_query(request, &spec))?;
         let runs = query.ask(source)?;

@@ -9,7 +9,7 @@ use kvpipe_core::session::{Counters, Registration, SendRequest, UsageError};
 use kvpipe_core::wire::AuxData;
 use kvpipe_core::{
     BlockSource, ChunkSpec, ConfigError, DataPath, Endpoint, Event, Instant, PeerId, Receiver,
-    ReceiverConfig, ReceiverSliceId, RequestId, Sender, SenderConfig, SenderSliceId,
+    ReceiverConfig, ReceiverSliceId, RequestId, Sender, SenderConfig, Submitted,
 };
 
 use crate::blocking::Threads;
@@ -165,7 +165,7 @@ impl TcpNode<Sender> {
         request: RequestId,
         spec: ChunkSpec,
         source: &mut impl BlockSource,
-    ) -> Result<Option<SenderSliceId>, UsageError> {
+    ) -> Result<Submitted, UsageError> {
         // The engine's block source runs with the node unlocked, so every connection's
         // admissions and reports go on meanwhile; the sender checks the chunk again when the
         // answers are applied.

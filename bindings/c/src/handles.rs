@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use kvpipe::{mem_pair, DecodeNode, EmbedError, Node, PrefillNode, Role};
 use kvpipe_core::session::SendRequest;
-use kvpipe_core::{PeerId, RequestId, SenderSliceId};
+use kvpipe_core::{PeerId, RequestId, SenderSliceId, Submitted};
 
 use crate::event::{kvpipe_event, EventStorage};
 use crate::source::{kvpipe_block_source_fn, CallbackSource};
@@ -460,7 +460,7 @@ fn submit_with_callback(
     source: kvpipe_block_source_fn,
     user: *mut c_void,
     slice_out: *mut u32,
-    submit: impl FnOnce(&mut CallbackSource) -> Result<Option<SenderSliceId>, EmbedError>,
+    submit: impl FnOnce(&mut CallbackSource) -> Result<Submitted, EmbedError>,
 ) -> Result<kvpipe_status, Failure> {
     let callback = source.ok_or_else(|| Failure::invalid("the block source callback is null"))?;
     let mut source = CallbackSource::new(callback, user);
@@ -470,10 +470,16 @@ fn submit_with_callback(
             "the block source callback returned {status}, which is no kvpipe_block_source_status"
         )));
     }
-    let slice = result?;
+    let outcome = result?;
     // SAFETY: null or writable (the caller's promise).
-    unsafe { put(slice_out, slice.map_or(NO_SLICE, |s| s.0)) };
-    Ok(KVPIPE_OK)
+    unsafe { put(slice_out, outcome.slice().map_or(NO_SLICE, |s| s.0)) };
+    match outcome {
+        Submitted::EngineFault(fault) => Err(Failure {
+            status: KVPIPE_ERR_ENGINE_FAULT,
+            message: fault.to_string(),
+        }),
+        Submitted::Slice(_) | Submitted::Nothing => Ok(KVPIPE_OK),
+    }
 }
 
 /// Submits a prefill chunk of `request` just computed. The core asks `source` (called with

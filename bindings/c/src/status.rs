@@ -20,8 +20,8 @@ pub enum kvpipe_status {
     /// not given, a block source callback returning an unknown status.
     KVPIPE_ERR_INVALID_ARGUMENT = -1,
     /// The core refused an engine command, its state unchanged (an unknown or retired request,
-    /// chunks out of order, a registration not matching the layout, …), or a block source broke
-    /// its contract (the request was then failed on both sides).
+    /// chunks out of order, a registration not matching the layout, …). An engine's broken
+    /// answer is `KVPIPE_ERR_ENGINE_FAULT`, not this.
     KVPIPE_ERR_USAGE = -2,
     /// The configuration cannot run pipelined transfer.
     KVPIPE_ERR_CONFIG = -3,
@@ -36,6 +36,11 @@ pub enum kvpipe_status {
     KVPIPE_ERR_CLOSED = -7,
     /// A panic was caught at the boundary (a bug in kvpipe; the message says where).
     KVPIPE_ERR_PANIC = -8,
+    /// The engine's answer to a submitted chunk broke its contract (a block source's run, a
+    /// changed prefix, a prompt length the receiver did not register; the message says which).
+    /// The submission was applied: the request was failed on both sides, and a
+    /// `KVPIPE_EVENT_FAILED` with `KVPIPE_TRANSFER_ENGINE_ERROR` (or a protocol error) follows.
+    KVPIPE_ERR_ENGINE_FAULT = -9,
 }
 
 use kvpipe_status::*;
@@ -138,6 +143,7 @@ pub extern "C" fn kvpipe_status_name(status: i32) -> *const c_char {
         -6 => c"KVPIPE_ERR_UNSUPPORTED",
         -7 => c"KVPIPE_ERR_CLOSED",
         -8 => c"KVPIPE_ERR_PANIC",
+        -9 => c"KVPIPE_ERR_ENGINE_FAULT",
         _ => c"unknown status",
     };
     name.as_ptr()

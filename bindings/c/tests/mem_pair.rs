@@ -38,6 +38,23 @@ unsafe extern "C" fn source(
     kvpipe_block_source_status::KVPIPE_BLOCK_SOURCE_OK as i32
 }
 
+/// A block source whose run stops one block short of the asked end.
+unsafe extern "C" fn ends_early(
+    user: *mut c_void,
+    request: u64,
+    group: u16,
+    begin: u32,
+    end: u32,
+    out: *mut kvpipe_block_run,
+) -> i32 {
+    // SAFETY: as `source`.
+    let status = unsafe { source(user, request, group, begin, end, out) };
+    // SAFETY: the run `source` just filled.
+    let out = unsafe { &mut *out };
+    out.len = out.len.saturating_sub(1);
+    status
+}
+
 fn config(group: &kvpipe_layer_group, region: &kvpipe_region) -> kvpipe_node_config {
     kvpipe_node_config {
         groups: group,
@@ -220,6 +237,46 @@ fn in_process_transfer_through_the_abi() {
         poll(
             &|ev| kvpipe_sender_poll_event(tx, 10, ev),
             kvpipe_event_kind::KVPIPE_EVENT_QUIESCED,
+        );
+
+        // A block source that breaks its contract (a run ending early): the request
+        // fails on both sides, and the call says so with its own status, not a usage error's.
+        assert_eq!(
+            kvpipe_sender_open(tx, 6, &peer, 1),
+            kvpipe_status::KVPIPE_OK
+        );
+        let chunk = kvpipe_chunk {
+            start: 0,
+            end: 6,
+            prompt_len: 10,
+            prepopulated_len: 0,
+            is_last: false,
+            prefix_sent_early: false,
+        };
+        let mut slice = 0;
+        let s = kvpipe_sender_submit_chunk(
+            tx,
+            6,
+            &chunk,
+            Some(ends_early),
+            ptr::null_mut(),
+            &mut slice,
+        );
+        assert_eq!(s, kvpipe_status::KVPIPE_ERR_ENGINE_FAULT, "{}", message());
+        assert!(
+            message().contains("does not end at the asked end"),
+            "{}",
+            message()
+        );
+        assert_eq!(slice, KVPIPE_NO_SLICE);
+        let failed = poll(
+            &|ev| kvpipe_sender_poll_event(tx, 10, ev),
+            kvpipe_event_kind::KVPIPE_EVENT_FAILED,
+        );
+        assert_eq!(failed.request, 6);
+        assert_eq!(
+            failed.status,
+            kvpipe_transfer_status::KVPIPE_TRANSFER_ENGINE_ERROR
         );
         kvpipe_sender_free(tx as *mut _);
         kvpipe_receiver_free(rx as *mut _);

@@ -15,8 +15,15 @@ create_exception!(
     kvpipe,
     UsageError,
     KvpipeError,
-    "The core refused an engine command (state unchanged), or a block source broke its contract \
-     (the request was failed on both sides)."
+    "The core refused an engine command; nothing changed."
+);
+create_exception!(
+    kvpipe,
+    EngineFaultError,
+    KvpipeError,
+    "The engine's answer to a submitted chunk broke its contract (a block source's run, a \
+     changed prefix, a prompt length the receiver did not register). The submission was \
+     applied: the request was failed on both sides, and a ``failed`` event follows."
 );
 create_exception!(
     kvpipe,

@@ -21,7 +21,9 @@ mod native {
     use pyo3::prelude::*;
 
     #[pymodule_export]
-    use super::errors::{ClosedError, ConfigError, KvpipeError, TransportError, UsageError};
+    use super::errors::{
+        ClosedError, ConfigError, EngineFaultError, KvpipeError, TransportError, UsageError,
+    };
     #[pymodule_export]
     use super::event::Event;
     #[pymodule_export]

@@ -15,7 +15,7 @@ use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::errors::to_py;
+use crate::errors::{to_py, EngineFaultError};
 use crate::event::Event;
 use crate::layout::{deadlines, layout, LayerGroup};
 use crate::pools::{pools, Pools};
@@ -266,7 +266,7 @@ impl Sender {
         if let Some(e) = source.error {
             return Err(e);
         }
-        Ok(result.map_err(to_py)?.map(|s| s.0))
+        submitted(result.map_err(to_py)?)
     }
 
     /// Sends the cached prefix (``prepopulated_len`` tokens) of ``request`` before its first
@@ -292,7 +292,7 @@ impl Sender {
         if let Some(e) = source.error {
             return Err(e);
         }
-        Ok(result.map_err(to_py)?.map(|s| s.0))
+        submitted(result.map_err(to_py)?)
     }
 
     /// Submits the aux data of ``request`` (the first generated token(s), draft tokens and
@@ -540,4 +540,14 @@ pub(crate) fn mem_pair(
             _pools: held,
         },
     ))
+}
+
+/// A submission's outcome as Python sees it: the slice id, `None` when nothing was sent, or
+/// [`EngineFaultError`] when the engine's answer failed the request.
+fn submitted(outcome: kvpipe::Submitted) -> PyResult<Option<u32>> {
+    match outcome {
+        kvpipe::Submitted::Slice(slice) => Ok(Some(slice.0)),
+        kvpipe::Submitted::Nothing => Ok(None),
+        kvpipe::Submitted::EngineFault(fault) => Err(EngineFaultError::new_err(fault.to_string())),
+    }
 }

@@ -89,8 +89,10 @@ def test_a_block_source_breaking_its_contract_fails_the_request_on_both_sides(pa
     tx, rx, _, _ = pair
     rx.register(7, 8, [(0, [1, 2])], [kvpipe.MEM_SENDER_PEER])
     tx.open_request(7, [kvpipe.MEM_RECEIVER_PEER])
-    with pytest.raises(kvpipe.UsageError, match="longer than asked.*failed on both sides"):
+    # Not a usage error (the call was fine, and it changed the state): its own exception.
+    with pytest.raises(kvpipe.EngineFaultError, match="longer than asked.*failed on both sides"):
         tx.submit_chunk(7, 0, 8, 8, lambda r, g, b, e: (b, list(range(e - b + 1))))
+    assert not issubclass(kvpipe.EngineFaultError, kvpipe.UsageError)
     failed, _ = until(rx, "failed")
     assert failed.status == "engine_error" and failed.request == 7
     until(rx, "quiesced")

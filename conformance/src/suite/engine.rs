@@ -5,7 +5,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use kvpipe_core::session::{
-    Deadlines, LocalHello, Registration, RequestTimings, SendRequest, UsageError, Wait,
+    Deadlines, LocalHello, Registration, RequestTimings, SendRequest, Submitted, UsageError, Wait,
 };
 use kvpipe_core::wire::{AuxData, Role, Topology, TransferStatus, VersionRange};
 use kvpipe_core::{
@@ -596,7 +596,14 @@ pub fn run_workload_with<H: Harness>(
                     .sender()
                     .submit_chunk(now, id, spec, &mut *sender_cache)
                 {
-                    Ok(slice) => sent = Some((now, slice.is_some())),
+                    Ok(Submitted::EngineFault(fault)) => {
+                        // The reference cache keeps its contract: a fault is the suite's bug.
+                        return Err(SuiteError::Usage {
+                            side: Role::Sender,
+                            message: fault.to_string(),
+                        });
+                    }
+                    Ok(outcome) => sent = Some((now, outcome.slice().is_some())),
                     // The session ended under the engine (a peer's cancel, a failure): a real
                     // engine stops submitting; so do we.
                     Err(UsageError::SessionEnded(_)) => {}

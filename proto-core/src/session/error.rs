@@ -1,7 +1,7 @@
 //! The endpoints' errors, kept apart (shared/STYLE.md): a peer's broken rule
 //! ([`ProtocolError`], which fails the session and travels as a status), the caller's bug
-//! ([`UsageError`], returned at once with nothing changed), and a block run that breaks the
-//! block-source contract ([`BlockRunError`]).
+//! ([`UsageError`], returned at once with nothing changed), and the engine's answer that breaks
+//! its contract ([`EngineFault`], an outcome: the request fails, the call itself was fine).
 
 use thiserror::Error;
 
@@ -287,26 +287,6 @@ pub enum UsageError {
         /// The geometry error.
         error: GeometryError,
     },
-    /// The block source answered a chunk's query with a run that breaks its contract. Unlike
-    /// every other usage error this one ends the request: the KV it described cannot be
-    /// trusted, so the request is failed on both sides with [`TransferStatus::EngineError`].
-    #[error("{0}; the request was failed on both sides")]
-    BlockRun(BlockRunError),
-    /// A chunk says another prefix was cached than the request's earlier chunks said. Like
-    /// [`UsageError::BlockRun`] it ends the request ([`TransferStatus::EngineError`]): blocks
-    /// would be sent twice or never.
-    #[error(
-        "chunk for {request} says {got} prefix tokens were cached, earlier chunks said \
-         {expected}; the request was failed on both sides"
-    )]
-    PrefixChanged {
-        /// The request.
-        request: RequestId,
-        /// Prefix length of earlier chunks.
-        expected: u32,
-        /// This chunk's prefix length.
-        got: u32,
-    },
     /// The block source could not answer a chunk's query.
     #[error("block source failed for {request}: {error}")]
     BlockSource {
@@ -461,20 +441,6 @@ pub enum UsageError {
     /// [`ProtocolError::RegistrationPastPrompt`] and [`ProtocolError::RegistrationShort`]).
     #[error(transparent)]
     RegistrationOutsidePrompt(ProtocolError),
-    /// A chunk's prompt length differs from what a receiver registered; the request was failed
-    /// on both sides (the KV of the other tokens would never move).
-    #[error(
-        "chunk for {request} has a prompt of {local} tokens, the receiver registered \
-         {registered}; the request was failed on both sides"
-    )]
-    PromptLenDiffersFromRegistration {
-        /// The request.
-        request: RequestId,
-        /// Prompt length the receiver registered.
-        registered: u32,
-        /// Prompt length of the chunk.
-        local: u32,
-    },
     /// The request asks for something pipelined transfer cannot do.
     #[error("{request} cannot be transferred: {error}")]
     Unsupported {
@@ -497,6 +463,46 @@ pub enum BlockRunFault {
     WrongEnd,
     /// Fewer blocks than asked for in a group that keeps every block (full attention).
     TooShort,
+}
+
+/// The engine's answer to a chunk (its block runs, its prefix, its prompt) broke the engine's
+/// side of the contract. Not a usage error: the submission was applied, and since the KV it
+/// describes cannot be trusted the request was failed on both sides
+/// ([`TransferStatus::EngineError`], or a protocol error towards a receiver whose registration
+/// disagrees); an [`Event::Failed`] follows. Returned as [`Submitted::EngineFault`].
+#[derive(Clone, Debug, PartialEq, Eq, Error)]
+pub enum EngineFault {
+    /// The block source answered a chunk's query with a run that breaks its contract.
+    #[error("{0}; the request was failed on both sides")]
+    BlockRun(BlockRunError),
+    /// A chunk says another prefix was cached than the request's earlier chunks said: blocks
+    /// would be sent twice or never.
+    #[error(
+        "chunk for {request} says {got} prefix tokens were cached, earlier chunks said \
+         {expected}; the request was failed on both sides"
+    )]
+    PrefixChanged {
+        /// The request.
+        request: RequestId,
+        /// Prefix length of earlier chunks.
+        expected: u32,
+        /// This chunk's prefix length.
+        got: u32,
+    },
+    /// A chunk's prompt length differs from what a receiver registered (the KV of the other
+    /// tokens would never move).
+    #[error(
+        "chunk for {request} has a prompt of {local} tokens, the receiver registered \
+         {registered}; the request was failed on both sides"
+    )]
+    PromptLenDiffersFromRegistration {
+        /// The request.
+        request: RequestId,
+        /// Prompt length the receiver registered.
+        registered: u32,
+        /// Prompt length of the chunk.
+        local: u32,
+    },
 }
 
 /// A block run the engine's block source returned that breaks its contract.

@@ -79,11 +79,11 @@ pub use config::{
 };
 pub use counters::{Counters, StatusCounts};
 pub use coverage::{CoverFault, GroupPart};
-pub use error::{BlockRunError, BlockRunFault, ProtocolError, UsageError};
+pub use error::{BlockRunError, BlockRunFault, EngineFault, ProtocolError, UsageError};
 pub use grants::GrantedExtents;
 
 pub use receiver::{Receiver, ReceiverInput, Registration};
-pub use sender::{ChunkQuery, SendRequest, Sender, SenderInput};
+pub use sender::{ChunkQuery, SendRequest, Sender, SenderInput, Submitted};
 pub use transport::{
     is_data_write, Admission, DataPath, DataWriteHeaders, Endpoint, TransportInput, WriteRefusal,
     WriteTicket,

@@ -562,11 +562,11 @@ impl Net {
         source: &mut impl BlockSource,
     ) -> Option<SenderSliceId> {
         let now = self.now;
-        let id = self.senders[i]
+        let outcome = self.senders[i]
             .submit_chunk(now, request, spec, source)
             .unwrap();
         self.pump();
-        id
+        outcome.slice()
     }
 
     pub fn aux(&mut self, i: usize, request: RequestId) {

@@ -15,8 +15,12 @@ class KvpipeError(Exception):
     """Base of kvpipe's errors; the message is the core's or the transport's own."""
 
 class UsageError(KvpipeError):
-    """The core refused an engine command (state unchanged), or a block source broke its
-    contract (the request was failed on both sides)."""
+    """The core refused an engine command; nothing changed."""
+
+class EngineFaultError(KvpipeError):
+    """The engine's answer to a submitted chunk broke its contract (a block source's run, a
+    changed prefix, a prompt length the receiver did not register). The submission was applied:
+    the request was failed on both sides, and a ``failed`` event follows."""
 
 class ConfigError(KvpipeError):
     """The configuration cannot run pipelined transfer."""

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use kvpipe_core::session::{Registration, SendRequest, UsageError};
 use kvpipe_core::wire::AuxData;
 use kvpipe_core::{
-    AnchoredRun, BlockSource, ChunkSpec, Event, PeerId, ReceiverSliceId, RequestId, SenderSliceId,
+    AnchoredRun, BlockSource, ChunkSpec, Event, PeerId, ReceiverSliceId, RequestId, Submitted,
 };
 
 use crate::CliError;
@@ -22,7 +22,7 @@ pub(super) trait PrefillSide {
         request: RequestId,
         spec: ChunkSpec,
         source: &mut impl BlockSource,
-    ) -> Result<Option<SenderSliceId>, UsageError>;
+    ) -> Result<Submitted, UsageError>;
     fn submit_aux(&self, request: RequestId, data: AuxData) -> Result<(), UsageError>;
     fn retire(&self, request: RequestId) -> Result<(), UsageError>;
 }
@@ -48,7 +48,7 @@ macro_rules! sides {
                 request: RequestId,
                 spec: ChunkSpec,
                 source: &mut impl BlockSource,
-            ) -> Result<Option<SenderSliceId>, UsageError> {
+            ) -> Result<Submitted, UsageError> {
                 <$prefill>::submit_chunk(self, request, spec, source)
             }
             fn submit_aux(&self, request: RequestId, data: AuxData) -> Result<(), UsageError> {

@@ -173,7 +173,7 @@ impl Sender {
         prompt_len: u32,
         prepopulated_len: u32,
         runs: Vec<(GroupIndex, BlockRun)>,
-    ) -> Result<Result<Option<SenderSliceId>, UsageError>, UsageError> {
+    ) -> Result<Submitted, UsageError> {
         let windows = self.check_prefix(request, prompt_len, prepopulated_len)?;
         let given: Vec<GroupIndex> = runs.iter().map(|(g, _)| *g).collect();
         if given.len() != windows.len() || given.iter().zip(&windows).any(|(a, (b, _))| a != b) {
@@ -187,7 +187,7 @@ impl Sender {
             let layout = &self.config.local.groups[usize::from(group.0)];
             if let Some(error) = check_run(request, *group, *asked, run, layout, prompt_len) {
                 self.fail_engine(now, request);
-                return Ok(Err(UsageError::BlockRun(error)));
+                return Ok(Submitted::EngineFault(EngineFault::BlockRun(error)));
             }
         }
         let session = self.sessions.get_mut(&request).expect("checked above");
@@ -195,20 +195,20 @@ impl Sender {
         session.prompt_len = Some(prompt_len);
         session.prepopulated_len = Some(prepopulated_len);
         if runs.is_empty() {
-            return Ok(Ok(None));
+            return Ok(Submitted::Nothing);
         }
-        Ok(Ok(Some(self.add_slice(now, request, false, runs))))
+        Ok(Submitted::Slice(self.add_slice(now, request, false, runs)))
     }
 
-    /// Applies a chunk. The outer error is a usage error (nothing changed); the inner one an
-    /// engine error that failed the session (the input was applied).
+    /// Applies a chunk. An error is a usage error (nothing changed); an engine's broken answer
+    /// is the outcome [`Submitted::EngineFault`] (the input was applied and failed the session).
     pub(super) fn on_chunk(
         &mut self,
         now: Instant,
         request: RequestId,
         spec: ChunkSpec,
         runs: Vec<(GroupIndex, BlockRun)>,
-    ) -> Result<Result<Option<SenderSliceId>, UsageError>, UsageError> {
+    ) -> Result<Submitted, UsageError> {
         let next_phase = self.check_chunk(request, &spec)?;
         let windows = self.chunk_windows(request, &spec)?;
         self.apply_chunk(now, request, spec, next_phase, &windows, runs)
@@ -241,7 +241,7 @@ impl Sender {
         next_phase: SendPhase,
         windows: &[(GroupIndex, BlockWindow)],
         runs: Vec<(GroupIndex, BlockRun)>,
-    ) -> Result<Result<Option<SenderSliceId>, UsageError>, UsageError> {
+    ) -> Result<Submitted, UsageError> {
         let given: Vec<GroupIndex> = runs.iter().map(|(g, _)| *g).collect();
         if given.len() != windows.len() || given.iter().zip(windows).any(|(a, (b, _))| a != b) {
             return Err(UsageError::RunsDoNotMatchChunk {
@@ -270,17 +270,19 @@ impl Sender {
                     local: spec.prompt_len,
                 },
             );
-            return Ok(Err(UsageError::PromptLenDiffersFromRegistration {
-                request,
-                registered,
-                local: spec.prompt_len,
-            }));
+            return Ok(Submitted::EngineFault(
+                EngineFault::PromptLenDiffersFromRegistration {
+                    request,
+                    registered,
+                    local: spec.prompt_len,
+                },
+            ));
         }
         let session = self.sessions.get_mut(&request).expect("checked above");
         if let Some(expected) = session.prepopulated_len {
             if spec.prepopulated_len != expected {
                 self.fail_engine(now, request);
-                return Ok(Err(UsageError::PrefixChanged {
+                return Ok(Submitted::EngineFault(EngineFault::PrefixChanged {
                     request,
                     expected,
                     got: spec.prepopulated_len,
@@ -291,7 +293,7 @@ impl Sender {
             let layout = &self.config.local.groups[usize::from(group.0)];
             if let Some(error) = check_run(request, *group, *asked, run, layout, spec.prompt_len) {
                 self.fail_engine(now, request);
-                return Ok(Err(UsageError::BlockRun(error)));
+                return Ok(Submitted::EngineFault(EngineFault::BlockRun(error)));
             }
         }
         let session = self.sessions.get_mut(&request).expect("checked above");
@@ -303,10 +305,15 @@ impl Sender {
             session.timings.last_chunk = Some(now);
         }
         if runs.is_empty() && !spec.is_last {
-            return Ok(Ok(None));
+            return Ok(Submitted::Nothing);
         }
         session.phase = next_phase;
-        Ok(Ok(Some(self.add_slice(now, request, spec.is_last, runs))))
+        Ok(Submitted::Slice(self.add_slice(
+            now,
+            request,
+            spec.is_last,
+            runs,
+        )))
     }
 
     /// Creates a slice of the request from its block runs and writes it to every receiver that

@@ -23,8 +23,8 @@ use super::state::{SendEvent, SendPhase, TargetEvent, TargetPhase, Transition};
 use super::timers::TimerKey;
 use super::transport::{Admission, DataWriteHeaders, Endpoint, TransportInput, WriteRefusal};
 use super::{
-    frame_kind, BlockRunError, BlockRunFault, CancelOrigin, CloseReason, Counters, Event, Output,
-    ProtocolError, RequestTimings, UsageError, Wait, WriteBatchId,
+    frame_kind, BlockRunError, BlockRunFault, CancelOrigin, CloseReason, Counters, EngineFault,
+    Event, Output, ProtocolError, RequestTimings, UsageError, Wait, WriteBatchId,
 };
 use crate::blocks::BlockRun;
 use crate::config::{ConfigError, PipelineConfig};
@@ -37,6 +37,41 @@ use crate::wire::{
     AuxData, AuxResult, Cancel, CancelReason, Frame, KvResult, RecvRegistration, Role,
     TransferStatus, MAX_BODY_LEN,
 };
+
+/// What became of a submitted chunk or prefix (the `Ok` of [`Sender::submit_chunk`],
+/// [`Sender::submit_chunk_runs`] and [`Sender::submit_prefix`]). An engine fault is also
+/// reported as the request's [`Event::Failed`], so a driver that only follows events misses
+/// nothing but the fault's description.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Submitted {
+    /// A slice was created; it goes out to every receiver that registered (the others get it,
+    /// in order, when their registration arrives).
+    Slice(SenderSliceId),
+    /// The chunk completes no block (or the prefix fills none): nothing is sent.
+    Nothing,
+    /// The engine's answer broke its contract: the request was failed on both sides and an
+    /// [`Event::Failed`] follows. The call itself was fine (this is no usage error); the
+    /// fault says what the engine got wrong.
+    EngineFault(EngineFault),
+}
+
+impl Submitted {
+    /// The slice created, if one was.
+    pub fn slice(&self) -> Option<SenderSliceId> {
+        match self {
+            Submitted::Slice(id) => Some(*id),
+            Submitted::Nothing | Submitted::EngineFault(_) => None,
+        }
+    }
+
+    /// The engine's fault, if the submission failed the request.
+    pub fn engine_fault(&self) -> Option<&EngineFault> {
+        match self {
+            Submitted::EngineFault(fault) => Some(fault),
+            Submitted::Slice(_) | Submitted::Nothing => None,
+        }
+    }
+}
 
 /// One input to a [`Sender`]: everything that can change its state, as data, so a recorded list
 /// of inputs replays into a fresh sender with the same outputs. Every input carries `now`.
@@ -357,7 +392,10 @@ impl Sender {
     /// a slice is created and written to every receiver that has registered (the others get
     /// it, in order, when their registration arrives).
     ///
-    /// Returns the slice's id, or `None` when the chunk completes no block (it sends nothing).
+    /// Returns what became of the chunk ([`Submitted`]): a slice, nothing (the chunk completes
+    /// no block), or the engine's fault (its block runs broke the [`BlockSource`] contract, or
+    /// its prefix or prompt length changed: the request was failed on both sides, the call
+    /// itself was fine). An error is a usage error, with nothing changed.
     ///
     /// A driver that shares the sender between threads should not hold it while the engine's
     /// block source runs: it asks [`chunk_query`](Self::chunk_query) for the windows, queries
@@ -369,7 +407,7 @@ impl Sender {
         request: RequestId,
         spec: ChunkSpec,
         source: &mut impl BlockSource,
-    ) -> Result<Option<SenderSliceId>, UsageError> {
+    ) -> Result<Submitted, UsageError> {
         // The checks and the block windows are computed once, here: the engine's answers are
         // applied without computing them again.
         let next_phase = self.check_chunk(request, &spec)?;
@@ -386,7 +424,7 @@ impl Sender {
             spec,
             runs,
         });
-        outcome
+        Ok(outcome)
     }
 
     /// The block windows chunk `spec` of `request` needs, after every check
@@ -414,7 +452,7 @@ impl Sender {
         request: RequestId,
         spec: ChunkSpec,
         runs: Vec<(GroupIndex, BlockRun)>,
-    ) -> Result<Option<SenderSliceId>, UsageError> {
+    ) -> Result<Submitted, UsageError> {
         let outcome = self.on_chunk(now, request, spec, runs.clone())?;
         self.record(SenderInput::Chunk {
             now,
@@ -422,14 +460,15 @@ impl Sender {
             spec,
             runs,
         });
-        outcome
+        Ok(outcome)
     }
 
     /// Sends the request's cached prefix before its first chunk (see [`SenderInput::Prefix`]):
     /// the fully cached blocks `[0, prepopulated_len / tpb)` (from the stale boundary in a
     /// windowed group), so only the computed part waits for prefill. The request's chunks must
-    /// then set [`ChunkSpec::prefix_sent_early`]. Returns the slice's id, or `None` when the
-    /// prefix fills no whole block.
+    /// then set [`ChunkSpec::prefix_sent_early`]. Returns the slice ([`Submitted::Slice`]),
+    /// [`Submitted::Nothing`] when the prefix fills no whole block, or the engine's fault as
+    /// for [`submit_chunk`](Self::submit_chunk).
     pub fn submit_prefix(
         &mut self,
         now: Instant,
@@ -437,7 +476,7 @@ impl Sender {
         prompt_len: u32,
         prepopulated_len: u32,
         source: &mut impl BlockSource,
-    ) -> Result<Option<SenderSliceId>, UsageError> {
+    ) -> Result<Submitted, UsageError> {
         let windows = self.check_prefix(request, prompt_len, prepopulated_len)?;
         let mut runs = Vec::with_capacity(windows.len());
         for (group, w) in windows {
@@ -455,7 +494,7 @@ impl Sender {
             prepopulated_len,
             runs,
         });
-        outcome
+        Ok(outcome)
     }
 
     /// Submits the request's aux data (see [`SenderInput::Aux`]).
@@ -492,7 +531,8 @@ impl Sender {
                 spec,
                 runs,
             } => self.on_chunk(now, request, spec, runs).map(|_| ()),
-            // (An engine error inside `on_chunk` ended the session: the input was applied.)
+            // (An engine fault inside `on_chunk` is an outcome: it ended the session, and the
+            // input was applied.)
             SenderInput::Prefix {
                 now,
                 request,
