@@ -8,14 +8,15 @@
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
+use kvpipe::{DecodeNode, NodeConfig};
 use kvpipe_conformance::cache::{CacheSpec, GroupSpec, ReferenceCache};
 use kvpipe_conformance::suite::demo::{percentile, Model};
-use kvpipe_core::session::{Deadlines, LocalHello, Registration};
-use kvpipe_core::wire::{Role, Topology};
-use kvpipe_core::{Event, InstanceId, PeerId, RequestId};
+use kvpipe_core::session::{Deadlines, Registration};
+use kvpipe_core::wire::Role;
+use kvpipe_core::{Event, PeerId, RequestId};
 use serde::Serialize;
 
-use super::nodes::{DecodeNode, TransportChoice};
+use super::nodes::{decode_node, TransportChoice};
 use super::observe::MetricsEndpoint;
 use super::outcome::Failures;
 use super::{preflight, CliError};
@@ -156,14 +157,6 @@ pub(crate) fn two_process_deadlines() -> Deadlines {
     }
 }
 
-/// A per-process instance id (pid and start time), so restarts are told apart.
-pub(crate) fn instance_id() -> InstanceId {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos() as u64);
-    InstanceId(nanos ^ (u64::from(std::process::id()) << 40))
-}
-
 #[derive(Debug, Serialize)]
 struct ServeReport {
     role: &'static str,
@@ -230,12 +223,13 @@ pub(crate) fn run(args: ServeArgs) -> Result<ExitCode, CliError> {
         1000,
     )?;
     memory.place(&mut cache).map_err(|e| e.to_string())?;
-    let local = LocalHello::new(instance_id(), Topology::default(), cache.layouts());
-    let mut config = kvpipe_core::ReceiverConfig::new(local, instance_id().0);
-    config.deadlines = two_process_deadlines();
+    let config = NodeConfig {
+        deadlines: two_process_deadlines(),
+        ..NodeConfig::new(cache.layouts())
+    };
     // SAFETY: `cache` outlives the node (shut down below) and is touched only for registrations
     // and for verification after each request quiesced.
-    let rx = unsafe { DecodeNode::new(&transport, config, &mut cache, args.data_path)? };
+    let rx = unsafe { decode_node(&transport, config, &mut cache, args.data_path)? };
     let addr = rx.listen(args.listen.as_str())?;
     eprintln!("kvpipe serve: listening on {addr}");
     if let Some(m) = &metrics {
@@ -247,7 +241,7 @@ pub(crate) fn run(args: ServeArgs) -> Result<ExitCode, CliError> {
         let peer = wait_for_prefill_node(&rx, accept_deadline)?;
         // A peer may leave right after its handshake; registering for it then would wait for
         // a writer that never comes. Wait for another one instead.
-        if rx.is_peer_ready(peer) {
+        if rx.is_peer_ready(peer)? {
             break peer;
         }
         eprintln!("kvpipe serve: {peer} left right after its handshake; waiting for another");
@@ -255,7 +249,12 @@ pub(crate) fn run(args: ServeArgs) -> Result<ExitCode, CliError> {
     eprintln!("kvpipe serve: prefill node connected as {peer}");
     // A prefill side keeping a smaller window (allowed: the handshake only refuses a smaller
     // one here) never sends the blocks before its own stale boundary: they are not checked.
-    let sender_windows = rx.peer_windows(peer).unwrap_or_default();
+    let sender_windows: Vec<Option<u32>> = rx
+        .peer_groups(peer)?
+        .unwrap_or_default()
+        .iter()
+        .map(|g| g.window)
+        .collect();
     for (g, (l, sent)) in cache.layouts().iter().zip(&sender_windows).enumerate() {
         let kept = l.window.unwrap_or(u32::MAX);
         if let Some(sent) = sent.filter(|&w| w < kept && w < args.prompt_tokens) {
@@ -287,7 +286,7 @@ pub(crate) fn run(args: ServeArgs) -> Result<ExitCode, CliError> {
     }
     // If it left meanwhile, requests registered after its departure would wait for it until
     // their deadline: end them now (those registered before it left have failed already).
-    let left_early = !rx.is_peer_ready(peer);
+    let left_early = !rx.is_peer_ready(peer)?;
     if left_early {
         for &request in &ids {
             let _ = rx.cancel(request);
@@ -304,7 +303,7 @@ pub(crate) fn run(args: ServeArgs) -> Result<ExitCode, CliError> {
         if Instant::now() > limit {
             return Err("the transfer did not finish in 900 s".into());
         }
-        match rx.next_event(Duration::from_millis(200)) {
+        match rx.next_event(Duration::from_millis(200))? {
             Some(Event::Completed {
                 request,
                 bytes_written,
@@ -337,7 +336,9 @@ pub(crate) fn run(args: ServeArgs) -> Result<ExitCode, CliError> {
     let seconds = last_completion.duration_since(start).as_secs_f64();
     // Every request quiesced: no transfer touches the pools. Device pools are read back whole.
     cache.sync_from_device()?;
-    let (data_path, writes_placed) = (rx.data_path(), rx.writes_placed());
+    let path = rx.data_path()?;
+    let (data_path, writes_placed, writes_refused) =
+        (path.path, path.writes_placed, path.writes_refused);
     let mismatched_blocks: usize = completed
         .iter()
         .map(|&r| {
@@ -346,7 +347,6 @@ pub(crate) fn run(args: ServeArgs) -> Result<ExitCode, CliError> {
             bad.unwrap_or_else(|_| cache.verify(r)).len()
         })
         .sum();
-    let writes_refused = rx.writes_refused();
     // An orderly close: what is still queued (the last results) reaches the other side before
     // this process exits.
     if let Err(e) = rx.close(Duration::from_secs(10)) {
@@ -472,7 +472,7 @@ fn wait_for_prefill_node(rx: &DecodeNode, deadline: Instant) -> Result<PeerId, C
                 .into(),
             });
         }
-        match rx.next_event(left) {
+        match rx.next_event(left)? {
             Some(Event::PeerReady {
                 peer,
                 role: Role::Sender,

@@ -160,6 +160,7 @@ mod gpu;
 mod mem;
 mod node;
 mod role;
+mod stats;
 mod tables;
 mod transport;
 #[cfg(feature = "verbs")]
@@ -174,6 +175,7 @@ pub use kvpipe_tcp::{TcpConfig, TcpDataPath};
 pub use mem::{MEM_RECEIVER_PEER, MEM_SENDER_PEER};
 pub use node::{mem_pair, DecodeNode, Node, PrefillNode};
 pub use role::Role;
+pub use stats::DataPathStats;
 pub use tables::BlockTables;
 pub use transport::Transport;
 #[cfg(feature = "verbs")]

@@ -7,14 +7,15 @@ use std::time::Duration;
 use kvpipe_core::session::{Counters, Registration, SendRequest, UsageError};
 use kvpipe_core::wire::AuxData;
 use kvpipe_core::{
-    BlockSource, ChunkSpec, Event, Instant, PeerId, Receiver, ReceiverSliceId, RequestId, Sender,
-    Submitted,
+    BlockSource, ChunkSpec, Event, Instant, LayerGroupLayout, PeerId, Receiver, ReceiverSliceId,
+    RequestId, Sender, Submitted,
 };
 use kvpipe_tcp::{TcpConfig, TcpNode};
 
 use crate::config::{check_regions, tcp_regions, NodeConfig, RawRegion};
 use crate::mem::{self, MemSide};
 use crate::role::Role;
+use crate::stats::DataPathStats;
 use crate::transport::Transport;
 use crate::EmbedError;
 
@@ -114,6 +115,36 @@ impl<E: Role> Node<E> {
     /// Sessions the endpoint still holds (not retired).
     pub fn session_count(&self) -> Result<usize, EmbedError> {
         self.read(|e| e.session_count())
+    }
+
+    /// The path this node's KV takes and what its transport counted on it.
+    pub fn data_path(&self) -> Result<DataPathStats, EmbedError> {
+        self.with(|inner| {
+            Ok(match inner {
+                Inner::Tcp(node) => {
+                    let stats = node.stats();
+                    DataPathStats {
+                        path: if stats.peer_copy_peers > 0 {
+                            "peer-copy"
+                        } else {
+                            "socket"
+                        },
+                        bytes_placed: stats.bytes_placed,
+                        writes_placed: stats.writes_placed,
+                        writes_refused: stats.writes_refused,
+                    }
+                }
+                Inner::Mem(_) => DataPathStats {
+                    path: "mem",
+                    ..DataPathStats::default()
+                },
+                #[cfg(feature = "verbs")]
+                Inner::Verbs(_) => DataPathStats {
+                    path: "rdma",
+                    ..DataPathStats::default()
+                },
+            })
+        })
     }
 }
 
@@ -367,6 +398,12 @@ impl Node<Receiver> {
             }
         };
         Ok(Node::from_inner(inner))
+    }
+
+    /// The layer groups `peer` declared in its handshake (its layout: windows, heads, layers),
+    /// or `None` before the handshake completed or once the peer is gone.
+    pub fn peer_groups(&self, peer: PeerId) -> Result<Option<Vec<LayerGroupLayout>>, EmbedError> {
+        self.read(|e: &Receiver| e.peer_groups(peer).map(<[_]>::to_vec))
     }
 
     /// A decode node over TCP with `config.tcp`'s settings (whatever `config.transport` says):

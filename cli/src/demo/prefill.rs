@@ -5,18 +5,19 @@
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
+use kvpipe::{EmbedError, NodeConfig};
 use kvpipe_conformance::cache::AllocationStyle;
 use kvpipe_conformance::suite::demo::{median, percentile};
 use kvpipe_conformance::suite::PoolMemory;
-use kvpipe_core::session::{LocalHello, SendRequest, UsageError};
-use kvpipe_core::wire::{AuxData, Topology};
-use kvpipe_core::{ChunkSpec, Event, RequestId, SenderConfig};
+use kvpipe_core::session::{SendRequest, UsageError};
+use kvpipe_core::wire::AuxData;
+use kvpipe_core::{ChunkSpec, Event, RequestId};
 use serde::Serialize;
 
 use super::DemoArgs;
-use crate::nodes::{PrefillNode, TransportChoice};
+use crate::nodes::{prefill_node, TransportChoice};
 use crate::outcome::Failures;
-use crate::serve::{instance_id, two_process_cache, two_process_deadlines};
+use crate::serve::{two_process_cache, two_process_deadlines};
 use crate::CliError;
 
 #[derive(Debug, Serialize)]
@@ -61,22 +62,25 @@ pub(super) fn run(args: &DemoArgs, addr: &str, memory: PoolMemory) -> Result<Exi
     )?;
     // Device pools: every computed chunk is uploaded before it is submitted.
     memory.place(&mut cache).map_err(|e| e.to_string())?;
-    let local = LocalHello::new(instance_id(), Topology::default(), cache.layouts());
-    let mut config = SenderConfig::new(local);
-    config.deadlines = two_process_deadlines();
+    let config = NodeConfig {
+        deadlines: two_process_deadlines(),
+        ..NodeConfig::new(cache.layouts())
+    };
     let connections = args.connections.clamp(1, 255);
     let transport = TransportChoice::parse(&args.transport, connections, args.device.as_deref())?;
     // SAFETY: `cache` outlives the node (shut down below); the engine computes only blocks no
     // transfer reads (a chunk's blocks are sent after they are computed, and stay untouched).
-    let tx = unsafe { PrefillNode::new(&transport, config, &mut cache, args.data_path)? };
-    let peer = tx.connect(addr)?;
+    let tx = unsafe { prefill_node(&transport, config, &mut cache, args.data_path)? };
+    let peer = tx
+        .connect(addr)
+        .map_err(|e| format!("connecting to {addr}: {e}"))?;
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
             return Err("the decode side did not complete the handshake".into());
         }
-        match tx.next_event(left) {
+        match tx.next_event(left)? {
             Some(Event::PeerReady { .. }) => break,
             Some(Event::PeerRejected { message, .. }) => {
                 return Err(format!("the handshake failed: {message}").into())
@@ -151,7 +155,7 @@ pub(super) fn run(args: &DemoArgs, addr: &str, memory: PoolMemory) -> Result<Exi
             if submitted.is_none() {
                 next_start[i] = u32::MAX;
             }
-            while let Some((_, e)) = tx.next_event_at(Duration::ZERO) {
+            while let Some(e) = tx.next_event(Duration::ZERO)? {
                 failures.note(&e);
                 events.push((Instant::now(), e));
             }
@@ -171,7 +175,7 @@ pub(super) fn run(args: &DemoArgs, addr: &str, memory: PoolMemory) -> Result<Exi
         if Instant::now() > limit {
             return Err("the transfer did not finish in 900 s".into());
         }
-        if let Some(e) = tx.next_event(Duration::from_millis(200)) {
+        if let Some(e) = tx.next_event(Duration::from_millis(200))? {
             failures.note(&e);
             events.push((Instant::now(), e));
         }
@@ -197,7 +201,8 @@ pub(super) fn run(args: &DemoArgs, addr: &str, memory: PoolMemory) -> Result<Exi
     for &id in &ids {
         let _ = tx.retire(id);
     }
-    let (data_path, bytes_placed) = (tx.data_path(), tx.bytes_placed());
+    let path = tx.data_path()?;
+    let (data_path, bytes_placed) = (path.path, path.bytes_placed);
     // An orderly close: what is still queued (the last results) reaches the other side before
     // this process exits.
     if let Err(e) = tx.close(Duration::from_secs(10)) {
@@ -267,10 +272,10 @@ pub(super) fn run(args: &DemoArgs, addr: &str, memory: PoolMemory) -> Result<Exi
 
 /// A command's result, with "the request already ended" turned into `None`: the request's
 /// failure event (already queued) says why.
-fn ended_is_ok<T>(r: Result<T, UsageError>) -> Result<Option<T>, UsageError> {
+fn ended_is_ok<T>(r: Result<T, EmbedError>) -> Result<Option<T>, EmbedError> {
     match r {
         Ok(v) => Ok(Some(v)),
-        Err(UsageError::SessionEnded(_)) => Ok(None),
+        Err(EmbedError::Usage(UsageError::SessionEnded(_))) => Ok(None),
         Err(e) => Err(e),
     }
 }
