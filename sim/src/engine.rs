@@ -286,13 +286,7 @@ impl Engine {
             if !self.rng.chance(0.3) {
                 return Called::Nothing;
             }
-            let res = stage.hosts.senders[rank].submit_chunk(
-                now,
-                request,
-                spec,
-                &mut stage.hosts.sender_caches[rank],
-            );
-            let res = plain(stage, res, rank, request);
+            let res = submit_computed(stage, now, rank, request, spec);
             expect_ended(stage, res, rank, request);
             return Called::Endpoint;
         }
@@ -355,7 +349,14 @@ impl Engine {
             if res.is_ok() && spec.is_last {
                 oracle.records[i].senders[w].last_chunk = true;
             }
-            let res = plain(stage, res, rank, request);
+            let res = match res {
+                Ok(Submitted::EngineFault(fault)) => {
+                    stage.anomaly(format!("S{rank} unbent chunk {request} gave {fault}"));
+                    Ok(())
+                }
+                Ok(_) => Ok(()),
+                Err(e) => Err(e),
+            };
             stage.check(res, || format!("S{rank} submit {request}"));
             return;
         }
@@ -399,13 +400,7 @@ impl Engine {
         let spec = self.chunk_spec(i, k);
         let request = self.plans[i].id;
         let rank = self.plans[i].writers[w];
-        let res = stage.hosts.senders[rank].submit_chunk(
-            now,
-            request,
-            spec,
-            &mut stage.hosts.sender_caches[rank],
-        );
-        let res = plain(stage, res, rank, request);
+        let res = submit_computed(stage, now, rank, request, spec);
         if res.is_ok() && spec.is_last {
             oracle.records[i].senders[w].last_chunk = true;
         }
@@ -641,14 +636,22 @@ fn bend_registration(reg: &mut Registration, mistake: DecodeMistake, spare: &[us
     }
 }
 
-/// A submission of a chunk the engine computed as it should: an engine fault there is the
-/// simulator's or the core's bug, an anomaly; a usage error is left to the caller's check.
-fn plain(
+/// Sender `rank` submits a chunk its engine computed as it should, answered by its own cache:
+/// an engine fault there is the simulator's or the core's bug, an anomaly; a usage error is
+/// left to the caller's check.
+fn submit_computed(
     stage: &mut Stage,
-    res: Result<Submitted, UsageError>,
+    now: Instant,
     rank: usize,
     request: RequestId,
+    spec: ChunkSpec,
 ) -> Result<(), UsageError> {
+    let res = stage.hosts.senders[rank].submit_chunk(
+        now,
+        request,
+        spec,
+        &mut stage.hosts.sender_caches[rank],
+    );
     match res {
         Ok(Submitted::EngineFault(fault)) => {
             stage.anomaly(format!("S{rank} plain chunk {request} gave {fault}"));
