@@ -162,6 +162,7 @@ pub mod blocks;
 pub mod config;
 pub mod geometry;
 pub mod ids;
+pub mod layers;
 pub mod layout;
 pub mod plan;
 pub mod session;
@@ -181,10 +182,11 @@ pub use ids::{
     BlockId, GrantId, GroupIndex, InstanceId, PeerId, ReceiverSliceId, RegionId, RequestId,
     SenderSliceId,
 };
+pub use layers::{LayerOrder, LayerOrderError, LayerRange};
 pub use layout::{BlockLayout, GroupShard, LayerGroupLayout, PoolLayout};
 pub use plan::{
-    check_pairable, plan_group, plan_group_with_cursor, plan_rank_group, DstCursor, GroupPairing,
-    PairStats, PlanError, RankGroup, Side, WriteExtent, WritePlan,
+    check_pairable, plan_group, plan_group_with_cursor, plan_rank_group, plan_rank_group_layers,
+    DstCursor, GroupPairing, PairStats, PlanError, RankGroup, Side, WriteExtent, WritePlan,
 };
 pub use session::{
     Admission, DataPath, Endpoint, Event, Output, Receiver, ReceiverConfig, ReceiverInput, Sender,
