@@ -6,13 +6,13 @@
 //!
 //! A case is a network configuration and a list of [`Step`]s. Most steps are real inputs
 //! ([`Step::Sender`], [`Step::Receiver`]): arbitrary engine commands (open, chunk with arbitrary
-//! block runs, aux, cancel, retire, register with arbitrary anchored runs), transport reports,
+//! block runs, a layer range of a chunk, aux, cancel, retire, register with arbitrary anchored runs), transport reports,
 //! arbitrary frame bytes from a hostile peer, and arbitrary data-write headers, which go
 //! through [`Receiver::admit_write`]. The harness folds each into the case's small world before
 //! applying it (the endpoints would refuse most raw values at once): `now` is the case's clock,
 //! request ids fall into four, peers are the pair's, batch ids and write tickets name ones that
 //! are pending, and connection reports reach both ends (the transport contract). A few steps
-//! are conveniences that make progress likely: a well-formed chunk from a fixed block source,
+//! are conveniences that make progress likely: a well-formed chunk from a fixed block source (whole, or the next layer range of one),
 //! a well-formed registration, a batch that lands through admission and completes, a
 //! data-write header inside the request's grant, frames delivered as they fall due.
 //!
@@ -20,7 +20,7 @@
 //!
 //! - nothing panics (every input, however wrong — including arbitrary bytes from a hostile
 //!   peer — is answered with a value or an error);
-//! - a sender completes a request only after its last chunk was submitted, every write batch of
+//! - a sender completes a request only after its last chunk (all its layer ranges) was submitted, every write batch of
 //!   the request was reported complete (none failed), and its aux data was submitted;
 //! - a receiver completes a request only after a successful last result and the aux data for it
 //!   were delivered to it;
@@ -47,7 +47,8 @@ use kvpipe_core::session::{
 use kvpipe_core::wire::{AuxData, DataWrite, Frame, Topology, TransferStatus};
 use kvpipe_core::{
     AnchoredRun, BlockId, BlockRun, BlockSource, BlockSourceError, ChunkSpec, Duration, GroupIndex,
-    InstanceId, Instant, LayerGroupLayout, PeerId, PoolLayout, RegionId, RequestId, WritePlan,
+    InstanceId, Instant, LayerGroupLayout, LayerRange, PeerId, PoolLayout, RegionId, RequestId,
+    WritePlan,
 };
 use kvpipe_netem::{Direction, FrameQueue, Link, LossModel, Netem, NetemConfig};
 
@@ -177,6 +178,19 @@ pub enum Step {
         request: u8,
         /// The frame.
         frame: Frame,
+    },
+    /// The prefill engine submits the next layer range of a request's chunk (a real
+    /// [`SenderInput::ChunkLayers`], the first range's runs from the fixed block source): the
+    /// open chunk's next range, or the first range of a new chunk as [`Step::Chunk`] makes it.
+    ChunkLayers {
+        /// Request (folded).
+        request: u8,
+        /// Tokens in a new chunk (0 is allowed).
+        tokens: u8,
+        /// Make a new chunk the last (it then runs to the prompt's end).
+        last: bool,
+        /// Layers in the range (modulo the layers left, plus one).
+        layers: u8,
     },
 }
 
@@ -346,6 +360,8 @@ struct Pair {
     pending: Vec<PendingBatch>,
     applying: Vec<Applying>,
     next_start: BTreeMap<RequestId, u32>,
+    /// Per request, the chunk submitted in layer ranges whose last range has not come.
+    open_chunk: BTreeMap<RequestId, ChunkSpec>,
     last_submitted: BTreeSet<RequestId>,
     /// Requests opened on the sender / registered on the receiver.
     opened: BTreeSet<RequestId>,
@@ -386,6 +402,7 @@ impl Pair {
             pending: Vec::new(),
             applying: Vec::new(),
             next_start: BTreeMap::new(),
+            open_chunk: BTreeMap::new(),
             last_submitted: BTreeSet::new(),
             opened: BTreeSet::new(),
             registered: BTreeSet::new(),
@@ -818,6 +835,54 @@ impl Pair {
                 }
                 self.count(res.map(|_| ()));
             }
+            Step::ChunkLayers {
+                request: r,
+                tokens,
+                last,
+                layers,
+            } => {
+                let r = request(r);
+                let count = self.sender.layer_count();
+                let (spec, begin) = match (self.open_chunk.get(&r), self.sender.next_chunk_layer(r))
+                {
+                    (Some(spec), Some(next)) => (*spec, next),
+                    _ => {
+                        let prompt = prompt_len(r);
+                        let start = self.next_start.get(&r).copied().unwrap_or(0);
+                        let mut end = (start + u32::from(tokens)).min(prompt);
+                        if last {
+                            end = prompt;
+                        }
+                        let spec = ChunkSpec {
+                            start,
+                            end,
+                            prompt_len: prompt,
+                            prepopulated_len: 0,
+                            is_last: end == prompt,
+                            prefix_sent_early: false,
+                        };
+                        (spec, 0)
+                    }
+                };
+                let end =
+                    (begin + 1 + u32::from(layers) % count.saturating_sub(begin).max(1)).min(count);
+                let range = LayerRange::new(begin, end);
+                let res = self
+                    .sender
+                    .submit_chunk_layers(now, r, spec, range, &mut FixedSource);
+                if res.is_ok() {
+                    self.next_start.insert(r, spec.end);
+                    if end == count {
+                        self.open_chunk.remove(&r);
+                        if spec.is_last {
+                            self.last_submitted.insert(r);
+                        }
+                    } else {
+                        self.open_chunk.insert(r, spec);
+                    }
+                }
+                self.count(res.map(|_| ()));
+            }
             Step::Open {
                 request: r,
                 several_beams,
@@ -939,6 +1004,19 @@ impl Pair {
                 spec,
                 runs,
             },
+            SenderInput::ChunkLayers {
+                request,
+                spec,
+                layers,
+                runs,
+                ..
+            } => SenderInput::ChunkLayers {
+                now,
+                request: fold(request),
+                spec,
+                layers,
+                runs,
+            },
             SenderInput::Prefix {
                 request,
                 prompt_len,
@@ -973,6 +1051,14 @@ impl Pair {
                     self.opened.insert(request.request);
                 }
                 SenderInput::Chunk { request, spec, .. } if spec.is_last => {
+                    self.last_submitted.insert(request);
+                }
+                SenderInput::ChunkLayers {
+                    request,
+                    spec,
+                    layers,
+                    ..
+                } if spec.is_last && layers.end == self.sender.layer_count() => {
                     self.last_submitted.insert(request);
                 }
                 SenderInput::Aux { request, .. } => {

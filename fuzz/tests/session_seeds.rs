@@ -201,7 +201,7 @@ fn session_structured_disorder_and_timeouts_keep_the_rules() {
 /// count, then its fields in order; the step list takes the rest of the input, each step
 /// behind an odd byte).
 fn encode(case: &SessionCase) -> Vec<u8> {
-    const VARIANTS: u64 = 13;
+    const VARIANTS: u64 = 14;
     let mut out = case.netem.seed.to_le_bytes().to_vec();
     let n = &case.netem;
     out.extend([n.loss, n.duplicate, n.reorder, n.delay]);
@@ -232,11 +232,17 @@ fn encode(case: &SessionCase) -> Vec<u8> {
             Step::DeliverAny { to_receiver, index } => (9, vec![to_receiver.into(), index]),
             Step::Advance { millis } => (10, millis.to_le_bytes().to_vec()),
             Step::Pump => (11, vec![]),
+            Step::ChunkLayers {
+                request,
+                tokens,
+                last,
+                layers,
+            } => (13, vec![request, tokens, last.into(), layers]),
             Step::Sender(SenderInput::Cancel { now, request }) => {
-                (0, [enum_index(5, 7), now_and(now, request)].concat())
+                (0, [enum_index(6, 8), now_and(now, request)].concat())
             }
             Step::Sender(SenderInput::Retire { now, request }) => {
-                (0, [enum_index(6, 7), now_and(now, request)].concat())
+                (0, [enum_index(7, 8), now_and(now, request)].concat())
             }
             Step::Receiver(ReceiverInput::Cancel { now, request }) => {
                 (1, [enum_index(2, 4), now_and(now, request)].concat())
@@ -262,6 +268,54 @@ fn enum_index(index: u64, count: u64) -> Vec<u8> {
 
 fn now_and(now: Instant, request: RequestId) -> Vec<u8> {
     [now.as_nanos().to_le_bytes(), request.0.to_le_bytes()].concat()
+}
+
+/// A whole transfer with every chunk submitted in layer ranges (one layer at a time: the
+/// fixed layout has two), its batches landing as they come.
+fn layered_path(request: u8) -> Vec<Step> {
+    let mut steps = vec![
+        Step::Register { request, cached: 0 },
+        Step::Deliver,
+        open(request),
+    ];
+    for last in [false, false, true] {
+        for _ in 0..2 {
+            steps.push(Step::ChunkLayers {
+                request,
+                tokens: 6,
+                last,
+                layers: 0,
+            });
+            steps.push(Step::LandBatch { index: 0 });
+            steps.push(Step::Deliver);
+        }
+    }
+    steps.push(aux(request));
+    steps.push(Step::Deliver);
+    steps.push(retire_sender(request));
+    steps.push(retire_receiver(request));
+    steps
+}
+
+#[test]
+fn session_structured_layer_slices_complete_on_both_sides() {
+    let stats = run_case(&case(layered_path(1)));
+    assert_eq!(stats.sender_completed, 1, "{stats:?}");
+    assert_eq!(stats.receiver_completed, 1, "{stats:?}");
+    assert_eq!(stats.ended_otherwise, 0, "{stats:?}");
+    assert_eq!(stats.refused, 0, "{stats:?}");
+    // Two ranges per chunk, each its own batch.
+    assert!(stats.batches >= 5, "{stats:?}");
+    // The last range missing: the request does not complete.
+    let mut steps = layered_path(2);
+    let k = steps
+        .iter()
+        .rposition(|o| matches!(o, Step::ChunkLayers { .. }))
+        .unwrap();
+    steps.remove(k);
+    let stats = run_case(&case(steps));
+    assert_eq!(stats.receiver_completed, 0, "{stats:?}");
+    assert_eq!(stats.sender_completed, 0, "{stats:?}");
 }
 
 /// The structured seeds: whole transfers, a failed write, disorder on a lossy network.
@@ -292,6 +346,7 @@ fn structured_seeds() -> Vec<(&'static str, SessionCase)> {
         ("structured_two_transfers", case(two)),
         ("structured_stray_write", case(stray)),
         ("structured_slow_aux", case(cancel)),
+        ("structured_layer_slices", case(layered_path(1))),
         (
             "structured_lossy_network",
             SessionCase {

@@ -112,6 +112,10 @@ pub enum ConfigError {
          groups; use whole-request transfer for this model"
     )]
     RecurrentState(u32),
+    /// The sender's layer order does not list its layers (see
+    /// [`SenderConfig::layer_order`](crate::SenderConfig::layer_order)).
+    #[error("{0}")]
+    LayerOrder(#[from] crate::layers::LayerOrderError),
 }
 
 #[cfg(test)]

@@ -3,9 +3,9 @@
 //! The sans-IO protocol core of kvpipe: it streams an LLM request's KV cache from a prefill
 //! server to a decode server while prefill is still running. This crate holds the wire frames
 //! ([`wire`]), the chunk geometry ([`geometry`]), write planning ([`plan`]; between ranks split
-//! differently by tensor and pipeline parallelism: [`shard`]) and the two endpoint
-//! state machines ([`session`]): a [`Sender`] per prefill rank and a [`Receiver`] per decode
-//! rank. It does no I/O, reads no clock, spawns no threads and contains no `unsafe`; transports
+//! differently by tensor and pipeline parallelism: [`shard`]; a chunk submitted in layer ranges
+//! as the engine computes them: [`layers`]) and the two endpoint state machines ([`session`]): a
+//! [`Sender`] per prefill rank and a [`Receiver`] per decode rank. It does no I/O, reads no clock, spawns no threads and contains no `unsafe`; transports
 //! drive it.
 //!
 //! ## The run loop
@@ -162,6 +162,7 @@ pub mod blocks;
 pub mod config;
 pub mod geometry;
 pub mod ids;
+pub mod layers;
 pub mod layout;
 pub mod plan;
 pub mod session;
@@ -181,10 +182,11 @@ pub use ids::{
     BlockId, GrantId, GroupIndex, InstanceId, PeerId, ReceiverSliceId, RegionId, RequestId,
     SenderSliceId,
 };
+pub use layers::{LayerOrder, LayerOrderError, LayerRange};
 pub use layout::{BlockLayout, GroupShard, LayerGroupLayout, PoolLayout};
 pub use plan::{
-    check_pairable, plan_group, plan_group_with_cursor, plan_rank_group, DstCursor, GroupPairing,
-    PairStats, PlanError, RankGroup, Side, WriteExtent, WritePlan,
+    check_pairable, plan_group, plan_group_with_cursor, plan_rank_group, plan_rank_group_layers,
+    DstCursor, GroupPairing, PairStats, PlanError, RankGroup, Side, WriteExtent, WritePlan,
 };
 pub use session::{
     Admission, DataPath, Endpoint, EngineFault, Event, Output, Receiver, ReceiverConfig,

@@ -4,6 +4,8 @@
 //! part of the model, layer ranges and head slices when tensor or pipeline parallelism differs
 //! between the sides ([`plan_rank_group`], [`shard`](crate::shard)).
 
+use core::ops::Range;
+
 use thiserror::Error;
 
 use crate::blocks::{AnchoredRun, BlockRun};
@@ -257,7 +259,29 @@ impl SegmentSide {
 struct Segment {
     src: SegmentSide,
     dst: SegmentSide,
+    /// First model layer of the segment.
+    model_begin: u32,
     layers: u64,
+}
+
+impl Segment {
+    /// The part of the segment inside model layers `keep` (`None` when nothing is): each side's
+    /// base moves to the first kept layer.
+    fn clip(&self, keep: &Range<u32>, src_layer_bytes: u64, dst_layer_bytes: u64) -> Option<Self> {
+        let end = self.model_begin + self.layers as u32;
+        let lo = self.model_begin.max(keep.start);
+        let hi = end.min(keep.end);
+        if lo >= hi {
+            return None;
+        }
+        let skip = u64::from(lo - self.model_begin);
+        let mut s = *self;
+        s.src.base += skip * src_layer_bytes;
+        s.dst.base += skip * dst_layer_bytes;
+        s.model_begin = lo;
+        s.layers = u64::from(hi - lo);
+        Some(s)
+    }
 }
 
 /// The model-layer ranges where the sender's and the receiver's pools overlap, in layer order:
@@ -301,6 +325,7 @@ impl Iterator for Segments<'_> {
                 return Some(Segment {
                     src: side(a, a_begin, self.src_layer_bytes),
                     dst: side(b, b_begin, self.dst_layer_bytes),
+                    model_begin: lo,
                     layers: u64::from(hi - lo),
                 });
             }
@@ -536,7 +561,9 @@ pub fn plan_group_with_cursor(
     plan: &mut WritePlan,
 ) -> Result<PairStats, PlanError> {
     let pairing = check_pairable(src_layout, dst_layout)?;
-    plan_pairing(&pairing, src_layout, dst_layout, src, dst, cursor, plan)
+    plan_pairing(
+        &pairing, src_layout, dst_layout, src, dst, None, cursor, plan,
+    )
 }
 
 /// One rank's side of a pairing: its parallel topology and its layout of one layer group.
@@ -560,6 +587,43 @@ pub fn plan_rank_group(
     cursor: &mut DstCursor,
     plan: &mut WritePlan,
 ) -> Result<PairStats, PlanError> {
+    plan_rank_pairing(src_rank, dst_rank, src, dst, None, cursor, plan)
+}
+
+/// [`plan_rank_group`] restricted to the sender rank's layers `layers` of the group (counted
+/// from the rank's first layer of the group, as [`PoolLayout::layer_begin`]): a layer slice of
+/// a chunk ([`crate::layers`]). The blocks are paired exactly as for the whole chunk and each
+/// paired block writes only the range's layers, so the slices of a chunk's layer ranges
+/// together write exactly what the whole chunk writes, each byte once. In a slot laid out
+/// `[layer][K|V][head][token][dim]`, a range's layers of one block held in one pool are one
+/// extent (with the same heads on both sides; head slices otherwise); a range covering a
+/// pool's every layer coalesces consecutive slots as the whole chunk does. An empty range
+/// plans nothing (the cursor still moves as for the whole chunk). Costs and errors as
+/// [`plan_rank_group`].
+pub fn plan_rank_group_layers(
+    src_rank: RankGroup<'_>,
+    dst_rank: RankGroup<'_>,
+    src: &BlockRun,
+    dst: &AnchoredRun,
+    layers: Range<u16>,
+    cursor: &mut DstCursor,
+    plan: &mut WritePlan,
+) -> Result<PairStats, PlanError> {
+    let first = src_rank.layout.layer_range().start;
+    let keep = first + u32::from(layers.start)..first + u32::from(layers.end);
+    plan_rank_pairing(src_rank, dst_rank, src, dst, Some(keep), cursor, plan)
+}
+
+/// [`plan_rank_group`] keeping only the model layers `keep` when given.
+fn plan_rank_pairing(
+    src_rank: RankGroup<'_>,
+    dst_rank: RankGroup<'_>,
+    src: &BlockRun,
+    dst: &AnchoredRun,
+    keep: Option<Range<u32>>,
+    cursor: &mut DstCursor,
+    plan: &mut WritePlan,
+) -> Result<PairStats, PlanError> {
     let pairing = check_pairable(src_rank.layout, dst_rank.layout)?;
     if !writes_group(
         src_rank.topology,
@@ -578,17 +642,21 @@ pub fn plan_rank_group(
         dst_rank.layout,
         src,
         dst,
+        keep,
         cursor,
         plan,
     )
 }
 
+/// Pairs and plans one group; with `keep`, only the segments' model layers inside it.
+#[allow(clippy::too_many_arguments)]
 fn plan_pairing(
     pairing: &GroupPairing,
     src_layout: &LayerGroupLayout,
     dst_layout: &LayerGroupLayout,
     src: &BlockRun,
     dst: &AnchoredRun,
+    keep: Option<Range<u32>>,
     cursor: &mut DstCursor,
     plan: &mut WritePlan,
 ) -> Result<PairStats, PlanError> {
@@ -633,6 +701,15 @@ fn plan_pairing(
     let mut bytes = 0u64;
     let mut result = Ok(());
     for segment in segments {
+        let segment = match &keep {
+            None => segment,
+            Some(keep) => {
+                match segment.clip(keep, pairing.src_layer_bytes, pairing.dst_layer_bytes) {
+                    Some(s) => s,
+                    None => continue,
+                }
+            }
+        };
         let planned = if pairing.whole_layers() {
             plan_segment(&segment, pairing, &src.ids, overlaps(), plan)
         } else {

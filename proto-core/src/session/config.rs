@@ -3,6 +3,7 @@
 use super::transport::DataPath;
 use crate::config::PipelineConfig;
 use crate::ids::InstanceId;
+use crate::layers::LayerOrder;
 use crate::layout::LayerGroupLayout;
 use crate::time::Duration;
 use crate::wire::{
@@ -137,6 +138,13 @@ pub struct SenderConfig {
     /// The engine settings pipelined transfer depends on; [`Sender::new`](super::Sender::new)
     /// refuses an unsupported one.
     pub pipeline: PipelineConfig,
+    /// The order in which the engine computes the rank's layers, which
+    /// [`LayerRange`](crate::LayerRange)s of layered chunk submissions index
+    /// ([`Sender::submit_chunk_layers`](super::Sender::submit_chunk_layers)). Default: the
+    /// groups stacked in group order; a model whose groups interleave lists its layers' groups.
+    /// [`Sender::new`](super::Sender::new) refuses an order that does not list every layer of
+    /// the rank once.
+    pub layer_order: LayerOrder,
 }
 
 impl SenderConfig {
@@ -150,6 +158,7 @@ impl SenderConfig {
             max_retired: DEFAULT_MAX_RETIRED,
             max_pending_registrations: 4096,
             pipeline: PipelineConfig::default(),
+            layer_order: LayerOrder::stacked(),
         }
     }
 }

@@ -257,6 +257,55 @@ pub enum UsageError {
     /// A chunk after the request's last chunk.
     #[error("chunk for {0} after its last chunk")]
     ChunkAfterLast(RequestId),
+    /// A layer range holds no layer.
+    #[error("{layers} of a chunk of {request} is empty: a layer range holds at least one layer")]
+    LayerRangeEmpty {
+        /// The request.
+        request: RequestId,
+        /// The range.
+        layers: LayerRange,
+    },
+    /// A layer range reaches past the rank's layers.
+    #[error(
+        "{layers} of a chunk of {request} reaches past the rank's {count} layers: a range lies \
+         within 0..{count}"
+    )]
+    LayerRangePastLayers {
+        /// The request.
+        request: RequestId,
+        /// The range.
+        layers: LayerRange,
+        /// The rank's layers.
+        count: u32,
+    },
+    /// A layer range does not start where the chunk's previous range ended (at layer 0 for
+    /// its first): it overlaps, skips layers or comes out of order.
+    #[error(
+        "{layers} of a chunk of {request} must start at layer {expected}: a chunk's ranges are \
+         submitted in ascending, contiguous order from layer 0 to the rank's last layer"
+    )]
+    LayerRangeOutOfOrder {
+        /// The request.
+        request: RequestId,
+        /// The range.
+        layers: LayerRange,
+        /// Where it must start.
+        expected: u32,
+    },
+    /// A chunk (or a range of another chunk) while the previous chunk's layers are not all
+    /// submitted.
+    #[error(
+        "{request}'s chunk submitted in layer ranges is open until its last range: submit \
+         layers {next_layer}..{layers} of that chunk before another chunk"
+    )]
+    ChunkLayersUnfinished {
+        /// The request.
+        request: RequestId,
+        /// Where the open chunk's next range starts.
+        next_layer: u32,
+        /// The rank's layers.
+        layers: u32,
+    },
     /// Chunks must be submitted in token order without gaps.
     #[error("chunk for {request} starts at token {got}, expected {expected}")]
     ChunkOutOfOrder {

@@ -90,6 +90,7 @@ pub use transport::{
 };
 
 use crate::geometry::{BlockWindow, GeometryError};
+use crate::layers::LayerRange;
 use bytes::Bytes;
 
 use crate::ids::{

@@ -35,6 +35,7 @@ impl Sender {
                 targets: req.receivers.iter().map(|&p| Target::new(p)).collect(),
                 slices: Vec::new(),
                 next_start: None,
+                open_chunk: None,
                 prompt_len: None,
                 prepopulated_len: None,
                 prefix_sent_early: false,
@@ -95,6 +96,9 @@ impl Sender {
                 });
             }
         };
+        if let Some(open) = &session.open_chunk {
+            return Err(self.chunk_layers_unfinished(request, open));
+        }
         match session.next_start {
             Some(expected) if spec.start != expected => {
                 return Err(UsageError::ChunkOutOfOrder {
@@ -197,7 +201,9 @@ impl Sender {
         if runs.is_empty() {
             return Ok(Submitted::Nothing);
         }
-        Ok(Submitted::Slice(self.add_slice(now, request, false, runs)))
+        Ok(Submitted::Slice(
+            self.add_slice(now, request, false, runs, None),
+        ))
     }
 
     /// Applies a chunk. An error is a usage error (nothing changed); an engine's broken answer
@@ -211,7 +217,7 @@ impl Sender {
     ) -> Result<Submitted, UsageError> {
         let next_phase = self.check_chunk(request, &spec)?;
         let windows = self.chunk_windows(request, &spec)?;
-        self.apply_chunk(now, request, spec, next_phase, &windows, runs)
+        self.apply_chunk(now, request, spec, next_phase, &windows, runs, None)
     }
 
     /// The chunk's block window in each group that sends something, in group order.
@@ -232,7 +238,9 @@ impl Sender {
     }
 
     /// Applies a checked chunk whose block windows are `windows`: `runs` must answer exactly
-    /// those, group by group (errors as in [`Self::on_chunk`]).
+    /// those, group by group (errors as in [`Self::on_chunk`]). `layers`: the chunk's first
+    /// layer range, when it is submitted in ranges.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn apply_chunk(
         &mut self,
         now: Instant,
@@ -241,6 +249,7 @@ impl Sender {
         next_phase: SendPhase,
         windows: &[(GroupIndex, BlockWindow)],
         runs: Vec<(GroupIndex, BlockRun)>,
+        layers: Option<LayerRange>,
     ) -> Result<Submitted, UsageError> {
         let given: Vec<GroupIndex> = runs.iter().map(|(g, _)| *g).collect();
         if given.len() != windows.len() || given.iter().zip(windows).any(|(a, (b, _))| a != b) {
@@ -301,6 +310,13 @@ impl Sender {
         session.prompt_len = Some(spec.prompt_len);
         session.prepopulated_len = Some(spec.prepopulated_len);
         session.timings.first_chunk.get_or_insert(now);
+        // A first range that is not the chunk's last opens the chunk (see `layers.rs`).
+        if let Some(layers) = layers.filter(|l| l.end < self.layer_count()) {
+            return Ok(Submitted::sent(
+                self.open_layered_chunk(now, request, spec, layers, runs),
+            ));
+        }
+        let session = self.sessions.get_mut(&request).expect("checked above");
         if spec.is_last {
             session.timings.last_chunk = Some(now);
         }
@@ -313,17 +329,19 @@ impl Sender {
             request,
             spec.is_last,
             runs,
+            None,
         )))
     }
 
-    /// Creates a slice of the request from its block runs and writes it to every receiver that
-    /// has registered.
+    /// Creates a slice of the request from its block runs (or, for a layer range, the layers it
+    /// writes) and writes it to every receiver that has registered.
     pub(super) fn add_slice(
         &mut self,
         now: Instant,
         request: RequestId,
         is_last: bool,
         runs: Vec<(GroupIndex, BlockRun)>,
+        layers: Option<SliceLayers>,
     ) -> SenderSliceId {
         let session = self.sessions.get_mut(&request).expect("the caller checked");
         let id = SenderSliceId(session.slices.len() as u32);
@@ -335,6 +353,7 @@ impl Sender {
             is_last,
             runs,
             planned_by: 0,
+            layers,
         });
         self.shell.counters.slices += 1;
         if is_last && session.aux.is_none() {

@@ -167,12 +167,20 @@ impl Sender {
                 return;
             };
             let slice = &session.slices[k];
+            // A layer range writes its layers of the blocks its chunk's first range holds.
+            let (runs, layers) = match &slice.layers {
+                None => (&slice.runs, None),
+                Some(l) => match session.slices.get(l.runs_at) {
+                    Some(first) => (&first.runs, Some(l)),
+                    None => (&slice.runs, None),
+                },
+            };
             let plan = &mut self.plan_buffer;
             plan.clear();
             let mut error = None;
             let groups = self.config.local.groups.len();
             target.cursors.resize(groups, DstCursor::default());
-            for (group, run) in &slice.runs {
+            for (group, run) in runs {
                 let g = usize::from(group.0);
                 // Group counts were checked against the layout at the handshake and at the
                 // registration; a miss here is reported, never indexed.
@@ -197,7 +205,18 @@ impl Sender {
                     topology: &remote.topology,
                     layout: dst,
                 };
-                if let Err(e) = plan_rank_group(src, dst, run, dst_run, cursor, plan) {
+                let planned = match layers {
+                    None => plan_rank_group(src, dst, run, dst_run, cursor, plan),
+                    Some(l) => {
+                        let keep = l.groups.get(g).cloned().unwrap_or(0..0);
+                        // The chunk's earlier ranges plan the same blocks from the same place:
+                        // only its last range moves the cursor past the chunk.
+                        let mut start = *cursor;
+                        let at = if l.last_of_chunk { cursor } else { &mut start };
+                        plan_rank_group_layers(src, dst, run, dst_run, keep, at, plan)
+                    }
+                };
+                if let Err(e) = planned {
                     error = Some(ProtocolError::Unplannable { request, error: e });
                     break;
                 }
@@ -220,8 +239,18 @@ impl Sender {
             let slice = &mut session.slices[k];
             slice.planned_by += 1;
             if slice.planned_by >= session.targets.len() {
-                // Every receiver has its plan: the block runs are no longer needed.
-                slice.runs = Vec::new();
+                // Every receiver has its plan: the block runs are no longer needed (a layered
+                // chunk's, once its last range is planned).
+                match &slice.layers {
+                    None => slice.runs = Vec::new(),
+                    Some(l) if l.last_of_chunk => {
+                        let at = l.runs_at;
+                        if let Some(first) = session.slices.get_mut(at) {
+                            first.runs = Vec::new();
+                        }
+                    }
+                    Some(_) => {}
+                }
             }
             let target = &mut session.targets[t];
             if self.plan_buffer.is_empty() {

@@ -5,13 +5,16 @@
 
 mod intake;
 mod issue;
+mod layers;
 mod results;
 mod session;
 mod stop;
 
 use std::collections::BTreeMap;
 
-use session::{BatchRef, PendingRegistrations, SendSession, Slice, Stop, Target, TargetSlice};
+use session::{
+    BatchRef, PendingRegistrations, SendSession, Slice, SliceLayers, Stop, Target, TargetSlice,
+};
 
 use smallvec::SmallVec;
 
@@ -30,7 +33,8 @@ use crate::blocks::BlockRun;
 use crate::config::{ConfigError, PipelineConfig};
 use crate::geometry::{chunk_window, early_prefix_window, BlockWindow, ChunkSpec};
 use crate::ids::{GroupIndex, PeerId, ReceiverSliceId, RequestId, SenderSliceId};
-use crate::plan::{plan_rank_group, DstCursor, RankGroup, WritePlan};
+use crate::layers::{LayerOrder, LayerRange};
+use crate::plan::{plan_rank_group, plan_rank_group_layers, DstCursor, RankGroup, WritePlan};
 use crate::source::BlockSource;
 use crate::time::Instant;
 use crate::wire::{
@@ -56,6 +60,11 @@ pub enum Submitted {
 }
 
 impl Submitted {
+    /// A slice when one was created, else nothing.
+    pub(super) fn sent(slice: Option<SenderSliceId>) -> Self {
+        slice.map_or(Submitted::Nothing, Submitted::Slice)
+    }
+
     /// The slice created, if one was.
     pub fn slice(&self) -> Option<SenderSliceId> {
         match self {
@@ -103,6 +112,22 @@ pub enum SenderInput {
         /// The chunk.
         spec: ChunkSpec,
         /// The block source's runs.
+        runs: Vec<(GroupIndex, BlockRun)>,
+    },
+    /// One layer range of a prefill chunk ([`Sender::submit_chunk_layers`]; see
+    /// [`crate::layers`]). The chunk's first range carries the block source's runs for the
+    /// chunk's windows, as [`SenderInput::Chunk`] does; its later ranges carry none (they
+    /// write the first range's blocks).
+    ChunkLayers {
+        /// Current time.
+        now: Instant,
+        /// The request.
+        request: RequestId,
+        /// The chunk (the same for every range of it).
+        spec: ChunkSpec,
+        /// The rank's layers this range covers.
+        layers: LayerRange,
+        /// The block source's runs (the first range), or none (a later range).
         runs: Vec<(GroupIndex, BlockRun)>,
     },
     /// Before the first chunk: the engine sends the request's cached prefix early
@@ -160,8 +185,15 @@ impl ChunkQuery {
         &self.windows
     }
 
+    /// Whether there is nothing to ask (a chunk that writes nothing, or a later layer range of
+    /// a chunk, which reuses its first range's runs).
+    pub fn is_empty(&self) -> bool {
+        self.windows.is_empty()
+    }
+
     /// Asks `source` for every window's block run (bounded queries, one per window), in group
-    /// order: the runs [`Sender::submit_chunk_runs`] takes.
+    /// order: the runs [`Sender::submit_chunk_runs`] (or
+    /// [`Sender::submit_chunk_layers_runs`]) takes. A query with no window asks nothing.
     pub fn ask(
         &self,
         source: &mut impl BlockSource,
@@ -210,20 +242,29 @@ impl SendRequest {
 /// **Getters**: [`counters`](Self::counters), [`phase`](Self::phase),
 /// [`session_count`](Self::session_count), [`peer_count`](Self::peer_count),
 /// [`is_peer_ready`](Self::is_peer_ready), [`batches_in_flight`](Self::batches_in_flight),
-/// [`pending_registration_count`](Self::pending_registration_count), [`config`](Self::config).
+/// [`pending_registration_count`](Self::pending_registration_count), [`config`](Self::config),
+/// [`layer_count`](Self::layer_count), [`next_chunk_layer`](Self::next_chunk_layer).
 /// A leak check at the end of a run expects no session, batch or pending registration.
 ///
 /// **Inputs** (each carries `now`): [`handle_input`](Self::handle_input) with a
 /// [`SenderInput`] — what the transport saw ([`TransportInput`], also through the
-/// [`Endpoint`] trait), and the engine's open, chunk, aux data, cancel and retire. Every state
+/// [`Endpoint`] trait), and the engine's open, chunk (whole, [`SenderInput::Chunk`], or one
+/// layer range of it, [`SenderInput::ChunkLayers`]), aux data, cancel and retire. Every state
 /// change is one of these inputs, so [`record_inputs`](Self::record_inputs) captures a run that
 /// replays exactly into a fresh sender.
 ///
 /// **Commands** (sugar for inputs): [`open_request`](Self::open_request) (before the first
 /// chunk; names the receivers), [`submit_chunk`](Self::submit_chunk) (queries the engine's
 /// [`BlockSource`] for the chunk's bounded block windows, then applies
-/// [`SenderInput::Chunk`]), [`submit_aux`](Self::submit_aux), [`cancel`](Self::cancel),
-/// [`retire`](Self::retire).
+/// [`SenderInput::Chunk`]), [`submit_chunk_layers`](Self::submit_chunk_layers) (one layer
+/// range of a chunk, as the engine finishes those layers; [`SenderInput::ChunkLayers`]: only a
+/// chunk's first range queries the source, see [`crate::layers`]),
+/// [`submit_aux`](Self::submit_aux), [`cancel`](Self::cancel), [`retire`](Self::retire). A
+/// driver that queries the engine's block source without holding the sender uses the pairs
+/// [`chunk_query`](Self::chunk_query) → [`ChunkQuery::ask`] →
+/// [`submit_chunk_runs`](Self::submit_chunk_runs) and
+/// [`chunk_layers_query`](Self::chunk_layers_query) → [`ChunkQuery::ask`] →
+/// [`submit_chunk_layers_runs`](Self::submit_chunk_layers_runs).
 ///
 /// **Outputs**: after every input, call [`poll_output`](Self::poll_output) until it returns
 /// `None`, then [`poll_timeout`](Self::poll_timeout) and arm a timer for it. Outputs come out in
@@ -256,6 +297,8 @@ pub struct Sender {
     next_batch: u64,
     plan_buffer: WritePlan,
     recorded: Option<Vec<SenderInput>>,
+    /// The rank's layers (the sum of its groups'), which layer ranges index.
+    layer_count: u32,
 }
 
 impl Sender {
@@ -270,6 +313,7 @@ impl Sender {
             ..config.pipeline
         }
         .validate()?;
+        config.layer_order.check(&config.local.groups)?;
         let hello = config.local.to_hello(Role::Sender);
         Ok(Sender {
             shell: Shell::new(hello, config.deadlines, config.max_remembered_cancels),
@@ -281,6 +325,7 @@ impl Sender {
             next_batch: 0,
             plan_buffer: WritePlan::new(),
             recorded: None,
+            layer_count: LayerOrder::layer_count(&config.local.groups),
             config,
         })
     }
@@ -343,6 +388,20 @@ impl Sender {
     /// [`SenderConfig::retired_horizon`]).
     pub fn retired_count(&self) -> usize {
         self.retired.len()
+    }
+
+    /// The rank's layers (every group's, see [`LayerOrder`]): a chunk submitted in layer
+    /// ranges is done when its ranges reach this.
+    pub fn layer_count(&self) -> u32 {
+        self.layer_count
+    }
+
+    /// Where the next layer range of `request`'s chunk submitted in ranges must start, while
+    /// that chunk's last range has not come (`None`: no chunk is open; the next submission is
+    /// a new chunk).
+    pub fn next_chunk_layer(&self, request: RequestId) -> Option<u32> {
+        let session = self.sessions.get(&request)?;
+        session.open_chunk.map(|c| c.next_layer)
     }
 
     /// Registrations held for requests the engine has not opened yet.
@@ -416,8 +475,15 @@ impl Sender {
             windows: self.chunk_windows(request, &spec)?,
         };
         let runs = query.ask(source)?;
-        let outcome =
-            self.apply_chunk(now, request, spec, next_phase, &query.windows, runs.clone())?;
+        let outcome = self.apply_chunk(
+            now,
+            request,
+            spec,
+            next_phase,
+            &query.windows,
+            runs.clone(),
+            None,
+        )?;
         self.record(SenderInput::Chunk {
             now,
             request,
@@ -460,6 +526,81 @@ impl Sender {
             spec,
             runs,
         });
+        Ok(outcome)
+    }
+
+    /// Submits layers `layers` of one computed prefill chunk of `request`, as the engine
+    /// finishes them (see [`crate::layers`] for the rules and [`SenderInput::ChunkLayers`]).
+    ///
+    /// The chunk's first range (starting at layer 0) is checked as [`submit_chunk`](Self::submit_chunk)
+    /// checks a chunk, asks `source` for the chunk's bounded block windows and pairs its
+    /// blocks; each later range (the same `spec`, starting where the previous one ended) asks
+    /// `source` nothing and writes its layers of those blocks. Each range that writes something
+    /// is a slice of its own, written to every registered receiver in slice order; the `is_last`
+    /// slice is the last chunk's last range (ending at [`layer_count`](Self::layer_count)). A
+    /// single range of every layer is exactly [`submit_chunk`](Self::submit_chunk).
+    ///
+    /// Returns the range's outcome as [`submit_chunk`](Self::submit_chunk) does:
+    /// [`Submitted::Nothing`] when it writes nothing (a chunk that completes no block; an
+    /// engine's fault only on a chunk's first range, which asks the engine). Refused with nothing changed ([`UsageError`]): an empty range, one past the
+    /// rank's layers, one that does not start where the chunk's previous range ended (overlap,
+    /// gap, out of order: [`UsageError::LayerRangeOutOfOrder`]), a range naming another chunk
+    /// (or a whole chunk) while a chunk's last range has not come
+    /// ([`UsageError::ChunkLayersUnfinished`]), and every refusal of
+    /// [`submit_chunk`](Self::submit_chunk) for a chunk's first range.
+    pub fn submit_chunk_layers(
+        &mut self,
+        now: Instant,
+        request: RequestId,
+        spec: ChunkSpec,
+        layers: LayerRange,
+        source: &mut impl BlockSource,
+    ) -> Result<Submitted, UsageError> {
+        let query = self.chunk_layers_query(request, &spec, layers)?;
+        let runs = query.ask(source)?;
+        self.submit_chunk_layers_runs(now, request, spec, layers, runs)
+    }
+
+    /// The block windows layer range `layers` of chunk `spec` needs, after every check
+    /// [`submit_chunk_layers`](Self::submit_chunk_layers) makes before asking the engine
+    /// (nothing changes): the chunk's windows for its first range, none for a later range
+    /// ([`ChunkQuery::is_empty`]; its [`ask`](ChunkQuery::ask) queries nothing).
+    pub fn chunk_layers_query(
+        &self,
+        request: RequestId,
+        spec: &ChunkSpec,
+        layers: LayerRange,
+    ) -> Result<ChunkQuery, UsageError> {
+        let windows = match self.check_chunk_layers(request, spec, layers)? {
+            layers::RangeStep::First { windows, .. } => windows,
+            layers::RangeStep::Later { .. } => SmallVec::new(),
+        };
+        Ok(ChunkQuery { request, windows })
+    }
+
+    /// Applies layer range `layers` of chunk `spec` with the block runs the engine gave for
+    /// its [`chunk_layers_query`](Self::chunk_layers_query) (empty for a later range): the
+    /// checks are made again, since the sender may have changed in between. Errors and outcome
+    /// as [`submit_chunk_layers`](Self::submit_chunk_layers).
+    pub fn submit_chunk_layers_runs(
+        &mut self,
+        now: Instant,
+        request: RequestId,
+        spec: ChunkSpec,
+        layers: LayerRange,
+        runs: Vec<(GroupIndex, BlockRun)>,
+    ) -> Result<Submitted, UsageError> {
+        let recorded = self.recorded.is_some().then(|| runs.clone());
+        let outcome = self.on_chunk_layers(now, request, spec, layers, runs)?;
+        if let Some(runs) = recorded {
+            self.record(SenderInput::ChunkLayers {
+                now,
+                request,
+                spec,
+                layers,
+                runs,
+            });
+        }
         Ok(outcome)
     }
 
@@ -531,6 +672,15 @@ impl Sender {
                 spec,
                 runs,
             } => self.on_chunk(now, request, spec, runs).map(|_| ()),
+            SenderInput::ChunkLayers {
+                now,
+                request,
+                spec,
+                layers,
+                runs,
+            } => self
+                .on_chunk_layers(now, request, spec, layers, runs)
+                .map(|_| ()),
             // (An engine fault inside `on_chunk` is an outcome: it ended the session, and the
             // input was applied.)
             SenderInput::Prefix {

@@ -7,9 +7,35 @@ use super::*;
 pub(super) struct Slice {
     pub(super) id: SenderSliceId,
     pub(super) is_last: bool,
-    /// The chunk's block runs, kept until every receiver's registration planned them.
+    /// The chunk's block runs, kept until every receiver's registration planned them (a
+    /// layered chunk's are held by its first range's slice until its last range is planned).
     pub(super) runs: Vec<(GroupIndex, BlockRun)>,
     pub(super) planned_by: usize,
+    /// For one layer range of a chunk: which layers it writes (`None`: the whole chunk).
+    pub(super) layers: Option<SliceLayers>,
+}
+
+/// The layers one slice of a layered chunk writes.
+#[derive(Clone, Debug)]
+pub(super) struct SliceLayers {
+    /// Index of the slice whose `runs` hold the chunk's block runs (its first range's).
+    pub(super) runs_at: usize,
+    /// Per group of the rank, in group order: the rank's layers of the group the range covers.
+    pub(super) groups: SmallVec<[core::ops::Range<u16>; 4]>,
+    /// Whether this is the chunk's last range: planning it moves each receiver's cursors past
+    /// the chunk and, once every receiver planned it, releases the chunk's runs.
+    pub(super) last_of_chunk: bool,
+}
+
+/// A chunk submitted in layer ranges whose last range has not come yet.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct OpenChunk {
+    /// The chunk; every later range names the same.
+    pub(super) spec: ChunkSpec,
+    /// Where the next range must start.
+    pub(super) next_layer: u32,
+    /// The slice holding the chunk's block runs (`None`: the chunk writes nothing).
+    pub(super) runs_at: Option<usize>,
 }
 
 #[derive(Clone, Copy, Debug, Default)]
@@ -68,6 +94,8 @@ pub(super) struct SendSession {
     pub(super) targets: SmallVec<[Target; 2]>,
     pub(super) slices: Vec<Slice>,
     pub(super) next_start: Option<u32>,
+    /// A chunk submitted in layer ranges, until its last range.
+    pub(super) open_chunk: Option<OpenChunk>,
     pub(super) prompt_len: Option<u32>,
     /// The prefix length the first chunk (or the early prefix) declared; later chunks agree.
     pub(super) prepopulated_len: Option<u32>,
