@@ -541,10 +541,11 @@ pub(crate) fn can_pull(
     if !is_receiver {
         return Err("the accepting node is not a receiver".into());
     }
+    device_only(regions).map_err(|why| format!("the receiver cannot pull: {why}"))?;
     if !cfg!(feature = "cuda") {
         return Err("kvpipe-tcp was built without the `cuda` feature".into());
     }
-    device_only(regions).map_err(|why| format!("the receiver cannot pull: {why}"))
+    Ok(())
 }
 
 #[cfg(feature = "cuda")]

@@ -1050,7 +1050,7 @@ mod tests {
 
         #[test]
         fn a_pulled_write_from_outside_the_exported_region_is_never_copied() {
-            let src = vec![7u8; 64];
+            let src = [7u8; 64];
             let mut memory = vec![0u8; 32];
             let (spec, gpu) = fake::spec(8, 2);
             let (r, hooks) = device_inbound(APPLY, &mut memory, spec.clone());

@@ -38,6 +38,11 @@ use crate::stats::{bump, StatCells};
 /// Most slices in one vectored write (Linux accepts 1024).
 const MAX_SLICES: usize = 256;
 
+/// Largest pieces a peer-copy writer keeps unacknowledged: the receiver copies one piece at a
+/// time per connection, so the next headers must already be in its socket buffer when a copy
+/// completes, or every piece would wait a round trip.
+const PULL_AHEAD_PIECES: u64 = 4;
+
 /// Work for a connection's writer.
 pub(crate) enum Job {
     /// An encoded control frame.
@@ -261,6 +266,8 @@ pub(crate) struct Outbound {
     ahead: u64,
     /// Pulled pieces awaiting the receiver's acknowledgement (peer copies).
     acks: Option<Arc<PullAcks>>,
+    /// The lookahead with peer copies: [`PULL_AHEAD_PIECES`] of the largest pieces.
+    pull_lookahead: u64,
     /// The last piece number added to `acks`.
     expected_through: u64,
     hooks: Arc<dyn NodeHooks>,
@@ -301,6 +308,7 @@ impl Outbound {
             lookahead,
             ahead: 0,
             acks: None,
+            pull_lookahead: lookahead.max(PULL_AHEAD_PIECES.saturating_mul(config.max_piece_bytes)),
             expected_through: 0,
             hooks,
             stats,
@@ -316,6 +324,9 @@ impl Outbound {
     /// The same writer on a peer-copy connection: pulled pieces are added to `acks` before
     /// they are written, and their batches are reported by whoever takes the acknowledgements.
     pub(crate) fn acked_by(mut self, acks: Option<Arc<PullAcks>>) -> Self {
+        if acks.is_some() {
+            self.lookahead = self.pull_lookahead;
+        }
         self.acks = acks;
         self
     }
@@ -665,10 +676,11 @@ mod tests {
             (queue.clone(), backlog.clone()),
             hooks.clone(),
             Arc::new(StatCells::default()),
-            // A lookahead of 64 bytes (no staging slots).
+            // A lookahead of 64 bytes (no staging slots, pieces of at most 16 bytes).
             &TcpConfig {
                 socket_write_bytes: 64,
                 staging_slot_bytes: 0,
+                max_piece_bytes: 16,
                 ..TcpConfig::default()
             },
         )
