@@ -510,9 +510,10 @@ fn a_stopped_prefill_process_cannot_write_into_blocks_handed_back(
     signal("CONT", stopped)?;
     std::thread::sleep(Duration::from_secs(3));
     let after = differing(&dst.bytes()?);
-    let status = children.wait(healthy);
+    let status = children.wait(healthy, Duration::from_secs(30));
+    let resumed = children.wait(stopped, Duration::ZERO);
     println!(
-        "{{\"figure\":\"peer-copy-fence\",\"writes_landed_before_stop\":{landed_before_stop},\"bytes_differing_after_completion\":{before},\"bytes_differing_after_resume\":{after},\"healthy_prefill_exit\":\"{status}\"}}"
+        "{{\"figure\":\"peer-copy-fence\",\"writes_landed_before_stop\":{landed_before_stop},\"bytes_differing_after_completion\":{before},\"bytes_differing_after_resume\":{after},\"healthy_prefill_exit\":\"{status}\",\"stopped_prefill_exit\":\"{resumed}\"}}"
     );
     rx.shutdown();
     if before != 0 || after != 0 {
@@ -553,13 +554,16 @@ impl Children {
         Ok(pid)
     }
 
-    /// Waits (at most 30 s) for `pid` to exit: how it did.
-    fn wait(&mut self, pid: u32) -> String {
-        let deadline = Instant::now() + Duration::from_secs(30);
+    /// Waits (at most `within`) for `pid` to exit: how it did.
+    fn wait(&mut self, pid: u32, within: Duration) -> String {
+        let deadline = Instant::now() + within;
         for c in self.0.iter_mut().filter(|c| c.id() == pid) {
-            while Instant::now() < deadline {
+            loop {
                 if let Ok(Some(status)) = c.try_wait() {
                     return status.to_string();
+                }
+                if Instant::now() >= deadline {
+                    break;
                 }
                 std::thread::sleep(Duration::from_millis(20));
             }
@@ -571,8 +575,12 @@ impl Children {
 impl Drop for Children {
     fn drop(&mut self) {
         for c in &mut self.0 {
+            if let Ok(Some(_)) = c.try_wait() {
+                continue;
+            }
             let _ = std::process::Command::new("kill")
                 .args(["-CONT", &c.id().to_string()])
+                .stderr(std::process::Stdio::null())
                 .status();
             let _ = c.kill();
             let _ = c.wait();
