@@ -88,9 +88,12 @@
 //!
 //! With [`TcpConfig::data_path`] `Auto` or `PeerCopy` a connecting sender negotiates **peer
 //! copies** instead (two processes on one host, both sides' regions device memory): the
-//! receiver's regions are opened here by CUDA IPC, each piece is copied straight into them and
-//! its header goes on the socket without payload once the copy completed (see the
-//! `peer_copy` module doc and docs/TRANSPORT.md). The async driver always uses the sockets.
+//! sender's regions are opened by the receiver by CUDA IPC, each piece's header goes on the
+//! socket with its source instead of the payload, and the receiver copies the bytes into its
+//! own memory, waits for the copy and acknowledges the piece; the sender's batch completes on
+//! the acknowledgements (see the `peer_copy` module doc and docs/TRANSPORT.md). Only the decode
+//! process ever writes its memory, so a stopped or dying prefill process cannot land bytes in
+//! blocks handed back. The async driver always uses the sockets.
 //!
 //! Admission is unchanged: a write is checked against the request's grant before a byte of it
 //! is read, whatever memory it lands in. Without a CUDA driver a batch reading or writing device

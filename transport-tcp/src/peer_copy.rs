@@ -1,74 +1,99 @@
-//! Peer copies: data writes placed in the receiver's device memory by the sender itself, with
-//! control frames still on the TCP connections (`cuda` feature; two processes on one host).
+//! Peer copies: data writes moved device → device between two processes on one host, the
+//! receiver **pulling** each write from the sender's memory itself (`cuda` feature). Control
+//! frames and the data-write headers still travel on the TCP connections.
 //!
 //! ## Negotiation (before the handshake, on the control connection)
 //!
 //! 1. A connecting **sender** whose [`TcpDataPath`] is not `Socket` sets
 //!    [`PREAMBLE_PEER_COPY`](crate::preamble::PREAMBLE_PEER_COPY) in its control connection's
-//!    preamble.
-//! 2. The accepting node answers at once with an **offer**: a receiver whose data path is not
-//!    `Socket` and whose every registered region is device memory exports each region with
-//!    CUDA IPC (`kvpipe_cuda::export_ipc`) and lists them; any other node declines, saying why.
-//! 3. The sender imports every handle on its own GPU (`kvpipe_cuda::IpcMapping`, opened with
-//!    lazy peer access) — only when its own regions are all device memory too — and answers
-//!    **accepted** or **declined**. Then the `Hello` follows as on any connection.
+//!    preamble and sends its **offer** right after it: when every one of its registered
+//!    regions is device memory, each region exported with CUDA IPC (`kvpipe_cuda::export_ipc`);
+//!    otherwise a decline that says why.
+//! 2. The accepting **receiver** — when its data path is not `Socket` and its own regions are
+//!    all device memory — opens every offered handle on its own GPU
+//!    (`kvpipe_cuda::IpcMapping`, lazy peer access) and **answers** accepted, or declined with
+//!    the reason (any other node declines). Then the `Hello` follows as on any connection.
 //!
 //! A declined offer leaves the peer on the socket data path (`Auto`), or fails the connect
-//! with the reason (`PeerCopy`). "Same host" is decided by the import itself: a handle opens
-//! only on the host (and for the user) that exported it, so a peer on another host falls
-//! back (or fails, with `PeerCopy`).
+//! with the reason (`PeerCopy`; a receiver on `PeerCopy` drops a connection it cannot pull
+//! from). "Same host" is decided by the import itself: a handle opens only on the host (and
+//! for the user) that exported it, so a peer on another host falls back (or fails).
 //!
-//! | bytes | offer (accepting node → sender) |
+//! | bytes | offer (sender → accepting node, after the preamble) |
 //! |---|---|
 //! | 4 | magic `b"KVPC"` |
-//! | 1 | version (1) |
+//! | 1 | version (2) |
 //! | 1 | 1: offered, 0: declined |
 //! | 2 | `n` (u16 LE): regions offered, or bytes of the reason |
 //! | `n` × 88 | offered: region id (u32 LE), the exporter's GPU (u32 LE), the IPC handle (80 bytes, `kvpipe_cuda::IpcHandle::to_bytes`) |
 //! | `n` | declined: the reason, UTF-8 |
 //!
-//! | bytes | answer (sender → accepting node) |
+//! | bytes | answer (accepting node → sender) |
 //! |---|---|
 //! | 4 | magic `b"KVPA"` |
-//! | 1 | version (1) |
+//! | 1 | version (2) |
 //! | 1 | 1: accepted, 0: declined |
-//! | 2 | 0 |
+//! | 2 | `n` (u16 LE): bytes of the reason (0 when accepted) |
+//! | `n` | the reason, UTF-8 |
+//!
+//! Version 1 (the sender copied into memory the receiver exported) is not spoken any more: a
+//! version-1 peer's bytes fail the exchange, and the connect says so.
 //!
 //! ## The data path
 //!
 //! The core is unchanged: the sender's endpoint plans writes from the receiver's registration
 //! (its grant) exactly as for the socket path, and the receiver's endpoint admits every write
-//! (`Receiver::admit_write`). Only where the payload travels differs:
+//! (`Receiver::admit_write`). On a peer-copy connection:
 //!
-//! - the sender's writer copies each piece device → device into the imported region (the copy
-//!   engine, on the sender GPU's stream; the handles are opened on the sender's GPU with lazy
-//!   peer access, so pools of a receiver on another GPU are written through peer access over
-//!   NVLink or PCIe), refusing a piece that
-//!   leaves the imported region, waits for the copy (bounded), and only then writes the
-//!   piece's `DataWrite` header — with no payload — on the socket;
-//! - the receiver's reader takes the header, asks the core's admission as for any write, and
-//!   reports the write landed at once (the payload is already in place: the admitted length
-//!   is handed to the stream reader as an empty payload).
+//! - the sender's writer sends each piece's `DataWrite` header followed, in place of the
+//!   payload, by the piece's **source** (16 bytes, below): where the bytes lie in the sender's
+//!   exported regions. It sends nothing else for the piece and touches no memory of the peer.
+//! - the receiver's reader takes the header and the source, asks the core's admission as for
+//!   any write, checks that the source lies inside the region the sender exported, copies the
+//!   bytes from the sender's region into its own admitted destination (the copy engine, on a
+//!   stream of the reader's own, in the receiver's process), **waits for the copy**, reports
+//!   the write landed (`WriteFinished`), and then sends an **acknowledgement** back on the same
+//!   connection. A discarded write (the request ended here) is acknowledged without a copy.
+//! - the sender completes a write batch (`WritesCompleted`) only when every piece of it was
+//!   acknowledged. Acknowledgements count pieces in the order the connection carried them.
 //!
-//! So results still wait for their data (a header is sent only after its bytes landed, and
-//! the receiver holds results until the headers before them were admitted and landed). The
-//! difference to the socket path is the trust model: with the handles the sending process can
-//! write anywhere in the exported pools, like an RDMA peer with a memory key. The receiver's
-//! admission still checks every write against the request's grant and fails the request and
-//! the peer on a write outside it, but it learns of the write after the bytes moved. Exported
-//! memory is the registered pools only.
+//! | bytes | source (sender → receiver, after each `DataWrite` header) |
+//! |---|---|
+//! | 4 | the sender's region id (u32 LE) |
+//! | 4 | reserved, 0 |
+//! | 8 | offset in that region (u64 LE); the length is the header's |
 //!
-//! ## Failures
+//! | bytes | acknowledgement (receiver → sender, between frames) |
+//! |---|---|
+//! | 4 | magic `b"KVPK"` (no frame starts so: frames start with `b"KVPF"`) |
+//! | 4 | `count` (u32 LE): the next `count` pieces of this connection were pulled (or dropped) |
 //!
-//! A writer that stops (a closed or failed connection, a cancel that tears the peer down)
-//! waits for every copy it issued (bounded by the staging wait) before it reports its batch
-//! parts or its end, so the sender's `Quiesced` — and the receiver's, which needs the writer's
-//! connection gone — never comes while one of its copies may still write. A copy still running
-//! after that wait (60 s: a GPU that stopped answering) is given up like a staging copy: its
-//! engine and ticket are kept alive for good and the writer reports its end. When
-//! the prefill **process** dies mid-copy the driver destroys its contexts, which ends its
-//! copies; the receiver sees the connections close and fails the requests; the bytes of the
-//! cut-short writes are partial, and the requests are failed, never completed.
+//! ## The fence
+//!
+//! Only the receiver's own process ever writes the receiver's memory, and only its reader
+//! issues those writes: each one between the write's admission and its `WriteFinished`, which
+//! waits for the copy. So when the receiver's core learns that a peer is gone
+//! (`PeerDisconnected`, reported once every half of the peer's connections stopped) no copy
+//! into its memory is still running, and none can start: a stopped (`SIGSTOP`), slow or dying
+//! prefill process has no handle on the decode side's memory. The receiver's `Quiesced`
+//! therefore means what it means on the socket path: its blocks may be reused at once. A copy
+//! of the receiver's own that its GPU does not finish within the staging wait (60 s) is given
+//! up like a staging copy (its engine is kept alive for good, the write fails, the reader
+//! stops).
+//!
+//! The sender's blocks are read by the receiver, so the sender keeps them pinned until the
+//! receiver says it has read them: a batch completes only on acknowledgements, and its result
+//! (and so the request's last result) is sent only after. If the receiver stops answering, the
+//! sender's own deadlines fail the batch and close the peer; its blocks are released once the
+//! connection is gone. A stopped receiver that resumes after that may copy whatever those
+//! blocks then hold into its own destination, but only into the blocks of a request that
+//! cannot complete: the writes it pulls then were never acknowledged, so the result that would
+//! complete it was never sent, and its connections are closed.
+//!
+//! The trust model: the IPC handles give the receiver read access to the sender's exported
+//! pools (the registered regions, nothing else), like an RDMA peer holding a key for remote
+//! reads. The receiver copies only the extents its core admitted, from sources that lie inside
+//! the exported regions; a source outside them fails the write and the connection.
 
 use std::collections::HashMap;
 use std::io::{self, Read, Write};
@@ -87,12 +112,13 @@ pub enum TcpDataPath {
     /// Over the sockets (payload after each `DataWrite` header). The default.
     #[default]
     Socket,
-    /// Peer copies when both sides' regions are device memory and the receiver's CUDA IPC
-    /// handles open here (same host); otherwise the socket path, without an error.
+    /// Peer copies when both sides' regions are device memory and the sender's CUDA IPC
+    /// handles open at the receiver (same host); otherwise the socket path, without an error.
     Auto,
-    /// Peer copies or nothing: a connecting sender fails `connect` with the reason when the
-    /// peer declines or a handle does not open; a receiver whose regions cannot be exported
-    /// fails `listen` with the reason, and drops a connection whose sender declines its offer.
+    /// Peer copies or nothing: a connecting sender fails `connect` with the reason when it
+    /// cannot export its regions or the peer declines; a receiver whose regions are not all
+    /// device memory fails `listen` with the reason, and drops a connection whose sender it
+    /// cannot pull from.
     PeerCopy,
 }
 
@@ -102,9 +128,18 @@ pub(crate) const HANDLE_LEN: usize = 80;
 const ENTRY_LEN: usize = 8 + HANDLE_LEN;
 /// Most regions one offer lists.
 pub(crate) const MAX_OFFER_REGIONS: usize = 4096;
+/// Most bytes of a reason.
+const MAX_REASON: usize = 1024;
 const OFFER_MAGIC: [u8; 4] = *b"KVPC";
 const ANSWER_MAGIC: [u8; 4] = *b"KVPA";
-const VERSION: u8 = 1;
+/// Version of the negotiation and of the source and acknowledgement records.
+const VERSION: u8 = 2;
+/// Bytes of a piece's source, sent after its `DataWrite` header.
+pub(crate) const SOURCE_LEN: usize = 16;
+/// Bytes of an acknowledgement.
+pub(crate) const ACK_LEN: usize = 8;
+/// First bytes of an acknowledgement.
+pub(crate) const ACK_MAGIC: [u8; 4] = *b"KVPK";
 
 /// One exported region.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -115,13 +150,22 @@ pub(crate) struct OfferEntry {
     pub(crate) handle: [u8; HANDLE_LEN],
 }
 
-/// What the accepting node offers.
+/// What the connecting sender offers.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) enum Offer {
     /// Its regions, exported.
     Regions(Vec<OfferEntry>),
     /// No peer copies, and why.
     Declined(String),
+}
+
+/// `reason` cut to at most [`MAX_REASON`] bytes at a character boundary.
+fn short_reason(reason: &str) -> &[u8] {
+    let mut end = reason.len().min(MAX_REASON);
+    while !reason.is_char_boundary(end) {
+        end -= 1;
+    }
+    &reason.as_bytes()[..end]
 }
 
 impl Offer {
@@ -141,13 +185,10 @@ impl Offer {
                 }
             }
             Offer::Declined(reason) => {
-                let mut end = reason.len().min(1024);
-                while !reason.is_char_boundary(end) {
-                    end -= 1;
-                }
+                let reason = short_reason(reason);
                 out.push(0);
-                out.extend((end as u16).to_le_bytes());
-                out.extend(&reason.as_bytes()[..end]);
+                out.extend((reason.len() as u16).to_le_bytes());
+                out.extend(reason);
             }
         }
         out
@@ -165,7 +206,8 @@ impl Offer {
 
     /// Checks an offer's first 8 bytes: whether it offers regions, and the count.
     fn check_head(head: &[u8; 8]) -> io::Result<(bool, usize)> {
-        if head[..4] != OFFER_MAGIC || head[4] != VERSION || head[5] > 1 {
+        check_version(head, OFFER_MAGIC, "offer")?;
+        if head[5] > 1 {
             return Err(invalid(format!(
                 "not a peer-copy offer (header {head:02x?})"
             )));
@@ -174,6 +216,11 @@ impl Offer {
         if head[5] == 1 && n > MAX_OFFER_REGIONS {
             return Err(invalid(format!(
                 "a peer-copy offer of {n} regions (at most {MAX_OFFER_REGIONS})"
+            )));
+        }
+        if head[5] == 0 && n > MAX_REASON {
+            return Err(invalid(format!(
+                "a peer-copy decline of {n} bytes (at most {MAX_REASON})"
             )));
         }
         Ok((head[5] == 1, n))
@@ -221,27 +268,136 @@ impl Offer {
     }
 }
 
-/// The sender's answer: 8 bytes.
-pub(crate) fn encode_answer(accepted: bool) -> [u8; 8] {
-    let mut out = [0u8; 8];
-    out[..4].copy_from_slice(&ANSWER_MAGIC);
-    out[4] = VERSION;
-    out[5] = u8::from(accepted);
+/// Checks the magic and the version of a negotiation message's head; a peer speaking another
+/// version is named as such.
+fn check_version(head: &[u8; 8], magic: [u8; 4], what: &str) -> io::Result<()> {
+    if head[..4] != magic {
+        return Err(invalid(format!(
+            "not a peer-copy {what} (header {head:02x?})"
+        )));
+    }
+    if head[4] != VERSION {
+        return Err(invalid(format!(
+            "a peer-copy {what} of version {} (this node speaks version {VERSION}: upgrade \
+             both sides together, or use the socket data path)",
+            head[4]
+        )));
+    }
+    Ok(())
+}
+
+/// The accepting node's answer: whether it pulls from the offered regions, or why not.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Answer {
+    /// It opened every offered region and pulls the data writes.
+    Accepted,
+    /// No peer copies, and why.
+    Declined(String),
+}
+
+impl Answer {
+    pub(crate) fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(8);
+        out.extend(ANSWER_MAGIC);
+        out.push(VERSION);
+        let reason: &[u8] = match self {
+            Answer::Accepted => &[],
+            Answer::Declined(why) => short_reason(why),
+        };
+        out.push(u8::from(matches!(self, Answer::Accepted)));
+        out.extend((reason.len() as u16).to_le_bytes());
+        out.extend(reason);
+        out
+    }
+
+    /// Reads an answer from `stream` by `deadline`.
+    pub(crate) fn read(stream: &TcpStream, deadline: Instant) -> io::Result<Answer> {
+        let mut head = [0u8; 8];
+        read_by(stream, &mut head, deadline)?;
+        let n = Answer::check_head(&head)?;
+        let mut body = vec![0u8; n];
+        read_by(stream, &mut body, deadline)?;
+        Ok(Answer::from_parts(head[5] == 1, &body))
+    }
+
+    /// Checks an answer's first 8 bytes: the bytes of its reason.
+    fn check_head(head: &[u8; 8]) -> io::Result<usize> {
+        check_version(head, ANSWER_MAGIC, "answer")?;
+        let n = usize::from(u16::from_le_bytes([head[6], head[7]]));
+        if head[5] > 1 || (head[5] == 1 && n != 0) || n > MAX_REASON {
+            return Err(invalid(format!("not a peer-copy answer ({head:02x?})")));
+        }
+        Ok(n)
+    }
+
+    fn from_parts(accepted: bool, reason: &[u8]) -> Answer {
+        if accepted {
+            Answer::Accepted
+        } else {
+            Answer::Declined(String::from_utf8_lossy(reason).into_owned())
+        }
+    }
+
+    /// Decodes a whole answer held in memory (tests).
+    #[cfg(test)]
+    fn decode(bytes: &[u8]) -> io::Result<Answer> {
+        let head: [u8; 8] = bytes
+            .get(..8)
+            .and_then(|h| h.try_into().ok())
+            .ok_or_else(|| invalid("short answer".into()))?;
+        let n = Answer::check_head(&head)?;
+        if bytes.len() - 8 != n {
+            return Err(invalid("answer length".into()));
+        }
+        Ok(Answer::from_parts(head[5] == 1, &bytes[8..]))
+    }
+}
+
+/// Where a pulled piece's bytes lie in the sender's exported regions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Source {
+    pub(crate) region: RegionId,
+    pub(crate) offset: u64,
+}
+
+impl Source {
+    pub(crate) fn encode(&self) -> [u8; SOURCE_LEN] {
+        let mut out = [0u8; SOURCE_LEN];
+        out[..4].copy_from_slice(&self.region.0.to_le_bytes());
+        out[8..].copy_from_slice(&self.offset.to_le_bytes());
+        out
+    }
+
+    /// `None`: the reserved bytes are not zero (not a source this version sends).
+    pub(crate) fn decode(b: &[u8; SOURCE_LEN]) -> Option<Source> {
+        if b[4..8] != [0; 4] {
+            return None;
+        }
+        let mut offset = [0u8; 8];
+        offset.copy_from_slice(&b[8..]);
+        Some(Source {
+            region: RegionId(u32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+            offset: u64::from_le_bytes(offset),
+        })
+    }
+}
+
+/// An acknowledgement of `count` pulled pieces.
+pub(crate) fn encode_ack(count: u32) -> [u8; ACK_LEN] {
+    let mut out = [0u8; ACK_LEN];
+    out[..4].copy_from_slice(&ACK_MAGIC);
+    out[4..].copy_from_slice(&count.to_le_bytes());
     out
 }
 
-/// Reads the sender's answer by `deadline`: whether it accepted.
-pub(crate) fn read_answer(stream: &TcpStream, deadline: Instant) -> io::Result<bool> {
-    let mut b = [0u8; 8];
-    read_by(stream, &mut b, deadline)?;
-    decode_answer(&b)
-}
-
-fn decode_answer(b: &[u8; 8]) -> io::Result<bool> {
-    if b[..4] != ANSWER_MAGIC || b[4] != VERSION || b[5] > 1 || b[6] != 0 || b[7] != 0 {
-        return Err(invalid(format!("not a peer-copy answer ({b:02x?})")));
+/// The count of an acknowledgement; `None` when `b` is none (a frame's first bytes) or
+/// acknowledges nothing.
+pub(crate) fn decode_ack(b: &[u8; ACK_LEN]) -> Option<u32> {
+    if b[..4] != ACK_MAGIC {
+        return None;
     }
-    Ok(b[5] == 1)
+    let count = u32::from_le_bytes([b[4], b[5], b[6], b[7]]);
+    (count > 0).then_some(count)
 }
 
 fn invalid(message: String) -> io::Error {
@@ -290,9 +446,9 @@ pub(crate) struct PlacedRegion {
     pub(crate) len: u64,
 }
 
-/// The peer's regions opened in this process (a sender's view of an accepted offer). The IPC
-/// mappings close when the last clone of the link's `Arc` is gone — after every writer that
-/// copies into them stopped.
+/// The sender's regions opened in this process (a receiver's view of an accepted offer). The
+/// IPC mappings close when the last clone of the link's `Arc` is gone — after every reader
+/// that copies from them stopped.
 #[derive(Debug, Default)]
 pub(crate) struct PeerMappings {
     regions: HashMap<RegionId, PlacedRegion>,
@@ -304,6 +460,14 @@ impl PeerMappings {
     /// The opened region `id`.
     pub(crate) fn get(&self, id: RegionId) -> Option<PlacedRegion> {
         self.regions.get(&id).copied()
+    }
+
+    /// Where `len` bytes from `source` lie in this process: `None` when they leave the
+    /// exported region (or it was not offered).
+    pub(crate) fn locate(&self, source: Source, len: u64) -> Option<(usize, u64)> {
+        let r = self.get(source.region)?;
+        let end = source.offset.checked_add(len)?;
+        (end <= r.len).then(|| (r.ordinal, r.ptr + source.offset))
     }
 
     /// Mappings over given addresses (tests: no driver).
@@ -323,21 +487,12 @@ pub(crate) enum Placement {
     /// Over the sockets.
     #[default]
     Socket,
-    /// (Receiver) the peer places them itself; headers arrive without payload.
-    Receive,
-    /// (Sender) this node places them in these opened regions.
+    /// (Receiver) this node pulls them from the sender's regions, opened here.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    Send(std::sync::Arc<PeerMappings>),
-}
-
-impl Placement {
-    /// The peer's opened regions when this node places its writes there itself.
-    pub(crate) fn sent(&self) -> Option<&PeerMappings> {
-        match self {
-            Placement::Send(m) => Some(m),
-            _ => None,
-        }
-    }
+    Pull(std::sync::Arc<PeerMappings>),
+    /// (Sender) the peer pulls them: pieces carry their source, batches complete on the
+    /// peer's acknowledgements.
+    Source,
 }
 
 /// Why the local regions cannot take part in peer copies, if they cannot: every region must be
@@ -359,22 +514,38 @@ pub(crate) fn device_only(regions: &RegionTable) -> Result<(), String> {
     }
 }
 
-/// The offer of an accepting node whose data path is `path`: every region exported, or why
+/// The offer of a connecting sender whose data path is `path`: every region exported, or why
 /// not.
-pub(crate) fn local_offer(path: TcpDataPath, is_receiver: bool, regions: &RegionTable) -> Offer {
+pub(crate) fn local_offer(path: TcpDataPath, regions: &RegionTable) -> Offer {
     if path == TcpDataPath::Socket {
-        return Offer::Declined("the accepting node uses the socket data path".into());
-    }
-    if !is_receiver {
-        return Offer::Declined("the accepting node is not a receiver".into());
+        return Offer::Declined("the sender uses the socket data path".into());
     }
     if let Err(why) = device_only(regions) {
-        return Offer::Declined(format!("the receiver cannot export: {why}"));
+        return Offer::Declined(format!("the sender cannot export: {why}"));
     }
     match export(regions) {
         Ok(entries) => Offer::Regions(entries),
-        Err(why) => Offer::Declined(format!("the receiver cannot export: {why}")),
+        Err(why) => Offer::Declined(format!("the sender cannot export: {why}")),
     }
+}
+
+/// Whether an accepting node whose data path is `path` can pull at all, or why not.
+pub(crate) fn can_pull(
+    path: TcpDataPath,
+    is_receiver: bool,
+    regions: &RegionTable,
+) -> Result<(), String> {
+    if path == TcpDataPath::Socket {
+        return Err("the accepting node uses the socket data path".into());
+    }
+    if !is_receiver {
+        return Err("the accepting node is not a receiver".into());
+    }
+    device_only(regions).map_err(|why| format!("the receiver cannot pull: {why}"))?;
+    if !cfg!(feature = "cuda") {
+        return Err("kvpipe-tcp was built without the `cuda` feature".into());
+    }
+    Ok(())
 }
 
 #[cfg(feature = "cuda")]
@@ -402,15 +573,15 @@ fn export(_regions: &RegionTable) -> Result<Vec<OfferEntry>, String> {
     Err("kvpipe-tcp was built without the `cuda` feature".into())
 }
 
-/// The sender's side: opens every offered region on the GPU of its own regions. `Err`: why
+/// The receiver's side: opens every offered region on the GPU of its own regions. `Err`: why
 /// the offer cannot be accepted.
 pub(crate) fn accept(offer: &Offer, regions: &RegionTable) -> Result<PeerMappings, String> {
     let entries = match offer {
-        Offer::Declined(why) => return Err(format!("the peer declined: {why}")),
-        Offer::Regions(e) if e.is_empty() => return Err("the peer offered no region".into()),
+        Offer::Declined(why) => return Err(format!("the sender declined: {why}")),
+        Offer::Regions(e) if e.is_empty() => return Err("the sender offered no region".into()),
         Offer::Regions(e) => e,
     };
-    device_only(regions).map_err(|why| format!("this node cannot copy: {why}"))?;
+    device_only(regions).map_err(|why| format!("this node cannot pull: {why}"))?;
     import(entries, regions)
 }
 
@@ -478,11 +649,23 @@ mod tests {
         let offer = Offer::Regions(vec![entry(1000), entry(1001)]);
         let bytes = offer.encode();
         assert_eq!(bytes.len(), 8 + 2 * ENTRY_LEN);
+        assert_eq!(bytes[4], 2, "version 2: the receiver pulls");
         assert_eq!(Offer::decode(&bytes).unwrap(), offer);
-        let no = Offer::Declined("the receiver cannot export: r1 is host memory".into());
+        let no = Offer::Declined("the sender cannot export: r1 is host memory".into());
         assert_eq!(Offer::decode(&no.encode()).unwrap(), no);
-        assert!(decode_answer(&encode_answer(true)).unwrap());
-        assert!(!decode_answer(&encode_answer(false)).unwrap());
+        assert_eq!(Answer::encode(&Answer::Accepted).len(), 8);
+        assert_eq!(
+            Answer::decode(&Answer::Accepted.encode()).unwrap(),
+            Answer::Accepted
+        );
+        let why = Answer::Declined("r1 (GPU 0 of the peer) does not open here".into());
+        assert_eq!(Answer::decode(&why.encode()).unwrap(), why);
+        // A long reason is cut at a character boundary.
+        let long = Answer::Declined("é".repeat(MAX_REASON));
+        let Answer::Declined(cut) = Answer::decode(&long.encode()).unwrap() else {
+            panic!("declined");
+        };
+        assert!(cut.len() <= MAX_REASON && cut.chars().all(|c| c == 'é'));
     }
 
     #[test]
@@ -500,9 +683,72 @@ mod tests {
         assert!(Offer::check_head(b[..8].try_into().unwrap()).is_err());
         // A body that is not whole entries (a handle of the wrong length).
         assert!(Offer::decode_body(true, &bytes[8..bytes.len() - 1]).is_err());
-        let mut a = encode_answer(true);
+        // An accepted answer carries no reason; a status is 0 or 1.
+        let mut a = Answer::Accepted.encode();
         a[6] = 1;
-        assert!(decode_answer(&a).is_err());
+        a.push(b'x');
+        assert!(Answer::decode(&a).is_err());
+        let mut a = Answer::Accepted.encode();
+        a[5] = 2;
+        assert!(Answer::decode(&a).is_err());
+    }
+
+    #[test]
+    fn a_version_1_peer_is_named_as_such() {
+        // Version 1: the receiver offered its own regions and the sender copied into them.
+        let mut b = Offer::Regions(vec![entry(7)]).encode();
+        b[4] = 1;
+        let e = Offer::decode(&b).unwrap_err().to_string();
+        assert!(e.contains("version 1") && e.contains("version 2"), "{e}");
+        let mut a = Answer::Accepted.encode();
+        a[4] = 1;
+        let e = Answer::decode(&a).unwrap_err().to_string();
+        assert!(e.contains("version 1"), "{e}");
+    }
+
+    #[test]
+    fn sources_and_acknowledgements_round_trip_and_never_look_like_frames() {
+        let s = Source {
+            region: RegionId(0x0102_0304),
+            offset: 0x1122_3344_5566_7788,
+        };
+        let b = s.encode();
+        assert_eq!(b.len(), SOURCE_LEN);
+        assert_eq!(Source::decode(&b), Some(s));
+        let mut bad = b;
+        bad[5] = 1;
+        assert_eq!(Source::decode(&bad), None, "reserved bytes must be zero");
+
+        assert_eq!(decode_ack(&encode_ack(3)), Some(3));
+        assert_eq!(decode_ack(&encode_ack(u32::MAX)), Some(u32::MAX));
+        assert_eq!(decode_ack(&encode_ack(0)), None, "acknowledges nothing");
+        // A frame's first bytes are no acknowledgement.
+        let frame = kvpipe_core::wire::Frame::Heartbeat(kvpipe_core::wire::Heartbeat { seq: 1 })
+            .to_vec()
+            .unwrap();
+        let head: [u8; ACK_LEN] = frame[..ACK_LEN].try_into().unwrap();
+        assert_eq!(decode_ack(&head), None);
+        assert_ne!(ACK_MAGIC, kvpipe_core::wire::MAGIC);
+    }
+
+    #[test]
+    fn sources_outside_the_exported_region_are_not_located() {
+        let m = PeerMappings::fake([(
+            RegionId(4),
+            PlacedRegion {
+                ordinal: 1,
+                ptr: 0x1000,
+                len: 256,
+            },
+        )]);
+        let at = |region, offset| Source {
+            region: RegionId(region),
+            offset,
+        };
+        assert_eq!(m.locate(at(4, 16), 240), Some((1, 0x1010)));
+        assert_eq!(m.locate(at(4, 16), 241), None);
+        assert_eq!(m.locate(at(4, u64::MAX), 2), None);
+        assert_eq!(m.locate(at(5, 0), 1), None);
     }
 
     #[test]
@@ -518,22 +764,21 @@ mod tests {
     fn host_memory_on_either_side_falls_back() {
         let mut host = RegionTable::new();
         host.insert(RegionId(3), MemoryRegion::zeroed(16));
-        // The receiver declines to export host memory, or any region with the socket path.
+        // A sender declines to export host memory, or any region with the socket path.
         for (path, want) in [
             (TcpDataPath::Auto, "host memory"),
             (TcpDataPath::PeerCopy, "host memory"),
             (TcpDataPath::Socket, "socket data path"),
         ] {
-            match local_offer(path, true, &host) {
+            match local_offer(path, &host) {
                 Offer::Declined(why) => assert!(why.contains(want), "{why}"),
                 other => panic!("{other:?}"),
             }
         }
-        assert!(matches!(
-            local_offer(TcpDataPath::Auto, false, &host),
-            Offer::Declined(_)
-        ));
-        // A sender with host memory declines an offer.
+        // A receiver with host memory (or no receiver, or the socket path) cannot pull.
+        assert!(can_pull(TcpDataPath::Auto, true, &host).is_err());
+        assert!(can_pull(TcpDataPath::Auto, false, &host).is_err());
+        assert!(can_pull(TcpDataPath::Socket, true, &host).is_err());
         let why = accept(&Offer::Regions(vec![entry(1)]), &host).unwrap_err();
         assert!(why.contains("host memory"), "{why}");
     }

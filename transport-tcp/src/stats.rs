@@ -41,9 +41,10 @@ pub struct TcpStats {
     /// Peers whose data writes move by peer copies (CUDA IPC, `TcpDataPath`), counted on both
     /// sides once the offer was accepted.
     pub peer_copy_peers: u64,
-    /// Payload bytes this node copied straight into a peer's device memory (sender).
+    /// Payload bytes the peer pulled from this node's device memory by peer copies and
+    /// acknowledged (sender).
     pub bytes_placed: u64,
-    /// Data writes a peer placed in this node's memory itself and announced without payload
+    /// Data writes this node pulled from a peer's device memory into its own by peer copies
     /// (receiver; counted in `writes_applied` too).
     pub writes_placed: u64,
 }

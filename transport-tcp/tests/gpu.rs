@@ -417,7 +417,265 @@ fn device_table(id: RegionId, region: DeviceRegion) -> RegionTable {
     t
 }
 
+/// The peer-copy fence, with three processes on one GPU. This process is the decode side
+/// (device pools, `PeerCopy`, deadlines of about a second). A first prefill process (this
+/// test binary again, `KVPIPE_FENCE_PREFILL` set) streams request 1 one block per chunk, slowly;
+/// once some of its writes landed it is stopped (`SIGSTOP`). The decode side times the request
+/// out, quiesces, and registers request 2 on the same blocks, fed by a second, healthy prefill
+/// process with other bytes; request 2 completes and its bytes are checked. Then the first
+/// process is resumed (`SIGCONT`) and goes on submitting chunks of request 1 for a while; the
+/// blocks of request 2 are checked again, byte for byte. With the receiver pulling every write
+/// itself nothing of the resumed process can land there.
+fn a_stopped_prefill_process_cannot_write_into_blocks_handed_back(
+    d: &Device,
+) -> Result<(), Failed> {
+    let sb = slot_bytes();
+    let dst = Pool::new(vec![0xEE; DST_SLOTS as usize * sb], Some(d))?;
+    let hello = LocalHello::new(InstanceId(2), Topology::default(), vec![layout(2)]);
+    let mut config = ReceiverConfig::new(hello, 5);
+    config.deadlines.heartbeat_interval = kvpipe_core::Duration::from_millis(200);
+    config.deadlines.liveness_timeout = kvpipe_core::Duration::from_millis(1500);
+    config.deadlines.result_idle = kvpipe_core::Duration::from_millis(1500);
+    let rx = TcpReceiver::new(config, fence_tcp(), dst.table(RegionId(2)))?;
+    let addr = rx.listen("127.0.0.1:0")?;
+    let mut children = Children::default();
+    let next = |t| rx.next_event(t);
+
+    // Request 1 from the process that will be stopped: 48 blocks, one per 150 ms.
+    let stopped = children.spawn(&addr.to_string(), 1, 11, 150)?;
+    let peer_of = |events: &[Event]| match events.last() {
+        Some(Event::PeerReady { peer, .. }) => *peer,
+        _ => PeerId(u32::MAX),
+    };
+    let a = peer_of(&wait_for(next, |e| matches!(e, Event::PeerReady { .. }))?);
+    let blocks = || {
+        let mut run = AnchoredRun::empty(0);
+        for o in 0..BLOCKS {
+            run.push(BlockId(dst_slot(o)));
+        }
+        run
+    };
+    let registration = |request, writer| Registration {
+        request: RequestId(request),
+        prompt_len: BLOCKS * TPB,
+        groups: vec![blocks()],
+        writers: std::iter::once(writer).collect(),
+        aux_capacity: 64,
+        expected_part: None,
+    };
+    rx.register(registration(1, a))?;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while rx.stats().writes_placed < 4 {
+        if Instant::now() > deadline {
+            return Err(format!("request 1 did not start: {:?}", rx.stats()).into());
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    signal("STOP", stopped)?;
+    let landed_before_stop = rx.stats().writes_placed;
+    // The decode side times request 1 out and hands its blocks back.
+    let quiesced =
+        |r: u64| move |e: &Event| matches!(e, Event::Quiesced { request } if request.0 == r);
+    let one = wait_for(next, quiesced(1))?;
+    if one.iter().any(|e| matches!(e, Event::Completed { .. })) {
+        return Err(format!("request 1 completed while its writer was stopped: {one:?}").into());
+    }
+
+    // Request 2 into the same blocks, from a healthy prefill process.
+    let healthy = children.spawn(&addr.to_string(), 2, 22, 0)?;
+    let b = peer_of(&wait_for(next, |e| matches!(e, Event::PeerReady { .. }))?);
+    rx.register(registration(2, b))?;
+    let two = wait_for(next, quiesced(2))?;
+    if !two
+        .iter()
+        .any(|e| matches!(e, Event::Completed { request, .. } if request.0 == 2))
+    {
+        return Err(format!("request 2 did not complete: {two:?}").into());
+    }
+    let data = pattern(BLOCKS as usize * sb, 22);
+    let differing = |out: &[u8]| {
+        (0..BLOCKS as usize)
+            .map(|o| {
+                let d = dst_slot(o as u32) as usize;
+                out[d * sb..(d + 1) * sb]
+                    .iter()
+                    .zip(&data[o * sb..(o + 1) * sb])
+                    .filter(|(a, b)| a != b)
+                    .count()
+            })
+            .sum::<usize>()
+    };
+    let before = differing(&dst.bytes()?);
+    // Resume the stopped process and give it time to do whatever it still had queued.
+    signal("CONT", stopped)?;
+    std::thread::sleep(Duration::from_secs(3));
+    let after = differing(&dst.bytes()?);
+    let status = children.wait(healthy, Duration::from_secs(30));
+    let resumed = children.wait(stopped, Duration::ZERO);
+    println!(
+        "{{\"figure\":\"peer-copy-fence\",\"writes_landed_before_stop\":{landed_before_stop},\"bytes_differing_after_completion\":{before},\"bytes_differing_after_resume\":{after},\"healthy_prefill_exit\":\"{status}\",\"stopped_prefill_exit\":\"{resumed}\"}}"
+    );
+    rx.shutdown();
+    if before != 0 || after != 0 {
+        return Err(format!(
+            "request 2's blocks differ from its bytes: {before} bytes after it completed, {after} after the stopped prefill process resumed"
+        )
+        .into());
+    }
+    Ok(())
+}
+
+fn fence_tcp() -> TcpConfig {
+    TcpConfig {
+        connections_per_peer: 2,
+        min_piece_bytes: 4096,
+        data_path: TcpDataPath::PeerCopy,
+        ..TcpConfig::default()
+    }
+}
+
+/// Prefill processes started by the fence test, killed when it ends.
+#[derive(Default)]
+struct Children(Vec<std::process::Child>);
+
+impl Children {
+    /// Starts this binary as a prefill process sending request `request` (bytes of `seed`)
+    /// to `addr`, `pace_ms` between chunks. Returns its pid.
+    fn spawn(&mut self, addr: &str, request: u64, seed: u64, pace_ms: u64) -> Result<u32, Failed> {
+        let child = std::process::Command::new(std::env::current_exe()?)
+            .env(
+                "KVPIPE_FENCE_PREFILL",
+                format!("{addr} {request} {seed} {pace_ms}"),
+            )
+            .stdout(std::process::Stdio::null())
+            .spawn()?;
+        let pid = child.id();
+        self.0.push(child);
+        Ok(pid)
+    }
+
+    /// Waits (at most `within`) for `pid` to exit: how it did.
+    fn wait(&mut self, pid: u32, within: Duration) -> String {
+        let deadline = Instant::now() + within;
+        for c in self.0.iter_mut().filter(|c| c.id() == pid) {
+            loop {
+                if let Ok(Some(status)) = c.try_wait() {
+                    return status.to_string();
+                }
+                if Instant::now() >= deadline {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+        "still running".into()
+    }
+}
+
+impl Drop for Children {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            if let Ok(Some(_)) = c.try_wait() {
+                continue;
+            }
+            let _ = std::process::Command::new("kill")
+                .args(["-CONT", &c.id().to_string()])
+                .stderr(std::process::Stdio::null())
+                .status();
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+fn signal(name: &str, pid: u32) -> Result<(), Failed> {
+    let ok = std::process::Command::new("kill")
+        .args([format!("-{name}"), pid.to_string()])
+        .status()?
+        .success();
+    if ok {
+        Ok(())
+    } else {
+        Err(format!("kill -{name} {pid} failed").into())
+    }
+}
+
+/// The prefill process of the fence test (`KVPIPE_FENCE_PREFILL="ADDR REQUEST SEED PACE_MS"`):
+/// connects with peer copies, sends one request from a device pool of `pattern(SEED)`, one
+/// block per chunk with `PACE_MS` between chunks, and waits for its `Quiesced`.
+fn fence_prefill(spec: &str) -> Result<(), Failed> {
+    let parts: Vec<&str> = spec.split(' ').collect();
+    let [addr, request, seed, pace] = parts[..] else {
+        return Err(format!("bad KVPIPE_FENCE_PREFILL: {spec}").into());
+    };
+    let num = |s: &str| s.parse::<u64>().map_err(|e| format!("{s}: {e}"));
+    let (request, seed, pace) = (RequestId(num(request)?), num(seed)?, num(pace)?);
+    let d = Device::open(0)?;
+    let sb = slot_bytes();
+    let src = Pool::new(pattern(BLOCKS as usize * sb, seed), Some(&d))?;
+    let hello = LocalHello::new(
+        InstanceId(10 + request.0),
+        Topology::default(),
+        vec![layout(1)],
+    );
+    let mut config = SenderConfig::new(hello);
+    config.deadlines.heartbeat_interval = kvpipe_core::Duration::from_millis(200);
+    let tx = TcpSender::new(config, fence_tcp(), src.table(RegionId(1)))?;
+    let peer = tx.connect(addr)?;
+    wait_for(
+        |t| tx.next_event(t),
+        |e| matches!(e, Event::PeerReady { .. }),
+    )?;
+    tx.open_request(SendRequest {
+        request,
+        receivers: std::iter::once(peer).collect(),
+        beam_width: 1,
+    })?;
+    wait_for(
+        |t| tx.next_event(t),
+        |e| matches!(e, Event::Registered { .. }),
+    )?;
+    let tokens = BLOCKS * TPB;
+    for b in 0..BLOCKS {
+        let spec = ChunkSpec {
+            start: b * TPB,
+            end: (b + 1) * TPB,
+            prompt_len: tokens,
+            prepopulated_len: 0,
+            is_last: b + 1 == BLOCKS,
+            prefix_sent_early: false,
+        };
+        // A failed session refuses further chunks; the stopped process, resumed, keeps trying
+        // for a while (whatever it still queues must not land in the decode side's blocks).
+        let _ = tx.submit_chunk(request, spec, &mut ContiguousSource);
+        std::thread::sleep(Duration::from_millis(pace));
+    }
+    let _ = tx.submit_aux(
+        request,
+        AuxData {
+            prompt_tokens: tokens,
+            ..AuxData::default()
+        },
+    );
+    wait_for(
+        |t| tx.next_event(t),
+        |e| matches!(e, Event::Quiesced { .. }),
+    )?;
+    tx.shutdown();
+    Ok(())
+}
+
 fn main() {
+    if let Ok(spec) = std::env::var("KVPIPE_FENCE_PREFILL") {
+        // This binary started as the fence test's prefill process.
+        std::process::exit(match fence_prefill(&spec) {
+            Ok(()) => 0,
+            Err(e) => {
+                eprintln!("fence prefill process: {e:?}");
+                1
+            }
+        });
+    }
     let args = Arguments::from_args();
     let tests = vec![
         gpu(
@@ -439,6 +697,10 @@ fn main() {
         gpu(
             "in_one_process_peer_copies_fall_back_or_fail_the_connect",
             in_one_process_peer_copies_fall_back_or_fail_the_connect,
+        ),
+        gpu(
+            "a_stopped_prefill_process_cannot_write_into_blocks_handed_back",
+            a_stopped_prefill_process_cannot_write_into_blocks_handed_back,
         ),
         Trial::ignorable_test(
             "without_a_driver_device_pools_fail_the_request_cleanly",

@@ -224,7 +224,8 @@ fn incompatible_layout_is_rejected_at_the_handshake() {
 #[test]
 fn host_memory_offered_peer_copies_falls_back_to_the_sockets() {
     // Both sides ask for peer copies where possible; host memory cannot be exported, so the
-    // receiver declines and every byte goes over the sockets (the transfer checks them all).
+    // sender's offer is a decline and every byte goes over the sockets (the transfer checks
+    // them all).
     run_transfer_with(2, TcpDataPath::Auto, TcpDataPath::Auto);
     // A receiver on the socket path declines too.
     run_transfer_with(1, TcpDataPath::Auto, TcpDataPath::Socket);
@@ -262,7 +263,8 @@ fn connecting_to_a_listener_that_never_answers_fails_in_time_and_says_so() {
     });
     let config = sender_config(1);
     let tx_regions = regions(&config.local.groups, 4, true);
-    // `Auto` (the CLI's default) reads the listener's peer-copy offer before anything else.
+    // `Auto` (the CLI's default) sends its peer-copy offer and reads the listener's answer
+    // before anything else.
     let tx_tcp = TcpConfig {
         preamble_timeout: Duration::from_millis(500),
         data_path: TcpDataPath::Auto,
@@ -276,7 +278,7 @@ fn connecting_to_a_listener_that_never_answers_fails_in_time_and_says_so() {
     let msg = err.to_string();
     assert!(
         msg.contains(&format!(
-            "the peer at {addr} sent no peer-copy offer within 500ms"
+            "the peer at {addr} did not answer the peer-copy offer within 500ms"
         )),
         "{msg}"
     );
@@ -285,11 +287,12 @@ fn connecting_to_a_listener_that_never_answers_fails_in_time_and_says_so() {
 
 #[test]
 fn a_receiver_that_must_use_peer_copies_but_cannot_offer_them_refuses_to_listen() {
-    // Host memory cannot be exported: `PeerCopy` (no fall back) fails at once, with why.
+    // A receiver pulls into device memory only: `PeerCopy` (no fall back) fails at once, with
+    // why.
     let ((tx, _), (rx, _)) = nodes_with(1, TcpDataPath::PeerCopy, TcpDataPath::PeerCopy);
     let err = rx.listen("127.0.0.1:0").unwrap_err().to_string();
     assert!(
-        err.contains("peer copies were asked for, but this node cannot offer them")
+        err.contains("peer copies were asked for, but this node cannot take them")
             && err.contains("host memory"),
         "{err}"
     );

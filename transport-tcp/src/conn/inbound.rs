@@ -9,19 +9,30 @@
 //! With the `cuda` feature a write admitted into device memory is read into pinned staging slots
 //! and copied up slot by slot while the socket fills the next ([`super::staging`]); it is
 //! reported landed once the copies of its last bytes completed.
+//!
+//! On a peer-copy connection ([`crate::peer_copy`]) the reader of a **receiver** reads each data
+//! write's source after its header, pulls the bytes from the sender's exported region into the
+//! admitted destination itself, waits for that copy, reports the write landed and queues an
+//! acknowledgement on the connection's writer; the reader of a **sender** takes the
+//! acknowledgements that arrive between frames and reports each batch whose last piece they
+//! acknowledged.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use bytes::Bytes;
 use kvpipe_core::stream::{ReadInto, StreamEnd, StreamError, StreamEvent, StreamReader};
 use kvpipe_core::wire::MAX_BODY_LEN;
-use kvpipe_core::{Admission, PeerId};
+use kvpipe_core::{Admission, PeerId, RegionId};
 
+use super::acks::PullAcks;
 use super::hooks::{HalfEnd, NodeHooks, ReadEnd};
+use super::outbound::{Job, JobQueue};
 #[cfg(feature = "cuda")]
-use super::staging::{RecvStaging, StagingSpec};
+use super::staging::{PullCopies, RecvStaging, StagingSpec};
 use crate::config::TcpConfig;
 use crate::memory::{RegionTable, Registered};
+use crate::peer_copy::{decode_ack, encode_ack, PeerMappings, Source, ACK_LEN, SOURCE_LEN};
 use crate::stats::{bump, StatCells};
 
 /// Scratch buffer for payloads that are read and dropped.
@@ -43,6 +54,30 @@ pub(crate) enum Stop {
     Ended(ReadEnd),
 }
 
+/// A receiver's reader on a peer-copy connection: the source that follows each data write's
+/// header, the sender's regions it pulls from, and the writer its acknowledgements go out on.
+struct Puller {
+    mappings: Arc<PeerMappings>,
+    writer: Arc<JobQueue>,
+    /// The header of the write whose source is being read.
+    header: Option<Bytes>,
+    source: [u8; SOURCE_LEN],
+    filled: usize,
+    #[cfg(feature = "cuda")]
+    copies: PullCopies,
+}
+
+/// A sender's reader on a peer-copy connection: acknowledgements arrive between frames.
+struct AckReader {
+    acks: Arc<PullAcks>,
+    /// The connection's writer, woken when acknowledged bytes make room in its lookahead.
+    writer: Arc<JobQueue>,
+    /// Whether the stream is between frames (where an acknowledgement may come).
+    between: bool,
+    head: [u8; ACK_LEN],
+    filled: usize,
+}
+
 /// The reading half of one connection (see the module doc).
 pub(crate) struct Inbound {
     peer: PeerId,
@@ -56,9 +91,10 @@ pub(crate) struct Inbound {
     /// Writes into device memory, through pinned staging slots.
     #[cfg(feature = "cuda")]
     staging: RecvStaging,
-    /// The peer places its writes itself (peer copies, [`crate::peer_copy`]): headers come
-    /// without payload.
-    placed: bool,
+    /// (Receiver, peer copies) this reader pulls each write from the sender's memory.
+    puller: Option<Puller>,
+    /// (Sender, peer copies) the receiver acknowledges pulled pieces on this connection.
+    acker: Option<AckReader>,
     /// The peer's control frames travel on this connection: payload arriving here holds them
     /// back, and is reported to keep the peer alive.
     carries_frames: bool,
@@ -86,17 +122,57 @@ impl Inbound {
             read_max: config.socket_read_bytes.max(1),
             #[cfg(feature = "cuda")]
             staging: RecvStaging::new(StagingSpec::from_config(config)),
-            placed: false,
+            puller: None,
+            acker: None,
             carries_frames: true,
             arriving_reported: Instant::now(),
             arriving_every: ARRIVING_EVERY,
         }
     }
 
-    /// The same reader for a peer that places its writes itself (peer copies): each admitted
-    /// write is reported landed as soon as it is admitted, and no payload is read.
-    pub(crate) fn placed(mut self, placed: bool) -> Self {
-        self.placed = placed;
+    /// The same reader pulling every data write from `mappings`, the sender's regions opened
+    /// here (a receiver on a peer-copy connection; `None`: the socket path). Acknowledgements
+    /// go out on `writer`, the connection's writer.
+    pub(crate) fn pulling(
+        mut self,
+        mappings: Option<Arc<PeerMappings>>,
+        writer: &Arc<JobQueue>,
+        config: &TcpConfig,
+    ) -> Self {
+        #[cfg(not(feature = "cuda"))]
+        let _ = config;
+        self.puller = mappings.map(|mappings| Puller {
+            mappings,
+            writer: writer.clone(),
+            header: None,
+            source: [0; SOURCE_LEN],
+            filled: 0,
+            #[cfg(feature = "cuda")]
+            copies: PullCopies::new(StagingSpec::from_config(config)),
+        });
+        self
+    }
+
+    /// The same reader taking the receiver's acknowledgements of the pulled pieces in `acks`
+    /// (a sender on a peer-copy connection; `None`: the socket path), waking `writer`, the
+    /// connection's writer, as they make room.
+    pub(crate) fn acking(mut self, acks: Option<Arc<PullAcks>>, writer: &Arc<JobQueue>) -> Self {
+        self.acker = acks.map(|acks| AckReader {
+            acks,
+            writer: writer.clone(),
+            between: true,
+            head: [0; ACK_LEN],
+            filled: 0,
+        });
+        self
+    }
+
+    /// The same reader pulling through `spec`'s GPU (tests).
+    #[cfg(all(test, feature = "cuda"))]
+    pub(crate) fn with_pull_gpu(mut self, spec: StagingSpec) -> Self {
+        if let Some(p) = &mut self.puller {
+            p.copies = PullCopies::new(spec);
+        }
         self
     }
 
@@ -117,6 +193,14 @@ impl Inbound {
 
     /// Where the next `read` goes. Never empty while the stream goes on.
     pub(crate) fn buffer(&mut self) -> &mut [u8] {
+        if self.puller.as_ref().is_some_and(|p| p.header.is_some()) {
+            let p = self.puller.as_mut().expect("checked");
+            return &mut p.source[p.filled..];
+        }
+        if self.acker.as_ref().is_some_and(|a| a.between) {
+            let a = self.acker.as_mut().expect("checked");
+            return &mut a.head[a.filled..];
+        }
         let Inbound {
             reader,
             regions,
@@ -166,6 +250,12 @@ impl Inbound {
 
     /// `n > 0` bytes were read into [`buffer`](Self::buffer). `Err`: stop reading.
     pub(crate) fn consumed(&mut self, n: usize) -> Result<(), ReadEnd> {
+        if self.puller.as_ref().is_some_and(|p| p.header.is_some()) {
+            return self.source_read(n);
+        }
+        if self.acker.as_ref().is_some_and(|a| a.between) {
+            return self.ack_read(n);
+        }
         if self.reader.in_flight().is_some() {
             bump(&self.stats.bytes_applied, n as u64);
             if self.carries_frames {
@@ -207,8 +297,11 @@ impl Inbound {
         {
             self.hooks.write_finished(ticket, false);
         }
+        // Cut inside a pulled write's source, or inside an acknowledgement.
+        let cut = self.puller.as_ref().is_some_and(|p| p.header.is_some())
+            || self.acker.as_ref().is_some_and(|a| a.filled > 0);
         let how = match (stop, end) {
-            (Stop::Eof, StreamEnd::Clean) => ReadEnd::Eof,
+            (Stop::Eof, StreamEnd::Clean) if !cut => ReadEnd::Eof,
             (Stop::Eof | Stop::Io, _) => ReadEnd::Failed,
             (Stop::Ended(how), _) => how,
         };
@@ -221,9 +314,20 @@ impl Inbound {
             Some(StreamEvent::Frame(bytes)) => {
                 self.hooks.frame(self.peer, bytes);
                 self.raise_body_limit();
+                if let Some(a) = &mut self.acker {
+                    a.between = true;
+                }
                 Ok(())
             }
-            Some(StreamEvent::DataWrite(header)) => self.admit(&header),
+            Some(StreamEvent::DataWrite(header)) => match &mut self.puller {
+                // Its source follows; the write is admitted once that is read.
+                Some(p) => {
+                    p.header = Some(header);
+                    p.filled = 0;
+                    Ok(())
+                }
+                None => self.admit(&header),
+            },
             Some(StreamEvent::Landed(ticket)) => {
                 // A staged write has landed once its last copy completed.
                 #[cfg(feature = "cuda")]
@@ -251,9 +355,6 @@ impl Inbound {
     /// Asks the core about a data write and tells the stream reader the answer.
     fn admit(&mut self, header: &[u8]) -> Result<(), ReadEnd> {
         let admission = self.hooks.admit(self.peer, header);
-        if self.placed {
-            return self.admit_placed(admission);
-        }
         match admission {
             Admission::Apply {
                 ticket,
@@ -302,10 +403,29 @@ impl Inbound {
         self.on_event(event)
     }
 
-    /// A write the peer placed itself (peer copies): its bytes are in memory before its header
-    /// was sent, so an admitted one has landed, with no payload to read; a refused one stops
-    /// the reader as on the socket path (the core fails the request and closes the peer).
-    fn admit_placed(&mut self, admission: Admission) -> Result<(), ReadEnd> {
+    /// (Receiver, peer copies) `n` more bytes of a write's source were read; once it is whole,
+    /// the write is admitted and pulled.
+    fn source_read(&mut self, n: usize) -> Result<(), ReadEnd> {
+        let p = self.puller.as_mut().expect("pulling");
+        p.filled += n;
+        if p.filled < SOURCE_LEN {
+            return Ok(());
+        }
+        let header = p.header.take().expect("a source follows a header");
+        let Some(source) = Source::decode(&p.source) else {
+            tracing::warn!(target: "kvpipe::tcp", peer = %self.peer, "a pulled write's source is malformed; the connection stops");
+            return Err(ReadEnd::Failed);
+        };
+        let admission = self.hooks.admit(self.peer, &header);
+        self.admit_pulled(admission, source)
+    }
+
+    /// (Receiver, peer copies) the core's answer to a pulled write: an admitted one is copied
+    /// from the sender's region into the admitted bytes, waited for, and reported landed; a
+    /// discarded one is dropped without a copy; a refused one stops the reader as on the socket
+    /// path (the core fails the request and closes the peer). Every write admitted or discarded
+    /// is then acknowledged to the sender, which keeps its source pinned until then.
+    fn admit_pulled(&mut self, admission: Admission, source: Source) -> Result<(), ReadEnd> {
         let admission = match admission {
             Admission::Apply {
                 ticket,
@@ -313,12 +433,8 @@ impl Inbound {
                 offset,
                 len,
             } => {
-                if !self
-                    .regions
-                    .registered(region)
-                    .is_some_and(|r| r.contains(offset, len))
-                {
-                    bump(&self.stats.unbacked_writes, 1);
+                if let Err(why) = self.pull(source, region, offset, len) {
+                    tracing::warn!(target: "kvpipe::tcp", peer = %self.peer, %why, "a pulled write failed; the connection stops");
                     self.hooks.write_finished(ticket, false);
                     return Err(ReadEnd::Failed);
                 }
@@ -344,6 +460,107 @@ impl Inbound {
         let event = self
             .reader
             .admitted(admission)
+            .map_err(|e| self.stream_error(e))?;
+        self.on_event(event)?;
+        if let Some(p) = &self.puller {
+            // A writer that stopped takes nothing more: the peer is going away, and the
+            // sender fails what it did not hear of.
+            p.writer
+                .push(Job::Frame(Bytes::copy_from_slice(&encode_ack(1))));
+        }
+        Ok(())
+    }
+
+    /// Copies `len` bytes from the sender's `source` into the admitted `offset` of `region`
+    /// and waits for the copy.
+    fn pull(
+        &mut self,
+        source: Source,
+        region: RegionId,
+        offset: u64,
+        len: u64,
+    ) -> Result<(), String> {
+        let Some(dst) = self
+            .regions
+            .registered(region)
+            .filter(|r| r.contains(offset, len))
+        else {
+            // Granted by the layout, but the engine registered no memory behind it.
+            bump(&self.stats.unbacked_writes, 1);
+            return Err(format!("{region} holds no {len} bytes at {offset}"));
+        };
+        let p = self.puller.as_mut().expect("pulling");
+        let Some((src_ordinal, src_addr)) = p.mappings.locate(source, len) else {
+            return Err(format!(
+                "the source ({len} bytes at {} of the sender's {}) is not in a region it exported",
+                source.offset, source.region
+            ));
+        };
+        #[cfg(feature = "cuda")]
+        {
+            let Registered::Device(d) = dst else {
+                return Err(format!("{region} is host memory"));
+            };
+            let src = kvpipe_cuda::Memory::Device {
+                ordinal: src_ordinal,
+                addr: src_addr,
+            };
+            let to = kvpipe_cuda::Memory::Device {
+                ordinal: d.ordinal(),
+                addr: d.ptr() + offset,
+            };
+            // SAFETY: the destination bytes belong to a write the receiver admitted
+            // (`Admission::Apply`) and not yet reported finished: admission guarantees that no
+            // other write in flight overlaps them, and the engine does not touch a request's
+            // blocks before its `Quiesced`, which waits for this write's report (made after
+            // this copy completed, or after it was given up and left running for good). They
+            // lie inside the registered region (checked above). The source lies inside a
+            // region the sender exported (checked by `locate`); the sender keeps it pinned
+            // until this write is acknowledged, which happens after the copy; the mapping
+            // stays open while this reader holds `mappings`.
+            unsafe { p.copies.copy(src, to, len) }.map_err(|e| e.to_string())
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = (dst, src_ordinal, src_addr);
+            Err("kvpipe-tcp was built without the `cuda` feature".into())
+        }
+    }
+
+    /// (Sender, peer copies) `n` more bytes between frames were read: an acknowledgement
+    /// reports the batches it completes; anything else is a frame's first bytes, handed to the
+    /// stream reader.
+    fn ack_read(&mut self, n: usize) -> Result<(), ReadEnd> {
+        let a = self.acker.as_mut().expect("acking");
+        a.filled += n;
+        if a.filled < ACK_LEN {
+            return Ok(());
+        }
+        a.filled = 0;
+        let head = a.head;
+        if let Some(count) = decode_ack(&head) {
+            let Ok(acked) = a.acks.acked(count) else {
+                tracing::warn!(target: "kvpipe::tcp", peer = %self.peer, count, "acknowledgements of pieces never sent; the connection stops");
+                return Err(ReadEnd::Failed);
+            };
+            a.writer.poke();
+            bump(&self.stats.bytes_placed, acked.bytes);
+            for batch in acked.batches {
+                self.hooks.batch_written(batch);
+            }
+            return Ok(());
+        }
+        a.between = false;
+        let ReadInto::Frame(buf) = self.reader.read_into() else {
+            return Err(ReadEnd::Failed);
+        };
+        if buf.len() < ACK_LEN {
+            return Err(ReadEnd::Failed);
+        }
+        buf[..ACK_LEN].copy_from_slice(&head);
+        let event = self
+            .reader
+            .advance(ACK_LEN)
             .map_err(|e| self.stream_error(e))?;
         self.on_event(event)
     }
@@ -417,7 +634,9 @@ mod tests {
                 self.at_finish.lock().unwrap().push(now.to_vec());
             }
         }
-        fn batch_written(&self, _: WriteBatchId) {}
+        fn batch_written(&self, batch: WriteBatchId) {
+            self.log.lock().unwrap().push(format!("batch {}", batch.0));
+        }
         fn half_ended(&self, _: PeerId, end: HalfEnd) {
             self.log.lock().unwrap().push(format!("ended {end:?}"));
         }
@@ -539,45 +758,115 @@ mod tests {
         );
     }
 
+    /// The sender's region 1 as opened here: 64 bytes at `ptr` (fake: a host address).
+    fn sender_regions(ptr: u64) -> Arc<PeerMappings> {
+        Arc::new(PeerMappings::fake([(
+            RegionId(1),
+            crate::peer_copy::PlacedRegion {
+                ordinal: 0,
+                ptr,
+                len: 64,
+            },
+        )]))
+    }
+
+    fn source(offset: u64) -> [u8; SOURCE_LEN] {
+        Source {
+            region: RegionId(1),
+            offset,
+        }
+        .encode()
+    }
+
     #[test]
-    fn a_placed_write_lands_at_admission_and_no_payload_is_read() {
-        let (r, hooks, region) = inbound(APPLY, 32);
-        let mut r = r.placed(true);
-        // The header alone, then the next frame: no payload between them.
+    fn a_discarded_pulled_write_is_acknowledged_and_a_refused_one_is_not() {
+        let writer = Arc::new(JobQueue::new());
+        let (r, hooks, _) = inbound(Admission::Discard { len: 20 }, 32);
+        let mut r = r.pulling(Some(sender_regions(0x1000)), &writer, &TcpConfig::default());
         let mut stream = data_write(20);
+        stream.extend(source(8));
         let hb = Frame::Heartbeat(Heartbeat { seq: 1 }).to_vec().unwrap();
         stream.extend(&hb);
         feed(&mut r, &stream).unwrap();
-        let stats = r.stats.snapshot();
         r.finish(Stop::Eof);
-        // The reader never writes the memory itself: the peer placed the bytes.
-        assert_eq!(region.to_vec(), vec![0u8; 32]);
+        // No copy (the request ended here), but the sender may release its source.
+        assert_eq!(writer.queued_frames(), [encode_ack(1).to_vec()]);
         assert_eq!(
             *hooks.log.lock().unwrap(),
             [
                 "admit".to_string(),
-                "finished 5 true".into(),
                 format!("frame {}", hb.len()),
-                "ended Read(Eof)".into(),
+                "ended Read(Eof)".into()
             ]
         );
-        assert_eq!((stats.writes_placed, stats.bytes_applied), (1, 20));
-    }
 
-    #[test]
-    fn a_placed_write_outside_the_grant_is_refused_and_stops_the_reader() {
         let refusal = WriteRefusal::OutsideGrant {
             request: RequestId(1),
             region: RegionId(3),
             offset: 4,
             len: 20,
         };
+        let writer = Arc::new(JobQueue::new());
         let (r, hooks, _) = inbound(Admission::Refuse(refusal), 32);
-        let mut r = r.placed(true);
-        let stream = data_write(20);
+        let mut r = r.pulling(Some(sender_regions(0x1000)), &writer, &TcpConfig::default());
+        let mut stream = data_write(20);
+        stream.extend(source(8));
         assert_eq!(feed(&mut r, &stream), Err(ReadEnd::Refused));
         r.finish(Stop::Ended(ReadEnd::Refused));
+        assert!(writer.queued_frames().is_empty());
         assert_eq!(*hooks.log.lock().unwrap(), ["admit", "ended Read(Refused)"]);
+    }
+
+    #[test]
+    fn a_stream_cut_inside_a_source_ends_the_reader_as_failed_without_an_admission() {
+        let writer = Arc::new(JobQueue::new());
+        let (r, hooks, _) = inbound(APPLY, 32);
+        let mut r = r.pulling(Some(sender_regions(0x1000)), &writer, &TcpConfig::default());
+        let mut stream = data_write(20);
+        stream.extend(&source(8)[..7]);
+        feed(&mut r, &stream).unwrap();
+        r.finish(Stop::Eof);
+        assert_eq!(*hooks.log.lock().unwrap(), ["ended Read(Failed)"]);
+        assert!(writer.queued_frames().is_empty());
+    }
+
+    #[test]
+    fn acknowledgements_between_frames_report_batches_and_frames_still_pass() {
+        use super::super::backlog::BatchTally;
+        let writer = Arc::new(JobQueue::new());
+        let acks = Arc::new(PullAcks::default());
+        let seven = BatchTally::new(WriteBatchId(7), 2);
+        acks.expect(seven.clone(), 10);
+        acks.expect(seven, 10);
+        acks.expect(BatchTally::new(WriteBatchId(8), 1), 5);
+        let (r, hooks, _) = inbound(APPLY, 32);
+        let mut r = r.acking(Some(acks.clone()), &writer);
+        let hb = Frame::Heartbeat(Heartbeat { seq: 1 }).to_vec().unwrap();
+        let mut stream = encode_ack(1).to_vec();
+        stream.extend(&hb);
+        stream.extend(encode_ack(2));
+        stream.extend(&hb);
+        feed(&mut r, &stream).unwrap();
+        assert_eq!(
+            *hooks.log.lock().unwrap(),
+            [
+                format!("frame {}", hb.len()),
+                "batch 7".into(),
+                "batch 8".into(),
+                format!("frame {}", hb.len()),
+            ]
+        );
+        assert_eq!(acks.unacked_bytes(), 0);
+        assert_eq!(r.stats.snapshot().bytes_placed, 25);
+        // An acknowledgement of a piece never sent stops the reader.
+        assert_eq!(feed(&mut r, &encode_ack(1)), Err(ReadEnd::Failed));
+
+        // A stream cut inside an acknowledgement is not a clean end.
+        let (r, hooks, _) = inbound(APPLY, 32);
+        let mut r = r.acking(Some(Arc::new(PullAcks::default())), &writer);
+        feed(&mut r, &encode_ack(1)[..5]).unwrap();
+        r.finish(Stop::Eof);
+        assert_eq!(*hooks.log.lock().unwrap(), ["ended Read(Failed)"]);
     }
 
     #[test]
@@ -714,6 +1003,77 @@ mod tests {
             expected.extend([7; 8]);
             expected.extend([0; 20]);
             assert_eq!(*hooks.at_finish.lock().unwrap(), [expected]);
+        }
+
+        #[test]
+        fn a_pulled_write_is_copied_and_waited_for_before_it_is_reported_and_acknowledged() {
+            let src: Vec<u8> = (0..64u8).map(|i| i ^ 0x3c).collect();
+            let mut memory = vec![0u8; 32];
+            let (spec, gpu) = fake::spec(8, 2);
+            let (r, hooks) = device_inbound(APPLY, &mut memory, spec.clone());
+            let writer = Arc::new(JobQueue::new());
+            let mut r = r
+                .pulling(
+                    Some(sender_regions(src.as_ptr() as u64)),
+                    &writer,
+                    &TcpConfig::default(),
+                )
+                .with_pull_gpu(spec);
+            let mut stream = data_write(20);
+            stream.extend(source(8));
+            let hb = Frame::Heartbeat(Heartbeat { seq: 1 }).to_vec().unwrap();
+            stream.extend(&hb);
+            feed(&mut r, &stream).unwrap();
+            // The reader's own copy completed before anything was reported: none runs now,
+            // so the half may end (and the peer be reported gone) at any time.
+            assert_eq!(gpu.lock().unwrap().pending(), 0);
+            r.finish(Stop::Eof);
+            let mut expected = vec![0u8; 4];
+            expected.extend(&src[8..28]);
+            expected.extend([0; 8]);
+            // Every byte was in place when the write was reported landed.
+            assert_eq!(*hooks.at_finish.lock().unwrap(), [expected.clone()]);
+            assert_eq!(memory, expected);
+            assert_eq!(
+                *hooks.log.lock().unwrap(),
+                [
+                    "admit".to_string(),
+                    "finished 5 true".into(),
+                    format!("frame {}", hb.len()),
+                    "ended Read(Eof)".into(),
+                ]
+            );
+            assert_eq!(gpu.lock().unwrap().log, ["d2d 20", "done 20"]);
+            // Acknowledged once landed: the sender may release its source.
+            assert_eq!(writer.queued_frames(), [encode_ack(1).to_vec()]);
+        }
+
+        #[test]
+        fn a_pulled_write_from_outside_the_exported_region_is_never_copied() {
+            let src = [7u8; 64];
+            let mut memory = vec![0u8; 32];
+            let (spec, gpu) = fake::spec(8, 2);
+            let (r, hooks) = device_inbound(APPLY, &mut memory, spec.clone());
+            let writer = Arc::new(JobQueue::new());
+            let mut r = r
+                .pulling(
+                    Some(sender_regions(src.as_ptr() as u64)),
+                    &writer,
+                    &TcpConfig::default(),
+                )
+                .with_pull_gpu(spec);
+            let mut stream = data_write(20);
+            // 20 bytes from offset 50 of a 64-byte region.
+            stream.extend(source(50));
+            assert_eq!(feed(&mut r, &stream), Err(ReadEnd::Failed));
+            r.finish(Stop::Ended(ReadEnd::Failed));
+            assert!(memory.iter().all(|&b| b == 0));
+            assert!(gpu.lock().unwrap().log.is_empty());
+            assert!(writer.queued_frames().is_empty());
+            assert_eq!(
+                *hooks.log.lock().unwrap(),
+                ["admit", "finished 5 false", "ended Read(Failed)"]
+            );
         }
 
         #[test]

@@ -6,6 +6,7 @@
 //! The blocking shells (`crate::blocking`) and the async ones (`crate::tokio_driver`) own the
 //! sockets and only make the `read`, `write_vectored` and wait calls these pieces ask for.
 
+mod acks;
 mod backlog;
 mod hooks;
 mod inbound;
@@ -14,8 +15,9 @@ mod pieces;
 #[cfg(feature = "cuda")]
 mod staging;
 
+pub(crate) use acks::PullAcks;
 pub(crate) use backlog::{Backlog, BatchTally, TalliedPiece};
 pub(crate) use hooks::{HalfEnd, NodeHooks, ReadEnd, WriteEnd};
 pub(crate) use inbound::{Inbound, Stop};
 pub(crate) use outbound::{Job, JobQueue, Next, Outbound};
-pub(crate) use pieces::{cut_plan, spread};
+pub(crate) use pieces::cut_plan;

@@ -9,6 +9,10 @@
 //! [`Outbound::slices`] and pass the count to [`Outbound::written`]; on [`Next::Wait`] wait on
 //! the queue; on [`Next::Close`] shut the sending side down; then [`Outbound::finish`].
 //!
+//! On a peer-copy connection ([`crate::peer_copy`]) a piece is its header and its source (the
+//! receiver pulls the bytes): it is added to the connection's [`PullAcks`] before it is
+//! written, and its batch is reported by the reader once the receiver acknowledged it.
+//!
 //! With the `cuda` feature a piece whose source is device memory is staged through pinned host
 //! slots ([`super::staging`]): [`Outbound::next`] keeps the slots filled ahead of the socket and
 //! waits (briefly, for one slot's copy) only when the next bytes to write are still being
@@ -22,23 +26,30 @@ use bytes::Bytes;
 use kvpipe_core::PeerId;
 use parking_lot::{Condvar, Mutex};
 
+use super::acks::PullAcks;
 use super::backlog::{Backlog, BatchTally, TalliedPiece};
 use super::hooks::{HalfEnd, NodeHooks, WriteEnd};
 use super::pieces::{Payload, Piece};
 #[cfg(feature = "cuda")]
-use super::staging::{PlacedCopies, SendStaging, StagingSpec};
+use super::staging::{SendStaging, StagingSpec};
 use crate::config::TcpConfig;
 use crate::stats::{bump, StatCells};
 
 /// Most slices in one vectored write (Linux accepts 1024).
 const MAX_SLICES: usize = 256;
 
+/// Largest pieces a peer-copy writer keeps unacknowledged: the receiver copies one piece at a
+/// time per connection, so the next headers must already be in its socket buffer when a copy
+/// completes, or every piece would wait a round trip.
+const PULL_AHEAD_PIECES: u64 = 4;
+
 /// Work for a connection's writer.
 pub(crate) enum Job {
     /// An encoded control frame.
     Frame(Bytes),
-    /// Data writes bound to this connection, in order (peer copies: see `Backlog` for the
-    /// pieces any connection may take).
+    /// Data writes bound to this connection, in order (tests; the node queues pieces on the
+    /// peer's `Backlog`, which any connection takes from).
+    #[cfg(test)]
     Data(Vec<TalliedPiece>),
     /// Write out everything queued before, then shut the sending side down.
     Close,
@@ -101,6 +112,19 @@ impl JobQueue {
         true
     }
 
+    /// The frames queued and not taken yet (tests).
+    #[cfg(test)]
+    pub(crate) fn queued_frames(&self) -> Vec<Bytes> {
+        let q = self.inner.lock();
+        q.jobs
+            .iter()
+            .filter_map(|j| match j {
+                Job::Frame(b) => Some(b.clone()),
+                _ => None,
+            })
+            .collect()
+    }
+
     /// Wakes a waiting writer to look at the peer's backlog (pieces were added to it).
     pub(crate) fn poke(&self) {
         {
@@ -132,11 +156,14 @@ impl JobQueue {
     /// Moves every queued job to `out`, numbering pieces from `*seq + 1`. Returns whether the
     /// connection was aborted.
     fn take(&self, out: &mut VecDeque<Entry>, seq: &mut u64) -> bool {
+        #[cfg(not(test))]
+        let _ = seq;
         let mut q = self.inner.lock();
         q.poked = false;
         for job in q.jobs.drain(..) {
             match job {
                 Job::Frame(bytes) => out.push_back(Entry::Frame(bytes)),
+                #[cfg(test)]
                 Job::Data(pieces) => out.extend(pieces.into_iter().map(|p| Entry::piece(p, seq))),
                 Job::Close => out.push_back(Entry::Close),
             }
@@ -195,11 +222,11 @@ impl Entry {
         }
     }
 
-    /// Itself, unless it is a placed piece (whose payload is not on the stream).
+    /// Itself, unless it is a pulled piece (whose payload is not on the stream).
     #[cfg(feature = "cuda")]
-    fn placed_not(&self) -> Option<&Entry> {
+    fn pulled_not(&self) -> Option<&Entry> {
         match self {
-            Entry::Piece { piece, .. } if piece.placed.is_some() => None,
+            Entry::Piece { piece, .. } if piece.pulled() => None,
             other => Some(other),
         }
     }
@@ -233,10 +260,16 @@ pub(crate) struct Outbound {
     /// The peer's pieces no writer took yet.
     backlog: Arc<Backlog>,
     /// Payload bytes this writer keeps ahead of its stream: it takes pieces from the backlog
-    /// while less than this is left to write.
+    /// while less than this is left to write (or, pulled, to be acknowledged).
     lookahead: u64,
-    /// Payload bytes of the pieces in `entries`.
+    /// Payload bytes of the pieces in `entries` (pulled pieces: counted by `acks`).
     ahead: u64,
+    /// Pulled pieces awaiting the receiver's acknowledgement (peer copies).
+    acks: Option<Arc<PullAcks>>,
+    /// The lookahead with peer copies: [`PULL_AHEAD_PIECES`] of the largest pieces.
+    pull_lookahead: u64,
+    /// The last piece number added to `acks`.
+    expected_through: u64,
     hooks: Arc<dyn NodeHooks>,
     stats: Arc<StatCells>,
     entries: VecDeque<Entry>,
@@ -249,9 +282,6 @@ pub(crate) struct Outbound {
     /// Device payloads staged through pinned memory.
     #[cfg(feature = "cuda")]
     staging: SendStaging,
-    /// Payloads copied straight into the peer's memory (peer copies).
-    #[cfg(feature = "cuda")]
-    placing: PlacedCopies,
 }
 
 impl Outbound {
@@ -277,6 +307,9 @@ impl Outbound {
             backlog,
             lookahead,
             ahead: 0,
+            acks: None,
+            pull_lookahead: lookahead.max(PULL_AHEAD_PIECES.saturating_mul(config.max_piece_bytes)),
+            expected_through: 0,
             hooks,
             stats,
             entries: VecDeque::new(),
@@ -285,17 +318,23 @@ impl Outbound {
             seq: 0,
             #[cfg(feature = "cuda")]
             staging: SendStaging::new(StagingSpec::from_config(config)),
-            #[cfg(feature = "cuda")]
-            placing: PlacedCopies::new(StagingSpec::from_config(config)),
         }
     }
 
-    /// The same writer staging device memory (and placing peer copies) through `spec`
-    /// (tests).
+    /// The same writer on a peer-copy connection: pulled pieces are added to `acks` before
+    /// they are written, and their batches are reported by whoever takes the acknowledgements.
+    pub(crate) fn acked_by(mut self, acks: Option<Arc<PullAcks>>) -> Self {
+        if acks.is_some() {
+            self.lookahead = self.pull_lookahead;
+        }
+        self.acks = acks;
+        self
+    }
+
+    /// The same writer staging device memory through `spec` (tests).
     #[cfg(all(test, feature = "cuda"))]
     pub(crate) fn with_staging(mut self, spec: StagingSpec) -> Self {
-        self.staging = SendStaging::new(spec.clone());
-        self.placing = PlacedCopies::new(spec);
+        self.staging = SendStaging::new(spec);
         self
     }
 
@@ -311,17 +350,19 @@ impl Outbound {
         if self.queue.take(&mut self.entries, &mut self.seq) {
             return Next::Stop;
         }
+        let acked = self.acks.is_some();
         self.ahead += self
             .entries
             .range(before..)
             .map(|e| match e {
-                Entry::Piece { piece, .. } => piece.len,
+                Entry::Piece { piece, .. } if !(piece.pulled() && acked) => piece.len,
                 _ => 0,
             })
             .sum::<u64>();
         self.pull();
+        self.expect_acks();
         #[cfg(feature = "cuda")]
-        if self.stage().is_err() || self.place().is_err() {
+        if self.stage().is_err() {
             return Next::Stop;
         }
         match self.entries.front() {
@@ -346,16 +387,12 @@ impl Outbound {
                 Entry::Piece { piece, seq, .. } => {
                     #[cfg(not(feature = "cuda"))]
                     let _ = seq;
-                    // A placed piece: its header alone, once its copy landed.
-                    #[cfg(feature = "cuda")]
-                    if piece.placed.is_some() {
-                        if !self.placing.is_done(*seq) {
-                            break;
-                        }
-                        push_part(&mut out, &piece.header, &mut skip, &mut budget);
+                    push_part(&mut out, &piece.header, &mut skip, &mut budget);
+                    // A pulled piece: its source in place of the payload.
+                    if let Some(source) = &piece.source {
+                        push_part(&mut out, source, &mut skip, &mut budget);
                         continue;
                     }
-                    push_part(&mut out, &piece.header, &mut skip, &mut budget);
                     match piece.payload() {
                         Payload::Host(bytes) => push_part(&mut out, bytes, &mut skip, &mut budget),
                         #[cfg(feature = "cuda")]
@@ -395,7 +432,7 @@ impl Outbound {
             if n < left || matches!(front, Entry::Close) {
                 self.front_done += n;
                 #[cfg(feature = "cuda")]
-                if let Some(Entry::Piece { piece, seq, .. }) = front.placed_not() {
+                if let Some(Entry::Piece { piece, seq, .. }) = front.pulled_not() {
                     let payload_done = self.front_done.saturating_sub(piece.header.len());
                     self.staging.release(*seq, payload_done as u64);
                 }
@@ -404,18 +441,18 @@ impl Outbound {
             n -= left;
             self.front_done = 0;
             if let Some(Entry::Piece { piece, tally, seq }) = self.entries.pop_front() {
-                self.ahead -= piece.len;
-                #[cfg(feature = "cuda")]
-                if piece.placed.is_some() {
-                    self.placing.release(seq);
-                    bump(&self.stats.bytes_placed, piece.len);
-                } else {
-                    self.staging.release(seq, u64::MAX);
-                }
-                #[cfg(not(feature = "cuda"))]
-                let _ = seq;
                 bump(&self.stats.writes_sent, 1);
                 bump(&self.stats.bytes_sent, piece.len);
+                if piece.pulled() && self.acks.is_some() {
+                    // Reported once the receiver acknowledged it (it reads the source until
+                    // then).
+                    continue;
+                }
+                self.ahead -= piece.len;
+                #[cfg(feature = "cuda")]
+                self.staging.release(seq, u64::MAX);
+                #[cfg(not(feature = "cuda"))]
+                let _ = seq;
                 drop(piece);
                 if tally.done(1) {
                     self.hooks.batch_written(tally.batch());
@@ -430,10 +467,7 @@ impl Outbound {
     pub(crate) fn finish(mut self, end: WriteEnd) {
         self.queue.abort();
         #[cfg(feature = "cuda")]
-        {
-            self.staging.settle();
-            self.placing.settle();
-        }
+        self.staging.settle();
         drop(self.entries);
         self.hooks.half_ended(self.peer, HalfEnd::Write(end));
     }
@@ -446,7 +480,8 @@ impl Outbound {
             Some(Entry::Piece { piece, .. }) => self.front_done.saturating_sub(piece.header.len()),
             _ => 0,
         } as u64;
-        let left = self.ahead.saturating_sub(front_done);
+        let unacked = self.acks.as_ref().map_or(0, |a| a.unacked_bytes());
+        let left = self.ahead.saturating_sub(front_done) + unacked;
         if left >= self.lookahead {
             return;
         }
@@ -454,50 +489,32 @@ impl Outbound {
             Some(Entry::Close) => self.entries.pop_back(),
             _ => None,
         };
-        let (entries, seq) = (&mut self.entries, &mut self.seq);
-        self.ahead += self.backlog.take(self.lookahead - left, |p| {
+        let (entries, seq, ahead) = (&mut self.entries, &mut self.seq, &mut self.ahead);
+        let acked = self.acks.is_some();
+        self.backlog.take(self.lookahead - left, |p| {
+            if !(p.piece.pulled() && acked) {
+                *ahead += p.piece.len;
+            }
             entries.push_back(Entry::piece(p, seq))
         });
         self.entries.extend(close);
     }
 
-    /// Issues the peer copies of every placed piece queued, in stream order, and notes those
-    /// that completed; when the next entry to write is a placed piece whose copy is still
-    /// running, waits for it (bounded).
-    #[cfg(feature = "cuda")]
-    fn place(&mut self) -> Result<(), kvpipe_cuda::CudaError> {
+    /// Adds the pulled pieces queued since the last call to the acknowledgements awaited, in
+    /// stream order — before any of their bytes can be written, so that no acknowledgement can
+    /// arrive for a piece not counted yet.
+    fn expect_acks(&mut self) {
+        let Some(acks) = &self.acks else {
+            return;
+        };
         for entry in &self.entries {
-            let Entry::Piece { piece, seq, .. } = entry else {
-                continue;
-            };
-            let Some(dst) = piece.placed else {
-                continue;
-            };
-            let src = match piece.payload() {
-                Payload::Host(bytes) => kvpipe_cuda::Memory::Host {
-                    addr: bytes.as_ptr() as usize,
-                },
-                Payload::Device { ordinal, addr } => kvpipe_cuda::Memory::Device { ordinal, addr },
-            };
-            let dst = kvpipe_cuda::Memory::Device {
-                ordinal: dst.ordinal,
-                addr: dst.addr,
-            };
-            // SAFETY: the source bytes are pinned until the piece's batch is reported,
-            // which happens only after its header was written (after the copy completed) or
-            // after this writer stopped and settled its copies (`finish`). The destination lies
-            // inside the peer's opened region (checked when the plan was split) and in the
-            // extents the core planned from the receiver's grant, which the receiver keeps
-            // pinned for this request until the writer's connection is gone.
-            unsafe { self.placing.issue(*seq, src, dst, piece.len) }?;
-        }
-        self.placing.poll()?;
-        if let Some(Entry::Piece { piece, seq, .. }) = self.entries.front() {
-            if piece.placed.is_some() {
-                self.placing.wait(*seq)?;
+            if let Entry::Piece { piece, tally, seq } = entry {
+                if *seq > self.expected_through && piece.pulled() {
+                    acks.expect(tally.clone(), piece.len);
+                }
             }
         }
-        Ok(())
+        self.expected_through = self.seq;
     }
 
     /// Stages device payloads ahead of the socket, in stream order, as far as the slots allow;
@@ -508,7 +525,7 @@ impl Outbound {
             let Entry::Piece { piece, seq, .. } = entry else {
                 continue;
             };
-            if piece.placed.is_some() {
+            if piece.pulled() {
                 continue;
             }
             let Payload::Device { ordinal, addr } = piece.payload() else {
@@ -523,7 +540,7 @@ impl Outbound {
         }
         self.staging.poll()?;
         if let Some(Entry::Piece { piece, seq, .. }) = self.entries.front() {
-            if piece.placed.is_none() && matches!(piece.payload(), Payload::Device { .. }) {
+            if !piece.pulled() && matches!(piece.payload(), Payload::Device { .. }) {
                 self.staging.wait_first(*seq)?;
             }
         }
@@ -552,7 +569,7 @@ mod tests {
     use super::*;
     use crate::memory::{MemoryRegion, Registered};
     use kvpipe_core::session::WriteBatchId;
-    use kvpipe_core::{Admission, WriteTicket};
+    use kvpipe_core::{Admission, RegionId, WriteTicket};
     use std::sync::Mutex as StdMutex;
 
     #[derive(Default)]
@@ -643,6 +660,74 @@ mod tests {
         expected.extend([50, 51]);
         assert_eq!(wire, expected);
         assert_eq!(*hooks.written.lock().unwrap(), [WriteBatchId(4)]);
+        out.finish(WriteEnd::Closed);
+    }
+
+    #[test]
+    fn pulled_pieces_go_out_as_header_and_source_and_complete_only_on_acknowledgement() {
+        use crate::peer_copy::{Source, SOURCE_LEN};
+        let src = Registered::Host(MemoryRegion::zeroed(1 << 10));
+        let hooks = Arc::new(Recorder::default());
+        let queue = Arc::new(JobQueue::new());
+        let backlog = Arc::new(Backlog::default());
+        let acks = Arc::new(PullAcks::default());
+        let mut out = Outbound::new(
+            PeerId(1),
+            (queue.clone(), backlog.clone()),
+            hooks.clone(),
+            Arc::new(StatCells::default()),
+            // A lookahead of 64 bytes (no staging slots, pieces of at most 16 bytes).
+            &TcpConfig {
+                socket_write_bytes: 64,
+                staging_slot_bytes: 0,
+                max_piece_bytes: 16,
+                ..TcpConfig::default()
+            },
+        )
+        .acked_by(Some(acks.clone()));
+        let h = kvpipe_core::wire::DATA_WRITE_FRAME_LEN;
+        let pulled = |tag: u8, off: u64| {
+            let mut p = Piece::new(
+                [tag; kvpipe_core::wire::DATA_WRITE_FRAME_LEN],
+                &src,
+                off,
+                40,
+            )
+            .unwrap();
+            p.source = Some(
+                Source {
+                    region: RegionId(1),
+                    offset: off,
+                }
+                .encode(),
+            );
+            p
+        };
+        let pieces = (0..4u8).map(|i| pulled(i + 1, 40 * u64::from(i))).collect();
+        assert!(backlog.push(tallied(9, pieces)));
+        queue.poke();
+        // Two pieces make the lookahead; the others stay in the backlog while these two are
+        // not acknowledged, however fast the stream takes them.
+        let wire = drive(&mut out, usize::MAX);
+        assert_eq!(wire.len(), 2 * (h + SOURCE_LEN));
+        for (i, record) in wire.chunks(h + SOURCE_LEN).enumerate() {
+            assert_eq!(record[..h], vec![i as u8 + 1; h][..]);
+            let source = Source::decode(record[h..].try_into().unwrap()).unwrap();
+            assert_eq!(source.offset, 40 * i as u64);
+        }
+        assert_eq!(backlog.len(), 2);
+        assert_eq!(acks.unacked_bytes(), 80);
+        assert!(
+            hooks.written.lock().unwrap().is_empty(),
+            "written is not done"
+        );
+        // Acknowledged: the writer takes the next two (the reader would wake it).
+        assert!(acks.acked(2).unwrap().batches.is_empty());
+        assert_eq!(drive(&mut out, usize::MAX).len(), 2 * (h + SOURCE_LEN));
+        assert_eq!(backlog.len(), 0);
+        assert!(hooks.written.lock().unwrap().is_empty());
+        // The batch completes with its last acknowledgement (reported by the reader).
+        assert_eq!(acks.acked(2).unwrap().batches, [WriteBatchId(9)]);
         out.finish(WriteEnd::Closed);
     }
 
@@ -890,68 +975,6 @@ mod tests {
             assert!(st.most_pending <= 2);
             drop(st);
             out.finish(WriteEnd::Closed);
-        }
-
-        #[test]
-        fn placed_pieces_send_their_header_only_after_their_copy_landed() {
-            use crate::conn::pieces::PlacedDst;
-            let src: Vec<u8> = (0..48u8).map(|i| i ^ 0x5a).collect();
-            let mut dst = vec![0u8; 48];
-            let dev = device_region(&src);
-            let (spec, gpu) = fake::spec(8, 2);
-            let (mut out, queue, hooks) = writer(spec, 1 << 20);
-            let base = dst.as_mut_ptr() as u64;
-            let placed = |tag, off: u64, len| {
-                let mut p = Piece::new(header(tag), &dev, off, len).unwrap();
-                p.placed = Some(PlacedDst {
-                    ordinal: 1,
-                    addr: base + off,
-                });
-                p
-            };
-            assert!(queue.push(data(3, vec![placed(1, 0, 32), placed(2, 32, 16)])));
-            assert!(queue.push(Job::Close));
-            // Both copies are issued at once; the writer waited for the first before writing.
-            assert_eq!(out.next(), Next::Write);
-            assert_eq!(gpu.lock().unwrap().log, ["d2d 32", "d2d 16", "done 32"]);
-            // Only the first header is offered: the second piece's copy is still running.
-            assert_eq!(concat(&out.slices()), header(1).to_vec());
-            let n = header(1).len();
-            out.written(n);
-            assert!(hooks.written.lock().unwrap().is_empty());
-            assert_eq!(out.next(), Next::Write);
-            assert_eq!(concat(&out.slices()), header(2).to_vec());
-            out.written(n);
-            assert_eq!(*hooks.written.lock().unwrap(), [WriteBatchId(3)]);
-            assert_eq!(out.next(), Next::Close);
-            assert_eq!(dst, src, "every byte placed, none on the stream");
-            assert_eq!(out.placing.outstanding(), 0);
-            out.finish(WriteEnd::Closed);
-        }
-
-        #[test]
-        fn a_stopping_writer_waits_for_its_peer_copies_before_it_reports() {
-            use crate::conn::pieces::PlacedDst;
-            let src = vec![9u8; 64];
-            let mut dst = vec![0u8; 64];
-            let dev = device_region(&src);
-            let (spec, gpu) = fake::spec(8, 2);
-            let (mut out, queue, hooks) = writer(spec, 1 << 20);
-            let mut p = Piece::new(header(1), &dev, 0, 64).unwrap();
-            p.placed = Some(PlacedDst {
-                ordinal: 0,
-                addr: dst.as_mut_ptr() as u64,
-            });
-            let mut q = Piece::new(header(2), &dev, 0, 64).unwrap();
-            q.placed = p.placed;
-            assert!(queue.push(data(1, vec![p, q])));
-            assert_eq!(out.next(), Next::Write);
-            assert_eq!(gpu.lock().unwrap().pending(), 1);
-            out.finish(WriteEnd::Failed);
-            // The copy still running was waited for; nothing was reported written.
-            assert_eq!(gpu.lock().unwrap().pending(), 0);
-            assert!(hooks.written.lock().unwrap().is_empty());
-            assert_eq!(dst, src);
         }
 
         #[test]

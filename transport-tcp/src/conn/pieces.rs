@@ -4,29 +4,20 @@ use kvpipe_core::wire::DATA_WRITE_FRAME_LEN;
 use kvpipe_core::{RegionId, WritePlan};
 
 use crate::memory::{RegionTable, Registered};
-use crate::peer_copy::PeerMappings;
+use crate::peer_copy::{Source, SOURCE_LEN};
 
 /// One data write as the sender puts it on a stream: its encoded `DataWrite` header, then `len`
-/// bytes of `src` from `src_offset`.
+/// bytes of `src` from `src_offset` — or, when the receiver pulls it (peer copies), the
+/// encoded [`Source`] of those bytes instead.
 #[derive(Clone, Debug)]
 pub(crate) struct Piece {
     pub(crate) header: [u8; DATA_WRITE_FRAME_LEN],
     src: Registered,
     src_offset: u64,
     pub(crate) len: u64,
-    /// With peer copies: where the sender copies the payload itself (the header then goes on
-    /// the stream without it).
-    pub(crate) placed: Option<PlacedDst>,
-}
-
-/// A piece's destination in the peer's memory, opened in this process: `len` bytes at device
-/// address `addr` of GPU `ordinal`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct PlacedDst {
-    /// The GPU the mapping was opened on.
-    pub(crate) ordinal: usize,
-    /// The device address (in this process) of the first byte.
-    pub(crate) addr: u64,
+    /// With peer copies: the encoded source the receiver pulls the payload from (it goes on
+    /// the stream after the header, in place of the payload).
+    pub(crate) source: Option<[u8; SOURCE_LEN]>,
 }
 
 /// Where a piece's payload is.
@@ -58,18 +49,22 @@ impl Piece {
             src: src.clone(),
             src_offset,
             len,
-            placed: None,
+            source: None,
         })
     }
 
-    /// The bytes on the stream: the header, and the payload unless the sender places it.
+    /// The bytes on the stream: the header, then the payload or (pulled) its source.
     pub(crate) fn wire_len(&self) -> usize {
         self.header.len()
-            + if self.placed.is_some() {
-                0
-            } else {
-                self.len as usize
+            + match self.source {
+                Some(s) => s.len(),
+                None => self.len as usize,
             }
+    }
+
+    /// Whether the receiver pulls it (peer copies).
+    pub(crate) fn pulled(&self) -> bool {
+        self.source.is_some()
     }
 
     /// The source bytes.
@@ -94,14 +89,11 @@ impl Piece {
     }
 }
 
-/// An extent that cannot be sent: its source is not registered memory here, or (peer copies)
-/// its destination lies outside the peer's opened regions.
+/// An extent that cannot be sent: its source is not registered memory here.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum BadExtent {
     /// The local source region.
     Source(RegionId),
-    /// The peer's destination region.
-    Destination(RegionId),
 }
 
 /// Cuts `plan` into the pieces of `connections` streams: extents are cut into pieces of about
@@ -109,17 +101,15 @@ pub(crate) enum BadExtent {
 /// `header(region, offset, len)` encodes a piece's `DataWrite` header (the core's
 /// `DataWriteHeaders::encode`).
 ///
-/// With `placed` (peer copies) every piece also gets its destination in the peer's opened
-/// regions; a destination outside them fails the whole plan before anything is queued, so a
-/// copy goes only where the plan — made by the core from the receiver's grant — says, and
-/// never past the memory the receiver exported.
+/// With `pulled` (peer copies) every piece carries its source (region and offset here) for
+/// the receiver to pull from; the receiver checks it against the regions this node exported.
 pub(crate) fn cut_plan(
     plan: &WritePlan,
     header: impl Fn(RegionId, u64, u64) -> [u8; DATA_WRITE_FRAME_LEN],
     connections: usize,
     (min_piece, max_piece): (u64, u64),
     regions: &RegionTable,
-    placed: Option<&PeerMappings>,
+    pulled: bool,
 ) -> Result<Vec<Piece>, BadExtent> {
     let per_conn = plan.total_bytes().div_ceil(connections.max(1) as u64);
     let piece_max = per_conn.clamp(min_piece.max(1), max_piece.max(min_piece).max(1));
@@ -128,20 +118,6 @@ pub(crate) fn cut_plan(
         let src = regions
             .registered(e.src_region)
             .ok_or(BadExtent::Source(e.src_region))?;
-        let dst = match placed {
-            None => None,
-            Some(m) => {
-                let region = m
-                    .get(e.dst_region)
-                    .filter(|r| {
-                        e.dst_offset
-                            .checked_add(e.len)
-                            .is_some_and(|end| end <= r.len)
-                    })
-                    .ok_or(BadExtent::Destination(e.dst_region))?;
-                Some(region)
-            }
-        };
         let mut done = 0;
         while done < e.len {
             let len = (e.len - done).min(piece_max);
@@ -152,9 +128,12 @@ pub(crate) fn cut_plan(
                 len,
             )
             .ok_or(BadExtent::Source(e.src_region))?;
-            piece.placed = dst.map(|r| PlacedDst {
-                ordinal: r.ordinal,
-                addr: r.ptr + e.dst_offset + done,
+            piece.source = pulled.then(|| {
+                Source {
+                    region: e.src_region,
+                    offset: e.src_offset + done,
+                }
+                .encode()
             });
             pieces.push(piece);
             done += len;
@@ -164,7 +143,8 @@ pub(crate) fn cut_plan(
 }
 
 /// Binds `pieces` to `connections` streams, each to the least loaded so far. Returns one list
-/// per connection, in write order.
+/// per connection, in write order (tests: how evenly pieces share out).
+#[cfg(test)]
 pub(crate) fn spread<T>(
     pieces: impl IntoIterator<Item = T>,
     connections: usize,
@@ -221,7 +201,7 @@ mod tests {
             len: 1000,
         });
         let bounds = (256 << 10, 32 << 20);
-        let pieces = cut_plan(&plan, header, 4, bounds, &regions, None).unwrap();
+        let pieces = cut_plan(&plan, header, 4, bounds, &regions, false).unwrap();
         let parts = spread(pieces, 4, |p| p.len);
         let loads: Vec<u64> = parts
             .iter()
@@ -255,7 +235,7 @@ mod tests {
             dst_offset: 0,
             len: 1,
         });
-        assert!(cut_plan(&bad, header, 4, bounds, &regions, None).is_err());
+        assert!(cut_plan(&bad, header, 4, bounds, &regions, false).is_err());
         let mut past_end = WritePlan::new();
         past_end.push(WriteExtent {
             src_region: RegionId(1),
@@ -264,23 +244,13 @@ mod tests {
             dst_offset: 0,
             len: 1,
         });
-        assert!(cut_plan(&past_end, header, 4, bounds, &regions, None).is_err());
+        assert!(cut_plan(&past_end, header, 4, bounds, &regions, false).is_err());
     }
 
     #[test]
-    fn placed_pieces_copy_only_into_the_planned_extents_of_the_opened_regions() {
-        use crate::peer_copy::PlacedRegion;
+    fn pulled_pieces_carry_their_source_in_place_of_the_payload() {
         let mut regions = RegionTable::new();
         regions.insert(RegionId(1), MemoryRegion::zeroed(8 << 20));
-        let base = 0x7f00_0000_0000u64;
-        let mappings = PeerMappings::fake([(
-            RegionId(7),
-            PlacedRegion {
-                ordinal: 1,
-                ptr: base,
-                len: 4 << 20,
-            },
-        )]);
         let mut plan = WritePlan::new();
         for (src, dst, len) in [(0u64, 4096u64, 3u64 << 20), (6 << 20, 0, 4096)] {
             plan.push(WriteExtent {
@@ -292,44 +262,36 @@ mod tests {
             });
         }
         let bounds = (256 << 10, 1 << 20);
-        let pieces = cut_plan(&plan, header, 2, bounds, &regions, Some(&mappings)).unwrap();
-        let mut copied: Vec<(u64, u64)> = Vec::new();
+        let pieces = cut_plan(&plan, header, 2, bounds, &regions, true).unwrap();
+        let mut pulled: Vec<(u64, u64, u64)> = Vec::new();
         for p in &pieces {
-            let dst = p.placed.expect("every piece is placed");
-            assert_eq!(dst.ordinal, 1);
+            assert!(p.pulled());
+            let source = Source::decode(&p.source.expect("every piece is pulled")).unwrap();
+            assert_eq!(source.region, RegionId(1));
+            assert_eq!(source.offset, p.src_offset);
             let (f, _) = Frame::parse(&p.header).unwrap();
             let Frame::DataWrite(w) = f else { panic!() };
-            // The copy goes exactly where the header (the core's plan) says.
-            assert_eq!(dst.addr, base + w.offset);
+            assert_eq!(w.len, p.len);
             assert_eq!(
                 p.wire_len(),
-                DATA_WRITE_FRAME_LEN,
+                DATA_WRITE_FRAME_LEN + SOURCE_LEN,
                 "no payload on the stream"
             );
-            copied.push((w.offset, p.len));
+            pulled.push((w.offset, source.offset, p.len));
         }
-        copied.sort();
+        pulled.sort();
+        // Every destination byte comes from the source byte the plan pairs it with.
+        assert_eq!(pulled[0], (0, 6 << 20, 4096));
         let mut at = 4096;
-        for &(o, l) in &copied[1..] {
-            assert_eq!(o, at);
-            at += l;
+        for &(dst, src, len) in &pulled[1..] {
+            assert_eq!((dst, src), (at, at - 4096));
+            at += len;
         }
-        assert_eq!(copied[0], (0, 4096));
         assert_eq!(at, 4096 + (3 << 20));
-        // A destination past the opened region, or in a region not opened: nothing is split.
-        for (region, offset) in [(7, (4 << 20) - 10), (8, 0)] {
-            let mut bad = WritePlan::new();
-            bad.push(WriteExtent {
-                src_region: RegionId(1),
-                src_offset: 0,
-                dst_region: RegionId(region),
-                dst_offset: offset,
-                len: 4096,
-            });
-            assert_eq!(
-                cut_plan(&bad, header, 2, bounds, &regions, Some(&mappings)).unwrap_err(),
-                BadExtent::Destination(RegionId(region))
-            );
-        }
+        // Not pulled: the payload follows the header.
+        let sent = cut_plan(&plan, header, 2, bounds, &regions, false).unwrap();
+        assert!(sent
+            .iter()
+            .all(|p| !p.pulled() && p.wire_len() == DATA_WRITE_FRAME_LEN + p.len as usize));
     }
 }

@@ -374,46 +374,33 @@ impl SendStaging {
     }
 }
 
-/// The writer's peer copies ([`crate::peer_copy`]): each placed piece's payload copied by the
-/// GPU straight into the peer's opened memory, issued ahead of the socket in stream order; a
-/// piece's header is written only once its copy completed. Pieces are identified by the
-/// writer's sequence numbers, as for [`SendStaging`].
-pub(crate) struct PlacedCopies {
+/// The reader's pulls ([`crate::peer_copy`]): each admitted write copied by the GPU from the
+/// sender's exported region (opened in this process) into this node's own destination, on a
+/// stream of the reader's own, and waited for before the write is reported landed. So no copy
+/// into this node's memory outlives the reader's report of it.
+pub(crate) struct PullCopies {
     spec: StagingSpec,
     gpu: Option<Box<dyn StagingGpu>>,
-    /// Copies issued and not released, in stream order (`None`: completed).
-    copies: VecDeque<(u64, Option<Box<dyn PendingCopy>>)>,
-    /// Pieces up to this number have their copy issued.
-    issued_through: u64,
 }
 
-impl PlacedCopies {
+impl PullCopies {
     pub(crate) fn new(spec: StagingSpec) -> Self {
-        PlacedCopies {
-            spec,
-            gpu: None,
-            copies: VecDeque::new(),
-            issued_through: 0,
-        }
+        PullCopies { spec, gpu: None }
     }
 
-    /// Issues the copy of piece `seq` (`len` bytes from `src` to `dst`), once. Pieces must be
-    /// offered in stream order.
+    /// Copies `len` bytes from `src` to `dst` and waits for the copy (bounded by
+    /// [`STAGING_WAIT`]). A copy that does not finish in time is left running, with its ticket
+    /// and engine kept alive for good, and is an error.
     ///
     /// # Safety
     ///
-    /// `src` stays valid and unchanged, and `dst` is memory nobody else writes or reads, until
-    /// the piece is released or the copies are settled.
-    pub(crate) unsafe fn issue(
+    /// `src` stays valid, and `dst` is memory nobody else writes or reads, until this returns.
+    pub(crate) unsafe fn copy(
         &mut self,
-        seq: u64,
         src: Memory,
         dst: Memory,
         len: u64,
     ) -> Result<(), CudaError> {
-        if seq <= self.issued_through {
-            return Ok(());
-        }
         if self.gpu.is_none() {
             self.gpu = Some((self.spec.gpu)()?);
         }
@@ -427,66 +414,12 @@ impl PlacedCopies {
         };
         // SAFETY: forwarded from the caller.
         let copy = unsafe { gpu.copy(extent) }?;
-        self.copies.push_back((seq, Some(copy)));
-        self.issued_through = seq;
-        Ok(())
-    }
-
-    /// Notes every copy that completed (never blocks).
-    pub(crate) fn poll(&mut self) -> Result<(), CudaError> {
-        for (_, copy) in &mut self.copies {
-            if let Some(c) = copy {
-                if c.is_complete()? {
-                    *copy = None;
-                }
-            }
-        }
-        Ok(())
-    }
-
-    /// Whether piece `seq`'s copy completed.
-    pub(crate) fn is_done(&self, seq: u64) -> bool {
-        match self.copies.iter().find(|(s, _)| *s == seq) {
-            Some((_, copy)) => copy.is_none(),
-            None => seq <= self.issued_through,
-        }
-    }
-
-    /// Waits for piece `seq`'s copy (bounded by [`STAGING_WAIT`]).
-    pub(crate) fn wait(&mut self, seq: u64) -> Result<(), CudaError> {
-        if let Some((_, copy)) = self.copies.iter_mut().find(|(s, _)| *s == seq) {
-            if let Some(c) = copy {
-                c.wait(Instant::now() + STAGING_WAIT)?;
-                *copy = None;
-            }
-        }
-        Ok(())
-    }
-
-    /// Forgets the copies of pieces up to `seq` (their headers were written).
-    pub(crate) fn release(&mut self, seq: u64) {
-        while self.copies.front().is_some_and(|(s, _)| *s <= seq) {
-            let done = self.copies.pop_front().and_then(|(_, c)| c);
-            debug_assert!(done.is_none(), "a header written before its copy finished");
-        }
-    }
-
-    /// Waits for every copy still running (the writer stops; its pieces' memory is released
-    /// once it reports). Copies that do not finish in time are left running with their tickets
-    /// and engine kept alive for good.
-    pub(crate) fn settle(&mut self) {
-        let result = wait_all(self.copies.iter().filter_map(|(_, c)| c.as_ref()));
-        if result.is_err() {
-            std::mem::forget(std::mem::take(&mut self.copies));
+        if let Err(e) = copy.wait(Instant::now() + STAGING_WAIT) {
+            std::mem::forget(copy);
             std::mem::forget(self.gpu.take());
+            return Err(e);
         }
-        self.copies.clear();
-    }
-
-    /// Copies issued and not released (tests).
-    #[cfg(test)]
-    pub(crate) fn outstanding(&self) -> usize {
-        self.copies.len()
+        Ok(())
     }
 }
 

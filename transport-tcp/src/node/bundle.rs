@@ -20,8 +20,9 @@ use kvpipe_core::{Endpoint, Instant, PeerId, TransportInput};
 use super::link::{Attached, LinkPhase};
 use super::lobby::Victim;
 use super::{NodePhase, Shared, State};
+use crate::conn::PullAcks;
 use crate::conn::{Inbound, NodeHooks, Outbound};
-use crate::peer_copy::{self, Offer, Placement, TcpDataPath};
+use crate::peer_copy::{self, Answer, Offer, Placement, TcpDataPath};
 use crate::preamble::{Preamble, PREAMBLE_LEN, PREAMBLE_PEER_COPY};
 use crate::stats::bump;
 
@@ -32,18 +33,13 @@ pub(super) fn listen<E: Endpoint + Send + 'static>(
 ) -> io::Result<(SocketAddr, JoinHandle<()>)> {
     let listener = TcpListener::bind(addr)?;
     let local = listener.local_addr()?;
-    // The peer-copy offer is made here, on the caller's thread: exporting calls into the CUDA
-    // driver, which the small stacks of the preamble threads are not sized for.
-    if shared.config.data_path != TcpDataPath::Socket {
-        let offer = shared.peer_copy_offer();
-        // `PeerCopy` refuses to fall back: a receiver that cannot offer its memory says so
-        // now. (A sender negotiates peer copies where it connects, not where it listens.)
+    // `PeerCopy` refuses to fall back: a receiver that cannot pull into its memory says so
+    // now. (A sender negotiates peer copies where it connects, not where it listens.)
+    if shared.config.data_path == TcpDataPath::PeerCopy {
         let receiver = shared.state.lock().endpoint.role() == Role::Receiver;
-        if let (TcpDataPath::PeerCopy, Offer::Declined(why), true) =
-            (shared.config.data_path, offer, receiver)
-        {
+        if let (Err(why), true) = (shared.can_pull(), receiver) {
             return Err(io::Error::other(format!(
-                "peer copies were asked for, but this node cannot offer them: {why}"
+                "peer copies were asked for, but this node cannot take them: {why}"
             )));
         }
     }
@@ -85,6 +81,9 @@ pub(super) fn wake_acceptor(local: SocketAddr) {
 
 /// Stack of a preamble thread: it reads 16 bytes.
 const PREAMBLE_STACK: usize = 64 << 10;
+/// Stack of a preamble thread that may open a sender's peer-copy offer: the CUDA driver's calls
+/// need more than [`PREAMBLE_STACK`].
+const PEER_COPY_PREAMBLE_STACK: usize = 2 << 20;
 
 /// Reads a preamble from `stream` by `deadline`, however the bytes are spread out in time.
 fn read_preamble(mut stream: &TcpStream, deadline: std::time::Instant) -> Option<Preamble> {
@@ -151,13 +150,18 @@ impl<E: Endpoint + Send + 'static> Shared<E> {
         };
         let deadline = super::events::later(since, self.config.preamble_timeout);
         let shared = self.clone();
+        let stack = if self.config.data_path == TcpDataPath::Socket {
+            PREAMBLE_STACK
+        } else {
+            PEER_COPY_PREAMBLE_STACK
+        };
         let reader = thread::Builder::new()
             .name("kvpipe-tcp-preamble".into())
-            .stack_size(PREAMBLE_STACK)
+            .stack_size(stack)
             .spawn(move || {
                 let pre = read_preamble(&stream, deadline);
-                // A sender offering peer copies hears this node's offer first (before the
-                // lock: the exchange waits on the peer).
+                // A sender offering peer copies sends its offer next; this node answers
+                // (before the lock: the exchange waits on the peer).
                 let placement = match pre {
                     Some(p) if p.index == 0 && p.flags & PREAMBLE_PEER_COPY != 0 => {
                         shared.answer_peer_copy(&stream, deadline)
@@ -208,6 +212,11 @@ impl<E: Endpoint + Send + 'static> Shared<E> {
             ));
         }
         let offer = path != TcpDataPath::Socket && is_sender;
+        // Exported before connecting, on the caller's thread.
+        let local = offer.then(|| self.peer_copy_offer());
+        if let (TcpDataPath::PeerCopy, Some(Offer::Declined(why))) = (path, local) {
+            return Err(io::Error::other(format!("peer copies refused: {why}")));
+        }
         let streams = (0..count)
             .map(|index| {
                 let mut s = TcpStream::connect_timeout(&addr, self.config.preamble_timeout)?;
@@ -226,67 +235,76 @@ impl<E: Endpoint + Send + 'static> Shared<E> {
                 Ok((pre, s))
             })
             .collect::<io::Result<Vec<_>>>()?;
-        if !offer {
+        let Some(local) = local else {
             return Ok((streams, Placement::Socket));
-        }
+        };
         let control = &streams[0].1;
+        peer_copy::write_all(control, &local.encode())?;
         let deadline = std::time::Instant::now() + self.config.preamble_timeout;
-        let answer = Offer::read(control, deadline)
-            .map_err(|e| offer_error(e, addr, self.config.preamble_timeout))
-            .map(|o| peer_copy::accept(&o, &self.regions));
-        let placement = match answer {
-            Ok(Ok(mappings)) => {
-                peer_copy::write_all(control, &peer_copy::encode_answer(true))?;
+        let answer = Answer::read(control, deadline)
+            .map_err(|e| offer_error(e, addr, self.config.preamble_timeout))?;
+        let placement = match (answer, local) {
+            (Answer::Accepted, Offer::Regions(_)) => {
                 bump(&self.stats.peer_copy_peers, 1);
-                Placement::Send(Arc::new(mappings))
+                Placement::Source
             }
-            Ok(Err(why)) => {
-                peer_copy::write_all(control, &peer_copy::encode_answer(false))?;
+            (Answer::Accepted, Offer::Declined(_)) => {
+                return Err(io::Error::other(format!(
+                    "the peer at {addr} accepted a declined peer-copy offer"
+                )))
+            }
+            (Answer::Declined(why), _) => {
                 if path == TcpDataPath::PeerCopy {
                     return Err(io::Error::other(format!("peer copies refused: {why}")));
                 }
                 tracing::info!(target: "kvpipe::tcp", %why, "peer copies declined; data goes over the sockets");
                 Placement::Socket
             }
-            Err(e) => return Err(e),
         };
         Ok((streams, placement))
     }
 
-    /// This node's peer-copy offer, made once (when it starts listening).
+    /// This sender's peer-copy offer (its regions exported), made once.
     fn peer_copy_offer(&self) -> &Offer {
-        self.offer.get_or_init(|| {
-            let is_receiver = self.state.lock().endpoint.role() == Role::Receiver;
-            peer_copy::local_offer(self.config.data_path, is_receiver, &self.regions)
-        })
+        self.offer
+            .get_or_init(|| peer_copy::local_offer(self.config.data_path, &self.regions))
     }
 
-    /// The accepting side of the peer-copy negotiation on a control connection: sends this
-    /// node's offer, reads the sender's answer, both by `deadline`. `None`: the exchange
-    /// failed (the connection is dropped like one whose preamble failed).
+    /// Whether this node can pull a sender's writes at all, or why not.
+    fn can_pull(&self) -> Result<(), String> {
+        let is_receiver = self.state.lock().endpoint.role() == Role::Receiver;
+        peer_copy::can_pull(self.config.data_path, is_receiver, &self.regions)
+    }
+
+    /// The accepting side of the peer-copy negotiation on a control connection: reads the
+    /// sender's offer, opens its regions, and answers, all by `deadline`. `None`: the exchange
+    /// failed, or the node asks for peer copies (`PeerCopy`) and cannot have them (the
+    /// connection is dropped like one whose preamble failed).
     fn answer_peer_copy(
         &self,
         stream: &TcpStream,
         deadline: std::time::Instant,
     ) -> Option<Placement> {
-        let offer = self.peer_copy_offer();
-        peer_copy::write_all(stream, &offer.encode()).ok()?;
-        let accepted = peer_copy::read_answer(stream, deadline).ok()?;
-        if !accepted
-            && self.config.data_path == TcpDataPath::PeerCopy
-            && matches!(offer, Offer::Regions(_))
-        {
-            // No fall back to the sockets: the connection is dropped, as one whose preamble
-            // failed.
-            tracing::warn!(target: "kvpipe::tcp", "a sender declined peer copies; dropped (data path peer-copy)");
-            return None;
+        let offer = Offer::read(stream, deadline).ok()?;
+        let opened = self
+            .can_pull()
+            .and_then(|()| peer_copy::accept(&offer, &self.regions));
+        match opened {
+            Ok(mappings) => {
+                peer_copy::write_all(stream, &Answer::Accepted.encode()).ok()?;
+                bump(&self.stats.peer_copy_peers, 1);
+                Some(Placement::Pull(Arc::new(mappings)))
+            }
+            Err(why) => {
+                peer_copy::write_all(stream, &Answer::Declined(why.clone()).encode()).ok()?;
+                if self.config.data_path == TcpDataPath::PeerCopy {
+                    // No fall back to the sockets.
+                    tracing::warn!(target: "kvpipe::tcp", %why, "no peer copies from a sender; dropped (data path peer-copy)");
+                    return None;
+                }
+                Some(Placement::Socket)
+            }
         }
-        Some(if accepted && matches!(offer, Offer::Regions(_)) {
-            bump(&self.stats.peer_copy_peers, 1);
-            Placement::Receive
-        } else {
-            Placement::Socket
-        })
     }
 
     /// Makes a peer of connected streams (from [`Shared::open_bundle`]); the handshake starts.
@@ -367,6 +385,12 @@ impl<E: Endpoint + Send + 'static> Shared<E> {
             let Some(stream) = conn.pending.take() else {
                 continue;
             };
+            let pulled_from = match &link.placement {
+                Placement::Pull(mappings) => Some(mappings.clone()),
+                _ => None,
+            };
+            // Each connection's pulled pieces, acknowledged on that connection.
+            let acks = matches!(link.placement, Placement::Source).then(Arc::<PullAcks>::default);
             let inbound = Inbound::new(
                 peer,
                 hooks.clone(),
@@ -374,7 +398,8 @@ impl<E: Endpoint + Send + 'static> Shared<E> {
                 self.stats.clone(),
                 &self.config,
             )
-            .placed(matches!(link.placement, Placement::Receive))
+            .pulling(pulled_from, &conn.queue, &self.config)
+            .acking(acks.clone(), &conn.queue)
             .carries_frames(conn.carries_frames());
             let outbound = Outbound::new(
                 peer,
@@ -382,7 +407,8 @@ impl<E: Endpoint + Send + 'static> Shared<E> {
                 hooks.clone(),
                 self.stats.clone(),
                 &self.config,
-            );
+            )
+            .acked_by(acks);
             started += self.spawn.start(peer, stream, inbound, outbound);
         }
         link.halves = started;
@@ -421,18 +447,18 @@ impl<E: Endpoint + Send + 'static> Shared<E> {
     }
 }
 
-/// Says what a failed read of a listener's peer-copy offer means for the connect.
+/// Says what a failed read of a listener's peer-copy answer means for the connect.
 fn offer_error(e: io::Error, addr: std::net::SocketAddr, within: StdDuration) -> io::Error {
     let kind = e.kind();
     let what = match kind {
         io::ErrorKind::TimedOut => format!(
-            "the peer at {addr} sent no peer-copy offer within {within:?} (a kvpipe receiver \
-             sends one as soon as it accepts; is it one, and is it answering?)"
+            "the peer at {addr} did not answer the peer-copy offer within {within:?} (a kvpipe \
+             receiver answers as soon as it read it; is it one, and is it answering?)"
         ),
         io::ErrorKind::UnexpectedEof => {
-            format!("the peer at {addr} closed the connection before sending its peer-copy offer")
+            format!("the peer at {addr} closed the connection before answering the peer-copy offer")
         }
-        _ => format!("reading the peer-copy offer of {addr}: {e}"),
+        _ => format!("reading the peer-copy answer of {addr}: {e}"),
     };
     io::Error::new(kind, what)
 }

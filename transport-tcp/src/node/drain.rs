@@ -89,10 +89,9 @@ impl<E: Endpoint + Send + 'static> Shared<E> {
             link.conns.len(),
             (self.config.min_piece_bytes, self.config.max_piece_bytes),
             &self.regions,
-            link.placement.sent(),
+            matches!(link.placement, crate::peer_copy::Placement::Source),
         ) else {
-            // A source extent outside registered memory, or (peer copies) a destination
-            // outside the peer's opened regions: nothing is sent.
+            // A source extent outside registered memory: nothing is sent.
             return Some(failed);
         };
         if pieces.is_empty() {

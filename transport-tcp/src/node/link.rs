@@ -17,7 +17,7 @@ use bytes::Bytes;
 use kvpipe_core::PeerId;
 
 use super::lobby::Unproven;
-use crate::conn::{spread, Backlog, Job, JobQueue, TalliedPiece};
+use crate::conn::{Backlog, Job, JobQueue, TalliedPiece};
 use crate::peer_copy::Placement;
 use crate::preamble::Preamble;
 
@@ -69,8 +69,7 @@ pub(crate) struct PeerLink {
     token: u64,
     expected: usize,
     pub(crate) conns: Vec<Conn>,
-    /// Data-write pieces no connection writer took yet (over the sockets; peer copies are
-    /// bound to a connection when queued).
+    /// Data-write pieces no connection writer took yet.
     pub(crate) backlog: Arc<Backlog>,
     /// Connection halves (readers and writers) still running.
     pub(crate) halves: u32,
@@ -86,30 +85,10 @@ pub(crate) struct PeerLink {
 
 impl PeerLink {
     /// Queues a batch's `pieces` to the connections' writers: on the backlog, which each
-    /// writer takes from as its stream runs low (waking them), or, for peer copies, bound to
-    /// the connections in shares up front (a copy runs on its writer's stream: every writer
-    /// issues its copies at once, ahead of their headers). Returns how many pieces were
-    /// refused: all of them unless the link is open, or those of a connection whose writer
-    /// stopped.
+    /// writer takes from as its stream runs low (waking them). Returns how many pieces were
+    /// refused: all of them unless the link is open.
     pub(crate) fn queue_pieces(&self, pieces: Vec<TalliedPiece>) -> u64 {
         let count = pieces.len() as u64;
-        if self.placement.sent().is_some() {
-            let shares = spread(pieces, self.conns.len(), |p| p.piece.len);
-            return self
-                .conns
-                .iter()
-                .zip(shares)
-                .filter(|(_, share)| !share.is_empty())
-                .map(|(conn, share)| {
-                    let n = share.len() as u64;
-                    if conn.queue.push(Job::Data(share)) {
-                        0
-                    } else {
-                        n
-                    }
-                })
-                .sum();
-        }
         if !self.backlog.push(pieces) {
             return count;
         }
