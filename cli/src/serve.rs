@@ -175,7 +175,7 @@ struct ServeReport {
     memory: &'static str,
     /// How the data arrived: "peer-copy" (CUDA IPC), "socket" or "rdma".
     data_path: &'static str,
-    /// Data writes the prefill side placed itself (peer copies).
+    /// Data writes this side pulled from the prefill side's device memory (peer copies).
     writes_placed: u64,
     /// Per completed request, as this side sees it alone: the request's last burst of data
     /// began → complete (`RequestTimings::receiver_tail`), p50 and p99.

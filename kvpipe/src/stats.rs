@@ -7,11 +7,13 @@
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct DataPathStats {
     /// `"mem"` (copies in this process), `"socket"` (TCP), `"peer-copy"` (TCP, with CUDA IPC
-    /// peer copies to or from at least one peer on this host) or `"rdma"` (verbs).
+    /// peer copies, pulled by the decode side, with at least one peer on this host) or
+    /// `"rdma"` (verbs).
     pub path: &'static str,
-    /// Bytes this prefill node placed in a peer's memory by peer copies.
+    /// Bytes a decode peer pulled from this prefill node's memory by peer copies and
+    /// acknowledged.
     pub bytes_placed: u64,
-    /// Data writes a peer placed by peer copies and announced without payload (decode node).
+    /// Data writes this decode node pulled from a prefill peer's memory by peer copies.
     pub writes_placed: u64,
     /// Data writes the transport refused (TCP's grant check; the verbs transport fails the
     /// link instead, the mem transport cannot see a foreign write).

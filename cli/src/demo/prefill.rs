@@ -38,7 +38,7 @@ struct PrefillReport {
     memory: &'static str,
     /// How the data moved: "peer-copy" (CUDA IPC), "socket" or "rdma".
     data_path: &'static str,
-    /// Bytes copied straight into the decode side's device memory (peer copies).
+    /// Bytes the decode side pulled from this side's device memory (peer copies), acknowledged.
     bytes_placed: u64,
     /// Per request, this side's view (`RequestTimings::tail`): last chunk computed → the
     /// sender finished (last batch written, last result and aux data sent).

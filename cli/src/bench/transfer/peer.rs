@@ -2,11 +2,12 @@
 //! processes (`kvpipe-tcp` with `TcpDataPath::PeerCopy`) against `cuda-memcpy-peer`.
 //!
 //! Each run starts this program twice: `serve --memory device --gpu N --data-path peer-copy`
-//! (the decode side, which exports its pools by CUDA IPC) and `demo --connect --memory device
-//! --gpu G --data-path peer-copy --chunk-tokens T` with the whole `--tokens` prompt as one chunk,
-//! so the request's KV (llama3-8b, 128 KiB per token) is one write batch: the transport's time
-//! is the prefill side's `transfer_p50_ms` of that batch (handed to the transport → every piece
-//! copied into the decode side's pools and its header written), and the decode side verifies
+//! (the decode side, which pulls every write from the prefill side's pools, exported by CUDA
+//! IPC) and `demo --connect --memory device --gpu G --data-path peer-copy --chunk-tokens T`
+//! with the whole `--tokens` prompt as one chunk, so the request's KV (llama3-8b, 128 KiB per
+//! token) is one write batch: the transport's time is the prefill side's `transfer_p50_ms` of
+//! that batch (handed to the transport → every piece pulled by the decode side and
+//! acknowledged), and the decode side verifies
 //! every byte after reading its pools back. The baseline, in this process, copies the same
 //! number of bytes from a buffer on GPU G to one on GPU N in the transport's pieces
 //! (`TcpConfig::max_piece_bytes`), one `cuMemcpyDtoDAsync` per piece on one stream, then one
