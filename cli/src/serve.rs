@@ -80,9 +80,9 @@ pub(crate) struct ServeArgs {
     #[arg(long, default_value_t = 0)]
     gpu: usize,
     /// With --transport tcp: how data reaches this side's pools — auto (peer copies when both
-    /// sides' pools are device memory and the prefill side opens this side's CUDA IPC handles,
-    /// i.e. it runs on the same host; else the sockets), peer-copy (refuse to fall back) or
-    /// socket.
+    /// sides' pools are device memory and this side opens the prefill side's CUDA IPC handles,
+    /// i.e. it runs on the same host: this side then pulls every write itself; else the
+    /// sockets), peer-copy (refuse to fall back) or socket.
     #[arg(long, default_value = "auto", value_parser = super::nodes::parse_data_path)]
     data_path: kvpipe_tcp::TcpDataPath,
 }
