@@ -20,6 +20,7 @@ use serde::Serialize;
 use super::engine::{
     run_workload_with, suite_deadlines, RequestPlan, RunReport, TransferMode, Workload,
 };
+use super::timeline::BatchSpan;
 use super::{FaultPlan, Harness, SuiteError};
 use crate::cache::{AllocationStyle, GroupSpec};
 
@@ -301,6 +302,17 @@ pub fn percentile(v: &[f64], p: f64) -> f64 {
 /// summed (several when it went out in layer ranges; from the run's timeline), or the last
 /// batch's alone when the batches could not be paired with the chunks.
 pub fn last_chunk_transfer(report: &RunReport) -> Option<Duration> {
+    Some(
+        last_chunk_batches(report)?
+            .iter()
+            .fold(Duration::ZERO, |sum, b| sum + b.transfer),
+    )
+}
+
+/// The write batches of the chunk whose batch was issued last, in issue order (several when it
+/// went out in layer ranges; from the run's timeline), or the last batch alone when the
+/// batches could not be paired with the chunks.
+pub fn last_chunk_batches(report: &RunReport) -> Option<Vec<BatchSpan>> {
     let last = report.batch_timings.iter().max_by_key(|t| t.issued)?;
     let lanes = &report.timeline.lanes;
     let owner = lanes.iter().find_map(|l| {
@@ -315,8 +327,13 @@ pub fn last_chunk_transfer(report: &RunReport) -> Option<Duration> {
             .iter()
             .filter(|c| c.index == index)
             .filter_map(|c| c.batch)
-            .fold(Duration::ZERO, |sum, b| sum + b.transfer),
-        None => last.transfer,
+            .collect(),
+        None => vec![BatchSpan {
+            bytes: last.bytes,
+            issued: last.issued,
+            reported: last.reported,
+            transfer: last.transfer,
+        }],
     })
 }
 

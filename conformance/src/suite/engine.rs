@@ -573,6 +573,7 @@ pub fn run_workload_with<H: Harness>(
     };
     let slice_layers = |s: &Option<LayerRange>| s.map_or(1, |s| u64::from(s.len()));
     let chunk_layers: u64 = slices.iter().map(slice_layers).sum::<u64>().max(1);
+    let layouts = sender_cache.layouts();
     for i in order {
         let compute_start = link.now();
         let (start, end) = states[i].chunks[states[i].next_chunk];
@@ -590,52 +591,55 @@ pub fn run_workload_with<H: Harness>(
                     )
             })
             .collect();
-        if w.prefill_per_chunk.is_zero() {
-            sender_cache
-                .compute_chunk(id, start, end)
-                .map_err(cache_err)?;
-        } else {
-            // With a compute time the chunk's content is written on a helper thread, as a GPU
-            // computes while the engine's loop goes on: the transport keeps being driven (and
-            // earlier chunks' completions are seen when they happen) until the content is
-            // written and the first layer range's compute time is over. (The whole chunk's
-            // content is written at once: its later layer ranges are only read by the
-            // transport once their own compute time is over.)
-            let cache = &mut *sender_cache;
-            let first_ready = ready[0];
-            std::thread::scope(|scope| -> Result<(), SuiteError> {
-                let job = scope.spawn(move || cache.compute_chunk(id, start, end));
-                loop {
-                    link.pump()?;
-                    collect(&mut link, &mut events, &mut states);
-                    let now = link.now();
-                    let written = job.is_finished();
-                    if written && now >= first_ready {
-                        break;
-                    }
-                    let wait = if now < first_ready {
-                        std::time::Duration::from_nanos((first_ready - now).as_nanos())
-                    } else {
-                        std::time::Duration::from_micros(100)
-                    };
-                    // While the content is being written, look again soon: the chunk is
-                    // submitted as soon as it is computed.
-                    link.wait(if written {
-                        wait
-                    } else {
-                        wait.min(std::time::Duration::from_micros(200))
-                    });
-                }
-                job.join()
-                    .map_err(|_| SuiteError::Check("the compute thread panicked".into()))?
-                    .map_err(cache_err)
-            })?;
-        }
         let k = states[i].next_chunk;
         states[i].next_chunk += 1;
         let is_last = states[i].next_chunk == states[i].chunks.len();
         let mut slice_started = compute_start;
         for (r, (slice, &ready)) in slices.iter().zip(&ready).enumerate() {
+            let last_range = r + 1 == slices.len();
+            // The content this range computes: the whole chunk's, or its layers of each group.
+            let group_layers: Option<Vec<std::ops::Range<u16>>> =
+                slice.map(|l| w.layer_order.group_ranges(&layouts, l).into_vec());
+            let cache = &mut *sender_cache;
+            let compute = move || match group_layers {
+                Some(layers) => cache.compute_chunk_layers(id, start, end, &layers, last_range),
+                None => cache.compute_chunk(id, start, end),
+            };
+            if w.prefill_per_chunk.is_zero() {
+                compute().map_err(cache_err)?;
+            } else {
+                // With a compute time the content is written on a helper thread, as a GPU
+                // computes while the engine's loop goes on: the transport keeps being driven
+                // (and earlier slices' completions are seen when they happen) until the content
+                // is written and the range's share of the compute time is over.
+                std::thread::scope(|scope| -> Result<(), SuiteError> {
+                    let job = scope.spawn(compute);
+                    loop {
+                        link.pump()?;
+                        collect(&mut link, &mut events, &mut states);
+                        let now = link.now();
+                        let written = job.is_finished();
+                        if written && now >= ready {
+                            break;
+                        }
+                        let wait = if now < ready {
+                            std::time::Duration::from_nanos((ready - now).as_nanos())
+                        } else {
+                            std::time::Duration::from_micros(100)
+                        };
+                        // While the content is being written, look again soon: the range is
+                        // submitted as soon as it is computed.
+                        link.wait(if written {
+                            wait
+                        } else {
+                            wait.min(std::time::Duration::from_micros(200))
+                        });
+                    }
+                    job.join()
+                        .map_err(|_| SuiteError::Check("the compute thread panicked".into()))?
+                        .map_err(cache_err)
+                })?;
+            }
             // The rest of this layer range's simulated compute: keep the transport running
             // meanwhile.
             loop {
@@ -648,7 +652,6 @@ pub fn run_workload_with<H: Harness>(
                 link.wait(std::time::Duration::from_nanos((ready - now).as_nanos()));
             }
             let computed = link.now();
-            let last_range = r + 1 == slices.len();
             let st = &mut states[i];
             if is_last && last_range {
                 st.report.last_compute_done = Some(computed);
