@@ -121,7 +121,11 @@ fn in_process_transfer_through_the_abi() {
     // SAFETY: valid configs; no node is made.
     let refused = unsafe { kvpipe_mem_pair_new(&bad, &rcfg, &mut tx, &mut rx) };
     assert_eq!(refused, kvpipe_status::KVPIPE_ERR_CONFIG, "{}", message());
-    assert!(message().contains("layer order lists group#0 1 times"), "{}", message());
+    assert!(
+        message().contains("layer order lists group#0 1 times"),
+        "{}",
+        message()
+    );
     assert!(tx.is_null() && rx.is_null());
     // SAFETY: valid configs; `src` and `dst` outlive both nodes (freed below).
     unsafe {
