@@ -595,11 +595,13 @@ pub fn run_workload_with<H: Harness>(
         states[i].next_chunk += 1;
         let is_last = states[i].next_chunk == states[i].chunks.len();
         let mut slice_started = compute_start;
+        let mut sending_groups: Vec<GroupIndex> = Vec::new();
         for (r, (slice, &ready)) in slices.iter().zip(&ready).enumerate() {
             let last_range = r + 1 == slices.len();
             // The content this range computes: the whole chunk's, or its layers of each group.
             let group_layers: Option<Vec<std::ops::Range<u16>>> =
                 slice.map(|l| w.layer_order.group_ranges(&layouts, l).into_vec());
+            let range_layers = group_layers.clone();
             let cache = &mut *sender_cache;
             let compute = move || match group_layers {
                 Some(layers) => cache.compute_chunk_layers(id, start, end, &layers, last_range),
@@ -682,8 +684,23 @@ pub fn run_workload_with<H: Harness>(
             if let Some(spec) = spec {
                 if link.is_alive(Role::Sender) && !st.report.sender.is_end() {
                     let now = link.now();
+                    if let (0, Some(layers)) = (r, slice) {
+                        // The groups the chunk sends blocks of: a range of only other groups'
+                        // layers is a slice without a write batch, which the timeline must not
+                        // pair with one.
+                        sending_groups = link
+                            .sender()
+                            .chunk_layers_query(id, &spec, *layers)
+                            .map(|q| q.windows().iter().map(|(g, _)| *g).collect())
+                            .unwrap_or_default();
+                    }
+                    let writes = range_layers.as_ref().is_none_or(|layers| {
+                        sending_groups
+                            .iter()
+                            .any(|g| layers.get(usize::from(g.0)).is_some_and(|l| !l.is_empty()))
+                    });
                     match submit(link.sender(), now, id, spec, *slice, &mut sender_cache) {
-                        Ok(slice) => sent = Some((now, slice.is_some())),
+                        Ok(slice) => sent = Some((now, slice.is_some() && writes)),
                         // The session ended under the engine (a peer's cancel, a failure): a
                         // real engine stops submitting; so do we.
                         Err(UsageError::SessionEnded(_)) => {}

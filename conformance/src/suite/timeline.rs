@@ -33,7 +33,9 @@ pub struct ChunkTiming {
     /// When it was handed to the sender (`None`: not submitted, as a monolithic transfer's
     /// earlier chunks are not).
     pub submitted: Option<Instant>,
-    /// Whether submitting it made a slice (a chunk that completes no block makes none).
+    /// Whether submitting it made a slice that writes (a chunk that completes no block makes
+    /// none; a layer range of only groups the chunk sends no block of makes a slice without
+    /// writes, counted as none here).
     pub sliced: bool,
     /// Its write batch, when paired (see the module doc).
     pub batch: Option<BatchSpan>,
