@@ -3,9 +3,9 @@
 //! The sans-IO protocol core of kvpipe: it streams an LLM request's KV cache from a prefill
 //! server to a decode server while prefill is still running. This crate holds the wire frames
 //! ([`wire`]), the chunk geometry ([`geometry`]), write planning ([`plan`]; between ranks split
-//! differently by tensor and pipeline parallelism: [`shard`]) and the two endpoint
-//! state machines ([`session`]): a [`Sender`] per prefill rank and a [`Receiver`] per decode
-//! rank. It does no I/O, reads no clock, spawns no threads and contains no `unsafe`; transports
+//! differently by tensor and pipeline parallelism: [`shard`]; a chunk submitted in layer ranges
+//! as the engine computes them: [`layers`]) and the two endpoint state machines ([`session`]): a
+//! [`Sender`] per prefill rank and a [`Receiver`] per decode rank. It does no I/O, reads no clock, spawns no threads and contains no `unsafe`; transports
 //! drive it.
 //!
 //! ## The run loop

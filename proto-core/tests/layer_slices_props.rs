@@ -491,3 +491,53 @@ proptest! {
         prop_assert_eq!(bytes(&net), bytes(&whole));
     }
 }
+
+/// The slot layout makes a layer range of one block one extent: 4 layers in one pool on both
+/// sides, blocks in consecutive slots. The whole chunk coalesces into one write; layers 1..3
+/// are one write per block, at the range's first layer, two layers long.
+#[test]
+fn a_layer_range_of_one_block_is_one_extent() {
+    let layout = |region| group(4, 2, None, 0, region);
+    let (src_layout, dst_layout) = (layout(1), layout(2));
+    let layer_bytes = 2 * 2 * 2;
+    let slot = 4 * layer_bytes;
+    let topology = Topology::default();
+    let src = RankGroup {
+        topology: &topology,
+        layout: &src_layout,
+    };
+    let dst = RankGroup {
+        topology: &topology,
+        layout: &dst_layout,
+    };
+    let run = BlockRun {
+        first_ordinal: 0,
+        ids: (10..13).map(BlockId).collect(),
+    };
+    let reg = AnchoredRun::from_ids(0, &(20..23).map(BlockId).collect::<Vec<_>>());
+    let mut whole = WritePlan::new();
+    plan_rank_group(src, dst, &run, &reg, &mut DstCursor::default(), &mut whole).unwrap();
+    assert_eq!(whole.len(), 1);
+    assert_eq!(whole.total_bytes(), 3 * slot);
+    let mut plan = WritePlan::new();
+    let mut cursor = DstCursor::default();
+    plan_rank_group_layers(src, dst, &run, &reg, 1..3, &mut cursor, &mut plan).unwrap();
+    let expected: Vec<WriteExtent> = (0..3)
+        .map(|b| WriteExtent {
+            src_region: RegionId(1),
+            src_offset: (10 + b) * slot + layer_bytes,
+            dst_region: RegionId(2),
+            dst_offset: (20 + b) * slot + layer_bytes,
+            len: 2 * layer_bytes,
+        })
+        .collect();
+    assert_eq!(plan.extents(), &expected[..]);
+    // Every layer in one range is the whole chunk's single write.
+    let mut all = WritePlan::new();
+    plan_rank_group_layers(src, dst, &run, &reg, 0..4, &mut cursor, &mut all).unwrap();
+    assert_eq!(all, whole);
+    // An empty range plans nothing.
+    let mut none = WritePlan::new();
+    plan_rank_group_layers(src, dst, &run, &reg, 2..2, &mut cursor, &mut none).unwrap();
+    assert!(none.is_empty());
+}

@@ -27,6 +27,8 @@ enum Op {
     Open(u8, bool),
     Register(u8),
     Submit(u8, u8),
+    /// The next layer range of a request's chunk (a new chunk's first range when none is open).
+    SubmitLayer(u8, u8),
     Aux(u8),
     Complete(u8),
     Fail(u8),
@@ -95,6 +97,7 @@ fn run(ops: Vec<Op>) {
             .insert(RequestId(r), (100 * r as u32, PROMPT / TPB));
     }
     let mut next_start: BTreeMap<RequestId, u32> = BTreeMap::new();
+    let mut open_chunk: BTreeMap<RequestId, kvpipe_core::ChunkSpec> = BTreeMap::new();
     for op in ops {
         let now = net.now;
         match op {
@@ -117,6 +120,32 @@ fn run(ops: Vec<Op>) {
                     .is_ok()
                 {
                     next_start.insert(req(r), end);
+                }
+            }
+            Op::SubmitLayer(r, n) => {
+                let count = net.senders[0].layer_count();
+                let (spec, begin) = match (
+                    open_chunk.get(&req(r)),
+                    net.senders[0].next_chunk_layer(req(r)),
+                ) {
+                    (Some(spec), Some(next)) => (*spec, next),
+                    _ => {
+                        let start = next_start.get(&req(r)).copied().unwrap_or(0);
+                        let end = (start + 2 + u32::from(n % 8)).min(PROMPT);
+                        (chunk(start, end, PROMPT, end == PROMPT), 0)
+                    }
+                };
+                let range = kvpipe_core::LayerRange::new(begin, begin + 1);
+                if net.senders[0]
+                    .submit_chunk_layers(now, req(r), spec, range, &mut source)
+                    .is_ok()
+                {
+                    next_start.insert(req(r), spec.end);
+                    if range.end == count {
+                        open_chunk.remove(&req(r));
+                    } else {
+                        open_chunk.insert(req(r), spec);
+                    }
                 }
             }
             Op::Aux(r) => {
@@ -298,6 +327,7 @@ fn op(disruptive: bool) -> impl Strategy<Value = Op> {
         3 => (r, any::<bool>()).prop_map(|(r, a)| Op::Open(r, a)),
         3 => r.prop_map(Op::Register),
         6 => (r, any::<u8>()).prop_map(|(r, n)| Op::Submit(r, n)),
+        4 => (r, any::<u8>()).prop_map(|(r, n)| Op::SubmitLayer(r, n)),
         2 => r.prop_map(Op::Aux),
         6 => any::<u8>().prop_map(Op::Complete),
         d => any::<u8>().prop_map(Op::Fail),

@@ -47,6 +47,10 @@ pub struct SimConfig {
     pub receiver_slot_padding: u64,
     /// How the model is spread over the sender ranks and the receiver (random runs draw it).
     pub split: RankSplit,
+    /// Layers per layer range each prefill chunk is submitted in, as the engine computes them
+    /// (0: whole chunks, the default). The senders' layers are the full-attention group's
+    /// (`sender_pool_split`) and the windowed group's one, stacked.
+    pub layers_per_slice: u32,
     /// Record a readable trace of every step (scripted scenarios).
     pub trace: bool,
     /// A deliberate bug, to check that the simulator catches it (tests only).
@@ -97,6 +101,7 @@ impl SimConfig {
             receiver_pool_split,
             receiver_slot_padding,
             split: RankSplit::WHOLE,
+            layers_per_slice: 0,
             trace: false,
             planted_bug: None,
             max_steps: 0,

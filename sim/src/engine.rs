@@ -1,6 +1,7 @@
 //! The engines that drive the workload: they admit requests as they arrive (at most
 //! `max_active` at once), open them on the writer ranks, compute prefill chunks at a simulated
-//! pace and submit them, register them on the receiver (usually first, sometimes late), submit
+//! pace and submit them (whole, or in layer ranges as their layers are computed:
+//! [`SimConfig::layers_per_slice`](crate::SimConfig::layers_per_slice)), register them on the receiver (usually first, sometimes late), submit
 //! the aux data, sometimes cancel from either side, sometimes submit to a request that already
 //! ended (refused, nothing changes), and free a request's blocks and retire it only on
 //! `Quiesced`.
@@ -11,7 +12,7 @@
 
 use kvpipe_core::session::{Registration, SendRequest, SenderInput, UsageError};
 use kvpipe_core::wire::AuxData;
-use kvpipe_core::{ChunkSpec, Duration, Instant, RequestId};
+use kvpipe_core::{ChunkSpec, Duration, Instant, LayerRange, RequestId};
 
 use kvpipe_netem::Netem;
 
@@ -44,11 +45,27 @@ pub(crate) struct Engine {
     active: usize,
     /// When the last request was admitted.
     pub(crate) last_start: Instant,
+    /// Layers per layer range a chunk is submitted in (0: whole chunks).
+    layers_per_slice: u32,
+    /// The sender ranks' layers (every rank holds the model's layers).
+    layer_count: u32,
+    /// Per request, where the next layer range of its current chunk starts.
+    next_layer: Vec<u32>,
 }
 
 impl Engine {
-    pub(crate) fn new(mut plans: Vec<RequestPlan>, rng: SimRng, mistakes: Mistakes) -> Self {
+    /// The engines of a workload; with `layers_per_slice` > 0 every chunk is submitted in
+    /// ranges of that many of the senders' `layer_count` layers, each as its layers are
+    /// computed.
+    pub(crate) fn new(
+        mut plans: Vec<RequestPlan>,
+        rng: SimRng,
+        mistakes: Mistakes,
+        layers_per_slice: u32,
+        layer_count: u32,
+    ) -> Self {
         plans.sort_by_key(|p| p.arrival);
+        let next_layer = vec![0; plans.len()];
         Engine {
             plans,
             rng,
@@ -56,6 +73,29 @@ impl Engine {
             next_admit: 0,
             active: 0,
             last_start: Instant::ZERO,
+            layers_per_slice,
+            layer_count,
+            next_layer,
+        }
+    }
+
+    /// The layer range request `i`'s current chunk submits next (`None`: whole chunks).
+    fn layer_range(&self, i: usize) -> Option<LayerRange> {
+        (self.layers_per_slice > 0).then(|| {
+            let begin = self.next_layer[i];
+            LayerRange::new(begin, (begin + self.layers_per_slice).min(self.layer_count))
+        })
+    }
+
+    /// When the next submission of chunk `k` of request `i` is computed, from now: the whole
+    /// chunk's compute, or the next layer range's share of it.
+    fn compute_step(&self, i: usize, k: usize) -> Duration {
+        let whole = self.compute_time(i, k);
+        match self.layer_range(i) {
+            None => whole,
+            Some(r) => Duration::from_nanos(
+                whole.as_nanos() * u64::from(r.len()) / u64::from(self.layer_count.max(1)),
+            ),
         }
     }
 
@@ -160,7 +200,7 @@ impl Engine {
                 Some(self.open(stage, oracle, i, turn))
             }
             EngineAction::Open(i) => {
-                let at = stage.now() + self.compute_time(i, 0);
+                let at = stage.now() + self.compute_step(i, 0);
                 stage.sched.schedule(at, Action::Compute(i, 0));
                 None
             }
@@ -169,13 +209,25 @@ impl Engine {
                 Some(self.compute(stage, oracle, i, k, turn, &mut p.any))
             }
             EngineAction::Compute(i, k) => {
+                if let Some(r) = self.layer_range(i) {
+                    if r.end < self.layer_count {
+                        // The chunk's next layers are computed next.
+                        self.next_layer[i] = r.end;
+                        if p.any {
+                            let at = stage.now() + self.compute_step(i, k);
+                            stage.sched.schedule(at, Action::Compute(i, k));
+                        }
+                        return None;
+                    }
+                    self.next_layer[i] = 0;
+                }
                 if p.any {
                     let now = stage.now();
                     if self.chunk_spec(i, k).is_last {
                         let at = now + self.plans[i].aux_after;
                         stage.sched.schedule(at, Action::Aux(i));
                     } else {
-                        let at = now + self.compute_time(i, k + 1);
+                        let at = now + self.compute_step(i, k + 1);
                         stage.sched.schedule(at, Action::Compute(i, k + 1));
                     }
                 }
@@ -284,21 +336,33 @@ impl Engine {
             if !self.rng.chance(0.3) {
                 return Called::Nothing;
             }
-            let res = stage.hosts.senders[rank]
-                .submit_chunk(now, request, spec, &mut stage.hosts.sender_caches[rank])
-                .map(|_| ());
-            expect_ended(stage, res, rank, request);
+            let cache = &mut stage.hosts.sender_caches[rank];
+            let res = match self.layer_range(i) {
+                None => stage.hosts.senders[rank].submit_chunk(now, request, spec, cache),
+                Some(r) => {
+                    stage.hosts.senders[rank].submit_chunk_layers(now, request, spec, r, cache)
+                }
+            };
+            expect_ended(stage, res.map(|_| ()), rank, request);
             return Called::Endpoint;
         }
         *any = true;
+        let range = self.layer_range(i);
+        if range.is_some_and(|r| r.begin > 0) {
+            // A later layer range of the chunk: its bytes were computed with the first.
+            stage.note(|| format!("engine S{rank} chunk {request} {}", range.unwrap()));
+            self.submit_plain(stage, oracle, i, w, k);
+            return Called::Endpoint;
+        }
         let res = stage.hosts.sender_caches[rank].compute_chunk(request, spec.start, spec.end);
         stage.check(res, || format!("S{rank} cache compute {request}"));
         stage.note(|| {
             format!(
-                "engine S{rank} chunk {request} [{}, {}){}",
+                "engine S{rank} chunk {request} [{}, {}){}{}",
                 spec.start,
                 spec.end,
-                if spec.is_last { " last" } else { "" }
+                if spec.is_last { " last" } else { "" },
+                range.map(|r| format!(" {r}")).unwrap_or_default()
             )
         });
         match self.mistakes.draw(k) {
@@ -342,11 +406,19 @@ impl Engine {
             mistake,
             bent: false,
         };
-        let res = stage.hosts.senders[rank].submit_chunk(now, request, spec, &mut source);
+        let range = self.layer_range(i);
+        let res = match range {
+            None => stage.hosts.senders[rank].submit_chunk(now, request, spec, &mut source),
+            Some(r) => {
+                stage.hosts.senders[rank].submit_chunk_layers(now, request, spec, r, &mut source)
+            }
+        };
         let bent = source.bent || matches!(mistake, EngineMistake::PrefixChanged);
+        // The request's last submission: its last chunk, whole or its last layer range.
+        let last = spec.is_last && range.is_none_or(|r| r.end == self.layer_count);
         if !bent {
             // Every run was empty: nothing to bend, a plain chunk.
-            if res.is_ok() && spec.is_last {
+            if res.is_ok() && last {
                 oracle.records[i].senders[w].last_chunk = true;
             }
             stage.check(res.map(|_| ()), || format!("S{rank} submit {request}"));
@@ -363,7 +435,7 @@ impl Engine {
             Ok(_) => {
                 // A windowed group's short run: within the contract, so accepted; the writer's
                 // share check must fail it later.
-                if spec.is_last {
+                if last {
                     oracle.records[i].senders[w].last_chunk = true;
                 }
                 oracle.records[i].fatal[w] = true;
@@ -387,10 +459,14 @@ impl Engine {
         let spec = self.chunk_spec(i, k);
         let request = self.plans[i].id;
         let rank = self.plans[i].writers[w];
-        let res = stage.hosts.senders[rank]
-            .submit_chunk(now, request, spec, &mut stage.hosts.sender_caches[rank])
-            .map(|_| ());
-        if res.is_ok() && spec.is_last {
+        let cache = &mut stage.hosts.sender_caches[rank];
+        let range = self.layer_range(i);
+        let res = match range {
+            None => stage.hosts.senders[rank].submit_chunk(now, request, spec, cache),
+            Some(r) => stage.hosts.senders[rank].submit_chunk_layers(now, request, spec, r, cache),
+        }
+        .map(|_| ());
+        if res.is_ok() && spec.is_last && range.is_none_or(|r| r.end == self.layer_count) {
             oracle.records[i].senders[w].last_chunk = true;
         }
         stage.check(res, || {

@@ -108,7 +108,7 @@ impl Simulation {
             let writers = writers_of(&shapes, &(receiver_topology, receiver_cache.layouts()));
             plans.iter_mut().for_each(|p| p.writers = writers.clone());
         }
-        let sender_endpoints = (0..senders)
+        let sender_endpoints: Vec<Sender> = (0..senders)
             .map(|r| {
                 let mut c = SenderConfig::new(LocalHello::new(
                     InstanceId(10 + r as u64),
@@ -149,6 +149,8 @@ impl Simulation {
                 SimRng::new(cfg.seed).fork(8),
                 decode_rate,
             ),
+            cfg.layers_per_slice,
+            sender_endpoints.first().map_or(0, |s| s.layer_count()),
         );
         let mut sim = Simulation {
             stage: Stage {

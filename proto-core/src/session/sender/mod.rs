@@ -208,7 +208,8 @@ impl SendRequest {
 ///
 /// **Inputs** (each carries `now`): [`handle_input`](Self::handle_input) with a
 /// [`SenderInput`] — what the transport saw ([`TransportInput`], also through the
-/// [`Endpoint`] trait), and the engine's open, chunk, aux data, cancel and retire. Every state
+/// [`Endpoint`] trait), and the engine's open, chunk (whole, [`SenderInput::Chunk`], or one
+/// layer range of it, [`SenderInput::ChunkLayers`]), aux data, cancel and retire. Every state
 /// change is one of these inputs, so [`record_inputs`](Self::record_inputs) captures a run that
 /// replays exactly into a fresh sender.
 ///
