@@ -75,6 +75,11 @@ pub(crate) struct DemoArgs {
     /// Send everything after prefill instead of chunk by chunk (the baseline).
     #[arg(long)]
     monolithic: bool,
+    /// Submit each chunk in layer ranges of N layers, each range as soon as its layers are
+    /// computed (the chunk's simulated compute is spread over its layers), so the last chunk's
+    /// transfer overlaps its own compute.
+    #[arg(long, value_name = "N", conflicts_with = "monolithic")]
+    layers_per_slice: Option<u16>,
     /// Skip the baseline: by default the same requests are also sent after prefill
     /// (monolithic) in this run, and the table shows that tail beside the pipelined one
     /// (with --connect there is no baseline either way).
@@ -175,9 +180,19 @@ pub(crate) fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
         "a bundle's size",
     )?;
     preflight::at_least("--connections", args.connections as u64, 1)?;
+    if let Some(n) = args.layers_per_slice {
+        preflight::at_least("--layers-per-slice", n.into(), 1)?;
+    }
     let memory = pool_memory(&args)?;
     let split =
         args.sender_tp.is_some() || args.receiver_tp.is_some() || args.receiver_pp.is_some();
+    if args.layers_per_slice.is_some() && (args.connect.is_some() || split) {
+        return Err(
+            "--layers-per-slice runs both sides in this process; it is not available with \
+             --connect or --sender-tp/--receiver-tp/--receiver-pp"
+                .into(),
+        );
+    }
     if args.timeline.is_some() && (args.connect.is_some() || split) {
         return Err(
             "--timeline draws this process's own runs; it is not available with \
@@ -266,10 +281,10 @@ pub(crate) fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
         requests: args.requests,
         ranks: args.ranks,
         prefill_per_chunk: Duration::from_millis(args.prefill_ms_per_chunk),
-        mode: if args.monolithic {
-            TransferMode::Monolithic
-        } else {
-            TransferMode::Pipelined
+        mode: match (args.monolithic, args.layers_per_slice) {
+            (true, _) => TransferMode::Monolithic,
+            (false, Some(n)) => TransferMode::LayerSlices(n),
+            (false, None) => TransferMode::Pipelined,
         },
         corrupt_one_byte: args.corrupt_one_byte,
     };
@@ -530,7 +545,7 @@ fn live_kv_bytes(config: &DemoConfig) -> Result<u64, CliError> {
     }
     let chunks: Vec<_> = w.requests.iter().map(|r| r.chunks()).collect();
     let order: Vec<(usize, usize)> = match w.mode {
-        TransferMode::Pipelined => {
+        TransferMode::Pipelined | TransferMode::LayerSlices(_) => {
             let most = chunks.iter().map(Vec::len).max().unwrap_or(0);
             (0..most)
                 .flat_map(|k| (0..chunks.len()).map(move |i| (i, k)))

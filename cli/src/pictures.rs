@@ -36,10 +36,22 @@ pub(crate) fn write_timeline(
     run: &Timeline,
     baseline: Option<&Timeline>,
 ) -> Result<(), CliError> {
+    let sliced = match mode {
+        TransferMode::LayerSlices(n) => format!(
+            "each chunk's blocks sent in layer ranges of {n}, each as soon as its layers are \
+             computed"
+        ),
+        _ => String::new(),
+    };
     let panel = |mode, timeline| match mode {
         TransferMode::Pipelined => TimelinePanel {
             name: "pipelined",
             description: "each chunk's blocks sent as soon as it is computed",
+            timeline,
+        },
+        TransferMode::LayerSlices(_) => TimelinePanel {
+            name: "pipelined",
+            description: &sliced,
             timeline,
         },
         TransferMode::Monolithic => TimelinePanel {

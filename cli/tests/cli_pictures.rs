@@ -372,3 +372,89 @@ fn pictures_refuse_what_they_cannot_draw() {
     assert!(!ok);
     assert!(err.contains("--sweep-chunk-tokens"), "{err}");
 }
+
+#[test]
+fn demo_timeline_draws_every_layer_range_of_every_chunk() {
+    let path = temp("demo-layers.svg");
+    // llama3-70b-tp8 has 80 layers: ranges of 32 are 0–32, 32–64 and 64–80.
+    let mut args = vec![
+        "demo",
+        "--json",
+        "--no-baseline",
+        "--layers-per-slice",
+        "32",
+        "--timeline",
+        path.to_str().unwrap(),
+    ];
+    args.extend(SMALL);
+    let (ok, out, err) = kvpipe(&args);
+    assert!(ok, "{err}");
+    let v = json(&out);
+    assert_eq!(v["verified"], true);
+    assert_eq!(v["mode"], "pipelined, layer slices of 32");
+    // 5 chunks of 2 requests, 3 ranges each, each its own write batch.
+    assert_eq!(v["write_batches"], 30);
+    let svg = std::fs::read_to_string(&path).expect("the picture was written");
+    let (named, texts) = read_svg(&svg);
+    assert!(
+        texts.iter().any(|t| t.contains("layer ranges of 32")),
+        "{texts:?}"
+    );
+    for request in [1, 2] {
+        let compute = lane(&named, "pipelined", request, "compute");
+        let transfer = lane(&named, "pipelined", request, "transfer");
+        assert_eq!(
+            (compute.len(), transfer.len()),
+            (15, 15),
+            "request {request}"
+        );
+        for chunk in 0..5 {
+            let ranges: Vec<(&str, &str)> = compute
+                .iter()
+                .filter(|c| c.data("chunk") == chunk.to_string())
+                .map(|c| (c.data("layer-begin"), c.data("layer-end")))
+                .collect();
+            assert_eq!(ranges, [("0", "32"), ("32", "64"), ("64", "80")]);
+        }
+        // Every range's batch leaves after the range was computed, and the ranges of a chunk
+        // are computed one after the other.
+        for c in &compute {
+            let t = transfer
+                .iter()
+                .find(|t| {
+                    t.data("chunk") == c.data("chunk")
+                        && t.data("layer-begin") == c.data("layer-begin")
+                })
+                .expect("each range has its batch");
+            assert!(t.ms("start-ms") >= c.ms("end-ms"), "{c:?} {t:?}");
+        }
+        for w in compute.windows(2) {
+            assert!(w[1].ms("start-ms") >= w[0].ms("end-ms") - 1e-3, "{w:?}");
+        }
+        // The exposed tail starts when the last chunk's last range was computed.
+        let last = lane(&named, "pipelined", request, "last-computed");
+        assert_eq!(last[0].ms("start-ms"), compute[14].ms("end-ms"));
+    }
+}
+
+#[test]
+fn layers_per_slice_is_refused_where_it_cannot_apply() {
+    for (extra, says) in [
+        (&["--layers-per-slice", "0"][..], "--layers-per-slice"),
+        (
+            &["--layers-per-slice", "4", "--monolithic"][..],
+            "--monolithic",
+        ),
+        (
+            &["--layers-per-slice", "4", "--receiver-tp", "2"][..],
+            "--layers-per-slice",
+        ),
+    ] {
+        let mut args = vec!["demo"];
+        args.extend(extra);
+        args.extend(SMALL);
+        let (ok, _, err) = kvpipe(&args);
+        assert!(!ok, "{extra:?} was accepted");
+        assert!(err.contains(says), "{extra:?}: {err}");
+    }
+}

@@ -65,4 +65,9 @@ verbs_scenarios!(
     chaos,
     version_mismatch,
     monolithic_transfer,
+    layer_slices_full_attention,
+    layer_slices_windowed,
+    layer_slices_sinks_and_prefixes,
+    layer_slices_late_registration,
+    layer_slices_write_failure,
 );

@@ -3,7 +3,9 @@
 
 use kvpipe_core::session::{Deadlines, LocalHello};
 use kvpipe_core::wire::Topology;
-use kvpipe_core::{InstanceId, LayerGroupLayout, ReceiverConfig, RegionId, SenderConfig};
+use kvpipe_core::{
+    InstanceId, LayerGroupLayout, LayerOrder, ReceiverConfig, RegionId, SenderConfig,
+};
 use kvpipe_tcp::{MemoryRegion, RegionTable, TcpConfig};
 
 use crate::transport::Transport;
@@ -61,6 +63,11 @@ pub struct NodeConfig {
     /// [`DecodeNode::new`](crate::DecodeNode::new) build, with its settings (default: TCP with
     /// default settings). [`mem_pair`](crate::mem_pair) ignores it.
     pub transport: Transport,
+    /// (Prefill) the order in which the engine computes the rank's layers, which the layer
+    /// ranges of [`PrefillNode::submit_chunk_layers`](crate::PrefillNode::submit_chunk_layers)
+    /// index (default: the layer groups stacked in group order; a model whose groups
+    /// interleave, as Gemma 3's local and global layers do, lists each layer's group).
+    pub layer_order: LayerOrder,
     /// The TCP settings [`PrefillNode::tcp`](crate::PrefillNode::tcp) and
     /// [`DecodeNode::tcp`](crate::DecodeNode::tcp) use (`transport` is the one place for new
     /// code: `Transport::Tcp` carries its own).
@@ -76,6 +83,7 @@ impl NodeConfig {
             instance: None,
             deadlines: Deadlines::default(),
             grant_seed: None,
+            layer_order: LayerOrder::stacked(),
             transport: Transport::Tcp(TcpConfig::default()),
             tcp: TcpConfig::default(),
         }
@@ -99,6 +107,7 @@ impl NodeConfig {
     pub fn sender_config(&self) -> SenderConfig {
         let mut config = SenderConfig::new(self.local());
         config.deadlines = self.deadlines;
+        config.layer_order = self.layer_order.clone();
         config
     }
 

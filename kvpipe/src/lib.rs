@@ -25,8 +25,8 @@
 //!
 //! use kvpipe::{
 //!     mem_pair, AnchoredRun, AuxData, BlockId, BlockTables, ChunkSpec, Event, LayerGroupLayout,
-//!     Node, NodeConfig, PoolLayout, RawRegion, RegionId, Registration, RequestId, Role,
-//!     SendRequest, MEM_RECEIVER_PEER, MEM_SENDER_PEER,
+//!     LayerRange, Node, NodeConfig, PoolLayout, RawRegion, RegionId, Registration, RequestId,
+//!     Role, SendRequest, MEM_RECEIVER_PEER, MEM_SENDER_PEER,
 //! };
 //!
 //! // One layer group: 2 layers, K and V, 1 head of 4 dims in 2-byte elements, 4 tokens per
@@ -88,7 +88,16 @@
 //! let groups: [&[Option<BlockId>]; 1] = [&table];
 //! for (start, end, is_last) in [(0, 8, false), (8, 16, true)] {
 //!     let chunk = ChunkSpec { start, end, prompt_len: 16, prepopulated_len: 0, is_last, prefix_sent_early: false };
-//!     prefill.submit_chunk(request, chunk, &mut BlockTables { groups: &groups })?;
+//!     if !is_last {
+//!         prefill.submit_chunk(request, chunk, &mut BlockTables { groups: &groups })?;
+//!         continue;
+//!     }
+//!     // The last chunk layer by layer, each layer as soon as it is computed (see "Layer by
+//!     // layer" below).
+//!     for layer in 0..prefill.layer_count()? {
+//!         let layers = LayerRange::new(layer, layer + 1);
+//!         prefill.submit_chunk_layers(request, chunk, layers, &mut BlockTables { groups: &groups })?;
+//!     }
 //! }
 //! // The first generated token travels after the KV.
 //! prefill.submit_aux(request, AuxData { prompt_tokens: 16, cached_tokens: 0, first_tokens: vec![42], draft_tokens: vec![] })?;
@@ -113,6 +122,19 @@
 //! [`connect`](Node::connect)s and names the peer by the id `connect` returns; the decode side
 //! learns the prefill side's id from its [`Event::PeerReady`].
 //!
+//! ## Layer by layer
+//!
+//! A chunk may also leave in layer ranges, each as soon as the engine has computed those
+//! layers (vLLM calls `save_kv_layer` per layer; TensorRT-LLM's `KVSlice` carries a
+//! `layer_range`), so the last chunk's transfer overlaps its own compute and only about one
+//! range's transfer is left after prefill.
+//! [`submit_chunk_layers`](PrefillNode::submit_chunk_layers) takes the same [`ChunkSpec`] for
+//! every range of a chunk and a [`LayerRange`] of the rank's layers, counted in compute order
+//! ([`NodeConfig::layer_order`]; by default the layer groups one after the other): the ranges of
+//! one chunk run from layer 0 to [`layer_count`](PrefillNode::layer_count) in order, without
+//! gaps. The first range asks the block source for the chunk's blocks; later ranges ask
+//! nothing. The example above sends its last chunk that way, one layer at a time.
+//!
 //! ## A node's methods
 //!
 //! Sorted as quinn sorts its `Connection`'s (each method's own doc has the details):
@@ -122,7 +144,9 @@
 //! - **Commands**: [`listen`](Node::listen), [`connect`](Node::connect); prefill:
 //!   [`open_request`](PrefillNode::open_request) (optional: a chunk opens the request too),
 //!   [`submit_prefix`](PrefillNode::submit_prefix),
-//!   [`submit_chunk`](PrefillNode::submit_chunk), [`submit_aux`](PrefillNode::submit_aux);
+//!   [`submit_chunk`](PrefillNode::submit_chunk) (or, layer range by layer range as the
+//!   engine computes them, [`submit_chunk_layers`](PrefillNode::submit_chunk_layers): see
+//!   below), [`submit_aux`](PrefillNode::submit_aux);
 //!   decode: [`register`](DecodeNode::register); both: `cancel`, `retire`, and
 //!   [`close`](Node::close). A command is applied to the endpoint at once and handed to the
 //!   transport before it returns; it never waits for the peer. A block source
@@ -189,6 +213,6 @@ pub use kvpipe_core::session::{
 pub use kvpipe_core::wire::{AuxData, Topology};
 pub use kvpipe_core::{
     AnchoredRun, BlockId, BlockRun, BlockSource, BlockSourceError, ChunkSpec, ConfigError, Event,
-    GroupIndex, InstanceId, LayerGroupLayout, PeerId, PoolLayout, ReceiverSliceId, RegionId,
-    RequestId, SenderSliceId,
+    GroupIndex, InstanceId, LayerGroupLayout, LayerOrder, LayerRange, PeerId, PoolLayout,
+    ReceiverSliceId, RegionId, RequestId, SenderSliceId,
 };

@@ -7,8 +7,8 @@ use std::time::Duration;
 use kvpipe_core::session::{Counters, Registration, SendRequest, UsageError};
 use kvpipe_core::wire::AuxData;
 use kvpipe_core::{
-    BlockSource, ChunkSpec, Event, Instant, LayerGroupLayout, PeerId, Receiver, ReceiverSliceId,
-    RequestId, Sender, Submitted,
+    BlockSource, ChunkSpec, Event, Instant, LayerGroupLayout, LayerRange, PeerId, Receiver,
+    ReceiverSliceId, RequestId, Sender, Submitted,
 };
 use kvpipe_tcp::{TcpConfig, TcpNode};
 
@@ -45,7 +45,8 @@ pub(crate) enum Inner<E: Role> {
 ///   [`counters`](Self::counters), [`session_count`](Self::session_count).
 /// - **Commands**: [`listen`](Self::listen) / [`connect`](Self::connect) (across processes);
 ///   prefill: [`open_request`](Self::open_request), [`submit_prefix`](Self::submit_prefix),
-///   [`submit_chunk`](Self::submit_chunk), [`submit_aux`](Self::submit_aux),
+///   [`submit_chunk`](Self::submit_chunk) (or, layer range by layer range,
+///   [`submit_chunk_layers`](Self::submit_chunk_layers)), [`submit_aux`](Self::submit_aux),
 ///   [`cancel`](Self::cancel), [`retire`](Self::retire); decode:
 ///   [`register`](Node::register), [`cancel`](Node::cancel), [`retire`](Node::retire); and
 ///   [`close`](Self::close). Each is applied to the endpoint at once (its error is the core's,
@@ -335,6 +336,35 @@ impl Node<Sender> {
         let query = self.command(|s, _| s.chunk_query(request, &spec))?;
         let runs = query.ask(source)?;
         self.command(|s, now| s.submit_chunk_runs(now, request, spec, runs))
+    }
+
+    /// Submits layers `layers` of a computed prefill chunk, as the engine finishes them (see
+    /// [`Sender::submit_chunk_layers`] for the rules): the chunk's first range (from layer 0)
+    /// asks `source` for its blocks, with the node unlocked as in
+    /// [`submit_chunk`](Self::submit_chunk); each later range (the same `spec`, from where the
+    /// previous one ended, up to the rank's layer count) writes its layers of those blocks
+    /// and asks nothing. Layers are counted in the order the engine computes them
+    /// ([`NodeConfig::layer_order`](crate::NodeConfig::layer_order)). Each range that writes
+    /// something is a slice of its own, so the last chunk's transfer overlaps its own compute
+    /// (vLLM's `save_kv_layer`, TensorRT-LLM's `KVSlice::layer_range`). `None`: the range
+    /// writes nothing.
+    pub fn submit_chunk_layers(
+        &self,
+        request: RequestId,
+        spec: ChunkSpec,
+        layers: LayerRange,
+        source: &mut impl BlockSource,
+    ) -> Result<Submitted, EmbedError> {
+        let query = self.command(|s, _| s.chunk_layers_query(request, &spec, layers))?;
+        let runs = query.ask(source)?;
+        self.command(|s, now| s.submit_chunk_layers_runs(now, request, spec, layers, runs))
+    }
+
+    /// The layers of this node's rank (every layer group's): a chunk submitted in layer ranges
+    /// ([`submit_chunk_layers`](Self::submit_chunk_layers)) ends with the range that reaches
+    /// it.
+    pub fn layer_count(&self) -> Result<u32, EmbedError> {
+        self.read(|s| s.layer_count())
     }
 
     /// Sends the request's cached prefix before its first chunk (see

@@ -7,10 +7,11 @@ mod common;
 
 use std::time::Duration;
 
-use common::{configs, connect, transfer, Sides};
+use common::{configs, connect, transfer, transfer_layers, Sides};
 use kvpipe::{
-    mem_pair, DecodeNode, EmbedError, GpuUnavailable, NodeConfig, PrefillNode, RawRegion, RegionId,
-    TcpConfig, Transport, MEM_RECEIVER_PEER, MEM_SENDER_PEER,
+    mem_pair, BlockId, BlockRun, BlockSource, BlockSourceError, BlockTables, ChunkSpec, DecodeNode,
+    EmbedError, GpuUnavailable, GroupIndex, LayerRange, NodeConfig, PrefillNode, RawRegion,
+    RegionId, RequestId, SendRequest, TcpConfig, Transport, MEM_RECEIVER_PEER, MEM_SENDER_PEER,
 };
 
 #[test]
@@ -74,6 +75,124 @@ fn the_tcp_alias_ignores_the_configured_transport() {
         rx.close(Duration::from_secs(5)).unwrap();
     }
     sides.check();
+}
+
+#[test]
+fn a_request_moves_layer_by_layer_in_process() {
+    let mut sides = Sides::new();
+    let (s, r) = configs(Transport::Mem);
+    let (src, dst) = (sides.src_region(), sides.dst_region());
+    // SAFETY: `sides` outlives both nodes (dropped before it, at the end of the block).
+    {
+        let (tx, rx) = unsafe { mem_pair(&s, &src, &r, &dst) }.unwrap();
+        common::wait_for(&rx, "PeerReady", |e| {
+            matches!(e, kvpipe::Event::PeerReady { .. })
+        });
+        common::wait_for(&tx, "PeerReady", |e| {
+            matches!(e, kvpipe::Event::PeerReady { .. })
+        });
+        transfer_layers(&tx, &rx, MEM_RECEIVER_PEER, MEM_SENDER_PEER);
+    }
+    sides.check();
+}
+
+#[test]
+fn a_request_moves_layer_by_layer_over_tcp() {
+    let mut sides = Sides::new();
+    let (s, r) = configs(Transport::Tcp(TcpConfig::default()));
+    let (src, dst) = (sides.src_region(), sides.dst_region());
+    {
+        // SAFETY: `sides` outlives both nodes (closed at the end of the block).
+        let rx = unsafe { DecodeNode::new(&r, &dst) }.unwrap();
+        // SAFETY: as above.
+        let tx = unsafe { PrefillNode::new(&s, &src) }.unwrap();
+        let (to_receiver, to_sender) = connect(&tx, &rx, "127.0.0.1");
+        transfer_layers(&tx, &rx, to_receiver, to_sender);
+        tx.close(Duration::from_secs(5)).unwrap();
+        rx.close(Duration::from_secs(5)).unwrap();
+    }
+    sides.check();
+}
+
+#[test]
+fn a_layer_range_out_of_order_is_refused_and_changes_nothing() {
+    let mut sides = Sides::new();
+    let (s, r) = configs(Transport::Mem);
+    let (src, dst) = (sides.src_region(), sides.dst_region());
+    // SAFETY: `sides` outlives both nodes (dropped at the end of the block).
+    let (tx, _rx) = unsafe { mem_pair(&s, &src, &r, &dst) }.unwrap();
+    let request = RequestId(5);
+    tx.open_request(SendRequest::new(request, [MEM_RECEIVER_PEER]))
+        .unwrap();
+    let table: Vec<Option<BlockId>> = (0..3).map(|o| Some(BlockId(o))).collect();
+    let groups: [&[Option<BlockId>]; 1] = [&table];
+    let chunk = ChunkSpec {
+        start: 0,
+        end: 12,
+        prompt_len: 26,
+        prepopulated_len: 0,
+        is_last: false,
+        prefix_sent_early: false,
+    };
+    let mut asked = 0;
+    let mut source = CountingSource {
+        tables: BlockTables { groups: &groups },
+        asked: &mut asked,
+    };
+    // A chunk's ranges start at layer 0: the second layer first is the caller's bug.
+    let err = tx
+        .submit_chunk_layers(request, chunk, LayerRange::new(1, 2), &mut source)
+        .unwrap_err();
+    assert!(matches!(err, EmbedError::Usage(_)), "{err}");
+    assert!(err.to_string().contains("must start at layer 0"), "{err}");
+    // Past the rank's two layers.
+    let err = tx
+        .submit_chunk_layers(request, chunk, LayerRange::new(0, 3), &mut source)
+        .unwrap_err();
+    assert!(matches!(err, EmbedError::Usage(_)), "{err}");
+    assert_eq!(
+        *source.asked, 0,
+        "a refused range asks the block source nothing"
+    );
+    // In order, the same chunk goes out; only its first range asks for blocks.
+    for layer in 0..2 {
+        let slice = tx
+            .submit_chunk_layers(
+                request,
+                chunk,
+                LayerRange::new(layer, layer + 1),
+                &mut source,
+            )
+            .unwrap();
+        assert!(slice.slice().is_some());
+    }
+    assert_eq!(
+        *source.asked, 1,
+        "one bounded query for the chunk's one group"
+    );
+    drop(tx);
+    drop(_rx);
+    drop(sides);
+}
+
+/// A block source that counts its queries.
+struct CountingSource<'a> {
+    tables: BlockTables<'a>,
+    asked: &'a mut usize,
+}
+
+impl BlockSource for CountingSource<'_> {
+    fn block_run(
+        &mut self,
+        request: RequestId,
+        group: GroupIndex,
+        begin: u32,
+        end: u32,
+        out: &mut BlockRun,
+    ) -> Result<(), BlockSourceError> {
+        *self.asked += 1;
+        self.tables.block_run(request, group, begin, end, out)
+    }
 }
 
 #[test]

@@ -8,7 +8,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{configs, connect, transfer, Sides};
+use common::{configs, connect, transfer, transfer_layers, Sides};
 use kvpipe::{DecodeNode, EmbedError, PrefillNode, Transport, VerbsConfig};
 
 #[test]
@@ -77,6 +77,27 @@ fn a_request_moves_over_verbs_chosen_by_configuration() {
         assert_eq!(tx.transport().unwrap(), "verbs");
         let (to_receiver, to_sender) = connect(&tx, &rx, "127.0.0.1");
         transfer(&tx, &rx, to_receiver, to_sender);
+        tx.close(Duration::from_secs(5)).unwrap();
+        rx.close(Duration::from_secs(5)).unwrap();
+    }
+    sides.check();
+}
+
+#[test]
+#[ignore = "needs an RDMA device: runs in the Soft-RoCE guest (scripts/test-verbs)"]
+fn a_request_moves_layer_by_layer_over_verbs() {
+    let device = std::env::var("KVPIPE_VERBS_DEVICE")
+        .map_or_else(|_| VerbsConfig::default(), VerbsConfig::on_device);
+    let mut sides = Sides::new();
+    let (s, r) = configs(Transport::Verbs(device));
+    let (src, dst) = (sides.src_region(), sides.dst_region());
+    {
+        // SAFETY: `sides` outlives both nodes (closed at the end of the block).
+        let rx = unsafe { DecodeNode::new(&r, &dst) }.unwrap();
+        // SAFETY: as above.
+        let tx = unsafe { PrefillNode::new(&s, &src) }.unwrap();
+        let (to_receiver, to_sender) = connect(&tx, &rx, "127.0.0.1");
+        transfer_layers(&tx, &rx, to_receiver, to_sender);
         tx.close(Duration::from_secs(5)).unwrap();
         rx.close(Duration::from_secs(5)).unwrap();
     }

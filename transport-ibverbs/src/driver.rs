@@ -36,7 +36,7 @@ use kvpipe_core::session::{
 use kvpipe_core::wire::{AuxData, TransferStatus};
 use kvpipe_core::Endpoint as CoreEndpoint;
 use kvpipe_core::{
-    BlockSource, ChunkSpec, Event, Instant, Output, PeerId, Receiver, ReceiverConfig,
+    BlockSource, ChunkSpec, Event, Instant, LayerRange, Output, PeerId, Receiver, ReceiverConfig,
     ReceiverSliceId, RequestId, Sender, SenderConfig, Submitted,
 };
 use kvpipe_observe::Observer;
@@ -491,6 +491,21 @@ impl VerbsNode<Sender> {
         let query = self.with(|ep, _| ep.chunk_query(request, &spec))?;
         let runs = query.ask(source)?;
         self.with(|ep, now| ep.submit_chunk_runs(now, request, spec, runs))
+    }
+
+    /// Submits layers `layers` of a computed chunk, as the engine finishes them (see
+    /// [`Sender::submit_chunk_layers`]). Only a chunk's first range asks `source` for blocks,
+    /// with the driver unlocked as [`submit_chunk`](Self::submit_chunk) does.
+    pub fn submit_chunk_layers(
+        &self,
+        request: RequestId,
+        spec: ChunkSpec,
+        layers: LayerRange,
+        source: &mut impl BlockSource,
+    ) -> Result<Submitted, UsageError> {
+        let query = self.with(|ep, _| ep.chunk_layers_query(request, &spec, layers))?;
+        let runs = query.ask(source)?;
+        self.with(|ep, now| ep.submit_chunk_layers_runs(now, request, spec, layers, runs))
     }
 
     /// Submits the request's aux data.

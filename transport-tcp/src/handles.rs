@@ -8,8 +8,8 @@ use std::time::Duration;
 use kvpipe_core::session::{Counters, Registration, SendRequest, UsageError};
 use kvpipe_core::wire::AuxData;
 use kvpipe_core::{
-    BlockSource, ChunkSpec, ConfigError, DataPath, Endpoint, Event, Instant, PeerId, Receiver,
-    ReceiverConfig, ReceiverSliceId, RequestId, Sender, SenderConfig, Submitted,
+    BlockSource, ChunkSpec, ConfigError, DataPath, Endpoint, Event, Instant, LayerRange, PeerId,
+    Receiver, ReceiverConfig, ReceiverSliceId, RequestId, Sender, SenderConfig, Submitted,
 };
 
 use crate::blocking::Threads;
@@ -177,6 +177,26 @@ impl TcpNode<Sender> {
         self.node
             .shared
             .with(|ep, now| ep.submit_chunk_runs(now, request, spec, runs))
+    }
+
+    /// Submits layers `layers` of a computed chunk, as the engine finishes them (see
+    /// [`Sender::submit_chunk_layers`]). Only a chunk's first range asks `source` for blocks,
+    /// with the node unlocked as [`submit_chunk`](Self::submit_chunk) does.
+    pub fn submit_chunk_layers(
+        &self,
+        request: RequestId,
+        spec: ChunkSpec,
+        layers: LayerRange,
+        source: &mut impl BlockSource,
+    ) -> Result<Submitted, UsageError> {
+        let query = self
+            .node
+            .shared
+            .with(|ep, _| ep.chunk_layers_query(request, &spec, layers))?;
+        let runs = query.ask(source)?;
+        self.node
+            .shared
+            .with(|ep, now| ep.submit_chunk_layers_runs(now, request, spec, layers, runs))
     }
 
     /// Submits the request's aux data.

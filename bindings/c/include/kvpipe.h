@@ -329,6 +329,13 @@ typedef struct kvpipe_node_config {
   // (TCP) connections the connecting side opens per peer, 1 to 255 (0: the transport's
   // default, 2).
   uint32_t tcp_connections;
+  // (Prefill) the order the engine computes the rank's layers in, as each layer's group
+  // index, one entry per layer (null: the groups one after the other), which the layer
+  // ranges of `kvpipe_sender_submit_chunk_layers` index. A model whose groups interleave
+  // (Gemma 3's five local layers per global one) lists it.
+  const uint16_t *layer_order;
+  // Entries of `layer_order` (0 with null).
+  size_t layer_order_count;
 } kvpipe_node_config;
 
 // One event. Fields that do not apply to its kind are zero (`KVPIPE_NO_PEER`,
@@ -660,6 +667,39 @@ kvpipe_status kvpipe_sender_submit_chunk(const struct kvpipe_sender *sender,
                                          kvpipe_block_source_fn source,
                                          void *user,
                                          uint32_t *slice_out);
+
+// Submits layers `[layer_begin, layer_end)` of a prefill chunk of `request`, as soon as the
+// engine has computed them, so the last chunk's transfer overlaps its own compute (vLLM's
+// `save_kv_layer`, TensorRT-LLM's `KVSlice.layer_range`). Layers count the rank's layers in the
+// order the engine computes them (`kvpipe_node_config.layer_order`; by default the layer
+// groups one after the other), up to `kvpipe_sender_layer_count`. A chunk's ranges come in
+// order, the first from layer 0, each starting where the previous one ended, the last ending
+// at the layer count, all with the same `chunk`; the next chunk only after that. Only the
+// first range calls `source` (for the chunk's blocks); later ranges write their layers of
+// those blocks. Writes the range's slice id to `*slice_out` (may be null), or
+// `KVPIPE_NO_SLICE` when it writes nothing. A range out of order, empty or past the layer
+// count is `KVPIPE_ERR_USAGE`, with nothing changed.
+//
+// The chunk's blocks are read by the transport after this returns: leave them unchanged until
+// the request's `KVPIPE_EVENT_QUIESCED`.
+//
+// # Safety
+// As [`kvpipe_sender_submit_chunk`].
+kvpipe_status kvpipe_sender_submit_chunk_layers(const struct kvpipe_sender *sender,
+                                                uint64_t request,
+                                                const struct kvpipe_chunk *chunk,
+                                                uint32_t layer_begin,
+                                                uint32_t layer_end,
+                                                kvpipe_block_source_fn source,
+                                                void *user,
+                                                uint32_t *slice_out);
+
+// Writes the sender rank's layer count (every layer group's layers) to `*out`: a chunk
+// submitted with `kvpipe_sender_submit_chunk_layers` ends with the range that reaches it.
+//
+// # Safety
+// `sender` is a live handle, `out` writable.
+kvpipe_status kvpipe_sender_layer_count(const struct kvpipe_sender *sender, uint32_t *out);
 
 // Sends `request`'s cached prefix (`prepopulated_len` tokens) before its first chunk, so only
 // the computed part waits for prefill; its chunks then set `prefix_sent_early`. Writes the

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use kvpipe::{mem_pair, DecodeNode, EmbedError, Node, PrefillNode, Role};
 use kvpipe_core::session::SendRequest;
-use kvpipe_core::{PeerId, RequestId, SenderSliceId, Submitted};
+use kvpipe_core::{LayerRange, PeerId, RequestId, SenderSliceId, Submitted};
 
 use crate::event::{kvpipe_event, EventStorage};
 use crate::source::{kvpipe_block_source_fn, CallbackSource};
@@ -510,6 +510,70 @@ pub unsafe extern "C" fn kvpipe_sender_submit_chunk(
         submit_with_callback(source, user, slice_out, |src| {
             h.node.submit_chunk(RequestId(request), spec, src)
         })
+    })
+}
+
+/// Submits layers `[layer_begin, layer_end)` of a prefill chunk of `request`, as soon as the
+/// engine has computed them, so the last chunk's transfer overlaps its own compute (vLLM's
+/// `save_kv_layer`, TensorRT-LLM's `KVSlice.layer_range`). Layers count the rank's layers in the
+/// order the engine computes them (`kvpipe_node_config.layer_order`; by default the layer
+/// groups one after the other), up to `kvpipe_sender_layer_count`. A chunk's ranges come in
+/// order, the first from layer 0, each starting where the previous one ended, the last ending
+/// at the layer count, all with the same `chunk`; the next chunk only after that. Only the
+/// first range calls `source` (for the chunk's blocks); later ranges write their layers of
+/// those blocks. Writes the range's slice id to `*slice_out` (may be null), or
+/// `KVPIPE_NO_SLICE` when it writes nothing. A range out of order, empty or past the layer
+/// count is `KVPIPE_ERR_USAGE`, with nothing changed.
+///
+/// The chunk's blocks are read by the transport after this returns: leave them unchanged until
+/// the request's `KVPIPE_EVENT_QUIESCED`.
+///
+/// # Safety
+/// As [`kvpipe_sender_submit_chunk`].
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn kvpipe_sender_submit_chunk_layers(
+    sender: *const kvpipe_sender,
+    request: u64,
+    chunk: *const kvpipe_chunk,
+    layer_begin: u32,
+    layer_end: u32,
+    source: kvpipe_block_source_fn,
+    user: *mut c_void,
+    slice_out: *mut u32,
+) -> kvpipe_status {
+    guard(|| {
+        // SAFETY: forwarded from the caller.
+        let h = unsafe { handle(sender) }?;
+        // SAFETY: forwarded from the caller.
+        let spec = chunk_spec(unsafe { reference(chunk, "chunk") }?);
+        let layers = LayerRange::new(layer_begin, layer_end);
+        submit_with_callback(source, user, slice_out, |src| {
+            h.node
+                .submit_chunk_layers(RequestId(request), spec, layers, src)
+        })
+    })
+}
+
+/// Writes the sender rank's layer count (every layer group's layers) to `*out`: a chunk
+/// submitted with `kvpipe_sender_submit_chunk_layers` ends with the range that reaches it.
+///
+/// # Safety
+/// `sender` is a live handle, `out` writable.
+#[no_mangle]
+pub unsafe extern "C" fn kvpipe_sender_layer_count(
+    sender: *const kvpipe_sender,
+    out: *mut u32,
+) -> kvpipe_status {
+    guard(|| {
+        if out.is_null() {
+            return Err(Failure::invalid("out is null"));
+        }
+        // SAFETY: forwarded from the caller.
+        let count = unsafe { handle(sender) }?.node.layer_count()?;
+        // SAFETY: not null, writable (the caller's promise).
+        unsafe { put(out, count) };
+        Ok(KVPIPE_OK)
     })
 }
 

@@ -7,8 +7,8 @@ use kvpipe::{NodeConfig, RawRegion};
 use kvpipe_core::session::{Deadlines, Registration};
 use kvpipe_core::wire::{AuxData, Topology};
 use kvpipe_core::{
-    AnchoredRun, BlockId, ChunkSpec, Duration, GroupShard, InstanceId, LayerGroupLayout, PeerId,
-    PoolLayout, RegionId, RequestId,
+    AnchoredRun, BlockId, ChunkSpec, Duration, GroupIndex, GroupShard, InstanceId,
+    LayerGroupLayout, LayerOrder, PeerId, PoolLayout, RegionId, RequestId,
 };
 
 use crate::status::Failure;
@@ -141,6 +141,13 @@ pub struct kvpipe_node_config {
     /// (TCP) connections the connecting side opens per peer, 1 to 255 (0: the transport's
     /// default, 2).
     pub tcp_connections: u32,
+    /// (Prefill) the order the engine computes the rank's layers in, as each layer's group
+    /// index, one entry per layer (null: the groups one after the other), which the layer
+    /// ranges of `kvpipe_sender_submit_chunk_layers` index. A model whose groups interleave
+    /// (Gemma 3's five local layers per global one) lists it.
+    pub layer_order: *const u16,
+    /// Entries of `layer_order` (0 with null).
+    pub layer_order_count: usize,
 }
 
 /// One prefill chunk just computed.
@@ -380,6 +387,13 @@ pub(crate) unsafe fn read_config(config: *const kvpipe_node_config) -> Result<Re
                 "config.tcp_connections is {n}; a peer takes 1 to 255 connections"
             )))
         }
+    }
+    if !c.layer_order.is_null() || c.layer_order_count != 0 {
+        // SAFETY: as above.
+        let order = unsafe { slice(c.layer_order, c.layer_order_count, "config.layer_order") }?;
+        node.layer_order = LayerOrder {
+            groups: order.iter().copied().map(GroupIndex).collect(),
+        };
     }
     // SAFETY: as above.
     let regions = unsafe { slice(c.regions, c.region_count, "config.regions") }?

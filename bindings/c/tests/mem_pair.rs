@@ -66,6 +66,8 @@ fn config(group: &kvpipe_layer_group, region: &kvpipe_region) -> kvpipe_node_con
         instance: 0,
         grant_seed: 0,
         tcp_connections: 0,
+        layer_order: ptr::null(),
+        layer_order_count: 0,
     }
 }
 
@@ -126,6 +128,22 @@ fn in_process_transfer_through_the_abi() {
     };
     let (scfg, rcfg) = (config(&sgroup, &sregion), config(&rgroup, &rregion));
     let (mut tx, mut rx) = (ptr::null_mut(), ptr::null_mut());
+    // A layer order that lists one of the group's two layers is refused, naming the count.
+    let short = [0u16];
+    let bad = kvpipe_node_config {
+        layer_order: short.as_ptr(),
+        layer_order_count: 1,
+        ..config(&sgroup, &sregion)
+    };
+    // SAFETY: valid configs; no node is made.
+    let refused = unsafe { kvpipe_mem_pair_new(&bad, &rcfg, &mut tx, &mut rx) };
+    assert_eq!(refused, kvpipe_status::KVPIPE_ERR_CONFIG, "{}", message());
+    assert!(
+        message().contains("layer order lists group#0 1 times"),
+        "{}",
+        message()
+    );
+    assert!(tx.is_null() && rx.is_null());
     // SAFETY: valid configs; `src` and `dst` outlive both nodes (freed below).
     unsafe {
         assert_eq!(

@@ -4,6 +4,10 @@
  * compared with the source and every slot outside the registration must still be zero. Also
  * checks that a refused command returns KVPIPE_ERR_USAGE with the core's message.
  *
+ * Built with -DLAYERS_PER_SLICE=N, each chunk goes out in layer ranges of N layers
+ * (kvpipe_sender_submit_chunk_layers), each range its own slice, as an engine submits the
+ * layers it has computed; a range out of order is refused.
+ *
  * Built and run by scripts/test-c:  cc -std=c11 tcp_transfer.c -I../include libkvpipe_c.a ...  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -205,6 +209,13 @@ int main(void) {
 
     /* Prefill, chunk by chunk: each chunk's blocks go out as soon as it is submitted. */
     int sent_slices = 0;
+#ifdef LAYERS_PER_SLICE
+    uint32_t layer_count = 0;
+    MUST(kvpipe_sender_layer_count(tx, &layer_count));
+    CHECK(layer_count == LAYERS, "the rank's layers: %u", layer_count);
+    int ranges = (LAYERS + LAYERS_PER_SLICE - 1) / LAYERS_PER_SLICE;
+    int first_calls = cache.calls;
+#endif
     for (uint32_t start = 0; start < PROMPT; start += CHUNK) {
         uint32_t end = start + CHUNK < PROMPT ? start + CHUNK : PROMPT;
         int last = end == PROMPT;
@@ -212,10 +223,35 @@ int main(void) {
         kvpipe_chunk chunk = {.start = start, .end = end, .prompt_len = PROMPT,
                               .prepopulated_len = 0, .is_last = last};
         uint32_t slice = KVPIPE_NO_SLICE;
+#ifdef LAYERS_PER_SLICE
+        /* Each range of layers as soon as the engine computed it; the first one names the
+         * chunk's blocks. Starting past layer 0 is refused, and changes nothing. */
+        s = kvpipe_sender_submit_chunk_layers(tx, REQUEST, &chunk, 1, 2, block_source, &cache,
+                                              &slice);
+        CHECK(s == KVPIPE_ERR_USAGE && strstr(kvpipe_last_error_message(), "layer 0") != NULL,
+              "a range past layer 0 first: %s: %s", kvpipe_status_name(s),
+              kvpipe_last_error_message());
+        for (uint32_t layer = 0; layer < LAYERS; layer += LAYERS_PER_SLICE) {
+            uint32_t layer_end = layer + LAYERS_PER_SLICE < LAYERS ? layer + LAYERS_PER_SLICE
+                                                                   : LAYERS;
+            slice = KVPIPE_NO_SLICE;
+            MUST(kvpipe_sender_submit_chunk_layers(tx, REQUEST, &chunk, layer, layer_end,
+                                                   block_source, &cache, &slice));
+            if (slice != KVPIPE_NO_SLICE) sent_slices++;
+        }
+#else
         MUST(kvpipe_sender_submit_chunk(tx, REQUEST, &chunk, block_source, &cache, &slice));
         if (slice != KVPIPE_NO_SLICE) sent_slices++;
+#endif
     }
+#ifdef LAYERS_PER_SLICE
+    CHECK(sent_slices == 4 * ranges, "4 chunks in %d layer ranges each (got %d slices)", ranges,
+          sent_slices);
+    CHECK(cache.calls - first_calls == 4, "one block query per chunk, by its first range (got %d)",
+          cache.calls - first_calls);
+#else
     CHECK(sent_slices == 4, "4 chunks sent blocks (got %d)", sent_slices);
+#endif
     uint32_t first_tokens[2] = {1234, 5678};
     kvpipe_aux aux = {.prompt_tokens = PROMPT, .cached_tokens = 0, .first_tokens = first_tokens,
                       .first_token_count = 2};

@@ -8,8 +8,8 @@ use kvpipe::{mem_pair as embed_mem_pair, EmbedError, Node, NodeConfig, Role, Tcp
 use kvpipe_core::session::{Registration, SendRequest};
 use kvpipe_core::wire::AuxData;
 use kvpipe_core::{
-    AnchoredRun, BlockId, ChunkSpec, InstanceId, PeerId, Receiver as CoreReceiver, RequestId,
-    Sender as CoreSender,
+    AnchoredRun, BlockId, ChunkSpec, GroupIndex, InstanceId, LayerOrder, LayerRange, PeerId,
+    Receiver as CoreReceiver, RequestId, Sender as CoreSender,
 };
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
@@ -43,6 +43,7 @@ fn config(
     given: Option<&Bound<'_, PyDict>>,
     instance: Option<u64>,
     place: RankPlace,
+    layer_order: Option<Vec<u16>>,
 ) -> PyResult<NodeConfig> {
     if !(1..=255).contains(&connections) {
         return Err(PyValueError::new_err(format!(
@@ -54,6 +55,11 @@ fn config(
     c.deadlines = deadlines(given)?;
     c.instance = instance.map(InstanceId);
     c.tcp.connections_per_peer = connections;
+    if let Some(order) = layer_order {
+        c.layer_order = LayerOrder {
+            groups: order.into_iter().map(GroupIndex).collect(),
+        };
+    }
     Ok(c)
 }
 
@@ -148,11 +154,13 @@ impl Sender {
     /// decode process's GPU pools, control frames still over TCP; both sides' pools on GPUs of
     /// one host, a wheel built with the ``cuda`` feature, this side connecting; ``connect``
     /// raises with the reason otherwise) or ``"auto"`` (peer copies where they work, else the
-    /// socket).
+    /// socket). ``layer_order``: the group index of each of the rank's layers in the order the
+    /// engine computes them, which the ``layers`` of :meth:`submit_chunk` index (default: the
+    /// groups one after the other); a model whose groups interleave lists it.
     #[staticmethod]
     #[pyo3(signature = (
         layout, pools, *, connections = 2, deadlines = None, instance = None, tp_size = 1,
-        tp_rank = 0, pp_size = 1, pp_rank = 0, data_path = "socket"
+        tp_rank = 0, pp_size = 1, pp_rank = 0, data_path = "socket", layer_order = None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn tcp(
@@ -166,6 +174,7 @@ impl Sender {
         pp_size: i64,
         pp_rank: i64,
         data_path: &str,
+        layer_order: Option<Vec<u16>>,
     ) -> PyResult<Self> {
         let place = RankPlace {
             tp_size,
@@ -173,7 +182,14 @@ impl Sender {
             pp_size,
             pp_rank,
         };
-        let mut c = config(&layout, connections, deadlines, instance, place)?;
+        let mut c = config(
+            &layout,
+            connections,
+            deadlines,
+            instance,
+            place,
+            layer_order,
+        )?;
         c.tcp.data_path = tcp_data_path(data_path)?;
         let (regions, held) = self::pools(pools, false)?;
         // SAFETY: the buffers stay exported (held) as long as the node: `_pools` is declared
@@ -229,13 +245,21 @@ impl Sender {
     /// either a sequence of per-group block tables (entry ``o`` is the slot of block ordinal
     /// ``o``; negative or ``None``: not resident) or a callable
     /// ``blocks(request, group, begin, end) -> (first_ordinal, ids)`` returning the run of
-    /// resident blocks ending at ``end`` (called with the node locked: it must not call into
-    /// this node). ``is_last`` defaults to ``end == prompt_len``.
-    /// Returns the slice id, or ``None`` when the chunk completes no block. Leave the blocks
-    /// unchanged until the request's ``"quiesced"`` event.
+    /// resident blocks ending at ``end`` (called with the node unlocked; the chunk is checked
+    /// again when its answers are applied). ``is_last`` defaults to ``end == prompt_len``.
+    ///
+    /// ``layers=(begin, end)`` submits only those layers of the chunk, as soon as the engine
+    /// has computed them (vLLM's ``save_kv_layer``): layers count the rank's layers in compute
+    /// order (``layer_order``; by default the layer groups one after the other) up to
+    /// :meth:`layer_count`. A chunk's ranges come in order with the same chunk arguments, the
+    /// first from layer 0, each from where the previous one ended, the last to
+    /// :meth:`layer_count`; only the first calls ``blocks``. Each range is a slice of its own.
+    ///
+    /// Returns the slice id, or ``None`` when the chunk (range) writes nothing. Leave the
+    /// blocks unchanged until the request's ``"quiesced"`` event.
     #[pyo3(signature = (
         request, start, end, prompt_len, blocks, *, prepopulated_len = 0, is_last = None,
-        prefix_sent_early = false
+        prefix_sent_early = false, layers = None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn submit_chunk(
@@ -249,6 +273,7 @@ impl Sender {
         prepopulated_len: u32,
         is_last: Option<bool>,
         prefix_sent_early: bool,
+        layers: Option<(u32, u32)>,
     ) -> PyResult<Option<u32>> {
         let spec = ChunkSpec {
             start,
@@ -259,14 +284,27 @@ impl Sender {
             prefix_sent_early,
         };
         let mut source = PySource::new(blocks);
-        let result = py.detach(|| {
-            self.node
-                .submit_chunk(RequestId(request), spec, &mut source)
+        let result = py.detach(|| match layers {
+            Some((begin, end)) => self.node.submit_chunk_layers(
+                RequestId(request),
+                spec,
+                LayerRange::new(begin, end),
+                &mut source,
+            ),
+            None => self
+                .node
+                .submit_chunk(RequestId(request), spec, &mut source),
         });
         if let Some(e) = source.error {
             return Err(e);
         }
         submitted(result.map_err(to_py)?)
+    }
+
+    /// The rank's layers (every layer group's): a chunk submitted in ``layers`` ranges ends
+    /// with the range that reaches it.
+    fn layer_count(&self) -> PyResult<u32> {
+        self.node.layer_count().map_err(to_py)
     }
 
     /// Sends the cached prefix (``prepopulated_len`` tokens) of ``request`` before its first
@@ -404,7 +442,7 @@ impl Receiver {
             pp_size,
             pp_rank,
         };
-        let mut c = config(&layout, connections, deadlines, instance, place)?;
+        let mut c = config(&layout, connections, deadlines, instance, place, None)?;
         c.tcp.data_path = tcp_data_path(data_path)?;
         let (regions, held) = self::pools(pools, true)?;
         // SAFETY: as in `Sender::tcp`.
@@ -512,18 +550,36 @@ impl Receiver {
 /// decode node :data:`MEM_RECEIVER_PEER`, the decode node names it :data:`MEM_SENDER_PEER`.
 /// Each side's pools are kept alive until both nodes are gone. Both nodes hold the whole model
 /// (one rank each); tensor- and pipeline-parallel ranks are placed with :meth:`Sender.tcp`'s
-/// ``tp_*``/``pp_*`` arguments.
+/// ``tp_*``/``pp_*`` arguments. ``layer_order`` is the prefill node's (see :meth:`Sender.tcp`).
 #[pyfunction]
-#[pyo3(signature = (sender_layout, sender_pools, receiver_layout, receiver_pools, *, deadlines = None))]
+#[pyo3(signature = (
+    sender_layout, sender_pools, receiver_layout, receiver_pools, *, deadlines = None,
+    layer_order = None
+))]
 pub(crate) fn mem_pair(
     sender_layout: Vec<PyRef<'_, LayerGroup>>,
     sender_pools: &Bound<'_, PyDict>,
     receiver_layout: Vec<PyRef<'_, LayerGroup>>,
     receiver_pools: &Bound<'_, PyDict>,
     deadlines: Option<&Bound<'_, PyDict>>,
+    layer_order: Option<Vec<u16>>,
 ) -> PyResult<(Sender, Receiver)> {
-    let s = config(&sender_layout, 1, deadlines, None, RankPlace::default())?;
-    let r = config(&receiver_layout, 1, deadlines, None, RankPlace::default())?;
+    let s = config(
+        &sender_layout,
+        1,
+        deadlines,
+        None,
+        RankPlace::default(),
+        layer_order,
+    )?;
+    let r = config(
+        &receiver_layout,
+        1,
+        deadlines,
+        None,
+        RankPlace::default(),
+        None,
+    )?;
     let (s_regions, s_held) = pools(sender_pools, false)?;
     let (r_regions, r_held) = pools(receiver_pools, true)?;
     // SAFETY: both nodes hold both sides' buffers (`_pools`, dropped after `node`), so no

@@ -16,10 +16,14 @@
 //!   copy worker wakes up, which on a loaded machine is the scheduler's, not the transport's.
 //!
 //! Each copy finishes before the next chunk is submitted, so the three never compete for the
-//! cores. `overhead_ratio` is (planning + posting) / transfer time over a run; the median over
+//! cores. With `--layers-per-slice N` each chunk goes out in ranges of N layers
+//! (`submit_chunk_layers`), one write batch per range: the same extents in more, smaller
+//! batches, so the ratio shows what layer-wise streaming adds per batch (the first range plans
+//! the chunk's blocks; `overhead_us_per_batch` is planning + posting per batch). `overhead_ratio` is (planning + posting) / transfer time over a run; the median over
 //! the runs is reported (target ≤ 0.05). Every run zeroes the destination and checks every
 //! fragment afterwards.
 
+use std::ops::Range;
 use std::process::ExitCode;
 use std::time::Duration;
 
@@ -28,9 +32,9 @@ use kvpipe_conformance::suite::demo::median;
 use kvpipe_core::session::{GroupPart, LocalHello, Registration, SendRequest};
 use kvpipe_core::wire::{AuxData, Topology};
 use kvpipe_core::{
-    chunk_window, plan_rank_group, AnchoredRun, BlockId, BlockRun, DstCursor, Event, GroupShard,
-    InstanceId, LayerGroupLayout, PoolLayout, RankGroup, ReceiverConfig, RegionId, RequestId,
-    SenderConfig, SenderInput, WritePlan,
+    chunk_window, plan_rank_group, plan_rank_group_layers, AnchoredRun, BlockId, BlockRun,
+    DstCursor, Event, GroupShard, InstanceId, LayerGroupLayout, LayerRange, PoolLayout, RankGroup,
+    ReceiverConfig, RegionId, RequestId, SenderConfig, SenderInput, WritePlan,
 };
 use kvpipe_mem::{
     Endpoint, MemPair, PairConfig, RegionUse, ResolvedBatch, RECEIVER_PEER, SENDER_PEER,
@@ -65,6 +69,10 @@ pub(crate) struct FragmentsBenchArgs {
     /// Copy threads of the transport (default: its own, min(cores, 4)).
     #[arg(long)]
     threads: Option<usize>,
+    /// Submit each chunk in layer ranges of N layers (one write batch per range) instead of
+    /// whole: the per-batch cost of layer-wise streaming, next to the same bytes' transfer.
+    #[arg(long, value_name = "N")]
+    layers_per_slice: Option<u16>,
 }
 
 /// The figures `kvpipe bench fragments` prints.
@@ -77,6 +85,10 @@ struct FragmentsBenchReport {
     /// Extents the transport was given (after coalescing) per run.
     extents: u64,
     write_batches: u32,
+    /// Layers per write batch (`null`: whole chunks).
+    layers_per_slice: Option<u16>,
+    /// Microseconds of planning + posting per write batch (median run).
+    overhead_us_per_batch: f64,
     /// Median over the runs of each run's total, in milliseconds.
     plan_ms: f64,
     post_ms: f64,
@@ -123,6 +135,9 @@ pub(crate) fn run(args: FragmentsBenchArgs) -> Result<ExitCode, CliError> {
     preflight::at_least("--fragments", args.fragments.into(), 1)?;
     preflight::at_least("--chunk-tokens", args.chunk_tokens.into(), 1)?;
     preflight::at_least("--runs", args.runs.into(), 1)?;
+    if let Some(n) = args.layers_per_slice {
+        preflight::at_least("--layers-per-slice", n.into(), 1)?;
+    }
     if let Some(t) = args.threads {
         preflight::at_least("--threads", t as u64, 1)?;
         preflight::at_most(
@@ -232,30 +247,45 @@ pub(crate) fn run(args: FragmentsBenchArgs) -> Result<ExitCode, CliError> {
     let fragments = u64::from(blocks) * u64::from(PER_BLOCK);
 
     let specs = chunks(tokens, chunk_tokens);
+    // The layer ranges each chunk is submitted in (one: the whole chunk).
+    let ranges: Vec<Range<u16>> = match args.layers_per_slice {
+        Some(n) => (0..LAYERS)
+            .step_by(usize::from(n.max(1)))
+            .map(|b| b..b.saturating_add(n.max(1)).min(LAYERS))
+            .collect(),
+        None => std::iter::once(0..LAYERS).collect(),
+    };
     // Each chunk's plan, as the sender makes it, for timing the transport's posting.
     let mut chunk_plans = Vec::with_capacity(specs.len());
     for spec in &specs {
-        let mut plan = WritePlan::new();
-        if let Some(w) = chunk_window(spec, &src_layout)? {
-            plan_rank_group(
-                RankGroup {
-                    topology: &s_topo,
-                    layout: &src_layout,
-                },
-                RankGroup {
-                    topology: &r_topo,
-                    layout: &dst_layout,
-                },
-                &BlockRun {
-                    first_ordinal: w.begin,
-                    ids: (w.begin..w.end).map(BlockId).collect(),
-                },
-                &anchored,
-                &mut DstCursor::default(),
-                &mut plan,
-            )?;
+        // One plan per layer range, as the sender plans each range's slice (the whole chunk's
+        // pairing kept to the range's layers).
+        let mut range_plans = Vec::with_capacity(ranges.len());
+        for layers in &ranges {
+            let mut plan = WritePlan::new();
+            if let Some(w) = chunk_window(spec, &src_layout)? {
+                plan_rank_group_layers(
+                    RankGroup {
+                        topology: &s_topo,
+                        layout: &src_layout,
+                    },
+                    RankGroup {
+                        topology: &r_topo,
+                        layout: &dst_layout,
+                    },
+                    &BlockRun {
+                        first_ordinal: w.begin,
+                        ids: (w.begin..w.end).map(BlockId).collect(),
+                    },
+                    &anchored,
+                    layers.clone(),
+                    &mut DstCursor::default(),
+                    &mut plan,
+                )?;
+            }
+            range_plans.push(plan);
         }
-        chunk_plans.push(plan);
+        chunk_plans.push(range_plans);
     }
     let mut source = ContiguousSource { blocks };
     let (mut plan_ms, mut post_ms, mut copy_ms, mut ratios) =
@@ -302,23 +332,35 @@ pub(crate) fn run(args: FragmentsBenchArgs) -> Result<ExitCode, CliError> {
         drop(pair.take_batch_timings());
         let (mut plan_s, mut post_s) = (0.0, 0.0);
         let secs = |d: kvpipe_core::Duration| d.as_nanos() as f64 / 1e9;
-        for (spec, plan) in specs.iter().zip(&chunk_plans) {
-            let t0 = pair.now();
-            pair.sender_mut()
-                .submit_chunk(t0, request, *spec, &mut source)?;
-            plan_s += secs(pair.now() - t0);
-            pair.pump()?;
-            // Let the copy finish before the next chunk: nothing else runs during it.
-            pair.drive_until(Duration::from_secs(60), |p| p.writes_in_flight() == 0)
-                .map_err(|e| format!("copy: {e}"))?;
-            let t2 = pair.now();
-            let resolved = ResolvedBatch::resolve(
-                plan,
-                pair.regions(Endpoint::Sender),
-                pair.regions(Endpoint::Receiver),
-            )?;
-            post_s += secs(pair.now() - t2);
-            drop(resolved);
+        for (spec, plans) in specs.iter().zip(&chunk_plans) {
+            for (layers, plan) in ranges.iter().zip(plans) {
+                let t0 = pair.now();
+                match args.layers_per_slice {
+                    Some(_) => pair.sender_mut().submit_chunk_layers(
+                        t0,
+                        request,
+                        *spec,
+                        LayerRange::new(layers.start.into(), layers.end.into()),
+                        &mut source,
+                    )?,
+                    None => pair
+                        .sender_mut()
+                        .submit_chunk(t0, request, *spec, &mut source)?,
+                };
+                plan_s += secs(pair.now() - t0);
+                pair.pump()?;
+                // Let the copy finish before the next batch: nothing else runs during it.
+                pair.drive_until(Duration::from_secs(60), |p| p.writes_in_flight() == 0)
+                    .map_err(|e| format!("copy: {e}"))?;
+                let t2 = pair.now();
+                let resolved = ResolvedBatch::resolve(
+                    plan,
+                    pair.regions(Endpoint::Sender),
+                    pair.regions(Endpoint::Receiver),
+                )?;
+                post_s += secs(pair.now() - t2);
+                drop(resolved);
+            }
         }
         let now = pair.now();
         pair.sender_mut().handle_input(SenderInput::Aux {
@@ -370,7 +412,9 @@ pub(crate) fn run(args: FragmentsBenchArgs) -> Result<ExitCode, CliError> {
         fragments,
         fragment_bytes,
         extents,
-        write_batches: specs.len() as u32,
+        write_batches: (specs.len() * ranges.len()) as u32,
+        layers_per_slice: args.layers_per_slice,
+        overhead_us_per_batch: (plan + post) * 1e3 / (specs.len() * ranges.len()) as f64,
         plan_ms: plan,
         post_ms: post,
         transfer_ms: transfer,
@@ -384,8 +428,10 @@ pub(crate) fn run(args: FragmentsBenchArgs) -> Result<ExitCode, CliError> {
         println!("{}", serde_json::to_string(&report)?);
     } else {
         println!(
-            "{fragments} fragments of {fragment_bytes} B ({extents} extents after coalescing) in {} batches over mem, {threads} copy thread(s)",
-            report.write_batches
+            "{fragments} fragments of {fragment_bytes} B ({extents} extents after coalescing) in {} batches{} over mem, {threads} copy thread(s)",
+            report.write_batches,
+            args.layers_per_slice
+                .map_or(String::new(), |n| format!(" of {n} layers"))
         );
         println!("planning   {plan:.2} ms");
         println!("posting    {post:.2} ms");
@@ -393,6 +439,10 @@ pub(crate) fn run(args: FragmentsBenchArgs) -> Result<ExitCode, CliError> {
         println!(
             "overhead   {:.3} of the transfer time (target ≤ 0.05), {:.1} ns per extent; verified: {verified}",
             overhead_ratio, report.overhead_ns_per_extent
+        );
+        println!(
+            "per batch  {:.1} µs of planning + posting",
+            report.overhead_us_per_batch
         );
     }
     Ok(if verified {

@@ -218,6 +218,7 @@ mod tests {
                 .map(|k| ChunkTiming {
                     index: k as u32,
                     tokens: (k as u32 * 8, k as u32 * 8 + 8),
+                    layers: None,
                     compute_started: ms(10 * k),
                     computed: ms(10 * k + 8),
                     submitted: Some(ms(10 * k + 8)),

@@ -86,6 +86,19 @@ fn lane_name(l: &Lane, ranks: bool) -> String {
     }
 }
 
+/// `data` with the layer range an element covers (`data-layer-begin`, `data-layer-end`), when
+/// its chunk went out in layer ranges.
+fn with_layers(
+    mut data: Vec<(&'static str, String)>,
+    layers: Option<(u32, u32)>,
+) -> Vec<(&'static str, String)> {
+    if let Some((b, e)) = layers {
+        data.push(("layer-begin", b.to_string()));
+        data.push(("layer-end", e.to_string()));
+    }
+    data
+}
+
 /// Draws `panels` under `title` as an SVG document.
 pub(crate) fn timeline_svg(
     title: &str,
@@ -278,6 +291,12 @@ fn draw_panel(
             d
         };
         for c in &lane.chunks {
+            // A chunk submitted in layer ranges is one entry per range: each range's compute
+            // and write batch are bars of their own, named by their layers.
+            let (part, layers) = match c.layers {
+                Some((b, e)) => (format!("-l{b}"), format!(", layers {b}–{e}")),
+                None => (String::new(), String::new()),
+            };
             let (s, e) = (lane.ms(c.compute_started), lane.ms(c.computed));
             chart
                 .draw_series(std::iter::once(Rectangle::new(
@@ -292,17 +311,17 @@ fn draw_panel(
                 "rect",
                 COMPUTE,
                 Tag {
-                    id: format!("{}-{who}-c{}-compute", panel.name, c.index),
+                    id: format!("{}-{who}-c{}{part}-compute", panel.name, c.index),
                     class: "compute",
                     title: format!(
-                        "{} {}, chunk {} (tokens {}–{}): computed {s:.2} → {e:.2} ms",
+                        "{} {}, chunk {} (tokens {}–{}{layers}): computed {s:.2} → {e:.2} ms",
                         panel.name,
                         lane_name(lane, true),
                         c.index,
                         c.tokens.0,
                         c.tokens.1
                     ),
-                    data: data(Some(c.index), s, e),
+                    data: with_layers(data(Some(c.index), s, e), c.layers),
                 },
             );
             let Some(b) = c.batch else { continue };
@@ -320,10 +339,10 @@ fn draw_panel(
                 "rect",
                 TRANSFER,
                 Tag {
-                    id: format!("{}-{who}-c{}-transfer", panel.name, c.index),
+                    id: format!("{}-{who}-c{}{part}-transfer", panel.name, c.index),
                     class: "transfer",
                     title: format!(
-                        "{} {}, chunk {}: write batch of {:.1} MiB, issued {s:.2} ms, \
+                        "{} {}, chunk {}{layers}: write batch of {:.1} MiB, issued {s:.2} ms, \
                          reported {e:.2} ms (bytes moved in {:.2} ms)",
                         panel.name,
                         lane_name(lane, true),
@@ -331,7 +350,7 @@ fn draw_panel(
                         b.bytes as f64 / f64::from(1u32 << 20),
                         b.transfer.as_nanos() as f64 / 1e6
                     ),
-                    data: data(Some(c.index), s, e),
+                    data: with_layers(data(Some(c.index), s, e), c.layers),
                 },
             );
         }

@@ -638,7 +638,7 @@ impl ReferenceCache {
                 prefix_tokens.div_ceil(self.tpb),
                 prefix_tokens,
             )
-            .and_then(|()| self.compute(request, 0, prefix_tokens));
+            .and_then(|()| self.compute(request, 0, prefix_tokens, None, true));
         if result.is_err() {
             self.release(request);
         }
@@ -673,13 +673,58 @@ impl ReferenceCache {
         }
         let blocks = end.div_ceil(self.tpb);
         self.allocate_to(request, blocks, blocks, start)?;
-        self.compute(request, start, end)?;
+        self.compute(request, start, end, None, true)?;
+        self.flush_device()
+    }
+
+    /// Sender side, one range of a chunk's layers at a time, as an engine computes them:
+    /// [`compute_chunk`](Self::compute_chunk) writing only layers `layers[g]` of each group
+    /// `g` (counted from the rank's first layer of the group, as pools' `layer_begin`; a group
+    /// without an entry writes nothing). The chunk's blocks are allocated by its first call;
+    /// its `last` call (the chunk's last range) evicts what left the window and marks the
+    /// chunk computed, so every call of one chunk passes the same `start` and `end`.
+    pub fn compute_chunk_layers(
+        &mut self,
+        request: RequestId,
+        start: u32,
+        end: u32,
+        layers: &[std::ops::Range<u16>],
+        last: bool,
+    ) -> Result<(), CacheError> {
+        let req = self
+            .requests
+            .get(&request)
+            .ok_or(CacheError::UnknownRequest(request))?;
+        if start != req.computed || end < start {
+            return Err(CacheError::ChunkOutOfOrder {
+                start,
+                end,
+                computed: req.computed,
+            });
+        }
+        if end > req.prompt_len {
+            return Err(CacheError::TokensPastPrompt {
+                end,
+                prompt_len: req.prompt_len,
+            });
+        }
+        let blocks = end.div_ceil(self.tpb);
+        self.allocate_to(request, blocks, blocks, start)?;
+        self.compute(request, start, end, Some(layers), last)?;
         self.flush_device()
     }
 
     /// Writes the content of tokens `[start, end)` (and, when `end` completes the prompt, of
-    /// the last block's padding tokens), then evicts.
-    fn compute(&mut self, request: RequestId, start: u32, end: u32) -> Result<(), CacheError> {
+    /// the last block's padding tokens) of every layer, or of `layers[g]` in each group `g`;
+    /// with `finish`, then evicts and marks the tokens computed.
+    fn compute(
+        &mut self,
+        request: RequestId,
+        start: u32,
+        end: u32,
+        layers: Option<&[std::ops::Range<u16>]>,
+        finish: bool,
+    ) -> Result<(), CacheError> {
         let tpb = self.tpb;
         let req = self
             .requests
@@ -712,8 +757,12 @@ impl ReferenceCache {
                     };
                     let lo = start.max(ordinal * tpb) - ordinal * tpb;
                     let hi = token_end.min((ordinal + 1) * tpb) - ordinal * tpb;
-                    write_content(group, request, g, ordinal, slot, lo..hi, tpb);
+                    let only = layers.map(|l| l.get(g).cloned().unwrap_or(0..0));
+                    write_content(group, request, g, ordinal, slot, lo..hi, tpb, only);
                 }
+            }
+            if !finish {
+                continue;
             }
             // Evict what left the window (the cache's own policy; sinks stay resident).
             if let Some(w) = group.layout.window {
@@ -731,7 +780,9 @@ impl ReferenceCache {
                 }
             }
         }
-        req.computed = end;
+        if finish {
+            req.computed = end;
+        }
         Ok(())
     }
 
@@ -820,7 +871,7 @@ impl ReferenceCache {
                 table[ordinal as usize] = Some(slot);
                 if ordinal < prefix_blocks {
                     if self.materialized {
-                        write_content(group, request, g, ordinal, slot, 0..tpb, tpb);
+                        write_content(group, request, g, ordinal, slot, 0..tpb, tpb, None);
                     }
                 } else {
                     run.push(slot);
@@ -1051,7 +1102,9 @@ fn for_each_row(
     }
 }
 
-/// Writes the expected content of tokens `tokens` (relative to the block) of `ordinal`.
+/// Writes the expected content of tokens `tokens` (relative to the block) of `ordinal`: of
+/// every layer, or of the rank's layers `only` of the group (counted from its first).
+#[allow(clippy::too_many_arguments)]
 fn write_content(
     group: &mut GroupState,
     request: RequestId,
@@ -1060,10 +1113,14 @@ fn write_content(
     slot: BlockId,
     tokens: std::ops::Range<u32>,
     tpb: u32,
+    only: Option<std::ops::Range<u16>>,
 ) {
+    let first = group.layout.shard.first_layer;
     let mut writes = Vec::new();
     for_each_row(group, slot, tokens, tpb, |p, at, layer, byte, len| {
-        writes.push((p, at, layer, byte, len));
+        if only.as_ref().is_none_or(|l| l.contains(&(layer - first))) {
+            writes.push((p, at, layer, byte, len));
+        }
     });
     for (p, at, layer, byte, len) in writes {
         let row = &mut group.memory[p][at as usize..(at + len) as usize];

@@ -13,13 +13,14 @@ use std::time::Duration as StdDuration;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use kvpipe_core::{Duration, Instant};
+use kvpipe_core::{Duration, GroupIndex, Instant, LayerOrder};
 use kvpipe_observe::{names, TransferTimings};
 use serde::Serialize;
 
 use super::engine::{
     run_workload_with, suite_deadlines, RequestPlan, RunReport, TransferMode, Workload,
 };
+use super::timeline::BatchSpan;
 use super::{FaultPlan, Harness, SuiteError};
 use crate::cache::{AllocationStyle, GroupSpec};
 
@@ -49,6 +50,19 @@ impl Model {
             .iter()
             .find(|(_, m)| *m == self)
             .map_or("?", |(n, _)| n)
+    }
+
+    /// The order its layers are computed in, over the groups of [`Model::groups`]: Gemma 3's
+    /// five local layers then one global layer, eight times; the others' one group in order.
+    /// Layer ranges ([`TransferMode::LayerSlices`]) index it.
+    pub fn layer_order(self) -> LayerOrder {
+        match self {
+            Model::Gemma3Swa => {
+                let (global, local) = (GroupIndex(0), GroupIndex(1));
+                LayerOrder::repeat(&[local, local, local, local, local, global], 8)
+            }
+            Model::Llama3_8b | Model::Llama3_70bTp8 => LayerOrder::stacked(),
+        }
     }
 
     /// The layer groups; `window` overrides the local layers' window (or, on a model without
@@ -160,6 +174,7 @@ impl DemoConfig {
             requests,
             prefill_per_chunk: self.prefill_per_chunk,
             mode: self.mode,
+            layer_order: self.model.layer_order(),
             deadlines,
             faults: FaultPlan::default(),
             receiver_versions: None,
@@ -222,8 +237,12 @@ pub struct DemoSummary {
     pub transfer_gbps: f64,
     /// Median time the transport took to move one write batch's bytes.
     pub chunk_transfer_ms: f64,
-    /// Copy time of the write batch issued last (the last chunk's, with nothing else running).
+    /// Copy time of the last chunk's write batches (the chunk whose batch was issued last,
+    /// with nothing else running): one batch, or in layer slices every range's batch summed,
+    /// i.e. the chunk's whole transfer.
     pub last_chunk_transfer_ms: f64,
+    /// Copy time of the write batch issued last alone (with layer slices: the last range's).
+    pub last_batch_transfer_ms: f64,
     /// Median over requests of the exposed tail: last chunk computed (the sender's
     /// `last_chunk`) → receiver complete (the receiver's `ended`), both sides' timings on the
     /// run's one clock ([`TransferTimings::exposed_tail`]).
@@ -279,6 +298,45 @@ pub fn percentile(v: &[f64], p: f64) -> f64 {
     v[rank.clamp(1, v.len()) - 1]
 }
 
+/// The copy time of the chunk whose write batch was issued last: its batches' copy times
+/// summed (several when it went out in layer ranges; from the run's timeline), or the last
+/// batch's alone when the batches could not be paired with the chunks.
+pub fn last_chunk_transfer(report: &RunReport) -> Option<Duration> {
+    Some(
+        last_chunk_batches(report)?
+            .iter()
+            .fold(Duration::ZERO, |sum, b| sum + b.transfer),
+    )
+}
+
+/// The write batches of the chunk whose batch was issued last, in issue order (several when it
+/// went out in layer ranges; from the run's timeline), or the last batch alone when the
+/// batches could not be paired with the chunks.
+pub fn last_chunk_batches(report: &RunReport) -> Option<Vec<BatchSpan>> {
+    let last = report.batch_timings.iter().max_by_key(|t| t.issued)?;
+    let lanes = &report.timeline.lanes;
+    let owner = lanes.iter().find_map(|l| {
+        l.chunks
+            .iter()
+            .find(|c| c.batch.is_some_and(|b| b.issued == last.issued))
+            .map(|c| (l, c.index))
+    });
+    Some(match owner {
+        Some((lane, index)) => lane
+            .chunks
+            .iter()
+            .filter(|c| c.index == index)
+            .filter_map(|c| c.batch)
+            .collect(),
+        None => vec![BatchSpan {
+            bytes: last.bytes,
+            issued: last.issued,
+            reported: last.reported,
+            transfer: last.transfer,
+        }],
+    })
+}
+
 /// Summarises a run.
 pub fn summarize(
     transport: &str,
@@ -314,10 +372,7 @@ pub fn summarize(
     DemoSummary {
         transport: transport.to_string(),
         model: config.model.name().to_string(),
-        mode: match config.mode {
-            TransferMode::Pipelined => "pipelined".into(),
-            TransferMode::Monolithic => "monolithic".into(),
-        },
+        mode: config.mode.describe(),
         requests: config.requests,
         ranks: config.ranks,
         completed: report
@@ -337,7 +392,8 @@ pub fn summarize(
             copied as f64 / busy as f64
         },
         chunk_transfer_ms: median(batch_ms),
-        last_chunk_transfer_ms: report
+        last_chunk_transfer_ms: last_chunk_transfer(report).map_or(0.0, ms),
+        last_batch_transfer_ms: report
             .batch_timings
             .iter()
             .max_by_key(|t| t.issued)

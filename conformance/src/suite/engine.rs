@@ -1,6 +1,9 @@
 //! The engine model the scenarios, the demo and the benches share: prefill chunk by chunk on a
 //! sender [`ReferenceCache`], destination registration on a receiver cache, the endpoints
-//! driven over a [`Link`], then verification.
+//! driven over a [`Link`], then verification. With [`TransferMode::LayerSlices`] a chunk's
+//! simulated compute is spread over its layers and each range of layers is submitted
+//! ([`Sender::submit_chunk_layers`](kvpipe_core::Sender::submit_chunk_layers)) as soon as its
+//! share of the compute is over; the exposed tail then runs from the last range's compute.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -9,8 +12,8 @@ use kvpipe_core::session::{
 };
 use kvpipe_core::wire::{AuxData, Role, Topology, TransferStatus, VersionRange};
 use kvpipe_core::{
-    BlockId, ChunkSpec, Duration, Event, GroupIndex, InstanceId, Instant, ReceiverConfig,
-    RequestId, SenderConfig, SenderInput,
+    BlockId, ChunkSpec, Duration, Event, GroupIndex, InstanceId, Instant, LayerOrder, LayerRange,
+    ReceiverConfig, RequestId, SenderConfig, SenderInput,
 };
 
 use kvpipe_observe::TransferTimings;
@@ -25,6 +28,57 @@ pub enum TransferMode {
     Pipelined,
     /// Everything in one slice after the whole prefill (the baseline).
     Monolithic,
+    /// Each chunk in layer ranges of this many layers, each range as soon as its layers are
+    /// computed (the chunk's simulated compute is spread over its layers), so the last
+    /// chunk's transfer overlaps its own compute.
+    LayerSlices(u16),
+}
+
+impl TransferMode {
+    /// `pipelined`, `monolithic` or `layer slices of N`.
+    pub fn describe(self) -> String {
+        match self {
+            TransferMode::Pipelined => "pipelined".into(),
+            TransferMode::Monolithic => "monolithic".into(),
+            TransferMode::LayerSlices(n) => format!("pipelined, layer slices of {n}"),
+        }
+    }
+
+    /// Whether chunks leave as they are computed (in layer slices or whole).
+    pub fn is_pipelined(self) -> bool {
+        !matches!(self, TransferMode::Monolithic)
+    }
+}
+
+/// The layer ranges of `per_slice` layers a chunk of a model with these groups is submitted
+/// in, in compute order (the sender's [`LayerOrder`](kvpipe_core::LayerOrder) indexes them):
+/// from layer 0 to the groups' layers summed, the last range possibly shorter; at least one.
+pub fn layer_slices(groups: &[GroupSpec], per_slice: u16) -> Vec<LayerRange> {
+    let layers: u32 = groups
+        .iter()
+        .map(|g| u32::from(g.layers))
+        .sum::<u32>()
+        .max(1);
+    let step = u32::from(per_slice.max(1));
+    (0..layers)
+        .step_by(step as usize)
+        .map(|begin| LayerRange::new(begin, (begin + step).min(layers)))
+        .collect()
+}
+
+/// Submits a computed chunk, or one layer range of it.
+pub(crate) fn submit(
+    sender: &mut kvpipe_core::Sender,
+    now: Instant,
+    request: RequestId,
+    spec: ChunkSpec,
+    layers: Option<LayerRange>,
+    cache: &mut ReferenceCache,
+) -> Result<Submitted, UsageError> {
+    match layers {
+        Some(layers) => sender.submit_chunk_layers(now, request, spec, layers, cache),
+        None => sender.submit_chunk(now, request, spec, cache),
+    }
 }
 
 /// Something done to a request right after one of its chunks was submitted.
@@ -110,6 +164,9 @@ pub struct Workload {
     pub prefill_per_chunk: std::time::Duration,
     /// Pipelined or monolithic.
     pub mode: TransferMode,
+    /// The order the sender's engine computes its layers in, which layer ranges index
+    /// ([`TransferMode::LayerSlices`]; default: the groups stacked).
+    pub layer_order: LayerOrder,
     /// Both endpoints' deadlines.
     pub deadlines: Deadlines,
     /// Faults to inject.
@@ -140,6 +197,7 @@ impl Workload {
             requests,
             prefill_per_chunk: std::time::Duration::ZERO,
             mode: TransferMode::Pipelined,
+            layer_order: LayerOrder::stacked(),
             deadlines: suite_deadlines(),
             faults: FaultPlan::default(),
             receiver_versions: None,
@@ -391,6 +449,7 @@ pub fn run_workload_with<H: Harness>(
     r_hello.topology.tp_size = 1;
     let mut s_config = SenderConfig::new(s_hello);
     s_config.deadlines = w.deadlines;
+    s_config.layer_order = w.layer_order.clone();
     let mut r_config = ReceiverConfig::new(r_hello, 0x6b76_7069_7065);
     r_config.deadlines = w.deadlines;
 
@@ -441,7 +500,7 @@ pub fn run_workload_with<H: Harness>(
     let total_chunks: u64 = states
         .iter()
         .map(|s| match w.mode {
-            TransferMode::Pipelined => s.chunks.len() as u64,
+            TransferMode::Pipelined | TransferMode::LayerSlices(_) => s.chunks.len() as u64,
             TransferMode::Monolithic => 1,
         })
         .sum();
@@ -489,7 +548,7 @@ pub fn run_workload_with<H: Harness>(
         };
     let mut order: Vec<usize> = Vec::new();
     match w.mode {
-        TransferMode::Pipelined => {
+        TransferMode::Pipelined | TransferMode::LayerSlices(_) => {
             let most = states.iter().map(|s| s.chunks.len()).max().unwrap_or(0);
             for k in 0..most {
                 for (i, s) in states.iter().enumerate() {
@@ -505,144 +564,198 @@ pub fn run_workload_with<H: Harness>(
             }
         }
     }
+    let per_chunk = Duration::from_nanos(w.prefill_per_chunk.as_nanos() as u64);
+    // The layer ranges a chunk is submitted in, as each one is computed (`None`: the whole
+    // chunk at once), and each range's share of the chunk's compute.
+    let slices: Vec<Option<LayerRange>> = match w.mode {
+        TransferMode::LayerSlices(n) => layer_slices(&w.groups, n).into_iter().map(Some).collect(),
+        TransferMode::Pipelined | TransferMode::Monolithic => vec![None],
+    };
+    let slice_layers = |s: &Option<LayerRange>| s.map_or(1, |s| u64::from(s.len()));
+    let chunk_layers: u64 = slices.iter().map(slice_layers).sum::<u64>().max(1);
+    let layouts = sender_cache.layouts();
     for i in order {
         let compute_start = link.now();
         let (start, end) = states[i].chunks[states[i].next_chunk];
         let id = states[i].plan.id;
-        let ready = compute_start + Duration::from_nanos(w.prefill_per_chunk.as_nanos() as u64);
-        if w.prefill_per_chunk.is_zero() {
-            sender_cache
-                .compute_chunk(id, start, end)
-                .map_err(cache_err)?;
-        } else {
-            // With a compute time the chunk's content is written on a helper thread, as a GPU
-            // computes while the engine's loop goes on: the transport keeps being driven (and
-            // earlier chunks' completions are seen when they happen) until the content is
-            // written and the compute time is over.
+        // When each layer range's compute is over: the chunk's compute spread over its layers.
+        let mut done_layers = 0;
+        let ready: Vec<Instant> = slices
+            .iter()
+            .map(|s| {
+                done_layers += slice_layers(s);
+                compute_start
+                    + Duration::from_nanos(
+                        (u128::from(per_chunk.as_nanos()) * u128::from(done_layers)
+                            / u128::from(chunk_layers)) as u64,
+                    )
+            })
+            .collect();
+        let k = states[i].next_chunk;
+        states[i].next_chunk += 1;
+        let is_last = states[i].next_chunk == states[i].chunks.len();
+        let mut slice_started = compute_start;
+        let mut sending_groups: Vec<GroupIndex> = Vec::new();
+        for (r, (slice, &ready)) in slices.iter().zip(&ready).enumerate() {
+            let last_range = r + 1 == slices.len();
+            // The content this range computes: the whole chunk's, or its layers of each group.
+            let group_layers: Option<Vec<std::ops::Range<u16>>> =
+                slice.map(|l| w.layer_order.group_ranges(&layouts, l).into_vec());
+            let range_layers = group_layers.clone();
             let cache = &mut *sender_cache;
-            std::thread::scope(|scope| -> Result<(), SuiteError> {
-                let job = scope.spawn(move || cache.compute_chunk(id, start, end));
-                loop {
-                    link.pump()?;
-                    collect(&mut link, &mut events, &mut states);
-                    let now = link.now();
-                    let written = job.is_finished();
-                    if written && now >= ready {
-                        break;
-                    }
-                    let wait = if now < ready {
-                        std::time::Duration::from_nanos((ready - now).as_nanos())
-                    } else {
-                        std::time::Duration::from_micros(100)
-                    };
-                    // While the content is being written, look again soon: the chunk is
-                    // submitted as soon as it is computed.
-                    link.wait(if written {
-                        wait
-                    } else {
-                        wait.min(std::time::Duration::from_micros(200))
-                    });
-                }
-                job.join()
-                    .map_err(|_| SuiteError::Check("the compute thread panicked".into()))?
-                    .map_err(cache_err)
-            })?;
-        }
-        // The rest of the chunk's simulated compute: keep the transport running meanwhile.
-        loop {
-            link.pump()?;
-            collect(&mut link, &mut events, &mut states);
-            let now = link.now();
-            if now >= ready {
-                break;
-            }
-            link.wait(std::time::Duration::from_nanos((ready - now).as_nanos()));
-        }
-        let computed = link.now();
-        let st = &mut states[i];
-        let k = st.next_chunk;
-        st.next_chunk += 1;
-        let is_last = st.next_chunk == st.chunks.len();
-        if is_last {
-            st.report.last_compute_done = Some(computed);
-        }
-        let mut sent = None;
-        if !st.registered && st.plan.register_after_chunks as usize == k {
-            register(&mut link, &mut receiver_cache, st)?;
-        }
-        let spec = match w.mode {
-            TransferMode::Pipelined => Some(ChunkSpec {
-                start,
-                end,
-                prompt_len: st.plan.prompt,
-                prepopulated_len: st.plan.sender_prefix,
-                is_last,
-                prefix_sent_early: st.plan.prefix_early,
-            }),
-            TransferMode::Monolithic if is_last => Some(ChunkSpec {
-                start: st.plan.sender_prefix.min(st.plan.prompt),
-                end: st.plan.prompt,
-                prompt_len: st.plan.prompt,
-                prepopulated_len: st.plan.sender_prefix,
-                is_last: true,
-                prefix_sent_early: st.plan.prefix_early,
-            }),
-            TransferMode::Monolithic => None,
-        };
-        if let Some(spec) = spec {
-            if link.is_alive(Role::Sender) && !st.report.sender.is_end() {
-                let now = link.now();
-                match link
-                    .sender()
-                    .submit_chunk(now, id, spec, &mut *sender_cache)
-                {
-                    Ok(Submitted::EngineFault(fault)) => {
-                        // The reference cache keeps its contract: a fault is the suite's bug.
-                        return Err(SuiteError::Usage {
-                            side: Role::Sender,
-                            message: fault.to_string(),
+            let compute = move || match group_layers {
+                Some(layers) => cache.compute_chunk_layers(id, start, end, &layers, last_range),
+                None => cache.compute_chunk(id, start, end),
+            };
+            if w.prefill_per_chunk.is_zero() {
+                compute().map_err(cache_err)?;
+            } else {
+                // With a compute time the content is written on a helper thread, as a GPU
+                // computes while the engine's loop goes on: the transport keeps being driven
+                // (and earlier slices' completions are seen when they happen) until the content
+                // is written and the range's share of the compute time is over.
+                std::thread::scope(|scope| -> Result<(), SuiteError> {
+                    let job = scope.spawn(compute);
+                    loop {
+                        link.pump()?;
+                        collect(&mut link, &mut events, &mut states);
+                        let now = link.now();
+                        let written = job.is_finished();
+                        if written && now >= ready {
+                            break;
+                        }
+                        let wait = if now < ready {
+                            std::time::Duration::from_nanos((ready - now).as_nanos())
+                        } else {
+                            std::time::Duration::from_micros(100)
+                        };
+                        // While the content is being written, look again soon: the range is
+                        // submitted as soon as it is computed.
+                        link.wait(if written {
+                            wait
+                        } else {
+                            wait.min(std::time::Duration::from_micros(200))
                         });
                     }
-                    Ok(outcome) => sent = Some((now, outcome.slice().is_some())),
-                    // The session ended under the engine (a peer's cancel, a failure): a real
-                    // engine stops submitting; so do we.
-                    Err(UsageError::SessionEnded(_)) => {}
-                    Err(e) => return Err(usage(Role::Sender)(e)),
+                    job.join()
+                        .map_err(|_| SuiteError::Check("the compute thread panicked".into()))?
+                        .map_err(cache_err)
+                })?;
+            }
+            // The rest of this layer range's simulated compute: keep the transport running
+            // meanwhile.
+            loop {
+                link.pump()?;
+                collect(&mut link, &mut events, &mut states);
+                let now = link.now();
+                if now >= ready {
+                    break;
                 }
-                st.report.chunks += 1;
-                submitted += 1;
-                if is_last {
-                    let data = AuxData {
-                        prompt_tokens: st.plan.prompt,
-                        cached_tokens: st.plan.sender_prefix,
-                        first_tokens: vec![first_token(id)],
-                        draft_tokens: Vec::new(),
-                    };
+                link.wait(std::time::Duration::from_nanos((ready - now).as_nanos()));
+            }
+            let computed = link.now();
+            let st = &mut states[i];
+            if is_last && last_range {
+                st.report.last_compute_done = Some(computed);
+            }
+            let mut sent = None;
+            if r == 0 && !st.registered && st.plan.register_after_chunks as usize == k {
+                register(&mut link, &mut receiver_cache, st)?;
+            }
+            let spec = match w.mode {
+                TransferMode::Pipelined | TransferMode::LayerSlices(_) => Some(ChunkSpec {
+                    start,
+                    end,
+                    prompt_len: st.plan.prompt,
+                    prepopulated_len: st.plan.sender_prefix,
+                    is_last,
+                    prefix_sent_early: st.plan.prefix_early,
+                }),
+                TransferMode::Monolithic if is_last => Some(ChunkSpec {
+                    start: st.plan.sender_prefix.min(st.plan.prompt),
+                    end: st.plan.prompt,
+                    prompt_len: st.plan.prompt,
+                    prepopulated_len: st.plan.sender_prefix,
+                    is_last: true,
+                    prefix_sent_early: st.plan.prefix_early,
+                }),
+                TransferMode::Monolithic => None,
+            };
+            if let Some(spec) = spec {
+                if link.is_alive(Role::Sender) && !st.report.sender.is_end() {
                     let now = link.now();
-                    match link.sender().handle_input(SenderInput::Aux {
-                        now,
-                        request: id,
-                        data,
-                    }) {
-                        Ok(()) | Err(UsageError::SessionEnded(_)) => {}
+                    if let (0, Some(layers)) = (r, slice) {
+                        // The groups the chunk sends blocks of: a range of only other groups'
+                        // layers is a slice without a write batch, which the timeline must not
+                        // pair with one.
+                        sending_groups = link
+                            .sender()
+                            .chunk_layers_query(id, &spec, *layers)
+                            .map(|q| q.windows().iter().map(|(g, _)| *g).collect())
+                            .unwrap_or_default();
+                    }
+                    let writes = range_layers.as_ref().is_none_or(|layers| {
+                        sending_groups
+                            .iter()
+                            .any(|g| layers.get(usize::from(g.0)).is_some_and(|l| !l.is_empty()))
+                    });
+                    match submit(link.sender(), now, id, spec, *slice, &mut sender_cache) {
+                        Ok(Submitted::EngineFault(fault)) => {
+                            // The reference cache keeps its contract: a fault is the suite's
+                            // bug.
+                            return Err(SuiteError::Usage {
+                                side: Role::Sender,
+                                message: fault.to_string(),
+                            });
+                        }
+                        Ok(outcome) => sent = Some((now, outcome.slice().is_some() && writes)),
+                        // The session ended under the engine (a peer's cancel, a failure): a
+                        // real engine stops submitting; so do we.
+                        Err(UsageError::SessionEnded(_)) => {}
                         Err(e) => return Err(usage(Role::Sender)(e)),
                     }
+                    if last_range {
+                        st.report.chunks += 1;
+                        submitted += 1;
+                    }
+                    if is_last && last_range {
+                        let data = AuxData {
+                            prompt_tokens: st.plan.prompt,
+                            cached_tokens: st.plan.sender_prefix,
+                            first_tokens: vec![first_token(id)],
+                            draft_tokens: Vec::new(),
+                        };
+                        let now = link.now();
+                        match link.sender().handle_input(SenderInput::Aux {
+                            now,
+                            request: id,
+                            data,
+                        }) {
+                            Ok(()) | Err(UsageError::SessionEnded(_)) => {}
+                            Err(e) => return Err(usage(Role::Sender)(e)),
+                        }
+                    }
+                    if last_range {
+                        progress(submitted, total_chunks);
+                    }
                 }
-                progress(submitted, total_chunks);
             }
+            recorder.chunk(
+                i,
+                super::timeline::ChunkTiming {
+                    index: k as u32,
+                    tokens: (start, end),
+                    layers: slice.map(|s| (s.begin, s.end)),
+                    compute_started: slice_started,
+                    computed,
+                    submitted: sent.map(|(at, _)| at),
+                    sliced: sent.is_some_and(|(_, sliced)| sliced),
+                    batch: None,
+                },
+            );
+            slice_started = computed;
         }
-        recorder.chunk(
-            i,
-            super::timeline::ChunkTiming {
-                index: k as u32,
-                tokens: (start, end),
-                compute_started: compute_start,
-                computed,
-                submitted: sent.map(|(at, _)| at),
-                sliced: sent.is_some_and(|(_, sliced)| sliced),
-                batch: None,
-            },
-        );
+        let st = &states[i];
         if let Some((after, what)) = st.plan.interrupt {
             if after as usize == k {
                 let now = link.now();

@@ -40,8 +40,8 @@ use thiserror::Error;
 use crate::cache::ReferenceCache;
 
 pub use engine::{
-    run_workload, run_workload_with, verify_against_sender, Interrupt, Outcome, RequestPlan,
-    RequestReport, RunReport, TransferMode, Workload,
+    layer_slices, run_workload, run_workload_with, verify_against_sender, Interrupt, Outcome,
+    RequestPlan, RequestReport, RunReport, TransferMode, Workload,
 };
 #[cfg(feature = "mem")]
 pub use mem::MemHarness;
@@ -280,11 +280,14 @@ macro_rules! conformance_tests {
             incremental_allocation, late_registration, cancel_mid_prefill_sender,
             cancel_mid_prefill_receiver, cancel_before_registration, sender_death,
             receiver_death, registration_timeout, write_failure, write_timeout, duplicated_frames, delayed_frames, reordered_frames,
-            chaos, version_mismatch, monolithic_transfer
+            chaos, version_mismatch, monolithic_transfer, layer_slices_full_attention,
+            layer_slices_windowed, layer_slices_sinks_and_prefixes, layer_slices_late_registration,
+            layer_slices_write_failure
         );
         $crate::conformance_tests!(@parallel $harness;
             parallel_fewer_prefill_ranks, parallel_more_prefill_ranks, parallel_duplicated_heads,
-            parallel_decode_pipeline, parallel_tensor_and_pipeline, parallel_larger_decode_window
+            parallel_decode_pipeline, parallel_tensor_and_pipeline, parallel_larger_decode_window,
+            parallel_layer_slices_tensor, parallel_layer_slices_pipeline
         );
     };
     (@parallel $harness:expr; $($name:ident),* $(,)?) => {

@@ -21,7 +21,7 @@ use kvpipe_core::{
     RequestId, SenderConfig, SenderInput,
 };
 
-use super::engine::suite_deadlines;
+use super::engine::{layer_slices, submit, suite_deadlines};
 use super::{FaultPlan, Harness, Link, SuiteError};
 use crate::cache::{split_rank, writers_of, AllocationStyle, CacheSpec, GroupSpec, ReferenceCache};
 
@@ -44,6 +44,8 @@ pub struct ParallelScenario {
     window: u32,
     /// The decode side's window of those layers (at least `window`).
     receiver_window: u32,
+    /// Each chunk submitted in layer ranges of this many layers (`None`: whole chunks).
+    layers_per_slice: Option<u16>,
 }
 
 /// Every heterogeneous scenario.
@@ -57,6 +59,7 @@ pub fn parallel_scenarios() -> Vec<ParallelScenario> {
         receiver_pp: 1,
         window: 20,
         receiver_window: 20,
+        layers_per_slice: None,
     };
     vec![
         ParallelScenario {
@@ -100,6 +103,23 @@ pub fn parallel_scenarios() -> Vec<ParallelScenario> {
             about: "prefill TP 2 to decode TP 1 keeping a larger window: blocks from the prefill side's stale boundary arrive",
             sender_tp: 2,
             receiver_window: 36,
+            ..base
+        },
+        ParallelScenario {
+            name: "parallel_layer_slices_tensor",
+            about: "prefill TP 4 to decode TP 2, each chunk in layer ranges of one layer: head slices range by range",
+            sender_tp: 4,
+            receiver_tp: 2,
+            layers_per_slice: Some(1),
+            ..base
+        },
+        ParallelScenario {
+            name: "parallel_layer_slices_pipeline",
+            about: "prefill TP 2 to decode TP 2 x PP 2, layer ranges of 3 that straddle the decode ranks' layer split",
+            sender_tp: 2,
+            receiver_tp: 2,
+            receiver_pp: 2,
+            layers_per_slice: Some(3),
             ..base
         },
     ]
@@ -360,6 +380,13 @@ impl ParallelScenario {
             })
             .collect();
         let most = chunks.iter().map(Vec::len).max().unwrap_or(0);
+        let slices: Vec<Option<kvpipe_core::LayerRange>> = match self.layers_per_slice {
+            Some(n) => layer_slices(&model(self.heads, self.window), n)
+                .into_iter()
+                .map(Some)
+                .collect(),
+            None => vec![None],
+        };
         for k in 0..most {
             for (i, &id) in ids.iter().enumerate() {
                 let Some(&(start, end)) = chunks[i].get(k) else {
@@ -378,11 +405,20 @@ impl ParallelScenario {
                     prefix_sent_early: false,
                 };
                 for p in &mut pairs {
-                    let now = p.link.now();
-                    p.link
-                        .sender()
-                        .submit_chunk(now, id, spec, &mut *senders[p.sender].cache)
+                    for &slice in &slices {
+                        let now = p.link.now();
+                        submit(
+                            p.link.sender(),
+                            now,
+                            id,
+                            spec,
+                            slice,
+                            &mut senders[p.sender].cache,
+                        )
                         .map_err(usage(Role::Sender))?;
+                        p.link.pump()?;
+                    }
+                    let now = p.link.now();
                     if spec.is_last {
                         let data = AuxData {
                             prompt_tokens: prompt,

@@ -130,6 +130,65 @@ fn ended_not_completed(r: &RunReport, id: RequestId) -> Result<(), String> {
     Ok(())
 }
 
+/// The first request failed with `WriteFailed` on both sides, and the sender's failure names
+/// both slice ids.
+fn write_failed(r: &RunReport) -> Result<(), String> {
+    let q = &r.requests[0];
+    let want = Outcome::Failed(TransferStatus::WriteFailed);
+    if q.sender != want || q.receiver != want {
+        return Err(format!(
+            "expected WriteFailed on both sides, got sender {:?}, receiver {:?}",
+            q.sender, q.receiver
+        ));
+    }
+    let named = r.events.iter().any(|(side, _, e)| {
+        *side == Role::Sender
+            && matches!(
+                e,
+                Event::Failed {
+                    sender_slice: Some(_),
+                    receiver_slice: Some(_),
+                    ..
+                }
+            )
+    });
+    if !named {
+        return Err("the sender's failure does not name both slice ids".into());
+    }
+    Ok(())
+}
+
+/// Every request verified, and every chunk that sent blocks did so in more than one slice.
+fn verified_in_layer_slices(r: &RunReport) -> Result<(), String> {
+    all_verified(r)?;
+    let whole = r
+        .timeline
+        .lanes
+        .iter()
+        .flat_map(|l| &l.chunks)
+        .filter(|c| c.sliced && c.layers.is_none())
+        .count();
+    if whole != 0 {
+        return Err(format!(
+            "{whole} chunk(s) went out whole, not in layer ranges"
+        ));
+    }
+    let slices = r
+        .timeline
+        .lanes
+        .iter()
+        .flat_map(|l| &l.chunks)
+        .filter(|c| c.sliced)
+        .count() as u64;
+    if slices <= r.chunks {
+        return Err(format!(
+            "{slices} slice(s) for {} chunk(s): the chunks did not go out range by range",
+            r.chunks
+        ));
+    }
+    Ok(())
+}
+
 fn small(prompt: u32, chunk: u32) -> Workload {
     Workload::small(vec![RequestPlan::new(1, prompt, chunk)])
 }
@@ -511,31 +570,7 @@ const SCENARIOS: &[Scenario] = &[
             w.prefill_per_chunk = std::time::Duration::from_millis(1);
             w
         },
-        check: |r| {
-            let q = &r.requests[0];
-            let want = Outcome::Failed(TransferStatus::WriteFailed);
-            if q.sender != want || q.receiver != want {
-                return Err(format!(
-                    "expected WriteFailed on both sides, got sender {:?}, receiver {:?}",
-                    q.sender, q.receiver
-                ));
-            }
-            let named = r.events.iter().any(|(side, _, e)| {
-                *side == Role::Sender
-                    && matches!(
-                        e,
-                        Event::Failed {
-                            sender_slice: Some(_),
-                            receiver_slice: Some(_),
-                            ..
-                        }
-                    )
-            });
-            if !named {
-                return Err("the sender's failure does not name both slice ids".into());
-            }
-            Ok(())
-        },
+        check: write_failed,
     },
     Scenario {
         name: "write_timeout",
@@ -707,5 +742,110 @@ const SCENARIOS: &[Scenario] = &[
             w
         },
         check: all_verified,
+    },
+    Scenario {
+        name: "layer_slices_full_attention",
+        about: "full attention, each chunk in layer ranges of 2 as its layers are computed: \
+                ranges that cross pools split differently on each side, shuffled slots, \
+                ragged chunks",
+        needs: &[],
+        build: || {
+            let mut w = small(61, 9);
+            let mut g = medium_group(5, &[2, 3]);
+            g.slot_padding = 8;
+            w.groups = vec![g];
+            w.receiver_pool_split = Some(vec![vec![1, 4]]);
+            w.slot_order_seed = Some(23);
+            w.spare_slots = 9;
+            w.mode = TransferMode::LayerSlices(2);
+            w.prefill_per_chunk = std::time::Duration::from_millis(1);
+            w
+        },
+        check: verified_in_layer_slices,
+    },
+    Scenario {
+        name: "layer_slices_windowed",
+        about: "a sliding-window group evicting as it goes beside full-attention groups of \
+                other layer counts, in layer ranges of 3; incremental allocation, two requests",
+        needs: &[],
+        build: || {
+            let mut w =
+                Workload::small(vec![RequestPlan::new(1, 70, 8), RequestPlan::new(2, 37, 6)]);
+            w.groups = vec![
+                medium_group(4, &[4]),
+                GroupSpec::full(7, &[3, 4]).windowed(13, 0),
+                GroupSpec::full(1, &[1]),
+            ];
+            w.receiver_pool_split = Some(vec![vec![2, 2], vec![7], vec![1]]);
+            w.allocation = AllocationStyle::Incremental;
+            w.mode = TransferMode::LayerSlices(3);
+            // The groups' layers interleave as the engine computes them.
+            let g = kvpipe_core::GroupIndex;
+            w.layer_order = kvpipe_core::LayerOrder {
+                groups: vec![
+                    g(1), g(1), g(0), g(1), g(1), g(0), g(1), g(1), g(0), g(1), g(2), g(0),
+                ],
+            };
+            w
+        },
+        check: verified_in_layer_slices,
+    },
+    Scenario {
+        name: "layer_slices_sinks_and_prefixes",
+        about: "sink tokens kept beside a window, the sender's prefix sent early, a cached \
+                prefix on the receiver, and one layer per range",
+        needs: &[],
+        build: || {
+            let mut w = small(90, 16);
+            w.requests[0].sender_prefix = 37;
+            w.requests[0].prefix_early = true;
+            w.requests.push(RequestPlan {
+                sender_prefix: 20,
+                receiver_prefix: 9,
+                ..RequestPlan::new(2, 48, 6)
+            });
+            w.groups = vec![
+                GroupSpec::full(2, &[2]),
+                GroupSpec::full(3, &[1, 2]).windowed(24, 4),
+            ];
+            w.mode = TransferMode::LayerSlices(1);
+            w
+        },
+        check: all_verified,
+    },
+    Scenario {
+        name: "layer_slices_late_registration",
+        about: "the receiver registers after two chunks or after prefill: the queued layer \
+                slices are replayed in order, exactly once",
+        needs: &[],
+        build: || {
+            let mut w = small(48, 8);
+            w.groups = vec![medium_group(4, &[2, 2])];
+            w.requests[0].register_after_chunks = 2;
+            w.requests.push(RequestPlan {
+                register_after_chunks: u32::MAX,
+                ..RequestPlan::new(2, 30, 8)
+            });
+            w.mode = TransferMode::LayerSlices(2);
+            w
+        },
+        check: all_verified,
+    },
+    Scenario {
+        name: "layer_slices_write_failure",
+        about: "a layer range's write batch fails: both sides fail the request with WriteFailed",
+        needs: &[FaultKind::Writes],
+        build: || {
+            let mut w = small(48, 8);
+            w.groups = vec![medium_group(4, &[4])];
+            w.faults = FaultPlan {
+                fail_batches: vec![3],
+                ..FaultPlan::default()
+            };
+            w.mode = TransferMode::LayerSlices(1);
+            w.prefill_per_chunk = std::time::Duration::from_millis(1);
+            w
+        },
+        check: write_failed,
     },
 ];

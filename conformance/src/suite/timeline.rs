@@ -7,7 +7,8 @@
 //! ([`BatchTiming`]). A batch names no request, so the recorder pairs them afterwards: a sender
 //! with one receiver registered before prefill hands out exactly one write batch per slice, in
 //! the order the slices were submitted, so the n-th batch issued belongs to the n-th chunk that
-//! made a slice. When the counts differ or a batch would precede its chunk (late registration,
+//! made a slice. A chunk submitted in layer ranges is recorded as one entry per range (each
+//! range is a slice of its own, with its own compute span and batch). When the counts differ or a batch would precede its chunk (late registration,
 //! faults), nothing is paired and [`Timeline::unpaired_batches`] says how many were left out.
 
 use kvpipe_core::{Duration, Instant, RequestId};
@@ -21,6 +22,10 @@ pub struct ChunkTiming {
     pub index: u32,
     /// Its token range `[start, end)`.
     pub tokens: (u32, u32),
+    /// The layer range `[begin, end)` this entry covers when the chunk was submitted in layer
+    /// ranges (one entry per range, each with its own compute and write batch); `None`: the
+    /// whole chunk.
+    pub layers: Option<(u32, u32)>,
     /// When its compute began.
     pub compute_started: Instant,
     /// When its compute finished (its KV was in the cache).
@@ -28,7 +33,9 @@ pub struct ChunkTiming {
     /// When it was handed to the sender (`None`: not submitted, as a monolithic transfer's
     /// earlier chunks are not).
     pub submitted: Option<Instant>,
-    /// Whether submitting it made a slice (a chunk that completes no block makes none).
+    /// Whether submitting it made a slice that writes (a chunk that completes no block makes
+    /// none; a layer range of only groups the chunk sends no block of makes a slice without
+    /// writes, counted as none here).
     pub sliced: bool,
     /// Its write batch, when paired (see the module doc).
     pub batch: Option<BatchSpan>,
@@ -178,6 +185,7 @@ mod tests {
         ChunkTiming {
             index,
             tokens: (index * 10, index * 10 + 10),
+            layers: None,
             compute_started: at(computed - 5),
             computed: at(computed),
             submitted: Some(at(computed)),

@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 
 use kvpipe::{
     AnchoredRun, AuxData, BlockId, BlockTables, ChunkSpec, DecodeNode, Event, LayerGroupLayout,
-    NodeConfig, PeerId, PoolLayout, PrefillNode, RawRegion, RegionId, Registration, RequestId,
-    SendRequest,
+    LayerRange, NodeConfig, PeerId, PoolLayout, PrefillNode, RawRegion, RegionId, Registration,
+    RequestId, SendRequest,
 };
 
 /// Bytes of one slot: 2 layers × K|V × 1 head × 4 tokens × 8 dims × 2 bytes.
@@ -137,6 +137,27 @@ pub(crate) fn ready_peer(e: &Event) -> PeerId {
 /// Moves request 42 from `tx` to `rx` (already connected: `tx` names `rx` `to_receiver`, `rx`
 /// names `tx` `to_sender`), waits for `Completed` and `Quiesced` on both sides and retires it.
 pub(crate) fn transfer(tx: &PrefillNode, rx: &DecodeNode, to_receiver: PeerId, to_sender: PeerId) {
+    transfer_with(tx, rx, to_receiver, to_sender, false);
+}
+
+/// [`transfer`], each chunk submitted one layer at a time
+/// ([`PrefillNode::submit_chunk_layers`]): every range that writes is a slice of its own.
+pub(crate) fn transfer_layers(
+    tx: &PrefillNode,
+    rx: &DecodeNode,
+    to_receiver: PeerId,
+    to_sender: PeerId,
+) {
+    transfer_with(tx, rx, to_receiver, to_sender, true);
+}
+
+fn transfer_with(
+    tx: &PrefillNode,
+    rx: &DecodeNode,
+    to_receiver: PeerId,
+    to_sender: PeerId,
+    layered: bool,
+) {
     let request = RequestId(42);
     let blocks = PROMPT.div_ceil(4);
     let dst: Vec<BlockId> = (0..blocks).map(|o| BlockId(dst_slot(o))).collect();
@@ -161,14 +182,29 @@ pub(crate) fn transfer(tx: &PrefillNode, rx: &DecodeNode, to_receiver: PeerId, t
         is_last,
         prefix_sent_early: false,
     };
+    let mut slices = Vec::new();
     for (start, end, last) in [(0, 12, false), (12, PROMPT, true)] {
-        tx.submit_chunk(
-            request,
-            chunk(start, end, last),
-            &mut BlockTables { groups: &groups },
-        )
-        .unwrap();
+        let mut source = BlockTables { groups: &groups };
+        if !layered {
+            slices.push(tx.submit_chunk(request, chunk(start, end, last), &mut source));
+            continue;
+        }
+        let layers = tx.layer_count().unwrap();
+        assert_eq!(layers, 2, "the layout's layers");
+        for layer in 0..layers {
+            let range = LayerRange::new(layer, layer + 1);
+            slices.push(tx.submit_chunk_layers(
+                request,
+                chunk(start, end, last),
+                range,
+                &mut source,
+            ));
+        }
     }
+    let slices: Vec<_> = slices.into_iter().map(|s| s.unwrap()).collect();
+    // Every chunk completes a block: one slice per chunk, or per layer range of it.
+    assert_eq!(slices.len(), if layered { 4 } else { 2 });
+    assert!(slices.iter().all(|s| s.slice().is_some()), "{slices:?}");
     tx.submit_aux(
         request,
         AuxData {

@@ -208,6 +208,7 @@ class Sender:
         pp_size: int = 1,
         pp_rank: int = 0,
         data_path: Literal["socket", "auto", "peer_copy"] = "socket",
+        layer_order: Sequence[int] | None = None,
     ) -> Sender:
         """A prefill node over TCP. ``tp_size``/``tp_rank`` and ``pp_size``/``pp_rank``
         are this rank's place in the tensor- and pipeline-parallel topology (default: the whole
@@ -222,7 +223,11 @@ class Sender:
         copies device to device straight into the decode process's GPU pools, control frames
         still over TCP; needs GPU pools on both sides on one host, a wheel built with the
         ``cuda`` feature, and this side connecting, else ``connect`` raises with the reason)
-        or ``"auto"`` (peer copies where they work, else the socket)."""
+        or ``"auto"`` (peer copies where they work, else the socket).
+
+        ``layer_order`` lists the layer group of each of the rank's layers in the order the
+        engine computes them (default: the groups one after the other), which the ``layers``
+        of :meth:`submit_chunk` index; a model whose groups interleave lists it."""
     @property
     def transport(self) -> Literal["tcp", "mem"]: ...
     def listen(self, addr: str) -> int: ...
@@ -242,7 +247,16 @@ class Sender:
         prepopulated_len: int = 0,
         is_last: bool | None = None,
         prefix_sent_early: bool = False,
-    ) -> int | None: ...
+        layers: tuple[int, int] | None = None,
+    ) -> int | None:
+        """Submits chunk ``[start, end)`` just computed (``None``: it writes nothing).
+
+        ``layers=(begin, end)`` submits only those layers of it, as soon as the engine computed
+        them (vLLM's ``save_kv_layer``): a chunk's ranges come in order with the same chunk
+        arguments, from layer 0 to :meth:`layer_count`, each starting where the previous one
+        ended; only the first calls ``blocks``, and each range is a slice of its own."""
+    def layer_count(self) -> int:
+        """The rank's layers (every layer group's), which ``layers`` ranges end at."""
     def submit_prefix(
         self, request: int, prompt_len: int, prepopulated_len: int, blocks: BlockTables | BlockSourceFn
     ) -> int | None: ...
@@ -319,4 +333,5 @@ def mem_pair(
     receiver_pools: Pools,
     *,
     deadlines: Deadlines | None = None,
+    layer_order: Sequence[int] | None = None,
 ) -> tuple[Sender, Receiver]: ...
