@@ -11,7 +11,11 @@
 //! 3. One event is recorded behind the last copy on every stream used; the returned
 //!    [`CopyTicket`] holds them. [`CopyTicket::is_complete`] polls them, [`CopyTicket::wait`]
 //!    polls until a deadline. Nothing synchronizes a whole device or context.
+//! 4. Events are reused: a dropped ticket hands its events back to the engine's pool, and the
+//!    next submission records them again, so a submission in steady state creates and destroys
+//!    none (each is a driver call of its own on the submit path).
 
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use cudarc::driver::{result, sys};
@@ -190,6 +194,65 @@ pub struct CopyEngine {
     copies: Vec<CopyOp>,
     queued: Vec<u64>,
     used: Vec<bool>,
+    /// Events of dropped tickets, ready to be recorded again.
+    events: Arc<EventPool>,
+}
+
+/// Events of dropped tickets, kept for reuse (shared by an engine and its tickets; the last
+/// holder destroys what is left).
+#[derive(Debug, Default)]
+struct EventPool {
+    free: Mutex<Vec<(Device, sys::CUevent)>>,
+}
+
+/// Events kept at most (per engine, all devices).
+const MAX_POOLED_EVENTS: usize = 64;
+
+// SAFETY: the pool owns its events (no ticket holds them any more); every driver call on one
+// binds its device's context first, and the driver API may be called from any thread. The
+// mutex serialises access to the list.
+unsafe impl Send for EventPool {}
+// SAFETY: as above; all access goes through the mutex.
+unsafe impl Sync for EventPool {}
+
+impl EventPool {
+    /// A free event of device `ordinal`, if one is kept.
+    fn take(&self, ordinal: usize) -> Option<(Device, sys::CUevent)> {
+        let mut free = self.free.lock().ok()?;
+        let i = free.iter().position(|(d, _)| d.ordinal() == ordinal)?;
+        Some(free.swap_remove(i))
+    }
+
+    /// Keeps a completed event, or destroys it when the pool is full.
+    fn put(&self, device: Device, event: sys::CUevent) {
+        if let Ok(mut free) = self.free.lock() {
+            if free.len() < MAX_POOLED_EVENTS {
+                free.push((device, event));
+                return;
+            }
+        }
+        destroy_event(&device, event);
+    }
+}
+
+impl Drop for EventPool {
+    fn drop(&mut self) {
+        let free = match self.free.get_mut() {
+            Ok(free) => std::mem::take(free),
+            Err(poisoned) => std::mem::take(poisoned.into_inner()),
+        };
+        for (device, event) in free {
+            destroy_event(&device, event);
+        }
+    }
+}
+
+/// Destroys `event` of `device` (errors are ignored: nothing is left to do about them).
+fn destroy_event(device: &Device, event: sys::CUevent) {
+    if device.bind().is_ok() {
+        // SAFETY: the caller owns the event and hands it over; no one queries it afterwards.
+        let _ = unsafe { result::event::destroy(event) };
+    }
 }
 
 // SAFETY: the engine owns its streams; every driver call on them binds their device's context
@@ -209,6 +272,7 @@ impl CopyEngine {
             copies: Vec::new(),
             queued: Vec::new(),
             used: Vec::new(),
+            events: Arc::default(),
         })
     }
 
@@ -295,6 +359,7 @@ impl CopyEngine {
     unsafe fn issue(&mut self, copies: &[CopyOp]) -> Result<CopyTicket, CudaError> {
         let mut ticket = CopyTicket {
             events: Vec::new(),
+            pool: Some(self.events.clone()),
             bytes: copies.iter().map(|c| c.len).sum(),
             copies: copies.len(),
         };
@@ -359,9 +424,15 @@ impl CopyEngine {
         for s in 0..n {
             if self.used[s] {
                 let dev = &self.devices[d];
-                let event = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
-                    .map_err(CudaError::driver("cuEventCreate"))?;
-                ticket.events.push((dev.device.clone(), event));
+                let (device, event) = match self.events.take(ordinal) {
+                    Some(pooled) => pooled,
+                    None => (
+                        dev.device.clone(),
+                        result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+                            .map_err(CudaError::driver("cuEventCreate"))?,
+                    ),
+                };
+                ticket.events.push((device, event));
                 // SAFETY: a fresh event and a live stream of the current context.
                 unsafe { result::event::record(event, dev.streams[s]) }
                     .map_err(CudaError::driver("cuEventRecord"))?;
@@ -437,6 +508,8 @@ impl Drop for CopyEngine {
 #[must_use = "the copies may still be running: poll or wait on the ticket before reusing their memory"]
 pub struct CopyTicket {
     events: Vec<(Device, sys::CUevent)>,
+    /// Where completed events go when the ticket is dropped (`None`: destroyed).
+    pool: Option<Arc<EventPool>>,
     bytes: u64,
     copies: usize,
 }
@@ -499,6 +572,14 @@ impl CopyTicket {
 
 impl Drop for CopyTicket {
     fn drop(&mut self) {
+        if let Some(pool) = &self.pool {
+            // Recording an event again replaces what it captured, and this ticket, the only
+            // one that looked at it, is gone: the next submission can use it as it is.
+            for (device, event) in std::mem::take(&mut self.events) {
+                pool.put(device, event);
+            }
+            return;
+        }
         for (device, event) in &self.events {
             if device.bind().is_ok() {
                 // SAFETY: created by the engine, destroyed once; destroying an event whose

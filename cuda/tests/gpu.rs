@@ -205,6 +205,59 @@ fn many_submissions_in_flight_complete_independently(d: &Device) -> TestResult {
     Ok(())
 }
 
+/// Events go back to the engine when a ticket is dropped and are recorded again by later
+/// submissions: a ticket that reuses one still reports only its own copies (a small copy
+/// submitted behind a large one in flight lands before its ticket says so), over many rounds.
+/// Prints the median cost of one small submission, polled until done, in microseconds.
+fn reused_events_report_only_their_own_copies(d: &Device) -> TestResult {
+    let big = 64 << 20;
+    let small = 4096;
+    let mut src = DeviceBuffer::new(d, big)?;
+    src.upload(0, &pattern(big, 21))?;
+    let mut dst = DeviceBuffer::new(d, big)?;
+    let mut engine = CopyEngine::new(2)?;
+    let limit = deadline();
+    for round in 0..200u64 {
+        dst.fill(0)?;
+        // SAFETY: both buffers outlive the waits below and are not touched meanwhile.
+        let large = unsafe { engine.submit(&[extent(dev(&src), 0, dev(&dst), 0, big as u64)]) }?;
+        let at = big as u64 - small as u64 * (1 + round % 16);
+        // SAFETY: as above; the small copy reads bytes the large one does not write.
+        let ticket =
+            unsafe { engine.submit(&[extent(dev(&src), at, dev(&dst), at, small as u64)]) }?;
+        while !ticket.is_complete()? {
+            assert!(Instant::now() < limit, "a ticket did not complete in 30 s");
+        }
+        drop(ticket);
+        large.wait(limit)?;
+        let mut landed = vec![0u8; small];
+        dst.download(at as usize, &mut landed)?;
+        assert!(
+            landed == pattern(big, 21)[at as usize..at as usize + small],
+            "round {round}"
+        );
+    }
+    // Without a large copy in flight: the submission's own cost.
+    let mut alone = Vec::new();
+    for _ in 0..1000 {
+        let start = Instant::now();
+        // SAFETY: as above.
+        let ticket = unsafe { engine.submit(&[extent(dev(&src), 0, dev(&dst), 0, small as u64)]) }?;
+        while !ticket.is_complete()? {
+            assert!(Instant::now() < limit, "a ticket did not complete in 30 s");
+        }
+        drop(ticket);
+        alone.push(start.elapsed());
+    }
+    alone.sort();
+    println!(
+        "small device copy, submit + poll until done: median {:.1} µs, p90 {:.1} µs (1000 rounds)",
+        alone[alone.len() / 2].as_secs_f64() * 1e6,
+        alone[alone.len() * 9 / 10].as_secs_f64() * 1e6
+    );
+    Ok(())
+}
+
 fn host_to_host_extents_are_refused(_d: &Device) -> TestResult {
     let a = [1u8; 8];
     let mut b = [0u8; 8];
@@ -458,6 +511,10 @@ fn main() {
         gpu(
             "many_submissions_in_flight_complete_independently",
             many_submissions_in_flight_complete_independently,
+        ),
+        gpu(
+            "reused_events_report_only_their_own_copies",
+            reused_events_report_only_their_own_copies,
         ),
         gpu(
             "host_to_host_extents_are_refused",
