@@ -247,7 +247,7 @@ pub(crate) fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
                 "--prompt-tokens, --requests or the rank counts",
             )?
             .check()?;
-        return parallel::run(&args, stp, rtp, rpp);
+        return parallel::run(&args, stp, rtp, rpp, memory);
     }
     workload
         .in_process(
@@ -459,9 +459,17 @@ fn pool_memory(args: &DemoArgs) -> Result<PoolMemory, CliError> {
             if args.transport == "verbs" {
                 return Err("--memory device runs over --transport mem or tcp".into());
             }
-            if args.sender_tp.is_some() || args.receiver_tp.is_some() || args.receiver_pp.is_some()
+            if (args.sender_tp.is_some()
+                || args.receiver_tp.is_some()
+                || args.receiver_pp.is_some())
+                && args.transport != "mem"
             {
-                return Err("--memory device does not run heterogeneous splits yet".into());
+                return Err(
+                    "--memory device with --sender-tp/--receiver-tp/--receiver-pp runs \
+                            over --transport mem (every rank of both sides in this process, \
+                            all ranks' pools on the one GPU --gpu)"
+                        .into(),
+                );
             }
             device_memory(args.gpu)
         }
@@ -608,6 +616,15 @@ fn print_table(s: &DemoSummary, memory: &Memory, baseline: Option<&baseline::Bas
                 "p50 {:.2} ms, p99 {:.2} ms (first byte sent → last byte landed, per request)",
                 s.transfer_p50_ms, s.transfer_p99_ms
             ),
+        ),
+        (
+            "last tail",
+            s.last_tail_parts.map_or("—".into(), |t| {
+                format!(
+                    "{:.1} µs submit + {:.1} µs copy + {:.1} µs report + {:.1} µs complete",
+                    t.submit_us, t.copy_us, t.report_us, t.complete_us
+                )
+            }),
         ),
         (
             "memory",
