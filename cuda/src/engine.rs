@@ -11,7 +11,11 @@
 //! 3. One event is recorded behind the last copy on every stream used; the returned
 //!    [`CopyTicket`] holds them. [`CopyTicket::is_complete`] polls them, [`CopyTicket::wait`]
 //!    polls until a deadline. Nothing synchronizes a whole device or context.
-//! 4. Events are reused: a dropped ticket hands its events back to the engine's pool, and the
+//! 4. Device → device copies of one length whose sources and destinations each advance by a
+//!    constant pitch (a head slice of every layer of a block, as tensor-parallel splits write)
+//!    go as one 2D copy ([`strided_runs`], `cuMemcpy2DAsync`) instead of one call each: the
+//!    driver calls, not the bytes, bound a batch of many small extents.
+//! 5. Events are reused: a dropped ticket hands its events back to the engine's pool, and the
 //!    next submission records them again, so a submission in steady state creates and destroys
 //!    none (each is a driver call of its own on the submit path).
 
@@ -159,6 +163,79 @@ pub fn coalesce(extents: &[CopyExtent], out: &mut Vec<CopyOp>) -> Result<(), Cud
     Ok(())
 }
 
+/// The largest pitch a 2D copy is given (the driver's limit is at least 2^31 - 1 on every
+/// device it supports).
+const MAX_PITCH: u64 = (1 << 31) - 1;
+
+/// A run of `rows` copies of one direction and length whose sources advance by `src_pitch`
+/// and destinations by `dst_pitch` bytes from `first`'s (one copy when `rows` is 1).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct StridedRun {
+    /// The first copy (its length is each row's).
+    pub first: CopyOp,
+    /// Copies in the run.
+    pub rows: u64,
+    /// Bytes from one row's source to the next's.
+    pub src_pitch: u64,
+    /// Bytes from one row's destination to the next's.
+    pub dst_pitch: u64,
+}
+
+impl StridedRun {
+    /// Bytes the run copies.
+    pub fn bytes(&self) -> u64 {
+        self.first.len * self.rows
+    }
+}
+
+/// Groups `copies` (as [`coalesce`] leaves them) into runs, in order: consecutive device →
+/// device copies of one device and one length whose sources and destinations advance by
+/// constant pitches, each at least the length (rows never overlap) and at most [`MAX_PITCH`],
+/// form one run; every other copy is a run of one.
+pub fn strided_runs(copies: &[CopyOp], out: &mut Vec<StridedRun>) {
+    out.clear();
+    let mut i = 0;
+    while i < copies.len() {
+        let first = copies[i];
+        let mut run = StridedRun {
+            first,
+            rows: 1,
+            src_pitch: 0,
+            dst_pitch: 0,
+        };
+        if let (Direction::DeviceToDevice { .. }, Some(next)) = (first.direction, copies.get(i + 1))
+        {
+            let pitch = |a: u64, b: u64| {
+                b.checked_sub(a)
+                    .filter(|&p| p >= first.len && p <= MAX_PITCH)
+            };
+            if let (true, Some(sp), Some(dp)) = (
+                next.direction == first.direction && next.len == first.len,
+                pitch(first.src, next.src),
+                pitch(first.dst, next.dst),
+            ) {
+                run.src_pitch = sp;
+                run.dst_pitch = dp;
+                while let Some(c) = copies.get(i + run.rows as usize) {
+                    let at = |base: u64, p: u64| {
+                        p.checked_mul(run.rows).and_then(|o| base.checked_add(o))
+                    };
+                    if c.direction != first.direction
+                        || c.len != first.len
+                        || Some(c.src) != at(first.src, sp)
+                        || Some(c.dst) != at(first.dst, dp)
+                    {
+                        break;
+                    }
+                    run.rows += 1;
+                }
+            }
+        }
+        i += run.rows as usize;
+        out.push(run);
+    }
+}
+
 /// Picks the stream for a copy: the one with the fewest bytes queued by this submission
 /// (the first such on ties), so a single large copy stays on the first stream and many copies
 /// spread evenly.
@@ -192,6 +269,7 @@ pub struct CopyEngine {
     /// (executor, peer) pairs whose peer access was looked at.
     peers: Vec<(usize, usize)>,
     copies: Vec<CopyOp>,
+    runs: Vec<StridedRun>,
     queued: Vec<u64>,
     used: Vec<bool>,
     /// Events of dropped tickets, ready to be recorded again.
@@ -270,6 +348,7 @@ impl CopyEngine {
             devices: Vec::new(),
             peers: Vec::new(),
             copies: Vec::new(),
+            runs: Vec::new(),
             queued: Vec::new(),
             used: Vec::new(),
             events: Arc::default(),
@@ -343,11 +422,14 @@ impl CopyEngine {
     /// source range.
     pub unsafe fn submit(&mut self, extents: &[CopyExtent]) -> Result<CopyTicket, CudaError> {
         let mut copies = std::mem::take(&mut self.copies);
+        let mut runs = std::mem::take(&mut self.runs);
         let r = coalesce(extents, &mut copies).and_then(|()| {
+            strided_runs(&copies, &mut runs);
             // SAFETY: forwarded; the caller upholds the contract for these copies.
-            unsafe { self.issue(&copies) }
+            unsafe { self.issue(&runs) }
         });
         self.copies = copies;
+        self.runs = runs;
         r
     }
 
@@ -356,15 +438,15 @@ impl CopyEngine {
     /// # Safety
     ///
     /// As for [`submit`](Self::submit).
-    unsafe fn issue(&mut self, copies: &[CopyOp]) -> Result<CopyTicket, CudaError> {
+    unsafe fn issue(&mut self, copies: &[StridedRun]) -> Result<CopyTicket, CudaError> {
         let mut ticket = CopyTicket {
             events: Vec::new(),
             pool: Some(self.events.clone()),
-            bytes: copies.iter().map(|c| c.len).sum(),
+            bytes: copies.iter().map(StridedRun::bytes).sum(),
             copies: copies.len(),
         };
         let mut executors: Vec<usize> = Vec::new();
-        for c in copies {
+        for c in copies.iter().map(|r| &r.first) {
             if let Direction::Peer { src, dst } = c.direction {
                 self.enable_peer(src, dst)?;
             }
@@ -406,7 +488,7 @@ impl CopyEngine {
         &mut self,
         d: usize,
         ordinal: usize,
-        copies: &[CopyOp],
+        copies: &[StridedRun],
         ticket: &mut CopyTicket,
     ) -> Result<(), CudaError> {
         let n = self.devices[d].streams.len();
@@ -414,12 +496,20 @@ impl CopyEngine {
         self.queued.resize(n, 0);
         self.used.clear();
         self.used.resize(n, false);
-        for c in copies.iter().filter(|c| c.direction.executor() == ordinal) {
+        for c in copies
+            .iter()
+            .filter(|c| c.first.direction.executor() == ordinal)
+        {
             let s = least_loaded(&self.queued);
-            self.queued[s] += c.len;
+            self.queued[s] += c.bytes();
             self.used[s] = true;
-            // SAFETY: forwarded; the caller vouches for the addresses.
-            unsafe { self.copy_on(d, s, c) }?;
+            if c.rows == 1 {
+                // SAFETY: forwarded; the caller vouches for the addresses.
+                unsafe { self.copy_on(d, s, &c.first) }?;
+            } else {
+                // SAFETY: as above, for every row of the run.
+                unsafe { self.copy_2d_on(d, s, c) }?;
+            }
         }
         for s in 0..n {
             if self.used[s] {
@@ -433,12 +523,48 @@ impl CopyEngine {
                     ),
                 };
                 ticket.events.push((device, event));
-                // SAFETY: a fresh event and a live stream of the current context.
+                // SAFETY: an event this ticket alone holds (fresh or from the pool) and a live
+                // stream of the current context.
                 unsafe { result::event::record(event, dev.streams[s]) }
                     .map_err(CudaError::driver("cuEventRecord"))?;
             }
         }
         Ok(())
+    }
+
+    /// Issues a strided run of device → device copies as one 2D copy on stream `s` of device
+    /// slot `d` (its context is current).
+    ///
+    /// # Safety
+    ///
+    /// As for [`submit`](Self::submit).
+    unsafe fn copy_2d_on(&self, d: usize, s: usize, run: &StridedRun) -> Result<(), CudaError> {
+        let stream = self.devices[d].streams[s];
+        let device = sys::CUmemorytype::CU_MEMORYTYPE_DEVICE;
+        let copy = sys::CUDA_MEMCPY2D {
+            srcXInBytes: 0,
+            srcY: 0,
+            srcMemoryType: device,
+            srcHost: std::ptr::null(),
+            srcDevice: run.first.src,
+            srcArray: std::ptr::null_mut(),
+            srcPitch: run.src_pitch as usize,
+            dstXInBytes: 0,
+            dstY: 0,
+            dstMemoryType: device,
+            dstHost: std::ptr::null_mut(),
+            dstDevice: run.first.dst,
+            dstArray: std::ptr::null_mut(),
+            dstPitch: run.dst_pitch as usize,
+            WidthInBytes: run.first.len as usize,
+            Height: run.rows as usize,
+        };
+        // SAFETY: the caller guarantees every row's addresses are valid device memory for the
+        // row's length until the ticket completes ([`strided_runs`] formed the run from those
+        // copies); the descriptor lives across the call.
+        unsafe { sys::cuMemcpy2DAsync_v2(&copy, stream) }
+            .result()
+            .map_err(CudaError::driver("cuMemcpy2DAsync"))
     }
 
     /// Issues one copy on stream `s` of device slot `d` (its context is current).
@@ -526,7 +652,7 @@ impl CopyTicket {
         self.bytes
     }
 
-    /// Driver copies issued (extents after merging).
+    /// Driver copies issued (extents after merging contiguous ones; a strided run counts once).
     pub fn copies(&self) -> usize {
         self.copies
     }
@@ -703,5 +829,75 @@ mod tests {
         assert_eq!(least_loaded(&[0, 0]), 0);
         assert_eq!(least_loaded(&[10, 0, 5]), 1);
         assert_eq!(least_loaded(&[10, 10, 5]), 2);
+    }
+
+    fn runs_of(extents: &[CopyExtent]) -> Vec<StridedRun> {
+        let (mut copies, mut runs) = (Vec::new(), Vec::new());
+        coalesce(extents, &mut copies).unwrap();
+        strided_runs(&copies, &mut runs);
+        runs
+    }
+
+    #[test]
+    fn head_slices_of_every_layer_become_one_strided_run() {
+        // One head (8 KiB) of four, for 80 layer planes: sources adjacent, destinations 32 KiB
+        // apart; then a copy of another length ends the run.
+        let (a, b) = (dev(0x1000_0000), dev(0x2000_0000));
+        let mut extents: Vec<_> = (0..80u64)
+            .map(|l| ext(a, l * 8192, b, l * 32768 + 2 * 8192, 8192))
+            .collect();
+        extents.push(ext(a, 1 << 24, b, 1 << 24, 100));
+        let runs = runs_of(&extents);
+        assert_eq!(runs.len(), 2);
+        assert_eq!(
+            (runs[0].rows, runs[0].src_pitch, runs[0].dst_pitch),
+            (80, 8192, 32768)
+        );
+        assert_eq!(runs[0].first.src, 0x1000_0000);
+        assert_eq!(runs[0].first.dst, 0x2000_0000 + 2 * 8192);
+        assert_eq!(runs[0].bytes(), 80 * 8192);
+        assert_eq!((runs[1].rows, runs[1].first.len), (1, 100));
+    }
+
+    #[test]
+    fn only_device_copies_with_constant_forward_pitches_form_runs() {
+        let (a, b) = (dev(0x1000_0000), dev(0x2000_0000));
+        let host = Memory::Host { addr: 0x7000_0000 };
+        let count =
+            |extents: &[CopyExtent]| runs_of(extents).iter().map(|r| r.rows).collect::<Vec<_>>();
+        // Backwards destinations: one copy each.
+        assert_eq!(
+            count(&[ext(a, 0, b, 4096, 64), ext(a, 64, b, 0, 64)]),
+            vec![1, 1]
+        );
+        // Rows that would overlap (pitch below the length): one copy each.
+        assert_eq!(
+            count(&[ext(a, 0, b, 0, 64), ext(a, 128, b, 32, 64)]),
+            vec![1, 1]
+        );
+        // The pitch changes after three rows: a run of three, then a new run.
+        assert_eq!(
+            count(&[
+                ext(a, 0, b, 0, 64),
+                ext(a, 100, b, 200, 64),
+                ext(a, 200, b, 400, 64),
+                ext(a, 1000, b, 1000, 64),
+                ext(a, 1100, b, 1100, 64),
+            ]),
+            vec![3, 2]
+        );
+        // Host → device copies are never strided.
+        assert_eq!(
+            count(&[ext(host, 0, b, 0, 64), ext(host, 100, b, 200, 64)]),
+            vec![1, 1]
+        );
+        // A pitch past the limit: one copy each.
+        assert_eq!(
+            count(&[ext(a, 0, b, 0, 64), ext(a, 1 << 32, b, 1 << 32, 64)]),
+            vec![1, 1]
+        );
+        let mut runs = vec![];
+        strided_runs(&[], &mut runs);
+        assert!(runs.is_empty());
     }
 }

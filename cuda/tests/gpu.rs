@@ -169,6 +169,35 @@ fn host_device_copies_both_ways_from_pinned_and_pageable_memory(d: &Device) -> T
     Ok(())
 }
 
+/// A head slice of every layer plane (one 2D copy: sources adjacent, destinations a plane
+/// apart) lands exactly, and bytes between the rows stay as they were.
+fn strided_extents_go_as_one_copy_and_land_exactly(d: &Device) -> TestResult {
+    let (row, planes, heads) = (8192u64, 80u64, 4u64);
+    let data = pattern((row * planes) as usize, 17);
+    let mut src = DeviceBuffer::new(d, data.len())?;
+    src.upload(0, &data)?;
+    let mut dst = DeviceBuffer::new(d, (row * planes * heads) as usize)?;
+    dst.fill(0x5A)?;
+    let head = 2;
+    let extents: Vec<_> = (0..planes)
+        .map(|p| extent(dev(&src), p * row, dev(&dst), (p * heads + head) * row, row))
+        .collect();
+    let mut engine = CopyEngine::new(2)?;
+    // SAFETY: both buffers outlive the wait below and nothing else touches them meanwhile.
+    let ticket = unsafe { engine.submit(&extents) }?;
+    assert_eq!(ticket.copies(), 1);
+    assert_eq!(ticket.bytes(), row * planes);
+    ticket.wait(deadline())?;
+    let out = download(&dst)?;
+    let mut expected = vec![0x5Au8; out.len()];
+    for e in &extents {
+        let (s, t, n) = (e.src_offset as usize, e.dst_offset as usize, e.len as usize);
+        expected[t..t + n].copy_from_slice(&data[s..s + n]);
+    }
+    assert!(out == expected);
+    Ok(())
+}
+
 /// Several submissions in flight at once on several streams: each ticket completes and every
 /// byte lands; a ticket is polled without blocking until it completes.
 fn many_submissions_in_flight_complete_independently(d: &Device) -> TestResult {
@@ -509,6 +538,10 @@ fn main() {
         gpu(
             "host_device_copies_both_ways_from_pinned_and_pageable_memory",
             host_device_copies_both_ways_from_pinned_and_pageable_memory,
+        ),
+        gpu(
+            "strided_extents_go_as_one_copy_and_land_exactly",
+            strided_extents_go_as_one_copy_and_land_exactly,
         ),
         gpu(
             "many_submissions_in_flight_complete_independently",
