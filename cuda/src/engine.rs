@@ -128,10 +128,21 @@ pub struct CopyOp {
 }
 
 /// Turns extents into driver copies, merging each extent into the previous copy when both
-/// sides continue it (same direction, source and destination both contiguous). Empty extents
-/// vanish. Host → host extents are refused: they are the caller's `memcpy`.
+/// sides continue it (same direction, same memory on each side, source and destination both
+/// contiguous). Empty extents vanish. Host → host extents are refused: they are the caller's
+/// `memcpy`.
 pub fn coalesce(extents: &[CopyExtent], out: &mut Vec<CopyOp>) -> Result<(), CudaError> {
+    coalesce_in(extents, out, &mut Vec::new())
+}
+
+/// [`coalesce`], also giving each copy's memory on both sides (`memories[i]` for `out[i]`).
+fn coalesce_in(
+    extents: &[CopyExtent],
+    out: &mut Vec<CopyOp>,
+    memories: &mut Vec<(Memory, Memory)>,
+) -> Result<(), CudaError> {
     out.clear();
+    memories.clear();
     for (index, e) in extents.iter().enumerate() {
         let direction = match (e.src.ordinal(), e.dst.ordinal()) {
             (None, None) => return Err(CudaError::HostToHost { index }),
@@ -146,6 +157,7 @@ pub fn coalesce(extents: &[CopyExtent], out: &mut Vec<CopyOp>) -> Result<(), Cud
         let (src, dst) = (e.src.at(e.src_offset), e.dst.at(e.dst_offset));
         if let Some(last) = out.last_mut() {
             if last.direction == direction
+                && memories.last() == Some(&(e.src, e.dst))
                 && last.src.checked_add(last.len) == Some(src)
                 && last.dst.checked_add(last.len) == Some(dst)
             {
@@ -159,6 +171,7 @@ pub fn coalesce(extents: &[CopyExtent], out: &mut Vec<CopyOp>) -> Result<(), Cud
             dst,
             len: e.len,
         });
+        memories.push((e.src, e.dst));
     }
     Ok(())
 }
@@ -170,29 +183,39 @@ const MAX_PITCH: u64 = (1 << 31) - 1;
 /// A run of `rows` copies of one direction and length whose sources advance by `src_pitch`
 /// and destinations by `dst_pitch` bytes from `first`'s (one copy when `rows` is 1).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct StridedRun {
+struct StridedRun {
     /// The first copy (its length is each row's).
-    pub first: CopyOp,
+    first: CopyOp,
     /// Copies in the run.
-    pub rows: u64,
+    rows: u64,
     /// Bytes from one row's source to the next's.
-    pub src_pitch: u64,
+    src_pitch: u64,
     /// Bytes from one row's destination to the next's.
-    pub dst_pitch: u64,
+    dst_pitch: u64,
 }
 
 impl StridedRun {
     /// Bytes the run copies.
-    pub fn bytes(&self) -> u64 {
+    fn bytes(&self) -> u64 {
         self.first.len * self.rows
+    }
+
+    /// Row `k` as a copy of its own.
+    fn row(&self, k: u64) -> CopyOp {
+        CopyOp {
+            src: self.first.src + k * self.src_pitch,
+            dst: self.first.dst + k * self.dst_pitch,
+            ..self.first
+        }
     }
 }
 
-/// Groups `copies` (as [`coalesce`] leaves them) into runs, in order: consecutive device →
-/// device copies of one device and one length whose sources and destinations advance by
-/// constant pitches, each at least the length (rows never overlap) and at most [`MAX_PITCH`],
-/// form one run; every other copy is a run of one.
-pub fn strided_runs(copies: &[CopyOp], out: &mut Vec<StridedRun>) {
+/// Groups `copies` (as [`coalesce_in`] leaves them, with their `memories`) into runs, in
+/// order: consecutive device → device copies of one device, one length and the same memory on
+/// each side (a 2D copy's span, gaps included, must lie in one allocation) whose sources and
+/// destinations advance by constant pitches, each at least the length (rows never overlap)
+/// and at most [`MAX_PITCH`], form one run; every other copy is a run of one.
+fn strided_runs(copies: &[CopyOp], memories: &[(Memory, Memory)], out: &mut Vec<StridedRun>) {
     out.clear();
     let mut i = 0;
     while i < copies.len() {
@@ -210,13 +233,18 @@ pub fn strided_runs(copies: &[CopyOp], out: &mut Vec<StridedRun>) {
                     .filter(|&p| p >= first.len && p <= MAX_PITCH)
             };
             if let (true, Some(sp), Some(dp)) = (
-                next.direction == first.direction && next.len == first.len,
+                next.direction == first.direction
+                    && next.len == first.len
+                    && memories.get(i + 1) == memories.get(i),
                 pitch(first.src, next.src),
                 pitch(first.dst, next.dst),
             ) {
                 run.src_pitch = sp;
                 run.dst_pitch = dp;
                 while let Some(c) = copies.get(i + run.rows as usize) {
+                    if memories.get(i + run.rows as usize) != memories.get(i) {
+                        break;
+                    }
                     let at = |base: u64, p: u64| {
                         p.checked_mul(run.rows).and_then(|o| base.checked_add(o))
                     };
@@ -269,6 +297,7 @@ pub struct CopyEngine {
     /// (executor, peer) pairs whose peer access was looked at.
     peers: Vec<(usize, usize)>,
     copies: Vec<CopyOp>,
+    memories: Vec<(Memory, Memory)>,
     runs: Vec<StridedRun>,
     queued: Vec<u64>,
     used: Vec<bool>,
@@ -348,6 +377,7 @@ impl CopyEngine {
             devices: Vec::new(),
             peers: Vec::new(),
             copies: Vec::new(),
+            memories: Vec::new(),
             runs: Vec::new(),
             queued: Vec::new(),
             used: Vec::new(),
@@ -422,13 +452,15 @@ impl CopyEngine {
     /// source range.
     pub unsafe fn submit(&mut self, extents: &[CopyExtent]) -> Result<CopyTicket, CudaError> {
         let mut copies = std::mem::take(&mut self.copies);
+        let mut memories = std::mem::take(&mut self.memories);
         let mut runs = std::mem::take(&mut self.runs);
-        let r = coalesce(extents, &mut copies).and_then(|()| {
-            strided_runs(&copies, &mut runs);
+        let r = coalesce_in(extents, &mut copies, &mut memories).and_then(|()| {
+            strided_runs(&copies, &memories, &mut runs);
             // SAFETY: forwarded; the caller upholds the contract for these copies.
             unsafe { self.issue(&runs) }
         });
         self.copies = copies;
+        self.memories = memories;
         self.runs = runs;
         r
     }
@@ -506,9 +538,14 @@ impl CopyEngine {
             if c.rows == 1 {
                 // SAFETY: forwarded; the caller vouches for the addresses.
                 unsafe { self.copy_on(d, s, &c.first) }?;
-            } else {
-                // SAFETY: as above, for every row of the run.
-                unsafe { self.copy_2d_on(d, s, c) }?;
+            // SAFETY: as above, for every row of the run.
+            } else if unsafe { self.copy_2d_on(d, s, c) }.is_err() {
+                // The driver refused the 2D copy (it checks the arguments when the copy is
+                // issued, and then enqueues nothing): the rows one by one.
+                for k in 0..c.rows {
+                    // SAFETY: as above.
+                    unsafe { self.copy_on(d, s, &c.row(k)) }?;
+                }
             }
         }
         for s in 0..n {
@@ -832,9 +869,9 @@ mod tests {
     }
 
     fn runs_of(extents: &[CopyExtent]) -> Vec<StridedRun> {
-        let (mut copies, mut runs) = (Vec::new(), Vec::new());
-        coalesce(extents, &mut copies).unwrap();
-        strided_runs(&copies, &mut runs);
+        let (mut copies, mut memories, mut runs) = (Vec::new(), Vec::new(), Vec::new());
+        coalesce_in(extents, &mut copies, &mut memories).unwrap();
+        strided_runs(&copies, &memories, &mut runs);
         runs
     }
 
@@ -857,6 +894,8 @@ mod tests {
         assert_eq!(runs[0].first.dst, 0x2000_0000 + 2 * 8192);
         assert_eq!(runs[0].bytes(), 80 * 8192);
         assert_eq!((runs[1].rows, runs[1].first.len), (1, 100));
+        assert_eq!(runs[0].row(79).src, 0x1000_0000 + 79 * 8192);
+        assert_eq!(runs[0].row(79).dst, 0x2000_0000 + 79 * 32768 + 2 * 8192);
     }
 
     #[test]
@@ -896,8 +935,28 @@ mod tests {
             count(&[ext(a, 0, b, 0, 64), ext(a, 1 << 32, b, 1 << 32, 64)]),
             vec![1, 1]
         );
+        // Rows in two allocations (pools) on one side: a run per allocation, since a 2D
+        // copy's span must lie in one.
+        let c = dev(0x3000_0000);
+        assert_eq!(
+            count(&[
+                ext(a, 0, b, 0, 64),
+                ext(a, 100, b, 200, 64),
+                ext(c, 0, b, 400, 64),
+                ext(c, 100, b, 600, 64),
+            ]),
+            vec![2, 2]
+        );
+        // Contiguous extents of two allocations do not merge either.
+        let mut copies = Vec::new();
+        coalesce(
+            &[ext(a, 0, b, 0, 64), ext(dev(0x1000_0040), 0, b, 64, 64)],
+            &mut copies,
+        )
+        .unwrap();
+        assert_eq!(copies.len(), 2);
         let mut runs = vec![];
-        strided_runs(&[], &mut runs);
+        strided_runs(&[], &[], &mut runs);
         assert!(runs.is_empty());
     }
 }

@@ -50,8 +50,7 @@ mod stream;
 pub use device::{check_driver, device_count, driver_version, Device};
 pub use dmabuf::{dmabuf_window, export_dmabuf, host_page_size, Dmabuf};
 pub use engine::{
-    coalesce, least_loaded, strided_runs, CopyEngine, CopyExtent, CopyOp, CopyTicket, Direction,
-    Memory, StridedRun,
+    coalesce, least_loaded, CopyEngine, CopyExtent, CopyOp, CopyTicket, Direction, Memory,
 };
 pub use error::CudaError;
 pub use ipc::{export_ipc, IpcHandle, IpcMapping, IPC_DRIVER_HANDLE_LEN, IPC_HANDLE_LEN};
