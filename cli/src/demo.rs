@@ -116,9 +116,9 @@ pub(crate) struct DemoArgs {
     #[arg(long, default_value_t = 0)]
     gpu: usize,
     /// With --connect over tcp: how data reaches the decode side's pools — auto (peer copies
-    /// when both sides' pools are device memory and the decode side's CUDA IPC handles open
-    /// here, i.e. it runs on the same host; else the sockets), peer-copy (fail the connect
-    /// rather than fall back) or socket.
+    /// when both sides' pools are device memory and the decode side opens this side's CUDA IPC
+    /// handles, i.e. it runs on the same host: it then pulls every write itself; else the
+    /// sockets), peer-copy (fail the connect rather than fall back) or socket.
     #[arg(long, default_value = "auto", value_parser = super::nodes::parse_data_path)]
     data_path: kvpipe_tcp::TcpDataPath,
     /// Print one JSON object instead of the progress bar and table.
@@ -262,7 +262,7 @@ pub(crate) fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
                 "--prompt-tokens, --requests or the rank counts",
             )?
             .check()?;
-        return parallel::run(&args, stp, rtp, rpp);
+        return parallel::run(&args, stp, rtp, rpp, memory);
     }
     workload
         .in_process(
@@ -474,9 +474,17 @@ fn pool_memory(args: &DemoArgs) -> Result<PoolMemory, CliError> {
             if args.transport == "verbs" {
                 return Err("--memory device runs over --transport mem or tcp".into());
             }
-            if args.sender_tp.is_some() || args.receiver_tp.is_some() || args.receiver_pp.is_some()
+            if (args.sender_tp.is_some()
+                || args.receiver_tp.is_some()
+                || args.receiver_pp.is_some())
+                && args.transport != "mem"
             {
-                return Err("--memory device does not run heterogeneous splits yet".into());
+                return Err(
+                    "--memory device with --sender-tp/--receiver-tp/--receiver-pp runs \
+                            over --transport mem (every rank of both sides in this process, \
+                            all ranks' pools on the one GPU --gpu)"
+                        .into(),
+                );
             }
             device_memory(args.gpu)
         }
@@ -623,6 +631,15 @@ fn print_table(s: &DemoSummary, memory: &Memory, baseline: Option<&baseline::Bas
                 "p50 {:.2} ms, p99 {:.2} ms (first byte sent → last byte landed, per request)",
                 s.transfer_p50_ms, s.transfer_p99_ms
             ),
+        ),
+        (
+            "last tail",
+            s.last_tail_parts.map_or("—".into(), |t| {
+                format!(
+                    "{:.1} µs submit + {:.1} µs copy + {:.1} µs report + {:.1} µs complete",
+                    t.submit_us, t.copy_us, t.report_us, t.complete_us
+                )
+            }),
         ),
         (
             "memory",

@@ -334,8 +334,9 @@ pub(crate) fn run(args: ServeArgs) -> Result<ExitCode, CliError> {
         }
     }
     let seconds = last_completion.duration_since(start).as_secs_f64();
-    // Every request quiesced: no transfer touches the pools. Device pools are read back whole.
-    cache.sync_from_device()?;
+    // Every request quiesced: no transfer touches the pools. Device pools: the slots the
+    // requests hold are read back (what the checks below compare).
+    cache.sync_held_from_device()?;
     let path = rx.data_path()?;
     let (data_path, writes_placed, writes_refused) =
         (path.path, path.writes_placed, path.writes_refused);

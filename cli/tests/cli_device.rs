@@ -80,6 +80,59 @@ fn device_memory_demo_says_why_it_cannot_run_or_runs_and_verifies() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("--transport mem or tcp"));
 }
 
+/// The heterogeneous split in device memory (every rank's pools on one GPU, over mem): where
+/// it cannot run it says why; with a GPU it verifies the whole model. Over tcp it is refused,
+/// with or without a GPU, and says which transport runs it.
+#[test]
+fn device_memory_split_says_why_it_cannot_run_or_runs_and_verifies() {
+    let split = [
+        "--model",
+        "llama3-70b-tp8",
+        "--sender-tp",
+        "4",
+        "--receiver-tp",
+        "2",
+        "--receiver-pp",
+        "2",
+        "--prompt-tokens",
+        "256",
+        "--chunk-tokens",
+        "96",
+        "--prefill-ms-per-chunk",
+        "0",
+    ];
+    let out = Command::new(KVPIPE)
+        .args(["demo", "--memory", "device", "--json"])
+        .args(split)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    match expected_error() {
+        Some(message) => {
+            assert!(!out.status.success(), "{stdout}");
+            assert!(stderr.contains(message), "{stderr}");
+            assert!(stdout.is_empty(), "{stdout}");
+        }
+        None => {
+            assert!(out.status.success(), "{stderr}");
+            assert!(stdout.contains("\"memory\":\"device\""), "{stdout}");
+            assert!(stdout.contains("\"verified\":true"), "{stdout}");
+        }
+    }
+    let out = Command::new(KVPIPE)
+        .args(["demo", "--memory", "device", "--transport", "tcp"])
+        .args(split)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("--sender-tp/--receiver-tp/--receiver-pp runs over --transport mem"),
+        "{stderr}"
+    );
+}
+
 /// The two-process commands with device pools, where they cannot run (no `cuda` feature, no
 /// driver): both refuse before listening or connecting and say why; a `--data-path` they do
 /// not know, and device pools over verbs, are refused with the choices.

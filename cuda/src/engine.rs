@@ -11,7 +11,15 @@
 //! 3. One event is recorded behind the last copy on every stream used; the returned
 //!    [`CopyTicket`] holds them. [`CopyTicket::is_complete`] polls them, [`CopyTicket::wait`]
 //!    polls until a deadline. Nothing synchronizes a whole device or context.
+//! 4. Device → device copies of one length whose sources and destinations each advance by a
+//!    constant pitch (a head slice of every layer of a block, as tensor-parallel splits write)
+//!    go as one 2D copy ([`strided_runs`], `cuMemcpy2DAsync`) instead of one call each: the
+//!    driver calls, not the bytes, bound a batch of many small extents.
+//! 5. Events are reused: a dropped ticket hands its events back to the engine's pool, and the
+//!    next submission records them again, so a submission in steady state creates and destroys
+//!    none (each is a driver call of its own on the submit path).
 
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use cudarc::driver::{result, sys};
@@ -120,10 +128,21 @@ pub struct CopyOp {
 }
 
 /// Turns extents into driver copies, merging each extent into the previous copy when both
-/// sides continue it (same direction, source and destination both contiguous). Empty extents
-/// vanish. Host → host extents are refused: they are the caller's `memcpy`.
+/// sides continue it (same direction, same memory on each side, source and destination both
+/// contiguous). Empty extents vanish. Host → host extents are refused: they are the caller's
+/// `memcpy`.
 pub fn coalesce(extents: &[CopyExtent], out: &mut Vec<CopyOp>) -> Result<(), CudaError> {
+    coalesce_in(extents, out, &mut Vec::new())
+}
+
+/// [`coalesce`], also giving each copy's memory on both sides (`memories[i]` for `out[i]`).
+fn coalesce_in(
+    extents: &[CopyExtent],
+    out: &mut Vec<CopyOp>,
+    memories: &mut Vec<(Memory, Memory)>,
+) -> Result<(), CudaError> {
     out.clear();
+    memories.clear();
     for (index, e) in extents.iter().enumerate() {
         let direction = match (e.src.ordinal(), e.dst.ordinal()) {
             (None, None) => return Err(CudaError::HostToHost { index }),
@@ -138,6 +157,7 @@ pub fn coalesce(extents: &[CopyExtent], out: &mut Vec<CopyOp>) -> Result<(), Cud
         let (src, dst) = (e.src.at(e.src_offset), e.dst.at(e.dst_offset));
         if let Some(last) = out.last_mut() {
             if last.direction == direction
+                && memories.last() == Some(&(e.src, e.dst))
                 && last.src.checked_add(last.len) == Some(src)
                 && last.dst.checked_add(last.len) == Some(dst)
             {
@@ -151,8 +171,97 @@ pub fn coalesce(extents: &[CopyExtent], out: &mut Vec<CopyOp>) -> Result<(), Cud
             dst,
             len: e.len,
         });
+        memories.push((e.src, e.dst));
     }
     Ok(())
+}
+
+/// The largest pitch a 2D copy is given (the driver's limit is at least 2^31 - 1 on every
+/// device it supports).
+const MAX_PITCH: u64 = (1 << 31) - 1;
+
+/// A run of `rows` copies of one direction and length whose sources advance by `src_pitch`
+/// and destinations by `dst_pitch` bytes from `first`'s (one copy when `rows` is 1).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct StridedRun {
+    /// The first copy (its length is each row's).
+    first: CopyOp,
+    /// Copies in the run.
+    rows: u64,
+    /// Bytes from one row's source to the next's.
+    src_pitch: u64,
+    /// Bytes from one row's destination to the next's.
+    dst_pitch: u64,
+}
+
+impl StridedRun {
+    /// Bytes the run copies.
+    fn bytes(&self) -> u64 {
+        self.first.len * self.rows
+    }
+
+    /// Row `k` as a copy of its own.
+    fn row(&self, k: u64) -> CopyOp {
+        CopyOp {
+            src: self.first.src + k * self.src_pitch,
+            dst: self.first.dst + k * self.dst_pitch,
+            ..self.first
+        }
+    }
+}
+
+/// Groups `copies` (as [`coalesce_in`] leaves them, with their `memories`) into runs, in
+/// order: consecutive device → device copies of one device, one length and the same memory on
+/// each side (a 2D copy's span, gaps included, must lie in one allocation) whose sources and
+/// destinations advance by constant pitches, each at least the length (rows never overlap)
+/// and at most [`MAX_PITCH`], form one run; every other copy is a run of one.
+fn strided_runs(copies: &[CopyOp], memories: &[(Memory, Memory)], out: &mut Vec<StridedRun>) {
+    out.clear();
+    let mut i = 0;
+    while i < copies.len() {
+        let first = copies[i];
+        let mut run = StridedRun {
+            first,
+            rows: 1,
+            src_pitch: 0,
+            dst_pitch: 0,
+        };
+        if let (Direction::DeviceToDevice { .. }, Some(next)) = (first.direction, copies.get(i + 1))
+        {
+            let pitch = |a: u64, b: u64| {
+                b.checked_sub(a)
+                    .filter(|&p| p >= first.len && p <= MAX_PITCH)
+            };
+            if let (true, Some(sp), Some(dp)) = (
+                next.direction == first.direction
+                    && next.len == first.len
+                    && memories.get(i + 1) == memories.get(i),
+                pitch(first.src, next.src),
+                pitch(first.dst, next.dst),
+            ) {
+                run.src_pitch = sp;
+                run.dst_pitch = dp;
+                while let Some(c) = copies.get(i + run.rows as usize) {
+                    if memories.get(i + run.rows as usize) != memories.get(i) {
+                        break;
+                    }
+                    let at = |base: u64, p: u64| {
+                        p.checked_mul(run.rows).and_then(|o| base.checked_add(o))
+                    };
+                    if c.direction != first.direction
+                        || c.len != first.len
+                        || Some(c.src) != at(first.src, sp)
+                        || Some(c.dst) != at(first.dst, dp)
+                    {
+                        break;
+                    }
+                    run.rows += 1;
+                }
+            }
+        }
+        i += run.rows as usize;
+        out.push(run);
+    }
 }
 
 /// Picks the stream for a copy: the one with the fewest bytes queued by this submission
@@ -188,8 +297,69 @@ pub struct CopyEngine {
     /// (executor, peer) pairs whose peer access was looked at.
     peers: Vec<(usize, usize)>,
     copies: Vec<CopyOp>,
+    memories: Vec<(Memory, Memory)>,
+    runs: Vec<StridedRun>,
     queued: Vec<u64>,
     used: Vec<bool>,
+    /// Events of dropped tickets, ready to be recorded again.
+    events: Arc<EventPool>,
+}
+
+/// Events of dropped tickets, kept for reuse (shared by an engine and its tickets; the last
+/// holder destroys what is left).
+#[derive(Debug, Default)]
+struct EventPool {
+    free: Mutex<Vec<(Device, sys::CUevent)>>,
+}
+
+/// Events kept at most (per engine, all devices).
+const MAX_POOLED_EVENTS: usize = 64;
+
+// SAFETY: the pool owns its events (no ticket holds them any more); every driver call on one
+// binds its device's context first, and the driver API may be called from any thread. The
+// mutex serialises access to the list.
+unsafe impl Send for EventPool {}
+// SAFETY: as above; all access goes through the mutex.
+unsafe impl Sync for EventPool {}
+
+impl EventPool {
+    /// A free event of device `ordinal`, if one is kept.
+    fn take(&self, ordinal: usize) -> Option<(Device, sys::CUevent)> {
+        let mut free = self.free.lock().ok()?;
+        let i = free.iter().position(|(d, _)| d.ordinal() == ordinal)?;
+        Some(free.swap_remove(i))
+    }
+
+    /// Keeps a completed event, or destroys it when the pool is full.
+    fn put(&self, device: Device, event: sys::CUevent) {
+        if let Ok(mut free) = self.free.lock() {
+            if free.len() < MAX_POOLED_EVENTS {
+                free.push((device, event));
+                return;
+            }
+        }
+        destroy_event(&device, event);
+    }
+}
+
+impl Drop for EventPool {
+    fn drop(&mut self) {
+        let free = match self.free.get_mut() {
+            Ok(free) => std::mem::take(free),
+            Err(poisoned) => std::mem::take(poisoned.into_inner()),
+        };
+        for (device, event) in free {
+            destroy_event(&device, event);
+        }
+    }
+}
+
+/// Destroys `event` of `device` (errors are ignored: nothing is left to do about them).
+fn destroy_event(device: &Device, event: sys::CUevent) {
+    if device.bind().is_ok() {
+        // SAFETY: the caller owns the event and hands it over; no one queries it afterwards.
+        let _ = unsafe { result::event::destroy(event) };
+    }
 }
 
 // SAFETY: the engine owns its streams; every driver call on them binds their device's context
@@ -207,8 +377,11 @@ impl CopyEngine {
             devices: Vec::new(),
             peers: Vec::new(),
             copies: Vec::new(),
+            memories: Vec::new(),
+            runs: Vec::new(),
             queued: Vec::new(),
             used: Vec::new(),
+            events: Arc::default(),
         })
     }
 
@@ -279,11 +452,16 @@ impl CopyEngine {
     /// source range.
     pub unsafe fn submit(&mut self, extents: &[CopyExtent]) -> Result<CopyTicket, CudaError> {
         let mut copies = std::mem::take(&mut self.copies);
-        let r = coalesce(extents, &mut copies).and_then(|()| {
+        let mut memories = std::mem::take(&mut self.memories);
+        let mut runs = std::mem::take(&mut self.runs);
+        let r = coalesce_in(extents, &mut copies, &mut memories).and_then(|()| {
+            strided_runs(&copies, &memories, &mut runs);
             // SAFETY: forwarded; the caller upholds the contract for these copies.
-            unsafe { self.issue(&copies) }
+            unsafe { self.issue(&runs) }
         });
         self.copies = copies;
+        self.memories = memories;
+        self.runs = runs;
         r
     }
 
@@ -292,14 +470,15 @@ impl CopyEngine {
     /// # Safety
     ///
     /// As for [`submit`](Self::submit).
-    unsafe fn issue(&mut self, copies: &[CopyOp]) -> Result<CopyTicket, CudaError> {
+    unsafe fn issue(&mut self, copies: &[StridedRun]) -> Result<CopyTicket, CudaError> {
         let mut ticket = CopyTicket {
             events: Vec::new(),
-            bytes: copies.iter().map(|c| c.len).sum(),
+            pool: Some(self.events.clone()),
+            bytes: copies.iter().map(StridedRun::bytes).sum(),
             copies: copies.len(),
         };
         let mut executors: Vec<usize> = Vec::new();
-        for c in copies {
+        for c in copies.iter().map(|r| &r.first) {
             if let Direction::Peer { src, dst } = c.direction {
                 self.enable_peer(src, dst)?;
             }
@@ -341,7 +520,7 @@ impl CopyEngine {
         &mut self,
         d: usize,
         ordinal: usize,
-        copies: &[CopyOp],
+        copies: &[StridedRun],
         ticket: &mut CopyTicket,
     ) -> Result<(), CudaError> {
         let n = self.devices[d].streams.len();
@@ -349,25 +528,80 @@ impl CopyEngine {
         self.queued.resize(n, 0);
         self.used.clear();
         self.used.resize(n, false);
-        for c in copies.iter().filter(|c| c.direction.executor() == ordinal) {
+        for c in copies
+            .iter()
+            .filter(|c| c.first.direction.executor() == ordinal)
+        {
             let s = least_loaded(&self.queued);
-            self.queued[s] += c.len;
+            self.queued[s] += c.bytes();
             self.used[s] = true;
-            // SAFETY: forwarded; the caller vouches for the addresses.
-            unsafe { self.copy_on(d, s, c) }?;
+            if c.rows == 1 {
+                // SAFETY: forwarded; the caller vouches for the addresses.
+                unsafe { self.copy_on(d, s, &c.first) }?;
+            // SAFETY: as above, for every row of the run.
+            } else if unsafe { self.copy_2d_on(d, s, c) }.is_err() {
+                // The driver refused the 2D copy (it checks the arguments when the copy is
+                // issued, and then enqueues nothing): the rows one by one.
+                for k in 0..c.rows {
+                    // SAFETY: as above.
+                    unsafe { self.copy_on(d, s, &c.row(k)) }?;
+                }
+            }
         }
         for s in 0..n {
             if self.used[s] {
                 let dev = &self.devices[d];
-                let event = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
-                    .map_err(CudaError::driver("cuEventCreate"))?;
-                ticket.events.push((dev.device.clone(), event));
-                // SAFETY: a fresh event and a live stream of the current context.
+                let (device, event) = match self.events.take(ordinal) {
+                    Some(pooled) => pooled,
+                    None => (
+                        dev.device.clone(),
+                        result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+                            .map_err(CudaError::driver("cuEventCreate"))?,
+                    ),
+                };
+                ticket.events.push((device, event));
+                // SAFETY: an event this ticket alone holds (fresh or from the pool) and a live
+                // stream of the current context.
                 unsafe { result::event::record(event, dev.streams[s]) }
                     .map_err(CudaError::driver("cuEventRecord"))?;
             }
         }
         Ok(())
+    }
+
+    /// Issues a strided run of device → device copies as one 2D copy on stream `s` of device
+    /// slot `d` (its context is current).
+    ///
+    /// # Safety
+    ///
+    /// As for [`submit`](Self::submit).
+    unsafe fn copy_2d_on(&self, d: usize, s: usize, run: &StridedRun) -> Result<(), CudaError> {
+        let stream = self.devices[d].streams[s];
+        let device = sys::CUmemorytype::CU_MEMORYTYPE_DEVICE;
+        let copy = sys::CUDA_MEMCPY2D {
+            srcXInBytes: 0,
+            srcY: 0,
+            srcMemoryType: device,
+            srcHost: std::ptr::null(),
+            srcDevice: run.first.src,
+            srcArray: std::ptr::null_mut(),
+            srcPitch: run.src_pitch as usize,
+            dstXInBytes: 0,
+            dstY: 0,
+            dstMemoryType: device,
+            dstHost: std::ptr::null_mut(),
+            dstDevice: run.first.dst,
+            dstArray: std::ptr::null_mut(),
+            dstPitch: run.dst_pitch as usize,
+            WidthInBytes: run.first.len as usize,
+            Height: run.rows as usize,
+        };
+        // SAFETY: the caller guarantees every row's addresses are valid device memory for the
+        // row's length until the ticket completes ([`strided_runs`] formed the run from those
+        // copies); the descriptor lives across the call.
+        unsafe { sys::cuMemcpy2DAsync_v2(&copy, stream) }
+            .result()
+            .map_err(CudaError::driver("cuMemcpy2DAsync"))
     }
 
     /// Issues one copy on stream `s` of device slot `d` (its context is current).
@@ -437,6 +671,8 @@ impl Drop for CopyEngine {
 #[must_use = "the copies may still be running: poll or wait on the ticket before reusing their memory"]
 pub struct CopyTicket {
     events: Vec<(Device, sys::CUevent)>,
+    /// Where completed events go when the ticket is dropped (`None`: destroyed).
+    pool: Option<Arc<EventPool>>,
     bytes: u64,
     copies: usize,
 }
@@ -453,7 +689,7 @@ impl CopyTicket {
         self.bytes
     }
 
-    /// Driver copies issued (extents after merging).
+    /// Driver copies issued (extents after merging contiguous ones; a strided run counts once).
     pub fn copies(&self) -> usize {
         self.copies
     }
@@ -499,6 +735,14 @@ impl CopyTicket {
 
 impl Drop for CopyTicket {
     fn drop(&mut self) {
+        if let Some(pool) = &self.pool {
+            // Recording an event again replaces what it captured, and this ticket, the only
+            // one that looked at it, is gone: the next submission can use it as it is.
+            for (device, event) in std::mem::take(&mut self.events) {
+                pool.put(device, event);
+            }
+            return;
+        }
         for (device, event) in &self.events {
             if device.bind().is_ok() {
                 // SAFETY: created by the engine, destroyed once; destroying an event whose
@@ -622,5 +866,97 @@ mod tests {
         assert_eq!(least_loaded(&[0, 0]), 0);
         assert_eq!(least_loaded(&[10, 0, 5]), 1);
         assert_eq!(least_loaded(&[10, 10, 5]), 2);
+    }
+
+    fn runs_of(extents: &[CopyExtent]) -> Vec<StridedRun> {
+        let (mut copies, mut memories, mut runs) = (Vec::new(), Vec::new(), Vec::new());
+        coalesce_in(extents, &mut copies, &mut memories).unwrap();
+        strided_runs(&copies, &memories, &mut runs);
+        runs
+    }
+
+    #[test]
+    fn head_slices_of_every_layer_become_one_strided_run() {
+        // One head (8 KiB) of four, for 80 layer planes: sources adjacent, destinations 32 KiB
+        // apart; then a copy of another length ends the run.
+        let (a, b) = (dev(0x1000_0000), dev(0x2000_0000));
+        let mut extents: Vec<_> = (0..80u64)
+            .map(|l| ext(a, l * 8192, b, l * 32768 + 2 * 8192, 8192))
+            .collect();
+        extents.push(ext(a, 1 << 24, b, 1 << 24, 100));
+        let runs = runs_of(&extents);
+        assert_eq!(runs.len(), 2);
+        assert_eq!(
+            (runs[0].rows, runs[0].src_pitch, runs[0].dst_pitch),
+            (80, 8192, 32768)
+        );
+        assert_eq!(runs[0].first.src, 0x1000_0000);
+        assert_eq!(runs[0].first.dst, 0x2000_0000 + 2 * 8192);
+        assert_eq!(runs[0].bytes(), 80 * 8192);
+        assert_eq!((runs[1].rows, runs[1].first.len), (1, 100));
+        assert_eq!(runs[0].row(79).src, 0x1000_0000 + 79 * 8192);
+        assert_eq!(runs[0].row(79).dst, 0x2000_0000 + 79 * 32768 + 2 * 8192);
+    }
+
+    #[test]
+    fn only_device_copies_with_constant_forward_pitches_form_runs() {
+        let (a, b) = (dev(0x1000_0000), dev(0x2000_0000));
+        let host = Memory::Host { addr: 0x7000_0000 };
+        let count =
+            |extents: &[CopyExtent]| runs_of(extents).iter().map(|r| r.rows).collect::<Vec<_>>();
+        // Backwards destinations: one copy each.
+        assert_eq!(
+            count(&[ext(a, 0, b, 4096, 64), ext(a, 64, b, 0, 64)]),
+            vec![1, 1]
+        );
+        // Rows that would overlap (pitch below the length): one copy each.
+        assert_eq!(
+            count(&[ext(a, 0, b, 0, 64), ext(a, 128, b, 32, 64)]),
+            vec![1, 1]
+        );
+        // The pitch changes after three rows: a run of three, then a new run.
+        assert_eq!(
+            count(&[
+                ext(a, 0, b, 0, 64),
+                ext(a, 100, b, 200, 64),
+                ext(a, 200, b, 400, 64),
+                ext(a, 1000, b, 1000, 64),
+                ext(a, 1100, b, 1100, 64),
+            ]),
+            vec![3, 2]
+        );
+        // Host → device copies are never strided.
+        assert_eq!(
+            count(&[ext(host, 0, b, 0, 64), ext(host, 100, b, 200, 64)]),
+            vec![1, 1]
+        );
+        // A pitch past the limit: one copy each.
+        assert_eq!(
+            count(&[ext(a, 0, b, 0, 64), ext(a, 1 << 32, b, 1 << 32, 64)]),
+            vec![1, 1]
+        );
+        // Rows in two allocations (pools) on one side: a run per allocation, since a 2D
+        // copy's span must lie in one.
+        let c = dev(0x3000_0000);
+        assert_eq!(
+            count(&[
+                ext(a, 0, b, 0, 64),
+                ext(a, 100, b, 200, 64),
+                ext(c, 0, b, 400, 64),
+                ext(c, 100, b, 600, 64),
+            ]),
+            vec![2, 2]
+        );
+        // Contiguous extents of two allocations do not merge either.
+        let mut copies = Vec::new();
+        coalesce(
+            &[ext(a, 0, b, 0, 64), ext(dev(0x1000_0040), 0, b, 64, 64)],
+            &mut copies,
+        )
+        .unwrap();
+        assert_eq!(copies.len(), 2);
+        let mut runs = vec![];
+        strided_runs(&[], &[], &mut runs);
+        assert!(runs.is_empty());
     }
 }

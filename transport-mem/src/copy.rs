@@ -368,7 +368,8 @@ impl InFlight {
         &self.batch
     }
 
-    /// Driver copies issued for the batch's device segments (after merging contiguous ones).
+    /// Driver copies issued for the batch's device segments (after merging contiguous ones; a
+    /// strided run of device copies counts once).
     pub fn device_copies(&self) -> usize {
         self.ticket.as_ref().map_or(0, |t| t.copies())
     }

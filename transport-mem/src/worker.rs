@@ -5,12 +5,16 @@
 //! A host batch is copied on the worker's threads before the next job is taken. With the
 //! `cuda` feature, a batch whose segments all touch device memory is submitted to the copy
 //! engine right where it is issued, on the driver's thread (issuing async copies takes
-//! microseconds, and the GPU starts without waiting for the worker to wake up); the worker then
-//! only watches it. A batch mixing host → host segments with device ones goes to the worker,
-//! which copies the host part and submits the rest. Either way the copies are left running: the
-//! worker takes further jobs meanwhile and polls the batches in flight through their CUDA
-//! events (spinning for a short while after progress, then sleeping in short steps on the job
-//! queue), reporting each once it and every earlier batch are done.
+//! microseconds, and the GPU starts without waiting for the worker to wake up), and the driver
+//! watches it too: it polls the batch's CUDA events when it looks for reports, so a device
+//! batch's completion reaches the driver with no thread handoff (no wake-up of the worker, no
+//! channel) — a device copy of a chunk takes tens of microseconds, about what waking a
+//! sleeping thread takes. A batch mixing host → host segments with device ones goes to the
+//! worker, which copies the host part and submits the rest, leaves the copies running, takes
+//! further jobs meanwhile and polls the batches in flight through their CUDA events (spinning
+//! for a short while after progress, then sleeping in short steps on the job queue). Reports
+//! come out in issue order either way: a batch is reported once it and every earlier batch are
+//! done.
 
 use std::collections::VecDeque;
 use std::sync::mpsc;
@@ -53,13 +57,10 @@ pub(crate) struct Done {
     pub(crate) finished: Instant,
 }
 
-/// What the worker is handed: a batch to carry out, or one already started (device copies
-/// issued on the driver's thread) to watch and report.
+/// What the worker is handed: a batch to carry out.
 #[derive(Debug)]
 enum Work {
     Run(Job),
-    #[cfg(feature = "cuda")]
-    Watch(Started),
 }
 
 /// How long the worker spins on batches in flight after the last progress before it sleeps
@@ -93,6 +94,25 @@ struct Started {
 }
 
 impl Started {
+    /// The report of a batch whose copy is over (`ok`, at `finished`). The batch (and its
+    /// registrations: the copies are over) is released here, before the report goes out.
+    fn into_done(self, ok: bool, finished: Instant) -> Done {
+        Done {
+            batch: self.batch,
+            sender: self.sender,
+            receiver: self.receiver,
+            bytes: self.bytes,
+            status: match (ok, self.fail) {
+                (true, None) => TransferStatus::Success,
+                (true, Some(status)) => status,
+                (false, _) => TransferStatus::WriteFailed,
+            },
+            tickets: self.tickets,
+            started: self.started,
+            finished,
+        }
+    }
+
     /// `Some((ok, finished))` once the copy is over.
     #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
     fn poll(&self, clock: &Clock) -> Option<(bool, Instant)> {
@@ -195,28 +215,10 @@ impl Worker {
     fn report(&mut self, done_tx: &mpsc::Sender<Done>) -> Result<bool, ()> {
         let mut any = false;
         while let Some((ok, finished)) = self.started.front().and_then(|s| s.poll(&self.clock)) {
-            // The batch (and its registrations: the copies are over) is released at the end
-            // of this block, before the report.
-            let done = {
-                let Some(s) = self.started.pop_front() else {
-                    break;
-                };
-                Done {
-                    batch: s.batch,
-                    sender: s.sender,
-                    receiver: s.receiver,
-                    bytes: s.bytes,
-                    status: match (ok, s.fail) {
-                        (true, None) => TransferStatus::Success,
-                        (true, Some(status)) => status,
-                        (false, _) => TransferStatus::WriteFailed,
-                    },
-                    tickets: s.tickets,
-                    started: s.started,
-                    finished,
-                }
+            let Some(s) = self.started.pop_front() else {
+                break;
             };
-            done_tx.send(done).map_err(|_| ())?;
+            done_tx.send(s.into_done(ok, finished)).map_err(|_| ())?;
             any = true;
         }
         Ok(any)
@@ -227,8 +229,6 @@ impl Worker {
     fn take(&mut self, work: Work) {
         match work {
             Work::Run(job) => self.start(job),
-            #[cfg(feature = "cuda")]
-            Work::Watch(started) => self.started.push_back(started),
         }
     }
 
@@ -292,19 +292,36 @@ impl Worker {
 #[cfg(feature = "cuda")]
 const DEVICE_SPIN: std::time::Duration = std::time::Duration::from_millis(1);
 
+/// The longest sleep between two polls of a device batch the driver watches, once
+/// [`DEVICE_SPIN`] is over.
+#[cfg(feature = "cuda")]
+const DEVICE_POLL: std::time::Duration = std::time::Duration::from_micros(20);
+
+/// A batch submitted and not reported yet, in issue order.
+#[derive(Debug)]
+enum Pending {
+    /// Carried out by the worker thread (reported on its channel, in issue order among the
+    /// worker's batches); whether it touches device memory.
+    Worker {
+        #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+        device: bool,
+    },
+    /// Device copies started on the driver's thread, watched here.
+    #[cfg(feature = "cuda")]
+    Driver(Started),
+}
+
 #[derive(Debug)]
 pub(crate) struct CopyWorker {
     jobs: Option<mpsc::Sender<Work>>,
     done: mpsc::Receiver<Done>,
-    /// Per batch submitted and not reported yet, in order (the worker reports in issue order):
-    /// whether it touches device memory.
-    #[cfg(feature = "cuda")]
-    kinds: VecDeque<bool>,
+    /// Every batch submitted and not reported yet, in issue order (reports keep it).
+    pending: VecDeque<Pending>,
     thread: Option<JoinHandle<()>>,
     /// The copy engine of the driver's thread, for batches started where they are issued.
     #[cfg(feature = "cuda")]
     engine: Option<kvpipe_cuda::CopyEngine>,
-    #[cfg(feature = "cuda")]
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     clock: Clock,
 }
 
@@ -327,29 +344,48 @@ impl CopyWorker {
         CopyWorker {
             jobs: Some(jobs_tx),
             done: done_rx,
-            #[cfg(feature = "cuda")]
-            kinds: VecDeque::new(),
+            pending: VecDeque::new(),
             thread: Some(thread),
             #[cfg(feature = "cuda")]
             engine: None,
-            #[cfg(feature = "cuda")]
             clock,
         }
     }
 
-    /// A report, if one is ready.
+    /// A report, if one is ready: the oldest batch's, once it is done (reports keep issue
+    /// order).
     pub(crate) fn try_done(&mut self) -> Option<Done> {
-        let done = self.done.try_recv().ok()?;
-        #[cfg(feature = "cuda")]
-        self.kinds.pop_front();
+        let done = match self.pending.front()? {
+            Pending::Worker { .. } => self.done.try_recv().ok()?,
+            #[cfg(feature = "cuda")]
+            Pending::Driver(started) => {
+                let (ok, finished) = started.poll(&self.clock)?;
+                match self.pending.pop_front() {
+                    Some(Pending::Driver(s)) => return Some(s.into_done(ok, finished)),
+                    _ => return None,
+                }
+            }
+        };
+        self.pending.pop_front();
         Some(done)
     }
 
+    /// Whether the oldest batch not reported yet touches device memory.
+    #[cfg(feature = "cuda")]
+    fn device_first(&self) -> bool {
+        match self.pending.front() {
+            Some(Pending::Worker { device }) => *device,
+            Some(Pending::Driver(_)) => true,
+            None => false,
+        }
+    }
+
     /// The next report, waiting up to `limit`. While a device batch is in flight it polls for
-    /// up to [`DEVICE_SPIN`] first, then sleeps on the channel.
+    /// up to [`DEVICE_SPIN`] first, then sleeps on the channel (a batch of the worker) or in
+    /// steps of [`DEVICE_POLL`] (a batch the driver watches).
     pub(crate) fn done_within(&mut self, limit: std::time::Duration) -> Option<Done> {
         #[cfg(feature = "cuda")]
-        if self.kinds.iter().any(|&device| device) {
+        if self.device_first() {
             let start = std::time::Instant::now();
             let spin = limit.min(DEVICE_SPIN);
             loop {
@@ -361,45 +397,63 @@ impl CopyWorker {
                 }
                 std::thread::yield_now();
             }
-            let done = self.done.recv_timeout(limit.saturating_sub(spin)).ok()?;
-            self.kinds.pop_front();
+            while matches!(self.pending.front(), Some(Pending::Driver(_))) {
+                let left = limit.saturating_sub(start.elapsed());
+                if left.is_zero() {
+                    return None;
+                }
+                std::thread::sleep(left.min(DEVICE_POLL));
+                if let Some(done) = self.try_done() {
+                    return Some(done);
+                }
+            }
+            if self.pending.is_empty() {
+                return None;
+            }
+            let done = self
+                .done
+                .recv_timeout(limit.saturating_sub(start.elapsed()))
+                .ok()?;
+            self.pending.pop_front();
             return Some(done);
         }
+        if self.pending.is_empty() {
+            // Nothing in flight: nothing will be reported; wait out the limit as a receive would.
+            std::thread::sleep(limit);
+            return None;
+        }
         let done = self.done.recv_timeout(limit).ok()?;
-        #[cfg(feature = "cuda")]
-        self.kinds.pop_front();
+        self.pending.pop_front();
         Some(done)
     }
 
     pub(crate) fn submit(&mut self, job: Job) {
         #[cfg(feature = "cuda")]
-        self.kinds.push_back(job.writes.touches_device());
+        if job.writes.touches_device() && !job.writes.segments().iter().any(|s| s.is_host()) {
+            // Device copies only: issue them now (they run asynchronously) and watch them here.
+            let started = self.clock.now();
+            let bytes = job.writes.bytes();
+            let copying = start_device(&mut self.engine, &self.clock, job.writes, 1, u64::MAX);
+            self.pending.push_back(Pending::Driver(Started {
+                batch: job.batch,
+                sender: job.sender,
+                receiver: job.receiver,
+                bytes,
+                tickets: job.tickets,
+                fail: job.fail,
+                started,
+                copying,
+            }));
+            return;
+        }
         #[cfg(feature = "cuda")]
-        let work =
-            if job.writes.touches_device() && !job.writes.segments().iter().any(|s| s.is_host()) {
-                // Device copies only: issue them now (they run asynchronously) and let the worker
-                // watch them.
-                let started = self.clock.now();
-                let bytes = job.writes.bytes();
-                let copying = start_device(&mut self.engine, &self.clock, job.writes, 1, u64::MAX);
-                Work::Watch(Started {
-                    batch: job.batch,
-                    sender: job.sender,
-                    receiver: job.receiver,
-                    bytes,
-                    tickets: job.tickets,
-                    fail: job.fail,
-                    started,
-                    copying,
-                })
-            } else {
-                Work::Run(job)
-            };
+        let device = job.writes.touches_device();
         #[cfg(not(feature = "cuda"))]
-        let work = Work::Run(job);
+        let device = false;
+        self.pending.push_back(Pending::Worker { device });
         if let Some(tx) = &self.jobs {
             // The worker only stops when this handle is dropped.
-            let _ = tx.send(work);
+            let _ = tx.send(Work::Run(job));
         }
     }
 }

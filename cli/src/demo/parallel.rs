@@ -12,6 +12,10 @@
 //! go out as soon as it is computed. At the end every receiver rank's bytes are checked against
 //! the ground truth of the whole model: the content the model's layer, head, token and element
 //! must hold, whichever rank computed them.
+//!
+//! With `--memory device` every rank's pools are placed in the memory of the one GPU `--gpu`
+//! (one GPU per rank would be the real deployment; here all ranks share one) and the copies
+//! run on its copy engines; verification reads back the slots the requests hold.
 
 use std::collections::BTreeMap;
 use std::process::ExitCode;
@@ -21,6 +25,7 @@ use kvpipe_conformance::cache::{
     split_rank, writers_of, AllocationStyle, CacheSpec, GroupSpec, ReferenceCache,
 };
 use kvpipe_conformance::suite::demo::{median, percentile, Model};
+use kvpipe_conformance::suite::PoolMemory;
 use kvpipe_core::session::{Deadlines, LocalHello, Registration, RequestTimings, SendRequest};
 use kvpipe_core::wire::{AuxData, Topology};
 use kvpipe_core::{
@@ -37,6 +42,8 @@ use crate::CliError;
 #[derive(Debug, Serialize)]
 struct ParallelSummary {
     transport: &'static str,
+    /// Where every rank's pools lived: "host" or "device".
+    memory: &'static str,
     model: &'static str,
     mode: &'static str,
     sender_tp: u16,
@@ -146,6 +153,7 @@ pub(super) fn run(
     sender_tp: u16,
     receiver_tp: u16,
     receiver_pp: u16,
+    memory: PoolMemory,
 ) -> Result<ExitCode, CliError> {
     if args.transport != "mem" {
         return Err("--sender-tp/--receiver-tp/--receiver-pp run over --transport mem".into());
@@ -229,8 +237,27 @@ pub(super) fn run(
         (Node::Receiver as fn(usize) -> Node, &mut receivers),
     ] {
         for (i, r) in ranks.iter_mut().enumerate() {
+            memory.place(&mut r.cache)?;
             let ids: Vec<_> = r.cache.region_ids().collect();
             for id in ids {
+                #[cfg(feature = "cuda")]
+                if let Some(pool) = r.cache.device_pool(id) {
+                    let table = net
+                        .regions_mut(nodes(i))
+                        .ok_or("the network has every rank's node")?;
+                    // SAFETY: the cache owns the device buffer and outlives `net` (dropped
+                    // before any cache is read back); the sessions pin blocks until quiesced.
+                    unsafe {
+                        table.register_device(
+                            id,
+                            RegionUse::KvPool,
+                            pool.ordinal,
+                            pool.ptr,
+                            pool.len,
+                        )
+                    }?;
+                    continue;
+                }
                 let bytes = r.cache.region_mut(id).unwrap_or_default();
                 // SAFETY: every cache is boxed (its regions never move or resize) and outlives
                 // `net`, which is dropped before any cache is read for verification; the engine
@@ -422,6 +449,10 @@ pub(super) fn run(
     net.pump()?;
     let timings = net.batch_timings().to_vec();
     drop(net);
+    // Pools in device memory: the checks below read back the slots the requests hold.
+    for r in &mut receivers {
+        r.cache.sync_held_from_device()?;
+    }
 
     // Outcomes, tails and bytes.
     let mut completions: BTreeMap<RequestId, Vec<RequestTimings>> = BTreeMap::new();
@@ -498,6 +529,7 @@ pub(super) fn run(
         .sum();
     let summary = ParallelSummary {
         transport: "mem",
+        memory: memory.name(),
         model: args.model.name(),
         mode: if args.monolithic {
             "monolithic"
@@ -550,6 +582,13 @@ fn print_table(s: &ParallelSummary) {
     let gib = |b: u64| b as f64 / f64::from(1u32 << 30);
     let rows = [
         ("transport", s.transport.to_string()),
+        (
+            "kv pools",
+            match s.memory {
+                "device" => "device memory (every rank on one GPU), read back to verify".into(),
+                other => format!("{other} memory"),
+            },
+        ),
         ("model", s.model.to_string()),
         ("mode", s.mode.to_string()),
         (

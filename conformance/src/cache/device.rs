@@ -8,7 +8,15 @@
 //! at a time, before the call returns — so a chunk's blocks are in device memory when the chunk
 //! is submitted, as a GPU engine's would be. The checks read host memory:
 //! [`ReferenceCache::sync_from_device`] downloads every pool first (and so compares every byte
-//! that went through the GPU).
+//! that went through the GPU), [`ReferenceCache::sync_held_from_device`] only the slots the
+//! requests hold.
+//!
+//! **Host memory stays at about the live KV.** The host buffers are allocated zeroed and a slot's
+//! host bytes are first written when the slot is first handed out (full-attention pools: when
+//! the cache is built), so the operating system commits only those. Placing uploads only those
+//! slots (the rest of the device buffer is zeroed on the GPU), and reading back only the held
+//! slots leaves the others uncommitted: a windowed pool, reserved for every block of every
+//! request but holding only a window of each, never commits its unused slots on the host.
 //!
 //! Uploads touch only slots no transfer reads or writes at that moment (a chunk's own blocks,
 //! slots just handed out), so they run while transfers of other blocks go on.
@@ -77,9 +85,22 @@ impl ReferenceCache {
         }
         let mut buffers = Vec::with_capacity(self.regions.len());
         for &(g, p) in &self.regions {
-            let host = &self.groups[g].memory[p];
+            let group = &self.groups[g];
+            let host = &group.memory[p];
             let mut buf = DeviceBuffer::new(device, host.len())?;
-            buf.upload(0, host)?;
+            // Slots never handed out are still zero on the host (and not committed): zero them
+            // on the GPU and upload only the others, without reading the untouched pages.
+            let touched: Vec<u32> = (0..group.touched.len() as u32)
+                .filter(|&s| group.touched[s as usize])
+                .collect();
+            if touched.len() < group.touched.len() {
+                buf.fill(0)?;
+            }
+            let slot_bytes = group.layout.pools[p].slot_bytes as usize;
+            for (first, end) in runs(&touched) {
+                let range = first as usize * slot_bytes..end as usize * slot_bytes;
+                buf.upload(range.start, &host[range])?;
+            }
             buffers.push(buf);
         }
         for group in &mut self.groups {
@@ -127,6 +148,23 @@ impl ReferenceCache {
         for group in &mut self.groups {
             if let Some(dirty) = &mut group.dirty {
                 dirty.clear();
+            }
+        }
+        Ok(())
+    }
+
+    /// Downloads the slots a request holds, in runs of adjacent slots, into the host buffers.
+    pub(super) fn download_held(&mut self) -> Result<(), CacheError> {
+        for (i, &(g, p)) in self.regions.iter().enumerate() {
+            let group = &mut self.groups[g];
+            let held: Vec<u32> = (0..group.owner.len() as u32)
+                .filter(|&s| group.owner[s as usize].is_some())
+                .collect();
+            let slot_bytes = group.layout.pools[p].slot_bytes as usize;
+            let host = &mut group.memory[p];
+            for (first, end) in runs(&held) {
+                let range = first as usize * slot_bytes..end as usize * slot_bytes;
+                self.device.buffers[i].download(range.start, &mut host[range])?;
             }
         }
         Ok(())

@@ -904,6 +904,17 @@ impl ReferenceCache {
         Ok(())
     }
 
+    /// [`ReferenceCache::sync_from_device`] for the slots requests hold only (every slot a
+    /// check of a request reads): the host bytes of other slots stay as they were, and
+    /// uncommitted. Without a device it does nothing.
+    pub fn sync_held_from_device(&mut self) -> Result<(), CacheError> {
+        #[cfg(feature = "cuda")]
+        if self.device.is_placed() {
+            return self.download_held();
+        }
+        Ok(())
+    }
+
     /// Whether the pools live in device memory (`cuda` feature:
     /// `ReferenceCache::place_on_device`).
     pub fn is_on_device(&self) -> bool {

@@ -258,6 +258,9 @@ pub struct DemoSummary {
     pub transfer_p50_ms: f64,
     /// 99th percentile of the transfer time.
     pub transfer_p99_ms: f64,
+    /// Where the exposed tail of the request whose last chunk came last went (`None` when it
+    /// did not complete).
+    pub last_tail_parts: Option<TailParts>,
     /// Destination bytes compared against the sender's.
     pub bytes_verified: u64,
     /// Destination blocks that differ.
@@ -266,6 +269,47 @@ pub struct DemoSummary {
     pub thorough_checks: bool,
     /// Every request completed and every byte matched.
     pub verified: bool,
+}
+
+/// The exposed tail of one request in four consecutive parts, in microseconds (on the run's
+/// one clock): its sum is the tail. The last write batch is the one issued last.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct TailParts {
+    /// Last chunk submitted → its write batch issued to the transport (the core's planning,
+    /// block queries and admission).
+    pub submit_us: f64,
+    /// The transport's own copy time of the last batch (started → seen finished).
+    pub copy_us: f64,
+    /// Batch issued → its outcome reached the sender, less the copy time: starting the
+    /// copy, seeing it finish and handing the report to the driver.
+    pub report_us: f64,
+    /// Outcome at the sender → decode side complete (the result frame, aux data, the
+    /// receiver's completion).
+    pub complete_us: f64,
+}
+
+/// The [`TailParts`] of the request whose last chunk was computed last.
+fn last_tail_parts(report: &RunReport) -> Option<TailParts> {
+    let us = |d: Duration| d.as_nanos() as f64 / 1e3;
+    let (computed, ended) = report
+        .requests
+        .iter()
+        .filter_map(|r| {
+            let t = r.transfer_timings()?;
+            Some((t.sender.last_chunk?, t.receiver.ended))
+        })
+        .max_by_key(|&(computed, _)| computed)?;
+    let batch = report.batch_timings.iter().max_by_key(|t| t.issued)?;
+    if batch.issued < computed || batch.reported > ended {
+        return None;
+    }
+    let handoff = batch.reported - batch.issued;
+    Some(TailParts {
+        submit_us: us(batch.issued - computed),
+        copy_us: us(batch.transfer),
+        report_us: (us(handoff) - us(batch.transfer)).max(0.0),
+        complete_us: us(ended - batch.reported),
+    })
 }
 
 fn ms(d: Duration) -> f64 {
@@ -404,6 +448,7 @@ pub fn summarize(
         exposed_tail_p99_ms: percentile(&tails, 99.0),
         transfer_p50_ms: percentile(&transfers, 50.0),
         transfer_p99_ms: percentile(&transfers, 99.0),
+        last_tail_parts: last_tail_parts(report),
         bytes_verified: report.requests.iter().map(|r| r.bytes_verified).sum(),
         mismatched_blocks: report
             .requests
