@@ -163,6 +163,7 @@ class Instance:
     def _execute(self, so):
         if so.total_num_scheduled_tokens == 0:
             return KVConnectorModelRunnerMixin.kv_connector_no_forward(so, self.vllm_config)
+        self.worker.handle_preemptions(so.kv_connector_metadata)  # as vLLM's GPU model runner does
         computed = {}
         for new in so.scheduled_new_reqs:
             computed[new.req_id] = (new.num_computed_tokens, new.block_ids[0], len(new.prompt_token_ids))

@@ -148,6 +148,7 @@ class KvpipeMetadata(KVConnectorMetadata):
     chunks: list[_Chunk] = field(default_factory=list)
     registrations: list[_Registration] = field(default_factory=list)
     cancel_sends: list[str] = field(default_factory=list)
+    preempted_sends: list[str] = field(default_factory=list)
     cancel_recvs: list[str] = field(default_factory=list)
 
 
@@ -217,6 +218,11 @@ class KvpipeConnector(KVConnectorBase_V1):
     # ---- worker side ----
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
         self._worker.register_kv_caches(kv_caches)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata):
+        """Before the forward pass that may overwrite them: a preempted prefill request's blocks
+        went back to vLLM, so its transfer is cancelled and waited for until quiesced."""
+        self._worker.handle_preemptions(kv_connector_metadata)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         self._worker.start_step(self._get_connector_metadata())
@@ -294,7 +300,7 @@ class _SchedulerSide:
             s = self.sends.get(preempted)
             if s is not None and s.opened and not s.abandoned:
                 s.abandoned = True
-                self.meta.cancel_sends.append(preempted)
+                self.meta.preempted_sends.append(preempted)
         for new in so.scheduled_new_reqs:
             self._chunk(new.req_id, new.block_ids[0], new.num_computed_tokens, so)
         cached = so.scheduled_cached_reqs
@@ -451,6 +457,24 @@ class _WorkerSide:
                     self._quietly(self.sender.cancel, kv_id)
         self._post_pending()
 
+    def handle_preemptions(self, meta: KvpipeMetadata):
+        waiting = set()
+        for rid in meta.preempted_sends:
+            for kv_id, r in list(self.send_req.items()):
+                if r == rid:
+                    self._quietly(self.sender.cancel, kv_id)
+                    waiting.add(kv_id)
+        deadline = time.monotonic() + float(self.extra.get("kvpipe_preempt_wait", 15.0))
+        while waiting & self.send_req.keys():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                logger.error("kvpipe: preempted requests %s did not quiesce in time; their blocks may still be "
+                             "read", sorted(self.send_req[k] for k in waiting & self.send_req.keys()))
+                return
+            e = self.sender.next_event(min(left, 0.1))
+            if e is not None:
+                self._sender_event(e)
+
     def _quietly(self, fn, *args):
         try:
             fn(*args)
@@ -550,16 +574,7 @@ class _WorkerSide:
     def poll(self):
         if self.sender is not None:
             while (e := self.sender.next_event(0.0)) is not None:
-                if e.kind == "quiesced":
-                    rid = self.send_req.pop(e.request, None)
-                    self.send_tables.pop(e.request, None)
-                    self._quietly(self.sender.retire, e.request)
-                    if rid is not None:
-                        self.send_done.add(rid)
-                elif e.kind in ("failed", "timed_out", "cancelled"):
-                    logger.info("kvpipe: sending %s: %s", self.send_req.get(e.request), e.message)
-                elif e.kind in ("peer_rejected", "protocol_violation"):
-                    logger.warning("kvpipe: %s", e.message)
+                self._sender_event(e)
         if self.receiver is not None:
             while (e := self.receiver.next_event(0.0)) is not None:
                 if e.kind == "peer_ready":
@@ -578,6 +593,18 @@ class _WorkerSide:
                     logger.info("kvpipe: receiving %s: %s", self.recv_req.get(e.request, ("?",))[0], e.message)
                 elif e.kind in ("peer_rejected", "protocol_violation"):
                     logger.warning("kvpipe: %s", e.message)
+
+    def _sender_event(self, e):
+        if e.kind == "quiesced":
+            rid = self.send_req.pop(e.request, None)
+            self.send_tables.pop(e.request, None)
+            self._quietly(self.sender.retire, e.request)
+            if rid is not None:
+                self.send_done.add(rid)
+        elif e.kind in ("failed", "timed_out", "cancelled"):
+            logger.info("kvpipe: sending %s: %s", self.send_req.get(e.request), e.message)
+        elif e.kind in ("peer_rejected", "protocol_violation"):
+            logger.warning("kvpipe: %s", e.message)
 
     def get_finished(self, finished_req_ids: set[str]):
         self.poll()
