@@ -12,6 +12,8 @@ instance runs in the test process.
 from __future__ import annotations
 
 import collections
+import copy
+import dataclasses
 import json
 import os
 import tempfile
@@ -28,10 +30,12 @@ from vllm.config import (  # noqa: E402
     DeviceConfig,
     KVTransferConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     VllmConfig,
 )
 from vllm.distributed.kv_transfer import kv_transfer_state  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.forward_context import set_forward_context  # noqa: E402
@@ -65,7 +69,7 @@ def model_dir() -> str:
 
 
 def make_config(role: str, async_scheduling: bool, *, extra: dict | None = None, max_batched: int = 32,
-                max_seqs: int = 32, policy: str = "recompute") -> VllmConfig:
+                max_seqs: int = 32, policy: str = "recompute", tp: int = 1) -> VllmConfig:
     model = ModelConfig(model=model_dir(), skip_tokenizer_init=True, dtype="float16", seed=0,
                         max_model_len=4096)
     sched = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=max_batched, max_model_len=4096,
@@ -79,7 +83,7 @@ def make_config(role: str, async_scheduling: bool, *, extra: dict | None = None,
                           engine_id=PREFILL_ENGINE if role == "prefill" else "kvpipe-test-decode",
                           kv_connector_extra_config=extra, kv_load_failure_policy=policy)
     return VllmConfig(model_config=model, scheduler_config=sched, cache_config=cache, kv_transfer_config=kv,
-                      device_config=DeviceConfig("cpu"))
+                      device_config=DeviceConfig("cpu"), parallel_config=ParallelConfig(tensor_parallel_size=tp))
 
 
 def pattern(kv_id: int, token: int, layer: int) -> np.ndarray:
@@ -93,9 +97,9 @@ def pattern(kv_id: int, token: int, layer: int) -> np.ndarray:
 class Instance:
     """A scheduler, its connector's scheduler and worker sides, and the worker's KV tensors."""
 
-    def __init__(self, role: str, async_scheduling: bool, num_blocks: int = 256, **config):
+    def __init__(self, role: str, async_scheduling: bool, num_blocks: int = 256, tp: int = 1, **config):
         self.role = role
-        self.vllm_config = make_config(role, async_scheduling, **config)
+        self.vllm_config = make_config(role, async_scheduling, tp=tp, **config)
         spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD_DIM, dtype=torch.float16)
         self.kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
                                              kv_cache_groups=[KVCacheGroupSpec(LAYER_NAMES, spec)])
@@ -104,20 +108,30 @@ class Instance:
         self.scheduler = cls(vllm_config=self.vllm_config, kv_cache_config=self.kv_cache_config, log_stats=True,
                              structured_output_manager=StructuredOutputManager(self.vllm_config), block_size=BLOCK)
         assert type(self.scheduler.connector).__name__ == "KvpipeConnector"
-        # The worker: the connector made as vLLM's workers make it, then its KV tensors, in the
-        # per-layer shape (num_blocks, 2, block_size, kv_heads, head_dim) with HND strides.
-        self.worker = KVConnectorFactory.create_connector(self.vllm_config, KVConnectorRole.WORKER,
-                                                          self.kv_cache_config)
-        kv_transfer_state._KV_CONNECTOR_AGENT = self.worker
-        self.phys = []  # (num_blocks, 2, heads, block, dim) bytes per layer, as stored
-        caches = {}
+        # The workers (one per tensor rank): the connector made as vLLM's workers make it, then
+        # its KV tensors, in the per-layer shape (num_blocks, 2, block_size, kv_heads, head_dim)
+        # with HND strides; rank r of tp holds KV heads r*H/tp .. (r+1)*H/tp.
+        self.tp, self.heads = tp, KV_HEADS // tp
+        self.workers, self.phys_by_rank = [], []
+        kv = self.vllm_config.kv_transfer_config
         filler = 0xA5 if role == "decode" else 0x3C
-        for name in LAYER_NAMES:
-            t = torch.full((num_blocks, 2, KV_HEADS, BLOCK, HEAD_DIM), 0, dtype=torch.float16)
-            t.view(torch.uint8).fill_(filler)
-            self.phys.append(t.view(torch.uint8).numpy())
-            caches[name] = t.permute(0, 1, 3, 2, 4)  # logical NHD shape, physical HND
-        self.worker.register_kv_caches(caches)
+        for rank in range(tp):
+            cfg = copy.copy(self.vllm_config)
+            cfg.kv_transfer_config = dataclasses.replace(
+                kv, kv_connector_extra_config=dict(kv.kv_connector_extra_config, kvpipe_tp_rank=rank))
+            worker = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, self.kv_cache_config)
+            phys, caches = [], {}
+            for name in LAYER_NAMES:
+                t = torch.zeros((num_blocks, 2, self.heads, BLOCK, HEAD_DIM), dtype=torch.float16)
+                t.view(torch.uint8).fill_(filler)
+                phys.append(t.view(torch.uint8).numpy())
+                caches[name] = t.permute(0, 1, 3, 2, 4)  # logical NHD shape, physical HND
+            worker.register_kv_caches(caches)
+            self.workers.append(worker)
+            self.phys_by_rank.append(phys)
+        self.worker, self.phys = self.workers[0], self.phys_by_rank[0]
+        kv_transfer_state._KV_CONNECTOR_AGENT = self.worker
+        self.aggregator = KVOutputAggregator(tp)  # what vLLM's executor merges the ranks' outputs with
         self.address = self.worker.worker.address
         self.pending = collections.deque()  # async: the step whose output is not applied yet
         self.async_scheduling = async_scheduling
@@ -161,20 +175,29 @@ class Instance:
             self.scheduler.update_from_output(*self.pending.popleft())
 
     def _execute(self, so):
+        outs = [self._execute_rank(so, rank) for rank in range(self.tp)]
+        kv_transfer_state._KV_CONNECTOR_AGENT = self.worker
+        return self.aggregator.aggregate(outs)
+
+    def _execute_rank(self, so, rank):
+        worker = self.workers[rank]
+        kv_transfer_state._KV_CONNECTOR_AGENT = worker
         if so.total_num_scheduled_tokens == 0:
             return KVConnectorModelRunnerMixin.kv_connector_no_forward(so, self.vllm_config)
-        self.worker.handle_preemptions(so.kv_connector_metadata)  # as vLLM's GPU model runner does
+        worker.handle_preemptions(so.kv_connector_metadata)  # as vLLM's GPU model runner does
         computed = {}
         for new in so.scheduled_new_reqs:
-            computed[new.req_id] = (new.num_computed_tokens, new.block_ids[0], len(new.prompt_token_ids))
+            computed[new.req_id] = new.num_computed_tokens
         cached = so.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
-            computed[rid] = (cached.num_computed_tokens[i], None, None)
+            computed[rid] = cached.num_computed_tokens[i]
+        heads = slice(rank * self.heads, (rank + 1) * self.heads)
+        phys = self.phys_by_rank[rank]
         req_ids, sampled, chunks = [], [], {}
         with set_forward_context(None, self.vllm_config), \
                 KVConnectorModelRunnerMixin.maybe_get_kv_connector_output(so) as kv_out:
             for rid, n in so.num_scheduled_tokens.items():
-                start, _, _ = computed[rid]
+                start = computed[rid]
                 req = self.scheduler.requests[rid]
                 blocks = self.scheduler.kv_cache_manager.get_block_ids(rid)[0]
                 end = start + n
@@ -183,12 +206,13 @@ class Instance:
                 for t in range(start, min(end, prompt)):  # "forward": this step's tokens' KV
                     b = blocks[t // BLOCK]
                     for layer in range(LAYERS):
-                        self.phys[layer][b, :, :, t % BLOCK, :] = pattern(kv_id, t, layer)
+                        phys[layer][b, :, :, t % BLOCK, :] = pattern(kv_id, t, layer)[:, heads]
                 if start < prompt:
                     chunks[rid] = (start, min(end, prompt))
                 req_ids.append(rid)
                 sampled.append([7] if end >= prompt else [])
-        self.log.append(chunks)
+        if rank == 0:
+            self.log.append(chunks)
         return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                  sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={},
                                  pooler_output=None, kv_connector_output=kv_out)
@@ -222,7 +246,10 @@ class Instance:
         return self.worker.worker.counters()
 
     def held(self):
-        return self.worker.worker.held()
+        total = collections.Counter()
+        for worker in self.workers:
+            total.update(worker.worker.held())
+        return {"sending": total["sending"], "receiving": total["receiving"]}
 
 
 def serve(conn, async_scheduling: bool, config: dict):
@@ -255,6 +282,7 @@ def serve(conn, async_scheduling: bool, config: dict):
             inst.flush()
             conn.send(("ok", inst.idle()))
         elif cmd == "close":
-            inst.worker.shutdown()
+            for worker in inst.workers:
+                worker.shutdown()
             conn.send(("ok", None))
             return

@@ -143,3 +143,18 @@ def test_a_thousand_requests_with_vllm_string_ids(make_pair):
     pair.settle(timeout=60)
     assert not pair.recomputed
     assert_nothing_held(pair)
+
+
+def test_two_prefill_tensor_ranks_write_one_decode_rank_holding_both_heads(make_pair):
+    # Heterogeneous tensor parallelism: the prefill instance has two tensor ranks (one KV head
+    # each, two kvpipe senders, their outputs merged by vLLM's KVOutputAggregator); the decode
+    # rank holds both heads and registers with both prefill ranks as writers.
+    pair = make_pair(prefill_config={"tp": 2})
+    reqs = [(Pair.new_id(), n) for n in (90, 17)]
+    for rid, prompt in reqs:
+        pair.add_decode(rid, prompt)
+    pair.add_prefill(*reqs)
+    pair.pump(lambda: pair.loaded == {rid for rid, _ in reqs})
+    pair.settle()
+    assert not pair.recomputed
+    assert_nothing_held(pair)
