@@ -71,17 +71,17 @@ class Pair:
     def new_id() -> str:
         return f"cmpl-{uuid.uuid4().hex}-0"
 
-    def add_decode(self, rid: str, prompt: int, max_tokens: int = 3):
-        self.decode.add(rid, request_id(rid), prompt, max_tokens,
+    def add_decode(self, rid: str, prompt: int, max_tokens: int = 3, kv_id: int | None = None):
+        self.decode.add(rid, request_id(rid) if kv_id is None else kv_id, prompt, max_tokens,
                         {"do_remote_prefill": True, "kvpipe_prefill_engine": instance.PREFILL_ENGINE})
         self.remote[rid] = prompt
 
-    def prefill_args(self, rid: str, prompt: int):
-        return (rid, request_id(rid), prompt, 1,
+    def prefill_args(self, rid: str, prompt: int, kv_id: int | None = None):
+        return (rid, request_id(rid) if kv_id is None else kv_id, prompt, 1,
                 {"do_remote_decode": True, "kvpipe_decode": self.decode.address, "kvpipe_decode_tp": 1})
 
     def add_prefill(self, *reqs):
-        self.prefill.call("add", [self.prefill_args(rid, prompt) for rid, prompt in reqs])
+        self.prefill.call("add", [self.prefill_args(*req) for req in reqs])
 
     def _check_scheduled(self, so):
         """Called between the decode scheduler's schedule() and the forward pass: a request whose

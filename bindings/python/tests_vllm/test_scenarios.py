@@ -158,3 +158,18 @@ def test_two_prefill_tensor_ranks_write_one_decode_rank_holding_both_heads(make_
     pair.settle()
     assert not pair.recomputed
     assert_nothing_held(pair)
+
+
+def test_two_live_requests_with_one_kvpipe_id_never_mix(make_pair):
+    # Two vLLM requests whose ids hash to one kvpipe id (forced here): the first moves, the
+    # second is refused on both sides and the decode side recomputes it; nothing leaks.
+    pair = make_pair()
+    first, second, shared = Pair.new_id(), Pair.new_id(), 0xDEADBEEF_00000001
+    pair.add_decode(first, 50, kv_id=shared)
+    pair.pump(lambda: pair.status(first) == "WAITING_FOR_REMOTE_KVS", prefill=False)
+    pair.add_decode(second, 40, kv_id=shared)
+    pair.add_prefill((first, 50, shared), (second, 40, shared))
+    pair.pump(lambda: first in pair.loaded and second in pair.recomputed)
+    pair.settle()
+    assert second not in pair.loaded
+    assert_nothing_held(pair)

@@ -46,13 +46,16 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1,
-    KVConnectorHandshakeMetadata,
-    KVConnectorMetadata,
-    KVConnectorRole,
-)
+try:
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorBase_V1,
+        KVConnectorHandshakeMetadata,
+        KVConnectorMetadata,
+        KVConnectorRole,
+    )
+except ImportError as e:  # kvpipe itself works without vLLM; this module does not
+    raise ImportError(f"kvpipe.vllm is a vLLM KV connector and needs vLLM (tested with 0.25.0): {e}") from e
 
 import kvpipe
 
@@ -359,7 +362,7 @@ class _WorkerSide:
         self.layout_hnd = True
         self.cuda = False
         # prefill
-        self.decode_peers: dict[str, int] = {}  # "host:port" -> peer
+        self.decode_peers: dict[str, tuple[int, float]] = {}  # "host:port" -> (peer, connected at)
         self.send_tables: dict[int, list[int]] = {}  # kv id -> block table
         self.send_req: dict[int, str] = {}  # kv id -> vLLM id
         self.send_done: set[str] = set()  # quiesced (or never held), not yet finished by vLLM
@@ -510,7 +513,10 @@ class _WorkerSide:
         """The ready peers of engine ``tag`` that write this rank, once all of them are ready."""
         ranks = {}
         src_tp = None
-        for peer, inst in self.peer_instance.items():
+        for peer, inst in list(self.peer_instance.items()):
+            if not self.receiver.is_peer_ready(peer):  # lost (a restarted engine connects anew)
+                del self.peer_instance[peer]
+                continue
             if inst >> 32 == tag:
                 src_tp = (inst >> 16) & 0xFFFF
                 ranks[inst & 0xFFFF] = peer
@@ -558,10 +564,7 @@ class _WorkerSide:
         try:
             for d in range(ch.decode_tp):
                 if writes_to(self.c._model_heads, self.tp_size, self.tp_rank, ch.decode_tp, d):
-                    addr = f"{host}:{int(port) + d}"
-                    if addr not in self.decode_peers:
-                        self.decode_peers[addr] = self.sender.connect(addr)
-                    peers.append(self.decode_peers[addr])
+                    peers.append(self._decode_peer(f"{host}:{int(port) + d}"))
             self.sender.open_request(ch.kv_id, peers)
         except kvpipe.KvpipeError as e:
             logger.warning("kvpipe: request %s (id %d) not opened: %s", ch.req_id, ch.kv_id, e)
@@ -570,6 +573,19 @@ class _WorkerSide:
         self.send_req[ch.kv_id] = ch.req_id
         self.send_tables[ch.kv_id] = []
         return True
+
+    def _decode_peer(self, addr: str) -> int:
+        """The peer for a decode rank's address: connected on first use, and again when the
+        connection is not ready past the handshake deadline (a decode instance that restarted)."""
+        known = self.decode_peers.get(addr)
+        if known is not None:
+            peer, since = known
+            if self.sender.is_peer_ready(peer) or time.monotonic() - since < float(
+                    (self._deadlines() or {}).get("handshake", 5.0)):
+                return peer
+        peer = self.sender.connect(addr)
+        self.decode_peers[addr] = (peer, time.monotonic())
+        return peer
 
     def poll(self):
         if self.sender is not None:
