@@ -111,7 +111,12 @@ class Pair:
             if done():
                 return
             time.sleep(0.002)
-        raise AssertionError("the instances did not get there in time")
+        raise AssertionError(f"the instances did not get there in time: decode {self.describe()}")
+
+    def describe(self):
+        return {"status": {rid: self.status(rid) for rid in self.remote}, "loaded": sorted(self.loaded),
+                "recomputed": sorted(self.recomputed), "held": self.decode.held(),
+                "prefill": self.prefill.call("state") if self.prefill.proc.is_alive() else "gone"}
 
     def settle(self, timeout=30.0):
         """Runs both instances until neither holds a request or a block."""

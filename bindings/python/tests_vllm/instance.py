@@ -69,12 +69,15 @@ def model_dir() -> str:
 
 
 def make_config(role: str, async_scheduling: bool, *, extra: dict | None = None, max_batched: int = 32,
-                max_seqs: int = 32, policy: str = "recompute", tp: int = 1) -> VllmConfig:
+                max_seqs: int = 32, policy: str = "recompute", tp: int = 1,
+                long_prefill: int = 0, reserve_full_prompt: bool = True) -> VllmConfig:
     model = ModelConfig(model=model_dir(), skip_tokenizer_init=True, dtype="float16", seed=0,
                         max_model_len=4096)
     sched = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=max_batched, max_model_len=4096,
                             enable_chunked_prefill=True, is_encoder_decoder=False,
-                            disable_hybrid_kv_cache_manager=True, async_scheduling=async_scheduling)
+                            disable_hybrid_kv_cache_manager=True, async_scheduling=async_scheduling,
+                            long_prefill_token_threshold=long_prefill,
+                            scheduler_reserve_full_isl=reserve_full_prompt)
     cache = CacheConfig(block_size=BLOCK, enable_prefix_caching=False)
     extra = dict(extra or {})
     extra.setdefault("kvpipe_listen", "127.0.0.1:0")
@@ -182,9 +185,9 @@ class Instance:
     def _execute_rank(self, so, rank):
         worker = self.workers[rank]
         kv_transfer_state._KV_CONNECTOR_AGENT = worker
+        worker.handle_preemptions(so.kv_connector_metadata)  # as vLLM's GPU model runner does, first
         if so.total_num_scheduled_tokens == 0:
             return KVConnectorModelRunnerMixin.kv_connector_no_forward(so, self.vllm_config)
-        worker.handle_preemptions(so.kv_connector_metadata)  # as vLLM's GPU model runner does
         computed = {}
         for new in so.scheduled_new_reqs:
             computed[new.req_id] = new.num_computed_tokens
@@ -264,7 +267,9 @@ def serve(conn, async_scheduling: bool, config: dict):
             conn.send(("ok", None))
         elif cmd == "step":
             so = inst.step()
-            conn.send(("ok", {"scheduled": so.total_num_scheduled_tokens, "chunks": inst.log[-1],
+            conn.send(("ok", {"scheduled": so.total_num_scheduled_tokens,
+                              "chunks": inst.log[-1] if so.total_num_scheduled_tokens else {},
+                              "preempted": sorted(so.preempted_req_ids or ()),
                               "requests": len(inst.scheduler.requests)}))
         elif cmd == "abort":
             inst.abort(arg)
@@ -272,6 +277,8 @@ def serve(conn, async_scheduling: bool, config: dict):
         elif cmd == "state":
             s = inst.scheduler
             conn.send(("ok", {"requests": sorted(s.requests), "free": inst.free_blocks(),
+                              "status": {r: (q.status.name, q.num_computed_tokens, q.num_preemptions)
+                                         for r, q in s.requests.items()},
                               "total": inst.total_blocks(), "counters": inst.counters(), "held": inst.held(),
                               "finished_recving": sorted(s.finished_recving_kv_req_ids)}))
         elif cmd == "run_until_idle":

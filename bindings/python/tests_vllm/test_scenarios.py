@@ -173,3 +173,29 @@ def test_two_live_requests_with_one_kvpipe_id_never_mix(make_pair):
     pair.settle()
     assert second not in pair.loaded
     assert_nothing_held(pair)
+
+
+def test_a_prefill_request_preempted_mid_transfer_is_recomputed_by_decode(make_pair):
+    # Ten usable prefill blocks, two 100-token prompts (7 blocks each) prefilled 32 tokens a
+    # step side by side (vLLM's reservation of a whole prompt's blocks at admission, which
+    # avoids this, turned off): one is preempted when the other needs its blocks. Its transfer
+    # is cancelled and quiesced before the next forward pass (handle_preemptions); the decode
+    # side recomputes it, the other request moves whole.
+    pair = make_pair(prefill_config={"num_blocks": 11, "max_batched": 64, "long_prefill": 32,
+                                                     "reserve_full_prompt": False})
+    first, second = Pair.new_id(), Pair.new_id()
+    pair.add_decode(first, 100)
+    pair.add_decode(second, 100)
+    pair.pump(lambda: pair.status(second) == "WAITING_FOR_REMOTE_KVS", prefill=False)
+    pair.add_prefill((first, 100), (second, 100))
+    preempted = set()
+    deadline = time.monotonic() + 30
+    while not preempted and time.monotonic() < deadline:
+        preempted |= set(pair.prefill.call("step")["preempted"])
+        pair.decode.step()
+    assert preempted <= {first, second}  # (AsyncScheduler may preempt both)
+    others = {first, second} - preempted
+    pair.pump(lambda: others <= pair.loaded and preempted <= pair.recomputed)
+    pair.settle()
+    assert not preempted & pair.loaded
+    assert_nothing_held(pair)

@@ -440,6 +440,7 @@ class _WorkerSide:
     # ---- each step ----
     def start_step(self, meta: KvpipeMetadata):
         self.poll()
+        self.handle_preemptions(meta)  # done already where the model runner called it
         for reg in meta.registrations:
             if any(rid == reg.req_id for rid, _ in self.recv_req.values()) or reg.kv_id in self.recv_req:
                 logger.warning("kvpipe: request %s's id %d is in use; it is recomputed", reg.req_id, reg.kv_id)
