@@ -33,8 +33,13 @@ Settings (``kv_connector_extra_config``): ``kvpipe_listen`` (the decode receiver
 default ``kv_ip:kv_port``, each tensor rank adding its rank to the port),
 ``kvpipe_connections`` (TCP connections per peer, 2), ``kvpipe_deadlines`` (``{name: seconds}``
 over kvpipe's defaults), ``kvpipe_registration_timeout`` (seconds the decode side waits for the
-prefill ranks' handshakes before it fails a request, 60), ``kvpipe_tp_rank`` (this worker's
-tensor rank where vLLM's tensor-parallel group is not initialised).
+prefill ranks' handshakes before it fails a request, 60), ``kvpipe_preempt_wait`` (seconds
+the prefill worker waits for a preempted request's transfer to quiesce, 15),
+``kvpipe_tp_rank`` (this worker's tensor rank where vLLM's tensor-parallel group is not
+initialised).
+
+``save_kv_layer`` and ``wait_for_layer_load`` are no-ops: a chunk is pushed whole after its
+step's forward pass; layer-wise pushing (kvpipe's layer slices) is not wired in yet.
 """
 
 from __future__ import annotations
