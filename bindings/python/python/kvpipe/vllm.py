@@ -1,0 +1,670 @@
+"""A vLLM KV connector over kvpipe: the prefill instance pushes each prefill chunk's KV blocks
+to the decode instance as soon as the step that computed them ran.
+
+Load it with::
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "KvpipeConnector",
+        "kv_connector_module_path": "kvpipe.vllm", "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute"}'
+
+This module imports vLLM (``import kvpipe`` never does); it was written and tested against
+vLLM 0.25.0 (``scripts/test-vllm``).
+
+**Routing.** A proxy sends each request to both instances at once, with the same kvpipe
+request id (a ``u64``; :func:`request_id` hashes a string to one) in ``kv_transfer_params``:
+
+- to the decode instance: ``{"do_remote_prefill": True, "kvpipe_request": ID,
+  "kvpipe_prefill_engine": PREFILL_ENGINE_ID}`` (the prefill instance's
+  ``kv_transfer_config.engine_id``);
+- to the prefill instance (``max_tokens=1``): ``{"do_remote_decode": True, "kvpipe_request":
+  ID, "kvpipe_decode": "HOST:PORT", "kvpipe_decode_tp": N}`` (the decode instance's kvpipe
+  address, rank ``r`` listening on ``PORT + r``, and its tensor-parallel size).
+
+The decode instance reports the prompt as loaded externally and asynchronously, registers its
+blocks with its kvpipe receiver when the scheduler allocates them, and reports the request as
+received only once kvpipe completed it; a transfer that failed is reported through vLLM's load
+error path (``get_block_ids_with_load_errors``), so the engine recomputes the prompt (with
+``kv_load_failure_policy`` ``"recompute"``; vLLM's default ``"fail"`` fails the request). The
+prefill instance submits every scheduled chunk to its kvpipe sender after the forward pass that
+computed it (``wait_for_save``) and keeps the request's blocks (``request_finished`` returns
+``True``) until kvpipe reports the request quiesced.
+
+Settings (``kv_connector_extra_config``): ``kvpipe_listen`` (the decode receiver's address;
+default ``kv_ip:kv_port``, each tensor rank adding its rank to the port),
+``kvpipe_connections`` (TCP connections per peer, 2), ``kvpipe_deadlines`` (``{name: seconds}``
+over kvpipe's defaults), ``kvpipe_registration_timeout`` (seconds the decode side waits for the
+prefill ranks' handshakes before it fails a request, 60), ``kvpipe_preempt_wait`` (seconds
+the prefill worker waits for a preempted request's transfer to quiesce, 15),
+``kvpipe_tp_rank`` (this worker's tensor rank where vLLM's tensor-parallel group is not
+initialised).
+
+``save_kv_layer`` and ``wait_for_layer_load`` are no-ops: a chunk is pushed whole after its
+step's forward pass; layer-wise pushing (kvpipe's layer slices) is not wired in yet.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+try:
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorBase_V1,
+        KVConnectorHandshakeMetadata,
+        KVConnectorMetadata,
+        KVConnectorRole,
+    )
+except ImportError as e:  # kvpipe itself works without vLLM; this module does not
+    raise ImportError(f"kvpipe.vllm is a vLLM KV connector and needs vLLM (tested with 0.25.0): {e}") from e
+
+import kvpipe
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("kvpipe.vllm")
+
+__all__ = ["KvpipeConnector", "KvpipeHandshakeMetadata", "KvpipeMetadata", "request_id", "engine_tag"]
+
+
+def request_id(name: str) -> int:
+    """A kvpipe request id (``u64``) for a string request id: the first 8 bytes of its
+    BLAKE2b hash, so a proxy and both instances derive the same id from the same string. Two
+    strings may collide (one pair in about 2^32 live requests); a colliding request is refused
+    by the connector (the decode side recomputes it), never mixed up with the other."""
+    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little")
+
+
+def engine_tag(engine_id: str) -> int:
+    """The 32-bit tag of a vLLM engine id that a prefill rank's kvpipe ``instance`` carries
+    (``tag << 32 | tp_size << 16 | tp_rank``), so the decode side knows which connected peers
+    are that engine's ranks."""
+    return request_id("engine:" + engine_id) >> 32
+
+
+def rank_heads(model_heads: int, tp_size: int, tp_rank: int) -> tuple[int, int]:
+    """``(first_head, kv_heads)`` tensor rank ``tp_rank`` of ``tp_size`` holds (kvpipe's rule,
+    the same as vLLM's: contiguous equal shares, one replicated head when there are fewer heads
+    than ranks)."""
+    if model_heads >= tp_size:
+        share = model_heads // tp_size
+        return tp_rank * share, share
+    return tp_rank // (tp_size // model_heads), 1
+
+
+def writes_to(model_heads: int, src_tp: int, src_rank: int, dst_tp: int, dst_rank: int) -> bool:
+    """Whether prefill rank ``src_rank`` of ``src_tp`` writes decode rank ``dst_rank`` of
+    ``dst_tp`` (kvpipe's ``writes_to`` for one full-attention group): their heads overlap and, if
+    the prefill rank's heads are replicated, it is the replica that decode rank reads."""
+    s0, sn = rank_heads(model_heads, src_tp, src_rank)
+    d0, dn = rank_heads(model_heads, dst_tp, dst_rank)
+    if max(s0, d0) >= min(s0 + sn, d0 + dn):
+        return False
+    replicas = src_tp // model_heads if model_heads < src_tp else 1
+    return replicas == 1 or src_rank % replicas == dst_rank % replicas
+
+
+@dataclass
+class KvpipeHandshakeMetadata(KVConnectorHandshakeMetadata):
+    """What a worker tells its scheduler about itself: its decode receiver's address (``None``
+    on a prefill-only worker), its kvpipe instance id and its tensor rank."""
+
+    address: str | None
+    instance: int
+    tp_rank: int
+    tp_size: int
+
+
+@dataclass
+class _Chunk:
+    req_id: str
+    kv_id: int
+    new_block_ids: list[int]
+    start: int
+    end: int
+    prompt_len: int
+    prepopulated: int
+    decode_addr: str | None  # set on the request's first chunk: open it towards these ranks
+    decode_tp: int
+
+
+@dataclass
+class _Registration:
+    req_id: str
+    kv_id: int
+    prompt_len: int
+    first_ordinal: int
+    block_ids: list[int]
+    prefill_tag: int
+
+
+@dataclass
+class KvpipeMetadata(KVConnectorMetadata):
+    """One step's work from the scheduler to the workers: chunks to send (after the forward
+    pass), registrations to post and transfers to cancel (before it)."""
+
+    chunks: list[_Chunk] = field(default_factory=list)
+    registrations: list[_Registration] = field(default_factory=list)
+    cancel_sends: list[str] = field(default_factory=list)
+    preempted_sends: list[str] = field(default_factory=list)
+    cancel_recvs: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _SendState:
+    kv_id: int
+    decode_addr: str
+    decode_tp: int
+    prompt_len: int
+    prepopulated: int = -1
+    sent_to: int = 0  # tokens submitted so far
+    opened: bool = False
+    abandoned: bool = False
+
+
+class KvpipeConnector(KVConnectorBase_V1):
+    """vLLM's ``KVConnectorBase_V1`` over kvpipe (push mode). The scheduler side decides what
+    moves; the worker side owns a kvpipe :class:`~kvpipe.Sender` (producer) and/or
+    :class:`~kvpipe.Receiver` (consumer) over the worker's KV tensors.
+
+    ``save_kv_layer`` and ``wait_for_layer_load`` do nothing: a chunk is pushed whole after its
+    forward pass (``wait_for_save``), not layer by layer, and the decode side never loads during
+    a forward pass (a request runs only once its KV arrived)."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        tc = self._kv_transfer_config
+        self._extra = dict(tc.kv_connector_extra_config or {})
+        self._engine_id = tc.engine_id
+        self._block_size = vllm_config.cache_config.block_size
+        self._producer = tc.kv_role in ("kv_producer", "kv_both")
+        self._consumer = tc.kv_role in ("kv_consumer", "kv_both")
+        self._model_heads = vllm_config.model_config.get_total_num_kv_heads()
+        self._tp_size = vllm_config.parallel_config.tensor_parallel_size
+        if role == KVConnectorRole.SCHEDULER:
+            self._sched = _SchedulerSide(self)
+            self._worker = None
+        else:
+            self._sched = None
+            self._worker = _WorkerSide(self, vllm_config)
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        # HND puts each block's bytes in kvpipe's order ([K|V][head][token][dim]), so another
+        # tensor-parallel split on the other side receives head slices.
+        return "HND"
+
+    # ---- scheduler side ----
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
+        self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self._sched.build_connector_meta(scheduler_output)
+
+    def on_new_request(self, request: Request) -> None:
+        self._sched.on_new_request(request)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._sched.request_finished(request, block_ids)
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        self._sched.handshake = dict(metadata)
+
+    # ---- worker side ----
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
+        self._worker.register_kv_caches(kv_caches)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata):
+        """Before the forward pass that may overwrite them: a preempted prefill request's blocks
+        went back to vLLM, so its transfer is cancelled and waited for until quiesced."""
+        self._worker.handle_preemptions(kv_connector_metadata)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        self._worker.start_step(self._get_connector_metadata())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Nothing: a request runs only once all of its KV arrived (no layer-wise loading)."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        """Nothing yet: chunks are pushed whole after the forward pass (``wait_for_save``).
+        Layer-wise pushing is kvpipe's layer slices, not wired here."""
+
+    def wait_for_save(self):
+        self._worker.send_chunks(self._get_connector_metadata())
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self._worker.get_finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_load_errors()
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        return self._worker.handshake_metadata() if self._worker else None
+
+    def shutdown(self):
+        if self._worker is not None:
+            self._worker.close()
+
+    # ---- for tests and operators ----
+    @property
+    def worker(self) -> _WorkerSide:
+        """The worker side's state (its kvpipe nodes, counters); ``None`` on the scheduler."""
+        return self._worker
+
+
+class _SchedulerSide:
+    def __init__(self, conn: KvpipeConnector):
+        self.c = conn
+        self.handshake: dict[int, KVConnectorHandshakeMetadata] = {}
+        self.sends: dict[str, _SendState] = {}
+        self.loading: set[str] = set()  # decode requests given to kvpipe (loaded once only)
+        self.meta = KvpipeMetadata()
+
+    # decode
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        p = request.kv_transfer_params or {}
+        if (not self.c._consumer or not p.get("do_remote_prefill") or "kvpipe_request" not in p
+                or request.request_id in self.loading):
+            return 0, False
+        missing = request.num_prompt_tokens - num_computed_tokens
+        return (missing, True) if missing > 0 else (0, False)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens):
+        p = request.kv_transfer_params or {}
+        if num_external_tokens <= 0 or not p.get("do_remote_prefill") or request.request_id in self.loading:
+            return
+        bs = self.c._block_size
+        prompt = request.num_prompt_tokens
+        local = prompt - num_external_tokens
+        first = local // bs
+        ids = list(blocks.get_block_ids()[0][first: -(-prompt // bs)])
+        self.loading.add(request.request_id)
+        tag = engine_tag(p.get("kvpipe_prefill_engine", ""))
+        self.meta.registrations.append(_Registration(request.request_id, int(p["kvpipe_request"]), prompt, first, ids, tag))
+
+    # prefill
+    def on_new_request(self, request):
+        p = request.kv_transfer_params or {}
+        if self.c._producer and p.get("do_remote_decode") and "kvpipe_request" in p and "kvpipe_decode" in p:
+            self.sends[request.request_id] = _SendState(
+                int(p["kvpipe_request"]), p["kvpipe_decode"], int(p.get("kvpipe_decode_tp", 1)),
+                request.num_prompt_tokens)
+
+    def build_connector_meta(self, so):
+        for preempted in so.preempted_req_ids or ():
+            s = self.sends.get(preempted)
+            if s is not None and s.opened and not s.abandoned:
+                s.abandoned = True
+                self.meta.preempted_sends.append(preempted)
+        for new in so.scheduled_new_reqs:
+            self._chunk(new.req_id, new.block_ids[0], new.num_computed_tokens, so)
+        cached = so.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            if rid in self.sends:
+                nb = cached.new_block_ids[i]
+                self._chunk(rid, nb[0] if nb else [], cached.num_computed_tokens[i], so)
+        meta, self.meta = self.meta, KvpipeMetadata()
+        return meta
+
+    def _chunk(self, rid, new_ids, computed, so):
+        s = self.sends.get(rid)
+        if s is None or s.abandoned or computed >= s.prompt_len:
+            return
+        if s.prepopulated < 0:
+            s.prepopulated = computed
+        if computed != s.sent_to and s.opened:  # recomputed after a preemption: not streamable
+            s.abandoned = True
+            self.meta.cancel_sends.append(rid)
+            return
+        end = min(computed + so.num_scheduled_tokens.get(rid, 0), s.prompt_len)
+        first = not s.opened
+        s.opened, s.sent_to = True, end
+        self.meta.chunks.append(_Chunk(rid, s.kv_id, list(new_ids), computed, end, s.prompt_len, s.prepopulated,
+                                       s.decode_addr if first else None, s.decode_tp))
+
+    def request_finished(self, request, block_ids):
+        from vllm.v1.request import RequestStatus
+
+        rid = request.request_id
+        if rid in self.loading:
+            self.loading.discard(rid)
+            if request.status == RequestStatus.FINISHED_ABORTED:
+                # Aborted, maybe while its KV was still on the way: vLLM keeps the blocks of a
+                # request waiting for remote KV until the worker reports it received, which
+                # the worker does once kvpipe quiesced it (nothing happens if it arrived).
+                self.meta.cancel_recvs.append(rid)
+        s = self.sends.pop(rid, None)
+        if s is None or not s.opened:
+            return False, None
+        if s.sent_to < s.prompt_len and not s.abandoned:
+            self.meta.cancel_sends.append(rid)  # aborted mid-prefill
+        return True, {"kvpipe_request": s.kv_id, "kvpipe_prefill_engine": self.c._engine_id}
+
+
+class _WorkerSide:
+    def __init__(self, conn: KvpipeConnector, vllm_config):
+        self.c = conn
+        self.extra = conn._extra
+        self.tp_size = conn._tp_size
+        self.tp_rank = self._tp_rank()
+        self.sender: kvpipe.Sender | None = None
+        self.receiver: kvpipe.Receiver | None = None
+        self.address: str | None = None
+        self.instance = (engine_tag(conn._engine_id) << 32) | (self.tp_size << 16) | self.tp_rank
+        self.layout_hnd = True
+        self.cuda = False
+        # prefill
+        self.decode_peers: dict[str, tuple[int, float]] = {}  # "host:port" -> (peer, connected at)
+        self.send_tables: dict[int, list[int]] = {}  # kv id -> block table
+        self.send_req: dict[int, str] = {}  # kv id -> vLLM id
+        self.send_done: set[str] = set()  # quiesced (or never held), not yet finished by vLLM
+        self.finished: set[str] = set()  # finished by vLLM, transfer still held
+        # decode
+        self.peer_instance: dict[int, int] = {}  # prefill peer -> instance
+        self.pending: dict[str, tuple[_Registration, float]] = {}
+        self.recv_req: dict[int, tuple[str, list[int]]] = {}  # kv id -> (vLLM id, block ids)
+        self.recv_ok: set[int] = set()
+        self.recv_done: set[str] = set()
+        self.load_errors: set[int] = set()
+
+    def _tp_rank(self) -> int:
+        if "kvpipe_tp_rank" in self.extra:
+            return int(self.extra["kvpipe_tp_rank"])
+        try:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            return get_tensor_model_parallel_rank()
+        except Exception:  # no tensor-parallel group (one rank)
+            return 0
+
+    def _deadlines(self):
+        return self.extra.get("kvpipe_deadlines")
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
+        def index(name):
+            m = re.findall(r"\d+", name)
+            return int(m[-1]) if m else 0
+
+        names = sorted(kv_caches, key=index)
+        pools, groups = {}, None
+        for i, name in enumerate(names):
+            t = kv_caches[name]
+            if t.dim() != 5 or t.shape[1] != 2:
+                raise ValueError(f"kvpipe: layer {name} has a KV cache of shape {tuple(t.shape)}; the connector "
+                                 "needs vLLM's (num_blocks, 2, block_size, kv_heads, head_dim) layout")
+            nb, _, bs, heads, dim = t.shape
+            order = sorted(range(5), key=lambda d: -t.stride(d))
+            phys = t.permute(order)
+            if order[0] != 0 or order[1] != 1 or not phys.is_contiguous():
+                raise ValueError(f"kvpipe: layer {name}'s KV cache does not keep each block's K and V together "
+                                 f"(strides {t.stride()})")
+            self.layout_hnd = order == [0, 1, 3, 2, 4]
+            self.cuda = t.is_cuda
+            slot = 2 * bs * heads * dim * t.element_size()
+            pools[i] = phys.reshape(nb, -1).view(torch.uint8)
+            if groups is None:
+                groups = (nb, bs, heads, dim, t.element_size())
+        nb, bs, heads, dim, elem = groups
+        first_head, share = rank_heads(self.c._model_heads, self.tp_size, self.tp_rank)
+        if share != heads:
+            raise ValueError(f"kvpipe: tensor rank {self.tp_rank} of {self.tp_size} should hold {share} KV heads "
+                             f"of {self.c._model_heads}, its cache holds {heads}")
+        self.layout = [kvpipe.LayerGroup(
+            layers=len(names), kv_heads=heads, head_dim=dim, elem_bytes=elem, tokens_per_block=bs,
+            pools=[kvpipe.Pool(region=i, layers=1, slot_bytes=slot, layer_begin=i) for i in range(len(names))],
+            model_kv_heads=self.c._model_heads, first_head=first_head)]
+        self.pools = pools
+        kw = dict(connections=int(self.extra.get("kvpipe_connections", 2)), deadlines=self._deadlines(),
+                  instance=self.instance, tp_size=self.tp_size, tp_rank=self.tp_rank)
+        if self.c._producer:
+            self.sender = kvpipe.Sender.tcp(self.layout, pools, **kw)
+        if self.c._consumer:
+            self.receiver = kvpipe.Receiver.tcp(self.layout, pools, **kw)
+            tc = self.c._kv_transfer_config
+            listen = self.extra.get("kvpipe_listen", f"{tc.kv_ip}:{tc.kv_port}")
+            host, port = listen.rsplit(":", 1)
+            port = int(port) + self.tp_rank if int(port) else 0
+            self.address = f"{host}:{self.receiver.listen(f'{host}:{port}')}"
+
+    def handshake_metadata(self):
+        return KvpipeHandshakeMetadata(self.address, self.instance, self.tp_rank, self.tp_size)
+
+    # ---- each step ----
+    def start_step(self, meta: KvpipeMetadata):
+        self.poll()
+        self.handle_preemptions(meta)  # done already where the model runner called it
+        for reg in meta.registrations:
+            if any(rid == reg.req_id for rid, _ in self.recv_req.values()) or reg.kv_id in self.recv_req:
+                logger.warning("kvpipe: request %s's id %d is in use; it is recomputed", reg.req_id, reg.kv_id)
+                self._recv_failed_local(reg)
+                continue
+            self.pending[reg.req_id] = (reg, time.monotonic())
+        for rid in meta.cancel_recvs:
+            if rid in self.pending:
+                reg, _ = self.pending.pop(rid)
+                self._recv_failed_local(reg)
+            else:
+                for kv_id, (r, _) in list(self.recv_req.items()):
+                    if r == rid:
+                        self._quietly(self.receiver.cancel, kv_id)
+        for rid in meta.cancel_sends:
+            for kv_id, r in list(self.send_req.items()):
+                if r == rid:
+                    self._quietly(self.sender.cancel, kv_id)
+        self._post_pending()
+
+    def handle_preemptions(self, meta: KvpipeMetadata):
+        waiting = set()
+        for rid in meta.preempted_sends:
+            for kv_id, r in list(self.send_req.items()):
+                if r == rid:
+                    self._quietly(self.sender.cancel, kv_id)
+                    waiting.add(kv_id)
+        deadline = time.monotonic() + float(self.extra.get("kvpipe_preempt_wait", 15.0))
+        while waiting & self.send_req.keys():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                logger.error("kvpipe: preempted requests %s did not quiesce in time; their blocks may still be "
+                             "read", sorted(self.send_req[k] for k in waiting & self.send_req.keys()))
+                return
+            e = self.sender.next_event(min(left, 0.1))
+            if e is not None:
+                self._sender_event(e)
+
+    def _quietly(self, fn, *args):
+        try:
+            fn(*args)
+        except kvpipe.KvpipeError as e:
+            logger.info("kvpipe: %s", e)
+
+    def _recv_failed_local(self, reg: _Registration):
+        """A registration that never reached kvpipe: report it received, its blocks unloaded."""
+        self.load_errors.update(reg.block_ids)
+        self.recv_done.add(reg.req_id)
+
+    def _post_pending(self):
+        now = time.monotonic()
+        timeout = float(self.extra.get("kvpipe_registration_timeout", 60.0))
+        for rid, (reg, since) in list(self.pending.items()):
+            writers = self._writers(reg.prefill_tag)
+            if writers is None:
+                if now - since > timeout:
+                    logger.warning("kvpipe: no handshake with the prefill ranks of request %s in %.0f s", rid, timeout)
+                    del self.pending[rid]
+                    self._recv_failed_local(reg)
+                continue
+            del self.pending[rid]
+            try:
+                self.receiver.register(reg.kv_id, reg.prompt_len, [(reg.first_ordinal, reg.block_ids)], writers)
+            except kvpipe.KvpipeError as e:
+                logger.warning("kvpipe: request %s (id %d) not registered: %s", rid, reg.kv_id, e)
+                self._recv_failed_local(reg)
+                continue
+            self.recv_req[reg.kv_id] = (rid, reg.block_ids)
+
+    def _writers(self, tag: int) -> list[int] | None:
+        """The ready peers of engine ``tag`` that write this rank, once all of them are ready."""
+        ranks = {}
+        src_tp = None
+        for peer, inst in list(self.peer_instance.items()):
+            if not self.receiver.is_peer_ready(peer):  # lost (a restarted engine connects anew)
+                del self.peer_instance[peer]
+                continue
+            if inst >> 32 == tag:
+                src_tp = (inst >> 16) & 0xFFFF
+                ranks[inst & 0xFFFF] = peer
+        if src_tp is None:
+            return None
+        need = [r for r in range(src_tp) if writes_to(self.c._model_heads, src_tp, r, self.tp_size, self.tp_rank)]
+        if any(r not in ranks for r in need):
+            return None
+        return [ranks[r] for r in need]
+
+    def send_chunks(self, meta: KvpipeMetadata):
+        if not meta.chunks:
+            return
+        if self.cuda:
+            torch.cuda.current_stream().synchronize()  # the chunk's KV is computed before it is read
+        for ch in meta.chunks:
+            if ch.decode_addr is not None:
+                if not self._open(ch):
+                    continue
+            table = self.send_tables.get(ch.kv_id)
+            if table is None or self.send_req.get(ch.kv_id) != ch.req_id:
+                continue
+            table.extend(ch.new_block_ids)
+            try:
+                self.sender.submit_chunk(ch.kv_id, ch.start, ch.end, ch.prompt_len, [table],
+                                         prepopulated_len=ch.prepopulated, is_last=ch.end >= ch.prompt_len)
+                if ch.end >= ch.prompt_len:
+                    self.sender.submit_aux(ch.kv_id, [], prompt_tokens=ch.prompt_len,
+                                           cached_tokens=ch.prepopulated)
+            except kvpipe.KvpipeError as e:
+                logger.warning("kvpipe: request %s chunk %d..%d not sent: %s", ch.req_id, ch.start, ch.end, e)
+                self._quietly(self.sender.cancel, ch.kv_id)
+
+    def _open(self, ch: _Chunk) -> bool:
+        if ch.kv_id in self.send_req:
+            logger.warning("kvpipe: request %s's id %d is in use; it is not sent", ch.req_id, ch.kv_id)
+            self.send_done.add(ch.req_id)
+            return False
+        host, port = ch.decode_addr.rsplit(":", 1)
+        if not self.layout_hnd and ch.decode_tp != self.tp_size:
+            logger.warning("kvpipe: request %s: another tensor-parallel size needs the HND KV layout", ch.req_id)
+            self.send_done.add(ch.req_id)
+            return False
+        peers = []
+        try:
+            for d in range(ch.decode_tp):
+                if writes_to(self.c._model_heads, self.tp_size, self.tp_rank, ch.decode_tp, d):
+                    peers.append(self._decode_peer(f"{host}:{int(port) + d}"))
+            self.sender.open_request(ch.kv_id, peers)
+        except kvpipe.KvpipeError as e:
+            logger.warning("kvpipe: request %s (id %d) not opened: %s", ch.req_id, ch.kv_id, e)
+            self.send_done.add(ch.req_id)
+            return False
+        self.send_req[ch.kv_id] = ch.req_id
+        self.send_tables[ch.kv_id] = []
+        return True
+
+    def _decode_peer(self, addr: str) -> int:
+        """The peer for a decode rank's address: connected on first use, and again when the
+        connection is not ready past the handshake deadline (a decode instance that restarted)."""
+        known = self.decode_peers.get(addr)
+        if known is not None:
+            peer, since = known
+            if self.sender.is_peer_ready(peer) or time.monotonic() - since < float(
+                    (self._deadlines() or {}).get("handshake", 5.0)):
+                return peer
+        peer = self.sender.connect(addr)
+        self.decode_peers[addr] = (peer, time.monotonic())
+        return peer
+
+    def poll(self):
+        if self.sender is not None:
+            while (e := self.sender.next_event(0.0)) is not None:
+                self._sender_event(e)
+        if self.receiver is not None:
+            while (e := self.receiver.next_event(0.0)) is not None:
+                if e.kind == "peer_ready":
+                    self.peer_instance[e.peer] = e.instance
+                elif e.kind == "completed":
+                    self.recv_ok.add(e.request)
+                elif e.kind == "quiesced":
+                    rid, ids = self.recv_req.pop(e.request, (None, []))
+                    self._quietly(self.receiver.retire, e.request)
+                    if rid is not None:
+                        if e.request not in self.recv_ok:
+                            self.load_errors.update(ids)
+                        self.recv_done.add(rid)
+                    self.recv_ok.discard(e.request)
+                elif e.kind in ("failed", "timed_out", "cancelled"):
+                    logger.info("kvpipe: receiving %s: %s", self.recv_req.get(e.request, ("?",))[0], e.message)
+                elif e.kind in ("peer_rejected", "protocol_violation"):
+                    logger.warning("kvpipe: %s", e.message)
+
+    def _sender_event(self, e):
+        if e.kind == "quiesced":
+            rid = self.send_req.pop(e.request, None)
+            self.send_tables.pop(e.request, None)
+            self._quietly(self.sender.retire, e.request)
+            if rid is not None:
+                self.send_done.add(rid)
+        elif e.kind in ("failed", "timed_out", "cancelled"):
+            logger.info("kvpipe: sending %s: %s", self.send_req.get(e.request), e.message)
+        elif e.kind in ("peer_rejected", "protocol_violation"):
+            logger.warning("kvpipe: %s", e.message)
+
+    def get_finished(self, finished_req_ids: set[str]):
+        self.poll()
+        self._post_pending()
+        self.finished |= finished_req_ids
+        sending = self.send_done & self.finished
+        self.send_done -= sending
+        self.finished -= sending
+        # vLLM's finished ids of requests this worker never held would pile up: keep only those
+        # whose transfer is still open here.
+        held = set(self.send_req.values())
+        self.finished &= held | self.send_done
+        recving, self.recv_done = self.recv_done, set()
+        return (sending or None), (recving or None)
+
+    def take_load_errors(self) -> set[int]:
+        errors, self.load_errors = self.load_errors, set()
+        return errors
+
+    def held(self) -> dict[str, int]:
+        """Requests whose blocks kvpipe may still touch (not quiesced yet): being sent, being
+        received (or waiting for the prefill ranks' handshakes)."""
+        return {"sending": len(self.send_req), "receiving": len(self.recv_req) + len(self.pending)}
+
+    def counters(self) -> dict[str, dict[str, int]]:
+        """The kvpipe nodes' counters, by role."""
+        out = {}
+        if self.sender is not None:
+            out["sender"] = self.sender.counters()
+        if self.receiver is not None:
+            out["receiver"] = self.receiver.counters()
+        return out
+
+    def close(self):
+        for node in (self.sender, self.receiver):
+            if node is not None:
+                try:
+                    node.close(5.0)
+                except kvpipe.KvpipeError as e:
+                    logger.info("kvpipe: close: %s", e)
+        self.sender = self.receiver = None
