@@ -300,23 +300,24 @@ def test_data_path_names_a_tcp_data_path_and_peer_copies_need_device_pools():
     pool = np.zeros((SLOTS, SLOT), dtype=np.uint8)
     with pytest.raises(ValueError, match='data_path must be "socket", "auto" or "peer_copy"'):
         kvpipe.Receiver.tcp(layout(1), {1: pool}, data_path="ipc")
-    # Host pools cannot be offered for peer copies: a decode node that insists says why at
-    # listen; one that may fall back ("auto") listens, and a socket node is the default.
+    # Peer copies are pulled by the decode side into its own pools, which must be device
+    # memory: a decode node that insists says why at listen; one that may fall back ("auto")
+    # listens, and a socket node is the default.
     rx = kvpipe.Receiver.tcp(layout(1), {1: pool}, data_path="peer_copy")
-    with pytest.raises(kvpipe.TransportError, match="cannot offer them: .*host memory"):
+    with pytest.raises(kvpipe.TransportError, match="cannot take them: .*host memory"):
         rx.listen("127.0.0.1:0")
     rx.close()
     for path in ("auto", "socket"):
         with kvpipe.Receiver.tcp(layout(1), {1: pool}, data_path=path) as rx:
             assert rx.listen("127.0.0.1:0") > 0
-    # A prefill node whose pools are host memory cannot copy into a peer's: with "peer_copy"
-    # its connect fails with the reason instead of falling back to the socket.
+    # A prefill node whose pools are host memory cannot export them to be pulled: with
+    # "peer_copy" its connect fails with the reason instead of falling back to the socket.
     src = np.zeros((SLOTS, SLOT), dtype=np.uint8)
     rx = kvpipe.Receiver.tcp(layout(2), {2: pool}, data_path="auto")
     tx = kvpipe.Sender.tcp(layout(1), {1: src}, data_path="peer_copy")
     port = rx.listen("127.0.0.1:0")
     with pytest.raises(kvpipe.TransportError,
-                       match="peer copies refused: the peer declined: .*host memory"):
+                       match="peer copies refused: the sender cannot export: .*host memory"):
         tx.connect(f"127.0.0.1:{port}")
     tx.close()
     try:
