@@ -30,6 +30,8 @@ mod native {
     use super::layout::{LayerGroup, Pool};
     #[pymodule_export]
     use super::nodes::{mem_pair, Receiver, Sender};
+    #[pymodule_export]
+    use super::topology::{rank_heads, tensor_writes_to};
 
     #[pymodule_init]
     fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {

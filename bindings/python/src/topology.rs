@@ -88,3 +88,64 @@ impl RankPlace {
         Ok(topology)
     }
 }
+
+/// The KV heads tensor-parallel rank ``tp_rank`` of ``tp_size`` holds of a model with
+/// ``model_kv_heads`` KV heads, as ``(first_head, kv_heads)`` (kvpipe's rule: contiguous equal
+/// shares, one replicated head when there are fewer heads than ranks). Raises ``ValueError``
+/// when neither count divides the other or the rank is out of range.
+#[pyfunction]
+pub(crate) fn rank_heads(model_kv_heads: u16, tp_size: u16, tp_rank: u16) -> PyResult<(u16, u16)> {
+    kvpipe_core::shard::rank_heads(model_kv_heads, tp_size, tp_rank).ok_or_else(|| {
+        PyValueError::new_err(format!(
+            "{model_kv_heads} KV heads cannot be split over tp_size={tp_size} for tp_rank={tp_rank} \
+             (one count must divide the other, and the rank must be below tp_size)"
+        ))
+    })
+}
+
+/// Whether prefill tensor rank ``src_rank`` of ``src_tp`` writes decode tensor rank
+/// ``dst_rank`` of ``dst_tp``, for a model whose full-attention layers have ``model_kv_heads``
+/// KV heads (the core's writer rule: their heads overlap and, where heads are replicated, the
+/// prefill rank is the replica the decode rank takes them from). Raises ``ValueError`` as
+/// :func:`rank_heads`.
+#[pyfunction]
+pub(crate) fn tensor_writes_to(
+    model_kv_heads: u16,
+    src_tp: u16,
+    src_rank: u16,
+    dst_tp: u16,
+    dst_rank: u16,
+) -> PyResult<bool> {
+    let side = |tp_size: u16, tp_rank: u16| -> PyResult<(Topology, LayerGroupLayout)> {
+        let (first_head, kv_heads) = rank_heads(model_kv_heads, tp_size, tp_rank)?;
+        let shard = kvpipe_core::GroupShard {
+            model_layers: 1,
+            first_layer: 0,
+            model_kv_heads,
+            first_head,
+        };
+        let topology = Topology {
+            tp_size,
+            tp_rank,
+            pp_size: 1,
+            pp_rank: 0,
+            layer_begin: 0,
+            layer_end: 1,
+        };
+        let layout = LayerGroupLayout {
+            layers: 1,
+            kv_heads,
+            shard,
+            ..LayerGroupLayout::default()
+        };
+        Ok((topology, layout))
+    };
+    let (src_topology, src) = side(src_tp, src_rank)?;
+    let (dst_topology, dst) = side(dst_tp, dst_rank)?;
+    Ok(kvpipe_core::writes_group(
+        &src_topology,
+        &src,
+        &dst_topology,
+        &dst,
+    ))
+}

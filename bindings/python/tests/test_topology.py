@@ -171,3 +171,16 @@ def test_a_pipeline_rank_holding_the_second_layer_shakes_hands_with_a_whole_send
             assert [kinds(seen[i]) for i in (0, 1)] == [["peer_ready"], ["peer_ready"]], [
                 e.message for e in seen[0] + seen[1]
             ]
+
+
+def test_rank_heads_and_tensor_writers_follow_the_core_rule():
+    assert kvpipe.rank_heads(8, 2, 1) == (4, 4)
+    assert kvpipe.rank_heads(2, 8, 5) == (1, 1)  # four replicas of each head
+    with pytest.raises(ValueError, match="cannot be split"):
+        kvpipe.rank_heads(6, 4, 0)
+    # 8 heads, prefill TP 8 -> decode TP 2: ranks 0..3 write decode rank 0, 4..7 rank 1.
+    writers = [[s for s in range(8) if kvpipe.tensor_writes_to(8, 8, s, 2, d)] for d in range(2)]
+    assert writers == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    # 2 heads on 4 prefill ranks (each head twice) -> 4 decode ranks: one replica each.
+    writers = [[s for s in range(4) if kvpipe.tensor_writes_to(2, 4, s, 4, d)] for d in range(4)]
+    assert writers == [[0], [1], [2], [3]]

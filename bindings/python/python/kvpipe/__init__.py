@@ -44,6 +44,8 @@ from ._kvpipe import (
     UsageError,
     __version__,
     mem_pair,
+    rank_heads,
+    tensor_writes_to,
 )
 
 __all__ = [
@@ -62,4 +64,6 @@ __all__ = [
     "UsageError",
     "__version__",
     "mem_pair",
+    "rank_heads",
+    "tensor_writes_to",
 ]

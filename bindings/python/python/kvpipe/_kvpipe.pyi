@@ -326,6 +326,19 @@ class Receiver:
     def __enter__(self) -> Self: ...
     def __exit__(self, *exc: Any) -> bool: ...
 
+def rank_heads(model_kv_heads: int, tp_size: int, tp_rank: int) -> tuple[int, int]:
+    """The KV heads tensor rank ``tp_rank`` of ``tp_size`` holds, as ``(first_head, kv_heads)``
+    (contiguous equal shares; one replicated head when there are fewer heads than ranks).
+    Raises ``ValueError`` when neither count divides the other or the rank is out of range."""
+
+def tensor_writes_to(
+    model_kv_heads: int, src_tp: int, src_rank: int, dst_tp: int, dst_rank: int
+) -> bool:
+    """Whether prefill tensor rank ``src_rank`` of ``src_tp`` writes decode tensor rank
+    ``dst_rank`` of ``dst_tp`` (kvpipe's writer rule for a full-attention group: their heads
+    overlap and, where heads are replicated, the prefill rank is the replica the decode rank
+    takes them from)."""
+
 def mem_pair(
     sender_layout: Sequence[LayerGroup],
     sender_pools: Pools,

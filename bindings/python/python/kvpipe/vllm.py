@@ -92,28 +92,6 @@ def engine_tag(engine_id: str) -> int:
     return request_id("engine:" + engine_id) >> 32
 
 
-def rank_heads(model_heads: int, tp_size: int, tp_rank: int) -> tuple[int, int]:
-    """``(first_head, kv_heads)`` tensor rank ``tp_rank`` of ``tp_size`` holds (kvpipe's rule,
-    the same as vLLM's: contiguous equal shares, one replicated head when there are fewer heads
-    than ranks)."""
-    if model_heads >= tp_size:
-        share = model_heads // tp_size
-        return tp_rank * share, share
-    return tp_rank // (tp_size // model_heads), 1
-
-
-def writes_to(model_heads: int, src_tp: int, src_rank: int, dst_tp: int, dst_rank: int) -> bool:
-    """Whether prefill rank ``src_rank`` of ``src_tp`` writes decode rank ``dst_rank`` of
-    ``dst_tp`` (kvpipe's ``writes_to`` for one full-attention group): their heads overlap and, if
-    the prefill rank's heads are replicated, it is the replica that decode rank reads."""
-    s0, sn = rank_heads(model_heads, src_tp, src_rank)
-    d0, dn = rank_heads(model_heads, dst_tp, dst_rank)
-    if max(s0, d0) >= min(s0 + sn, d0 + dn):
-        return False
-    replicas = src_tp // model_heads if model_heads < src_tp else 1
-    return replicas == 1 or src_rank % replicas == dst_rank % replicas
-
-
 @dataclass
 class KvpipeHandshakeMetadata(KVConnectorHandshakeMetadata):
     """What a worker tells its scheduler about itself: its decode receiver's address (``None``
@@ -418,7 +396,7 @@ class _WorkerSide:
             if groups is None:
                 groups = (nb, bs, heads, dim, t.element_size())
         nb, bs, heads, dim, elem = groups
-        first_head, share = rank_heads(self.c._model_heads, self.tp_size, self.tp_rank)
+        first_head, share = kvpipe.rank_heads(self.c._model_heads, self.tp_size, self.tp_rank)
         if share != heads:
             raise ValueError(f"kvpipe: tensor rank {self.tp_rank} of {self.tp_size} should hold {share} KV heads "
                              f"of {self.c._model_heads}, its cache holds {heads}")
@@ -528,7 +506,7 @@ class _WorkerSide:
                 ranks[inst & 0xFFFF] = peer
         if src_tp is None:
             return None
-        need = [r for r in range(src_tp) if writes_to(self.c._model_heads, src_tp, r, self.tp_size, self.tp_rank)]
+        need = [r for r in range(src_tp) if kvpipe.tensor_writes_to(self.c._model_heads, src_tp, r, self.tp_size, self.tp_rank)]
         if any(r not in ranks for r in need):
             return None
         return [ranks[r] for r in need]
@@ -569,7 +547,7 @@ class _WorkerSide:
         peers = []
         try:
             for d in range(ch.decode_tp):
-                if writes_to(self.c._model_heads, self.tp_size, self.tp_rank, ch.decode_tp, d):
+                if kvpipe.tensor_writes_to(self.c._model_heads, self.tp_size, self.tp_rank, ch.decode_tp, d):
                     peers.append(self._decode_peer(f"{host}:{int(port) + d}"))
             self.sender.open_request(ch.kv_id, peers)
         except kvpipe.KvpipeError as e:
