@@ -422,10 +422,6 @@ impl Receiver {
         }
         Ok(None)
     }
-
-    // ----- admission -----
-
-    // ----- session frames -----
 }
 
 impl Endpoint for Receiver {

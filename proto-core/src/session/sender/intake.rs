@@ -81,20 +81,12 @@ impl Sender {
             .sessions
             .get(&request)
             .ok_or(UsageError::UnknownRequest(request))?;
-        let event = if spec.is_last {
-            SendEvent::LastChunk
-        } else {
-            SendEvent::Chunk
-        };
-        let next_phase = match session.phase.on(event) {
-            Transition::To(p) => p,
-            Transition::Ignored | Transition::Refused => {
-                return Err(if session.phase == SendPhase::Finishing {
-                    UsageError::ChunkAfterLast(request)
-                } else {
-                    UsageError::SessionEnded(request)
-                });
-            }
+        let Some(next_phase) = chunk_phase(session.phase, spec.is_last) else {
+            return Err(if session.phase == SendPhase::Finishing {
+                UsageError::ChunkAfterLast(request)
+            } else {
+                UsageError::SessionEnded(request)
+            });
         };
         if let Some(open) = &session.open_chunk {
             return Err(self.chunk_layers_unfinished(request, open));
@@ -469,5 +461,19 @@ impl Sender {
         session.aux_deadline = None;
         self.progress(now, request);
         Ok(())
+    }
+}
+
+/// The phase a chunk (the request's last when `is_last`) moves a session in `phase` to, or
+/// `None` when no chunk may come in that phase.
+pub(super) fn chunk_phase(phase: SendPhase, is_last: bool) -> Option<SendPhase> {
+    let event = if is_last {
+        SendEvent::LastChunk
+    } else {
+        SendEvent::Chunk
+    };
+    match phase.on(event) {
+        Transition::To(p) => Some(p),
+        Transition::Ignored | Transition::Refused => None,
     }
 }

@@ -53,16 +53,8 @@ impl Sender {
                 windows,
             });
         };
-        let event = if open.spec.is_last {
-            SendEvent::LastChunk
-        } else {
-            SendEvent::Chunk
-        };
-        let next_phase = match session.phase.on(event) {
-            Transition::To(p) => p,
-            Transition::Ignored | Transition::Refused => {
-                return Err(UsageError::SessionEnded(request))
-            }
+        let Some(next_phase) = super::intake::chunk_phase(session.phase, open.spec.is_last) else {
+            return Err(UsageError::SessionEnded(request));
         };
         if *spec != open.spec {
             return Err(self.chunk_layers_unfinished(request, &open));
