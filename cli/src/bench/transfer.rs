@@ -251,6 +251,42 @@ fn preflight_transfer(args: &TransferBenchArgs) -> Result<(), CliError> {
         .check()
 }
 
+/// Blocks `0..blocks` in slots `0..blocks`: the bench's registration on either side.
+pub(super) fn slots(blocks: u32) -> AnchoredRun {
+    let mut run = AnchoredRun::empty(0);
+    for b in 0..blocks {
+        run.push(BlockId(b));
+    }
+    run
+}
+
+/// The write plans the sender makes for `specs` (chunks of one request whose `blocks` blocks
+/// of `tpb` tokens sit in slots `0..blocks` on both sides): what the baselines copy and the
+/// checks compare.
+pub(super) fn sender_plans(
+    src_layout: &LayerGroupLayout,
+    dst_layout: &LayerGroupLayout,
+    specs: &[ChunkSpec],
+    blocks: u32,
+    tpb: u32,
+) -> Result<Vec<WritePlan>, CliError> {
+    let anchored = slots(blocks);
+    let mut plans = Vec::with_capacity(specs.len());
+    let mut prev_end = 0;
+    for spec in specs {
+        let end = if spec.is_last { blocks } else { spec.end / tpb };
+        let run = BlockRun {
+            first_ordinal: prev_end,
+            ids: (prev_end..end).map(BlockId).collect(),
+        };
+        prev_end = end;
+        let mut plan = WritePlan::new();
+        plan_group(src_layout, dst_layout, &run, &anchored, &mut plan)?;
+        plans.push(plan);
+    }
+    Ok(plans)
+}
+
 /// The chunks of a prompt of `tokens` tokens in chunks of `chunk`, no prefix.
 pub(super) fn chunks(tokens: u32, chunk: u32) -> Vec<ChunkSpec> {
     let mut out = Vec::new();
@@ -361,24 +397,9 @@ pub(crate) fn run(args: TransferBenchArgs) -> Result<ExitCode, CliError> {
     .map_err(|e| format!("handshake: {e}"))?;
 
     // The plans the sender makes, for the baseline.
-    let mut anchored = AnchoredRun::empty(0);
-    for b in 0..blocks {
-        anchored.push(BlockId(b));
-    }
     let specs = chunks(tokens, chunk_tokens);
-    let mut plans = Vec::new();
-    let mut prev_end = 0;
-    for spec in &specs {
-        let end = if spec.is_last { blocks } else { spec.end / tpb };
-        let run = BlockRun {
-            first_ordinal: prev_end,
-            ids: (prev_end..end).map(BlockId).collect(),
-        };
-        prev_end = end;
-        let mut plan = WritePlan::new();
-        plan_group(&src_layout, &dst_layout, &run, &anchored, &mut plan)?;
-        plans.push(plan);
-    }
+    let plans = sender_plans(&src_layout, &dst_layout, &specs, blocks, tpb)?;
+    let anchored = slots(blocks);
     let bytes: u64 = plans.iter().map(WritePlan::total_bytes).sum();
 
     let mut source = ContiguousSource { blocks };

@@ -39,14 +39,16 @@ mod gpu {
     use kvpipe_core::session::{LocalHello, Registration, SendRequest};
     use kvpipe_core::wire::{AuxData, Topology};
     use kvpipe_core::{
-        plan_group, AnchoredRun, BlockId, BlockRun, Event, InstanceId, LayerGroupLayout,
-        ReceiverConfig, RegionId, RequestId, SenderConfig, SenderInput, WritePlan,
+        Event, InstanceId, LayerGroupLayout, ReceiverConfig, RegionId, RequestId, SenderConfig,
+        SenderInput, WritePlan,
     };
     use kvpipe_cuda::{Device, DeviceBuffer, Stream};
     use kvpipe_mem::{Endpoint, MemPair, Node, PairConfig, RegionUse, RECEIVER_PEER, SENDER_PEER};
     use serde::Serialize;
 
-    use super::super::{chunks, layout, mem_available, ContiguousSource, TransferBenchArgs};
+    use super::super::{
+        chunks, layout, mem_available, sender_plans, slots, ContiguousSource, TransferBenchArgs,
+    };
     use super::{CliError, ExitCode};
 
     /// The figures `kvpipe bench transfer --memory device` prints.
@@ -213,24 +215,9 @@ mod gpu {
         .map_err(|e| format!("handshake: {e}"))?;
 
         // The plans the sender makes, for the baseline and the verification.
-        let mut anchored = AnchoredRun::empty(0);
-        for b in 0..blocks {
-            anchored.push(BlockId(b));
-        }
         let specs = chunks(tokens, chunk_tokens);
-        let mut plans = Vec::new();
-        let mut prev_end = 0;
-        for spec in &specs {
-            let end = if spec.is_last { blocks } else { spec.end / tpb };
-            let run = BlockRun {
-                first_ordinal: prev_end,
-                ids: (prev_end..end).map(BlockId).collect(),
-            };
-            prev_end = end;
-            let mut plan = WritePlan::new();
-            plan_group(&src_layout, &dst_layout, &run, &anchored, &mut plan)?;
-            plans.push(plan);
-        }
+        let plans = sender_plans(&src_layout, &dst_layout, &specs, blocks, tpb)?;
+        let anchored = slots(blocks);
         let bytes: u64 = plans.iter().map(WritePlan::total_bytes).sum();
         let extents = plans.iter().map(WritePlan::len).sum();
 
