@@ -7,8 +7,8 @@
 //! A case is a network configuration and a list of [`Step`]s. Most steps are real inputs
 //! ([`Step::Sender`], [`Step::Receiver`]): arbitrary engine commands (open, chunk with arbitrary
 //! block runs, a layer range of a chunk, aux, cancel, retire, register with arbitrary anchored runs), transport reports,
-//! arbitrary frame bytes from a hostile peer, and arbitrary data-write headers, which go
-//! through [`Receiver::admit_write`]. The harness folds each into the case's small world before
+//! arbitrary frame bytes from a hostile peer, and arbitrary (decoded) data-write headers, which
+//! go through [`Receiver::admit_write`]. The harness folds each into the case's small world before
 //! applying it (the endpoints would refuse most raw values at once): `now` is the case's clock,
 //! request ids fall into four, peers are the pair's, batch ids and write tickets name ones that
 //! are pending, and connection reports reach both ends (the transport contract). A few steps
@@ -705,11 +705,8 @@ impl Pair {
     }
 
     /// Asks the receiver to admit a data write; checks and remembers an admitted one.
-    fn admit(&mut self, header: &[u8]) -> Admission {
-        let request = match Frame::parse(header) {
-            Ok((Frame::DataWrite(d), _)) => Some(d.request),
-            _ => None,
-        };
+    fn admit(&mut self, header: &DataWrite) -> Admission {
+        let request = header.request;
         let admission = self.receiver.admit_write(self.now, SENDER, header);
         if let Admission::Apply {
             ticket,
@@ -718,7 +715,6 @@ impl Pair {
             len,
         } = admission
         {
-            let request = request.expect("an admitted write has a well-formed header");
             let grant = self
                 .receiver
                 .granted_extents(request)
@@ -787,7 +783,7 @@ impl Pair {
         let b = self.pending.remove(index % self.pending.len());
         let mut refused = false;
         for e in b.plan.extents() {
-            let header = b.headers.encode(e.dst_region, e.dst_offset, e.len);
+            let header = b.headers.frame(e.dst_region, e.dst_offset, e.len);
             match self.admit(&header) {
                 Admission::Apply { ticket, .. } => self.finish(ticket, true),
                 Admission::Discard { .. } => {}
@@ -938,9 +934,7 @@ impl Pair {
                     offset: base + 16 * u64::from(offset % 64),
                     len: 16 * u64::from(len % 16 + 1),
                 };
-                if let Ok(header) = Frame::DataWrite(write).to_vec() {
-                    let _ = self.admit(&header);
-                }
+                let _ = self.admit(&write);
             }
             Step::Deliver => self.deliver_due(),
             Step::DeliverAny { to_receiver, index } => {
@@ -1166,8 +1160,10 @@ impl Pair {
                     self.deliver(true, bytes);
                 }
             }
-            TransportInput::WriteArrived { header, .. } => {
+            TransportInput::WriteArrived { mut header, .. } => {
                 if self.connected {
+                    // An arbitrary header, its request folded into the case's few.
+                    header.request = fold(header.request);
                     let _ = self.admit(&header);
                 }
             }

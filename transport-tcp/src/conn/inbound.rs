@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use kvpipe_core::stream::{ReadInto, StreamEnd, StreamError, StreamEvent, StreamReader};
-use kvpipe_core::wire::MAX_BODY_LEN;
+use kvpipe_core::wire::{DataWrite, MAX_BODY_LEN};
 use kvpipe_core::{Admission, PeerId, RegionId};
 
 use super::acks::PullAcks;
@@ -60,7 +60,7 @@ struct Puller {
     mappings: Arc<PeerMappings>,
     writer: Arc<JobQueue>,
     /// The header of the write whose source is being read.
-    header: Option<Bytes>,
+    header: Option<DataWrite>,
     source: [u8; SOURCE_LEN],
     filled: usize,
     #[cfg(feature = "cuda")]
@@ -353,7 +353,7 @@ impl Inbound {
     }
 
     /// Asks the core about a data write and tells the stream reader the answer.
-    fn admit(&mut self, header: &[u8]) -> Result<(), ReadEnd> {
+    fn admit(&mut self, header: &DataWrite) -> Result<(), ReadEnd> {
         let admission = self.hooks.admit(self.peer, header);
         match admission {
             Admission::Apply {
@@ -587,7 +587,7 @@ mod tests {
     use bytes::Bytes;
     use kvpipe_core::session::WriteBatchId;
     use kvpipe_core::session::WriteRefusal;
-    use kvpipe_core::wire::{DataWrite, Frame, Heartbeat};
+    use kvpipe_core::wire::{Frame, Heartbeat};
     use kvpipe_core::{GrantId, RegionId, RequestId, WriteTicket};
     use std::sync::Mutex;
 
@@ -597,6 +597,8 @@ mod tests {
     struct Recorder {
         answer: Admission,
         log: Mutex<Vec<String>>,
+        /// The data write headers asked about.
+        headers: Mutex<Vec<DataWrite>>,
         /// Memory to read back whenever a write is reported finished (device tests).
         watch: Mutex<Option<(usize, usize)>>,
         /// What it held then.
@@ -613,8 +615,9 @@ mod tests {
         fn body_limit(&self, _: PeerId) -> u32 {
             MAX_BODY_LEN
         }
-        fn admit(&self, _: PeerId, _: &[u8]) -> Admission {
+        fn admit(&self, _: PeerId, header: &DataWrite) -> Admission {
             self.log.lock().unwrap().push("admit".into());
+            self.headers.lock().unwrap().push(*header);
             self.answer
         }
         fn data_arriving(&self, peer: PeerId) {
@@ -647,6 +650,7 @@ mod tests {
         let hooks = Arc::new(Recorder {
             answer,
             log: Mutex::new(Vec::new()),
+            headers: Mutex::new(Vec::new()),
             watch: Mutex::new(None),
             at_finish: Mutex::new(Vec::new()),
         });
@@ -664,16 +668,18 @@ mod tests {
         (r, hooks, region)
     }
 
-    fn data_write(len: u64) -> Vec<u8> {
-        Frame::DataWrite(DataWrite {
+    fn header(len: u64) -> DataWrite {
+        DataWrite {
             request: RequestId(1),
             grant: GrantId(2),
             region: RegionId(3),
             offset: 4,
             len,
-        })
-        .to_vec()
-        .unwrap()
+        }
+    }
+
+    fn data_write(len: u64) -> Vec<u8> {
+        Frame::DataWrite(header(len)).to_vec().unwrap()
     }
 
     /// Feeds `bytes` as a socket would, in reads of at most what `buffer` offers.
@@ -718,6 +724,32 @@ mod tests {
                 "ended Read(Eof)".into(),
             ]
         );
+        // The core was asked with the header as sent, decoded by the stream reader.
+        assert_eq!(*hooks.headers.lock().unwrap(), [header(20)]);
+    }
+
+    #[test]
+    fn a_data_write_header_that_does_not_decode_goes_to_the_core_as_a_frame() {
+        // A DataWrite declaring an 8-byte body (it has 36): never admitted; its bytes go to
+        // the core, which judges them as it judges any bytes that are no frame.
+        let (mut r, hooks, region) = inbound(APPLY, 32);
+        let mut stream = kvpipe_core::wire::FrameHeader::new(
+            kvpipe_core::wire::FrameKind::DataWrite,
+            kvpipe_core::wire::PROTOCOL_VERSION,
+            8,
+        )
+        .to_bytes()
+        .to_vec();
+        stream.extend([7; 8 + 20]);
+        assert_eq!(feed(&mut r, &stream), Err(ReadEnd::Refused));
+        assert_eq!(r.stats.snapshot().decode_errors, 1);
+        r.finish(Stop::Ended(ReadEnd::Refused));
+        assert!(region.to_vec().iter().all(|&b| b == 0));
+        assert_eq!(
+            *hooks.log.lock().unwrap(),
+            ["frame 20", "ended Read(Refused)"]
+        );
+        assert!(hooks.headers.lock().unwrap().is_empty());
     }
 
     #[test]
@@ -884,7 +916,7 @@ mod tests {
 
     #[test]
     fn a_refused_write_stops_the_reader_before_its_payload() {
-        let refuse = Admission::Refuse(WriteRefusal::Malformed);
+        let refuse = Admission::Refuse(WriteRefusal::NotAccepted);
         let (mut r, hooks, region) = inbound(refuse, 32);
         let mut stream = data_write(20);
         stream.extend([7; 20]);
@@ -925,6 +957,7 @@ mod tests {
             let hooks = Arc::new(Recorder {
                 answer,
                 log: Mutex::new(Vec::new()),
+                headers: Mutex::new(Vec::new()),
                 watch: Mutex::new(Some((memory.as_ptr() as usize, memory.len()))),
                 at_finish: Mutex::new(Vec::new()),
             });

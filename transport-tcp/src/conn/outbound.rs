@@ -582,7 +582,7 @@ mod tests {
         fn body_limit(&self, _: PeerId) -> u32 {
             kvpipe_core::wire::MAX_BODY_LEN
         }
-        fn admit(&self, _: PeerId, _: &[u8]) -> Admission {
+        fn admit(&self, _: PeerId, _: &kvpipe_core::wire::DataWrite) -> Admission {
             Admission::Discard { len: 0 }
         }
         fn data_arriving(&self, _: PeerId) {}

@@ -3,6 +3,7 @@
 
 use bytes::Bytes;
 use kvpipe_core::session::WriteBatchId;
+use kvpipe_core::wire::DataWrite;
 use kvpipe_core::{Admission, Endpoint, PeerId, TransportInput, WriteTicket};
 
 use super::link::LinkPhase;
@@ -31,7 +32,7 @@ impl<E: Endpoint + Send + 'static> NodeHooks for Shared<E> {
         self.state.lock().endpoint.frame_body_limit(peer)
     }
 
-    fn admit(&self, peer: PeerId, header: &[u8]) -> Admission {
+    fn admit(&self, peer: PeerId, header: &DataWrite) -> Admission {
         let mut st = self.state.lock();
         let now = self.now();
         let admission = st.endpoint.admit_write(now, peer, header);

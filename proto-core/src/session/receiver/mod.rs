@@ -14,7 +14,6 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use session::{RecvSession, RetiredGrant, Stop, Writer, MAX_HELD_FRAMES};
 
-use bytes::Bytes;
 use smallvec::SmallVec;
 
 use super::config::ReceiverConfig;
@@ -342,14 +341,14 @@ impl Receiver {
         self.handle_input(ReceiverInput::Transport { now, input })
     }
 
-    /// Asks whether the data write whose encoded `DataWrite` frame is `header` may be applied
-    /// (see [`Admission`]); recorded as [`TransportInput::WriteArrived`]. A refusal has already
+    /// Asks whether the data write whose decoded header is `header` may be applied (see
+    /// [`Admission`]); recorded as [`TransportInput::WriteArrived`]. A refusal has already
     /// failed the request it named (when `peer` is one of its writers) and asked to close the
     /// peer.
-    pub fn admit_write(&mut self, now: Instant, peer: PeerId, header: &[u8]) -> Admission {
+    pub fn admit_write(&mut self, now: Instant, peer: PeerId, header: &DataWrite) -> Admission {
         let input = TransportInput::WriteArrived {
             peer,
-            header: Bytes::copy_from_slice(header),
+            header: *header,
         };
         let recorded = self.recorded.is_some().then(|| ReceiverInput::Transport {
             now,
@@ -433,7 +432,7 @@ impl Endpoint for Receiver {
         Receiver::handle_transport(self, now, input)
     }
 
-    fn admit_write(&mut self, now: Instant, peer: PeerId, header: &[u8]) -> Admission {
+    fn admit_write(&mut self, now: Instant, peer: PeerId, header: &DataWrite) -> Admission {
         Receiver::admit_write(self, now, peer, header)
     }
 
