@@ -52,16 +52,9 @@ use crate::fabric::api::{
 };
 use crate::flow::{fragments, CreditReturn, Credits, Reassembler};
 use crate::memory::MemoryTable;
+pub(crate) use kvpipe_driver::later;
+
 use crate::writes::{map_extents, Segment, WrLimits, WriteMappingError, WriteRequest};
-
-/// How far away a deadline is when a caller's duration does not fit in an `Instant` (e.g.
-/// `Duration::MAX`, meaning "no hurry"): thirty years.
-const FAR: Duration = Duration::from_secs(30 * 365 * 86_400);
-
-/// `at + d`, or thirty years after `at` where that overflows.
-pub(crate) fn later(at: Instant, d: Duration) -> Instant {
-    at.checked_add(d).unwrap_or(at + FAR)
-}
 
 /// Of a write batch's work requests, every this many is signaled (besides the last), so a long
 /// batch frees send-queue room while it runs.

@@ -49,7 +49,7 @@ pub use scenarios::{check_clean, scenario, scenarios, Scenario};
 #[cfg(feature = "tcp")]
 pub use tcp::{TcpHarness, TcpLink};
 #[cfg(any(feature = "tcp", feature = "verbs"))]
-pub use threaded::{ThreadedLink, ThreadedNode, ThreadedSenderNode};
+pub use threaded::ThreadedLink;
 #[cfg(feature = "verbs")]
 pub use verbs::{VerbsHarness, VerbsLink};
 
