@@ -30,7 +30,10 @@ impl Io for TcpIo {
         headers: &DataWriteHeaders,
     ) -> Posted {
         // A peer without a link was reported disconnected: the endpoint emits nothing for it.
-        let Some(link) = self.links.get(peer) else {
+        // One whose link is closing or aborted is going away: its disconnect, reported once
+        // every half of it stopped, drops the batch (and fails its requests as the peer lost),
+        // so the batch is not failed here as a refused write.
+        let Some(link) = self.links.get(peer).filter(|l| l.phase == LinkPhase::Open) else {
             return Posted::NoPeer;
         };
         let Ok(pieces) = cut_plan(
@@ -61,7 +64,8 @@ impl Io for TcpIo {
                 .collect(),
         );
         if refused == count {
-            return Posted::Refused;
+            // The link started closing meanwhile (a writer ended): as above.
+            return Posted::NoPeer;
         }
         Posted::Queued {
             partly_refused: refused > 0,
