@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, VecDeque};
 use bytes::Bytes;
 
 use super::config::Deadlines;
-use super::state::{PeerEvent, PeerPhase, Transition};
+use super::state::{PeerEvent, PeerPhase};
 use super::timers::{TimerKey, Timers};
 use super::{CloseReason, Counters, Event, Output, ProtocolError, UsageError};
 use crate::ids::PeerId;
@@ -102,13 +102,7 @@ impl PeerTable {
     }
 
     fn step(entry: &mut PeerEntry, event: PeerEvent) -> bool {
-        match entry.phase.on(event) {
-            Transition::To(p) => {
-                entry.phase = p;
-                true
-            }
-            Transition::Ignored | Transition::Refused => false,
-        }
+        entry.phase.on(event).advance(&mut entry.phase)
     }
 
     pub(crate) fn connected(

@@ -8,7 +8,7 @@ impl Receiver {
         let Some(w) = self.locate(now, peer, request, "AuxResult") else {
             return;
         };
-        let session = self.sessions.get_mut(&request).expect("located");
+        let session = self.sessions.live.get_mut(&request).expect("located");
         if !session.phase.is_active() || session.writers[w].aux {
             self.shell.counters.duplicates += 1;
             return;

@@ -10,7 +10,7 @@ mod results;
 mod session;
 mod stop;
 
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::collections::{BTreeSet, VecDeque};
 
 use session::{RecvSession, RetiredGrant, Stop, Writer, MAX_HELD_FRAMES};
 
@@ -21,9 +21,9 @@ use super::config::ReceiverConfig;
 use super::coverage::{check_group_cover, GroupPart};
 use super::grants::{Flight, GrantedExtents, LandedExtents, WritesInFlight};
 use super::peers::Route;
-use super::retired::Retired;
 use super::shell::{Due, Shell};
 use super::state::{RecvEvent, RecvPhase, Transition, WriterEvent, WriterPhase};
+use super::table::{CancelStep, HeldSession, SessionTable};
 use super::timers::TimerKey;
 use super::transport::{Admission, DataPath, Endpoint, TransportInput, WriteRefusal};
 use super::{
@@ -143,8 +143,7 @@ pub struct Registration {
 pub struct Receiver {
     config: ReceiverConfig,
     shell: Shell,
-    sessions: BTreeMap<RequestId, RecvSession>,
-    retired: Retired<RetiredGrant>,
+    sessions: SessionTable<RecvSession, RetiredGrant>,
     writes: WritesInFlight,
     next_slice: u32,
     grant_state: u64,
@@ -159,8 +158,7 @@ impl Receiver {
         let hello = config.local.to_hello(Role::Receiver);
         Ok(Receiver {
             shell: Shell::new(hello, config.deadlines, config.max_remembered_cancels),
-            sessions: BTreeMap::new(),
-            retired: Retired::new(config.retired_horizon, config.max_retired),
+            sessions: SessionTable::new(config.retired_horizon, config.max_retired),
             writes: WritesInFlight::default(),
             next_slice: 0,
             grant_state: config.grant_seed,
@@ -184,18 +182,12 @@ impl Receiver {
     /// The phase of `request`'s session: `None` if unknown, [`RecvPhase::Retired`] if retired
     /// (and still remembered).
     pub fn phase(&self, request: RequestId) -> Option<RecvPhase> {
-        if let Some(s) = self.sessions.get(&request) {
-            Some(s.phase)
-        } else if self.retired.contains(request) {
-            Some(RecvPhase::Retired)
-        } else {
-            None
-        }
+        self.sessions.phase(request)
     }
 
     /// The phase of writer `peer` within `request`'s session.
     pub fn writer_phase(&self, request: RequestId, peer: PeerId) -> Option<WriterPhase> {
-        let session = self.sessions.get(&request)?;
+        let session = self.sessions.live.get(&request)?;
         session
             .writers
             .iter()
@@ -205,17 +197,17 @@ impl Receiver {
 
     /// The memory grant of `request`'s registration.
     pub fn grant(&self, request: RequestId) -> Option<GrantId> {
-        self.sessions.get(&request).map(|s| s.frame.grant)
+        self.sessions.live.get(&request).map(|s| s.frame.grant)
     }
 
     /// The destination bytes granted to `request`.
     pub fn granted_extents(&self, request: RequestId) -> Option<&GrantedExtents> {
-        self.sessions.get(&request).map(|s| &s.extents)
+        self.sessions.live.get(&request).map(|s| &s.extents)
     }
 
     /// Sessions held (not yet retired).
     pub fn session_count(&self) -> usize {
-        self.sessions.len()
+        self.sessions.live.len()
     }
 
     /// Connected peers (handshaking, ready or closing).
@@ -238,7 +230,7 @@ impl Receiver {
     /// Retired request ids remembered now (at most one horizon's retirements, see
     /// [`ReceiverConfig::retired_horizon`](super::ReceiverConfig::retired_horizon)).
     pub fn retired_count(&self) -> usize {
-        self.retired.len()
+        self.sessions.retired.len()
     }
 
     /// Admitted data writes not reported finished yet.
@@ -301,6 +293,7 @@ impl Receiver {
         })?;
         Ok(self
             .sessions
+            .live
             .get(&request)
             .map(|s| s.frame.slice)
             .expect("registered above"))

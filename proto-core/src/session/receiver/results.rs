@@ -27,6 +27,7 @@ impl Receiver {
             // are taken at once.
             if let Some(w) = self
                 .sessions
+                .live
                 .get_mut(&request)
                 .filter(|s| s.phase.is_active())
                 .and_then(|s| s.writers.iter_mut().find(|w| w.peer == peer))
@@ -69,6 +70,7 @@ impl Receiver {
         loop {
             let Some(w) = self
                 .sessions
+                .live
                 .get_mut(&request)
                 .and_then(|s| s.writers.iter_mut().find(|w| w.peer == peer))
             else {
@@ -107,12 +109,12 @@ impl Receiver {
             request,
             reason: CancelReason::Failure,
         });
-        if self.retired.contains(request) {
+        if self.sessions.retired.contains(request) {
             self.shell.counters.duplicates += 1;
             self.shell.send(now, peer, stop);
             return None;
         }
-        let Some(session) = self.sessions.get(&request) else {
+        let Some(session) = self.sessions.live.get(&request) else {
             self.shell
                 .violation(peer, ProtocolError::UnknownRequest { kind, request });
             self.shell.send(now, peer, stop);
@@ -131,7 +133,7 @@ impl Receiver {
         let Some(w) = self.locate(now, peer, request, "KvResult") else {
             return;
         };
-        let session = self.sessions.get_mut(&request).expect("located");
+        let session = self.sessions.live.get_mut(&request).expect("located");
         let expected = session.frame.slice;
         if r.receiver_slice != expected {
             self.shell.violation(
@@ -237,10 +239,10 @@ impl Receiver {
                 );
                 return;
             }
-            let session = self.sessions.get_mut(&request).expect("located");
+            let session = self.sessions.live.get_mut(&request).expect("located");
             session.writers[w].on(WriterEvent::LastResult);
         }
-        let session = self.sessions.get_mut(&request).expect("located");
+        let session = self.sessions.live.get_mut(&request).expect("located");
         if self.config.data_path == DataPath::Ordered {
             // No landing reports: a result is the moment its bytes are known to be placed.
             session.timings.first_byte.get_or_insert(now);
@@ -256,9 +258,10 @@ impl Receiver {
     /// them from), the overlap's bytes for each registered block it sends (in a windowed
     /// group, those at or above the stale boundary of its window).
     pub(super) fn writer_share(&self, request: RequestId, peer: PeerId) -> u64 {
-        let (Some(session), Some(hello)) =
-            (self.sessions.get(&request), self.shell.peers.remote(peer))
-        else {
+        let (Some(session), Some(hello)) = (
+            self.sessions.live.get(&request),
+            self.shell.peers.remote(peer),
+        ) else {
             return 0;
         };
         let local = &self.config.local;
@@ -300,7 +303,7 @@ impl Receiver {
     /// Something of the request arrived: the idle deadline restarts from `now`.
     pub(super) fn note_progress(&mut self, now: Instant, request: RequestId) {
         let idle = self.config.deadlines.result_idle;
-        let Some(session) = self.sessions.get_mut(&request) else {
+        let Some(session) = self.sessions.live.get_mut(&request) else {
             return;
         };
         session.last_progress = Some(now);
@@ -313,7 +316,7 @@ impl Receiver {
 
     /// Completes the session when every writer's last result and the aux data arrived.
     pub(super) fn progress(&mut self, now: Instant, request: RequestId) {
-        let Some(session) = self.sessions.get_mut(&request) else {
+        let Some(session) = self.sessions.live.get_mut(&request) else {
             return;
         };
         let all_done = session.writers.iter().all(|w| w.phase == WriterPhase::Done);

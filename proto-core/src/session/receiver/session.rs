@@ -39,13 +39,7 @@ impl Writer {
     }
 
     pub(super) fn on(&mut self, event: WriterEvent) -> bool {
-        match self.phase.on(event) {
-            Transition::To(p) => {
-                self.phase = p;
-                true
-            }
-            Transition::Ignored | Transition::Refused => false,
-        }
+        self.phase.on(event).advance(&mut self.phase)
     }
 }
 
@@ -77,6 +71,16 @@ pub(super) struct RecvSession {
     pub(super) expected_part: Option<Vec<GroupPart>>,
     /// The writers' cover was proved (every writer's handshake was known).
     pub(super) cover_proved: bool,
+}
+
+impl HeldSession for RecvSession {
+    type Phase = RecvPhase;
+    fn phase(&self) -> RecvPhase {
+        self.phase
+    }
+    fn involves(&self, peer: PeerId) -> bool {
+        self.writers.iter().any(|w| w.peer == peer)
+    }
 }
 
 impl RecvSession {

@@ -6,11 +6,11 @@ use super::*;
 impl Receiver {
     pub(super) fn on_peer_cancel(&mut self, now: Instant, peer: PeerId, cancel: Cancel) {
         let request = cancel.request;
-        if self.retired.contains(request) {
+        if self.sessions.retired.contains(request) {
             self.shell.counters.duplicates += 1;
             return;
         }
-        let Some(session) = self.sessions.get_mut(&request) else {
+        let Some(session) = self.sessions.live.get_mut(&request) else {
             // Not registered yet: remember it and cancel the registration when it comes.
             self.shell
                 .remembered_cancels
@@ -40,18 +40,12 @@ impl Receiver {
         self.shell.peers.disconnected(peer)?;
         // The transport promises none of the peer's admitted writes still applies.
         for flight in self.writes.remove_peer(peer) {
-            if let Some(s) = self.sessions.get_mut(&flight.request) {
+            if let Some(s) = self.sessions.live.get_mut(&flight.request) {
                 s.writes_in_flight = s.writes_in_flight.saturating_sub(1);
             }
         }
-        let involved: Vec<RequestId> = self
-            .sessions
-            .iter()
-            .filter(|(_, s)| s.writers.iter().any(|w| w.peer == peer))
-            .map(|(r, _)| *r)
-            .collect();
-        for request in involved {
-            let session = self.sessions.get_mut(&request).expect("listed");
+        for request in self.sessions.involving(peer) {
+            let session = self.sessions.live.get_mut(&request).expect("listed");
             let w = session
                 .writers
                 .iter_mut()
@@ -78,21 +72,16 @@ impl Receiver {
     }
 
     pub(super) fn fail_peer_sessions(&mut self, now: Instant, peer: PeerId, why: Stop) {
-        let involved: Vec<RequestId> = self
-            .sessions
-            .iter()
-            .filter(|(_, s)| {
-                s.phase.is_active() && s.writers.iter().any(|w| w.peer == peer && !w.finished())
-            })
-            .map(|(r, _)| *r)
-            .collect();
+        let involved = self.sessions.requests_where(|s| {
+            s.phase.is_active() && s.writers.iter().any(|w| w.peer == peer && !w.finished())
+        });
         for request in involved {
             self.stop(now, request, why);
         }
     }
 
     pub(super) fn on_request_timeout(&mut self, now: Instant, request: RequestId) {
-        let Some(session) = self.sessions.get_mut(&request) else {
+        let Some(session) = self.sessions.live.get_mut(&request) else {
             return;
         };
         if session.phase.is_active() {
@@ -159,7 +148,7 @@ impl Receiver {
     /// Ends an active session: reports it, tells every writer that has not stopped, and waits
     /// for their confirmation before [`Event::Quiesced`].
     pub(super) fn stop(&mut self, now: Instant, request: RequestId, why: Stop) {
-        let Some(session) = self.sessions.get_mut(&request) else {
+        let Some(session) = self.sessions.live.get_mut(&request) else {
             return;
         };
         let Transition::To(phase) = session.phase.on(RecvEvent::Stop) else {
@@ -237,7 +226,7 @@ impl Receiver {
     }
 
     pub(super) fn check_drained(&mut self, _now: Instant, request: RequestId) {
-        let Some(session) = self.sessions.get_mut(&request) else {
+        let Some(session) = self.sessions.live.get_mut(&request) else {
             return;
         };
         if session.phase != RecvPhase::Stopping

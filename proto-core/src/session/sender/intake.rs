@@ -6,12 +6,7 @@ use super::*;
 impl Sender {
     pub(super) fn on_open(&mut self, now: Instant, req: SendRequest) -> Result<(), UsageError> {
         let request = req.request;
-        if self.retired.contains(request) {
-            return Err(UsageError::Retired(request));
-        }
-        if self.sessions.contains_key(&request) {
-            return Err(UsageError::DuplicateRequest(request));
-        }
+        self.sessions.check_new(request)?;
         if req.receivers.is_empty() {
             return Err(UsageError::NoPeers(request));
         }
@@ -28,7 +23,7 @@ impl Sender {
             }
         }
         let registration_deadline = now + self.config.deadlines.registration;
-        self.sessions.insert(
+        self.sessions.live.insert(
             request,
             SendSession {
                 phase: SendPhase::Streaming,
@@ -74,13 +69,7 @@ impl Sender {
         request: RequestId,
         spec: &ChunkSpec,
     ) -> Result<SendPhase, UsageError> {
-        if self.retired.contains(request) {
-            return Err(UsageError::Retired(request));
-        }
-        let session = self
-            .sessions
-            .get(&request)
-            .ok_or(UsageError::UnknownRequest(request))?;
+        let session = self.sessions.held(request)?;
         let Some(next_phase) = chunk_phase(session.phase, spec.is_last) else {
             return Err(if session.phase == SendPhase::Finishing {
                 UsageError::ChunkAfterLast(request)
@@ -137,13 +126,7 @@ impl Sender {
         prompt_len: u32,
         prepopulated_len: u32,
     ) -> Result<Vec<(GroupIndex, BlockWindow)>, UsageError> {
-        if self.retired.contains(request) {
-            return Err(UsageError::Retired(request));
-        }
-        let session = self
-            .sessions
-            .get(&request)
-            .ok_or(UsageError::UnknownRequest(request))?;
+        let session = self.sessions.held(request)?;
         if !session.phase.is_active() {
             return Err(UsageError::SessionEnded(request));
         }
@@ -186,7 +169,7 @@ impl Sender {
                 return Ok(Submitted::EngineFault(EngineFault::BlockRun(error)));
             }
         }
-        let session = self.sessions.get_mut(&request).expect("checked above");
+        let session = self.sessions.live.get_mut(&request).expect("checked above");
         session.prefix_sent_early = true;
         session.prompt_len = Some(prompt_len);
         session.prepopulated_len = Some(prepopulated_len);
@@ -252,7 +235,7 @@ impl Sender {
             });
         }
         // From here on the input is applied: an engine error fails the session.
-        let session = self.sessions.get_mut(&request).expect("checked above");
+        let session = self.sessions.live.get_mut(&request).expect("checked above");
         let mismatch = session.targets.iter().find_map(|t| {
             t.registration
                 .as_ref()
@@ -279,7 +262,7 @@ impl Sender {
                 },
             ));
         }
-        let session = self.sessions.get_mut(&request).expect("checked above");
+        let session = self.sessions.live.get_mut(&request).expect("checked above");
         if let Some(expected) = session.prepopulated_len {
             if spec.prepopulated_len != expected {
                 self.fail_engine(now, request);
@@ -297,7 +280,7 @@ impl Sender {
                 return Ok(Submitted::EngineFault(EngineFault::BlockRun(error)));
             }
         }
-        let session = self.sessions.get_mut(&request).expect("checked above");
+        let session = self.sessions.live.get_mut(&request).expect("checked above");
         session.next_start = Some(spec.end);
         session.prompt_len = Some(spec.prompt_len);
         session.prepopulated_len = Some(spec.prepopulated_len);
@@ -308,7 +291,7 @@ impl Sender {
                 self.open_layered_chunk(now, request, spec, layers, runs),
             ));
         }
-        let session = self.sessions.get_mut(&request).expect("checked above");
+        let session = self.sessions.live.get_mut(&request).expect("checked above");
         if spec.is_last {
             session.timings.last_chunk = Some(now);
         }
@@ -335,7 +318,11 @@ impl Sender {
         runs: Vec<(GroupIndex, BlockRun)>,
         layers: Option<SliceLayers>,
     ) -> SenderSliceId {
-        let session = self.sessions.get_mut(&request).expect("the caller checked");
+        let session = self
+            .sessions
+            .live
+            .get_mut(&request)
+            .expect("the caller checked");
         let id = SenderSliceId(session.slices.len() as u32);
         let blocks: u64 = runs.iter().map(|(_, run)| run.ids.len() as u64).sum();
         session.blocks_pinned += blocks;
@@ -376,11 +363,8 @@ impl Sender {
     }
 
     pub(super) fn on_cancel(&mut self, now: Instant, request: RequestId) -> Result<(), UsageError> {
-        if self.retired.contains(request) {
-            return Err(UsageError::Retired(request));
-        }
-        match self.sessions.get(&request) {
-            None => {
+        match self.sessions.cancel_step(request)? {
+            CancelStep::Remember => {
                 self.shell
                     .remembered_cancels
                     .insert(request, CancelOrigin::Local);
@@ -394,32 +378,15 @@ impl Sender {
                     self.shell.send(now, peer, frame);
                 }
             }
-            Some(s) if s.phase.is_active() => {
-                self.stop(now, request, Stop::Cancelled(CancelOrigin::Local))
-            }
-            Some(_) => {}
+            CancelStep::Stop => self.stop(now, request, Stop::Cancelled(CancelOrigin::Local)),
+            CancelStep::Ended => {}
         }
         Ok(())
     }
 
     pub(super) fn on_retire(&mut self, now: Instant, request: RequestId) -> Result<(), UsageError> {
-        if self.retired.contains(request) {
-            return Err(UsageError::Retired(request));
-        }
-        let s = self
-            .sessions
-            .get(&request)
-            .ok_or(UsageError::UnknownRequest(request))?;
-        match s.phase.on(SendEvent::Retire) {
-            Transition::To(_) => {
-                self.sessions.remove(&request);
-                self.retired.insert(now, request, ());
-                self.shell.counters.retirements += 1;
-                self.shell.counters.retired_forgotten_early = self.retired.forgotten_early();
-                Ok(())
-            }
-            _ => Err(UsageError::NotQuiesced(request)),
-        }
+        let counters = &mut self.shell.counters;
+        self.sessions.retire(now, request, counters, |_| ())
     }
 
     pub(super) fn on_aux_submitted(
@@ -428,13 +395,7 @@ impl Sender {
         request: RequestId,
         data: AuxData,
     ) -> Result<(), UsageError> {
-        if self.retired.contains(request) {
-            return Err(UsageError::Retired(request));
-        }
-        let session = self
-            .sessions
-            .get_mut(&request)
-            .ok_or(UsageError::UnknownRequest(request))?;
+        let session = self.sessions.held_mut(request)?;
         if session.aux.is_some() {
             return Err(UsageError::AuxAlreadySubmitted(request));
         }

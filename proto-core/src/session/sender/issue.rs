@@ -10,11 +10,11 @@ impl Sender {
             request,
             reason: CancelReason::Failure,
         });
-        if self.retired.contains(request) {
+        if self.sessions.retired.contains(request) {
             self.shell.send(now, peer, refuse);
             return;
         }
-        let Some(session) = self.sessions.get_mut(&request) else {
+        let Some(session) = self.sessions.live.get_mut(&request) else {
             if self.shell.remembered_cancels.contains(request) {
                 let frame = Frame::Cancel(Cancel {
                     request,
@@ -96,7 +96,7 @@ impl Sender {
             self.stop_protocol(now, request, peer, error);
             return;
         }
-        let session = self.sessions.get_mut(&request).expect("checked above");
+        let session = self.sessions.live.get_mut(&request).expect("checked above");
         if let Some(local) = session.prompt_len {
             if local != reg.prompt_len {
                 let registered = reg.prompt_len;
@@ -134,6 +134,7 @@ impl Sender {
     ) {
         if let Some(target) = self
             .sessions
+            .live
             .get_mut(&request)
             .and_then(|s| s.targets.get_mut(t))
         {
@@ -145,7 +146,7 @@ impl Sender {
     /// Plans and hands to the transport every slice target `t` has not been given yet, in order.
     pub(super) fn issue_pending(&mut self, now: Instant, request: RequestId, t: usize) {
         loop {
-            let Some(session) = self.sessions.get_mut(&request) else {
+            let Some(session) = self.sessions.live.get_mut(&request) else {
                 return;
             };
             if !session.phase.is_active() {
@@ -226,6 +227,7 @@ impl Sender {
                 // Attributed to the slice being planned, on both sides.
                 let slice = self
                     .sessions
+                    .live
                     .get(&request)
                     .and_then(|s| s.slices.get(k))
                     .map(|s| s.id);
@@ -235,7 +237,7 @@ impl Sender {
             let slice_id = slice.id;
             let grant = reg.grant;
             let bytes = plan.total_bytes();
-            let session = self.sessions.get_mut(&request).expect("present");
+            let session = self.sessions.live.get_mut(&request).expect("present");
             let slice = &mut session.slices[k];
             slice.planned_by += 1;
             if slice.planned_by >= session.targets.len() {

@@ -20,9 +20,9 @@ use smallvec::SmallVec;
 
 use super::config::SenderConfig;
 use super::peers::Route;
-use super::retired::Retired;
 use super::shell::{Due, Shell};
 use super::state::{SendEvent, SendPhase, TargetEvent, TargetPhase, Transition};
+use super::table::{CancelStep, HeldSession, SessionTable};
 use super::timers::TimerKey;
 use super::transport::{Admission, DataWriteHeaders, Endpoint, TransportInput, WriteRefusal};
 use super::{
@@ -287,9 +287,8 @@ impl SendRequest {
 pub struct Sender {
     config: SenderConfig,
     shell: Shell,
-    sessions: BTreeMap<RequestId, SendSession>,
+    sessions: SessionTable<SendSession, ()>,
     pending_registrations: PendingRegistrations,
-    retired: Retired<()>,
     batches: BTreeMap<WriteBatchId, BatchRef>,
     /// Per receiver, when a write batch towards it last completed: a link that keeps
     /// completing batches is moving, so its queued batches' deadlines follow it.
@@ -317,9 +316,8 @@ impl Sender {
         let hello = config.local.to_hello(Role::Sender);
         Ok(Sender {
             shell: Shell::new(hello, config.deadlines, config.max_remembered_cancels),
-            sessions: BTreeMap::new(),
+            sessions: SessionTable::new(config.retired_horizon, config.max_retired),
             pending_registrations: PendingRegistrations::default(),
-            retired: Retired::new(config.retired_horizon, config.max_retired),
             batches: BTreeMap::new(),
             link_progress: BTreeMap::new(),
             next_batch: 0,
@@ -345,18 +343,12 @@ impl Sender {
     /// The phase of `request`'s session: `None` if unknown, [`SendPhase::Retired`] if retired
     /// (and still remembered).
     pub fn phase(&self, request: RequestId) -> Option<SendPhase> {
-        if let Some(s) = self.sessions.get(&request) {
-            Some(s.phase)
-        } else if self.retired.contains(request) {
-            Some(SendPhase::Retired)
-        } else {
-            None
-        }
+        self.sessions.phase(request)
     }
 
     /// The phase of `peer` within `request`'s session (`None`: no such session or receiver).
     pub fn target_phase(&self, request: RequestId, peer: PeerId) -> Option<TargetPhase> {
-        let session = self.sessions.get(&request)?;
+        let session = self.sessions.live.get(&request)?;
         session
             .targets
             .iter()
@@ -366,7 +358,7 @@ impl Sender {
 
     /// Sessions held (not yet retired).
     pub fn session_count(&self) -> usize {
-        self.sessions.len()
+        self.sessions.live.len()
     }
 
     /// Connected peers (handshaking, ready or closing).
@@ -387,7 +379,7 @@ impl Sender {
     /// Retired request ids remembered now (at most one horizon's retirements, see
     /// [`SenderConfig::retired_horizon`]).
     pub fn retired_count(&self) -> usize {
-        self.retired.len()
+        self.sessions.retired.len()
     }
 
     /// The rank's layers (every group's, see [`LayerOrder`]): a chunk submitted in layer
@@ -400,7 +392,7 @@ impl Sender {
     /// that chunk's last range has not come (`None`: no chunk is open; the next submission is
     /// a new chunk).
     pub fn next_chunk_layer(&self, request: RequestId) -> Option<u32> {
-        let session = self.sessions.get(&request)?;
+        let session = self.sessions.live.get(&request)?;
         session.open_chunk.map(|c| c.next_layer)
     }
 

@@ -7,7 +7,7 @@ impl Sender {
     /// Sends every result that may leave now, in slice order, then the aux data; completes the
     /// session when everything went out.
     pub(super) fn progress(&mut self, now: Instant, request: RequestId) {
-        let Some(session) = self.sessions.get_mut(&request) else {
+        let Some(session) = self.sessions.live.get_mut(&request) else {
             return;
         };
         if !session.phase.is_active() {
@@ -110,7 +110,7 @@ impl Sender {
             }
             return Err(UsageError::UnknownBatch(batch));
         };
-        let Some(session) = self.sessions.get_mut(&r.request) else {
+        let Some(session) = self.sessions.live.get_mut(&r.request) else {
             return Ok(());
         };
         let target = &mut session.targets[r.target];
@@ -156,12 +156,12 @@ impl Sender {
             request,
             reason: cancel.reason,
         });
-        if self.retired.contains(request) {
+        if self.sessions.retired.contains(request) {
             // Nothing of a retired request is in flight: confirm at once.
             self.shell.send(now, peer, confirm);
             return;
         }
-        let Some(session) = self.sessions.get_mut(&request) else {
+        let Some(session) = self.sessions.live.get_mut(&request) else {
             // Not opened yet: nothing is in flight. Confirm, and cancel it when it opens.
             self.shell
                 .remembered_cancels

@@ -78,13 +78,7 @@ impl Target {
 
     /// Moves the target's phase; an event its phase does not take changes nothing.
     pub(super) fn on(&mut self, event: TargetEvent) -> bool {
-        match self.phase.on(event) {
-            Transition::To(p) => {
-                self.phase = p;
-                true
-            }
-            Transition::Ignored | Transition::Refused => false,
-        }
+        self.phase.on(event).advance(&mut self.phase)
     }
 }
 
@@ -112,6 +106,16 @@ pub(super) struct SendSession {
     pub(super) timings: RequestTimings,
     /// Blocks of the block runs of every slice, released (counted) when the session quiesces.
     pub(super) blocks_pinned: u64,
+}
+
+impl HeldSession for SendSession {
+    type Phase = SendPhase;
+    fn phase(&self) -> SendPhase {
+        self.phase
+    }
+    fn involves(&self, peer: PeerId) -> bool {
+        self.targets.iter().any(|t| t.peer == peer)
+    }
 }
 
 /// Registrations that arrived before the engine opened their request, by request.

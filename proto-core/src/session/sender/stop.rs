@@ -9,20 +9,14 @@ impl Sender {
         self.pending_registrations.remove_peer(peer);
         self.link_progress.remove(&peer);
         // Batches towards the peer can no longer touch memory.
-        let sessions = &self.sessions;
+        let sessions = &self.sessions.live;
         self.batches.retain(|_, r| {
             sessions
                 .get(&r.request)
                 .is_none_or(|s| s.targets[r.target].peer != peer)
         });
-        let involved: Vec<RequestId> = self
-            .sessions
-            .iter()
-            .filter(|(_, s)| s.targets.iter().any(|t| t.peer == peer))
-            .map(|(r, _)| *r)
-            .collect();
-        for request in involved {
-            let session = self.sessions.get_mut(&request).expect("listed");
+        for request in self.sessions.involving(peer) {
+            let session = self.sessions.live.get_mut(&request).expect("listed");
             let target = session
                 .targets
                 .iter_mut()
@@ -54,17 +48,10 @@ impl Sender {
     }
 
     pub(super) fn fail_peer_sessions(&mut self, now: Instant, peer: PeerId, why: Stop) {
-        let involved: Vec<RequestId> = self
-            .sessions
-            .iter()
-            .filter(|(_, s)| {
-                s.phase.is_active()
-                    && s.targets
-                        .iter()
-                        .any(|t| t.peer == peer && !t.phase.is_finished())
-            })
-            .map(|(r, _)| *r)
-            .collect();
+        let involved = self.sessions.requests_where(|s| {
+            s.phase.is_active()
+                && (s.targets.iter()).any(|t| t.peer == peer && !t.phase.is_finished())
+        });
         for request in involved {
             let why = match why {
                 Stop::Failed {
@@ -76,7 +63,7 @@ impl Sender {
                     cause,
                     peer,
                     slice,
-                    receiver_slice: self.sessions.get(&request).and_then(|s| {
+                    receiver_slice: self.sessions.live.get(&request).and_then(|s| {
                         s.targets
                             .iter()
                             .find(|t| Some(t.peer) == peer)
@@ -90,7 +77,7 @@ impl Sender {
     }
 
     pub(super) fn on_request_timeout(&mut self, now: Instant, request: RequestId) {
-        let Some(session) = self.sessions.get_mut(&request) else {
+        let Some(session) = self.sessions.live.get_mut(&request) else {
             // Registrations held for a request the engine never opened: after the registration
             // deadline nobody will write them; their receivers learn at once.
             let expired = self
@@ -150,7 +137,7 @@ impl Sender {
 
     /// Arms the session's earliest pending deadline.
     pub(super) fn rearm(&mut self, request: RequestId) {
-        let Some(session) = self.sessions.get(&request) else {
+        let Some(session) = self.sessions.live.get(&request) else {
             return;
         };
         let mut next: Option<Instant> = None;
@@ -203,7 +190,7 @@ impl Sender {
         error: ProtocolError,
         slice: Option<SenderSliceId>,
     ) {
-        let receiver_slice = self.sessions.get(&request).and_then(|s| {
+        let receiver_slice = self.sessions.live.get(&request).and_then(|s| {
             s.targets
                 .iter()
                 .find(|t| t.peer == peer)
@@ -225,7 +212,7 @@ impl Sender {
     /// Ends an active session: reports it, tells every receiver at once, and waits for the
     /// in-flight writes before [`Event::Quiesced`].
     pub(super) fn stop(&mut self, now: Instant, request: RequestId, why: Stop) {
-        let Some(session) = self.sessions.get_mut(&request) else {
+        let Some(session) = self.sessions.live.get_mut(&request) else {
             return;
         };
         let Transition::To(phase) = session.phase.on(SendEvent::Stop) else {
@@ -328,7 +315,7 @@ impl Sender {
     /// In a stopping session: sends each receiver's terminal result once its writes drained, and
     /// quiesces the session once no write is in flight.
     pub(super) fn check_drained(&mut self, now: Instant, request: RequestId) {
-        let Some(session) = self.sessions.get_mut(&request) else {
+        let Some(session) = self.sessions.live.get_mut(&request) else {
             return;
         };
         if session.phase != SendPhase::Stopping {
