@@ -68,6 +68,7 @@ mod retired;
 mod sender;
 mod shell;
 pub mod state;
+mod stop;
 mod table;
 mod timers;
 mod transport;

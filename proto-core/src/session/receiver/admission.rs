@@ -131,15 +131,7 @@ impl Receiver {
                     s.phase.is_active() && s.writers.iter().any(|w| w.peer == peer)
                 });
             if writer {
-                self.stop(
-                    now,
-                    request,
-                    Stop::Failed {
-                        cause: TransferStatus::GrantViolation,
-                        peer: Some(peer),
-                        slice: None,
-                    },
-                );
+                self.stop(now, request, Stop::by(peer, TransferStatus::GrantViolation));
             }
         }
         self.shell

@@ -14,15 +14,7 @@ impl Receiver {
             return;
         }
         if aux.status != TransferStatus::Success {
-            self.stop(
-                now,
-                request,
-                Stop::Failed {
-                    cause: aux.status,
-                    peer: Some(peer),
-                    slice: None,
-                },
-            );
+            self.stop(now, request, Stop::by(peer, aux.status));
             return;
         }
         let len = aux_encoded_len(&aux.data);

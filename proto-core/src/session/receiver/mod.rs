@@ -12,7 +12,7 @@ mod stop;
 
 use std::collections::{BTreeSet, VecDeque};
 
-use session::{RecvSession, RetiredGrant, Stop, Writer, MAX_HELD_FRAMES};
+use session::{RecvSession, RetiredGrant, Writer, MAX_HELD_FRAMES};
 
 use bytes::Bytes;
 use smallvec::SmallVec;
@@ -23,13 +23,17 @@ use super::grants::{Flight, GrantedExtents, LandedExtents, WritesInFlight};
 use super::peers::Route;
 use super::shell::{Due, Shell};
 use super::state::{RecvEvent, RecvPhase, Transition, WriterEvent, WriterPhase};
+use super::stop::Stop;
 use super::table::{CancelStep, HeldSession, SessionTable};
 use super::timers::TimerKey;
 use super::transport::{Admission, DataPath, Endpoint, TransportInput, WriteRefusal};
 use super::{
-    frame_kind, CancelOrigin, CloseReason, Counters, Event, Output, ProtocolError, RequestTimings,
+    frame_kind, CancelOrigin, CloseReason, Counters, Output, ProtocolError, RequestTimings,
     UsageError, Wait,
 };
+// The events are named by the docs; the shell reports them.
+#[cfg(doc)]
+use super::Event;
 use crate::blocks::AnchoredRun;
 use crate::geometry::{stale_boundary, total_blocks};
 use crate::ids::{GrantId, GroupIndex, PeerId, ReceiverSliceId, RequestId, SenderSliceId};
@@ -375,15 +379,9 @@ impl Receiver {
                     Route::Done => {}
                     Route::BecameReady => self.on_peer_ready(now, peer),
                     Route::Session(frame) => self.on_session_frame(now, peer, frame),
-                    Route::Malformed => self.fail_peer_sessions(
-                        now,
-                        peer,
-                        Stop::Failed {
-                            cause: TransferStatus::ProtocolError,
-                            peer: Some(peer),
-                            slice: None,
-                        },
-                    ),
+                    Route::Malformed => {
+                        self.fail_peer_sessions(now, peer, Stop::protocol(peer, None))
+                    }
                 }
             }
             TransportInput::WritesCompleted { .. } | TransportInput::WritesFailed { .. } => {

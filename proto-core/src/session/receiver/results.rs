@@ -136,23 +136,12 @@ impl Receiver {
         let session = self.sessions.live.get_mut(&request).expect("located");
         let expected = session.frame.slice;
         if r.receiver_slice != expected {
-            self.shell.violation(
-                peer,
-                ProtocolError::UnknownSlice {
-                    request,
-                    expected,
-                    got: r.receiver_slice,
-                },
-            );
-            self.stop(
-                now,
+            let error = ProtocolError::UnknownSlice {
                 request,
-                Stop::Failed {
-                    cause: TransferStatus::ProtocolError,
-                    peer: Some(peer),
-                    slice: r.sender_slice.get(),
-                },
-            );
+                expected,
+                got: r.receiver_slice,
+            };
+            self.stop_protocol_at(now, request, peer, error, r.sender_slice.get());
             return;
         }
         let writer = &mut session.writers[w];
@@ -195,17 +184,8 @@ impl Receiver {
             || (r.is_last && writer.last.is_some())
             || (r.is_last && writer.seen.last().is_some_and(|&max| max > r.sender_slice));
         if after_last {
-            self.shell
-                .violation(peer, ProtocolError::ResultAfterLast { request });
-            self.stop(
-                now,
-                request,
-                Stop::Failed {
-                    cause: TransferStatus::ProtocolError,
-                    peer: Some(peer),
-                    slice: r.sender_slice.get(),
-                },
-            );
+            let error = ProtocolError::ResultAfterLast { request };
+            self.stop_protocol_at(now, request, peer, error, r.sender_slice.get());
             return;
         }
         writer.seen.insert(r.sender_slice);
@@ -349,20 +329,14 @@ impl Receiver {
         if let Transition::To(p) = session.phase.on(event) {
             session.phase = p;
             if p == RecvPhase::Completed {
-                let bytes = session.bytes_written;
-                let aux = session.aux.clone();
                 session.timings.ended = now;
-                let timings = session.timings;
-                self.shell.counters.completions += 1;
-                self.shell.counters.quiesced += 1;
-                self.shell.counters.blocks_released += session.blocks_pinned;
-                self.shell.event(Event::Completed {
+                self.shell.completed(
                     request,
-                    bytes_written: bytes,
-                    aux,
-                    timings,
-                });
-                self.shell.event(Event::Quiesced { request });
+                    session.bytes_written,
+                    session.aux.clone(),
+                    session.timings,
+                    session.blocks_pinned,
+                );
             }
         }
     }

@@ -1,5 +1,5 @@
 //! What the receiver keeps per request: the session, its writers, what it remembers of a
-//! retired request, and why a session stops.
+//! retired request.
 
 use super::*;
 
@@ -100,15 +100,4 @@ impl RecvSession {
 pub(super) struct RetiredGrant {
     pub(super) grant: GrantId,
     pub(super) writers: SmallVec<[PeerId; 2]>,
-}
-
-#[derive(Clone, Copy, Debug)]
-pub(super) enum Stop {
-    Failed {
-        cause: TransferStatus,
-        peer: Option<PeerId>,
-        slice: Option<SenderSliceId>,
-    },
-    TimedOut(Wait),
-    Cancelled(CancelOrigin),
 }

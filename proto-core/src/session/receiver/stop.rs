@@ -55,15 +55,7 @@ impl Receiver {
             w.on(WriterEvent::Disconnected);
             w.held.clear();
             if session.phase.is_active() && !done {
-                self.stop(
-                    now,
-                    request,
-                    Stop::Failed {
-                        cause: TransferStatus::PeerLost,
-                        peer: Some(peer),
-                        slice: None,
-                    },
-                );
+                self.stop(now, request, Stop::lost(peer));
             } else {
                 self.check_drained(now, request);
             }
@@ -133,16 +125,20 @@ impl Receiver {
         peer: PeerId,
         error: ProtocolError,
     ) {
+        self.stop_protocol_at(now, request, peer, error, None);
+    }
+
+    /// Fails the session for a peer's protocol error, attributed to `slice` when one is known.
+    pub(super) fn stop_protocol_at(
+        &mut self,
+        now: Instant,
+        request: RequestId,
+        peer: PeerId,
+        error: ProtocolError,
+        slice: Option<SenderSliceId>,
+    ) {
         self.shell.violation(peer, error);
-        self.stop(
-            now,
-            request,
-            Stop::Failed {
-                cause: TransferStatus::ProtocolError,
-                peer: Some(peer),
-                slice: None,
-            },
-        );
+        self.stop(now, request, Stop::protocol(peer, slice));
     }
 
     /// Ends an active session: reports it, tells every writer that has not stopped, and waits
@@ -156,31 +152,10 @@ impl Receiver {
         };
         session.phase = phase;
         let receiver_slice = session.frame.slice;
-        let (status, reason, event) = match why {
-            Stop::Failed { cause, peer, slice } => (
-                cause,
-                CancelReason::Failure,
-                Event::Failed {
-                    request,
-                    cause,
-                    peer,
-                    sender_slice: slice,
-                    receiver_slice: Some(receiver_slice),
-                },
-            ),
-            Stop::TimedOut(wait) => (
-                TransferStatus::TimedOut,
-                CancelReason::Timeout,
-                Event::TimedOut {
-                    request,
-                    waiting_for: wait,
-                },
-            ),
-            Stop::Cancelled(origin) => (
-                TransferStatus::Cancelled,
-                CancelReason::Engine,
-                Event::Cancelled { request, origin },
-            ),
+        let reason = match why {
+            Stop::Failed { .. } => CancelReason::Failure,
+            Stop::TimedOut(_) => CancelReason::Timeout,
+            Stop::Cancelled(_) => CancelReason::Engine,
         };
         let quiesce_at = now + self.config.deadlines.quiesce;
         session.quiesce_deadline = Some(quiesce_at);
@@ -203,20 +178,12 @@ impl Receiver {
                 notify.push(w.peer);
             }
         }
-        self.shell.counters.failures.bump(status);
-        match why {
-            Stop::TimedOut(_) => self.shell.counters.timeouts += 1,
-            Stop::Cancelled(_) => self.shell.counters.cancellations += 1,
-            Stop::Failed { .. } => {}
-        }
-        self.shell.event(event);
+        self.shell
+            .stopped(request, why, Some(receiver_slice), quiesce_at);
         for peer in notify {
             self.shell
                 .send(now, peer, Frame::Cancel(Cancel { request, reason }));
         }
-        self.shell
-            .timers
-            .arm(quiesce_at, TimerKey::Request(request));
         // Frames that waited for data are the writers' word now (a terminal result confirms a
         // writer stopped); late data is discarded.
         for (peer, frame) in held {
@@ -235,12 +202,13 @@ impl Receiver {
         {
             return;
         }
-        if let Transition::To(p) = session.phase.on(RecvEvent::Drained) {
-            session.phase = p;
+        if session
+            .phase
+            .on(RecvEvent::Drained)
+            .advance(&mut session.phase)
+        {
             session.quiesce_deadline = None;
-            self.shell.counters.quiesced += 1;
-            self.shell.counters.blocks_released += session.blocks_pinned;
-            self.shell.event(Event::Quiesced { request });
+            self.shell.quiesced(request, session.blocks_pinned);
         }
     }
 }

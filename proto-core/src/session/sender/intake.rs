@@ -243,7 +243,6 @@ impl Sender {
                 .map(|reg| (t.peer, reg.prompt_len))
         });
         if let Some((peer, registered)) = mismatch {
-            self.shell.counters.protocol_errors += 1;
             self.stop_protocol(
                 now,
                 request,
@@ -357,7 +356,6 @@ impl Sender {
                 cause: TransferStatus::EngineError,
                 peer: None,
                 slice: None,
-                receiver_slice: None,
             },
         );
     }

@@ -46,7 +46,6 @@ impl Sender {
             if *known == reg {
                 self.shell.counters.duplicates += 1;
             } else {
-                self.shell.counters.protocol_errors += 1;
                 self.stop_protocol(
                     now,
                     request,
@@ -72,7 +71,6 @@ impl Sender {
         if reg.groups.len() != expected {
             let got = reg.groups.len();
             self.adopt_registration(request, t, reg);
-            self.shell.counters.protocol_errors += 1;
             self.stop_protocol(
                 now,
                 request,
@@ -92,7 +90,6 @@ impl Sender {
             &self.config.local.groups,
         ) {
             self.adopt_registration(request, t, reg);
-            self.shell.counters.protocol_errors += 1;
             self.stop_protocol(now, request, peer, error);
             return;
         }
@@ -101,7 +98,6 @@ impl Sender {
             if local != reg.prompt_len {
                 let registered = reg.prompt_len;
                 self.adopt_registration(request, t, reg);
-                self.shell.counters.protocol_errors += 1;
                 self.stop_protocol(
                     now,
                     request,
@@ -223,7 +219,6 @@ impl Sender {
                 }
             }
             if let Some(error) = error {
-                self.shell.counters.protocol_errors += 1;
                 // Attributed to the slice being planned, on both sides.
                 let slice = self
                     .sessions

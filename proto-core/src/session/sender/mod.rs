@@ -13,7 +13,7 @@ mod stop;
 use std::collections::BTreeMap;
 
 use session::{
-    BatchRef, PendingRegistrations, SendSession, Slice, SliceLayers, Stop, Target, TargetSlice,
+    BatchRef, PendingRegistrations, SendSession, Slice, SliceLayers, Target, TargetSlice,
 };
 
 use smallvec::SmallVec;
@@ -22,6 +22,7 @@ use super::config::SenderConfig;
 use super::peers::Route;
 use super::shell::{Due, Shell};
 use super::state::{SendEvent, SendPhase, TargetEvent, TargetPhase, Transition};
+use super::stop::Stop;
 use super::table::{CancelStep, HeldSession, SessionTable};
 use super::timers::TimerKey;
 use super::transport::{Admission, DataWriteHeaders, Endpoint, TransportInput, WriteRefusal};
@@ -729,16 +730,9 @@ impl Sender {
             TransportInput::FrameReceived { peer, bytes } => {
                 match self.shell.frame(now, peer, &bytes)? {
                     Route::Session(frame) => self.on_session_frame(now, peer, frame),
-                    Route::Malformed => self.fail_peer_sessions(
-                        now,
-                        peer,
-                        Stop::Failed {
-                            cause: TransferStatus::ProtocolError,
-                            peer: Some(peer),
-                            slice: None,
-                            receiver_slice: None,
-                        },
-                    ),
+                    Route::Malformed => {
+                        self.fail_peer_sessions(now, peer, Stop::protocol(peer, None))
+                    }
                     Route::Done | Route::BecameReady => {}
                 }
                 Ok(())

@@ -75,16 +75,8 @@ impl Sender {
         }
         self.send_frames(now, frames);
         if transition == Some(SendPhase::Completed) {
-            self.shell.counters.completions += 1;
-            self.shell.counters.quiesced += 1;
-            self.shell.counters.blocks_released += blocks_pinned;
-            self.shell.event(Event::Completed {
-                request,
-                bytes_written: bytes,
-                aux: None,
-                timings,
-            });
-            self.shell.event(Event::Quiesced { request });
+            self.shell
+                .completed(request, bytes, None, timings, blocks_pinned);
         }
     }
 
@@ -116,7 +108,6 @@ impl Sender {
         let target = &mut session.targets[r.target];
         target.inflight = target.inflight.saturating_sub(1);
         let peer = target.peer;
-        let receiver_slice = target.receiver_slice();
         let ts = &mut target.slices[r.slice];
         ts.deadline = None;
         if status == TransferStatus::Success {
@@ -141,7 +132,6 @@ impl Sender {
                     cause: status,
                     peer: Some(peer),
                     slice: Some(slice),
-                    receiver_slice,
                 },
             );
         } else {

@@ -1,5 +1,5 @@
 //! What the sender keeps per request: the session, its receivers (targets) and slices, the
-//! registrations that arrived before their request was opened, and why a session stops.
+//! registrations that arrived before their request was opened.
 
 use super::*;
 
@@ -186,17 +186,4 @@ pub(super) struct BatchRef {
     pub(super) request: RequestId,
     pub(super) target: usize,
     pub(super) slice: usize,
-}
-
-/// Why a session stops.
-#[derive(Clone, Copy, Debug)]
-pub(super) enum Stop {
-    Failed {
-        cause: TransferStatus,
-        peer: Option<PeerId>,
-        slice: Option<SenderSliceId>,
-        receiver_slice: Option<ReceiverSliceId>,
-    },
-    TimedOut(Wait),
-    Cancelled(CancelOrigin),
 }

@@ -28,18 +28,8 @@ impl Sender {
             for ts in &mut target.slices {
                 ts.deadline = None;
             }
-            let receiver_slice = target.receiver_slice();
             if session.phase.is_active() && !finished_here {
-                self.stop(
-                    now,
-                    request,
-                    Stop::Failed {
-                        cause: TransferStatus::PeerLost,
-                        peer: Some(peer),
-                        slice: None,
-                        receiver_slice,
-                    },
-                );
+                self.stop(now, request, Stop::lost(peer));
             } else {
                 self.check_drained(now, request);
             }
@@ -53,25 +43,6 @@ impl Sender {
                 && (s.targets.iter()).any(|t| t.peer == peer && !t.phase.is_finished())
         });
         for request in involved {
-            let why = match why {
-                Stop::Failed {
-                    cause,
-                    peer,
-                    slice,
-                    receiver_slice: None,
-                } => Stop::Failed {
-                    cause,
-                    peer,
-                    slice,
-                    receiver_slice: self.sessions.live.get(&request).and_then(|s| {
-                        s.targets
-                            .iter()
-                            .find(|t| Some(t.peer) == peer)
-                            .and_then(Target::receiver_slice)
-                    }),
-                },
-                other => other,
-            };
             self.stop(now, request, why);
         }
     }
@@ -190,23 +161,8 @@ impl Sender {
         error: ProtocolError,
         slice: Option<SenderSliceId>,
     ) {
-        let receiver_slice = self.sessions.live.get(&request).and_then(|s| {
-            s.targets
-                .iter()
-                .find(|t| t.peer == peer)
-                .and_then(Target::receiver_slice)
-        });
-        self.shell.event(Event::ProtocolViolation { peer, error });
-        self.stop(
-            now,
-            request,
-            Stop::Failed {
-                cause: TransferStatus::ProtocolError,
-                peer: Some(peer),
-                slice,
-                receiver_slice,
-            },
-        );
+        self.shell.violation(peer, error);
+        self.stop(now, request, Stop::protocol(peer, slice));
     }
 
     /// Ends an active session: reports it, tells every receiver at once, and waits for the
@@ -219,41 +175,17 @@ impl Sender {
             return;
         };
         session.phase = phase;
-        let (status, event) = match why {
-            Stop::Failed {
-                cause,
-                peer,
-                slice,
-                receiver_slice,
-            } => {
+        // A failure names the registration of the peer involved, when that peer registered.
+        let receiver_slice = match why {
+            Stop::Failed { peer, slice, .. } => {
                 session.stop_slice = slice;
-                (
-                    cause,
-                    Event::Failed {
-                        request,
-                        cause,
-                        peer,
-                        sender_slice: slice,
-                        receiver_slice,
-                    },
-                )
+                (session.targets.iter())
+                    .find(|t| Some(t.peer) == peer)
+                    .and_then(Target::receiver_slice)
             }
-            Stop::TimedOut(wait) => (
-                if wait == Wait::Writes {
-                    TransferStatus::InDoubt
-                } else {
-                    TransferStatus::TimedOut
-                },
-                Event::TimedOut {
-                    request,
-                    waiting_for: wait,
-                },
-            ),
-            Stop::Cancelled(origin) => (
-                TransferStatus::Cancelled,
-                Event::Cancelled { request, origin },
-            ),
+            Stop::TimedOut(_) | Stop::Cancelled(_) => None,
         };
+        let status = why.status();
         session.stop_status = status;
         // The slice the failure is attributed to, named the same on both sides (none when the
         // failure is not a slice's).
@@ -298,17 +230,8 @@ impl Sender {
                 }
             }
         }
-        self.shell.counters.failures.bump(status);
-        match why {
-            Stop::TimedOut(_) => self.shell.counters.timeouts += 1,
-            Stop::Cancelled(_) => self.shell.counters.cancellations += 1,
-            Stop::Failed { .. } => {}
-        }
-        self.shell.event(event);
+        self.shell.stopped(request, why, receiver_slice, quiesce_at);
         self.send_frames(now, frames);
-        self.shell
-            .timers
-            .arm(quiesce_at, TimerKey::Request(request));
         self.check_drained(now, request);
     }
 
@@ -361,9 +284,7 @@ impl Sender {
         }
         self.send_frames(now, frames);
         if quiesced {
-            self.shell.counters.quiesced += 1;
-            self.shell.counters.blocks_released += blocks_pinned;
-            self.shell.event(Event::Quiesced { request });
+            self.shell.quiesced(request, blocks_pinned);
         }
     }
 }
