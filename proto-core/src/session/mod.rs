@@ -65,6 +65,7 @@ mod peers;
 mod receiver;
 mod remembered;
 mod retired;
+mod role;
 mod sender;
 mod shell;
 pub mod state;

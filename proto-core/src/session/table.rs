@@ -20,6 +20,9 @@ pub(crate) trait HeldSession {
     /// Whether `peer` takes part in the request (a receiver of a sender session, a writer of a
     /// receiver session).
     fn involves(&self, peer: PeerId) -> bool;
+    /// Whether `peer` takes part in the request and has not finished its part (losing it
+    /// fails the session).
+    fn awaits(&self, peer: PeerId) -> bool;
 }
 
 /// What a cancel from the engine, or a peer, does to a request.

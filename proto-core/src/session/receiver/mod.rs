@@ -20,8 +20,8 @@ use smallvec::SmallVec;
 use super::config::ReceiverConfig;
 use super::coverage::{check_group_cover, GroupPart};
 use super::grants::{Flight, GrantedExtents, LandedExtents, WritesInFlight};
-use super::peers::Route;
-use super::shell::{Due, Shell};
+use super::role::EndpointRole;
+use super::shell::Shell;
 use super::state::{RecvEvent, RecvPhase, Transition, WriterEvent, WriterPhase};
 use super::stop::Stop;
 use super::table::{CancelStep, HeldSession, SessionTable};
@@ -371,19 +371,10 @@ impl Receiver {
         now: Instant,
         input: TransportInput,
     ) -> Result<Option<Admission>, UsageError> {
+        let Some(input) = self.on_shared_transport(now, input)? else {
+            return Ok(None);
+        };
         match input {
-            TransportInput::PeerConnected { peer } => self.shell.connected(now, peer)?,
-            TransportInput::PeerDisconnected { peer } => self.on_disconnected(now, peer)?,
-            TransportInput::FrameReceived { peer, bytes } => {
-                match self.shell.frame(now, peer, &bytes)? {
-                    Route::Done => {}
-                    Route::BecameReady => self.on_peer_ready(now, peer),
-                    Route::Session(frame) => self.on_session_frame(now, peer, frame),
-                    Route::Malformed => {
-                        self.fail_peer_sessions(now, peer, Stop::protocol(peer, None))
-                    }
-                }
-            }
             TransportInput::WritesCompleted { .. } | TransportInput::WritesFailed { .. } => {
                 return Err(UsageError::WrongRole {
                     input: "a write batch report",
@@ -397,19 +388,11 @@ impl Receiver {
                 self.on_write_finished(now, ticket, landed)?
             }
             TransportInput::DataArriving { peer } => self.shell.peers.alive(now, peer)?,
-            TransportInput::Timeout => {
-                for due in self.shell.due(now) {
-                    match due {
-                        Due::Handshake(peer) => {
-                            self.fail_peer_sessions(now, peer, Stop::TimedOut(Wait::Handshake))
-                        }
-                        Due::Liveness(peer) => {
-                            self.fail_peer_sessions(now, peer, Stop::TimedOut(Wait::Liveness))
-                        }
-                        Due::Request(request) => self.on_request_timeout(now, request),
-                    }
-                }
-            }
+            // The shared frame took these.
+            TransportInput::PeerConnected { .. }
+            | TransportInput::PeerDisconnected { .. }
+            | TransportInput::FrameReceived { .. }
+            | TransportInput::Timeout => {}
         }
         Ok(None)
     }

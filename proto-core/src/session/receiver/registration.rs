@@ -212,7 +212,9 @@ impl Receiver {
         self.shell.send(now, peer, frame);
     }
 
-    pub(super) fn on_peer_ready(&mut self, now: Instant, peer: PeerId) {
+    /// Sends, to `peer` that just became ready, the registrations that waited for its
+    /// handshake (once the writers' cover of each is proved).
+    pub(super) fn send_waiting_registrations(&mut self, now: Instant, peer: PeerId) {
         let waiting = self.sessions.requests_where(|s| {
             s.phase.is_active()
                 && (s.writers.iter())

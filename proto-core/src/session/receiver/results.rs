@@ -4,7 +4,9 @@
 use super::*;
 
 impl Receiver {
-    pub(super) fn on_session_frame(&mut self, now: Instant, peer: PeerId, frame: Frame) {
+    /// A session frame from writer (or would-be writer) `peer`: a result, the aux data or a
+    /// cancel.
+    pub(super) fn on_writer_frame(&mut self, now: Instant, peer: PeerId, frame: Frame) {
         let request = match &frame {
             Frame::KvResult(r) => r.request,
             Frame::AuxResult(a) => a.request,

@@ -44,7 +44,7 @@ impl Writer {
 }
 
 #[derive(Clone, Debug)]
-pub(super) struct RecvSession {
+pub(crate) struct RecvSession {
     pub(super) phase: RecvPhase,
     pub(super) frame: RecvRegistration,
     pub(super) extents: GrantedExtents,
@@ -81,6 +81,9 @@ impl HeldSession for RecvSession {
     fn involves(&self, peer: PeerId) -> bool {
         self.writers.iter().any(|w| w.peer == peer)
     }
+    fn awaits(&self, peer: PeerId) -> bool {
+        (self.writers.iter()).any(|w| w.peer == peer && !w.finished())
+    }
 }
 
 impl RecvSession {
@@ -97,7 +100,7 @@ impl RecvSession {
 /// What the receiver remembers of a retired request: late writes carrying its grant from one
 /// of its writers are discarded, anything else naming it is refused.
 #[derive(Clone, Debug)]
-pub(super) struct RetiredGrant {
+pub(crate) struct RetiredGrant {
     pub(super) grant: GrantId,
     pub(super) writers: SmallVec<[PeerId; 2]>,
 }

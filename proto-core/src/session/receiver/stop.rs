@@ -3,76 +3,62 @@
 
 use super::*;
 
-impl Receiver {
-    pub(super) fn on_peer_cancel(&mut self, now: Instant, peer: PeerId, cancel: Cancel) {
-        let request = cancel.request;
-        if self.sessions.retired.contains(request) {
-            self.shell.counters.duplicates += 1;
-            return;
-        }
-        let Some(session) = self.sessions.live.get_mut(&request) else {
-            // Not registered yet: remember it and cancel the registration when it comes.
-            self.shell
-                .remembered_cancels
-                .insert(request, CancelOrigin::Peer(peer));
-            return;
-        };
-        let Some(w) = session.writers.iter_mut().find(|w| w.peer == peer) else {
-            self.shell.violation(
-                peer,
-                ProtocolError::NotAParticipant {
-                    kind: "Cancel",
-                    request,
-                },
-            );
-            return;
-        };
-        // A sender sends Cancel only when none of its writes for the request is in flight.
-        w.on(WriterEvent::Confirmed);
-        if session.phase.is_active() {
-            self.stop(now, request, Stop::Cancelled(CancelOrigin::Peer(peer)));
-        } else {
-            self.check_drained(now, request);
-        }
+impl EndpointRole for Receiver {
+    type Session = RecvSession;
+    type Kept = RetiredGrant;
+
+    fn sessions(&self) -> &SessionTable<RecvSession, RetiredGrant> {
+        &self.sessions
     }
 
-    pub(super) fn on_disconnected(&mut self, now: Instant, peer: PeerId) -> Result<(), UsageError> {
-        self.shell.peers.disconnected(peer)?;
+    fn shell(&mut self) -> &mut Shell {
+        &mut self.shell
+    }
+
+    fn forget_peer(&mut self, peer: PeerId) {
         // The transport promises none of the peer's admitted writes still applies.
         for flight in self.writes.remove_peer(peer) {
             if let Some(s) = self.sessions.live.get_mut(&flight.request) {
                 s.writes_in_flight = s.writes_in_flight.saturating_sub(1);
             }
         }
-        for request in self.sessions.involving(peer) {
-            let session = self.sessions.live.get_mut(&request).expect("listed");
-            let w = session
-                .writers
-                .iter_mut()
-                .find(|w| w.peer == peer)
-                .expect("listed");
-            let done = w.finished();
-            w.on(WriterEvent::Disconnected);
-            w.held.clear();
-            if session.phase.is_active() && !done {
-                self.stop(now, request, Stop::lost(peer));
-            } else {
-                self.check_drained(now, request);
+    }
+
+    fn participant_gone(&mut self, request: RequestId, peer: PeerId) -> bool {
+        let session = self.sessions.live.get_mut(&request).expect("listed");
+        let w = session
+            .writers
+            .iter_mut()
+            .find(|w| w.peer == peer)
+            .expect("listed");
+        let done = w.finished();
+        w.on(WriterEvent::Disconnected);
+        w.held.clear();
+        done
+    }
+
+    fn participant_stopped(&mut self, request: RequestId, peer: PeerId) {
+        // A sender sends Cancel only when none of its writes for the request is in flight.
+        if let Some(s) = self.sessions.live.get_mut(&request) {
+            if let Some(w) = s.writers.iter_mut().find(|w| w.peer == peer) {
+                w.on(WriterEvent::Confirmed);
             }
         }
-        Ok(())
     }
 
-    pub(super) fn fail_peer_sessions(&mut self, now: Instant, peer: PeerId, why: Stop) {
-        let involved = self.sessions.requests_where(|s| {
-            s.phase.is_active() && s.writers.iter().any(|w| w.peer == peer && !w.finished())
-        });
-        for request in involved {
-            self.stop(now, request, why);
-        }
+    fn on_peer_ready(&mut self, now: Instant, peer: PeerId) {
+        self.send_waiting_registrations(now, peer);
     }
 
-    pub(super) fn on_request_timeout(&mut self, now: Instant, request: RequestId) {
+    fn on_session_frame(&mut self, now: Instant, peer: PeerId, frame: Frame) {
+        self.on_writer_frame(now, peer, frame);
+    }
+
+    fn on_handshake_timeout(&mut self, now: Instant, peer: PeerId) {
+        self.fail_peer_sessions(now, peer, Stop::TimedOut(Wait::Handshake));
+    }
+
+    fn on_request_timeout(&mut self, now: Instant, request: RequestId) {
         let Some(session) = self.sessions.live.get_mut(&request) else {
             return;
         };
@@ -118,32 +104,9 @@ impl Receiver {
         }
     }
 
-    pub(super) fn stop_protocol(
-        &mut self,
-        now: Instant,
-        request: RequestId,
-        peer: PeerId,
-        error: ProtocolError,
-    ) {
-        self.stop_protocol_at(now, request, peer, error, None);
-    }
-
-    /// Fails the session for a peer's protocol error, attributed to `slice` when one is known.
-    pub(super) fn stop_protocol_at(
-        &mut self,
-        now: Instant,
-        request: RequestId,
-        peer: PeerId,
-        error: ProtocolError,
-        slice: Option<SenderSliceId>,
-    ) {
-        self.shell.violation(peer, error);
-        self.stop(now, request, Stop::protocol(peer, slice));
-    }
-
     /// Ends an active session: reports it, tells every writer that has not stopped, and waits
     /// for their confirmation before [`Event::Quiesced`].
-    pub(super) fn stop(&mut self, now: Instant, request: RequestId, why: Stop) {
+    fn stop(&mut self, now: Instant, request: RequestId, why: Stop) {
         let Some(session) = self.sessions.live.get_mut(&request) else {
             return;
         };
@@ -192,7 +155,7 @@ impl Receiver {
         self.check_drained(now, request);
     }
 
-    pub(super) fn check_drained(&mut self, _now: Instant, request: RequestId) {
+    fn check_drained(&mut self, _now: Instant, request: RequestId) {
         let Some(session) = self.sessions.live.get_mut(&request) else {
             return;
         };
@@ -210,5 +173,23 @@ impl Receiver {
             session.quiesce_deadline = None;
             self.shell.quiesced(request, session.blocks_pinned);
         }
+    }
+}
+
+impl Receiver {
+    pub(super) fn on_peer_cancel(&mut self, now: Instant, peer: PeerId, cancel: Cancel) {
+        let request = cancel.request;
+        if self.sessions.retired.contains(request) {
+            self.shell.counters.duplicates += 1;
+            return;
+        }
+        if !self.sessions.live.contains_key(&request) {
+            // Not registered yet: remember it and cancel the registration when it comes.
+            self.shell
+                .remembered_cancels
+                .insert(request, CancelOrigin::Peer(peer));
+            return;
+        }
+        self.on_participant_cancel(now, request, peer);
     }
 }

@@ -19,8 +19,8 @@ use session::{
 use smallvec::SmallVec;
 
 use super::config::SenderConfig;
-use super::peers::Route;
-use super::shell::{Due, Shell};
+use super::role::EndpointRole;
+use super::shell::Shell;
 use super::state::{SendEvent, SendPhase, TargetEvent, TargetPhase, Transition};
 use super::stop::Stop;
 use super::table::{CancelStep, HeldSession, SessionTable};
@@ -724,19 +724,10 @@ impl Sender {
     }
 
     fn on_transport(&mut self, now: Instant, input: TransportInput) -> Result<(), UsageError> {
+        let Some(input) = self.on_shared_transport(now, input)? else {
+            return Ok(());
+        };
         match input {
-            TransportInput::PeerConnected { peer } => self.shell.connected(now, peer),
-            TransportInput::PeerDisconnected { peer } => self.on_disconnected(now, peer),
-            TransportInput::FrameReceived { peer, bytes } => {
-                match self.shell.frame(now, peer, &bytes)? {
-                    Route::Session(frame) => self.on_session_frame(now, peer, frame),
-                    Route::Malformed => {
-                        self.fail_peer_sessions(now, peer, Stop::protocol(peer, None))
-                    }
-                    Route::Done | Route::BecameReady => {}
-                }
-                Ok(())
-            }
             TransportInput::WritesCompleted { batch } => {
                 self.on_batch_report(now, batch, TransferStatus::Success)
             }
@@ -758,20 +749,11 @@ impl Sender {
                 input: "DataArriving",
                 role: Role::Sender,
             }),
-            TransportInput::Timeout => {
-                for due in self.shell.due(now) {
-                    match due {
-                        Due::Liveness(peer) => {
-                            self.fail_peer_sessions(now, peer, Stop::TimedOut(Wait::Liveness))
-                        }
-                        Due::Request(request) => self.on_request_timeout(now, request),
-                        // A session waits for its receiver's registration under its own
-                        // deadline.
-                        Due::Handshake(_) => {}
-                    }
-                }
-                Ok(())
-            }
+            // The shared frame took these.
+            TransportInput::PeerConnected { .. }
+            | TransportInput::PeerDisconnected { .. }
+            | TransportInput::FrameReceived { .. }
+            | TransportInput::Timeout => Ok(()),
         }
     }
 
@@ -787,20 +769,6 @@ impl Sender {
                 },
             );
             self.shell.close(peer, CloseReason::ProtocolViolation);
-        }
-    }
-
-    fn on_session_frame(&mut self, now: Instant, peer: PeerId, frame: Frame) {
-        match frame {
-            Frame::RecvRegistration(reg) => self.on_registration(now, peer, reg),
-            Frame::Cancel(cancel) => self.on_peer_cancel(now, peer, cancel),
-            other => self.shell.violation(
-                peer,
-                ProtocolError::UnexpectedFrame {
-                    kind: frame_kind(&other),
-                    role: Role::Sender,
-                },
-            ),
         }
     }
 }

@@ -151,7 +151,7 @@ impl Sender {
             self.shell.send(now, peer, confirm);
             return;
         }
-        let Some(session) = self.sessions.live.get_mut(&request) else {
+        if !self.sessions.live.contains_key(&request) {
             // Not opened yet: nothing is in flight. Confirm, and cancel it when it opens.
             self.shell
                 .remembered_cancels
@@ -159,21 +159,7 @@ impl Sender {
             self.pending_registrations.remove(request, peer);
             self.shell.send(now, peer, confirm);
             return;
-        };
-        if !session.targets.iter().any(|t| t.peer == peer) {
-            self.shell.violation(
-                peer,
-                ProtocolError::NotAParticipant {
-                    kind: "Cancel",
-                    request,
-                },
-            );
-            return;
         }
-        if session.phase.is_active() {
-            self.stop(now, request, Stop::Cancelled(CancelOrigin::Peer(peer)));
-        } else {
-            self.check_drained(now, request);
-        }
+        self.on_participant_cancel(now, request, peer);
     }
 }

@@ -83,7 +83,7 @@ impl Target {
 }
 
 #[derive(Clone, Debug)]
-pub(super) struct SendSession {
+pub(crate) struct SendSession {
     pub(super) phase: SendPhase,
     pub(super) targets: SmallVec<[Target; 2]>,
     pub(super) slices: Vec<Slice>,
@@ -115,6 +115,9 @@ impl HeldSession for SendSession {
     }
     fn involves(&self, peer: PeerId) -> bool {
         self.targets.iter().any(|t| t.peer == peer)
+    }
+    fn awaits(&self, peer: PeerId) -> bool {
+        (self.targets.iter()).any(|t| t.peer == peer && !t.phase.is_finished())
     }
 }
 

@@ -3,9 +3,19 @@
 
 use super::*;
 
-impl Sender {
-    pub(super) fn on_disconnected(&mut self, now: Instant, peer: PeerId) -> Result<(), UsageError> {
-        self.shell.peers.disconnected(peer)?;
+impl EndpointRole for Sender {
+    type Session = SendSession;
+    type Kept = ();
+
+    fn shell(&mut self) -> &mut Shell {
+        &mut self.shell
+    }
+
+    fn sessions(&self) -> &SessionTable<SendSession, ()> {
+        &self.sessions
+    }
+
+    fn forget_peer(&mut self, peer: PeerId) {
         self.pending_registrations.remove_peer(peer);
         self.link_progress.remove(&peer);
         // Batches towards the peer can no longer touch memory.
@@ -15,39 +25,48 @@ impl Sender {
                 .get(&r.request)
                 .is_none_or(|s| s.targets[r.target].peer != peer)
         });
-        for request in self.sessions.involving(peer) {
-            let session = self.sessions.live.get_mut(&request).expect("listed");
-            let target = session
-                .targets
-                .iter_mut()
-                .find(|t| t.peer == peer)
-                .expect("listed");
-            let finished_here = target.phase.is_finished();
-            target.on(TargetEvent::Disconnected);
-            target.inflight = 0;
-            for ts in &mut target.slices {
-                ts.deadline = None;
-            }
-            if session.phase.is_active() && !finished_here {
-                self.stop(now, request, Stop::lost(peer));
-            } else {
-                self.check_drained(now, request);
-            }
-        }
-        Ok(())
     }
 
-    pub(super) fn fail_peer_sessions(&mut self, now: Instant, peer: PeerId, why: Stop) {
-        let involved = self.sessions.requests_where(|s| {
-            s.phase.is_active()
-                && (s.targets.iter()).any(|t| t.peer == peer && !t.phase.is_finished())
-        });
-        for request in involved {
-            self.stop(now, request, why);
+    fn participant_gone(&mut self, request: RequestId, peer: PeerId) -> bool {
+        let session = self.sessions.live.get_mut(&request).expect("listed");
+        let target = session
+            .targets
+            .iter_mut()
+            .find(|t| t.peer == peer)
+            .expect("listed");
+        let finished_here = target.phase.is_finished();
+        target.on(TargetEvent::Disconnected);
+        target.inflight = 0;
+        for ts in &mut target.slices {
+            ts.deadline = None;
+        }
+        finished_here
+    }
+
+    // A receiver writes nothing: its cancel only ends the request.
+    fn participant_stopped(&mut self, _request: RequestId, _peer: PeerId) {}
+
+    // Registrations come from the receivers; a ready peer changes nothing by itself.
+    fn on_peer_ready(&mut self, _now: Instant, _peer: PeerId) {}
+
+    fn on_session_frame(&mut self, now: Instant, peer: PeerId, frame: Frame) {
+        match frame {
+            Frame::RecvRegistration(reg) => self.on_registration(now, peer, reg),
+            Frame::Cancel(cancel) => self.on_peer_cancel(now, peer, cancel),
+            other => self.shell.violation(
+                peer,
+                ProtocolError::UnexpectedFrame {
+                    kind: frame_kind(&other),
+                    role: Role::Sender,
+                },
+            ),
         }
     }
 
-    pub(super) fn on_request_timeout(&mut self, now: Instant, request: RequestId) {
+    // A session waits for its receiver's registration under its own deadline.
+    fn on_handshake_timeout(&mut self, _now: Instant, _peer: PeerId) {}
+
+    fn on_request_timeout(&mut self, now: Instant, request: RequestId) {
         let Some(session) = self.sessions.live.get_mut(&request) else {
             // Registrations held for a request the engine never opened: after the registration
             // deadline nobody will write them; their receivers learn at once.
@@ -106,68 +125,9 @@ impl Sender {
         self.rearm(request);
     }
 
-    /// Arms the session's earliest pending deadline.
-    pub(super) fn rearm(&mut self, request: RequestId) {
-        let Some(session) = self.sessions.live.get(&request) else {
-            return;
-        };
-        let mut next: Option<Instant> = None;
-        let mut consider = |at: Option<Instant>| {
-            if let Some(at) = at {
-                next = Some(next.map_or(at, |n: Instant| n.min(at)));
-            }
-        };
-        if session.phase.is_active() {
-            for t in &session.targets {
-                for ts in &t.slices {
-                    consider(write_deadline(
-                        &self.link_progress,
-                        self.config.deadlines.write_completion,
-                        t.peer,
-                        ts.deadline,
-                    ));
-                }
-            }
-            if session
-                .targets
-                .iter()
-                .any(|t| t.phase == TargetPhase::AwaitingRegistration)
-            {
-                consider(Some(session.registration_deadline));
-            }
-            consider(session.aux_deadline);
-        } else if session.phase == SendPhase::Stopping {
-            consider(session.quiesce_deadline);
-        }
-        self.shell.timers.arm_opt(next, TimerKey::Request(request));
-    }
-
-    pub(super) fn stop_protocol(
-        &mut self,
-        now: Instant,
-        request: RequestId,
-        peer: PeerId,
-        error: ProtocolError,
-    ) {
-        self.stop_protocol_at(now, request, peer, error, None);
-    }
-
-    /// Fails the session for a peer's protocol error, attributed to `slice` when one is known.
-    pub(super) fn stop_protocol_at(
-        &mut self,
-        now: Instant,
-        request: RequestId,
-        peer: PeerId,
-        error: ProtocolError,
-        slice: Option<SenderSliceId>,
-    ) {
-        self.shell.violation(peer, error);
-        self.stop(now, request, Stop::protocol(peer, slice));
-    }
-
     /// Ends an active session: reports it, tells every receiver at once, and waits for the
     /// in-flight writes before [`Event::Quiesced`].
-    pub(super) fn stop(&mut self, now: Instant, request: RequestId, why: Stop) {
+    fn stop(&mut self, now: Instant, request: RequestId, why: Stop) {
         let Some(session) = self.sessions.live.get_mut(&request) else {
             return;
         };
@@ -237,7 +197,7 @@ impl Sender {
 
     /// In a stopping session: sends each receiver's terminal result once its writes drained, and
     /// quiesces the session once no write is in flight.
-    pub(super) fn check_drained(&mut self, now: Instant, request: RequestId) {
+    fn check_drained(&mut self, now: Instant, request: RequestId) {
         let Some(session) = self.sessions.live.get_mut(&request) else {
             return;
         };
@@ -286,6 +246,44 @@ impl Sender {
         if quiesced {
             self.shell.quiesced(request, blocks_pinned);
         }
+    }
+}
+
+impl Sender {
+    /// Arms the session's earliest pending deadline.
+    pub(super) fn rearm(&mut self, request: RequestId) {
+        let Some(session) = self.sessions.live.get(&request) else {
+            return;
+        };
+        let mut next: Option<Instant> = None;
+        let mut consider = |at: Option<Instant>| {
+            if let Some(at) = at {
+                next = Some(next.map_or(at, |n: Instant| n.min(at)));
+            }
+        };
+        if session.phase.is_active() {
+            for t in &session.targets {
+                for ts in &t.slices {
+                    consider(write_deadline(
+                        &self.link_progress,
+                        self.config.deadlines.write_completion,
+                        t.peer,
+                        ts.deadline,
+                    ));
+                }
+            }
+            if session
+                .targets
+                .iter()
+                .any(|t| t.phase == TargetPhase::AwaitingRegistration)
+            {
+                consider(Some(session.registration_deadline));
+            }
+            consider(session.aux_deadline);
+        } else if session.phase == SendPhase::Stopping {
+            consider(session.quiesce_deadline);
+        }
+        self.shell.timers.arm_opt(next, TimerKey::Request(request));
     }
 }
 
