@@ -70,6 +70,7 @@ mod sender;
 mod shell;
 pub mod state;
 mod stop;
+mod surface;
 mod table;
 mod timers;
 mod transport;

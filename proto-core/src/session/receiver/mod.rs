@@ -24,6 +24,7 @@ use super::role::EndpointRole;
 use super::shell::Shell;
 use super::state::{RecvEvent, RecvPhase, Transition, WriterEvent, WriterPhase};
 use super::stop::Stop;
+use super::surface::{endpoint_surface, InputLog};
 use super::table::{CancelStep, HeldSession, SessionTable};
 use super::timers::TimerKey;
 use super::transport::{Admission, DataPath, Endpoint, TransportInput, WriteRefusal};
@@ -151,8 +152,18 @@ pub struct Receiver {
     writes: WritesInFlight,
     next_slice: u32,
     grant_state: u64,
-    recorded: Option<Vec<ReceiverInput>>,
+    recorded: InputLog<ReceiverInput>,
 }
+
+// The getters, outputs, recording, shared inputs and the `Endpoint` trait every endpoint has
+// (see `surface.rs`).
+endpoint_surface!(
+    Receiver,
+    Role::Receiver,
+    ReceiverInput,
+    RecvPhase,
+    ReceiverConfig
+);
 
 impl Receiver {
     /// A receiver with no peers and no sessions, or the first reason its configuration cannot
@@ -166,28 +177,12 @@ impl Receiver {
             writes: WritesInFlight::default(),
             next_slice: 0,
             grant_state: config.grant_seed,
-            recorded: None,
+            recorded: InputLog::off(),
             config,
         })
     }
 
     // ----- getters -----
-
-    /// The configuration.
-    pub fn config(&self) -> &ReceiverConfig {
-        &self.config
-    }
-
-    /// What the receiver has done so far.
-    pub fn counters(&self) -> &Counters {
-        &self.shell.counters
-    }
-
-    /// The phase of `request`'s session: `None` if unknown, [`RecvPhase::Retired`] if retired
-    /// (and still remembered).
-    pub fn phase(&self, request: RequestId) -> Option<RecvPhase> {
-        self.sessions.phase(request)
-    }
 
     /// The phase of writer `peer` within `request`'s session.
     pub fn writer_phase(&self, request: RequestId, peer: PeerId) -> Option<WriterPhase> {
@@ -209,21 +204,6 @@ impl Receiver {
         self.sessions.live.get(&request).map(|s| &s.extents)
     }
 
-    /// Sessions held (not yet retired).
-    pub fn session_count(&self) -> usize {
-        self.sessions.live.len()
-    }
-
-    /// Connected peers (handshaking, ready or closing).
-    pub fn peer_count(&self) -> usize {
-        self.shell.peers.len()
-    }
-
-    /// Whether the handshake with `peer` completed.
-    pub fn is_peer_ready(&self, peer: PeerId) -> bool {
-        self.shell.peers.is_ready(peer)
-    }
-
     /// The layer groups `peer` described in its handshake (its windows among them: a sender
     /// keeping a smaller window than this side's never writes the blocks before its own stale
     /// boundary), once its `Hello` arrived.
@@ -231,44 +211,9 @@ impl Receiver {
         self.shell.peers.remote(peer).map(|h| h.groups.as_slice())
     }
 
-    /// Retired request ids remembered now (at most one horizon's retirements, see
-    /// [`ReceiverConfig::retired_horizon`](super::ReceiverConfig::retired_horizon)).
-    pub fn retired_count(&self) -> usize {
-        self.sessions.retired.len()
-    }
-
     /// Admitted data writes not reported finished yet.
     pub fn writes_in_flight(&self) -> usize {
         self.writes.len()
-    }
-
-    // ----- outputs -----
-
-    /// The next output, or `None` when there is nothing to do until the next input.
-    pub fn poll_output(&mut self) -> Option<Output> {
-        self.shell.outputs.pop_front()
-    }
-
-    /// When to deliver [`TransportInput::Timeout`] next (`None`: no deadline pending).
-    pub fn poll_timeout(&mut self) -> Option<Instant> {
-        self.shell.timers.next()
-    }
-
-    // ----- recording -----
-
-    /// Starts (or stops, with `false`) recording every input applied, for
-    /// [`take_recorded_inputs`](Self::take_recorded_inputs). Inputs refused with a usage error
-    /// are not recorded (they changed nothing).
-    pub fn record_inputs(&mut self, on: bool) {
-        self.recorded = on.then(Vec::new);
-    }
-
-    /// The inputs applied since recording started (recording goes on).
-    pub fn take_recorded_inputs(&mut self) -> Vec<ReceiverInput> {
-        self.recorded
-            .as_mut()
-            .map(std::mem::take)
-            .unwrap_or_default()
     }
 
     // ----- commands -----
@@ -303,40 +248,16 @@ impl Receiver {
             .expect("registered above"))
     }
 
-    /// Cancels `request` (see [`ReceiverInput::Cancel`]).
-    pub fn cancel(&mut self, now: Instant, request: RequestId) -> Result<(), UsageError> {
-        self.handle_input(ReceiverInput::Cancel { now, request })
-    }
-
-    /// Retires `request` (see [`ReceiverInput::Retire`]).
-    pub fn retire(&mut self, now: Instant, request: RequestId) -> Result<(), UsageError> {
-        self.handle_input(ReceiverInput::Retire { now, request })
-    }
-
     // ----- inputs -----
 
-    /// Applies one input. Returns a usage error, with nothing changed, for a caller bug.
-    pub fn handle_input(&mut self, input: ReceiverInput) -> Result<(), UsageError> {
-        let recorded = self.recorded.is_some().then(|| input.clone());
+    /// Applies one of the endpoint's own inputs (see [`handle_input`](Self::handle_input)).
+    fn apply(&mut self, input: ReceiverInput) -> Result<(), UsageError> {
         match input {
             ReceiverInput::Transport { now, input } => self.on_transport(now, input).map(|_| ()),
             ReceiverInput::Register { now, registration } => self.on_register(now, registration),
             ReceiverInput::Cancel { now, request } => self.on_cancel(now, request),
             ReceiverInput::Retire { now, request } => self.on_retire(now, request),
-        }?;
-        if let (Some(log), Some(input)) = (&mut self.recorded, recorded) {
-            log.push(input);
         }
-        Ok(())
-    }
-
-    /// Applies what the transport saw (see [`ReceiverInput::Transport`]).
-    pub fn handle_transport(
-        &mut self,
-        now: Instant,
-        input: TransportInput,
-    ) -> Result<(), UsageError> {
-        self.handle_input(ReceiverInput::Transport { now, input })
     }
 
     /// Asks whether the data write whose encoded `DataWrite` frame is `header` may be applied
@@ -348,15 +269,13 @@ impl Receiver {
             peer,
             header: Bytes::copy_from_slice(header),
         };
-        let recorded = self.recorded.is_some().then(|| ReceiverInput::Transport {
+        let recorded = self.recorded.is_on().then(|| ReceiverInput::Transport {
             now,
             input: input.clone(),
         });
         match self.on_transport(now, input) {
             Ok(Some(admission)) => {
-                if let (Some(log), Some(input)) = (&mut self.recorded, recorded) {
-                    log.push(input);
-                }
+                self.recorded.push_copy(recorded);
                 admission
             }
             Ok(None) | Err(_) => Admission::Refuse(WriteRefusal::PeerNotReady(peer)),
@@ -395,47 +314,5 @@ impl Receiver {
             | TransportInput::Timeout => {}
         }
         Ok(None)
-    }
-}
-
-impl Endpoint for Receiver {
-    fn role(&self) -> Role {
-        Role::Receiver
-    }
-
-    fn handle_transport(&mut self, now: Instant, input: TransportInput) -> Result<(), UsageError> {
-        Receiver::handle_transport(self, now, input)
-    }
-
-    fn admit_write(&mut self, now: Instant, peer: PeerId, header: &[u8]) -> Admission {
-        Receiver::admit_write(self, now, peer, header)
-    }
-
-    fn poll_output(&mut self) -> Option<Output> {
-        Receiver::poll_output(self)
-    }
-
-    fn poll_timeout(&mut self) -> Option<Instant> {
-        Receiver::poll_timeout(self)
-    }
-
-    fn counters(&self) -> &Counters {
-        Receiver::counters(self)
-    }
-
-    fn is_peer_ready(&self, peer: PeerId) -> bool {
-        Receiver::is_peer_ready(self, peer)
-    }
-
-    fn frame_body_limit(&self, peer: PeerId) -> u32 {
-        self.shell.peers.body_limit(peer)
-    }
-
-    fn peer_count(&self) -> usize {
-        Receiver::peer_count(self)
-    }
-
-    fn session_count(&self) -> usize {
-        Receiver::session_count(self)
     }
 }

@@ -23,6 +23,7 @@ use super::role::EndpointRole;
 use super::shell::Shell;
 use super::state::{SendEvent, SendPhase, TargetEvent, TargetPhase, Transition};
 use super::stop::Stop;
+use super::surface::{endpoint_surface, InputLog};
 use super::table::{CancelStep, HeldSession, SessionTable};
 use super::timers::TimerKey;
 use super::transport::{Admission, DataWriteHeaders, Endpoint, TransportInput, WriteRefusal};
@@ -296,10 +297,14 @@ pub struct Sender {
     link_progress: BTreeMap<PeerId, Instant>,
     next_batch: u64,
     plan_buffer: WritePlan,
-    recorded: Option<Vec<SenderInput>>,
+    recorded: InputLog<SenderInput>,
     /// The rank's layers (the sum of its groups'), which layer ranges index.
     layer_count: u32,
 }
+
+// The getters, outputs, recording, shared inputs and the `Endpoint` trait every endpoint has
+// (see `surface.rs`).
+endpoint_surface!(Sender, Role::Sender, SenderInput, SendPhase, SenderConfig);
 
 impl Sender {
     /// A sender with no peers and no sessions, or the first reason its configuration cannot
@@ -323,29 +328,13 @@ impl Sender {
             link_progress: BTreeMap::new(),
             next_batch: 0,
             plan_buffer: WritePlan::new(),
-            recorded: None,
+            recorded: InputLog::off(),
             layer_count: LayerOrder::layer_count(&config.local.groups),
             config,
         })
     }
 
     // ----- getters -----
-
-    /// The configuration.
-    pub fn config(&self) -> &SenderConfig {
-        &self.config
-    }
-
-    /// What the sender has done so far.
-    pub fn counters(&self) -> &Counters {
-        &self.shell.counters
-    }
-
-    /// The phase of `request`'s session: `None` if unknown, [`SendPhase::Retired`] if retired
-    /// (and still remembered).
-    pub fn phase(&self, request: RequestId) -> Option<SendPhase> {
-        self.sessions.phase(request)
-    }
 
     /// The phase of `peer` within `request`'s session (`None`: no such session or receiver).
     pub fn target_phase(&self, request: RequestId, peer: PeerId) -> Option<TargetPhase> {
@@ -357,30 +346,9 @@ impl Sender {
             .map(|t| t.phase)
     }
 
-    /// Sessions held (not yet retired).
-    pub fn session_count(&self) -> usize {
-        self.sessions.live.len()
-    }
-
-    /// Connected peers (handshaking, ready or closing).
-    pub fn peer_count(&self) -> usize {
-        self.shell.peers.len()
-    }
-
-    /// Whether the handshake with `peer` completed.
-    pub fn is_peer_ready(&self, peer: PeerId) -> bool {
-        self.shell.peers.is_ready(peer)
-    }
-
     /// Write batches handed to the transport and not reported yet.
     pub fn batches_in_flight(&self) -> usize {
         self.batches.len()
-    }
-
-    /// Retired request ids remembered now (at most one horizon's retirements, see
-    /// [`SenderConfig::retired_horizon`]).
-    pub fn retired_count(&self) -> usize {
-        self.sessions.retired.len()
     }
 
     /// The rank's layers (every group's, see [`LayerOrder`]): a chunk submitted in layer
@@ -400,35 +368,6 @@ impl Sender {
     /// Registrations held for requests the engine has not opened yet.
     pub fn pending_registration_count(&self) -> usize {
         self.pending_registrations.len
-    }
-
-    // ----- outputs -----
-
-    /// The next output, or `None` when there is nothing to do until the next input.
-    pub fn poll_output(&mut self) -> Option<Output> {
-        self.shell.outputs.pop_front()
-    }
-
-    /// When to deliver [`TransportInput::Timeout`] next (`None`: no deadline pending).
-    pub fn poll_timeout(&mut self) -> Option<Instant> {
-        self.shell.timers.next()
-    }
-
-    // ----- recording -----
-
-    /// Starts (or stops, with `false`) recording every input applied, for
-    /// [`take_recorded_inputs`](Self::take_recorded_inputs). Inputs refused with a usage error
-    /// are not recorded (they changed nothing).
-    pub fn record_inputs(&mut self, on: bool) {
-        self.recorded = on.then(Vec::new);
-    }
-
-    /// The inputs applied since recording started (recording goes on).
-    pub fn take_recorded_inputs(&mut self) -> Vec<SenderInput> {
-        self.recorded
-            .as_mut()
-            .map(std::mem::take)
-            .unwrap_or_default()
     }
 
     // ----- commands -----
@@ -477,7 +416,7 @@ impl Sender {
             runs.clone(),
             None,
         )?;
-        self.record(SenderInput::Chunk {
+        self.recorded.push(SenderInput::Chunk {
             now,
             request,
             spec,
@@ -513,7 +452,7 @@ impl Sender {
         runs: Vec<(GroupIndex, BlockRun)>,
     ) -> Result<Submitted, UsageError> {
         let outcome = self.on_chunk(now, request, spec, runs.clone())?;
-        self.record(SenderInput::Chunk {
+        self.recorded.push(SenderInput::Chunk {
             now,
             request,
             spec,
@@ -583,10 +522,10 @@ impl Sender {
         layers: LayerRange,
         runs: Vec<(GroupIndex, BlockRun)>,
     ) -> Result<Submitted, UsageError> {
-        let recorded = self.recorded.is_some().then(|| runs.clone());
+        let recorded = self.recorded.is_on().then(|| runs.clone());
         let outcome = self.on_chunk_layers(now, request, spec, layers, runs)?;
         if let Some(runs) = recorded {
-            self.record(SenderInput::ChunkLayers {
+            self.recorded.push(SenderInput::ChunkLayers {
                 now,
                 request,
                 spec,
@@ -621,7 +560,7 @@ impl Sender {
             runs.push((group, run));
         }
         let outcome = self.on_prefix(now, request, prompt_len, prepopulated_len, runs.clone())?;
-        self.record(SenderInput::Prefix {
+        self.recorded.push(SenderInput::Prefix {
             now,
             request,
             prompt_len,
@@ -641,21 +580,10 @@ impl Sender {
         self.handle_input(SenderInput::Aux { now, request, data })
     }
 
-    /// Cancels `request` (see [`SenderInput::Cancel`]).
-    pub fn cancel(&mut self, now: Instant, request: RequestId) -> Result<(), UsageError> {
-        self.handle_input(SenderInput::Cancel { now, request })
-    }
-
-    /// Retires `request` (see [`SenderInput::Retire`]).
-    pub fn retire(&mut self, now: Instant, request: RequestId) -> Result<(), UsageError> {
-        self.handle_input(SenderInput::Retire { now, request })
-    }
-
     // ----- inputs -----
 
-    /// Applies one input. Returns a usage error, with nothing changed, for a caller bug.
-    pub fn handle_input(&mut self, input: SenderInput) -> Result<(), UsageError> {
-        let recorded = self.recorded.is_some().then(|| input.clone());
+    /// Applies one of the endpoint's own inputs (see [`handle_input`](Self::handle_input)).
+    fn apply(&mut self, input: SenderInput) -> Result<(), UsageError> {
         match input {
             SenderInput::Transport { now, input } => self.on_transport(now, input),
             SenderInput::Open { now, request } => self.on_open(now, request),
@@ -688,20 +616,7 @@ impl Sender {
             SenderInput::Aux { now, request, data } => self.on_aux_submitted(now, request, data),
             SenderInput::Cancel { now, request } => self.on_cancel(now, request),
             SenderInput::Retire { now, request } => self.on_retire(now, request),
-        }?;
-        if let Some(input) = recorded {
-            self.record(input);
         }
-        Ok(())
-    }
-
-    /// Applies what the transport saw (see [`SenderInput::Transport`]).
-    pub fn handle_transport(
-        &mut self,
-        now: Instant,
-        input: TransportInput,
-    ) -> Result<(), UsageError> {
-        self.handle_input(SenderInput::Transport { now, input })
     }
 
     /// A sender accepts no data writes: the answer is always a refusal, and a connected peer
@@ -716,12 +631,6 @@ impl Sender {
     }
 
     // ----- internals -----
-
-    fn record(&mut self, input: SenderInput) {
-        if let Some(log) = &mut self.recorded {
-            log.push(input);
-        }
-    }
 
     fn on_transport(&mut self, now: Instant, input: TransportInput) -> Result<(), UsageError> {
         let Some(input) = self.on_shared_transport(now, input)? else {
@@ -770,48 +679,6 @@ impl Sender {
             );
             self.shell.close(peer, CloseReason::ProtocolViolation);
         }
-    }
-}
-
-impl Endpoint for Sender {
-    fn role(&self) -> Role {
-        Role::Sender
-    }
-
-    fn handle_transport(&mut self, now: Instant, input: TransportInput) -> Result<(), UsageError> {
-        Sender::handle_transport(self, now, input)
-    }
-
-    fn admit_write(&mut self, now: Instant, peer: PeerId, header: &[u8]) -> Admission {
-        Sender::admit_write(self, now, peer, header)
-    }
-
-    fn poll_output(&mut self) -> Option<Output> {
-        Sender::poll_output(self)
-    }
-
-    fn poll_timeout(&mut self) -> Option<Instant> {
-        Sender::poll_timeout(self)
-    }
-
-    fn counters(&self) -> &Counters {
-        Sender::counters(self)
-    }
-
-    fn is_peer_ready(&self, peer: PeerId) -> bool {
-        Sender::is_peer_ready(self, peer)
-    }
-
-    fn frame_body_limit(&self, peer: PeerId) -> u32 {
-        self.shell.peers.body_limit(peer)
-    }
-
-    fn peer_count(&self) -> usize {
-        Sender::peer_count(self)
-    }
-
-    fn session_count(&self) -> usize {
-        Sender::session_count(self)
     }
 }
 
