@@ -370,6 +370,14 @@ pub(crate) fn frame_kind(frame: &Frame) -> &'static str {
     }
 }
 
+/// The body length of `frame` and the most a frame may carry, when the frame is too large to
+/// send: the engine's input that built it is refused.
+pub(crate) fn oversized(frame: &Frame) -> Option<(u64, u64)> {
+    let len = frame.body_len() as u64;
+    let max = u64::from(crate::wire::MAX_BODY_LEN);
+    (len > max).then_some((len, max))
+}
+
 /// Checks that every group's registered ordinals end exactly at the prompt's last block: never
 /// past it, and never short of it (the receiver's cached prefix is left out at the front; an
 /// empty run anchored at the last block means every block is cached already).

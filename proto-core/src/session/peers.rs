@@ -332,16 +332,7 @@ impl PeerTable {
                         Self::step(entry, PeerEvent::Rejected);
                         counters.peers_rejected += 1;
                         self.emit(peer, Frame::HelloReject(reject.clone()), out, counters);
-                        out.push_back(Output::Event(Event::PeerRejected {
-                            peer,
-                            reason: reject.reason,
-                            message: reject.message,
-                        }));
-                        counters.peers_closed += 1;
-                        out.push_back(Output::ClosePeer {
-                            peer,
-                            reason: CloseReason::HandshakeRejected,
-                        });
+                        close_rejected(peer, reject, CloseReason::HandshakeRejected, out, counters);
                         Ok(Route::Done)
                     }
                 }
@@ -349,16 +340,7 @@ impl PeerTable {
             Frame::HelloReject(reject) => {
                 Self::step(entry, PeerEvent::Rejected);
                 counters.peers_rejected += 1;
-                out.push_back(Output::Event(Event::PeerRejected {
-                    peer,
-                    reason: reject.reason,
-                    message: reject.message,
-                }));
-                counters.peers_closed += 1;
-                out.push_back(Output::ClosePeer {
-                    peer,
-                    reason: CloseReason::RejectedByPeer,
-                });
+                close_rejected(peer, reject, CloseReason::RejectedByPeer, out, counters);
                 Ok(Route::Done)
             }
             Frame::HelloAccept(_) | Frame::Heartbeat(_) => Ok(Route::Done),
@@ -470,6 +452,24 @@ fn past_handshake_limit(bytes: &[u8]) -> Option<DecodeError> {
 /// sound topologies, and pool layouts the planner can pair group by group. A mismatch is
 /// refused at the handshake naming the first difference, instead of failing every request at
 /// its first slice.
+/// Tells the engine the handshake with `peer` was refused (`reject`, by either side) and asks
+/// the transport to close the peer.
+fn close_rejected(
+    peer: PeerId,
+    reject: HelloReject,
+    reason: CloseReason,
+    out: &mut VecDeque<Output>,
+    counters: &mut Counters,
+) {
+    out.push_back(Output::Event(Event::PeerRejected {
+        peer,
+        reason: reject.reason,
+        message: reject.message,
+    }));
+    counters.peers_closed += 1;
+    out.push_back(Output::ClosePeer { peer, reason });
+}
+
 fn check_pairing(local: &Hello, remote: &Hello) -> Result<(), HelloReject> {
     for (who, t) in [("local", &local.topology), ("remote", &remote.topology)] {
         if let Some(problem) = topology_problem(t) {

@@ -102,6 +102,8 @@ pub(crate) trait SessionPhase: Copy {
     fn is_active(self) -> bool;
     /// Whether the engine may retire the session now (it completed or quiesced).
     fn may_retire(self) -> bool;
+    /// The phase a stop moves an active session to (`None`: it ended already).
+    fn stopped(self) -> Option<Self>;
 }
 
 impl SessionPhase for SendPhase {
@@ -112,6 +114,9 @@ impl SessionPhase for SendPhase {
     fn may_retire(self) -> bool {
         matches!(self.on(SendEvent::Retire), Transition::To(_))
     }
+    fn stopped(mut self) -> Option<Self> {
+        self.on(SendEvent::Stop).advance(&mut self).then_some(self)
+    }
 }
 
 impl SessionPhase for RecvPhase {
@@ -121,6 +126,9 @@ impl SessionPhase for RecvPhase {
     }
     fn may_retire(self) -> bool {
         matches!(self.on(RecvEvent::Retire), Transition::To(_))
+    }
+    fn stopped(mut self) -> Option<Self> {
+        self.on(RecvEvent::Stop).advance(&mut self).then_some(self)
     }
 }
 

@@ -17,6 +17,8 @@ pub(crate) trait HeldSession {
     type Phase: SessionPhase;
     /// The session's phase.
     fn phase(&self) -> Self::Phase;
+    /// Moves the session to `phase`.
+    fn set_phase(&mut self, phase: Self::Phase);
     /// Whether `peer` takes part in the request (a receiver of a sender session, a writer of a
     /// receiver session).
     fn involves(&self, peer: PeerId) -> bool;
@@ -93,6 +95,15 @@ impl<S: HeldSession, R> SessionTable<S, R> {
         self.live
             .get_mut(&request)
             .ok_or(UsageError::UnknownRequest(request))
+    }
+
+    /// The session of `request`, moved to its stopping phase, when it is held and was active
+    /// (`None`: nothing to stop).
+    pub(crate) fn begin_stop(&mut self, request: RequestId) -> Option<&mut S> {
+        let session = self.live.get_mut(&request)?;
+        let phase = session.phase().stopped()?;
+        session.set_phase(phase);
+        Some(session)
     }
 
     /// What the engine's cancel of `request` does; a retired request is refused.

@@ -29,8 +29,8 @@ use super::table::{CancelStep, HeldSession, SessionTable};
 use super::timers::TimerKey;
 use super::transport::{Admission, DataPath, Endpoint, TransportInput, WriteRefusal};
 use super::{
-    frame_kind, CancelOrigin, CloseReason, Counters, Output, ProtocolError, RequestTimings,
-    UsageError, Wait,
+    frame_kind, oversized, CancelOrigin, CloseReason, Counters, Output, ProtocolError,
+    RequestTimings, UsageError, Wait,
 };
 // The events are named by the docs; the shell reports them.
 #[cfg(doc)]
@@ -42,7 +42,7 @@ use crate::shard::writes_group;
 use crate::time::Instant;
 use crate::wire::{
     AuxData, AuxResult, Cancel, CancelReason, DataWrite, Frame, KvResult, RecvRegistration, Role,
-    TransferStatus, MAX_BODY_LEN,
+    TransferStatus,
 };
 
 /// One input to a [`Receiver`]: everything that can change its state, as data, so a recorded

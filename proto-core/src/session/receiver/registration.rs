@@ -55,13 +55,8 @@ impl Receiver {
             groups: reg.groups,
         };
         let frame = Frame::RecvRegistration(frame);
-        let len = frame.body_len() as u64;
-        if len > u64::from(MAX_BODY_LEN) {
-            return Err(UsageError::RegistrationTooLarge {
-                request,
-                len,
-                max: u64::from(MAX_BODY_LEN),
-            });
+        if let Some((len, max)) = oversized(&frame) {
+            return Err(UsageError::RegistrationTooLarge { request, len, max });
         }
         // A registration the wire cannot carry (a hand-built run that is not canonical) would
         // never reach a writer and the request would wait out its deadline: refuse it now.

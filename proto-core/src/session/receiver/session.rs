@@ -78,6 +78,9 @@ impl HeldSession for RecvSession {
     fn phase(&self) -> RecvPhase {
         self.phase
     }
+    fn set_phase(&mut self, phase: RecvPhase) {
+        self.phase = phase;
+    }
     fn involves(&self, peer: PeerId) -> bool {
         self.writers.iter().any(|w| w.peer == peer)
     }

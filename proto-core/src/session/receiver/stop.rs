@@ -107,13 +107,9 @@ impl EndpointRole for Receiver {
     /// Ends an active session: reports it, tells every writer that has not stopped, and waits
     /// for their confirmation before [`Event::Quiesced`].
     fn stop(&mut self, now: Instant, request: RequestId, why: Stop) {
-        let Some(session) = self.sessions.live.get_mut(&request) else {
+        let Some(session) = self.sessions.begin_stop(request) else {
             return;
         };
-        let Transition::To(phase) = session.phase.on(RecvEvent::Stop) else {
-            return;
-        };
-        session.phase = phase;
         let receiver_slice = session.frame.slice;
         let reason = match why {
             Stop::Failed { .. } => CancelReason::Failure,

@@ -405,13 +405,8 @@ impl Sender {
             status: TransferStatus::Success,
             data,
         });
-        let len = frame.body_len() as u64;
-        if len > u64::from(MAX_BODY_LEN) {
-            return Err(UsageError::AuxTooLarge {
-                request,
-                len,
-                max: u64::from(MAX_BODY_LEN),
-            });
+        if let Some((len, max)) = oversized(&frame) {
+            return Err(UsageError::AuxTooLarge { request, len, max });
         }
         let Frame::AuxResult(AuxResult { data, .. }) = frame else {
             unreachable!("built above")

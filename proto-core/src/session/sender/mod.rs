@@ -28,8 +28,8 @@ use super::table::{CancelStep, HeldSession, SessionTable};
 use super::timers::TimerKey;
 use super::transport::{Admission, DataWriteHeaders, Endpoint, TransportInput, WriteRefusal};
 use super::{
-    frame_kind, BlockRunError, BlockRunFault, CancelOrigin, CloseReason, Counters, EngineFault,
-    Event, Output, ProtocolError, RequestTimings, UsageError, Wait, WriteBatchId,
+    frame_kind, oversized, BlockRunError, BlockRunFault, CancelOrigin, CloseReason, Counters,
+    EngineFault, Event, Output, ProtocolError, RequestTimings, UsageError, Wait, WriteBatchId,
 };
 use crate::blocks::BlockRun;
 use crate::config::{ConfigError, PipelineConfig};
@@ -41,7 +41,7 @@ use crate::source::BlockSource;
 use crate::time::Instant;
 use crate::wire::{
     AuxData, AuxResult, Cancel, CancelReason, Frame, KvResult, RecvRegistration, Role,
-    TransferStatus, MAX_BODY_LEN,
+    TransferStatus,
 };
 
 /// What became of a submitted chunk or prefix (the `Ok` of [`Sender::submit_chunk`],

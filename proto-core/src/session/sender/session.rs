@@ -113,6 +113,9 @@ impl HeldSession for SendSession {
     fn phase(&self) -> SendPhase {
         self.phase
     }
+    fn set_phase(&mut self, phase: SendPhase) {
+        self.phase = phase;
+    }
     fn involves(&self, peer: PeerId) -> bool {
         self.targets.iter().any(|t| t.peer == peer)
     }

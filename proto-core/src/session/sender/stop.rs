@@ -128,13 +128,9 @@ impl EndpointRole for Sender {
     /// Ends an active session: reports it, tells every receiver at once, and waits for the
     /// in-flight writes before [`Event::Quiesced`].
     fn stop(&mut self, now: Instant, request: RequestId, why: Stop) {
-        let Some(session) = self.sessions.live.get_mut(&request) else {
+        let Some(session) = self.sessions.begin_stop(request) else {
             return;
         };
-        let Transition::To(phase) = session.phase.on(SendEvent::Stop) else {
-            return;
-        };
-        session.phase = phase;
         // A failure names the registration of the peer involved, when that peer registered.
         let receiver_slice = match why {
             Stop::Failed { peer, slice, .. } => {
