@@ -1,6 +1,7 @@
 //! What both endpoints hold around their sessions: the peers (handshake, codec, liveness), the
-//! timers, the output queue, the counters and the remembered cancels — and the handling of the
-//! transport inputs that do not depend on the role.
+//! timers, the output queue, the counters and the remembered cancels — and the reports both
+//! roles make alike (a stop, a completion, a quiesce). `role.rs` handles the transport inputs
+//! that do not depend on the role over it.
 
 use std::collections::VecDeque;
 

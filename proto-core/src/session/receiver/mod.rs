@@ -1,7 +1,9 @@
-//! The decode-side endpoint, split by concern: the [`Receiver`] type with its getters, commands
-//! and input dispatch here; registration ([`registration`]), admission of data writes
-//! ([`admission`]), held results ([`results`]), aux data ([`aux`]) and stop/quiesce ([`stop`])
-//! in their own files, each an `impl Receiver` block over the state defined here.
+//! The decode-side endpoint, split by concern: the [`Receiver`] type with its own getters,
+//! commands and input dispatch here; registration ([`registration`]), admission of data writes
+//! ([`admission`]), held results ([`results`]), aux data ([`aux`]) and stop/quiesce ([`stop`],
+//! the receiver's part of the shared session frame) in their own files, each an
+//! `impl Receiver` block over the state defined here. What both endpoints share is written once
+//! in the parent module (`surface.rs`, `role.rs`, `table.rs`, `stop.rs`, `shell.rs`).
 
 mod admission;
 mod aux;

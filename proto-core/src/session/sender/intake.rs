@@ -431,3 +431,37 @@ pub(super) fn chunk_phase(phase: SendPhase, is_last: bool) -> Option<SendPhase> 
         Transition::Ignored | Transition::Refused => None,
     }
 }
+
+/// Checks one group's block run against the bounded block-source contract: it ends exactly at
+/// the asked end, is never longer than asked, and is shorter only in a windowed group (whose
+/// evicted head the contract allows).
+fn check_run(
+    request: RequestId,
+    group: GroupIndex,
+    asked: BlockWindow,
+    run: &BlockRun,
+    layout: &crate::layout::LayerGroupLayout,
+    prompt_len: u32,
+) -> Option<BlockRunError> {
+    let len = u32::try_from(run.ids.len()).unwrap_or(u32::MAX);
+    let returned = BlockWindow {
+        begin: run.first_ordinal,
+        end: run.first_ordinal.saturating_add(len),
+    };
+    let fault = if len > asked.len() {
+        BlockRunFault::TooLong
+    } else if returned.end != asked.end || run.first_ordinal.checked_add(len).is_none() {
+        BlockRunFault::WrongEnd
+    } else if len < asked.len() && !layout.is_windowed_for(prompt_len) {
+        BlockRunFault::TooShort
+    } else {
+        return None;
+    };
+    Some(BlockRunError {
+        request,
+        group,
+        asked,
+        returned,
+        fault,
+    })
+}
