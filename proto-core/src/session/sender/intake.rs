@@ -125,7 +125,7 @@ impl Sender {
         request: RequestId,
         prompt_len: u32,
         prepopulated_len: u32,
-    ) -> Result<Vec<(GroupIndex, BlockWindow)>, UsageError> {
+    ) -> Result<Windows, UsageError> {
         let session = self.sessions.held(request)?;
         if !session.phase.is_active() {
             return Err(UsageError::SessionEnded(request));
@@ -133,15 +133,9 @@ impl Sender {
         if session.next_start.is_some() || session.prefix_sent_early {
             return Err(UsageError::PrefixAfterChunks(request));
         }
-        let mut windows = Vec::new();
-        for (g, layout) in self.config.local.groups.iter().enumerate() {
-            let window = early_prefix_window(prompt_len, prepopulated_len, layout)
-                .map_err(|error| UsageError::Geometry { request, error })?;
-            if let Some(w) = window {
-                windows.push((GroupIndex(g as u16), w));
-            }
-        }
-        Ok(windows)
+        self.group_windows(request, |layout| {
+            early_prefix_window(prompt_len, prepopulated_len, layout)
+        })
     }
 
     /// Applies an early prefix (errors as in [`Self::on_chunk`]).
@@ -154,20 +148,10 @@ impl Sender {
         runs: Vec<(GroupIndex, BlockRun)>,
     ) -> Result<Submitted, UsageError> {
         let windows = self.check_prefix(request, prompt_len, prepopulated_len)?;
-        let given: Vec<GroupIndex> = runs.iter().map(|(g, _)| *g).collect();
-        if given.len() != windows.len() || given.iter().zip(&windows).any(|(a, (b, _))| a != b) {
-            return Err(UsageError::RunsDoNotMatchChunk {
-                request,
-                expected: windows.iter().map(|(g, _)| *g).collect(),
-                given,
-            });
-        }
-        for ((group, run), (_, asked)) in runs.iter().zip(&windows) {
-            let layout = &self.config.local.groups[usize::from(group.0)];
-            if let Some(error) = check_run(request, *group, *asked, run, layout, prompt_len) {
-                self.fail_engine(now, request);
-                return Ok(Submitted::EngineFault(EngineFault::BlockRun(error)));
-            }
+        check_answers(request, &windows, &runs)?;
+        if let Some(error) = self.run_fault(request, &windows, &runs, prompt_len) {
+            self.fail_engine(now, request);
+            return Ok(Submitted::EngineFault(EngineFault::BlockRun(error)));
         }
         let session = self.sessions.live.get_mut(&request).expect("checked above");
         session.prefix_sent_early = true;
@@ -200,16 +184,42 @@ impl Sender {
         &self,
         request: RequestId,
         spec: &ChunkSpec,
-    ) -> Result<SmallVec<[(GroupIndex, BlockWindow); 4]>, UsageError> {
+    ) -> Result<Windows, UsageError> {
+        self.group_windows(request, |layout| chunk_window(spec, layout))
+    }
+
+    /// The block window `window` gives each group, for the groups that send something, in
+    /// group order.
+    fn group_windows(
+        &self,
+        request: RequestId,
+        window: impl Fn(&LayerGroupLayout) -> Result<Option<BlockWindow>, GeometryError>,
+    ) -> Result<Windows, UsageError> {
         let mut windows = SmallVec::new();
         for (g, layout) in self.config.local.groups.iter().enumerate() {
-            let window = chunk_window(spec, layout)
-                .map_err(|error| UsageError::Geometry { request, error })?;
-            if let Some(w) = window {
+            if let Some(w) =
+                window(layout).map_err(|error| UsageError::Geometry { request, error })?
+            {
                 windows.push((GroupIndex(g as u16), w));
             }
         }
         Ok(windows)
+    }
+
+    /// The first of `runs` that breaks the block-source contract for its window of `windows`.
+    fn run_fault(
+        &self,
+        request: RequestId,
+        windows: &[(GroupIndex, BlockWindow)],
+        runs: &[(GroupIndex, BlockRun)],
+        prompt_len: u32,
+    ) -> Option<BlockRunError> {
+        runs.iter()
+            .zip(windows)
+            .find_map(|((group, run), (_, asked))| {
+                let layout = &self.config.local.groups[usize::from(group.0)];
+                check_run(request, *group, *asked, run, layout, prompt_len)
+            })
     }
 
     /// Applies a checked chunk whose block windows are `windows`: `runs` must answer exactly
@@ -226,14 +236,7 @@ impl Sender {
         runs: Vec<(GroupIndex, BlockRun)>,
         layers: Option<LayerRange>,
     ) -> Result<Submitted, UsageError> {
-        let given: Vec<GroupIndex> = runs.iter().map(|(g, _)| *g).collect();
-        if given.len() != windows.len() || given.iter().zip(windows).any(|(a, (b, _))| a != b) {
-            return Err(UsageError::RunsDoNotMatchChunk {
-                request,
-                expected: windows.iter().map(|(g, _)| *g).collect(),
-                given,
-            });
-        }
+        check_answers(request, windows, &runs)?;
         // From here on the input is applied: an engine error fails the session.
         let session = self.sessions.live.get_mut(&request).expect("checked above");
         let mismatch = session.targets.iter().find_map(|t| {
@@ -272,12 +275,9 @@ impl Sender {
                 }));
             }
         }
-        for ((group, run), (_, asked)) in runs.iter().zip(windows) {
-            let layout = &self.config.local.groups[usize::from(group.0)];
-            if let Some(error) = check_run(request, *group, *asked, run, layout, spec.prompt_len) {
-                self.fail_engine(now, request);
-                return Ok(Submitted::EngineFault(EngineFault::BlockRun(error)));
-            }
+        if let Some(error) = self.run_fault(request, windows, &runs, spec.prompt_len) {
+            self.fail_engine(now, request);
+            return Ok(Submitted::EngineFault(EngineFault::BlockRun(error)));
         }
         let session = self.sessions.live.get_mut(&request).expect("checked above");
         session.next_start = Some(spec.end);
@@ -464,4 +464,25 @@ fn check_run(
         returned,
         fault,
     })
+}
+
+/// The block windows of a chunk (or prefix) in the groups that send something, in group order.
+pub(super) type Windows = SmallVec<[(GroupIndex, BlockWindow); 4]>;
+
+/// Refuses block runs that do not answer `windows` group by group (the engine answered another
+/// query).
+fn check_answers(
+    request: RequestId,
+    windows: &[(GroupIndex, BlockWindow)],
+    runs: &[(GroupIndex, BlockRun)],
+) -> Result<(), UsageError> {
+    let given: Vec<GroupIndex> = runs.iter().map(|(g, _)| *g).collect();
+    if given.len() != windows.len() || given.iter().zip(windows).any(|(a, (b, _))| a != b) {
+        return Err(UsageError::RunsDoNotMatchChunk {
+            request,
+            expected: windows.iter().map(|(g, _)| *g).collect(),
+            given,
+        });
+    }
+    Ok(())
 }

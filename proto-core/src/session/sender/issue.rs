@@ -4,6 +4,36 @@
 use super::*;
 
 impl Sender {
+    /// Why registration `reg` of held `request` cannot be written: another group count than
+    /// this rank's, ordinals that do not end at the prompt's last block, or another prompt
+    /// length than the request's chunks declared.
+    fn registration_fault(
+        &self,
+        request: RequestId,
+        reg: &RecvRegistration,
+    ) -> Option<ProtocolError> {
+        let expected = self.config.local.groups.len();
+        if reg.groups.len() != expected {
+            return Some(ProtocolError::GroupCountMismatch {
+                request,
+                expected,
+                got: reg.groups.len(),
+            });
+        }
+        let layout = &self.config.local.groups;
+        if let Err(error) =
+            check_registration_ordinals(request, reg.prompt_len, &reg.groups, layout)
+        {
+            return Some(error);
+        }
+        let local = self.sessions.live.get(&request)?.prompt_len?;
+        (local != reg.prompt_len).then_some(ProtocolError::PromptLenMismatch {
+            request,
+            registered: reg.prompt_len,
+            local,
+        })
+    }
+
     pub(super) fn on_registration(&mut self, now: Instant, peer: PeerId, reg: RecvRegistration) {
         let request = reg.request;
         let refuse = Frame::Cancel(Cancel {
@@ -67,49 +97,11 @@ impl Sender {
             }
             return;
         }
-        let expected = self.config.local.groups.len();
-        if reg.groups.len() != expected {
-            let got = reg.groups.len();
-            self.adopt_registration(request, t, reg);
-            self.stop_protocol(
-                now,
-                request,
-                peer,
-                ProtocolError::GroupCountMismatch {
-                    request,
-                    expected,
-                    got,
-                },
-            );
-            return;
-        }
-        if let Err(error) = crate::session::check_registration_ordinals(
-            request,
-            reg.prompt_len,
-            &reg.groups,
-            &self.config.local.groups,
-        ) {
+        if let Some(error) = self.registration_fault(request, &reg) {
+            // Adopted all the same, so the failure names the receiver's slice.
             self.adopt_registration(request, t, reg);
             self.stop_protocol(now, request, peer, error);
             return;
-        }
-        let session = self.sessions.live.get_mut(&request).expect("checked above");
-        if let Some(local) = session.prompt_len {
-            if local != reg.prompt_len {
-                let registered = reg.prompt_len;
-                self.adopt_registration(request, t, reg);
-                self.stop_protocol(
-                    now,
-                    request,
-                    peer,
-                    ProtocolError::PromptLenMismatch {
-                        request,
-                        registered,
-                        local,
-                    },
-                );
-                return;
-            }
         }
         let receiver_slice = reg.slice;
         self.adopt_registration(request, t, reg);

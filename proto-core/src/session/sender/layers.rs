@@ -11,7 +11,7 @@ pub(super) enum RangeStep {
     /// The chunk's first range: the chunk's checks passed, its windows are asked for.
     First {
         next_phase: SendPhase,
-        windows: SmallVec<[(GroupIndex, BlockWindow); 4]>,
+        windows: super::intake::Windows,
     },
     /// A later range of the open chunk: it asks the block source nothing.
     Later { next_phase: SendPhase },

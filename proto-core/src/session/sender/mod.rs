@@ -33,14 +33,16 @@ use super::table::{CancelStep, HeldSession, SessionTable};
 use super::timers::TimerKey;
 use super::transport::{Admission, DataWriteHeaders, Endpoint, TransportInput, WriteRefusal};
 use super::{
-    frame_kind, oversized, BlockRunError, BlockRunFault, CancelOrigin, CloseReason, Counters,
-    EngineFault, Event, Output, ProtocolError, RequestTimings, UsageError, Wait, WriteBatchId,
+    check_registration_ordinals, frame_kind, oversized, BlockRunError, BlockRunFault, CancelOrigin,
+    CloseReason, Counters, EngineFault, Event, Output, ProtocolError, RequestTimings, UsageError,
+    Wait, WriteBatchId,
 };
 use crate::blocks::BlockRun;
 use crate::config::{ConfigError, PipelineConfig};
-use crate::geometry::{chunk_window, early_prefix_window, BlockWindow, ChunkSpec};
+use crate::geometry::{chunk_window, early_prefix_window, BlockWindow, ChunkSpec, GeometryError};
 use crate::ids::{GroupIndex, PeerId, ReceiverSliceId, RequestId, SenderSliceId};
 use crate::layers::{LayerOrder, LayerRange};
+use crate::layout::LayerGroupLayout;
 use crate::plan::{plan_rank_group, plan_rank_group_layers, DstCursor, RankGroup, WritePlan};
 use crate::source::BlockSource;
 use crate::time::Instant;

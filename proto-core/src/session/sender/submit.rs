@@ -48,7 +48,7 @@ impl Submitted {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ChunkQuery {
     request: RequestId,
-    windows: SmallVec<[(GroupIndex, BlockWindow); 4]>,
+    windows: super::intake::Windows,
 }
 
 impl ChunkQuery {
@@ -257,14 +257,7 @@ impl Sender {
         source: &mut impl BlockSource,
     ) -> Result<Submitted, UsageError> {
         let windows = self.check_prefix(request, prompt_len, prepopulated_len)?;
-        let mut runs = Vec::with_capacity(windows.len());
-        for (group, w) in windows {
-            let mut run = BlockRun::default();
-            source
-                .block_run(request, group, w.begin, w.end, &mut run)
-                .map_err(|error| UsageError::BlockSource { request, error })?;
-            runs.push((group, run));
-        }
+        let runs = ChunkQuery { request, windows }.ask(source)?;
         let outcome = self.on_prefix(now, request, prompt_len, prepopulated_len, runs.clone())?;
         self.recorded.push(SenderInput::Prefix {
             now,
