@@ -27,6 +27,14 @@ pub(crate) trait HeldSession {
     fn awaits(&self, peer: PeerId) -> bool;
 }
 
+/// The first peer named twice in `peers`, if one is (the engine names each peer of a request
+/// once).
+pub(crate) fn named_twice(peers: &[PeerId]) -> Option<PeerId> {
+    (peers.iter().enumerate())
+        .find(|(i, p)| peers[..*i].contains(p))
+        .map(|(_, p)| *p)
+}
+
 /// What a cancel from the engine, or a peer, does to a request.
 pub(crate) enum CancelStep {
     /// The request is not held yet: remember the cancel for when it is.

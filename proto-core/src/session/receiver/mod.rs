@@ -27,7 +27,7 @@ use super::shell::Shell;
 use super::state::{RecvEvent, RecvPhase, Transition, WriterEvent, WriterPhase};
 use super::stop::Stop;
 use super::surface::{endpoint_surface, InputLog};
-use super::table::{CancelStep, HeldSession, SessionTable};
+use super::table::{named_twice, CancelStep, HeldSession, SessionTable};
 use super::timers::TimerKey;
 use super::transport::{Admission, DataPath, Endpoint, TransportInput, WriteRefusal};
 use super::{

@@ -15,10 +15,8 @@ impl Receiver {
         if reg.writers.is_empty() {
             return Err(UsageError::NoPeers(request));
         }
-        for (i, p) in reg.writers.iter().enumerate() {
-            if reg.writers[..i].contains(p) {
-                return Err(UsageError::DuplicatePeer { request, peer: *p });
-            }
+        if let Some(peer) = named_twice(&reg.writers) {
+            return Err(UsageError::DuplicatePeer { request, peer });
         }
         let expected = self.config.local.groups.len();
         if reg.groups.len() != expected {

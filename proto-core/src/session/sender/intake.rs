@@ -17,10 +17,8 @@ impl Sender {
         if let Err(error) = settings.validate() {
             return Err(UsageError::Unsupported { request, error });
         }
-        for (i, p) in req.receivers.iter().enumerate() {
-            if req.receivers[..i].contains(p) {
-                return Err(UsageError::DuplicatePeer { request, peer: *p });
-            }
+        if let Some(peer) = named_twice(&req.receivers) {
+            return Err(UsageError::DuplicatePeer { request, peer });
         }
         let registration_deadline = now + self.config.deadlines.registration;
         self.sessions.live.insert(

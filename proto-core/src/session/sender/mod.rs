@@ -29,7 +29,7 @@ use super::shell::Shell;
 use super::state::{SendEvent, SendPhase, TargetEvent, TargetPhase, Transition};
 use super::stop::Stop;
 use super::surface::{endpoint_surface, InputLog};
-use super::table::{CancelStep, HeldSession, SessionTable};
+use super::table::{named_twice, CancelStep, HeldSession, SessionTable};
 use super::timers::TimerKey;
 use super::transport::{Admission, DataWriteHeaders, Endpoint, TransportInput, WriteRefusal};
 use super::{

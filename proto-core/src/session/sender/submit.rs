@@ -113,22 +113,7 @@ impl Sender {
             windows: self.chunk_windows(request, &spec)?,
         };
         let runs = query.ask(source)?;
-        let outcome = self.apply_chunk(
-            now,
-            request,
-            spec,
-            next_phase,
-            &query.windows,
-            runs.clone(),
-            None,
-        )?;
-        self.recorded.push(SenderInput::Chunk {
-            now,
-            request,
-            spec,
-            runs,
-        });
-        Ok(outcome)
+        self.apply_chunk_runs(now, request, spec, runs, Some((next_phase, &query.windows)))
     }
 
     /// The block windows chunk `spec` of `request` needs, after every check
@@ -157,7 +142,26 @@ impl Sender {
         spec: ChunkSpec,
         runs: Vec<(GroupIndex, BlockRun)>,
     ) -> Result<Submitted, UsageError> {
-        let outcome = self.on_chunk(now, request, spec, runs.clone())?;
+        self.apply_chunk_runs(now, request, spec, runs, None)
+    }
+
+    /// Applies chunk `spec` with the engine's `runs` and records it as [`SenderInput::Chunk`].
+    /// `checked`: the chunk's next phase and windows when the caller just checked it (else
+    /// the checks are made here).
+    fn apply_chunk_runs(
+        &mut self,
+        now: Instant,
+        request: RequestId,
+        spec: ChunkSpec,
+        runs: Vec<(GroupIndex, BlockRun)>,
+        checked: Option<(SendPhase, &[(GroupIndex, BlockWindow)])>,
+    ) -> Result<Submitted, UsageError> {
+        let outcome = match checked {
+            Some((next_phase, windows)) => {
+                self.apply_chunk(now, request, spec, next_phase, windows, runs.clone(), None)?
+            }
+            None => self.on_chunk(now, request, spec, runs.clone())?,
+        };
         self.recorded.push(SenderInput::Chunk {
             now,
             request,
