@@ -597,6 +597,19 @@ impl Net {
         self.senders[i].open_request(now, req).unwrap();
         self.pump();
     }
+
+    /// One sender and one receiver, connected, whose write batches are held for the test:
+    /// `request` registered (16 tokens) and opened, and its first chunk (8 tokens) submitted
+    /// from the returned source (blocks 100..104).
+    pub fn first_chunk_held(request: RequestId) -> (Net, TestSource) {
+        let mut net = Net::connected(1, 1);
+        net.auto_complete = false;
+        let mut source = TestSource::with(request, 100, 4);
+        net.register(0, registration(request, 16, &[0]));
+        net.open(0, send_request(request, &[0]));
+        net.submit(0, request, chunk(0, 8, 16, false), &mut source);
+        (net, source)
+    }
 }
 
 pub fn is_event(e: &Event, f: impl Fn(&Event) -> bool) -> bool {
