@@ -83,10 +83,11 @@
 //!                     .handle_transport(now, TransportInput::FrameReceived { peer: PeerId(0), bytes })
 //!                     .unwrap(),
 //!                 Output::ExecuteWrites { batch, plan, headers, .. } => {
-//!                     // A byte-stream transport sends each extent behind its header; the
-//!                     // receiving side asks for admission, copies, and reports it landed.
+//!                     // A byte-stream transport sends each extent behind its encoded header;
+//!                     // the receiving side decodes it, asks for admission, copies, and reports
+//!                     // it landed. In one process the header goes across as it is.
 //!                     for e in plan.extents() {
-//!                         let header = headers.encode(e.dst_region, e.dst_offset, e.len);
+//!                         let header = headers.frame(e.dst_region, e.dst_offset, e.len);
 //!                         let Admission::Apply { ticket, .. } = r.admit_write(now, PeerId(0), &header)
 //!                             else { panic!("inside the grant") };
 //!                         // (copy e.len bytes here)

@@ -7,8 +7,8 @@
 //!
 //! - [`StreamEvent::Frame`]: a whole control frame; hand it to the endpoint as
 //!   [`TransportInput::FrameReceived`](crate::session::TransportInput::FrameReceived);
-//! - [`StreamEvent::DataWrite`]: a data write's header; ask the endpoint's
-//!   [`admit_write`](crate::session::Endpoint::admit_write) and pass the answer to
+//! - [`StreamEvent::DataWrite`]: a data write's header, decoded here once; hand it to the
+//!   endpoint's [`admit_write`](crate::session::Endpoint::admit_write) and pass the answer to
 //!   [`StreamReader::admitted`] (the payload is then read into memory, discarded, or — refused —
 //!   the connection stops);
 //! - [`StreamEvent::Landed`]: an admitted payload is all in memory; report
@@ -18,18 +18,33 @@
 //! cap, and the connection's body limit — [`StreamReader::set_body_limit`], a handshake's until
 //! the endpoint's [`frame_body_limit`](crate::session::Endpoint::frame_body_limit) says the
 //! peer completed it) before its body is read, and a body buffer grows with the bytes that
-//! actually arrived, so a peer announcing a large body it never sends costs nothing. A header
-//! that fails the check stops the stream; its bytes come with the error
-//! ([`StreamError::Header`]) for the transport to hand to the endpoint as a frame, which fails
-//! the peer with a protocol error. The blocking and async shells of a transport run the same
-//! reader; only their `read` calls differ.
+//! actually arrived, so a peer announcing a large body it never sends costs nothing. A data
+//! write's body is decoded as soon as it is whole (the endpoint gets the typed
+//! [`DataWrite`], never its bytes). A header that fails the check, or a data write whose body
+//! does not decode, stops the stream; its bytes come with the error ([`StreamError::Header`])
+//! for the transport to hand to the endpoint as a frame, which decodes them, finds the same
+//! error and fails the peer with a protocol error. The blocking and async shells of a
+//! transport run the same reader; only their `read` calls differ.
 
 use bytes::Bytes;
 use thiserror::Error;
 
 use crate::ids::RegionId;
 use crate::session::{Admission, WriteRefusal, WriteTicket};
-use crate::wire::{DecodeError, FrameHeader, FrameKind, HEADER_LEN, MAX_HANDSHAKE_BODY_LEN};
+use crate::wire::{
+    DataWrite, DecodeError, FrameHeader, FrameKind, HEADER_LEN, MAX_HANDSHAKE_BODY_LEN,
+    MIN_PROTOCOL_VERSION, PROTOCOL_VERSION,
+};
+
+// A data write's header is checked here at the versions this build speaks, and the endpoint
+// takes the decoded value without its version; control frames are checked by the endpoint at
+// the version negotiated with the peer. While this build speaks one version the two checks
+// are the same. A build that speaks a second must have the reader check data writes at the
+// negotiated version before it compiles.
+const _: () = assert!(
+    MIN_PROTOCOL_VERSION == PROTOCOL_VERSION,
+    "StreamReader must check DataWrite headers at the negotiated version"
+);
 
 /// How much a body buffer grows per read: a peer must send bytes to make the reader hold them.
 const BODY_STEP: usize = 64 << 10;
@@ -61,9 +76,10 @@ pub enum ReadInto<'a> {
 pub enum StreamEvent {
     /// A whole control frame (header and body).
     Frame(Bytes),
-    /// The header of a data write (its encoded `DataWrite` frame); its payload follows. Pass the
-    /// endpoint's admission to [`StreamReader::admitted`].
-    DataWrite(Bytes),
+    /// The header of a data write, decoded; its payload follows. Hand it to the endpoint's
+    /// [`admit_write`](crate::session::Endpoint::admit_write) and pass the answer to
+    /// [`StreamReader::admitted`].
+    DataWrite(DataWrite),
     /// An admitted payload is all in memory.
     Landed(WriteTicket),
 }
@@ -71,15 +87,16 @@ pub enum StreamEvent {
 /// Why a stream cannot go on.
 #[derive(Clone, Debug, PartialEq, Eq, Error)]
 pub enum StreamError {
-    /// A frame header that no peer speaking this protocol sends, or one declaring a body over
-    /// the connection's limit. Hand `bytes` to the endpoint as a frame
+    /// A frame header that no peer speaking this protocol sends, one declaring a body over the
+    /// connection's limit, or a data write whose body does not decode. Hand `bytes` to the
+    /// endpoint as a frame
     /// ([`TransportInput::FrameReceived`](crate::session::TransportInput::FrameReceived)): it
     /// reports the protocol error and closes the peer.
     #[error("bad frame header: {error}")]
     Header {
         /// What is wrong with it.
         error: DecodeError,
-        /// The header's bytes.
+        /// The header's bytes (a data write's: its whole frame, header and body).
         bytes: Bytes,
     },
     /// The endpoint refused a data write: nothing more is read from this connection.
@@ -232,7 +249,7 @@ impl StreamReader {
                 let total = header.frame_len();
                 let data = kind == FrameKind::DataWrite;
                 if total == HEADER_LEN {
-                    return Ok(Some(self.complete(data)));
+                    return self.complete(data).map(Some);
                 }
                 self.state = State::Body {
                     total,
@@ -258,7 +275,7 @@ impl StreamReader {
                     };
                     return Ok(None);
                 }
-                Ok(Some(self.complete(data)))
+                self.complete(data).map(Some)
             }
             State::Payload {
                 ticket,
@@ -362,15 +379,27 @@ impl StreamReader {
         end
     }
 
-    fn complete(&mut self, data: bool) -> StreamEvent {
-        let bytes = Bytes::copy_from_slice(&self.buf);
-        if data {
-            self.buf.truncate(HEADER_LEN);
-            self.state = State::AwaitingAdmission;
-            StreamEvent::DataWrite(bytes)
-        } else {
+    /// The frame in `buf` is whole: a control frame's bytes go to the endpoint as they are; a
+    /// data write's body is decoded here, once (its header was checked in `advance`).
+    fn complete(&mut self, data: bool) -> Result<StreamEvent, StreamError> {
+        if !data {
+            let bytes = Bytes::copy_from_slice(&self.buf);
             self.next_frame();
-            StreamEvent::Frame(bytes)
+            return Ok(StreamEvent::Frame(bytes));
+        }
+        match DataWrite::parse_checked_body(&self.buf[HEADER_LEN..]) {
+            Ok(write) => {
+                self.buf.truncate(HEADER_LEN);
+                self.state = State::AwaitingAdmission;
+                Ok(StreamEvent::DataWrite(write))
+            }
+            Err(error) => {
+                self.state = State::Stopped;
+                Err(StreamError::Header {
+                    error,
+                    bytes: Bytes::copy_from_slice(&self.buf),
+                })
+            }
         }
     }
 
@@ -385,14 +414,14 @@ impl StreamReader {
 mod tests {
     use super::*;
     use crate::ids::{GrantId, RequestId};
-    use crate::wire::{DataWrite, Frame, Heartbeat, MAX_BODY_LEN};
+    use crate::wire::{Frame, Heartbeat, MAX_BODY_LEN};
 
     /// Feeds `bytes` to `r` in pieces of at most `step`, answering data writes with `admit`.
     fn feed(
         r: &mut StreamReader,
         bytes: &[u8],
         step: usize,
-        admit: &mut dyn FnMut(&[u8]) -> Admission,
+        admit: &mut dyn FnMut(&DataWrite) -> Admission,
         memory: &mut Vec<(u64, Vec<u8>)>,
     ) -> Result<Vec<StreamEvent>, StreamError> {
         let mut events = Vec::new();
@@ -425,15 +454,18 @@ mod tests {
         Ok(events)
     }
 
-    fn data_write(len: u64) -> Vec<u8> {
-        let w = Frame::DataWrite(DataWrite {
+    fn header(len: u64) -> DataWrite {
+        DataWrite {
             request: RequestId(1),
             grant: GrantId(2),
             region: RegionId(3),
             offset: 100,
             len,
-        });
-        let mut out = w.to_vec().unwrap();
+        }
+    }
+
+    fn data_write(len: u64) -> Vec<u8> {
+        let mut out = Frame::DataWrite(header(len)).to_vec().unwrap();
         out.extend((0..len).map(|i| i as u8));
         out
     }
@@ -449,7 +481,12 @@ mod tests {
             let mut r = StreamReader::new();
             let mut mem = Vec::new();
             let mut t = 0;
-            let mut admit = |_: &[u8]| {
+            let mut admit = |w: &DataWrite| {
+                assert_eq!(
+                    *w,
+                    header(if t == 0 { 300 } else { 0 }),
+                    "decoded once, whole"
+                );
                 t += 1;
                 Admission::Apply {
                     ticket: WriteTicket(t),
@@ -473,6 +510,7 @@ mod tests {
                 "step {step}"
             );
             assert_eq!(events[0], StreamEvent::Frame(Bytes::from(hb.clone())));
+            assert_eq!(events[1], StreamEvent::DataWrite(header(300)));
             let payload: Vec<u8> = mem.iter().flat_map(|(_, b)| b.clone()).collect();
             assert_eq!(payload, (0..300u64).map(|i| i as u8).collect::<Vec<_>>());
             assert_eq!(mem[0].0, 100);
@@ -501,10 +539,13 @@ mod tests {
             &mut r,
             &data_write(50),
             16,
-            &mut |_| Admission::Refuse(WriteRefusal::Malformed),
+            &mut |_| Admission::Refuse(WriteRefusal::NotAccepted),
             &mut mem,
         );
-        assert_eq!(refused, Err(StreamError::Refused(WriteRefusal::Malformed)));
+        assert_eq!(
+            refused,
+            Err(StreamError::Refused(WriteRefusal::NotAccepted))
+        );
         assert!(r.advance(1).is_err());
     }
 
@@ -542,6 +583,41 @@ mod tests {
         };
         assert_eq!(buf.len(), BODY_STEP);
         assert_eq!(r.end(), StreamEnd::Truncated { unfinished: None });
+    }
+
+    #[test]
+    fn a_data_write_whose_body_does_not_decode_stops_the_stream_with_its_bytes() {
+        // A DataWrite header declaring a 20-byte body (the body is 36): the header passes its
+        // check, the body is read, and decoding it fails before the endpoint is asked.
+        let mut frame = FrameHeader::new(FrameKind::DataWrite, PROTOCOL_VERSION, 20)
+            .to_bytes()
+            .to_vec();
+        frame.extend([7u8; 20]);
+        let mut stream = frame.clone();
+        stream.extend([9u8; 64]); // what would have been its payload
+        for step in [1, 5, 1 << 20] {
+            let mut r = StreamReader::new();
+            r.set_body_limit(MAX_BODY_LEN);
+            let err = feed(
+                &mut r,
+                &stream,
+                step,
+                &mut |_| unreachable!("a malformed header is never admitted"),
+                &mut Vec::new(),
+            );
+            // The endpoint, handed these bytes as a frame, finds the same error.
+            let error = Frame::parse(&frame).unwrap_err();
+            assert!(matches!(error, DecodeError::Malformed { .. }), "{error:?}");
+            assert_eq!(
+                err,
+                Err(StreamError::Header {
+                    error,
+                    bytes: Bytes::from(frame.clone()),
+                }),
+                "step {step}"
+            );
+            assert!(r.advance(1).is_err(), "nothing is read after it");
+        }
     }
 
     #[test]

@@ -23,11 +23,8 @@ fn one_held_batch() -> Net {
     net
 }
 
-fn header(net: &Net, region: u32, offset: u64, len: u64) -> Vec<u8> {
-    net.held[0]
-        .headers
-        .encode(RegionId(region), offset, len)
-        .to_vec()
+fn header(net: &Net, region: u32, offset: u64, len: u64) -> DataWrite {
+    net.held[0].headers.frame(RegionId(region), offset, len)
 }
 
 #[test]
@@ -102,7 +99,6 @@ fn every_refusal_names_its_reason() {
     let mut net = one_held_batch();
     let now = net.now;
     let grant = net.held[0].headers.grant();
-    let encode = |w: DataWrite| Frame::DataWrite(w).to_vec().unwrap();
     let good = DataWrite {
         request: R,
         grant,
@@ -111,67 +107,60 @@ fn every_refusal_names_its_reason() {
         len: BLOCK_BYTES,
     };
     type Expect = fn(&WriteRefusal) -> bool;
-    let cases: Vec<(Vec<u8>, Expect)> = vec![
-        (b"not a frame at all".to_vec(), |r| {
-            matches!(r, WriteRefusal::Malformed)
-        }),
+    // (A header that does not decode never reaches admission: the stream reader refuses it as
+    // bytes that are no frame; `kvpipe_core::stream`'s tests.)
+    let cases: Vec<(DataWrite, Expect)> = vec![
         (
-            Frame::Heartbeat(kvpipe_core::wire::Heartbeat { seq: 1 })
-                .to_vec()
-                .unwrap(),
-            |r| matches!(r, WriteRefusal::Malformed),
-        ),
-        (
-            encode(DataWrite {
+            DataWrite {
                 request: RequestId(77),
                 ..good
-            }),
+            },
             |r| matches!(r, WriteRefusal::UnknownRequest(_)),
         ),
         (
-            encode(DataWrite {
+            DataWrite {
                 grant: GrantId(grant.0 ^ 1),
                 ..good
-            }),
+            },
             |r| matches!(r, WriteRefusal::WrongGrant { .. }),
         ),
         (
-            encode(DataWrite {
+            DataWrite {
                 offset: 504 * BLOCK_BYTES,
                 ..good
-            }),
+            },
             |r| matches!(r, WriteRefusal::OutsideGrant { .. }),
         ),
         (
-            encode(DataWrite {
+            DataWrite {
                 region: RegionId(9),
                 ..good
-            }),
+            },
             |r| matches!(r, WriteRefusal::OutsideGrant { .. }),
         ),
         (
-            encode(DataWrite {
+            DataWrite {
                 offset: u64::MAX - 4,
                 len: 8,
                 ..good
-            }),
+            },
             |r| matches!(r, WriteRefusal::OutsideGrant { .. }),
         ),
     ];
-    for (bytes, expected) in cases {
+    for (write, expected) in cases {
         // A fresh receiver for each case: a refusal closes the peer.
         let mut net = one_held_batch();
-        let admission = net.receivers[0].admit_write(now, tx_peer(0), &bytes);
+        let admission = net.receivers[0].admit_write(now, tx_peer(0), &write);
         match admission {
             Admission::Refuse(reason) => assert!(expected(&reason), "{reason:?}"),
-            other => panic!("{other:?} for {bytes:?}"),
+            other => panic!("{other:?} for {write}"),
         }
         assert_eq!(net.receivers[0].counters().writes_refused, 1);
         assert_eq!(net.receivers[0].writes_in_flight(), 0);
     }
     // A peer the receiver never connected: a driver bug, still never applied.
     assert!(matches!(
-        net.receivers[0].admit_write(now, tx_peer(7), &encode(good)),
+        net.receivers[0].admit_write(now, tx_peer(7), &good),
         Admission::Refuse(_)
     ));
 }

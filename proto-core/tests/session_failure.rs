@@ -362,7 +362,7 @@ fn refused_write_fails_both_sides_as_a_grant_violation() {
     let held = net.held[0].clone();
     let header = held
         .headers
-        .encode(kvpipe_core::RegionId(2), 600 * BLOCK_BYTES, BLOCK_BYTES);
+        .frame(kvpipe_core::RegionId(2), 600 * BLOCK_BYTES, BLOCK_BYTES);
     let now = net.now;
     let admission = net.receivers[0].admit_write(now, tx_peer(0), &header);
     assert!(

@@ -400,7 +400,7 @@ fn a_duplicated_write_plus_an_omission_of_the_same_size_does_not_complete() {
     ];
     let mut admissions = Vec::new();
     for (offset, len) in pieces {
-        let header = held.headers.encode(region, offset, len);
+        let header = held.headers.frame(region, offset, len);
         let admission = net.receivers[0].admit_write(now, tx_peer(0), &header);
         if let kvpipe_core::session::Admission::Apply { ticket, .. } = admission {
             net.receivers[0]

@@ -356,7 +356,7 @@ impl Network {
         let grant_ok = stage.hosts.receiver.grant(b.request) == Some(b.grant);
         let mut stray: Vec<Option<RequestId>> = Vec::new();
         for e in &b.plan.extents()[..extents] {
-            let header = b.headers.encode(e.dst_region, e.dst_offset, e.len);
+            let header = b.headers.frame(e.dst_region, e.dst_offset, e.len);
             let ticket = match stage
                 .hosts
                 .receiver

@@ -1,4 +1,4 @@
-//! The driver: the one place that feeds the core's [`Sender`] / [`Receiver`] from the fabric
+//! The verbs node: the one place that feeds the core's [`Sender`] / [`Receiver`] from the fabric
 //! and carries out what they ask. Everything verbs-specific is in the [`Fabric`] below it;
 //! this module maps its events onto the endpoints' inputs and their outputs onto fabric calls:
 //!
@@ -15,36 +15,28 @@
 //! places those writes first; a peer is reported disconnected only after its queue pair is
 //! destroyed.
 //!
-//! The completion poller never waits for the engine: fabric events go to an inbox, applied at
-//! once if the node's lock is free, else by whoever takes the lock next — every taker applies
-//! the inbox first (the engine's guard also when it is released), so a frame that arrived while
-//! the engine held its endpoint is seen before any deadline is checked. The poller retries
-//! the lock on every round while the inbox is not empty.
+//! The lock, the draining, the timer, the events and the engine's commands are
+//! [`kvpipe_driver`]'s. The completion poller never waits for the engine: fabric events are
+//! posted to the driver's inbox ([`Driver::post`]), applied at once if the node's lock is free,
+//! else by whoever takes the lock next, so a frame that arrived while the engine held its
+//! endpoint is seen before any deadline is checked. The poller retries the lock on every round
+//! while the inbox is not empty.
 
-use std::collections::{HashMap, VecDeque};
 use std::io;
 use std::net::{SocketAddr, ToSocketAddrs};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
-use std::thread::{self, JoinHandle};
+use std::thread::JoinHandle;
 use std::time::Duration as StdDuration;
 
-use kvpipe_core::session::{
-    CloseReason, Counters, DataPath, Registration, SendRequest, TransportInput, UsageError,
-    WriteBatchId,
-};
-use kvpipe_core::wire::{AuxData, TransferStatus};
+use bytes::Bytes;
+use kvpipe_core::session::{CloseReason, DataPath, DataWriteHeaders, TransportInput, WriteBatchId};
 use kvpipe_core::Endpoint as CoreEndpoint;
-use kvpipe_core::{
-    BlockSource, ChunkSpec, Event, Instant, LayerRange, Output, PeerId, Receiver, ReceiverConfig,
-    ReceiverSliceId, RequestId, Sender, SenderConfig, Submitted,
-};
-use kvpipe_observe::Observer;
-use parking_lot::{Condvar, Mutex, MutexGuard};
+use kvpipe_core::{PeerId, Receiver, ReceiverConfig, Sender, SenderConfig, WritePlan};
+use kvpipe_driver::{Arrival, Driven, Driver, Io, Posted, WallInstant};
 
 use crate::device::VerbsDevice;
 use crate::fabric::{
-    Fabric, FabricConfig, FabricEvent, FabricHandler, LinkId, Posted, WriteFailure,
+    Fabric, FabricConfig, FabricEvent, FabricHandler, LinkId, Posted as FabricPosted, WriteFailure,
 };
 use crate::memory::MemoryTable;
 
@@ -64,225 +56,85 @@ pub struct VerbsConfig {
     pub origin: Option<std::time::Instant>,
 }
 
-/// Write batches whose timings are kept (the most recent ones).
-const MAX_TIMINGS: usize = 1 << 16;
-
-/// Everything behind the node's lock.
-pub(crate) struct State<E> {
-    endpoint: E,
-    events: VecDeque<(Instant, Event)>,
-    /// Batches posted and not reported: peer, bytes, issue time.
-    in_flight: HashMap<WriteBatchId, (PeerId, u64, Instant)>,
-    /// (bytes, issued, reported) of recent batches.
-    timings: VecDeque<(u64, Instant, Instant)>,
-    /// Spans, events and metrics of what the endpoint did.
-    observer: Observer,
-}
-
-impl<E: Endpoint> State<E> {
-    /// Hands a transport input to the endpoint (and to the observer first). A usage error
-    /// would be a driver bug; the endpoint changed nothing then.
-    fn feed(&mut self, now: Instant, input: TransportInput) {
-        self.observer.input(now, &input);
-        let _ = self.endpoint.handle_transport(now, input);
-    }
-}
-
-pub(crate) struct Shared<E> {
-    state: Arc<Mutex<State<E>>>,
-    /// Fabric events not applied yet, in order.
-    inbox: std::sync::Mutex<VecDeque<FabricEvent>>,
-    inbox_len: AtomicUsize,
-    events_cv: Condvar,
-    timer_cv: Condvar,
-    stop: AtomicBool,
-    origin: std::time::Instant,
-    fabric: OnceLock<Fabric>,
-}
-
 fn link(peer: PeerId) -> LinkId {
     LinkId(peer.0)
 }
 
-impl<E: Endpoint> Shared<E> {
-    fn now(&self) -> Instant {
-        Instant::from_nanos(u64::try_from(self.origin.elapsed().as_nanos()).unwrap_or(u64::MAX))
-    }
+/// The verbs side of a node, behind the driver's lock: the endpoint's outputs as fabric calls.
+pub struct VerbsIo {
+    fabric: Arc<OnceLock<Fabric>>,
+}
 
-    /// Takes the node's lock and applies the inbox.
-    fn lock(&self) -> MutexGuard<'_, State<E>> {
-        let mut st = self.state.lock();
-        self.settle(&mut st);
-        st
-    }
-
-    /// Applies every fabric event in the inbox (the caller holds the lock), then carries out
-    /// what the core asked.
-    fn settle(&self, st: &mut State<E>) {
-        if self.inbox_len.load(Ordering::Acquire) == 0 {
-            return;
+impl Io for VerbsIo {
+    fn transmit(&mut self, peer: PeerId, bytes: Bytes) {
+        if let Some(fabric) = self.fabric.get() {
+            // A link that is down reports its disconnect; nothing to do here.
+            let _ = fabric.send(link(peer), bytes.to_vec());
         }
-        let now = self.now();
-        loop {
-            let batch: Vec<FabricEvent> = {
-                let mut inbox = self.inbox.lock().unwrap_or_else(|e| e.into_inner());
-                self.inbox_len.store(0, Ordering::Release);
-                inbox.drain(..).collect()
-            };
-            if batch.is_empty() {
-                break;
-            }
-            for event in batch {
-                self.apply(st, now, event);
-            }
-        }
-        self.drain(st, now);
     }
 
-    /// Carries out every pending output of the core.
-    fn drain(&self, st: &mut State<E>, now: Instant) {
+    fn post_writes(
+        &mut self,
+        peer: PeerId,
+        batch: WriteBatchId,
+        plan: &WritePlan,
+        _headers: &DataWriteHeaders,
+    ) -> Posted {
         let Some(fabric) = self.fabric.get() else {
-            return;
+            return Posted::NoPeer;
         };
-        loop {
-            let mut reports: Vec<(WriteBatchId, TransferStatus)> = Vec::new();
-            while let Some(out) = st.endpoint.poll_output() {
-                st.observer.output(now, &out);
-                match out {
-                    Output::Transmit { peer, bytes, .. } => {
-                        // A link that is down reports its disconnect; nothing to do here.
-                        let _ = fabric.send(link(peer), bytes.to_vec());
-                    }
-                    Output::ExecuteWrites {
-                        peer, batch, plan, ..
-                    } => match fabric.post_writes(link(peer), batch.0, plan.extents()) {
-                        Ok(Posted::Queued) => {
-                            st.in_flight.insert(batch, (peer, plan.total_bytes(), now));
-                        }
-                        Ok(Posted::Done) => reports.push((batch, TransferStatus::Success)),
-                        Err(WriteFailure::LinkDown(_)) => {}
-                        Err(_) => reports.push((batch, TransferStatus::WriteFailed)),
-                    },
-                    Output::ClosePeer { peer, reason } => {
-                        // After a refused handshake the peer should still read why.
-                        let graceful = matches!(
-                            reason,
-                            CloseReason::HandshakeRejected
-                                | CloseReason::RejectedByPeer
-                                | CloseReason::ProtocolViolation
-                        );
-                        fabric.close(link(peer), graceful);
-                    }
-                    Output::Event(event) => {
-                        st.events.push_back((now, event));
-                        self.events_cv.notify_all();
-                    }
-                }
-            }
-            if reports.is_empty() {
-                break;
-            }
-            for (batch, status) in reports {
-                report_writes(st, now, batch, status);
-            }
+        match fabric.post_writes(link(peer), batch.0, plan.extents()) {
+            Ok(FabricPosted::Queued) => Posted::Queued {
+                partly_refused: false,
+                done: false,
+            },
+            Ok(FabricPosted::Done) => Posted::Empty,
+            Err(WriteFailure::LinkDown(_)) => Posted::NoPeer,
+            Err(_) => Posted::Refused,
         }
-        st.observer.counters(&st.endpoint);
-        self.timer_cv.notify_all();
+    }
+
+    fn close_peer(&mut self, peer: PeerId, reason: CloseReason) -> Option<WallInstant> {
+        // After a refused handshake the peer should still read why.
+        let graceful = matches!(
+            reason,
+            CloseReason::HandshakeRejected
+                | CloseReason::RejectedByPeer
+                | CloseReason::ProtocolViolation
+        );
+        if let Some(fabric) = self.fabric.get() {
+            fabric.close(link(peer), graceful);
+        }
+        None
     }
 }
 
-impl<E: Endpoint> FabricHandler for Shared<E> {
+/// The fabric's events, as the driver's arrivals.
+struct Handler<E: Endpoint>(Arc<Driver<E, VerbsIo>>);
+
+impl<E: Endpoint> FabricHandler for Handler<E> {
     fn handle(&self, event: FabricEvent) {
-        {
-            let mut inbox = self.inbox.lock().unwrap_or_else(|e| e.into_inner());
-            inbox.push_back(event);
-            self.inbox_len.store(inbox.len(), Ordering::Release);
-        }
-        self.idle();
+        let arrival = match event {
+            FabricEvent::Connected { link } => Arrival::Input(TransportInput::PeerConnected {
+                peer: PeerId(link.0),
+            }),
+            // The core decodes it at the negotiated version; bytes that are no frame fail the
+            // peer's sessions and close it.
+            FabricEvent::Message { link, bytes } => Arrival::Input(TransportInput::FrameReceived {
+                peer: PeerId(link.0),
+                bytes: bytes.into(),
+            }),
+            FabricEvent::WritesDone { token, result, .. } => Arrival::BatchDone {
+                batch: WriteBatchId(token),
+                ok: result.is_ok(),
+            },
+            FabricEvent::Disconnected { link, .. } => Arrival::PeerGone(PeerId(link.0)),
+        };
+        self.0.post(arrival);
     }
 
     fn idle(&self) {
-        if self.inbox_len.load(Ordering::Acquire) > 0 {
-            if let Some(mut st) = self.state.try_lock() {
-                self.settle(&mut st);
-            }
-        }
-    }
-}
-
-impl<E: Endpoint> Shared<E> {
-    /// Feeds one fabric event to the core (outputs are carried out by the caller's drain).
-    fn apply(&self, st: &mut State<E>, now: Instant, event: FabricEvent) {
-        match event {
-            FabricEvent::Connected { link } => {
-                let peer = PeerId(link.0);
-                st.feed(now, TransportInput::PeerConnected { peer });
-            }
-            FabricEvent::Message { link, bytes } => {
-                // The core decodes it at the negotiated version; bytes that are no frame fail
-                // the peer's sessions and close it.
-                let input = TransportInput::FrameReceived {
-                    peer: PeerId(link.0),
-                    bytes: bytes.into(),
-                };
-                st.feed(now, input);
-            }
-            FabricEvent::WritesDone { token, result, .. } => {
-                let batch = WriteBatchId(token);
-                if let Some((_, bytes, issued)) = st.in_flight.remove(&batch) {
-                    if st.timings.len() >= MAX_TIMINGS {
-                        st.timings.pop_front();
-                    }
-                    st.timings.push_back((bytes, issued, now));
-                }
-                let status = match result {
-                    Ok(()) => TransferStatus::Success,
-                    Err(_) => TransferStatus::WriteFailed,
-                };
-                report_writes(st, now, batch, status);
-            }
-            FabricEvent::Disconnected { link, .. } => {
-                let peer = PeerId(link.0);
-                st.in_flight.retain(|_, (p, _, _)| *p != peer);
-                st.feed(now, TransportInput::PeerDisconnected { peer });
-            }
-        }
-    }
-}
-
-/// Reports a write batch's outcome to the endpoint (a receiver takes none: ignored).
-fn report_writes<E: Endpoint>(
-    st: &mut State<E>,
-    now: Instant,
-    batch: WriteBatchId,
-    status: TransferStatus,
-) {
-    let input = if status == TransferStatus::Success {
-        TransportInput::WritesCompleted { batch }
-    } else {
-        TransportInput::WritesFailed { batch, status }
-    };
-    st.feed(now, input);
-}
-
-fn timer_loop<E: Endpoint>(shared: &Shared<E>) {
-    let mut st = shared.lock();
-    while !shared.stop.load(Ordering::Acquire) {
-        // What arrived while others held the lock counts before any deadline does.
-        shared.settle(&mut st);
-        let now = shared.now();
-        let next = st.endpoint.poll_timeout();
-        if next.is_some_and(|at| at <= now) {
-            st.feed(now, TransportInput::Timeout);
-            shared.drain(&mut st, now);
-            continue;
-        }
-        let wait = next.map_or(StdDuration::from_millis(500), |at| {
-            StdDuration::from(at - now).min(StdDuration::from_millis(500))
-        });
-        shared
-            .timer_cv
-            .wait_for(&mut st, wait.max(StdDuration::from_micros(100)));
+        self.0.try_settle();
     }
 }
 
@@ -291,12 +143,13 @@ fn timer_loop<E: Endpoint>(shared: &Shared<E>) {
 ///
 /// Make one with [`VerbsNode::sender`] / [`VerbsNode::receiver`] over an opened device and
 /// the node's registered memory, then [`listen`](Self::listen) and/or
-/// [`connect`](Self::connect); every link is a peer. Engine commands go through the named
-/// methods or the [`endpoint`](Self::endpoint) guard; events come from
-/// [`next_event`](Self::next_event).
+/// [`connect`](Self::connect); every link is a peer. Engine commands, events and counters are
+/// the driver's ([`Driver`], which the node dereferences to: `submit_chunk`, `register`,
+/// `next_event`, ...) or go through the [`endpoint`](Self::endpoint) guard.
 #[allow(private_bounds)]
 pub struct VerbsNode<E: Endpoint> {
-    shared: Arc<Shared<E>>,
+    driver: Arc<Driver<E, VerbsIo>>,
+    fabric: Arc<OnceLock<Fabric>>,
     timer: Option<JoinHandle<()>>,
 }
 
@@ -307,6 +160,9 @@ pub type VerbsSender = VerbsNode<Sender>;
 /// [`Exposure::RemoteWrite`](crate::Exposure::RemoteWrite).
 pub type VerbsReceiver = VerbsNode<Receiver>;
 
+/// Exclusive access to a verbs node's core endpoint (see [`kvpipe_driver::EndpointGuard`]).
+pub type EndpointGuard<E> = kvpipe_driver::EndpointGuard<E, VerbsIo>;
+
 #[allow(private_bounds)]
 impl<E: Endpoint> VerbsNode<E> {
     fn start(
@@ -315,39 +171,30 @@ impl<E: Endpoint> VerbsNode<E> {
         memory: MemoryTable,
         config: VerbsConfig,
     ) -> io::Result<Self> {
-        let shared = Arc::new(Shared {
-            inbox: std::sync::Mutex::new(VecDeque::new()),
-            inbox_len: AtomicUsize::new(0),
-            state: Arc::new(Mutex::new(State {
-                observer: Observer::new(endpoint.role(), "verbs"),
-                endpoint,
-                events: VecDeque::new(),
-                in_flight: HashMap::new(),
-                timings: VecDeque::new(),
-            })),
-            events_cv: Condvar::new(),
-            timer_cv: Condvar::new(),
-            stop: AtomicBool::new(false),
-            origin: config.origin.unwrap_or_else(std::time::Instant::now),
-            fabric: OnceLock::new(),
-        });
-        let fabric = Fabric::new(device, memory, config.fabric, shared.clone())?;
-        let _ = shared.fabric.set(fabric);
-        let timer = {
-            let shared = shared.clone();
-            thread::Builder::new()
-                .name("kvpipe-verbs-timer".into())
-                .spawn(move || timer_loop(&shared))?
+        let fabric = Arc::new(OnceLock::new());
+        let io = VerbsIo {
+            fabric: fabric.clone(),
         };
+        let origin = config.origin.unwrap_or_else(std::time::Instant::now);
+        let driver = Driver::new(endpoint, io, "verbs", origin);
+        let made = Fabric::new(
+            device,
+            memory,
+            config.fabric,
+            Arc::new(Handler(driver.clone())),
+        )?;
+        let _ = fabric.set(made);
+        let timer = driver.spawn_timer("kvpipe-verbs-timer")?;
         Ok(VerbsNode {
-            shared,
+            driver,
+            fabric,
             timer: Some(timer),
         })
     }
 
     /// The fabric under the node (links, device, failure injection for tests).
     pub fn fabric(&self) -> &Fabric {
-        self.shared.fabric.get().expect("set at start")
+        self.fabric.get().expect("set at start")
     }
 
     /// Accepts connections on `addr`; each becomes a peer.
@@ -364,54 +211,7 @@ impl<E: Endpoint> VerbsNode<E> {
 
     /// Exclusive access to the core endpoint; outputs are carried out when the guard drops.
     pub fn endpoint(&self) -> EndpointGuard<E> {
-        let mut guard = self.shared.state.lock_arc();
-        self.shared.settle(&mut guard);
-        EndpointGuard {
-            guard: Some(guard),
-            shared: self.shared.clone(),
-        }
-    }
-
-    fn with<R>(&self, f: impl FnOnce(&mut E, Instant) -> R) -> R {
-        let mut st = self.shared.lock();
-        let now = self.shared.now();
-        let r = f(&mut st.endpoint, now);
-        self.shared.drain(&mut st, now);
-        r
-    }
-
-    /// The node's current time.
-    pub fn now(&self) -> Instant {
-        self.shared.now()
-    }
-
-    /// The next event, waiting up to `timeout`.
-    pub fn next_event(&self, timeout: StdDuration) -> Option<Event> {
-        self.next_event_at(timeout).map(|(_, e)| e)
-    }
-
-    /// The next event and the time it was reported at, waiting up to `timeout`.
-    pub fn next_event_at(&self, timeout: StdDuration) -> Option<(Instant, Event)> {
-        let deadline = crate::link::later(std::time::Instant::now(), timeout);
-        let mut st = self.shared.lock();
-        loop {
-            if let Some(e) = st.events.pop_front() {
-                return Some(e);
-            }
-            if self
-                .shared
-                .events_cv
-                .wait_until(&mut st, deadline)
-                .timed_out()
-            {
-                return st.events.pop_front();
-            }
-        }
-    }
-
-    /// Every queued event with its time, without waiting.
-    pub fn take_events(&self) -> Vec<(Instant, Event)> {
-        self.shared.lock().events.drain(..).collect()
+        self.driver.guard()
     }
 
     /// The peers whose links are up or closing.
@@ -421,16 +221,6 @@ impl<E: Endpoint> VerbsNode<E> {
             .into_iter()
             .map(|l| PeerId(l.0))
             .collect()
-    }
-
-    /// Write batches posted and not reported yet.
-    pub fn writes_in_flight(&self) -> usize {
-        self.shared.lock().in_flight.len()
-    }
-
-    /// `(bytes, issued, reported)` of recent write batches, in report order.
-    pub fn batch_timings(&self) -> Vec<(u64, Instant, Instant)> {
-        self.shared.lock().timings.iter().copied().collect()
     }
 
     /// Closes every link, gracefully within `within` (queued frames and writes are sent and
@@ -448,11 +238,27 @@ impl<E: Endpoint> VerbsNode<E> {
 
     fn stop(&mut self) {
         self.fabric().shutdown();
-        self.shared.stop.store(true, Ordering::Release);
-        self.shared.timer_cv.notify_all();
+        self.driver.stop();
         if let Some(t) = self.timer.take() {
             let _ = t.join();
         }
+    }
+}
+
+#[allow(private_bounds)]
+impl<E: Endpoint> std::ops::Deref for VerbsNode<E> {
+    type Target = Driver<E, VerbsIo>;
+    fn deref(&self) -> &Driver<E, VerbsIo> {
+        &self.driver
+    }
+}
+
+#[allow(private_bounds)]
+impl<E: Endpoint> Driven for VerbsNode<E> {
+    type Endpoint = E;
+    type Io = VerbsIo;
+    fn driver(&self) -> &Arc<Driver<E, VerbsIo>> {
+        &self.driver
     }
 }
 
@@ -474,69 +280,6 @@ impl VerbsNode<Sender> {
         let sender = Sender::new(config).map_err(io::Error::other)?;
         Self::start(sender, device, memory, verbs)
     }
-
-    /// Opens a request (see [`Sender::open_request`]).
-    pub fn open_request(&self, req: SendRequest) -> Result<(), UsageError> {
-        self.with(|ep, now| ep.open_request(now, req))
-    }
-
-    /// Submits a computed chunk (see [`Sender::submit_chunk`]).
-    pub fn submit_chunk(
-        &self,
-        request: RequestId,
-        spec: ChunkSpec,
-        source: &mut impl BlockSource,
-    ) -> Result<Submitted, UsageError> {
-        // The engine's block source runs with the driver unlocked (see kvpipe-tcp's).
-        let query = self.with(|ep, _| ep.chunk_query(request, &spec))?;
-        let runs = query.ask(source)?;
-        self.with(|ep, now| ep.submit_chunk_runs(now, request, spec, runs))
-    }
-
-    /// Submits layers `layers` of a computed chunk, as the engine finishes them (see
-    /// [`Sender::submit_chunk_layers`]). Only a chunk's first range asks `source` for blocks,
-    /// with the driver unlocked as [`submit_chunk`](Self::submit_chunk) does.
-    pub fn submit_chunk_layers(
-        &self,
-        request: RequestId,
-        spec: ChunkSpec,
-        layers: LayerRange,
-        source: &mut impl BlockSource,
-    ) -> Result<Submitted, UsageError> {
-        let query = self.with(|ep, _| ep.chunk_layers_query(request, &spec, layers))?;
-        let runs = query.ask(source)?;
-        self.with(|ep, now| ep.submit_chunk_layers_runs(now, request, spec, layers, runs))
-    }
-
-    /// Submits the request's aux data.
-    pub fn submit_aux(&self, request: RequestId, data: AuxData) -> Result<(), UsageError> {
-        self.with(|ep, now| ep.submit_aux(now, request, data))
-    }
-
-    /// Cancels a request.
-    pub fn cancel(&self, request: RequestId) -> Result<(), UsageError> {
-        self.with(|ep, now| ep.cancel(now, request))
-    }
-
-    /// Retires a request after its `Quiesced` event.
-    pub fn retire(&self, request: RequestId) -> Result<(), UsageError> {
-        self.with(|ep, now| ep.retire(now, request))
-    }
-
-    /// The core's counters.
-    pub fn counters(&self) -> Counters {
-        *self.shared.lock().endpoint.counters()
-    }
-
-    /// Whether the handshake with `peer` completed.
-    pub fn is_peer_ready(&self, peer: PeerId) -> bool {
-        self.shared.lock().endpoint.is_peer_ready(peer)
-    }
-
-    /// Sessions the core still holds.
-    pub fn session_count(&self) -> usize {
-        self.shared.lock().endpoint.session_count()
-    }
 }
 
 impl VerbsNode<Receiver> {
@@ -552,90 +295,5 @@ impl VerbsNode<Receiver> {
         config.data_path = DataPath::Ordered;
         let receiver = Receiver::new(config).map_err(io::Error::other)?;
         Self::start(receiver, device, memory, verbs)
-    }
-
-    /// Registers a request's destination blocks (see [`Receiver::register`]).
-    pub fn register(&self, reg: Registration) -> Result<ReceiverSliceId, UsageError> {
-        self.with(|ep, now| ep.register(now, reg))
-    }
-
-    /// Cancels a request.
-    pub fn cancel(&self, request: RequestId) -> Result<(), UsageError> {
-        self.with(|ep, now| ep.cancel(now, request))
-    }
-
-    /// Retires a request after its `Quiesced` event.
-    pub fn retire(&self, request: RequestId) -> Result<(), UsageError> {
-        self.with(|ep, now| ep.retire(now, request))
-    }
-
-    /// The core's counters.
-    pub fn counters(&self) -> Counters {
-        *self.shared.lock().endpoint.counters()
-    }
-
-    /// Whether the handshake with `peer` completed.
-    pub fn is_peer_ready(&self, peer: PeerId) -> bool {
-        self.shared.lock().endpoint.is_peer_ready(peer)
-    }
-
-    /// Sessions the core still holds.
-    pub fn session_count(&self) -> usize {
-        self.shared.lock().endpoint.session_count()
-    }
-}
-
-/// Exclusive access to a node's core endpoint, for engine commands the node does not wrap.
-/// While it lives the node's threads wait; when it drops, every output the commands produced
-/// is carried out.
-#[allow(private_bounds)]
-pub struct EndpointGuard<E: Endpoint> {
-    guard: Option<parking_lot::ArcMutexGuard<parking_lot::RawMutex, State<E>>>,
-    shared: Arc<Shared<E>>,
-}
-
-#[allow(private_bounds)]
-impl<E: Endpoint> EndpointGuard<E> {
-    /// The node's current time.
-    pub fn now(&self) -> Instant {
-        self.shared.now()
-    }
-
-    /// Write batches posted and not reported yet.
-    pub fn writes_in_flight(&self) -> usize {
-        self.guard.as_ref().map_or(0, |st| st.in_flight.len())
-    }
-
-    /// `(bytes, issued, reported)` of recent write batches, in report order.
-    pub fn batch_timings(&self) -> Vec<(u64, Instant, Instant)> {
-        self.guard
-            .as_ref()
-            .map_or_else(Vec::new, |st| st.timings.iter().copied().collect())
-    }
-}
-
-#[allow(private_bounds)]
-impl<E: Endpoint> std::ops::Deref for EndpointGuard<E> {
-    type Target = E;
-    fn deref(&self) -> &E {
-        &self.guard.as_ref().expect("held until drop").endpoint
-    }
-}
-
-#[allow(private_bounds)]
-impl<E: Endpoint> std::ops::DerefMut for EndpointGuard<E> {
-    fn deref_mut(&mut self) -> &mut E {
-        &mut self.guard.as_mut().expect("held until drop").endpoint
-    }
-}
-
-#[allow(private_bounds)]
-impl<E: Endpoint> Drop for EndpointGuard<E> {
-    fn drop(&mut self) {
-        if let Some(mut st) = self.guard.take() {
-            self.shared.settle(&mut st);
-            let now = self.shared.now();
-            self.shared.drain(&mut st, now);
-        }
     }
 }

@@ -93,11 +93,12 @@ pub mod writes;
 
 pub use bootstrap::{ConnectInfo, RegionDescriptor};
 pub use device::{device_names, DeviceError, DeviceSpec, VerbsDevice};
-pub use driver::{EndpointGuard, VerbsConfig, VerbsNode, VerbsReceiver, VerbsSender};
+pub use driver::{EndpointGuard, VerbsConfig, VerbsIo, VerbsNode, VerbsReceiver, VerbsSender};
 pub use fabric::{
     Fabric, FabricConfig, FabricEvent, FabricHandler, LinkFailure, LinkId, Posted, WriteFailure,
 };
 pub use idle::IdlePolicy;
+pub use kvpipe_driver::{Driven, Driver};
 #[cfg(feature = "cuda")]
 pub use memory::{export_device_memory, ExportedDeviceMemory};
 pub use memory::{Dmabuf, Exposure, MemoryTable, RegisterError};

@@ -898,7 +898,7 @@ impl MemNetwork {
         let mut tickets = Vec::with_capacity(plan.len());
         let mut keep = Vec::with_capacity(plan.len());
         for e in plan.extents() {
-            let header = headers.encode(e.dst_region, e.dst_offset, e.len);
+            let header = headers.frame(e.dst_region, e.dst_offset, e.len);
             match self.receivers[r].admit_write(now, sender_peer(s), &header) {
                 Admission::Apply { ticket, .. } => {
                     tickets.push(ticket);

@@ -3,21 +3,19 @@
 
 use std::io;
 use std::net::{SocketAddr, ToSocketAddrs};
+use std::sync::Arc;
 use std::time::Duration;
 
-use kvpipe_core::session::{Counters, Registration, SendRequest, UsageError};
-use kvpipe_core::wire::AuxData;
 use kvpipe_core::{
-    BlockSource, ChunkSpec, ConfigError, DataPath, Endpoint, Event, Instant, LayerRange, PeerId,
-    Receiver, ReceiverConfig, ReceiverSliceId, RequestId, Sender, SenderConfig, Submitted,
+    ConfigError, DataPath, Endpoint, PeerId, Receiver, ReceiverConfig, Sender, SenderConfig,
 };
+use kvpipe_driver::{Driven, Driver};
 
 use crate::blocking::Threads;
 use crate::config::TcpConfig;
 use crate::memory::RegionTable;
-use crate::node::guard::EndpointGuard;
 use crate::node::lifecycle::{CloseError, Node};
-use crate::node::Spawn;
+use crate::node::{Spawn, TcpIo};
 use crate::stats::TcpStats;
 
 /// A core endpoint driven over TCP with std threads: a [`TcpSender`] or a [`TcpReceiver`].
@@ -44,6 +42,26 @@ pub type TcpSender = TcpNode<Sender>;
 /// is read into memory.
 pub type TcpReceiver = TcpNode<Receiver>;
 
+/// Exclusive access to a TCP node's core endpoint (see [`kvpipe_driver::EndpointGuard`]).
+pub type EndpointGuard<E> = kvpipe_driver::EndpointGuard<E, TcpIo>;
+
+/// The engine's commands, events and counters are the driver's: `submit_chunk`, `register`,
+/// `cancel`, `retire`, `next_event`, `counters`, ... (see [`Driver`]).
+impl<E: Endpoint + Send + 'static> std::ops::Deref for TcpNode<E> {
+    type Target = Driver<E, TcpIo>;
+    fn deref(&self) -> &Driver<E, TcpIo> {
+        &self.node.shared.driver
+    }
+}
+
+impl<E: Endpoint + Send + 'static> Driven for TcpNode<E> {
+    type Endpoint = E;
+    type Io = TcpIo;
+    fn driver(&self) -> &Arc<Driver<E, TcpIo>> {
+        &self.node.shared.driver
+    }
+}
+
 impl<E: Endpoint + Send + 'static> TcpNode<E> {
     #[cfg(feature = "tokio")]
     pub(crate) fn node(&self) -> &Node<E> {
@@ -62,29 +80,9 @@ impl<E: Endpoint + Send + 'static> TcpNode<E> {
         self.node.connect(addr)
     }
 
-    /// The next event, waiting up to `timeout`.
-    pub fn next_event(&self, timeout: Duration) -> Option<Event> {
-        self.node.next_event(timeout).map(|(_, e)| e)
-    }
-
-    /// The next event and the node time it was reported at, waiting up to `timeout`.
-    pub fn next_event_at(&self, timeout: Duration) -> Option<(Instant, Event)> {
-        self.node.next_event(timeout)
-    }
-
-    /// Every queued event with its time, without waiting.
-    pub fn take_events(&self) -> Vec<(Instant, Event)> {
-        self.node.take_events()
-    }
-
     /// Exclusive access to the core endpoint; outputs are carried out when the guard drops.
     pub fn endpoint(&self) -> EndpointGuard<E> {
-        EndpointGuard::new(&self.node.shared)
-    }
-
-    /// The node's current time.
-    pub fn now(&self) -> Instant {
-        self.node.shared.now()
+        self.node.shared.driver.guard()
     }
 
     /// The peers now (assembling their connections, handshaking, ready or closing).
@@ -92,29 +90,9 @@ impl<E: Endpoint + Send + 'static> TcpNode<E> {
         self.node.peers()
     }
 
-    /// Write batches handed to connections and not written out yet.
-    pub fn writes_in_flight(&self) -> usize {
-        self.node.writes_in_flight()
-    }
-
-    /// Whether the handshake with `peer` completed.
-    pub fn is_peer_ready(&self, peer: PeerId) -> bool {
-        self.node.shared.state.lock().endpoint.is_peer_ready(peer)
-    }
-
-    /// The core's counters.
-    pub fn counters(&self) -> Counters {
-        *self.node.shared.state.lock().endpoint.counters()
-    }
-
     /// The transport's counters.
     pub fn stats(&self) -> TcpStats {
         self.node.shared.stats.snapshot()
-    }
-
-    /// Sessions the core still holds.
-    pub fn session_count(&self) -> usize {
-        self.node.shared.state.lock().endpoint.session_count()
     }
 
     /// Closes every connection at once and stops the node's threads: frames and data still
@@ -153,73 +131,6 @@ impl TcpNode<Sender> {
             node: Node::new(Sender::new(config)?, tcp, regions, spawn),
         })
     }
-
-    /// Opens a request (see [`Sender::open_request`]).
-    pub fn open_request(&self, req: SendRequest) -> Result<(), UsageError> {
-        self.node.shared.with(|ep, now| ep.open_request(now, req))
-    }
-
-    /// Submits a computed chunk (see [`Sender::submit_chunk`]).
-    pub fn submit_chunk(
-        &self,
-        request: RequestId,
-        spec: ChunkSpec,
-        source: &mut impl BlockSource,
-    ) -> Result<Submitted, UsageError> {
-        // The engine's block source runs with the node unlocked, so every connection's
-        // admissions and reports go on meanwhile; the sender checks the chunk again when the
-        // answers are applied.
-        let query = self
-            .node
-            .shared
-            .with(|ep, _| ep.chunk_query(request, &spec))?;
-        let runs = query.ask(source)?;
-        self.node
-            .shared
-            .with(|ep, now| ep.submit_chunk_runs(now, request, spec, runs))
-    }
-
-    /// Submits layers `layers` of a computed chunk, as the engine finishes them (see
-    /// [`Sender::submit_chunk_layers`]). Only a chunk's first range asks `source` for blocks,
-    /// with the node unlocked as [`submit_chunk`](Self::submit_chunk) does.
-    pub fn submit_chunk_layers(
-        &self,
-        request: RequestId,
-        spec: ChunkSpec,
-        layers: LayerRange,
-        source: &mut impl BlockSource,
-    ) -> Result<Submitted, UsageError> {
-        let query = self
-            .node
-            .shared
-            .with(|ep, _| ep.chunk_layers_query(request, &spec, layers))?;
-        let runs = query.ask(source)?;
-        self.node
-            .shared
-            .with(|ep, now| ep.submit_chunk_layers_runs(now, request, spec, layers, runs))
-    }
-
-    /// Submits the request's aux data.
-    pub fn submit_aux(&self, request: RequestId, data: AuxData) -> Result<(), UsageError> {
-        self.node
-            .shared
-            .with(|ep, now| ep.submit_aux(now, request, data))
-    }
-
-    /// Cancels a request.
-    pub fn cancel(&self, request: RequestId) -> Result<(), UsageError> {
-        self.node.shared.with(|ep, now| ep.cancel(now, request))
-    }
-
-    /// Retires a request after its `Quiesced` event.
-    pub fn retire(&self, request: RequestId) -> Result<(), UsageError> {
-        self.node.shared.with(|ep, now| ep.retire(now, request))
-    }
-
-    /// `(bytes, issued, written out)` of recent write batches, in completion order.
-    pub fn batch_timings(&self) -> Vec<(u64, Instant, Instant)> {
-        self.node.batch_timings()
-    }
 }
 
 impl TcpNode<Receiver> {
@@ -247,22 +158,5 @@ impl TcpNode<Receiver> {
         Ok(TcpNode {
             node: Node::new(Receiver::new(config)?, tcp, regions, spawn),
         })
-    }
-
-    /// Registers a request's destination: the core admits data writes of its writers into
-    /// exactly those blocks' bytes (see [`Receiver::register`]).
-    pub fn register(&self, reg: Registration) -> Result<ReceiverSliceId, UsageError> {
-        self.node.shared.with(|ep, now| ep.register(now, reg))
-    }
-
-    /// Cancels a request.
-    pub fn cancel(&self, request: RequestId) -> Result<(), UsageError> {
-        self.node.shared.with(|ep, now| ep.cancel(now, request))
-    }
-
-    /// Retires a request after its `Quiesced` event (the core still recognises and drops late
-    /// writes for it for a while).
-    pub fn retire(&self, request: RequestId) -> Result<(), UsageError> {
-        self.node.shared.with(|ep, now| ep.retire(now, request))
     }
 }

@@ -112,10 +112,12 @@ mod stats;
 pub mod tokio_driver;
 
 pub use config::{TcpConfig, TcpDataPath};
+pub use handles::EndpointGuard;
 pub use handles::{TcpNode, TcpReceiver, TcpSender};
+pub use kvpipe_driver::{Driven, Driver};
 #[cfg(feature = "cuda")]
 pub use memory::DeviceRegion;
 pub use memory::{MemoryRegion, OutOfBounds, RegionTable};
-pub use node::guard::EndpointGuard;
 pub use node::lifecycle::CloseError;
+pub use node::TcpIo;
 pub use stats::TcpStats;

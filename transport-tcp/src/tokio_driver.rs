@@ -196,7 +196,7 @@ impl<E: Endpoint + Send + 'static> TcpNode<E> {
 
     /// The next event, waiting up to `timeout` without blocking the runtime.
     pub async fn next_event(&self, timeout: Duration) -> Option<Event> {
-        let events = &self.inner.node().shared.events;
+        let events = self.inner.node().shared.driver.events();
         events.next_async(timeout).await.map(|(_, e)| e)
     }
 

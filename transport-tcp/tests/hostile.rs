@@ -75,6 +75,48 @@ fn bytes_that_are_no_frame_fail_the_writers_sessions_as_a_protocol_error() {
     assert_eq!(rx.stats().decode_errors, 1);
 }
 
+#[test]
+fn a_data_write_header_that_does_not_decode_is_judged_as_bytes_that_are_no_frame() {
+    use kvpipe_core::session::ProtocolError;
+    use kvpipe_core::wire::{DecodeError, FrameHeader, FrameKind, PROTOCOL_VERSION};
+    let (rx, mut raw) = registered_raw_writer();
+    // A DataWrite header declaring a 16-byte body (a DataWrite's is 36), the 16 bytes, and
+    // what would be its payload: the stream reader decodes the body before asking the core to
+    // admit anything, and hands the bytes to the core as a frame.
+    let mut bytes = FrameHeader::new(FrameKind::DataWrite, PROTOCOL_VERSION, 16)
+        .to_bytes()
+        .to_vec();
+    bytes.extend([0u8; 16 + 64]);
+    raw.stream.write_all(&bytes).unwrap();
+    let failed = wait_for(
+        |t| rx.next_event(t),
+        |e| matches!(e, Event::Failed { request, .. } if *request == REQ),
+        T,
+    );
+    let Ok((Event::Failed { cause, .. }, before)) = failed else {
+        panic!("{failed:?}")
+    };
+    assert_eq!(cause, TransferStatus::ProtocolError, "{before:?}");
+    assert!(
+        before.iter().any(|e| matches!(
+            e,
+            Event::ProtocolViolation {
+                error: ProtocolError::Undecodable {
+                    error: DecodeError::Malformed {
+                        kind: FrameKind::DataWrite,
+                        ..
+                    }
+                },
+                ..
+            }
+        )),
+        "{before:?}"
+    );
+    assert!(raw.closed_by_node());
+    assert_eq!(rx.stats().decode_errors, 1);
+    assert_eq!(rx.stats().writes_refused, 0, "never asked to admit");
+}
+
 /// A receiver with `tcp`'s caps and preamble timeout.
 fn receiver_with(tcp: kvpipe_tcp::TcpConfig) -> (TcpReceiver, std::net::SocketAddr) {
     let config = receiver_config(2);

@@ -24,7 +24,8 @@
 use kvpipe_core::RegionId;
 use kvpipe_cuda::{Device, DeviceBuffer};
 
-use super::{CacheError, ReferenceCache};
+use super::error::CacheError;
+use super::ReferenceCache;
 
 /// A pool's device memory, as a transport registers it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

@@ -6,7 +6,9 @@
 use kvpipe_core::wire::Topology;
 use kvpipe_core::{writes_to, GroupShard, LayerGroupLayout};
 
-use super::{CacheError, CacheSpec, GroupSpec, ReferenceCache};
+use super::error::CacheError;
+use super::spec::{CacheSpec, GroupSpec};
+use super::ReferenceCache;
 
 /// One rank of a split model: its topology, the groups it holds (its layers and KV heads, for
 /// a [`CacheSpec`](super::CacheSpec)) and where they sit in the model (for

@@ -17,10 +17,10 @@ use kvpipe_core::{Duration, GroupIndex, Instant, LayerOrder};
 use kvpipe_observe::{names, TransferTimings};
 use serde::Serialize;
 
-use super::engine::{
-    run_workload_with, suite_deadlines, RequestPlan, RunReport, TransferMode, Workload,
-};
+use super::engine::run_workload_with;
+use super::report::RunReport;
 use super::timeline::BatchSpan;
+use super::workload::{suite_deadlines, RequestPlan, TransferMode, Workload};
 use super::{FaultPlan, Harness, SuiteError};
 use crate::cache::{AllocationStyle, GroupSpec};
 

@@ -17,12 +17,20 @@
 //! `#[test]` per scenario. The built-in transports' harnesses are features: `MemHarness` (`mem`,
 //! over `kvpipe-mem`), `TcpHarness` (`tcp`) and `VerbsHarness` (`verbs`); a transport of its own
 //! implements [`Harness`] and [`Link`].
+//!
+//! The files: the engine model every scenario runs — `workload.rs` (what a run does:
+//! [`Workload`]), `engine.rs` (running it over a [`Link`]: [`run_workload`]), `report.rs` (what
+//! it did: [`RunReport`]), `verify.rs` (the receiver's bytes compared with the sender's); the
+//! scenarios (`scenarios.rs`, and `parallel.rs` for heterogeneous parallelism); the demo and its
+//! timeline (`demo.rs`, `timeline.rs`); the built-in transports' harnesses (`mem.rs`, `tcp.rs`,
+//! `verbs.rs`, and `threaded.rs` shared by the last two).
 
 pub mod demo;
 mod engine;
 #[cfg(feature = "mem")]
 mod mem;
 pub mod parallel;
+mod report;
 mod scenarios;
 #[cfg(feature = "tcp")]
 mod tcp;
@@ -31,6 +39,8 @@ mod threaded;
 pub mod timeline;
 #[cfg(feature = "verbs")]
 mod verbs;
+mod verify;
+mod workload;
 
 use kvpipe_core::session::{ReceiverConfig, SenderConfig};
 use kvpipe_core::wire::Role;
@@ -39,19 +49,19 @@ use thiserror::Error;
 
 use crate::cache::ReferenceCache;
 
-pub use engine::{
-    layer_slices, run_workload, run_workload_with, verify_against_sender, Interrupt, Outcome,
-    RequestPlan, RequestReport, RunReport, TransferMode, Workload,
-};
+pub use engine::{run_workload, run_workload_with};
 #[cfg(feature = "mem")]
 pub use mem::MemHarness;
+pub use report::{Outcome, RequestReport, RunReport};
 pub use scenarios::{check_clean, scenario, scenarios, Scenario};
 #[cfg(feature = "tcp")]
 pub use tcp::{TcpHarness, TcpLink};
 #[cfg(any(feature = "tcp", feature = "verbs"))]
-pub use threaded::{ThreadedLink, ThreadedNode, ThreadedSenderNode};
+pub use threaded::ThreadedLink;
 #[cfg(feature = "verbs")]
 pub use verbs::{VerbsHarness, VerbsLink};
+pub use verify::verify_against_sender;
+pub use workload::{layer_slices, Interrupt, RequestPlan, TransferMode, Workload};
 
 /// Where a harness puts both caches' pools.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]

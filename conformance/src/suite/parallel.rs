@@ -21,7 +21,8 @@ use kvpipe_core::{
     RequestId, SenderConfig, SenderInput,
 };
 
-use super::engine::{layer_slices, submit, suite_deadlines};
+use super::engine::submit;
+use super::workload::{layer_slices, suite_deadlines};
 use super::{FaultPlan, Harness, Link, SuiteError};
 use crate::cache::{split_rank, writers_of, AllocationStyle, CacheSpec, GroupSpec, ReferenceCache};
 

@@ -4,9 +4,9 @@ use kvpipe_core::session::Wait;
 use kvpipe_core::wire::{Role, TransferStatus, VersionRange};
 use kvpipe_core::{Duration, Event, RequestId};
 
-use super::engine::{
-    run_workload, Interrupt, Outcome, RequestPlan, RunReport, TransferMode, Workload,
-};
+use super::engine::run_workload;
+use super::report::{Outcome, RunReport};
+use super::workload::{Interrupt, RequestPlan, TransferMode, Workload};
 use super::{FaultKind, FaultPlan, Harness, SuiteError};
 use crate::cache::{AllocationStyle, GroupSpec};
 

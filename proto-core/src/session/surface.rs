@@ -167,7 +167,12 @@ macro_rules! endpoint_surface {
                 $endpoint::handle_transport(self, now, input)
             }
 
-            fn admit_write(&mut self, now: Instant, peer: PeerId, header: &[u8]) -> Admission {
+            fn admit_write(
+                &mut self,
+                now: Instant,
+                peer: PeerId,
+                header: &DataWrite,
+            ) -> Admission {
                 $endpoint::admit_write(self, now, peer, header)
             }
 

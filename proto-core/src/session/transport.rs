@@ -53,14 +53,15 @@ pub enum TransportInput {
         /// `Success`).
         status: crate::wire::TransferStatus,
     },
-    /// (Receiver) the header of a data write from `peer` arrived (its encoded `DataWrite`
-    /// frame); the payload follows. [`Endpoint::admit_write`] is this input with its answer.
+    /// (Receiver) the header of a data write from `peer` arrived, decoded (a stream transport's
+    /// [`StreamReader`](crate::stream::StreamReader) decodes it once; an in-process transport
+    /// takes it from [`DataWriteHeaders::frame`]); the payload follows.
+    /// [`Endpoint::admit_write`] is this input with its answer.
     WriteArrived {
         /// The writing peer.
         peer: PeerId,
-        /// The encoded `DataWrite` frame.
-        #[cfg_attr(feature = "arbitrary", arbitrary(with = arbitrary_bytes))]
-        header: Bytes,
+        /// The data write's header.
+        header: DataWrite,
     },
     /// (Receiver) an admitted write is over: all of its bytes landed (`landed`), or the
     /// transport gave up part way (the connection failed; `landed == false`).
@@ -134,12 +135,10 @@ pub enum Admission {
     Refuse(WriteRefusal),
 }
 
-/// Why an incoming data write was refused.
+/// Why an incoming data write was refused. (A header that does not decode never reaches
+/// admission: the stream reader refuses it as bytes that are no frame.)
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Error)]
 pub enum WriteRefusal {
-    /// The header is not a well-formed `DataWrite` at the negotiated version.
-    #[error("malformed data write header")]
-    Malformed,
     /// This endpoint never accepts data writes (a sender), or takes none through admission
     /// (a [`DataPath::Ordered`] receiver).
     #[error("this endpoint does not accept data writes")]
@@ -222,7 +221,8 @@ pub struct DataWriteHeaders {
 }
 
 impl DataWriteHeaders {
-    /// The data write header for `len` bytes to `region` at `offset`.
+    /// The data write header for `len` bytes to `region` at `offset` (what an in-process
+    /// transport hands to [`Endpoint::admit_write`]).
     pub fn frame(&self, region: RegionId, offset: u64, len: u64) -> DataWrite {
         DataWrite {
             request: self.request,
@@ -233,7 +233,8 @@ impl DataWriteHeaders {
         }
     }
 
-    /// The encoded data write header for `len` bytes to `region` at `offset`.
+    /// The encoded data write header for `len` bytes to `region` at `offset` (what a stream
+    /// transport sends ahead of the payload).
     pub fn encode(&self, region: RegionId, offset: u64, len: u64) -> [u8; DATA_WRITE_FRAME_LEN] {
         let mut out = [0u8; DATA_WRITE_FRAME_LEN];
         let frame = Frame::DataWrite(self.frame(region, offset, len));
@@ -278,9 +279,9 @@ pub trait Endpoint {
     /// batch reported twice, an input for the other role); nothing changed.
     fn handle_transport(&mut self, now: Instant, input: TransportInput) -> Result<(), UsageError>;
 
-    /// Asks whether the data write whose encoded `DataWrite` frame is `header` may be
-    /// applied (see [`Admission`]). Records it as [`TransportInput::WriteArrived`].
-    fn admit_write(&mut self, now: Instant, peer: PeerId, header: &[u8]) -> Admission;
+    /// Asks whether the data write whose decoded header is `header` may be applied (see
+    /// [`Admission`]). Records it as [`TransportInput::WriteArrived`].
+    fn admit_write(&mut self, now: Instant, peer: PeerId, header: &DataWrite) -> Admission;
 
     /// The next output, or `None` when there is nothing to do until the next input.
     fn poll_output(&mut self) -> Option<Output>;

@@ -431,7 +431,7 @@ impl Net {
             return out;
         }
         for e in plan.extents() {
-            let header = headers.encode(e.dst_region, e.dst_offset, e.len);
+            let header = headers.frame(e.dst_region, e.dst_offset, e.len);
             let admission = self.receivers[j].admit_write(now, tx_peer(i), &header);
             if let Admission::Apply { ticket, .. } = admission {
                 self.receivers[j]

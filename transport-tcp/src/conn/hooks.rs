@@ -2,6 +2,7 @@
 
 use bytes::Bytes;
 use kvpipe_core::session::WriteBatchId;
+use kvpipe_core::wire::DataWrite;
 use kvpipe_core::{Admission, PeerId, WriteTicket};
 
 /// What a connection's halves tell their node. Each call is short: the node takes its lock,
@@ -13,8 +14,9 @@ pub(crate) trait NodeHooks: Send + Sync {
     /// The largest frame body `peer` may send now (the core's: a handshake's until it
     /// completed).
     fn body_limit(&self, peer: PeerId) -> u32;
-    /// The header of a data write from `peer` arrived: the core's answer.
-    fn admit(&self, peer: PeerId, header: &[u8]) -> Admission;
+    /// The header of a data write from `peer` arrived (decoded by the stream reader): the
+    /// core's answer.
+    fn admit(&self, peer: PeerId, header: &DataWrite) -> Admission;
     /// Payload of an admitted write from `peer` is still arriving (the core's
     /// `TransportInput::DataArriving`: the peer is alive while a long payload holds its frames
     /// back). Called at most every [`ARRIVING_EVERY`](super::inbound::ARRIVING_EVERY) per

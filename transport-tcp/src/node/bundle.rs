@@ -36,7 +36,7 @@ pub(super) fn listen<E: Endpoint + Send + 'static>(
     // `PeerCopy` refuses to fall back: a receiver that cannot pull into its memory says so
     // now. (A sender negotiates peer copies where it connects, not where it listens.)
     if shared.config.data_path == TcpDataPath::PeerCopy {
-        let receiver = shared.state.lock().endpoint.role() == Role::Receiver;
+        let receiver = shared.lock().endpoint.role() == Role::Receiver;
         if let (Err(why), true) = (shared.can_pull(), receiver) {
             return Err(io::Error::other(format!(
                 "peer copies were asked for, but this node cannot take them: {why}"
@@ -118,12 +118,12 @@ impl<E: Endpoint + Send + 'static> Shared<E> {
         let addr = peer_addr.ip();
         let since = std::time::Instant::now();
         let ticket = {
-            let mut st = self.state.lock();
-            if !matches!(st.phase, NodePhase::Running) {
+            let mut st = self.lock();
+            if !matches!(st.io.phase, NodePhase::Running) {
                 return;
             }
-            let unproven = st.links.unproven();
-            let victims = st.lobby.make_room(
+            let unproven = st.io.links.unproven();
+            let victims = st.io.lobby.make_room(
                 &unproven,
                 addr,
                 self.config.max_unauthenticated_per_address,
@@ -134,10 +134,10 @@ impl<E: Endpoint + Send + 'static> Shared<E> {
                 let Victim::Link(peer) = victim else {
                     continue;
                 };
-                match st.links.get_mut(peer) {
+                match st.io.links.get_mut(peer) {
                     // The core never heard of it; its sockets close with the link.
                     Some(link) if matches!(link.phase, LinkPhase::Assembling { .. }) => {
-                        st.links.remove(peer);
+                        st.io.links.remove(peer);
                     }
                     // Handshaking: its halves stop, then the core hears of the disconnect.
                     Some(link) => {
@@ -146,9 +146,9 @@ impl<E: Endpoint + Send + 'static> Shared<E> {
                     None => {}
                 }
             }
-            st.lobby.enter(addr, since, handle)
+            st.io.lobby.enter(addr, since, handle)
         };
-        let deadline = super::events::later(since, self.config.preamble_timeout);
+        let deadline = kvpipe_driver::later(since, self.config.preamble_timeout);
         let shared = self.clone();
         let stack = if self.config.data_path == TcpDataPath::Socket {
             PREAMBLE_STACK
@@ -169,9 +169,9 @@ impl<E: Endpoint + Send + 'static> Shared<E> {
                     Some(_) => Some(Placement::Socket),
                     None => None,
                 };
-                let mut st = shared.state.lock();
+                let mut st = shared.lock();
                 // Dropped meanwhile (to make room, or the node stopped): its socket is shut.
-                let Some(origin) = st.lobby.leave(ticket) else {
+                let Some(origin) = st.io.lobby.leave(ticket) else {
                     return;
                 };
                 let (Some(pre), Some(placement)) =
@@ -186,7 +186,7 @@ impl<E: Endpoint + Send + 'static> Shared<E> {
         if reader.is_err() {
             // No thread for it: it leaves at once (the stream was moved into the failed
             // closure and is closed).
-            self.state.lock().lobby.leave(ticket);
+            self.lock().io.lobby.leave(ticket);
             bump(&self.stats.preambles_failed, 1);
         }
     }
@@ -205,7 +205,7 @@ impl<E: Endpoint + Send + 'static> Shared<E> {
         let count = self.config.connections_per_peer.clamp(1, 255);
         let token = self.new_token();
         let path = self.config.data_path;
-        let is_sender = self.state.lock().endpoint.role() == Role::Sender;
+        let is_sender = self.lock().endpoint.role() == Role::Sender;
         if path == TcpDataPath::PeerCopy && !is_sender {
             return Err(io::Error::other(
                 "peer copies are negotiated by a connecting sender; this node is a receiver",
@@ -272,7 +272,7 @@ impl<E: Endpoint + Send + 'static> Shared<E> {
 
     /// Whether this node can pull a sender's writes at all, or why not.
     fn can_pull(&self) -> Result<(), String> {
-        let is_receiver = self.state.lock().endpoint.role() == Role::Receiver;
+        let is_receiver = self.lock().endpoint.role() == Role::Receiver;
         peer_copy::can_pull(self.config.data_path, is_receiver, &self.regions)
     }
 
@@ -313,13 +313,13 @@ impl<E: Endpoint + Send + 'static> Shared<E> {
         streams: Vec<(Preamble, TcpStream)>,
         placement: Placement,
     ) -> io::Result<PeerId> {
-        let mut st = self.state.lock();
+        let mut st = self.lock();
         let now = self.now();
         let mut assembling = None;
         for (pre, stream) in streams {
             match self.attach(&mut st, now, pre, stream, None, placement.clone()) {
                 Attached::Waiting(peer) => assembling = Some(peer),
-                Attached::Complete(peer) if st.links.get(peer).is_some() => return Ok(peer),
+                Attached::Complete(peer) if st.io.links.get(peer).is_some() => return Ok(peer),
                 Attached::Complete(_) => {
                     return Err(io::Error::other("could not start the connections"))
                 }
@@ -327,7 +327,7 @@ impl<E: Endpoint + Send + 'static> Shared<E> {
             }
         }
         if let Some(peer) = assembling {
-            st.links.remove(peer);
+            st.io.links.remove(peer);
         }
         Err(io::Error::other("the connection bundle was refused"))
     }
@@ -342,15 +342,16 @@ impl<E: Endpoint + Send + 'static> Shared<E> {
         origin: Option<(IpAddr, std::time::Instant)>,
         placement: Placement,
     ) -> Attached {
-        if !matches!(st.phase, NodePhase::Running) {
+        if !matches!(st.io.phase, NodePhase::Running) {
             return Attached::Refused;
         }
         let attached = st
+            .io
             .links
             .attach(pre, stream, std::time::Instant::now(), origin);
         // The control connection carries the bundle's placement (before the bundle starts).
         if let (Attached::Waiting(peer) | Attached::Complete(peer), 0) = (attached, pre.index) {
-            if let Some(link) = st.links.get_mut(peer) {
+            if let Some(link) = st.io.links.get_mut(peer) {
                 link.placement = placement;
             }
         }
@@ -361,7 +362,7 @@ impl<E: Endpoint + Send + 'static> Shared<E> {
                 // The timer drops the bundle if it stays incomplete.
                 self.wake_timer_by(
                     st,
-                    super::events::deadline_after(self.config.preamble_timeout),
+                    kvpipe_driver::deadline_after(self.config.preamble_timeout),
                 );
             }
             Attached::Complete(peer) => {
@@ -376,7 +377,7 @@ impl<E: Endpoint + Send + 'static> Shared<E> {
     /// the peer connected. A bundle none of whose halves started is dropped unseen by the core.
     fn start(self: &Arc<Self>, st: &mut State<E>, now: Instant, peer: PeerId) {
         let hooks: Arc<dyn NodeHooks> = self.clone();
-        let Some(link) = st.links.get_mut(peer) else {
+        let Some(link) = st.io.links.get_mut(peer) else {
             return;
         };
         let wanted = 2 * link.conns.len() as u32;
@@ -418,7 +419,7 @@ impl<E: Endpoint + Send + 'static> Shared<E> {
             "connection bundle started"
         );
         if started == 0 {
-            st.links.remove(peer);
+            st.io.links.remove(peer);
             return;
         }
         if started < wanted {
@@ -432,7 +433,7 @@ impl<E: Endpoint + Send + 'static> Shared<E> {
     pub(crate) fn new_token(&self) -> u64 {
         let mut h = std::collections::hash_map::RandomState::new().build_hasher();
         h.write_u64(self.tokens.fetch_add(1, Ordering::Relaxed));
-        h.write_u128(self.origin.elapsed().as_nanos());
+        h.write_u64(self.now().as_nanos());
         h.write_u32(std::process::id());
         h.finish()
     }

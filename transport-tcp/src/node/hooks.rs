@@ -3,7 +3,9 @@
 
 use bytes::Bytes;
 use kvpipe_core::session::WriteBatchId;
+use kvpipe_core::wire::DataWrite;
 use kvpipe_core::{Admission, Endpoint, PeerId, TransportInput, WriteTicket};
+use kvpipe_driver::{deadline_after, Arrival};
 
 use super::link::LinkPhase;
 use super::{NodePhase, Shared};
@@ -11,14 +13,9 @@ use crate::conn::{HalfEnd, NodeHooks, ReadEnd, WriteEnd};
 use crate::stats::bump;
 
 impl<E: Endpoint + Send + 'static> Shared<E> {
-    /// Hands `input` to the endpoint and carries out its outputs. A usage error would be a
-    /// driver bug (an unknown peer or ticket); the endpoint changed nothing then, so it is
-    /// dropped.
+    /// Hands `input` to the endpoint and carries out its outputs.
     fn input(&self, input: TransportInput) {
-        let mut st = self.state.lock();
-        let now = self.now();
-        st.feed(now, input);
-        self.drain(&mut st, now);
+        self.driver.deliver(Arrival::Input(input));
     }
 }
 
@@ -28,11 +25,11 @@ impl<E: Endpoint + Send + 'static> NodeHooks for Shared<E> {
     }
 
     fn body_limit(&self, peer: PeerId) -> u32 {
-        self.state.lock().endpoint.frame_body_limit(peer)
+        self.lock().endpoint.frame_body_limit(peer)
     }
 
-    fn admit(&self, peer: PeerId, header: &[u8]) -> Admission {
-        let mut st = self.state.lock();
+    fn admit(&self, peer: PeerId, header: &DataWrite) -> Admission {
+        let mut st = self.lock();
         let now = self.now();
         let admission = st.endpoint.admit_write(now, peer, header);
         self.drain(&mut st, now);
@@ -48,12 +45,7 @@ impl<E: Endpoint + Send + 'static> NodeHooks for Shared<E> {
     }
 
     fn batch_written(&self, batch: WriteBatchId) {
-        let mut st = self.state.lock();
-        let now = self.now();
-        if let Some(report) = st.batches.written(batch, now) {
-            st.feed(now, report);
-            self.drain(&mut st, now);
-        }
+        self.driver.deliver(Arrival::BatchDone { batch, ok: true });
     }
 
     /// A peer lives and dies as a whole: a failed half aborts the link, the peer's end of
@@ -61,15 +53,15 @@ impl<E: Endpoint + Send + 'static> NodeHooks for Shared<E> {
     /// is removed and the core hears `PeerDisconnected`: no half of the peer touches memory any
     /// more.
     fn half_ended(&self, peer: PeerId, end: HalfEnd) {
-        let mut st = self.state.lock();
+        let mut st = self.lock();
         let now = self.now();
         let st = &mut *st;
-        let Some(link) = st.links.get_mut(peer) else {
+        let Some(link) = st.io.links.get_mut(peer) else {
             return;
         };
         let closing = match end {
             HalfEnd::Read(ReadEnd::Eof | ReadEnd::Refused) => {
-                let until = super::events::deadline_after(self.config.close_grace);
+                let until = deadline_after(self.config.close_grace);
                 let started = link.close_orderly(until);
                 if started {
                     self.wake_timer_by(st, until);
@@ -82,7 +74,7 @@ impl<E: Endpoint + Send + 'static> NodeHooks for Shared<E> {
         if closing {
             bump(&self.stats.peers_closed, 1);
         }
-        let Some(link) = st.links.get_mut(peer) else {
+        let Some(link) = st.io.links.get_mut(peer) else {
             return;
         };
         link.halves = link.halves.saturating_sub(1);
@@ -91,12 +83,11 @@ impl<E: Endpoint + Send + 'static> NodeHooks for Shared<E> {
         }
         debug_assert!(!matches!(link.phase, LinkPhase::Assembling { .. }));
         let orderly = link.closing_cleanly();
-        st.links.remove(peer);
-        if let NodePhase::Closing(outcomes) = &mut st.phase {
+        st.io.links.remove(peer);
+        if let NodePhase::Closing(outcomes) = &mut st.io.phase {
             outcomes.insert(peer, orderly);
         }
-        st.batches.forget_peer(peer);
-        st.feed(now, TransportInput::PeerDisconnected { peer });
+        self.driver.apply(st, now, Arrival::PeerGone(peer));
         self.drain(st, now);
         self.peers_gone.notify_all();
     }
@@ -159,7 +150,7 @@ mod tests {
                 s
             })
             .collect();
-        let peers = || node.shared.state.lock().endpoint.peer_count();
+        let peers = || node.shared.lock().endpoint.peer_count();
         let start = std::time::Instant::now();
         while halves.lock().unwrap().len() < 3 {
             assert!(

@@ -6,18 +6,15 @@ use std::io;
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::thread::{self, JoinHandle};
+use std::thread::JoinHandle;
 use std::time::Duration as StdDuration;
 
-use kvpipe_core::{Endpoint, Event, Instant, PeerId};
-use kvpipe_observe::Observer;
+use kvpipe_core::{Endpoint, PeerId};
+use kvpipe_driver::{deadline_after, Driver};
 use parking_lot::{Condvar, Mutex};
 
-use super::batches::Batches;
-use super::events::EventQueue;
-use super::link::{LinkPhase, Links};
-use super::lobby::Lobby;
-use super::{bundle, timer, NodePhase, Shared, Spawn, State};
+use super::link::LinkPhase;
+use super::{bundle, NodePhase, Shared, Spawn, TcpIo};
 use crate::config::TcpConfig;
 use crate::memory::RegionTable;
 use crate::stats::{bump, StatCells};
@@ -37,35 +34,25 @@ impl<E: Endpoint + Send + 'static> Node<E> {
         regions: RegionTable,
         spawn: Box<dyn Spawn>,
     ) -> Self {
+        let regions = Arc::new(regions);
+        let stats = Arc::new(StatCells::default());
+        let io = TcpIo::new(regions.clone(), config.clone(), stats.clone());
+        let origin = config.origin.unwrap_or_else(std::time::Instant::now);
         let shared = Arc::new(Shared {
-            state: Arc::new(Mutex::new(State {
-                observer: Observer::new(endpoint.role(), "tcp"),
-                endpoint,
-                links: Links::default(),
-                lobby: Lobby::default(),
-                batches: Batches::default(),
-                phase: NodePhase::Running,
-                timer_at: None,
-            })),
+            driver: Driver::new(endpoint, io, "tcp", origin),
             peers_gone: Condvar::new(),
-            timer: Condvar::new(),
-            events: EventQueue::default(),
-            origin: config.origin.unwrap_or_else(std::time::Instant::now),
-            regions: Arc::new(regions),
+            regions,
             config,
-            stats: Arc::new(StatCells::default()),
+            stats,
             tokens: AtomicU64::new(0),
             accepting: AtomicBool::new(true),
             offer: std::sync::OnceLock::new(),
             spawn,
         });
-        let timer = {
-            let shared = shared.clone();
-            thread::Builder::new()
-                .name("kvpipe-tcp-timer".into())
-                .spawn(move || timer::run(&shared))
-                .expect("spawning the timer thread")
-        };
+        let timer = shared
+            .driver
+            .spawn_timer("kvpipe-tcp-timer")
+            .expect("spawning the timer thread");
         Node {
             shared,
             helpers: Mutex::new(vec![timer]),
@@ -87,51 +74,31 @@ impl<E: Endpoint + Send + 'static> Node<E> {
         self.shared.adopt_bundle(streams, placement)
     }
 
-    /// The next event, waiting up to `timeout`.
-    pub(crate) fn next_event(&self, timeout: StdDuration) -> Option<(Instant, Event)> {
-        self.shared.events.next(timeout)
-    }
-
-    /// Every queued event, without waiting.
-    pub(crate) fn take_events(&self) -> Vec<(Instant, Event)> {
-        self.shared.events.take_all()
-    }
-
     /// The peers now (assembling, open or closing), in id order.
     pub(crate) fn peers(&self) -> Vec<PeerId> {
-        self.shared.state.lock().links.ids()
-    }
-
-    /// Write batches handed to connections and not written out yet.
-    pub(crate) fn writes_in_flight(&self) -> usize {
-        self.shared.state.lock().batches.in_flight()
-    }
-
-    /// `(bytes, issued, written out)` of recent write batches, in completion order.
-    pub(crate) fn batch_timings(&self) -> Vec<(u64, Instant, Instant)> {
-        self.shared.state.lock().batches.timings()
+        self.shared.lock().io.links.ids()
     }
 
     /// Closes every peer in order (see the crate doc), bounded by `within`, then stops the
     /// node's threads. Peers still open at the deadline are shut down at once.
     pub(crate) fn close(&self, within: StdDuration) -> Result<(), CloseError> {
-        let until = super::events::deadline_after(within);
+        let until = deadline_after(within);
         let shared = &self.shared;
-        let mut st = shared.state.lock();
-        if matches!(st.phase, NodePhase::Stopped) {
+        let mut st = shared.lock();
+        if matches!(st.io.phase, NodePhase::Stopped) {
             return Ok(());
         }
-        st.phase = NodePhase::Closing(HashMap::new());
+        st.io.phase = NodePhase::Closing(HashMap::new());
         shared.accepting.store(false, Ordering::Release);
-        st.lobby.clear();
+        st.io.lobby.clear();
         let mut lingering = Vec::new();
-        for peer in st.links.ids() {
-            let Some(link) = st.links.get_mut(peer) else {
+        for peer in st.io.links.ids() {
+            let Some(link) = st.io.links.get_mut(peer) else {
                 continue;
             };
             match link.phase {
                 LinkPhase::Assembling { .. } => {
-                    st.links.remove(peer);
+                    st.io.links.remove(peer);
                 }
                 LinkPhase::Open => {
                     link.close_orderly(until);
@@ -142,19 +109,19 @@ impl<E: Endpoint + Send + 'static> Node<E> {
             }
         }
         shared.wake_timer_by(&mut st, until);
-        while !st.links.is_empty() {
+        while !st.io.links.is_empty() {
             if shared.peers_gone.wait_until(&mut st, until).timed_out() {
                 break;
             }
         }
-        let spoiled = match &st.phase {
+        let spoiled = match &st.io.phase {
             NodePhase::Closing(outcomes) => lingering
                 .iter()
                 .filter(|p| outcomes.get(p) != Some(&true))
                 .count(),
             _ => lingering.len(),
         };
-        let open = st.links.len();
+        let open = st.io.links.len();
         drop(st);
         self.shutdown();
         match spoiled.max(open) {
@@ -167,14 +134,14 @@ impl<E: Endpoint + Send + 'static> Node<E> {
     /// waits (bounded) for the connection halves to stop.
     pub(crate) fn shutdown(&self) {
         {
-            let mut st = self.shared.state.lock();
-            st.phase = NodePhase::Stopped;
+            let mut st = self.shared.lock();
+            st.io.phase = NodePhase::Stopped;
             self.shared.accepting.store(false, Ordering::Release);
-            st.lobby.clear();
-            for peer in st.links.ids() {
-                match st.links.get_mut(peer) {
+            st.io.lobby.clear();
+            for peer in st.io.links.ids() {
+                match st.io.links.get_mut(peer) {
                     Some(link) if matches!(link.phase, LinkPhase::Assembling { .. }) => {
-                        st.links.remove(peer);
+                        st.io.links.remove(peer);
                     }
                     Some(link) => {
                         link.abort();
@@ -182,8 +149,8 @@ impl<E: Endpoint + Send + 'static> Node<E> {
                     None => {}
                 }
             }
-            self.shared.timer.notify_all();
         }
+        self.shared.driver.stop();
         for &local in self.listening.lock().iter() {
             bundle::wake_acceptor(local);
         }
@@ -192,8 +159,8 @@ impl<E: Endpoint + Send + 'static> Node<E> {
             let _ = h.join();
         }
         let deadline = std::time::Instant::now() + StdDuration::from_secs(5);
-        let mut st = self.shared.state.lock();
-        while !st.links.is_empty() {
+        let mut st = self.shared.lock();
+        while !st.io.links.is_empty() {
             if self
                 .shared
                 .peers_gone

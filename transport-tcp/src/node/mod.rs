@@ -1,55 +1,45 @@
-//! The node: one core endpoint behind one lock, the peers' connection bundles, and two helper
-//! threads (the timer and, when listening, the accept loop).
+//! The node: one core endpoint driven by [`kvpipe_driver`] (its lock, outputs, timer, events,
+//! guard and engine commands), the peers' connection bundles, and the accept loop.
 //!
-//! The lock holds the endpoint, the peer links and the write batches in flight, and is taken
-//! only for short calls: an engine command, a frame, an admission, a landed write, a written
-//! batch, a stopped connection half, a timeout. Each call hands one input to the endpoint
-//! and carries out its outputs at once ([`drain`]): frames and data-write pieces are queued to
-//! the connections' writers, events to the engine's queue. Socket reads and writes, and with
-//! them every payload byte, move outside the lock, on the backend's threads or tasks
-//! ([`Spawn`]).
+//! The driver's lock holds the endpoint, the peer links ([`TcpIo`]) and the write batches in
+//! flight, and is taken only for short calls: an engine command, a frame, an admission, a
+//! landed write, a written batch, a stopped connection half, a timeout. Each call hands one
+//! input to the endpoint and carries out its outputs at once: frames and data-write pieces are
+//! queued to the connections' writers ([`io`]), events to the engine's queue. Socket reads
+//! and writes, and with them every payload byte, move outside the lock, on the backend's
+//! threads or tasks ([`Spawn`]).
 //!
+//! - [`io`]: the endpoint's outputs as connection work, and the links' deadlines;
 //! - [`link`]: a peer's connection bundle and its one phase (assembling, open, closing,
 //!   aborted);
 //! - [`bundle`]: connecting, accepting, and starting a complete bundle;
 //! - [`lobby`]: accepted connections that have not completed the handshake, their caps;
 //! - [`hooks`]: what a connection's halves report, as endpoint inputs;
-//! - [`drain`]: carrying out the endpoint's outputs;
-//! - [`timer`]: the endpoint's deadline and the links' deadlines;
-//! - [`batches`], [`events`], [`guard`]: write batches in flight, the engine's event queue,
-//!   exclusive access to the endpoint;
 //! - [`lifecycle`]: the engine-facing node (start, listen, connect, close).
 //!
 //! This file holds the shared state only; each concern's file adds its methods to it, and no
 //! two files call into each other.
 
-mod batches;
 mod bundle;
-mod drain;
-mod events;
-pub(crate) mod guard;
 mod hooks;
+mod io;
 pub(crate) mod lifecycle;
 mod link;
 mod lobby;
-mod timer;
 
 use std::collections::HashMap;
 use std::net::TcpStream;
 use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::Arc;
-use std::time::Duration as StdDuration;
 
-use kvpipe_core::{Endpoint, Instant, PeerId, TransportInput};
-use kvpipe_observe::Observer;
-use parking_lot::{Condvar, Mutex};
+use kvpipe_core::{Endpoint, Instant, PeerId};
+use kvpipe_driver::{Driver, Locked};
+use parking_lot::{Condvar, MutexGuard};
 
 use crate::config::TcpConfig;
 use crate::conn::{Inbound, Outbound};
 use crate::memory::RegionTable;
 use crate::stats::StatCells;
-use batches::Batches;
-use events::EventQueue;
 use link::Links;
 use lobby::Lobby;
 
@@ -70,39 +60,26 @@ pub(crate) enum NodePhase {
     Stopped,
 }
 
-/// Everything behind the node's lock.
-pub(crate) struct State<E> {
-    pub(crate) endpoint: E,
+/// The TCP side of a node, behind the driver's lock: the peers' links, the accepted
+/// connections still reading their preamble, and whether the node takes new peers.
+pub struct TcpIo {
     pub(crate) links: Links,
     /// Accepted connections reading their preamble.
     lobby: Lobby,
-    pub(crate) batches: Batches,
     pub(crate) phase: NodePhase,
-    /// When the sleeping timer thread wakes (`None` while it is awake).
-    timer_at: Option<std::time::Instant>,
-    /// Spans, events and metrics of what the endpoint did.
-    pub(crate) observer: Observer,
+    regions: Arc<RegionTable>,
+    config: TcpConfig,
+    stats: Arc<StatCells>,
 }
 
-impl<E: Endpoint> State<E> {
-    /// Hands a transport input to the endpoint (and to the observer first). A usage error
-    /// would be a driver bug (an unknown peer, ticket or batch); the endpoint changed nothing
-    /// then, so it is dropped.
-    pub(crate) fn feed(&mut self, now: Instant, input: TransportInput) {
-        self.observer.input(now, &input);
-        let _ = self.endpoint.handle_transport(now, input);
-    }
-}
+/// Everything behind the node's lock.
+pub(crate) type State<E> = Locked<E, TcpIo>;
 
 /// The node, shared by the engine's handle, the helper threads and every connection half.
 pub(crate) struct Shared<E> {
-    pub(crate) state: Arc<Mutex<State<E>>>,
+    pub(crate) driver: Arc<Driver<E, TcpIo>>,
     /// Notified whenever a peer link is removed.
     peers_gone: Condvar,
-    /// Wakes the timer thread.
-    timer: Condvar,
-    pub(crate) events: EventQueue,
-    origin: std::time::Instant,
     regions: Arc<RegionTable>,
     pub(crate) config: TcpConfig,
     pub(crate) stats: Arc<StatCells>,
@@ -118,20 +95,21 @@ pub(crate) struct Shared<E> {
 impl<E: Endpoint + Send + 'static> Shared<E> {
     /// The core's notion of now.
     pub(crate) fn now(&self) -> Instant {
-        Instant::from_nanos(u64::try_from(self.origin.elapsed().as_nanos()).unwrap_or(u64::MAX))
+        self.driver.now()
     }
 
-    /// The wall-clock instant of the core's `at` (`None`: too far to matter).
-    fn wall(&self, at: Instant) -> Option<std::time::Instant> {
-        self.origin
-            .checked_add(StdDuration::from_nanos(at.as_nanos()))
+    /// Takes the node's lock.
+    pub(crate) fn lock(&self) -> MutexGuard<'_, State<E>> {
+        self.driver.lock()
     }
 
-    /// Makes the timer thread wake by `at` (it re-reads every deadline when it wakes).
+    /// Carries out every pending output of the endpoint.
+    pub(crate) fn drain(&self, st: &mut State<E>, now: Instant) {
+        self.driver.drain(st, now);
+    }
+
+    /// Makes the timer thread wake by `at`.
     fn wake_timer_by(&self, st: &mut State<E>, at: std::time::Instant) {
-        if st.timer_at.is_some_and(|t| at < t) {
-            st.timer_at = Some(at);
-            self.timer.notify_one();
-        }
+        self.driver.wake_timer_by(st, at);
     }
 }

@@ -1,79 +1,18 @@
-//! One request timed through a connected prefill/decode node pair, as the TCP, TCP-device and
-//! verbs benches run it, written once: registered and opened, every chunk and the aux data
+//! One request timed through a connected prefill/decode node pair on the node driver, as the
+//! TCP, TCP-device and verbs benches run it, written once: registered and opened, every chunk and the aux data
 //! submitted, timed until the decode side completes, then both sides quiesced and the request
 //! retired on both.
 
 use std::time::{Duration, Instant};
 
-use kvpipe_core::session::{Registration, SendRequest, UsageError};
+use kvpipe_core::session::{Registration, SendRequest};
 use kvpipe_core::wire::AuxData;
 use kvpipe_core::{
-    AnchoredRun, BlockSource, ChunkSpec, Event, PeerId, ReceiverSliceId, RequestId, Submitted,
+    AnchoredRun, BlockSource, ChunkSpec, Event, PeerId, Receiver, RequestId, Sender,
 };
+use kvpipe_driver::{Driver, Io};
 
 use crate::CliError;
-
-/// The prefill node's calls a timed request makes (TCP and verbs nodes have the same ones).
-pub(super) trait PrefillSide {
-    fn next_event(&self, timeout: Duration) -> Option<Event>;
-    fn open_request(&self, req: SendRequest) -> Result<(), UsageError>;
-    fn submit_chunk(
-        &self,
-        request: RequestId,
-        spec: ChunkSpec,
-        source: &mut impl BlockSource,
-    ) -> Result<Submitted, UsageError>;
-    fn submit_aux(&self, request: RequestId, data: AuxData) -> Result<(), UsageError>;
-    fn retire(&self, request: RequestId) -> Result<(), UsageError>;
-}
-
-/// The decode node's calls a timed request makes.
-pub(super) trait DecodeSide {
-    fn next_event(&self, timeout: Duration) -> Option<Event>;
-    fn register(&self, reg: Registration) -> Result<ReceiverSliceId, UsageError>;
-    fn retire(&self, request: RequestId) -> Result<(), UsageError>;
-}
-
-macro_rules! sides {
-    ($prefill:ty, $decode:ty) => {
-        impl PrefillSide for $prefill {
-            fn next_event(&self, timeout: Duration) -> Option<Event> {
-                <$prefill>::next_event(self, timeout)
-            }
-            fn open_request(&self, req: SendRequest) -> Result<(), UsageError> {
-                <$prefill>::open_request(self, req)
-            }
-            fn submit_chunk(
-                &self,
-                request: RequestId,
-                spec: ChunkSpec,
-                source: &mut impl BlockSource,
-            ) -> Result<Submitted, UsageError> {
-                <$prefill>::submit_chunk(self, request, spec, source)
-            }
-            fn submit_aux(&self, request: RequestId, data: AuxData) -> Result<(), UsageError> {
-                <$prefill>::submit_aux(self, request, data)
-            }
-            fn retire(&self, request: RequestId) -> Result<(), UsageError> {
-                <$prefill>::retire(self, request)
-            }
-        }
-        impl DecodeSide for $decode {
-            fn next_event(&self, timeout: Duration) -> Option<Event> {
-                <$decode>::next_event(self, timeout)
-            }
-            fn register(&self, reg: Registration) -> Result<ReceiverSliceId, UsageError> {
-                <$decode>::register(self, reg)
-            }
-            fn retire(&self, request: RequestId) -> Result<(), UsageError> {
-                <$decode>::retire(self, request)
-            }
-        }
-    };
-}
-
-sides!(kvpipe_tcp::TcpSender, kvpipe_tcp::TcpReceiver);
-sides!(kvpipe_ibverbs::VerbsSender, kvpipe_ibverbs::VerbsReceiver);
 
 /// How long a timed request waits for each step before the bench gives up.
 #[derive(Clone, Copy, Debug)]
@@ -87,21 +26,21 @@ pub(super) struct Patience {
 }
 
 /// Two connected nodes, as the benches time requests through them.
-pub(super) struct Pair<'a, T, R> {
-    tx: &'a T,
-    rx: &'a R,
+pub(super) struct Pair<'a, T: Io, R: Io> {
+    tx: &'a Driver<Sender, T>,
+    rx: &'a Driver<Receiver, R>,
     /// How the decode node names the prefill node.
     sender_peer: PeerId,
     /// How the prefill node names the decode node.
     receiver_peer: PeerId,
 }
 
-impl<'a, T: PrefillSide, R: DecodeSide> Pair<'a, T, R> {
+impl<'a, T: Io, R: Io> Pair<'a, T, R> {
     /// The pair once both nodes report their link ready (within `limit` each): the prefill node
     /// connected and names the decode node `receiver_peer`.
     pub(super) fn ready(
-        tx: &'a T,
-        rx: &'a R,
+        tx: &'a Driver<Sender, T>,
+        rx: &'a Driver<Receiver, R>,
         receiver_peer: PeerId,
         limit: Duration,
     ) -> Result<Self, CliError> {

@@ -245,7 +245,7 @@ pub(super) fn run(args: TransferBenchArgs) -> Result<ExitCode, CliError> {
     let addr = rx.listen("127.0.0.1:0")?;
     let tx = TcpSender::new(SenderConfig::new(hello(1, &src_layout)), tcp, tx_regions)?;
     let receiver_peer = tx.connect(addr)?;
-    let pair = Pair::ready(&tx, &rx, receiver_peer, Duration::from_secs(10))?;
+    let pair = Pair::ready(&*tx, &*rx, receiver_peer, Duration::from_secs(10))?;
     let mut raw = raw_pairs(connections)?;
 
     let mut anchored = AnchoredRun::empty(0);

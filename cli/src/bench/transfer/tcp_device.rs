@@ -250,7 +250,7 @@ mod gpu {
             table(RegionId(1), &src),
         )?;
         let receiver_peer = tx.connect(addr)?;
-        let pair = Pair::ready(&tx, &rx, receiver_peer, Duration::from_secs(10))?;
+        let pair = Pair::ready(&*tx, &*rx, receiver_peer, Duration::from_secs(10))?;
         let mut raw = raw_pairs(connections)?;
 
         let mut anchored = AnchoredRun::empty(0);

@@ -217,7 +217,7 @@ pub(super) fn run(args: TransferBenchArgs) -> Result<ExitCode, CliError> {
     let tx = VerbsSender::sender(tx_config, device, tx_regions, VerbsConfig::default())?;
     let message_bytes = tx.fabric().write_request_bytes();
     let receiver_peer = tx.connect(addr)?;
-    let pair = Pair::ready(&tx, &rx, receiver_peer, Duration::from_secs(30))?;
+    let pair = Pair::ready(&*tx, &*rx, receiver_peer, Duration::from_secs(30))?;
 
     let mut anchored = AnchoredRun::empty(0);
     for b in 0..blocks {

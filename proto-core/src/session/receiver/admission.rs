@@ -8,7 +8,7 @@ impl Receiver {
         &mut self,
         now: Instant,
         peer: PeerId,
-        header: &Bytes,
+        header: &DataWrite,
     ) -> Result<Admission, UsageError> {
         let Some(phase) = self.shell.peers.phase(peer) else {
             return Err(UsageError::UnknownPeer(peer));
@@ -38,16 +38,11 @@ impl Receiver {
         &mut self,
         now: Instant,
         peer: PeerId,
-        header: &[u8],
+        w: &DataWrite,
     ) -> Result<Admission, WriteRefusal> {
-        let version = match self.shell.peers.version(peer) {
-            Some(v) if self.shell.peers.is_ready(peer) => v,
-            _ => return Err(WriteRefusal::PeerNotReady(peer)),
-        };
-        let w: DataWrite = match Frame::parse_negotiated(header, version) {
-            Ok((Frame::DataWrite(w), n)) if n == header.len() => w,
-            _ => return Err(WriteRefusal::Malformed),
-        };
+        if !self.shell.peers.is_ready(peer) {
+            return Err(WriteRefusal::PeerNotReady(peer));
+        }
         let request = w.request;
         let Some(session) = self.sessions.live.get_mut(&request) else {
             return match self.sessions.retired.get(request) {

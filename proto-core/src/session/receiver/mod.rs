@@ -16,7 +16,6 @@ use std::collections::{BTreeSet, VecDeque};
 
 use session::{RecvSession, RetiredGrant, Writer, MAX_HELD_FRAMES};
 
-use bytes::Bytes;
 use smallvec::SmallVec;
 
 use super::config::ReceiverConfig;
@@ -262,14 +261,14 @@ impl Receiver {
         }
     }
 
-    /// Asks whether the data write whose encoded `DataWrite` frame is `header` may be applied
-    /// (see [`Admission`]); recorded as [`TransportInput::WriteArrived`]. A refusal has already
+    /// Asks whether the data write whose decoded header is `header` may be applied (see
+    /// [`Admission`]); recorded as [`TransportInput::WriteArrived`]. A refusal has already
     /// failed the request it named (when `peer` is one of its writers) and asked to close the
     /// peer.
-    pub fn admit_write(&mut self, now: Instant, peer: PeerId, header: &[u8]) -> Admission {
+    pub fn admit_write(&mut self, now: Instant, peer: PeerId, header: &DataWrite) -> Admission {
         let input = TransportInput::WriteArrived {
             peer,
-            header: Bytes::copy_from_slice(header),
+            header: *header,
         };
         let recorded = self.recorded.is_on().then(|| ReceiverInput::Transport {
             now,

@@ -47,7 +47,7 @@ use crate::plan::{plan_rank_group, plan_rank_group_layers, DstCursor, RankGroup,
 use crate::source::BlockSource;
 use crate::time::Instant;
 use crate::wire::{
-    AuxData, AuxResult, Cancel, CancelReason, Frame, KvResult, RecvRegistration, Role,
+    AuxData, AuxResult, Cancel, CancelReason, DataWrite, Frame, KvResult, RecvRegistration, Role,
     TransferStatus,
 };
 
@@ -356,10 +356,10 @@ impl Sender {
 
     /// A sender accepts no data writes: the answer is always a refusal, and a connected peer
     /// that sends one is closed.
-    pub fn admit_write(&mut self, now: Instant, peer: PeerId, header: &[u8]) -> Admission {
+    pub fn admit_write(&mut self, now: Instant, peer: PeerId, header: &DataWrite) -> Admission {
         let input = TransportInput::WriteArrived {
             peer,
-            header: bytes::Bytes::copy_from_slice(header),
+            header: *header,
         };
         let _ = self.handle_transport(now, input);
         Admission::Refuse(WriteRefusal::NotAccepted)

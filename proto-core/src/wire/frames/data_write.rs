@@ -44,6 +44,18 @@ struct DataWriteWire {
 /// Encoded length of a [`DataWrite`] frame, header and body (the payload follows it).
 pub const DATA_WRITE_FRAME_LEN: usize = HEADER_LEN + fixed_len::<DataWriteWire>() as usize;
 
+impl DataWrite {
+    /// Decodes the body of a `DataWrite` frame whose header was already read and checked (a
+    /// stream reader's: it needs the header first to know the body's length); bytes left after
+    /// it are refused, as [`Frame::parse`](crate::wire::Frame::parse) does.
+    pub(crate) fn parse_checked_body(body: &[u8]) -> Result<Self, DecodeError> {
+        let mut r = BodyReader::new(FrameKind::DataWrite, body);
+        let write = Self::parse_body(&mut r)?;
+        r.finish()?;
+        Ok(write)
+    }
+}
+
 impl FrameBody for DataWrite {
     const KIND: FrameKind = FrameKind::DataWrite;
     const MAX_BODY_LEN: u32 = fixed_len::<DataWriteWire>();

@@ -7,23 +7,11 @@ use std::time::Duration as StdDuration;
 use kvpipe_core::{Event, Instant};
 use parking_lot::{Condvar, Mutex};
 
-/// How far away a deadline is when the caller's timeout does not fit in an `Instant` (e.g.
-/// `Duration::MAX`, meaning "no hurry"): thirty years, as tokio's own far future.
-const FAR: StdDuration = StdDuration::from_secs(30 * 365 * 86_400);
-
-/// `at + d`, or [`FAR`] after `at` where that overflows.
-pub(crate) fn later(at: std::time::Instant, d: StdDuration) -> std::time::Instant {
-    at.checked_add(d).unwrap_or(at + FAR)
-}
-
-/// The instant `timeout` from now (see [`later`]).
-pub(crate) fn deadline_after(timeout: StdDuration) -> std::time::Instant {
-    later(std::time::Instant::now(), timeout)
-}
+use crate::clock::deadline_after;
 
 /// Events the endpoint reported, with the node time of the report.
 #[derive(Default)]
-pub(crate) struct EventQueue {
+pub struct EventQueue {
     queue: Mutex<VecDeque<(Instant, Event)>>,
     ready: Condvar,
     /// Wakes async waiters.
@@ -32,7 +20,8 @@ pub(crate) struct EventQueue {
 }
 
 impl EventQueue {
-    pub(crate) fn push(&self, at: Instant, event: Event) {
+    /// Queues `event`, reported at `at`, and wakes every waiter.
+    pub fn push(&self, at: Instant, event: Event) {
         self.queue.lock().push_back((at, event));
         self.ready.notify_all();
         #[cfg(feature = "tokio")]
@@ -40,7 +29,7 @@ impl EventQueue {
     }
 
     /// The next event, waiting up to `timeout`.
-    pub(crate) fn next(&self, timeout: StdDuration) -> Option<(Instant, Event)> {
+    pub fn next(&self, timeout: StdDuration) -> Option<(Instant, Event)> {
         let deadline = deadline_after(timeout);
         let mut q = self.queue.lock();
         loop {
@@ -54,15 +43,15 @@ impl EventQueue {
     }
 
     /// Every queued event.
-    pub(crate) fn take_all(&self) -> Vec<(Instant, Event)> {
+    pub fn take_all(&self) -> Vec<(Instant, Event)> {
         self.queue.lock().drain(..).collect()
     }
 
     /// The next event, waiting up to `timeout` without blocking the runtime.
     #[cfg(feature = "tokio")]
-    pub(crate) async fn next_async(&self, timeout: StdDuration) -> Option<(Instant, Event)> {
+    pub async fn next_async(&self, timeout: StdDuration) -> Option<(Instant, Event)> {
         let now = tokio::time::Instant::now();
-        let deadline = now.checked_add(timeout).unwrap_or(now + FAR);
+        let deadline = now.checked_add(timeout).unwrap_or(now + crate::clock::FAR);
         loop {
             let notified = self.notify.notified();
             let mut notified = std::pin::pin!(notified);

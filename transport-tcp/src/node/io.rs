@@ -1,0 +1,145 @@
+//! The endpoint's outputs as connection work, under the driver's lock: nothing here blocks or
+//! touches a socket. Frames and data-write pieces go to the connection writers' queues, close
+//! requests to the peer's link; the timer's round drops bundles that stayed incomplete past
+//! the preamble timeout and aborts orderly closes past their deadline.
+
+use bytes::Bytes;
+use kvpipe_core::session::{CloseReason, DataWriteHeaders, WriteBatchId};
+use kvpipe_core::{Event, PeerId, WritePlan};
+use kvpipe_driver::{deadline_after, Io, Posted, WallInstant};
+
+use super::link::LinkPhase;
+use super::TcpIo;
+use crate::conn::{cut_plan, BatchTally, TalliedPiece};
+use crate::stats::bump;
+
+impl Io for TcpIo {
+    fn transmit(&mut self, peer: PeerId, bytes: Bytes) {
+        if let Some(link) = self.links.get(peer) {
+            link.transmit(bytes);
+        }
+    }
+
+    /// Cuts a write batch into pieces and queues them to the peer's connections
+    /// ([`PeerLink::queue_pieces`](super::link::PeerLink::queue_pieces)).
+    fn post_writes(
+        &mut self,
+        peer: PeerId,
+        batch: WriteBatchId,
+        plan: &WritePlan,
+        headers: &DataWriteHeaders,
+    ) -> Posted {
+        // A peer without a link was reported disconnected: the endpoint emits nothing for it.
+        let Some(link) = self.links.get(peer) else {
+            return Posted::NoPeer;
+        };
+        let Ok(pieces) = cut_plan(
+            plan,
+            |region, offset, len| headers.encode(region, offset, len),
+            link.conns.len(),
+            (self.config.min_piece_bytes, self.config.max_piece_bytes),
+            &self.regions,
+            matches!(link.placement, crate::peer_copy::Placement::Source),
+        ) else {
+            // A source extent outside registered memory: nothing is sent.
+            return Posted::Refused;
+        };
+        if pieces.is_empty() {
+            return Posted::Empty;
+        }
+        let count = pieces.len() as u64;
+        // One more than the pieces: the hold released below, once the pieces refused are known,
+        // so that no writer reports the batch before.
+        let tally = BatchTally::new(batch, count + 1);
+        let refused = link.queue_pieces(
+            pieces
+                .into_iter()
+                .map(|piece| TalliedPiece {
+                    piece,
+                    tally: tally.clone(),
+                })
+                .collect(),
+        );
+        if refused == count {
+            return Posted::Refused;
+        }
+        Posted::Queued {
+            partly_refused: refused > 0,
+            // Every queued piece was written out already.
+            done: tally.done(refused + 1),
+        }
+    }
+
+    /// A peer that stopped answering (or is fenced) is aborted at once; otherwise what was
+    /// queued to it is flushed first, bounded by the close grace, so it learns why (a
+    /// rejection, a refused write).
+    fn close_peer(&mut self, peer: PeerId, reason: CloseReason) -> Option<WallInstant> {
+        let link = self.links.get_mut(peer)?;
+        let until = deadline_after(self.config.close_grace);
+        let started = match reason {
+            CloseReason::LivenessTimeout
+            | CloseReason::HandshakeTimeout
+            | CloseReason::QuiesceFence => link.abort(),
+            CloseReason::HandshakeRejected
+            | CloseReason::RejectedByPeer
+            | CloseReason::ProtocolViolation
+            | CloseReason::GrantViolation => link.close_orderly(until),
+        };
+        if !started {
+            return None;
+        }
+        tracing::debug!(target: "kvpipe::tcp", %peer, ?reason, "closing the peer's connections");
+        bump(&self.stats.peers_closed, 1);
+        Some(until)
+    }
+
+    fn saw_event(&mut self, event: &Event) {
+        if let Event::PeerReady { peer, .. } = event {
+            // Proven: it no longer counts against the caps on unauthenticated connections.
+            if let Some(link) = self.links.get_mut(*peer) {
+                link.authenticated = true;
+            }
+        }
+    }
+
+    fn timer_round(&mut self, now: WallInstant) -> Option<WallInstant> {
+        let timeout = self.config.preamble_timeout;
+        let mut wake = None::<WallInstant>;
+        let mut stale = Vec::new();
+        for (peer, link) in self.links.iter_mut() {
+            match link.deadline(timeout) {
+                Some(at) if at <= now => match link.phase {
+                    LinkPhase::Assembling { .. } => stale.push(peer),
+                    _ => {
+                        link.abort();
+                    }
+                },
+                Some(at) => wake = Some(wake.map_or(at, |w| w.min(at))),
+                None => {}
+            }
+        }
+        for peer in stale {
+            // The core never heard of it; its sockets close with the link.
+            self.links.remove(peer);
+        }
+        wake
+    }
+}
+
+impl TcpIo {
+    /// Links and lobby of a new node.
+    pub(super) fn new(
+        regions: std::sync::Arc<crate::memory::RegionTable>,
+        config: crate::config::TcpConfig,
+        stats: std::sync::Arc<crate::stats::StatCells>,
+    ) -> Self {
+        TcpIo {
+            links: Default::default(),
+            lobby: Default::default(),
+            phase: super::NodePhase::Running,
+            regions,
+            config,
+            stats,
+        }
+    }
+}
