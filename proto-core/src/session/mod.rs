@@ -55,6 +55,12 @@
 //!   write of that connection touches memory on either side.
 //!
 //! Phases and their checked transitions are in [`state`].
+//!
+//! The two endpoints share one session frame, written once: the table of sessions and retired
+//! ids (`table.rs`), the peers, timers, outputs and counters (`shell.rs`), why a session stops
+//! (`stop.rs`), the handling of every input that does not depend on the role over what each
+//! role adds (`role.rs`), and the public surface both have (`surface.rs`). The `sender` and
+//! `receiver` modules keep only what is their own.
 
 mod config;
 mod counters;

@@ -1,5 +1,6 @@
 //! Stop and quiesce: failures, timeouts, cancels and lost peers end a session on both sides, and
-//! its blocks stay pinned until no writer can still write them.
+//! its blocks stay pinned until no writer can still write them. The receiver's part of the
+//! shared session frame (`EndpointRole`) is here.
 
 use super::*;
 

@@ -1,5 +1,6 @@
 //! Stop and quiesce: failures, timeouts, cancels and lost peers end a session on both sides, and
-//! its blocks stay pinned until no write of it can still land.
+//! its blocks stay pinned until no write of it can still land. The sender's part of the shared
+//! session frame (`EndpointRole`) is here.
 
 use super::*;
 
