@@ -18,12 +18,7 @@ const R: RequestId = RequestId(5);
 /// A connected pair with `R` registered (16 tokens, blocks 500..504) and opened, one chunk of
 /// 8 tokens submitted and its batch held by the test.
 fn one_held_batch() -> Net {
-    let mut net = Net::connected(1, 1);
-    net.auto_complete = false;
-    let mut source = TestSource::with(R, 100, 4);
-    net.register(0, registration(R, 16, &[0]));
-    net.open(0, send_request(R, &[0]));
-    net.submit(0, R, chunk(0, 8, 16, false), &mut source);
+    let (net, _) = Net::first_chunk_held(R);
     assert_eq!(net.held.len(), 1);
     net
 }

@@ -333,11 +333,7 @@ fn completion_timings(net: &Net, side: Side) -> kvpipe_core::session::RequestTim
 
 #[test]
 fn overlapping_slices_keep_the_burst_where_the_pipeline_last_drained() {
-    let mut net = Net::connected(1, 1);
-    net.auto_complete = false;
-    let mut source = TestSource::with(R, 100, 4);
-    net.register(0, registration(R, 16, &[0]));
-    net.open(0, send_request(R, &[0]));
+    let (mut net, mut source) = Net::held_pair(R, 16);
     let t0 = net.now;
     let ms = |m| t0 + kvpipe_core::Duration::from_millis(m);
     net.advance(kvpipe_core::Duration::from_millis(10));

@@ -39,11 +39,7 @@ fn registration_deadline() {
 
 #[test]
 fn write_completion_deadline() {
-    let mut net = Net::connected(1, 1);
-    net.auto_complete = false;
-    let mut source = TestSource::with(R, 100, 4);
-    net.register(0, registration(R, 16, &[0]));
-    net.open(0, send_request(R, &[0]));
+    let (mut net, mut source) = Net::held_pair(R, 16);
     net.submit(0, R, chunk(0, 16, 16, true), &mut source);
     net.advance(Duration::from_millis(200));
     assert!(timed_out(&net, Side::Sender(0), Wait::Writes));

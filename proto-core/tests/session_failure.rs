@@ -16,11 +16,7 @@ const R: RequestId = RequestId(11);
 
 #[test]
 fn failed_slice_fails_both_sides_at_once_naming_both_slices() {
-    let mut net = Net::connected(1, 1);
-    net.auto_complete = false;
-    let mut source = TestSource::with(R, 100, 6);
-    net.register(0, registration(R, 24, &[0]));
-    net.open(0, send_request(R, &[0]));
+    let (mut net, mut source) = Net::held_pair(R, 24);
     net.submit(0, R, chunk(0, 8, 24, false), &mut source);
     net.submit(0, R, chunk(8, 16, 24, false), &mut source);
     // Slice 1's writes fail while slice 0's are still in flight.
@@ -351,11 +347,7 @@ fn usage_errors_change_nothing() {
 
 #[test]
 fn refused_write_fails_both_sides_as_a_grant_violation() {
-    let mut net = Net::connected(1, 1);
-    net.auto_complete = false;
-    let mut source = TestSource::with(R, 100, 6);
-    net.register(0, registration(R, 24, &[0]));
-    net.open(0, send_request(R, &[0]));
+    let (mut net, mut source) = Net::held_pair(R, 24);
     net.submit(0, R, chunk(0, 8, 24, false), &mut source);
     // The writer's transport sends a data write outside the grant (block 500 + 100 was never
     // registered); the receiver refuses it.

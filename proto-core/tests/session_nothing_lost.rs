@@ -381,11 +381,7 @@ fn a_declared_part_completes_with_its_own_writer_and_refuses_others() {
 /// second copy is refused and the request fails instead of completing without the tail.
 #[test]
 fn a_duplicated_write_plus_an_omission_of_the_same_size_does_not_complete() {
-    let mut net = Net::connected(1, 1);
-    net.auto_complete = false;
-    let mut source = TestSource::with(R, 100, 4);
-    net.register(0, registration(R, 16, &[0]));
-    net.open(0, send_request(R, &[0]));
+    let (mut net, mut source) = Net::held_pair(R, 16);
     net.submit(0, R, chunk(0, 16, 16, true), &mut source);
     let held = net.held.remove(0);
     let extent = *held.plan.extents().first().expect("one coalesced extent");

@@ -71,11 +71,7 @@ fn batches_and_results_leave_in_slice_order() {
 
 #[test]
 fn result_of_a_slice_waits_for_its_writes() {
-    let mut net = Net::connected(1, 1);
-    net.auto_complete = false;
-    let mut source = TestSource::with(R, 100, 6);
-    net.register(0, registration(R, 24, &[0]));
-    net.open(0, send_request(R, &[0]));
+    let (mut net, mut source) = Net::held_pair(R, 24);
     net.submit(0, R, chunk(0, 8, 24, false), &mut source);
     assert_eq!(net.held.len(), 1);
     assert!(
@@ -89,11 +85,7 @@ fn result_of_a_slice_waits_for_its_writes() {
 
 #[test]
 fn later_slice_completing_first_waits_for_the_earlier_result() {
-    let mut net = Net::connected(1, 1);
-    net.auto_complete = false;
-    let mut source = TestSource::with(R, 100, 6);
-    net.register(0, registration(R, 24, &[0]));
-    net.open(0, send_request(R, &[0]));
+    let (mut net, mut source) = Net::held_pair(R, 24);
     three_chunks(&mut net, &mut source);
     assert_eq!(net.held.len(), 3);
     // Complete slices 2 (the last) and 1 before 0.
@@ -115,11 +107,7 @@ fn later_slice_completing_first_waits_for_the_earlier_result() {
 
 #[test]
 fn is_last_waits_for_every_earlier_slice() {
-    let mut net = Net::connected(1, 1);
-    net.auto_complete = false;
-    let mut source = TestSource::with(R, 100, 6);
-    net.register(0, registration(R, 24, &[0]));
-    net.open(0, send_request(R, &[0]));
+    let (mut net, mut source) = Net::held_pair(R, 24);
     three_chunks(&mut net, &mut source);
     net.aux(0, R);
     net.complete_held(2);

@@ -17,12 +17,7 @@ fn quiesced(net: &Net, side: Side) -> bool {
 
 #[test]
 fn cancelled_sender_quiesces_only_after_the_transport_reports_its_batch() {
-    let mut net = Net::connected(1, 1);
-    net.auto_complete = false;
-    let mut source = TestSource::with(R, 100, 4);
-    net.register(0, registration(R, 16, &[0]));
-    net.open(0, send_request(R, &[0]));
-    net.submit(0, R, chunk(0, 8, 16, false), &mut source);
+    let (mut net, _) = Net::first_chunk_held(R);
     let now = net.now;
     net.senders[0].cancel(now, R).unwrap();
     net.pump();
@@ -52,12 +47,7 @@ fn cancelled_sender_quiesces_only_after_the_transport_reports_its_batch() {
 
 #[test]
 fn receiver_fences_a_writer_that_never_confirms() {
-    let mut net = Net::connected(1, 1);
-    net.auto_complete = false;
-    let mut source = TestSource::with(R, 100, 4);
-    net.register(0, registration(R, 16, &[0]));
-    net.open(0, send_request(R, &[0]));
-    net.submit(0, R, chunk(0, 8, 16, false), &mut source);
+    let (mut net, _) = Net::first_chunk_held(R);
     // Frames stop flowing; the receiver's engine cancels.
     net.cut.insert((0, 0));
     let now = net.now;
@@ -94,12 +84,7 @@ fn receiver_fences_a_writer_that_never_confirms() {
 
 #[test]
 fn sender_fences_a_batch_the_transport_never_reports() {
-    let mut net = Net::connected(1, 1);
-    net.auto_complete = false;
-    let mut source = TestSource::with(R, 100, 4);
-    net.register(0, registration(R, 16, &[0]));
-    net.open(0, send_request(R, &[0]));
-    net.submit(0, R, chunk(0, 8, 16, false), &mut source);
+    let (mut net, _) = Net::first_chunk_held(R);
     let now = net.now;
     net.senders[0].cancel(now, R).unwrap();
     net.pump();

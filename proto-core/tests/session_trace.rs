@@ -56,12 +56,7 @@ fn trace_two_chunk_transfer() {
 
 #[test]
 fn trace_write_failure_with_a_batch_in_flight() {
-    let mut net = Net::connected(1, 1);
-    net.auto_complete = false;
-    let mut source = TestSource::with(R, 100, 4);
-    net.register(0, registration(R, 16, &[0]));
-    net.open(0, send_request(R, &[0]));
-    net.submit(0, R, chunk(0, 8, 16, false), &mut source);
+    let (mut net, mut source) = Net::first_chunk_held(R);
     net.submit(0, R, chunk(8, 16, 16, true), &mut source);
     net.fail_held(1, TransferStatus::WriteFailed);
     net.complete_held(0);
@@ -70,12 +65,7 @@ fn trace_write_failure_with_a_batch_in_flight() {
 
 #[test]
 fn trace_receiver_fence_after_lost_confirmation() {
-    let mut net = Net::connected(1, 1);
-    net.auto_complete = false;
-    let mut source = TestSource::with(R, 100, 4);
-    net.register(0, registration(R, 16, &[0]));
-    net.open(0, send_request(R, &[0]));
-    net.submit(0, R, chunk(0, 8, 16, false), &mut source);
+    let (mut net, _) = Net::first_chunk_held(R);
     net.cut.insert((0, 0));
     let now = net.now;
     net.receivers[0].cancel(now, R).unwrap();

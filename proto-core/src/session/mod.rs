@@ -55,6 +55,12 @@
 //!   write of that connection touches memory on either side.
 //!
 //! Phases and their checked transitions are in [`state`].
+//!
+//! The two endpoints share one session frame, written once: the table of sessions and retired
+//! ids (`table.rs`), the peers, timers, outputs and counters (`shell.rs`), why a session stops
+//! (`stop.rs`), the handling of every input that does not depend on the role over what each
+//! role adds (`role.rs`), and the public surface both have (`surface.rs`). The `sender` and
+//! `receiver` modules keep only what is their own.
 
 mod config;
 mod counters;
@@ -65,9 +71,13 @@ mod peers;
 mod receiver;
 mod remembered;
 mod retired;
+mod role;
 mod sender;
 mod shell;
 pub mod state;
+mod stop;
+mod surface;
+mod table;
 mod timers;
 mod transport;
 
@@ -364,6 +374,14 @@ pub(crate) fn frame_kind(frame: &Frame) -> &'static str {
         Frame::Heartbeat(_) => "Heartbeat",
         Frame::DataWrite(_) => "DataWrite",
     }
+}
+
+/// The body length of `frame` and the most a frame may carry, when the frame is too large to
+/// send: the engine's input that built it is refused.
+pub(crate) fn oversized(frame: &Frame) -> Option<(u64, u64)> {
+    let len = frame.body_len() as u64;
+    let max = u64::from(crate::wire::MAX_BODY_LEN);
+    (len > max).then_some((len, max))
 }
 
 /// Checks that every group's registered ordinals end exactly at the prompt's last block: never

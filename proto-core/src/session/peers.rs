@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, VecDeque};
 use bytes::Bytes;
 
 use super::config::Deadlines;
-use super::state::{PeerEvent, PeerPhase, Transition};
+use super::state::{PeerEvent, PeerPhase};
 use super::timers::{TimerKey, Timers};
 use super::{CloseReason, Counters, Event, Output, ProtocolError, UsageError};
 use crate::ids::PeerId;
@@ -102,13 +102,7 @@ impl PeerTable {
     }
 
     fn step(entry: &mut PeerEntry, event: PeerEvent) -> bool {
-        match entry.phase.on(event) {
-            Transition::To(p) => {
-                entry.phase = p;
-                true
-            }
-            Transition::Ignored | Transition::Refused => false,
-        }
+        entry.phase.on(event).advance(&mut entry.phase)
     }
 
     pub(crate) fn connected(
@@ -338,16 +332,7 @@ impl PeerTable {
                         Self::step(entry, PeerEvent::Rejected);
                         counters.peers_rejected += 1;
                         self.emit(peer, Frame::HelloReject(reject.clone()), out, counters);
-                        out.push_back(Output::Event(Event::PeerRejected {
-                            peer,
-                            reason: reject.reason,
-                            message: reject.message,
-                        }));
-                        counters.peers_closed += 1;
-                        out.push_back(Output::ClosePeer {
-                            peer,
-                            reason: CloseReason::HandshakeRejected,
-                        });
+                        close_rejected(peer, reject, CloseReason::HandshakeRejected, out, counters);
                         Ok(Route::Done)
                     }
                 }
@@ -355,16 +340,7 @@ impl PeerTable {
             Frame::HelloReject(reject) => {
                 Self::step(entry, PeerEvent::Rejected);
                 counters.peers_rejected += 1;
-                out.push_back(Output::Event(Event::PeerRejected {
-                    peer,
-                    reason: reject.reason,
-                    message: reject.message,
-                }));
-                counters.peers_closed += 1;
-                out.push_back(Output::ClosePeer {
-                    peer,
-                    reason: CloseReason::RejectedByPeer,
-                });
+                close_rejected(peer, reject, CloseReason::RejectedByPeer, out, counters);
                 Ok(Route::Done)
             }
             Frame::HelloAccept(_) | Frame::Heartbeat(_) => Ok(Route::Done),
@@ -476,6 +452,24 @@ fn past_handshake_limit(bytes: &[u8]) -> Option<DecodeError> {
 /// sound topologies, and pool layouts the planner can pair group by group. A mismatch is
 /// refused at the handshake naming the first difference, instead of failing every request at
 /// its first slice.
+/// Tells the engine the handshake with `peer` was refused (`reject`, by either side) and asks
+/// the transport to close the peer.
+fn close_rejected(
+    peer: PeerId,
+    reject: HelloReject,
+    reason: CloseReason,
+    out: &mut VecDeque<Output>,
+    counters: &mut Counters,
+) {
+    out.push_back(Output::Event(Event::PeerRejected {
+        peer,
+        reason: reject.reason,
+        message: reject.message,
+    }));
+    counters.peers_closed += 1;
+    out.push_back(Output::ClosePeer { peer, reason });
+}
+
 fn check_pairing(local: &Hello, remote: &Hello) -> Result<(), HelloReject> {
     for (who, t) in [("local", &local.topology), ("remote", &remote.topology)] {
         if let Some(problem) = topology_problem(t) {

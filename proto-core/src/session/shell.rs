@@ -1,6 +1,7 @@
 //! What both endpoints hold around their sessions: the peers (handshake, codec, liveness), the
-//! timers, the output queue, the counters and the remembered cancels — and the handling of the
-//! transport inputs that do not depend on the role.
+//! timers, the output queue, the counters and the remembered cancels — and the reports both
+//! roles make alike (a stop, a completion, a quiesce). `role.rs` handles the transport inputs
+//! that do not depend on the role over it.
 
 use std::collections::VecDeque;
 
@@ -9,11 +10,14 @@ use bytes::Bytes;
 use super::config::Deadlines;
 use super::peers::{PeerExpiry, PeerTable, Route};
 use super::remembered::Remembered;
+use super::stop::Stop;
 use super::timers::{TimerKey, Timers};
-use super::{CancelOrigin, CloseReason, Counters, Event, Output, ProtocolError, UsageError};
-use crate::ids::{PeerId, RequestId};
+use super::{
+    CancelOrigin, CloseReason, Counters, Event, Output, ProtocolError, RequestTimings, UsageError,
+};
+use crate::ids::{PeerId, ReceiverSliceId, RequestId};
 use crate::time::Instant;
-use crate::wire::{Frame, Hello};
+use crate::wire::{AuxData, Frame, Hello};
 
 /// A deadline that passed and concerns the role's sessions.
 pub(crate) enum Due {
@@ -66,6 +70,51 @@ impl Shell {
     pub(crate) fn violation(&mut self, peer: PeerId, error: ProtocolError) {
         self.counters.protocol_errors += 1;
         self.event(Event::ProtocolViolation { peer, error });
+    }
+
+    /// Reports that `request` stopped: counts the stop, tells the engine (a failure names
+    /// `receiver_slice`) and arms the quiesce deadline `quiesce_at`.
+    pub(crate) fn stopped(
+        &mut self,
+        request: RequestId,
+        why: Stop,
+        receiver_slice: Option<ReceiverSliceId>,
+        quiesce_at: Instant,
+    ) {
+        self.counters.failures.bump(why.status());
+        match why {
+            Stop::TimedOut(_) => self.counters.timeouts += 1,
+            Stop::Cancelled(_) => self.counters.cancellations += 1,
+            Stop::Failed { .. } => {}
+        }
+        self.event(why.event(request, receiver_slice));
+        self.timers.arm(quiesce_at, TimerKey::Request(request));
+    }
+
+    /// Reports that `request` completed (nothing is in flight, so it is quiesced at once).
+    pub(crate) fn completed(
+        &mut self,
+        request: RequestId,
+        bytes_written: u64,
+        aux: Option<AuxData>,
+        timings: RequestTimings,
+        blocks_pinned: u64,
+    ) {
+        self.counters.completions += 1;
+        self.event(Event::Completed {
+            request,
+            bytes_written,
+            aux,
+            timings,
+        });
+        self.quiesced(request, blocks_pinned);
+    }
+
+    /// Reports that no write of `request` can touch its `blocks_pinned` blocks any more.
+    pub(crate) fn quiesced(&mut self, request: RequestId, blocks_pinned: u64) {
+        self.counters.quiesced += 1;
+        self.counters.blocks_released += blocks_pinned;
+        self.event(Event::Quiesced { request });
     }
 
     pub(crate) fn close(&mut self, peer: PeerId, reason: CloseReason) {

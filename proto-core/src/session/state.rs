@@ -80,6 +80,58 @@ pub enum Transition<P> {
     Refused,
 }
 
+impl<P> Transition<P> {
+    /// Moves `phase` when the event applies (`To`); returns whether it did. An ignored or
+    /// refused event leaves `phase` as it was.
+    pub(crate) fn advance(self, phase: &mut P) -> bool {
+        match self {
+            Transition::To(p) => {
+                *phase = p;
+                true
+            }
+            Transition::Ignored | Transition::Refused => false,
+        }
+    }
+}
+
+/// What both endpoints ask of a session phase, whatever the role.
+pub(crate) trait SessionPhase: Copy {
+    /// The phase reported for a retired (and still remembered) request.
+    const RETIRED: Self;
+    /// Whether the session still transfers (not ended).
+    fn is_active(self) -> bool;
+    /// Whether the engine may retire the session now (it completed or quiesced).
+    fn may_retire(self) -> bool;
+    /// The phase a stop moves an active session to (`None`: it ended already).
+    fn stopped(self) -> Option<Self>;
+}
+
+impl SessionPhase for SendPhase {
+    const RETIRED: Self = SendPhase::Retired;
+    fn is_active(self) -> bool {
+        SendPhase::is_active(self)
+    }
+    fn may_retire(self) -> bool {
+        matches!(self.on(SendEvent::Retire), Transition::To(_))
+    }
+    fn stopped(mut self) -> Option<Self> {
+        self.on(SendEvent::Stop).advance(&mut self).then_some(self)
+    }
+}
+
+impl SessionPhase for RecvPhase {
+    const RETIRED: Self = RecvPhase::Retired;
+    fn is_active(self) -> bool {
+        RecvPhase::is_active(self)
+    }
+    fn may_retire(self) -> bool {
+        matches!(self.on(RecvEvent::Retire), Transition::To(_))
+    }
+    fn stopped(mut self) -> Option<Self> {
+        self.on(RecvEvent::Stop).advance(&mut self).then_some(self)
+    }
+}
+
 impl SendPhase {
     /// Every phase, in table order.
     pub const ALL: [SendPhase; 6] = [

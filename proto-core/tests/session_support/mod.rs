@@ -597,6 +597,26 @@ impl Net {
         self.senders[i].open_request(now, req).unwrap();
         self.pump();
     }
+
+    /// One sender and one receiver, connected, whose write batches are held for the test, with
+    /// `request` registered (`prompt_len` tokens) and opened; the returned source holds the
+    /// prompt's blocks (from block 100).
+    pub fn held_pair(request: RequestId, prompt_len: u32) -> (Net, TestSource) {
+        let mut net = Net::connected(1, 1);
+        net.auto_complete = false;
+        let source = TestSource::with(request, 100, prompt_len / TPB);
+        net.register(0, registration(request, prompt_len, &[0]));
+        net.open(0, send_request(request, &[0]));
+        (net, source)
+    }
+
+    /// [`held_pair`](Self::held_pair) for a 16-token prompt whose first chunk (8 tokens) was
+    /// submitted.
+    pub fn first_chunk_held(request: RequestId) -> (Net, TestSource) {
+        let (mut net, mut source) = Net::held_pair(request, 16);
+        net.submit(0, request, chunk(0, 8, 16, false), &mut source);
+        (net, source)
+    }
 }
 
 pub fn is_event(e: &Event, f: impl Fn(&Event) -> bool) -> bool {

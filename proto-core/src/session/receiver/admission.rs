@@ -44,8 +44,8 @@ impl Receiver {
             return Err(WriteRefusal::PeerNotReady(peer));
         }
         let request = w.request;
-        let Some(session) = self.sessions.get_mut(&request) else {
-            return match self.retired.get(request) {
+        let Some(session) = self.sessions.live.get_mut(&request) else {
+            return match self.sessions.retired.get(request) {
                 Some(r) if r.grant == w.grant && r.writers.contains(&peer) => {
                     self.shell.counters.late_writes += 1;
                     Ok(Admission::Discard { len: w.len })
@@ -121,20 +121,12 @@ impl Receiver {
             _ => None,
         };
         if let Some(request) = named {
-            let writer = self
-                .sessions
-                .get(&request)
-                .is_some_and(|s| s.phase.is_active() && s.writers.iter().any(|w| w.peer == peer));
+            let writer =
+                self.sessions.live.get(&request).is_some_and(|s| {
+                    s.phase.is_active() && s.writers.iter().any(|w| w.peer == peer)
+                });
             if writer {
-                self.stop(
-                    now,
-                    request,
-                    Stop::Failed {
-                        cause: TransferStatus::GrantViolation,
-                        peer: Some(peer),
-                        slice: None,
-                    },
-                );
+                self.stop(now, request, Stop::by(peer, TransferStatus::GrantViolation));
             }
         }
         self.shell
@@ -156,7 +148,7 @@ impl Receiver {
             return Err(UsageError::UnknownTicket(ticket));
         };
         let request = flight.request;
-        let Some(session) = self.sessions.get_mut(&request) else {
+        let Some(session) = self.sessions.live.get_mut(&request) else {
             return Ok(());
         };
         session.writes_in_flight = session.writes_in_flight.saturating_sub(1);
@@ -164,7 +156,7 @@ impl Receiver {
             session.timings.first_byte.get_or_insert(now);
             session.timings.last_byte = Some(now);
             self.note_progress(now, request);
-            let session = self.sessions.get_mut(&request).expect("present");
+            let session = self.sessions.live.get_mut(&request).expect("present");
             session
                 .landed
                 .insert(flight.region, flight.offset, flight.offset + flight.len);
@@ -176,6 +168,7 @@ impl Receiver {
         }
         if self
             .sessions
+            .live
             .get(&request)
             .is_some_and(|s| s.phase == RecvPhase::Stopping)
         {

@@ -8,21 +8,13 @@ impl Receiver {
         let Some(w) = self.locate(now, peer, request, "AuxResult") else {
             return;
         };
-        let session = self.sessions.get_mut(&request).expect("located");
+        let session = self.sessions.live.get_mut(&request).expect("located");
         if !session.phase.is_active() || session.writers[w].aux {
             self.shell.counters.duplicates += 1;
             return;
         }
         if aux.status != TransferStatus::Success {
-            self.stop(
-                now,
-                request,
-                Stop::Failed {
-                    cause: aux.status,
-                    peer: Some(peer),
-                    slice: None,
-                },
-            );
+            self.stop(now, request, Stop::by(peer, aux.status));
             return;
         }
         let len = aux_encoded_len(&aux.data);

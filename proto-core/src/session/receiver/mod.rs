@@ -1,7 +1,9 @@
-//! The decode-side endpoint, split by concern: the [`Receiver`] type with its getters, commands
-//! and input dispatch here; registration ([`registration`]), admission of data writes
-//! ([`admission`]), held results ([`results`]), aux data ([`aux`]) and stop/quiesce ([`stop`])
-//! in their own files, each an `impl Receiver` block over the state defined here.
+//! The decode-side endpoint, split by concern: the [`Receiver`] type with its own getters,
+//! commands and input dispatch here; registration ([`registration`]), admission of data writes
+//! ([`admission`]), held results ([`results`]), aux data ([`aux`]) and stop/quiesce ([`stop`],
+//! the receiver's part of the shared session frame) in their own files, each an
+//! `impl Receiver` block over the state defined here. What both endpoints share is written once
+//! in the parent module (`surface.rs`, `role.rs`, `table.rs`, `stop.rs`, `shell.rs`).
 
 mod admission;
 mod aux;
@@ -10,25 +12,30 @@ mod results;
 mod session;
 mod stop;
 
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::collections::{BTreeSet, VecDeque};
 
-use session::{RecvSession, RetiredGrant, Stop, Writer, MAX_HELD_FRAMES};
+use session::{RecvSession, RetiredGrant, Writer, MAX_HELD_FRAMES};
 
 use smallvec::SmallVec;
 
 use super::config::ReceiverConfig;
 use super::coverage::{check_group_cover, GroupPart};
 use super::grants::{Flight, GrantedExtents, LandedExtents, WritesInFlight};
-use super::peers::Route;
-use super::retired::Retired;
-use super::shell::{Due, Shell};
+use super::role::EndpointRole;
+use super::shell::Shell;
 use super::state::{RecvEvent, RecvPhase, Transition, WriterEvent, WriterPhase};
+use super::stop::Stop;
+use super::surface::{endpoint_surface, InputLog};
+use super::table::{named_twice, CancelStep, HeldSession, SessionTable};
 use super::timers::TimerKey;
 use super::transport::{Admission, DataPath, Endpoint, TransportInput, WriteRefusal};
 use super::{
-    frame_kind, CancelOrigin, CloseReason, Counters, Event, Output, ProtocolError, RequestTimings,
-    UsageError, Wait,
+    frame_kind, oversized, CancelOrigin, CloseReason, Counters, Output, ProtocolError,
+    RequestTimings, UsageError, Wait,
 };
+// The events are named by the docs; the shell reports them.
+#[cfg(doc)]
+use super::Event;
 use crate::blocks::AnchoredRun;
 use crate::geometry::{stale_boundary, total_blocks};
 use crate::ids::{GrantId, GroupIndex, PeerId, ReceiverSliceId, RequestId, SenderSliceId};
@@ -36,7 +43,7 @@ use crate::shard::writes_group;
 use crate::time::Instant;
 use crate::wire::{
     AuxData, AuxResult, Cancel, CancelReason, DataWrite, Frame, KvResult, RecvRegistration, Role,
-    TransferStatus, MAX_BODY_LEN,
+    TransferStatus,
 };
 
 /// One input to a [`Receiver`]: everything that can change its state, as data, so a recorded
@@ -142,13 +149,22 @@ pub struct Registration {
 pub struct Receiver {
     config: ReceiverConfig,
     shell: Shell,
-    sessions: BTreeMap<RequestId, RecvSession>,
-    retired: Retired<RetiredGrant>,
+    sessions: SessionTable<RecvSession, RetiredGrant>,
     writes: WritesInFlight,
     next_slice: u32,
     grant_state: u64,
-    recorded: Option<Vec<ReceiverInput>>,
+    recorded: InputLog<ReceiverInput>,
 }
+
+// The getters, outputs, recording, shared inputs and the `Endpoint` trait every endpoint has
+// (see `surface.rs`).
+endpoint_surface!(
+    Receiver,
+    Role::Receiver,
+    ReceiverInput,
+    RecvPhase,
+    ReceiverConfig
+);
 
 impl Receiver {
     /// A receiver with no peers and no sessions, or the first reason its configuration cannot
@@ -158,43 +174,20 @@ impl Receiver {
         let hello = config.local.to_hello(Role::Receiver);
         Ok(Receiver {
             shell: Shell::new(hello, config.deadlines, config.max_remembered_cancels),
-            sessions: BTreeMap::new(),
-            retired: Retired::new(config.retired_horizon, config.max_retired),
+            sessions: SessionTable::new(config.retired_horizon, config.max_retired),
             writes: WritesInFlight::default(),
             next_slice: 0,
             grant_state: config.grant_seed,
-            recorded: None,
+            recorded: InputLog::off(),
             config,
         })
     }
 
     // ----- getters -----
 
-    /// The configuration.
-    pub fn config(&self) -> &ReceiverConfig {
-        &self.config
-    }
-
-    /// What the receiver has done so far.
-    pub fn counters(&self) -> &Counters {
-        &self.shell.counters
-    }
-
-    /// The phase of `request`'s session: `None` if unknown, [`RecvPhase::Retired`] if retired
-    /// (and still remembered).
-    pub fn phase(&self, request: RequestId) -> Option<RecvPhase> {
-        if let Some(s) = self.sessions.get(&request) {
-            Some(s.phase)
-        } else if self.retired.contains(request) {
-            Some(RecvPhase::Retired)
-        } else {
-            None
-        }
-    }
-
     /// The phase of writer `peer` within `request`'s session.
     pub fn writer_phase(&self, request: RequestId, peer: PeerId) -> Option<WriterPhase> {
-        let session = self.sessions.get(&request)?;
+        let session = self.sessions.live.get(&request)?;
         session
             .writers
             .iter()
@@ -204,27 +197,12 @@ impl Receiver {
 
     /// The memory grant of `request`'s registration.
     pub fn grant(&self, request: RequestId) -> Option<GrantId> {
-        self.sessions.get(&request).map(|s| s.frame.grant)
+        self.sessions.live.get(&request).map(|s| s.frame.grant)
     }
 
     /// The destination bytes granted to `request`.
     pub fn granted_extents(&self, request: RequestId) -> Option<&GrantedExtents> {
-        self.sessions.get(&request).map(|s| &s.extents)
-    }
-
-    /// Sessions held (not yet retired).
-    pub fn session_count(&self) -> usize {
-        self.sessions.len()
-    }
-
-    /// Connected peers (handshaking, ready or closing).
-    pub fn peer_count(&self) -> usize {
-        self.shell.peers.len()
-    }
-
-    /// Whether the handshake with `peer` completed.
-    pub fn is_peer_ready(&self, peer: PeerId) -> bool {
-        self.shell.peers.is_ready(peer)
+        self.sessions.live.get(&request).map(|s| &s.extents)
     }
 
     /// The layer groups `peer` described in its handshake (its windows among them: a sender
@@ -234,44 +212,9 @@ impl Receiver {
         self.shell.peers.remote(peer).map(|h| h.groups.as_slice())
     }
 
-    /// Retired request ids remembered now (at most one horizon's retirements, see
-    /// [`ReceiverConfig::retired_horizon`](super::ReceiverConfig::retired_horizon)).
-    pub fn retired_count(&self) -> usize {
-        self.retired.len()
-    }
-
     /// Admitted data writes not reported finished yet.
     pub fn writes_in_flight(&self) -> usize {
         self.writes.len()
-    }
-
-    // ----- outputs -----
-
-    /// The next output, or `None` when there is nothing to do until the next input.
-    pub fn poll_output(&mut self) -> Option<Output> {
-        self.shell.outputs.pop_front()
-    }
-
-    /// When to deliver [`TransportInput::Timeout`] next (`None`: no deadline pending).
-    pub fn poll_timeout(&mut self) -> Option<Instant> {
-        self.shell.timers.next()
-    }
-
-    // ----- recording -----
-
-    /// Starts (or stops, with `false`) recording every input applied, for
-    /// [`take_recorded_inputs`](Self::take_recorded_inputs). Inputs refused with a usage error
-    /// are not recorded (they changed nothing).
-    pub fn record_inputs(&mut self, on: bool) {
-        self.recorded = on.then(Vec::new);
-    }
-
-    /// The inputs applied since recording started (recording goes on).
-    pub fn take_recorded_inputs(&mut self) -> Vec<ReceiverInput> {
-        self.recorded
-            .as_mut()
-            .map(std::mem::take)
-            .unwrap_or_default()
     }
 
     // ----- commands -----
@@ -300,45 +243,22 @@ impl Receiver {
         })?;
         Ok(self
             .sessions
+            .live
             .get(&request)
             .map(|s| s.frame.slice)
             .expect("registered above"))
     }
 
-    /// Cancels `request` (see [`ReceiverInput::Cancel`]).
-    pub fn cancel(&mut self, now: Instant, request: RequestId) -> Result<(), UsageError> {
-        self.handle_input(ReceiverInput::Cancel { now, request })
-    }
-
-    /// Retires `request` (see [`ReceiverInput::Retire`]).
-    pub fn retire(&mut self, now: Instant, request: RequestId) -> Result<(), UsageError> {
-        self.handle_input(ReceiverInput::Retire { now, request })
-    }
-
     // ----- inputs -----
 
-    /// Applies one input. Returns a usage error, with nothing changed, for a caller bug.
-    pub fn handle_input(&mut self, input: ReceiverInput) -> Result<(), UsageError> {
-        let recorded = self.recorded.is_some().then(|| input.clone());
+    /// Applies one of the endpoint's own inputs (see [`handle_input`](Self::handle_input)).
+    fn apply(&mut self, input: ReceiverInput) -> Result<(), UsageError> {
         match input {
             ReceiverInput::Transport { now, input } => self.on_transport(now, input).map(|_| ()),
             ReceiverInput::Register { now, registration } => self.on_register(now, registration),
             ReceiverInput::Cancel { now, request } => self.on_cancel(now, request),
             ReceiverInput::Retire { now, request } => self.on_retire(now, request),
-        }?;
-        if let (Some(log), Some(input)) = (&mut self.recorded, recorded) {
-            log.push(input);
         }
-        Ok(())
-    }
-
-    /// Applies what the transport saw (see [`ReceiverInput::Transport`]).
-    pub fn handle_transport(
-        &mut self,
-        now: Instant,
-        input: TransportInput,
-    ) -> Result<(), UsageError> {
-        self.handle_input(ReceiverInput::Transport { now, input })
     }
 
     /// Asks whether the data write whose decoded header is `header` may be applied (see
@@ -350,15 +270,13 @@ impl Receiver {
             peer,
             header: *header,
         };
-        let recorded = self.recorded.is_some().then(|| ReceiverInput::Transport {
+        let recorded = self.recorded.is_on().then(|| ReceiverInput::Transport {
             now,
             input: input.clone(),
         });
         match self.on_transport(now, input) {
             Ok(Some(admission)) => {
-                if let (Some(log), Some(input)) = (&mut self.recorded, recorded) {
-                    log.push(input);
-                }
+                self.recorded.push_copy(recorded);
                 admission
             }
             Ok(None) | Err(_) => Admission::Refuse(WriteRefusal::PeerNotReady(peer)),
@@ -373,25 +291,10 @@ impl Receiver {
         now: Instant,
         input: TransportInput,
     ) -> Result<Option<Admission>, UsageError> {
+        let Some(input) = self.on_shared_transport(now, input)? else {
+            return Ok(None);
+        };
         match input {
-            TransportInput::PeerConnected { peer } => self.shell.connected(now, peer)?,
-            TransportInput::PeerDisconnected { peer } => self.on_disconnected(now, peer)?,
-            TransportInput::FrameReceived { peer, bytes } => {
-                match self.shell.frame(now, peer, &bytes)? {
-                    Route::Done => {}
-                    Route::BecameReady => self.on_peer_ready(now, peer),
-                    Route::Session(frame) => self.on_session_frame(now, peer, frame),
-                    Route::Malformed => self.fail_peer_sessions(
-                        now,
-                        peer,
-                        Stop::Failed {
-                            cause: TransferStatus::ProtocolError,
-                            peer: Some(peer),
-                            slice: None,
-                        },
-                    ),
-                }
-            }
             TransportInput::WritesCompleted { .. } | TransportInput::WritesFailed { .. } => {
                 return Err(UsageError::WrongRole {
                     input: "a write batch report",
@@ -405,62 +308,12 @@ impl Receiver {
                 self.on_write_finished(now, ticket, landed)?
             }
             TransportInput::DataArriving { peer } => self.shell.peers.alive(now, peer)?,
-            TransportInput::Timeout => {
-                for due in self.shell.due(now) {
-                    match due {
-                        Due::Handshake(peer) => {
-                            self.fail_peer_sessions(now, peer, Stop::TimedOut(Wait::Handshake))
-                        }
-                        Due::Liveness(peer) => {
-                            self.fail_peer_sessions(now, peer, Stop::TimedOut(Wait::Liveness))
-                        }
-                        Due::Request(request) => self.on_request_timeout(now, request),
-                    }
-                }
-            }
+            // The shared frame took these.
+            TransportInput::PeerConnected { .. }
+            | TransportInput::PeerDisconnected { .. }
+            | TransportInput::FrameReceived { .. }
+            | TransportInput::Timeout => {}
         }
         Ok(None)
-    }
-}
-
-impl Endpoint for Receiver {
-    fn role(&self) -> Role {
-        Role::Receiver
-    }
-
-    fn handle_transport(&mut self, now: Instant, input: TransportInput) -> Result<(), UsageError> {
-        Receiver::handle_transport(self, now, input)
-    }
-
-    fn admit_write(&mut self, now: Instant, peer: PeerId, header: &DataWrite) -> Admission {
-        Receiver::admit_write(self, now, peer, header)
-    }
-
-    fn poll_output(&mut self) -> Option<Output> {
-        Receiver::poll_output(self)
-    }
-
-    fn poll_timeout(&mut self) -> Option<Instant> {
-        Receiver::poll_timeout(self)
-    }
-
-    fn counters(&self) -> &Counters {
-        Receiver::counters(self)
-    }
-
-    fn is_peer_ready(&self, peer: PeerId) -> bool {
-        Receiver::is_peer_ready(self, peer)
-    }
-
-    fn frame_body_limit(&self, peer: PeerId) -> u32 {
-        self.shell.peers.body_limit(peer)
-    }
-
-    fn peer_count(&self) -> usize {
-        Receiver::peer_count(self)
-    }
-
-    fn session_count(&self) -> usize {
-        Receiver::session_count(self)
     }
 }

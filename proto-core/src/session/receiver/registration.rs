@@ -11,19 +11,12 @@ impl Receiver {
         reg: Registration,
     ) -> Result<(), UsageError> {
         let request = reg.request;
-        if self.retired.contains(request) {
-            return Err(UsageError::Retired(request));
-        }
-        if self.sessions.contains_key(&request) {
-            return Err(UsageError::DuplicateRequest(request));
-        }
+        self.sessions.check_new(request)?;
         if reg.writers.is_empty() {
             return Err(UsageError::NoPeers(request));
         }
-        for (i, p) in reg.writers.iter().enumerate() {
-            if reg.writers[..i].contains(p) {
-                return Err(UsageError::DuplicatePeer { request, peer: *p });
-            }
+        if let Some(peer) = named_twice(&reg.writers) {
+            return Err(UsageError::DuplicatePeer { request, peer });
         }
         let expected = self.config.local.groups.len();
         if reg.groups.len() != expected {
@@ -60,13 +53,8 @@ impl Receiver {
             groups: reg.groups,
         };
         let frame = Frame::RecvRegistration(frame);
-        let len = frame.body_len() as u64;
-        if len > u64::from(MAX_BODY_LEN) {
-            return Err(UsageError::RegistrationTooLarge {
-                request,
-                len,
-                max: u64::from(MAX_BODY_LEN),
-            });
+        if let Some((len, max)) = oversized(&frame) {
+            return Err(UsageError::RegistrationTooLarge { request, len, max });
         }
         // A registration the wire cannot carry (a hand-built run that is not canonical) would
         // never reach a writer and the request would wait out its deadline: refuse it now.
@@ -88,7 +76,7 @@ impl Receiver {
             + crate::time::Duration::from_nanos(
                 per_token.saturating_mul(u64::from(frame.prompt_len)),
             );
-        self.sessions.insert(
+        self.sessions.live.insert(
             request,
             RecvSession {
                 phase: RecvPhase::Receiving,
@@ -150,6 +138,7 @@ impl Receiver {
     fn send_registrations(&mut self, now: Instant, request: RequestId) {
         let ready: SmallVec<[PeerId; 2]> = self
             .sessions
+            .live
             .get(&request)
             .map(|s| {
                 (s.writers.iter())
@@ -165,47 +154,24 @@ impl Receiver {
     }
 
     pub(super) fn on_cancel(&mut self, now: Instant, request: RequestId) -> Result<(), UsageError> {
-        if self.retired.contains(request) {
-            return Err(UsageError::Retired(request));
-        }
-        match self.sessions.get(&request) {
-            None => self
+        match self.sessions.cancel_step(request)? {
+            CancelStep::Remember => self
                 .shell
                 .remembered_cancels
                 .insert(request, CancelOrigin::Local),
-            Some(s) if s.phase.is_active() => {
-                self.stop(now, request, Stop::Cancelled(CancelOrigin::Local))
-            }
-            Some(_) => {}
+            CancelStep::Stop => self.stop(now, request, Stop::Cancelled(CancelOrigin::Local)),
+            CancelStep::Ended => {}
         }
         Ok(())
     }
 
     pub(super) fn on_retire(&mut self, now: Instant, request: RequestId) -> Result<(), UsageError> {
-        if self.retired.contains(request) {
-            return Err(UsageError::Retired(request));
-        }
-        let s = self
-            .sessions
-            .get(&request)
-            .ok_or(UsageError::UnknownRequest(request))?;
-        match s.phase.on(RecvEvent::Retire) {
-            Transition::To(_) => {
-                let s = self.sessions.remove(&request).expect("present");
-                self.retired.insert(
-                    now,
-                    request,
-                    RetiredGrant {
-                        grant: s.frame.grant,
-                        writers: s.writers.iter().map(|w| w.peer).collect(),
-                    },
-                );
-                self.shell.counters.retirements += 1;
-                self.shell.counters.retired_forgotten_early = self.retired.forgotten_early();
-                Ok(())
-            }
-            _ => Err(UsageError::NotQuiesced(request)),
-        }
+        let counters = &mut self.shell.counters;
+        self.sessions
+            .retire(now, request, counters, |s| RetiredGrant {
+                grant: s.frame.grant,
+                writers: s.writers.iter().map(|w| w.peer).collect(),
+            })
     }
 
     /// splitmix64: a seeded, well-mixed sequence; never zero.
@@ -223,7 +189,7 @@ impl Receiver {
     }
 
     pub(super) fn send_registration(&mut self, now: Instant, request: RequestId, peer: PeerId) {
-        let Some(session) = self.sessions.get_mut(&request) else {
+        let Some(session) = self.sessions.live.get_mut(&request) else {
             return;
         };
         if !session.phase.is_active() {
@@ -239,18 +205,14 @@ impl Receiver {
         self.shell.send(now, peer, frame);
     }
 
-    pub(super) fn on_peer_ready(&mut self, now: Instant, peer: PeerId) {
-        let waiting: Vec<RequestId> = self
-            .sessions
-            .iter()
-            .filter(|(_, s)| {
-                s.phase.is_active()
-                    && s.writers
-                        .iter()
-                        .any(|w| w.peer == peer && w.phase == WriterPhase::Unregistered)
-            })
-            .map(|(r, _)| *r)
-            .collect();
+    /// Sends, to `peer` that just became ready, the registrations that waited for its
+    /// handshake (once the writers' cover of each is proved).
+    pub(super) fn send_waiting_registrations(&mut self, now: Instant, peer: PeerId) {
+        let waiting = self.sessions.requests_where(|s| {
+            s.phase.is_active()
+                && (s.writers.iter())
+                    .any(|w| w.peer == peer && w.phase == WriterPhase::Unregistered)
+        });
         for request in waiting {
             if self.prove_session_cover(now, request, peer) {
                 self.send_registrations(now, request);
@@ -267,7 +229,7 @@ impl Receiver {
         request: RequestId,
         peer: PeerId,
     ) -> bool {
-        let Some(session) = self.sessions.get(&request) else {
+        let Some(session) = self.sessions.live.get(&request) else {
             return false;
         };
         if !session.phase.is_active() {
@@ -280,7 +242,7 @@ impl Receiver {
         match self.prove_cover(request, &writers, session.expected_part.as_deref()) {
             None => false,
             Some(Ok(())) => {
-                if let Some(s) = self.sessions.get_mut(&request) {
+                if let Some(s) = self.sessions.live.get_mut(&request) {
                     s.cover_proved = true;
                 }
                 true

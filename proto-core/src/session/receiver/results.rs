@@ -4,7 +4,9 @@
 use super::*;
 
 impl Receiver {
-    pub(super) fn on_session_frame(&mut self, now: Instant, peer: PeerId, frame: Frame) {
+    /// A session frame from writer (or would-be writer) `peer`: a result, the aux data or a
+    /// cancel.
+    pub(super) fn on_writer_frame(&mut self, now: Instant, peer: PeerId, frame: Frame) {
         let request = match &frame {
             Frame::KvResult(r) => r.request,
             Frame::AuxResult(a) => a.request,
@@ -27,6 +29,7 @@ impl Receiver {
             // are taken at once.
             if let Some(w) = self
                 .sessions
+                .live
                 .get_mut(&request)
                 .filter(|s| s.phase.is_active())
                 .and_then(|s| s.writers.iter_mut().find(|w| w.peer == peer))
@@ -69,6 +72,7 @@ impl Receiver {
         loop {
             let Some(w) = self
                 .sessions
+                .live
                 .get_mut(&request)
                 .and_then(|s| s.writers.iter_mut().find(|w| w.peer == peer))
             else {
@@ -107,12 +111,12 @@ impl Receiver {
             request,
             reason: CancelReason::Failure,
         });
-        if self.retired.contains(request) {
+        if self.sessions.retired.contains(request) {
             self.shell.counters.duplicates += 1;
             self.shell.send(now, peer, stop);
             return None;
         }
-        let Some(session) = self.sessions.get(&request) else {
+        let Some(session) = self.sessions.live.get(&request) else {
             self.shell
                 .violation(peer, ProtocolError::UnknownRequest { kind, request });
             self.shell.send(now, peer, stop);
@@ -131,26 +135,15 @@ impl Receiver {
         let Some(w) = self.locate(now, peer, request, "KvResult") else {
             return;
         };
-        let session = self.sessions.get_mut(&request).expect("located");
+        let session = self.sessions.live.get_mut(&request).expect("located");
         let expected = session.frame.slice;
         if r.receiver_slice != expected {
-            self.shell.violation(
-                peer,
-                ProtocolError::UnknownSlice {
-                    request,
-                    expected,
-                    got: r.receiver_slice,
-                },
-            );
-            self.stop(
-                now,
+            let error = ProtocolError::UnknownSlice {
                 request,
-                Stop::Failed {
-                    cause: TransferStatus::ProtocolError,
-                    peer: Some(peer),
-                    slice: r.sender_slice.get(),
-                },
-            );
+                expected,
+                got: r.receiver_slice,
+            };
+            self.stop_protocol_at(now, request, peer, error, r.sender_slice.get());
             return;
         }
         let writer = &mut session.writers[w];
@@ -193,17 +186,8 @@ impl Receiver {
             || (r.is_last && writer.last.is_some())
             || (r.is_last && writer.seen.last().is_some_and(|&max| max > r.sender_slice));
         if after_last {
-            self.shell
-                .violation(peer, ProtocolError::ResultAfterLast { request });
-            self.stop(
-                now,
-                request,
-                Stop::Failed {
-                    cause: TransferStatus::ProtocolError,
-                    peer: Some(peer),
-                    slice: r.sender_slice.get(),
-                },
-            );
+            let error = ProtocolError::ResultAfterLast { request };
+            self.stop_protocol_at(now, request, peer, error, r.sender_slice.get());
             return;
         }
         writer.seen.insert(r.sender_slice);
@@ -237,10 +221,10 @@ impl Receiver {
                 );
                 return;
             }
-            let session = self.sessions.get_mut(&request).expect("located");
+            let session = self.sessions.live.get_mut(&request).expect("located");
             session.writers[w].on(WriterEvent::LastResult);
         }
-        let session = self.sessions.get_mut(&request).expect("located");
+        let session = self.sessions.live.get_mut(&request).expect("located");
         if self.config.data_path == DataPath::Ordered {
             // No landing reports: a result is the moment its bytes are known to be placed.
             session.timings.first_byte.get_or_insert(now);
@@ -256,9 +240,10 @@ impl Receiver {
     /// them from), the overlap's bytes for each registered block it sends (in a windowed
     /// group, those at or above the stale boundary of its window).
     pub(super) fn writer_share(&self, request: RequestId, peer: PeerId) -> u64 {
-        let (Some(session), Some(hello)) =
-            (self.sessions.get(&request), self.shell.peers.remote(peer))
-        else {
+        let (Some(session), Some(hello)) = (
+            self.sessions.live.get(&request),
+            self.shell.peers.remote(peer),
+        ) else {
             return 0;
         };
         let local = &self.config.local;
@@ -300,7 +285,7 @@ impl Receiver {
     /// Something of the request arrived: the idle deadline restarts from `now`.
     pub(super) fn note_progress(&mut self, now: Instant, request: RequestId) {
         let idle = self.config.deadlines.result_idle;
-        let Some(session) = self.sessions.get_mut(&request) else {
+        let Some(session) = self.sessions.live.get_mut(&request) else {
             return;
         };
         session.last_progress = Some(now);
@@ -313,7 +298,7 @@ impl Receiver {
 
     /// Completes the session when every writer's last result and the aux data arrived.
     pub(super) fn progress(&mut self, now: Instant, request: RequestId) {
-        let Some(session) = self.sessions.get_mut(&request) else {
+        let Some(session) = self.sessions.live.get_mut(&request) else {
             return;
         };
         let all_done = session.writers.iter().all(|w| w.phase == WriterPhase::Done);
@@ -346,20 +331,14 @@ impl Receiver {
         if let Transition::To(p) = session.phase.on(event) {
             session.phase = p;
             if p == RecvPhase::Completed {
-                let bytes = session.bytes_written;
-                let aux = session.aux.clone();
                 session.timings.ended = now;
-                let timings = session.timings;
-                self.shell.counters.completions += 1;
-                self.shell.counters.quiesced += 1;
-                self.shell.counters.blocks_released += session.blocks_pinned;
-                self.shell.event(Event::Completed {
+                self.shell.completed(
                     request,
-                    bytes_written: bytes,
-                    aux,
-                    timings,
-                });
-                self.shell.event(Event::Quiesced { request });
+                    session.bytes_written,
+                    session.aux.clone(),
+                    session.timings,
+                    session.blocks_pinned,
+                );
             }
         }
     }

@@ -1,5 +1,5 @@
 //! What the receiver keeps per request: the session, its writers, what it remembers of a
-//! retired request, and why a session stops.
+//! retired request.
 
 use super::*;
 
@@ -39,18 +39,12 @@ impl Writer {
     }
 
     pub(super) fn on(&mut self, event: WriterEvent) -> bool {
-        match self.phase.on(event) {
-            Transition::To(p) => {
-                self.phase = p;
-                true
-            }
-            Transition::Ignored | Transition::Refused => false,
-        }
+        self.phase.on(event).advance(&mut self.phase)
     }
 }
 
 #[derive(Clone, Debug)]
-pub(super) struct RecvSession {
+pub(crate) struct RecvSession {
     pub(super) phase: RecvPhase,
     pub(super) frame: RecvRegistration,
     pub(super) extents: GrantedExtents,
@@ -79,6 +73,22 @@ pub(super) struct RecvSession {
     pub(super) cover_proved: bool,
 }
 
+impl HeldSession for RecvSession {
+    type Phase = RecvPhase;
+    fn phase(&self) -> RecvPhase {
+        self.phase
+    }
+    fn set_phase(&mut self, phase: RecvPhase) {
+        self.phase = phase;
+    }
+    fn involves(&self, peer: PeerId) -> bool {
+        self.writers.iter().any(|w| w.peer == peer)
+    }
+    fn awaits(&self, peer: PeerId) -> bool {
+        (self.writers.iter()).any(|w| w.peer == peer && !w.finished())
+    }
+}
+
 impl RecvSession {
     /// When the results are due: the overall cap, and once progress was made, the idle
     /// deadline after the last progress, whichever comes first.
@@ -93,18 +103,7 @@ impl RecvSession {
 /// What the receiver remembers of a retired request: late writes carrying its grant from one
 /// of its writers are discarded, anything else naming it is refused.
 #[derive(Clone, Debug)]
-pub(super) struct RetiredGrant {
+pub(crate) struct RetiredGrant {
     pub(super) grant: GrantId,
     pub(super) writers: SmallVec<[PeerId; 2]>,
-}
-
-#[derive(Clone, Copy, Debug)]
-pub(super) enum Stop {
-    Failed {
-        cause: TransferStatus,
-        peer: Option<PeerId>,
-        slice: Option<SenderSliceId>,
-    },
-    TimedOut(Wait),
-    Cancelled(CancelOrigin),
 }

@@ -1,98 +1,66 @@
 //! Stop and quiesce: failures, timeouts, cancels and lost peers end a session on both sides, and
-//! its blocks stay pinned until no writer can still write them.
+//! its blocks stay pinned until no writer can still write them. The receiver's part of the
+//! shared session frame (`EndpointRole`) is here.
 
 use super::*;
 
-impl Receiver {
-    pub(super) fn on_peer_cancel(&mut self, now: Instant, peer: PeerId, cancel: Cancel) {
-        let request = cancel.request;
-        if self.retired.contains(request) {
-            self.shell.counters.duplicates += 1;
-            return;
-        }
-        let Some(session) = self.sessions.get_mut(&request) else {
-            // Not registered yet: remember it and cancel the registration when it comes.
-            self.shell
-                .remembered_cancels
-                .insert(request, CancelOrigin::Peer(peer));
-            return;
-        };
-        let Some(w) = session.writers.iter_mut().find(|w| w.peer == peer) else {
-            self.shell.violation(
-                peer,
-                ProtocolError::NotAParticipant {
-                    kind: "Cancel",
-                    request,
-                },
-            );
-            return;
-        };
-        // A sender sends Cancel only when none of its writes for the request is in flight.
-        w.on(WriterEvent::Confirmed);
-        if session.phase.is_active() {
-            self.stop(now, request, Stop::Cancelled(CancelOrigin::Peer(peer)));
-        } else {
-            self.check_drained(now, request);
-        }
+impl EndpointRole for Receiver {
+    type Session = RecvSession;
+    type Kept = RetiredGrant;
+
+    fn sessions(&self) -> &SessionTable<RecvSession, RetiredGrant> {
+        &self.sessions
     }
 
-    pub(super) fn on_disconnected(&mut self, now: Instant, peer: PeerId) -> Result<(), UsageError> {
-        self.shell.peers.disconnected(peer)?;
+    fn shell(&mut self) -> &mut Shell {
+        &mut self.shell
+    }
+
+    fn forget_peer(&mut self, peer: PeerId) {
         // The transport promises none of the peer's admitted writes still applies.
         for flight in self.writes.remove_peer(peer) {
-            if let Some(s) = self.sessions.get_mut(&flight.request) {
+            if let Some(s) = self.sessions.live.get_mut(&flight.request) {
                 s.writes_in_flight = s.writes_in_flight.saturating_sub(1);
             }
         }
-        let involved: Vec<RequestId> = self
-            .sessions
-            .iter()
-            .filter(|(_, s)| s.writers.iter().any(|w| w.peer == peer))
-            .map(|(r, _)| *r)
-            .collect();
-        for request in involved {
-            let session = self.sessions.get_mut(&request).expect("listed");
-            let w = session
-                .writers
-                .iter_mut()
-                .find(|w| w.peer == peer)
-                .expect("listed");
-            let done = w.finished();
-            w.on(WriterEvent::Disconnected);
-            w.held.clear();
-            if session.phase.is_active() && !done {
-                self.stop(
-                    now,
-                    request,
-                    Stop::Failed {
-                        cause: TransferStatus::PeerLost,
-                        peer: Some(peer),
-                        slice: None,
-                    },
-                );
-            } else {
-                self.check_drained(now, request);
+    }
+
+    fn participant_gone(&mut self, request: RequestId, peer: PeerId) -> bool {
+        let session = self.sessions.live.get_mut(&request).expect("listed");
+        let w = session
+            .writers
+            .iter_mut()
+            .find(|w| w.peer == peer)
+            .expect("listed");
+        let done = w.finished();
+        w.on(WriterEvent::Disconnected);
+        w.held.clear();
+        done
+    }
+
+    fn participant_stopped(&mut self, request: RequestId, peer: PeerId) {
+        // A sender sends Cancel only when none of its writes for the request is in flight.
+        if let Some(s) = self.sessions.live.get_mut(&request) {
+            if let Some(w) = s.writers.iter_mut().find(|w| w.peer == peer) {
+                w.on(WriterEvent::Confirmed);
             }
         }
-        Ok(())
     }
 
-    pub(super) fn fail_peer_sessions(&mut self, now: Instant, peer: PeerId, why: Stop) {
-        let involved: Vec<RequestId> = self
-            .sessions
-            .iter()
-            .filter(|(_, s)| {
-                s.phase.is_active() && s.writers.iter().any(|w| w.peer == peer && !w.finished())
-            })
-            .map(|(r, _)| *r)
-            .collect();
-        for request in involved {
-            self.stop(now, request, why);
-        }
+    fn on_peer_ready(&mut self, now: Instant, peer: PeerId) {
+        self.send_waiting_registrations(now, peer);
     }
 
-    pub(super) fn on_request_timeout(&mut self, now: Instant, request: RequestId) {
-        let Some(session) = self.sessions.get_mut(&request) else {
+    fn on_session_frame(&mut self, now: Instant, peer: PeerId, frame: Frame) {
+        self.on_writer_frame(now, peer, frame);
+    }
+
+    fn on_handshake_timeout(&mut self, now: Instant, peer: PeerId) {
+        self.fail_peer_sessions(now, peer, Stop::TimedOut(Wait::Handshake));
+    }
+
+    fn on_request_timeout(&mut self, now: Instant, request: RequestId) {
+        let Some(session) = self.sessions.live.get_mut(&request) else {
             return;
         };
         if session.phase.is_active() {
@@ -137,61 +105,17 @@ impl Receiver {
         }
     }
 
-    pub(super) fn stop_protocol(
-        &mut self,
-        now: Instant,
-        request: RequestId,
-        peer: PeerId,
-        error: ProtocolError,
-    ) {
-        self.shell.violation(peer, error);
-        self.stop(
-            now,
-            request,
-            Stop::Failed {
-                cause: TransferStatus::ProtocolError,
-                peer: Some(peer),
-                slice: None,
-            },
-        );
-    }
-
     /// Ends an active session: reports it, tells every writer that has not stopped, and waits
     /// for their confirmation before [`Event::Quiesced`].
-    pub(super) fn stop(&mut self, now: Instant, request: RequestId, why: Stop) {
-        let Some(session) = self.sessions.get_mut(&request) else {
+    fn stop(&mut self, now: Instant, request: RequestId, why: Stop) {
+        let Some(session) = self.sessions.begin_stop(request) else {
             return;
         };
-        let Transition::To(phase) = session.phase.on(RecvEvent::Stop) else {
-            return;
-        };
-        session.phase = phase;
         let receiver_slice = session.frame.slice;
-        let (status, reason, event) = match why {
-            Stop::Failed { cause, peer, slice } => (
-                cause,
-                CancelReason::Failure,
-                Event::Failed {
-                    request,
-                    cause,
-                    peer,
-                    sender_slice: slice,
-                    receiver_slice: Some(receiver_slice),
-                },
-            ),
-            Stop::TimedOut(wait) => (
-                TransferStatus::TimedOut,
-                CancelReason::Timeout,
-                Event::TimedOut {
-                    request,
-                    waiting_for: wait,
-                },
-            ),
-            Stop::Cancelled(origin) => (
-                TransferStatus::Cancelled,
-                CancelReason::Engine,
-                Event::Cancelled { request, origin },
-            ),
+        let reason = match why {
+            Stop::Failed { .. } => CancelReason::Failure,
+            Stop::TimedOut(_) => CancelReason::Timeout,
+            Stop::Cancelled(_) => CancelReason::Engine,
         };
         let quiesce_at = now + self.config.deadlines.quiesce;
         session.quiesce_deadline = Some(quiesce_at);
@@ -214,20 +138,12 @@ impl Receiver {
                 notify.push(w.peer);
             }
         }
-        self.shell.counters.failures.bump(status);
-        match why {
-            Stop::TimedOut(_) => self.shell.counters.timeouts += 1,
-            Stop::Cancelled(_) => self.shell.counters.cancellations += 1,
-            Stop::Failed { .. } => {}
-        }
-        self.shell.event(event);
+        self.shell
+            .stopped(request, why, Some(receiver_slice), quiesce_at);
         for peer in notify {
             self.shell
                 .send(now, peer, Frame::Cancel(Cancel { request, reason }));
         }
-        self.shell
-            .timers
-            .arm(quiesce_at, TimerKey::Request(request));
         // Frames that waited for data are the writers' word now (a terminal result confirms a
         // writer stopped); late data is discarded.
         for (peer, frame) in held {
@@ -236,8 +152,8 @@ impl Receiver {
         self.check_drained(now, request);
     }
 
-    pub(super) fn check_drained(&mut self, _now: Instant, request: RequestId) {
-        let Some(session) = self.sessions.get_mut(&request) else {
+    fn check_drained(&mut self, _now: Instant, request: RequestId) {
+        let Some(session) = self.sessions.live.get_mut(&request) else {
             return;
         };
         if session.phase != RecvPhase::Stopping
@@ -246,12 +162,31 @@ impl Receiver {
         {
             return;
         }
-        if let Transition::To(p) = session.phase.on(RecvEvent::Drained) {
-            session.phase = p;
+        if session
+            .phase
+            .on(RecvEvent::Drained)
+            .advance(&mut session.phase)
+        {
             session.quiesce_deadline = None;
-            self.shell.counters.quiesced += 1;
-            self.shell.counters.blocks_released += session.blocks_pinned;
-            self.shell.event(Event::Quiesced { request });
+            self.shell.quiesced(request, session.blocks_pinned);
         }
+    }
+}
+
+impl Receiver {
+    pub(super) fn on_peer_cancel(&mut self, now: Instant, peer: PeerId, cancel: Cancel) {
+        let request = cancel.request;
+        if self.sessions.retired.contains(request) {
+            self.shell.counters.duplicates += 1;
+            return;
+        }
+        if !self.sessions.live.contains_key(&request) {
+            // Not registered yet: remember it and cancel the registration when it comes.
+            self.shell
+                .remembered_cancels
+                .insert(request, CancelOrigin::Peer(peer));
+            return;
+        }
+        self.on_participant_cancel(now, request, peer);
     }
 }

@@ -6,12 +6,7 @@ use super::*;
 impl Sender {
     pub(super) fn on_open(&mut self, now: Instant, req: SendRequest) -> Result<(), UsageError> {
         let request = req.request;
-        if self.retired.contains(request) {
-            return Err(UsageError::Retired(request));
-        }
-        if self.sessions.contains_key(&request) {
-            return Err(UsageError::DuplicateRequest(request));
-        }
+        self.sessions.check_new(request)?;
         if req.receivers.is_empty() {
             return Err(UsageError::NoPeers(request));
         }
@@ -22,13 +17,11 @@ impl Sender {
         if let Err(error) = settings.validate() {
             return Err(UsageError::Unsupported { request, error });
         }
-        for (i, p) in req.receivers.iter().enumerate() {
-            if req.receivers[..i].contains(p) {
-                return Err(UsageError::DuplicatePeer { request, peer: *p });
-            }
+        if let Some(peer) = named_twice(&req.receivers) {
+            return Err(UsageError::DuplicatePeer { request, peer });
         }
         let registration_deadline = now + self.config.deadlines.registration;
-        self.sessions.insert(
+        self.sessions.live.insert(
             request,
             SendSession {
                 phase: SendPhase::Streaming,
@@ -74,13 +67,7 @@ impl Sender {
         request: RequestId,
         spec: &ChunkSpec,
     ) -> Result<SendPhase, UsageError> {
-        if self.retired.contains(request) {
-            return Err(UsageError::Retired(request));
-        }
-        let session = self
-            .sessions
-            .get(&request)
-            .ok_or(UsageError::UnknownRequest(request))?;
+        let session = self.sessions.held(request)?;
         let Some(next_phase) = chunk_phase(session.phase, spec.is_last) else {
             return Err(if session.phase == SendPhase::Finishing {
                 UsageError::ChunkAfterLast(request)
@@ -136,29 +123,17 @@ impl Sender {
         request: RequestId,
         prompt_len: u32,
         prepopulated_len: u32,
-    ) -> Result<Vec<(GroupIndex, BlockWindow)>, UsageError> {
-        if self.retired.contains(request) {
-            return Err(UsageError::Retired(request));
-        }
-        let session = self
-            .sessions
-            .get(&request)
-            .ok_or(UsageError::UnknownRequest(request))?;
+    ) -> Result<Windows, UsageError> {
+        let session = self.sessions.held(request)?;
         if !session.phase.is_active() {
             return Err(UsageError::SessionEnded(request));
         }
         if session.next_start.is_some() || session.prefix_sent_early {
             return Err(UsageError::PrefixAfterChunks(request));
         }
-        let mut windows = Vec::new();
-        for (g, layout) in self.config.local.groups.iter().enumerate() {
-            let window = early_prefix_window(prompt_len, prepopulated_len, layout)
-                .map_err(|error| UsageError::Geometry { request, error })?;
-            if let Some(w) = window {
-                windows.push((GroupIndex(g as u16), w));
-            }
-        }
-        Ok(windows)
+        self.group_windows(request, |layout| {
+            early_prefix_window(prompt_len, prepopulated_len, layout)
+        })
     }
 
     /// Applies an early prefix (errors as in [`Self::on_chunk`]).
@@ -171,22 +146,12 @@ impl Sender {
         runs: Vec<(GroupIndex, BlockRun)>,
     ) -> Result<Submitted, UsageError> {
         let windows = self.check_prefix(request, prompt_len, prepopulated_len)?;
-        let given: Vec<GroupIndex> = runs.iter().map(|(g, _)| *g).collect();
-        if given.len() != windows.len() || given.iter().zip(&windows).any(|(a, (b, _))| a != b) {
-            return Err(UsageError::RunsDoNotMatchChunk {
-                request,
-                expected: windows.iter().map(|(g, _)| *g).collect(),
-                given,
-            });
+        check_answers(request, &windows, &runs)?;
+        if let Some(error) = self.run_fault(request, &windows, &runs, prompt_len) {
+            self.fail_engine(now, request);
+            return Ok(Submitted::EngineFault(EngineFault::BlockRun(error)));
         }
-        for ((group, run), (_, asked)) in runs.iter().zip(&windows) {
-            let layout = &self.config.local.groups[usize::from(group.0)];
-            if let Some(error) = check_run(request, *group, *asked, run, layout, prompt_len) {
-                self.fail_engine(now, request);
-                return Ok(Submitted::EngineFault(EngineFault::BlockRun(error)));
-            }
-        }
-        let session = self.sessions.get_mut(&request).expect("checked above");
+        let session = self.sessions.live.get_mut(&request).expect("checked above");
         session.prefix_sent_early = true;
         session.prompt_len = Some(prompt_len);
         session.prepopulated_len = Some(prepopulated_len);
@@ -217,16 +182,42 @@ impl Sender {
         &self,
         request: RequestId,
         spec: &ChunkSpec,
-    ) -> Result<SmallVec<[(GroupIndex, BlockWindow); 4]>, UsageError> {
+    ) -> Result<Windows, UsageError> {
+        self.group_windows(request, |layout| chunk_window(spec, layout))
+    }
+
+    /// The block window `window` gives each group, for the groups that send something, in
+    /// group order.
+    fn group_windows(
+        &self,
+        request: RequestId,
+        window: impl Fn(&LayerGroupLayout) -> Result<Option<BlockWindow>, GeometryError>,
+    ) -> Result<Windows, UsageError> {
         let mut windows = SmallVec::new();
         for (g, layout) in self.config.local.groups.iter().enumerate() {
-            let window = chunk_window(spec, layout)
-                .map_err(|error| UsageError::Geometry { request, error })?;
-            if let Some(w) = window {
+            if let Some(w) =
+                window(layout).map_err(|error| UsageError::Geometry { request, error })?
+            {
                 windows.push((GroupIndex(g as u16), w));
             }
         }
         Ok(windows)
+    }
+
+    /// The first of `runs` that breaks the block-source contract for its window of `windows`.
+    fn run_fault(
+        &self,
+        request: RequestId,
+        windows: &[(GroupIndex, BlockWindow)],
+        runs: &[(GroupIndex, BlockRun)],
+        prompt_len: u32,
+    ) -> Option<BlockRunError> {
+        runs.iter()
+            .zip(windows)
+            .find_map(|((group, run), (_, asked))| {
+                let layout = &self.config.local.groups[usize::from(group.0)];
+                check_run(request, *group, *asked, run, layout, prompt_len)
+            })
     }
 
     /// Applies a checked chunk whose block windows are `windows`: `runs` must answer exactly
@@ -243,16 +234,9 @@ impl Sender {
         runs: Vec<(GroupIndex, BlockRun)>,
         layers: Option<LayerRange>,
     ) -> Result<Submitted, UsageError> {
-        let given: Vec<GroupIndex> = runs.iter().map(|(g, _)| *g).collect();
-        if given.len() != windows.len() || given.iter().zip(windows).any(|(a, (b, _))| a != b) {
-            return Err(UsageError::RunsDoNotMatchChunk {
-                request,
-                expected: windows.iter().map(|(g, _)| *g).collect(),
-                given,
-            });
-        }
+        check_answers(request, windows, &runs)?;
         // From here on the input is applied: an engine error fails the session.
-        let session = self.sessions.get_mut(&request).expect("checked above");
+        let session = self.sessions.live.get_mut(&request).expect("checked above");
         let mismatch = session.targets.iter().find_map(|t| {
             t.registration
                 .as_ref()
@@ -260,7 +244,6 @@ impl Sender {
                 .map(|reg| (t.peer, reg.prompt_len))
         });
         if let Some((peer, registered)) = mismatch {
-            self.shell.counters.protocol_errors += 1;
             self.stop_protocol(
                 now,
                 request,
@@ -279,7 +262,7 @@ impl Sender {
                 },
             ));
         }
-        let session = self.sessions.get_mut(&request).expect("checked above");
+        let session = self.sessions.live.get_mut(&request).expect("checked above");
         if let Some(expected) = session.prepopulated_len {
             if spec.prepopulated_len != expected {
                 self.fail_engine(now, request);
@@ -290,14 +273,11 @@ impl Sender {
                 }));
             }
         }
-        for ((group, run), (_, asked)) in runs.iter().zip(windows) {
-            let layout = &self.config.local.groups[usize::from(group.0)];
-            if let Some(error) = check_run(request, *group, *asked, run, layout, spec.prompt_len) {
-                self.fail_engine(now, request);
-                return Ok(Submitted::EngineFault(EngineFault::BlockRun(error)));
-            }
+        if let Some(error) = self.run_fault(request, windows, &runs, spec.prompt_len) {
+            self.fail_engine(now, request);
+            return Ok(Submitted::EngineFault(EngineFault::BlockRun(error)));
         }
-        let session = self.sessions.get_mut(&request).expect("checked above");
+        let session = self.sessions.live.get_mut(&request).expect("checked above");
         session.next_start = Some(spec.end);
         session.prompt_len = Some(spec.prompt_len);
         session.prepopulated_len = Some(spec.prepopulated_len);
@@ -308,7 +288,7 @@ impl Sender {
                 self.open_layered_chunk(now, request, spec, layers, runs),
             ));
         }
-        let session = self.sessions.get_mut(&request).expect("checked above");
+        let session = self.sessions.live.get_mut(&request).expect("checked above");
         if spec.is_last {
             session.timings.last_chunk = Some(now);
         }
@@ -335,7 +315,11 @@ impl Sender {
         runs: Vec<(GroupIndex, BlockRun)>,
         layers: Option<SliceLayers>,
     ) -> SenderSliceId {
-        let session = self.sessions.get_mut(&request).expect("the caller checked");
+        let session = self
+            .sessions
+            .live
+            .get_mut(&request)
+            .expect("the caller checked");
         let id = SenderSliceId(session.slices.len() as u32);
         let blocks: u64 = runs.iter().map(|(_, run)| run.ids.len() as u64).sum();
         session.blocks_pinned += blocks;
@@ -370,17 +354,13 @@ impl Sender {
                 cause: TransferStatus::EngineError,
                 peer: None,
                 slice: None,
-                receiver_slice: None,
             },
         );
     }
 
     pub(super) fn on_cancel(&mut self, now: Instant, request: RequestId) -> Result<(), UsageError> {
-        if self.retired.contains(request) {
-            return Err(UsageError::Retired(request));
-        }
-        match self.sessions.get(&request) {
-            None => {
+        match self.sessions.cancel_step(request)? {
+            CancelStep::Remember => {
                 self.shell
                     .remembered_cancels
                     .insert(request, CancelOrigin::Local);
@@ -394,32 +374,15 @@ impl Sender {
                     self.shell.send(now, peer, frame);
                 }
             }
-            Some(s) if s.phase.is_active() => {
-                self.stop(now, request, Stop::Cancelled(CancelOrigin::Local))
-            }
-            Some(_) => {}
+            CancelStep::Stop => self.stop(now, request, Stop::Cancelled(CancelOrigin::Local)),
+            CancelStep::Ended => {}
         }
         Ok(())
     }
 
     pub(super) fn on_retire(&mut self, now: Instant, request: RequestId) -> Result<(), UsageError> {
-        if self.retired.contains(request) {
-            return Err(UsageError::Retired(request));
-        }
-        let s = self
-            .sessions
-            .get(&request)
-            .ok_or(UsageError::UnknownRequest(request))?;
-        match s.phase.on(SendEvent::Retire) {
-            Transition::To(_) => {
-                self.sessions.remove(&request);
-                self.retired.insert(now, request, ());
-                self.shell.counters.retirements += 1;
-                self.shell.counters.retired_forgotten_early = self.retired.forgotten_early();
-                Ok(())
-            }
-            _ => Err(UsageError::NotQuiesced(request)),
-        }
+        let counters = &mut self.shell.counters;
+        self.sessions.retire(now, request, counters, |_| ())
     }
 
     pub(super) fn on_aux_submitted(
@@ -428,13 +391,7 @@ impl Sender {
         request: RequestId,
         data: AuxData,
     ) -> Result<(), UsageError> {
-        if self.retired.contains(request) {
-            return Err(UsageError::Retired(request));
-        }
-        let session = self
-            .sessions
-            .get_mut(&request)
-            .ok_or(UsageError::UnknownRequest(request))?;
+        let session = self.sessions.held_mut(request)?;
         if session.aux.is_some() {
             return Err(UsageError::AuxAlreadySubmitted(request));
         }
@@ -446,13 +403,8 @@ impl Sender {
             status: TransferStatus::Success,
             data,
         });
-        let len = frame.body_len() as u64;
-        if len > u64::from(MAX_BODY_LEN) {
-            return Err(UsageError::AuxTooLarge {
-                request,
-                len,
-                max: u64::from(MAX_BODY_LEN),
-            });
+        if let Some((len, max)) = oversized(&frame) {
+            return Err(UsageError::AuxTooLarge { request, len, max });
         }
         let Frame::AuxResult(AuxResult { data, .. }) = frame else {
             unreachable!("built above")
@@ -476,4 +428,59 @@ pub(super) fn chunk_phase(phase: SendPhase, is_last: bool) -> Option<SendPhase> 
         Transition::To(p) => Some(p),
         Transition::Ignored | Transition::Refused => None,
     }
+}
+
+/// Checks one group's block run against the bounded block-source contract: it ends exactly at
+/// the asked end, is never longer than asked, and is shorter only in a windowed group (whose
+/// evicted head the contract allows).
+fn check_run(
+    request: RequestId,
+    group: GroupIndex,
+    asked: BlockWindow,
+    run: &BlockRun,
+    layout: &crate::layout::LayerGroupLayout,
+    prompt_len: u32,
+) -> Option<BlockRunError> {
+    let len = u32::try_from(run.ids.len()).unwrap_or(u32::MAX);
+    let returned = BlockWindow {
+        begin: run.first_ordinal,
+        end: run.first_ordinal.saturating_add(len),
+    };
+    let fault = if len > asked.len() {
+        BlockRunFault::TooLong
+    } else if returned.end != asked.end || run.first_ordinal.checked_add(len).is_none() {
+        BlockRunFault::WrongEnd
+    } else if len < asked.len() && !layout.is_windowed_for(prompt_len) {
+        BlockRunFault::TooShort
+    } else {
+        return None;
+    };
+    Some(BlockRunError {
+        request,
+        group,
+        asked,
+        returned,
+        fault,
+    })
+}
+
+/// The block windows of a chunk (or prefix) in the groups that send something, in group order.
+pub(super) type Windows = SmallVec<[(GroupIndex, BlockWindow); 4]>;
+
+/// Refuses block runs that do not answer `windows` group by group (the engine answered another
+/// query).
+fn check_answers(
+    request: RequestId,
+    windows: &[(GroupIndex, BlockWindow)],
+    runs: &[(GroupIndex, BlockRun)],
+) -> Result<(), UsageError> {
+    let given: Vec<GroupIndex> = runs.iter().map(|(g, _)| *g).collect();
+    if given.len() != windows.len() || given.iter().zip(windows).any(|(a, (b, _))| a != b) {
+        return Err(UsageError::RunsDoNotMatchChunk {
+            request,
+            expected: windows.iter().map(|(g, _)| *g).collect(),
+            given,
+        });
+    }
+    Ok(())
 }

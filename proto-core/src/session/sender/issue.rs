@@ -4,17 +4,47 @@
 use super::*;
 
 impl Sender {
+    /// Why registration `reg` of held `request` cannot be written: another group count than
+    /// this rank's, ordinals that do not end at the prompt's last block, or another prompt
+    /// length than the request's chunks declared.
+    fn registration_fault(
+        &self,
+        request: RequestId,
+        reg: &RecvRegistration,
+    ) -> Option<ProtocolError> {
+        let expected = self.config.local.groups.len();
+        if reg.groups.len() != expected {
+            return Some(ProtocolError::GroupCountMismatch {
+                request,
+                expected,
+                got: reg.groups.len(),
+            });
+        }
+        let layout = &self.config.local.groups;
+        if let Err(error) =
+            check_registration_ordinals(request, reg.prompt_len, &reg.groups, layout)
+        {
+            return Some(error);
+        }
+        let local = self.sessions.live.get(&request)?.prompt_len?;
+        (local != reg.prompt_len).then_some(ProtocolError::PromptLenMismatch {
+            request,
+            registered: reg.prompt_len,
+            local,
+        })
+    }
+
     pub(super) fn on_registration(&mut self, now: Instant, peer: PeerId, reg: RecvRegistration) {
         let request = reg.request;
         let refuse = Frame::Cancel(Cancel {
             request,
             reason: CancelReason::Failure,
         });
-        if self.retired.contains(request) {
+        if self.sessions.retired.contains(request) {
             self.shell.send(now, peer, refuse);
             return;
         }
-        let Some(session) = self.sessions.get_mut(&request) else {
+        let Some(session) = self.sessions.live.get_mut(&request) else {
             if self.shell.remembered_cancels.contains(request) {
                 let frame = Frame::Cancel(Cancel {
                     request,
@@ -46,7 +76,6 @@ impl Sender {
             if *known == reg {
                 self.shell.counters.duplicates += 1;
             } else {
-                self.shell.counters.protocol_errors += 1;
                 self.stop_protocol(
                     now,
                     request,
@@ -68,52 +97,11 @@ impl Sender {
             }
             return;
         }
-        let expected = self.config.local.groups.len();
-        if reg.groups.len() != expected {
-            let got = reg.groups.len();
+        if let Some(error) = self.registration_fault(request, &reg) {
+            // Adopted all the same, so the failure names the receiver's slice.
             self.adopt_registration(request, t, reg);
-            self.shell.counters.protocol_errors += 1;
-            self.stop_protocol(
-                now,
-                request,
-                peer,
-                ProtocolError::GroupCountMismatch {
-                    request,
-                    expected,
-                    got,
-                },
-            );
-            return;
-        }
-        if let Err(error) = crate::session::check_registration_ordinals(
-            request,
-            reg.prompt_len,
-            &reg.groups,
-            &self.config.local.groups,
-        ) {
-            self.adopt_registration(request, t, reg);
-            self.shell.counters.protocol_errors += 1;
             self.stop_protocol(now, request, peer, error);
             return;
-        }
-        let session = self.sessions.get_mut(&request).expect("checked above");
-        if let Some(local) = session.prompt_len {
-            if local != reg.prompt_len {
-                let registered = reg.prompt_len;
-                self.adopt_registration(request, t, reg);
-                self.shell.counters.protocol_errors += 1;
-                self.stop_protocol(
-                    now,
-                    request,
-                    peer,
-                    ProtocolError::PromptLenMismatch {
-                        request,
-                        registered,
-                        local,
-                    },
-                );
-                return;
-            }
         }
         let receiver_slice = reg.slice;
         self.adopt_registration(request, t, reg);
@@ -134,6 +122,7 @@ impl Sender {
     ) {
         if let Some(target) = self
             .sessions
+            .live
             .get_mut(&request)
             .and_then(|s| s.targets.get_mut(t))
         {
@@ -145,7 +134,7 @@ impl Sender {
     /// Plans and hands to the transport every slice target `t` has not been given yet, in order.
     pub(super) fn issue_pending(&mut self, now: Instant, request: RequestId, t: usize) {
         loop {
-            let Some(session) = self.sessions.get_mut(&request) else {
+            let Some(session) = self.sessions.live.get_mut(&request) else {
                 return;
             };
             if !session.phase.is_active() {
@@ -222,10 +211,10 @@ impl Sender {
                 }
             }
             if let Some(error) = error {
-                self.shell.counters.protocol_errors += 1;
                 // Attributed to the slice being planned, on both sides.
                 let slice = self
                     .sessions
+                    .live
                     .get(&request)
                     .and_then(|s| s.slices.get(k))
                     .map(|s| s.id);
@@ -235,7 +224,7 @@ impl Sender {
             let slice_id = slice.id;
             let grant = reg.grant;
             let bytes = plan.total_bytes();
-            let session = self.sessions.get_mut(&request).expect("present");
+            let session = self.sessions.live.get_mut(&request).expect("present");
             let slice = &mut session.slices[k];
             slice.planned_by += 1;
             if slice.planned_by >= session.targets.len() {

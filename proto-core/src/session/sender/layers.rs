@@ -11,7 +11,7 @@ pub(super) enum RangeStep {
     /// The chunk's first range: the chunk's checks passed, its windows are asked for.
     First {
         next_phase: SendPhase,
-        windows: SmallVec<[(GroupIndex, BlockWindow); 4]>,
+        windows: super::intake::Windows,
     },
     /// A later range of the open chunk: it asks the block source nothing.
     Later { next_phase: SendPhase },
@@ -38,11 +38,7 @@ impl Sender {
         spec: &ChunkSpec,
         layers: LayerRange,
     ) -> Result<RangeStep, UsageError> {
-        let session = match self.sessions.get(&request) {
-            Some(s) => s,
-            None if self.retired.contains(request) => return Err(UsageError::Retired(request)),
-            None => return Err(UsageError::UnknownRequest(request)),
-        };
+        let session = self.sessions.held(request)?;
         let Some(open) = session.open_chunk else {
             // The chunk's first range: every check of a whole chunk, then the range's.
             let next_phase = self.check_chunk(request, spec)?;
@@ -94,7 +90,11 @@ impl Sender {
         layers: LayerRange,
         runs: Vec<(GroupIndex, BlockRun)>,
     ) -> Option<SenderSliceId> {
-        let session = self.sessions.get_mut(&request).expect("the caller checked");
+        let session = self
+            .sessions
+            .live
+            .get_mut(&request)
+            .expect("the caller checked");
         let writes = !runs.is_empty();
         let runs_at = writes.then_some(session.slices.len());
         session.open_chunk = Some(OpenChunk {
@@ -133,7 +133,7 @@ impl Sender {
             });
         }
         let last_of_chunk = layers.end == self.layer_count;
-        let session = self.sessions.get_mut(&request).expect("checked above");
+        let session = self.sessions.live.get_mut(&request).expect("checked above");
         let Some(open) = session.open_chunk.as_mut() else {
             // Checked above: a later range has an open chunk.
             return Err(UsageError::SessionEnded(request));

@@ -1,7 +1,9 @@
-//! The prefill-side endpoint, split by concern: the [`Sender`] type with its getters, commands
-//! and input dispatch here; chunk intake ([`intake`]), issue and planning ([`issue`]), results
-//! ([`results`]) and stop/quiesce ([`stop`]) in their own files, each an `impl Sender` block
-//! over the state defined here.
+//! The prefill-side endpoint, split by concern: the [`Sender`] type with its own getters and
+//! input dispatch here; the engine's submissions ([`submit`]), chunk intake ([`intake`]), layer
+//! ranges ([`layers`]), issue and planning ([`issue`]), results ([`results`]) and stop/quiesce
+//! ([`stop`], the sender's part of the shared session frame) in their own files, each an
+//! `impl Sender` block over the state defined here. What both endpoints share is written once
+//! in the parent module (`surface.rs`, `role.rs`, `table.rs`, `stop.rs`, `shell.rs`).
 
 mod intake;
 mod issue;
@@ -9,78 +11,45 @@ mod layers;
 mod results;
 mod session;
 mod stop;
+mod submit;
 
 use std::collections::BTreeMap;
 
+pub use submit::{ChunkQuery, Submitted};
+
 use session::{
-    BatchRef, PendingRegistrations, SendSession, Slice, SliceLayers, Stop, Target, TargetSlice,
+    BatchRef, PendingRegistrations, SendSession, Slice, SliceLayers, Target, TargetSlice,
 };
 
 use smallvec::SmallVec;
 
 use super::config::SenderConfig;
-use super::peers::Route;
-use super::retired::Retired;
-use super::shell::{Due, Shell};
+use super::role::EndpointRole;
+use super::shell::Shell;
 use super::state::{SendEvent, SendPhase, TargetEvent, TargetPhase, Transition};
+use super::stop::Stop;
+use super::surface::{endpoint_surface, InputLog};
+use super::table::{named_twice, CancelStep, HeldSession, SessionTable};
 use super::timers::TimerKey;
 use super::transport::{Admission, DataWriteHeaders, Endpoint, TransportInput, WriteRefusal};
 use super::{
-    frame_kind, BlockRunError, BlockRunFault, CancelOrigin, CloseReason, Counters, EngineFault,
-    Event, Output, ProtocolError, RequestTimings, UsageError, Wait, WriteBatchId,
+    check_registration_ordinals, frame_kind, oversized, BlockRunError, BlockRunFault, CancelOrigin,
+    CloseReason, Counters, EngineFault, Event, Output, ProtocolError, RequestTimings, UsageError,
+    Wait, WriteBatchId,
 };
 use crate::blocks::BlockRun;
 use crate::config::{ConfigError, PipelineConfig};
-use crate::geometry::{chunk_window, early_prefix_window, BlockWindow, ChunkSpec};
+use crate::geometry::{chunk_window, early_prefix_window, BlockWindow, ChunkSpec, GeometryError};
 use crate::ids::{GroupIndex, PeerId, ReceiverSliceId, RequestId, SenderSliceId};
 use crate::layers::{LayerOrder, LayerRange};
+use crate::layout::LayerGroupLayout;
 use crate::plan::{plan_rank_group, plan_rank_group_layers, DstCursor, RankGroup, WritePlan};
 use crate::source::BlockSource;
 use crate::time::Instant;
 use crate::wire::{
     AuxData, AuxResult, Cancel, CancelReason, DataWrite, Frame, KvResult, RecvRegistration, Role,
-    TransferStatus, MAX_BODY_LEN,
+    TransferStatus,
 };
-
-/// What became of a submitted chunk or prefix (the `Ok` of [`Sender::submit_chunk`],
-/// [`Sender::submit_chunk_runs`] and [`Sender::submit_prefix`]). An engine fault is also
-/// reported as the request's [`Event::Failed`], so a driver that only follows events misses
-/// nothing but the fault's description.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Submitted {
-    /// A slice was created; it goes out to every receiver that registered (the others get it,
-    /// in order, when their registration arrives).
-    Slice(SenderSliceId),
-    /// The chunk completes no block (or the prefix fills none): nothing is sent.
-    Nothing,
-    /// The engine's answer broke its contract: the request was failed on both sides and an
-    /// [`Event::Failed`] follows. The call itself was fine (this is no usage error); the
-    /// fault says what the engine got wrong.
-    EngineFault(EngineFault),
-}
-
-impl Submitted {
-    /// A slice when one was created, else nothing.
-    pub(super) fn sent(slice: Option<SenderSliceId>) -> Self {
-        slice.map_or(Submitted::Nothing, Submitted::Slice)
-    }
-
-    /// The slice created, if one was.
-    pub fn slice(&self) -> Option<SenderSliceId> {
-        match self {
-            Submitted::Slice(id) => Some(*id),
-            Submitted::Nothing | Submitted::EngineFault(_) => None,
-        }
-    }
-
-    /// The engine's fault, if the submission failed the request.
-    pub fn engine_fault(&self) -> Option<&EngineFault> {
-        match self {
-            Submitted::EngineFault(fault) => Some(fault),
-            Submitted::Slice(_) | Submitted::Nothing => None,
-        }
-    }
-}
 
 /// One input to a [`Sender`]: everything that can change its state, as data, so a recorded list
 /// of inputs replays into a fresh sender with the same outputs. Every input carries `now`.
@@ -171,46 +140,6 @@ pub enum SenderInput {
     },
 }
 
-/// The block windows one chunk needs, from [`Sender::chunk_query`]: what a driver asks the
-/// engine's block source without holding the sender.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ChunkQuery {
-    request: RequestId,
-    windows: SmallVec<[(GroupIndex, BlockWindow); 4]>,
-}
-
-impl ChunkQuery {
-    /// The chunk's block window in each group that sends something, in group order.
-    pub fn windows(&self) -> &[(GroupIndex, BlockWindow)] {
-        &self.windows
-    }
-
-    /// Whether there is nothing to ask (a chunk that writes nothing, or a later layer range of
-    /// a chunk, which reuses its first range's runs).
-    pub fn is_empty(&self) -> bool {
-        self.windows.is_empty()
-    }
-
-    /// Asks `source` for every window's block run (bounded queries, one per window), in group
-    /// order: the runs [`Sender::submit_chunk_runs`] (or
-    /// [`Sender::submit_chunk_layers_runs`]) takes. A query with no window asks nothing.
-    pub fn ask(
-        &self,
-        source: &mut impl BlockSource,
-    ) -> Result<Vec<(GroupIndex, BlockRun)>, UsageError> {
-        let request = self.request;
-        let mut runs = Vec::with_capacity(self.windows.len());
-        for &(group, w) in &self.windows {
-            let mut run = BlockRun::default();
-            source
-                .block_run(request, group, w.begin, w.end, &mut run)
-                .map_err(|error| UsageError::BlockSource { request, error })?;
-            runs.push((group, run));
-        }
-        Ok(runs)
-    }
-}
-
 /// A request the engine opens on the sender before submitting its chunks.
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
@@ -287,19 +216,22 @@ impl SendRequest {
 pub struct Sender {
     config: SenderConfig,
     shell: Shell,
-    sessions: BTreeMap<RequestId, SendSession>,
+    sessions: SessionTable<SendSession, ()>,
     pending_registrations: PendingRegistrations,
-    retired: Retired<()>,
     batches: BTreeMap<WriteBatchId, BatchRef>,
     /// Per receiver, when a write batch towards it last completed: a link that keeps
     /// completing batches is moving, so its queued batches' deadlines follow it.
     link_progress: BTreeMap<PeerId, Instant>,
     next_batch: u64,
     plan_buffer: WritePlan,
-    recorded: Option<Vec<SenderInput>>,
+    recorded: InputLog<SenderInput>,
     /// The rank's layers (the sum of its groups'), which layer ranges index.
     layer_count: u32,
 }
+
+// The getters, outputs, recording, shared inputs and the `Endpoint` trait every endpoint has
+// (see `surface.rs`).
+endpoint_surface!(Sender, Role::Sender, SenderInput, SendPhase, SenderConfig);
 
 impl Sender {
     /// A sender with no peers and no sessions, or the first reason its configuration cannot
@@ -317,14 +249,13 @@ impl Sender {
         let hello = config.local.to_hello(Role::Sender);
         Ok(Sender {
             shell: Shell::new(hello, config.deadlines, config.max_remembered_cancels),
-            sessions: BTreeMap::new(),
+            sessions: SessionTable::new(config.retired_horizon, config.max_retired),
             pending_registrations: PendingRegistrations::default(),
-            retired: Retired::new(config.retired_horizon, config.max_retired),
             batches: BTreeMap::new(),
             link_progress: BTreeMap::new(),
             next_batch: 0,
             plan_buffer: WritePlan::new(),
-            recorded: None,
+            recorded: InputLog::off(),
             layer_count: LayerOrder::layer_count(&config.local.groups),
             config,
         })
@@ -332,31 +263,9 @@ impl Sender {
 
     // ----- getters -----
 
-    /// The configuration.
-    pub fn config(&self) -> &SenderConfig {
-        &self.config
-    }
-
-    /// What the sender has done so far.
-    pub fn counters(&self) -> &Counters {
-        &self.shell.counters
-    }
-
-    /// The phase of `request`'s session: `None` if unknown, [`SendPhase::Retired`] if retired
-    /// (and still remembered).
-    pub fn phase(&self, request: RequestId) -> Option<SendPhase> {
-        if let Some(s) = self.sessions.get(&request) {
-            Some(s.phase)
-        } else if self.retired.contains(request) {
-            Some(SendPhase::Retired)
-        } else {
-            None
-        }
-    }
-
     /// The phase of `peer` within `request`'s session (`None`: no such session or receiver).
     pub fn target_phase(&self, request: RequestId, peer: PeerId) -> Option<TargetPhase> {
-        let session = self.sessions.get(&request)?;
+        let session = self.sessions.live.get(&request)?;
         session
             .targets
             .iter()
@@ -364,30 +273,9 @@ impl Sender {
             .map(|t| t.phase)
     }
 
-    /// Sessions held (not yet retired).
-    pub fn session_count(&self) -> usize {
-        self.sessions.len()
-    }
-
-    /// Connected peers (handshaking, ready or closing).
-    pub fn peer_count(&self) -> usize {
-        self.shell.peers.len()
-    }
-
-    /// Whether the handshake with `peer` completed.
-    pub fn is_peer_ready(&self, peer: PeerId) -> bool {
-        self.shell.peers.is_ready(peer)
-    }
-
     /// Write batches handed to the transport and not reported yet.
     pub fn batches_in_flight(&self) -> usize {
         self.batches.len()
-    }
-
-    /// Retired request ids remembered now (at most one horizon's retirements, see
-    /// [`SenderConfig::retired_horizon`]).
-    pub fn retired_count(&self) -> usize {
-        self.retired.len()
     }
 
     /// The rank's layers (every group's, see [`LayerOrder`]): a chunk submitted in layer
@@ -400,7 +288,7 @@ impl Sender {
     /// that chunk's last range has not come (`None`: no chunk is open; the next submission is
     /// a new chunk).
     pub fn next_chunk_layer(&self, request: RequestId) -> Option<u32> {
-        let session = self.sessions.get(&request)?;
+        let session = self.sessions.live.get(&request)?;
         session.open_chunk.map(|c| c.next_layer)
     }
 
@@ -409,233 +297,12 @@ impl Sender {
         self.pending_registrations.len
     }
 
-    // ----- outputs -----
-
-    /// The next output, or `None` when there is nothing to do until the next input.
-    pub fn poll_output(&mut self) -> Option<Output> {
-        self.shell.outputs.pop_front()
-    }
-
-    /// When to deliver [`TransportInput::Timeout`] next (`None`: no deadline pending).
-    pub fn poll_timeout(&mut self) -> Option<Instant> {
-        self.shell.timers.next()
-    }
-
-    // ----- recording -----
-
-    /// Starts (or stops, with `false`) recording every input applied, for
-    /// [`take_recorded_inputs`](Self::take_recorded_inputs). Inputs refused with a usage error
-    /// are not recorded (they changed nothing).
-    pub fn record_inputs(&mut self, on: bool) {
-        self.recorded = on.then(Vec::new);
-    }
-
-    /// The inputs applied since recording started (recording goes on).
-    pub fn take_recorded_inputs(&mut self) -> Vec<SenderInput> {
-        self.recorded
-            .as_mut()
-            .map(std::mem::take)
-            .unwrap_or_default()
-    }
-
     // ----- commands -----
 
     /// Opens `req` before its first chunk (see [`SenderInput::Open`]). Registrations that
     /// arrived before are adopted now; a cancel that arrived before cancels it at once.
     pub fn open_request(&mut self, now: Instant, req: SendRequest) -> Result<(), UsageError> {
         self.handle_input(SenderInput::Open { now, request: req })
-    }
-
-    /// Submits one computed prefill chunk of `request`. The sender asks `source` for the chunk's
-    /// bounded block windows (only those) and applies [`SenderInput::Chunk`] with its answers:
-    /// a slice is created and written to every receiver that has registered (the others get
-    /// it, in order, when their registration arrives).
-    ///
-    /// Returns what became of the chunk ([`Submitted`]): a slice, nothing (the chunk completes
-    /// no block), or the engine's fault (its block runs broke the [`BlockSource`] contract, or
-    /// its prefix or prompt length changed: the request was failed on both sides, the call
-    /// itself was fine). An error is a usage error, with nothing changed.
-    ///
-    /// A driver that shares the sender between threads should not hold it while the engine's
-    /// block source runs: it asks [`chunk_query`](Self::chunk_query) for the windows, queries
-    /// the source with the sender released ([`ChunkQuery::ask`]), and applies the answers with
-    /// [`submit_chunk_runs`](Self::submit_chunk_runs).
-    pub fn submit_chunk(
-        &mut self,
-        now: Instant,
-        request: RequestId,
-        spec: ChunkSpec,
-        source: &mut impl BlockSource,
-    ) -> Result<Submitted, UsageError> {
-        // The checks and the block windows are computed once, here: the engine's answers are
-        // applied without computing them again.
-        let next_phase = self.check_chunk(request, &spec)?;
-        let query = ChunkQuery {
-            request,
-            windows: self.chunk_windows(request, &spec)?,
-        };
-        let runs = query.ask(source)?;
-        let outcome = self.apply_chunk(
-            now,
-            request,
-            spec,
-            next_phase,
-            &query.windows,
-            runs.clone(),
-            None,
-        )?;
-        self.record(SenderInput::Chunk {
-            now,
-            request,
-            spec,
-            runs,
-        });
-        Ok(outcome)
-    }
-
-    /// The block windows chunk `spec` of `request` needs, after every check
-    /// [`submit_chunk`](Self::submit_chunk) makes before asking the engine (nothing changes):
-    /// the first half of a submission whose block queries run without the sender.
-    pub fn chunk_query(
-        &self,
-        request: RequestId,
-        spec: &ChunkSpec,
-    ) -> Result<ChunkQuery, UsageError> {
-        self.check_chunk(request, spec)?;
-        Ok(ChunkQuery {
-            request,
-            windows: self.chunk_windows(request, spec)?,
-        })
-    }
-
-    /// Applies a chunk whose block runs the engine gave for its [`chunk_query`](Self::chunk_query)
-    /// (the second half of a submission): the checks are made again, since the sender may have
-    /// changed in between (a cancel, a failure), and the runs must answer the chunk's windows.
-    /// Errors and outcome as [`submit_chunk`](Self::submit_chunk).
-    pub fn submit_chunk_runs(
-        &mut self,
-        now: Instant,
-        request: RequestId,
-        spec: ChunkSpec,
-        runs: Vec<(GroupIndex, BlockRun)>,
-    ) -> Result<Submitted, UsageError> {
-        let outcome = self.on_chunk(now, request, spec, runs.clone())?;
-        self.record(SenderInput::Chunk {
-            now,
-            request,
-            spec,
-            runs,
-        });
-        Ok(outcome)
-    }
-
-    /// Submits layers `layers` of one computed prefill chunk of `request`, as the engine
-    /// finishes them (see [`crate::layers`] for the rules and [`SenderInput::ChunkLayers`]).
-    ///
-    /// The chunk's first range (starting at layer 0) is checked as [`submit_chunk`](Self::submit_chunk)
-    /// checks a chunk, asks `source` for the chunk's bounded block windows and pairs its
-    /// blocks; each later range (the same `spec`, starting where the previous one ended) asks
-    /// `source` nothing and writes its layers of those blocks. Each range that writes something
-    /// is a slice of its own, written to every registered receiver in slice order; the `is_last`
-    /// slice is the last chunk's last range (ending at [`layer_count`](Self::layer_count)). A
-    /// single range of every layer is exactly [`submit_chunk`](Self::submit_chunk).
-    ///
-    /// Returns the range's outcome as [`submit_chunk`](Self::submit_chunk) does:
-    /// [`Submitted::Nothing`] when it writes nothing (a chunk that completes no block; an
-    /// engine's fault only on a chunk's first range, which asks the engine). Refused with nothing changed ([`UsageError`]): an empty range, one past the
-    /// rank's layers, one that does not start where the chunk's previous range ended (overlap,
-    /// gap, out of order: [`UsageError::LayerRangeOutOfOrder`]), a range naming another chunk
-    /// (or a whole chunk) while a chunk's last range has not come
-    /// ([`UsageError::ChunkLayersUnfinished`]), and every refusal of
-    /// [`submit_chunk`](Self::submit_chunk) for a chunk's first range.
-    pub fn submit_chunk_layers(
-        &mut self,
-        now: Instant,
-        request: RequestId,
-        spec: ChunkSpec,
-        layers: LayerRange,
-        source: &mut impl BlockSource,
-    ) -> Result<Submitted, UsageError> {
-        let query = self.chunk_layers_query(request, &spec, layers)?;
-        let runs = query.ask(source)?;
-        self.submit_chunk_layers_runs(now, request, spec, layers, runs)
-    }
-
-    /// The block windows layer range `layers` of chunk `spec` needs, after every check
-    /// [`submit_chunk_layers`](Self::submit_chunk_layers) makes before asking the engine
-    /// (nothing changes): the chunk's windows for its first range, none for a later range
-    /// ([`ChunkQuery::is_empty`]; its [`ask`](ChunkQuery::ask) queries nothing).
-    pub fn chunk_layers_query(
-        &self,
-        request: RequestId,
-        spec: &ChunkSpec,
-        layers: LayerRange,
-    ) -> Result<ChunkQuery, UsageError> {
-        let windows = match self.check_chunk_layers(request, spec, layers)? {
-            layers::RangeStep::First { windows, .. } => windows,
-            layers::RangeStep::Later { .. } => SmallVec::new(),
-        };
-        Ok(ChunkQuery { request, windows })
-    }
-
-    /// Applies layer range `layers` of chunk `spec` with the block runs the engine gave for
-    /// its [`chunk_layers_query`](Self::chunk_layers_query) (empty for a later range): the
-    /// checks are made again, since the sender may have changed in between. Errors and outcome
-    /// as [`submit_chunk_layers`](Self::submit_chunk_layers).
-    pub fn submit_chunk_layers_runs(
-        &mut self,
-        now: Instant,
-        request: RequestId,
-        spec: ChunkSpec,
-        layers: LayerRange,
-        runs: Vec<(GroupIndex, BlockRun)>,
-    ) -> Result<Submitted, UsageError> {
-        let recorded = self.recorded.is_some().then(|| runs.clone());
-        let outcome = self.on_chunk_layers(now, request, spec, layers, runs)?;
-        if let Some(runs) = recorded {
-            self.record(SenderInput::ChunkLayers {
-                now,
-                request,
-                spec,
-                layers,
-                runs,
-            });
-        }
-        Ok(outcome)
-    }
-
-    /// Sends the request's cached prefix before its first chunk (see [`SenderInput::Prefix`]):
-    /// the fully cached blocks `[0, prepopulated_len / tpb)` (from the stale boundary in a
-    /// windowed group), so only the computed part waits for prefill. The request's chunks must
-    /// then set [`ChunkSpec::prefix_sent_early`]. Returns the slice ([`Submitted::Slice`]),
-    /// [`Submitted::Nothing`] when the prefix fills no whole block, or the engine's fault as
-    /// for [`submit_chunk`](Self::submit_chunk).
-    pub fn submit_prefix(
-        &mut self,
-        now: Instant,
-        request: RequestId,
-        prompt_len: u32,
-        prepopulated_len: u32,
-        source: &mut impl BlockSource,
-    ) -> Result<Submitted, UsageError> {
-        let windows = self.check_prefix(request, prompt_len, prepopulated_len)?;
-        let mut runs = Vec::with_capacity(windows.len());
-        for (group, w) in windows {
-            let mut run = BlockRun::default();
-            source
-                .block_run(request, group, w.begin, w.end, &mut run)
-                .map_err(|error| UsageError::BlockSource { request, error })?;
-            runs.push((group, run));
-        }
-        let outcome = self.on_prefix(now, request, prompt_len, prepopulated_len, runs.clone())?;
-        self.record(SenderInput::Prefix {
-            now,
-            request,
-            prompt_len,
-            prepopulated_len,
-            runs,
-        });
-        Ok(outcome)
     }
 
     /// Submits the request's aux data (see [`SenderInput::Aux`]).
@@ -648,21 +315,10 @@ impl Sender {
         self.handle_input(SenderInput::Aux { now, request, data })
     }
 
-    /// Cancels `request` (see [`SenderInput::Cancel`]).
-    pub fn cancel(&mut self, now: Instant, request: RequestId) -> Result<(), UsageError> {
-        self.handle_input(SenderInput::Cancel { now, request })
-    }
-
-    /// Retires `request` (see [`SenderInput::Retire`]).
-    pub fn retire(&mut self, now: Instant, request: RequestId) -> Result<(), UsageError> {
-        self.handle_input(SenderInput::Retire { now, request })
-    }
-
     // ----- inputs -----
 
-    /// Applies one input. Returns a usage error, with nothing changed, for a caller bug.
-    pub fn handle_input(&mut self, input: SenderInput) -> Result<(), UsageError> {
-        let recorded = self.recorded.is_some().then(|| input.clone());
+    /// Applies one of the endpoint's own inputs (see [`handle_input`](Self::handle_input)).
+    fn apply(&mut self, input: SenderInput) -> Result<(), UsageError> {
         match input {
             SenderInput::Transport { now, input } => self.on_transport(now, input),
             SenderInput::Open { now, request } => self.on_open(now, request),
@@ -695,20 +351,7 @@ impl Sender {
             SenderInput::Aux { now, request, data } => self.on_aux_submitted(now, request, data),
             SenderInput::Cancel { now, request } => self.on_cancel(now, request),
             SenderInput::Retire { now, request } => self.on_retire(now, request),
-        }?;
-        if let Some(input) = recorded {
-            self.record(input);
         }
-        Ok(())
-    }
-
-    /// Applies what the transport saw (see [`SenderInput::Transport`]).
-    pub fn handle_transport(
-        &mut self,
-        now: Instant,
-        input: TransportInput,
-    ) -> Result<(), UsageError> {
-        self.handle_input(SenderInput::Transport { now, input })
     }
 
     /// A sender accepts no data writes: the answer is always a refusal, and a connected peer
@@ -724,33 +367,11 @@ impl Sender {
 
     // ----- internals -----
 
-    fn record(&mut self, input: SenderInput) {
-        if let Some(log) = &mut self.recorded {
-            log.push(input);
-        }
-    }
-
     fn on_transport(&mut self, now: Instant, input: TransportInput) -> Result<(), UsageError> {
+        let Some(input) = self.on_shared_transport(now, input)? else {
+            return Ok(());
+        };
         match input {
-            TransportInput::PeerConnected { peer } => self.shell.connected(now, peer),
-            TransportInput::PeerDisconnected { peer } => self.on_disconnected(now, peer),
-            TransportInput::FrameReceived { peer, bytes } => {
-                match self.shell.frame(now, peer, &bytes)? {
-                    Route::Session(frame) => self.on_session_frame(now, peer, frame),
-                    Route::Malformed => self.fail_peer_sessions(
-                        now,
-                        peer,
-                        Stop::Failed {
-                            cause: TransferStatus::ProtocolError,
-                            peer: Some(peer),
-                            slice: None,
-                            receiver_slice: None,
-                        },
-                    ),
-                    Route::Done | Route::BecameReady => {}
-                }
-                Ok(())
-            }
             TransportInput::WritesCompleted { batch } => {
                 self.on_batch_report(now, batch, TransferStatus::Success)
             }
@@ -772,20 +393,11 @@ impl Sender {
                 input: "DataArriving",
                 role: Role::Sender,
             }),
-            TransportInput::Timeout => {
-                for due in self.shell.due(now) {
-                    match due {
-                        Due::Liveness(peer) => {
-                            self.fail_peer_sessions(now, peer, Stop::TimedOut(Wait::Liveness))
-                        }
-                        Due::Request(request) => self.on_request_timeout(now, request),
-                        // A session waits for its receiver's registration under its own
-                        // deadline.
-                        Due::Handshake(_) => {}
-                    }
-                }
-                Ok(())
-            }
+            // The shared frame took these.
+            TransportInput::PeerConnected { .. }
+            | TransportInput::PeerDisconnected { .. }
+            | TransportInput::FrameReceived { .. }
+            | TransportInput::Timeout => Ok(()),
         }
     }
 
@@ -803,96 +415,6 @@ impl Sender {
             self.shell.close(peer, CloseReason::ProtocolViolation);
         }
     }
-
-    fn on_session_frame(&mut self, now: Instant, peer: PeerId, frame: Frame) {
-        match frame {
-            Frame::RecvRegistration(reg) => self.on_registration(now, peer, reg),
-            Frame::Cancel(cancel) => self.on_peer_cancel(now, peer, cancel),
-            other => self.shell.violation(
-                peer,
-                ProtocolError::UnexpectedFrame {
-                    kind: frame_kind(&other),
-                    role: Role::Sender,
-                },
-            ),
-        }
-    }
-}
-
-impl Endpoint for Sender {
-    fn role(&self) -> Role {
-        Role::Sender
-    }
-
-    fn handle_transport(&mut self, now: Instant, input: TransportInput) -> Result<(), UsageError> {
-        Sender::handle_transport(self, now, input)
-    }
-
-    fn admit_write(&mut self, now: Instant, peer: PeerId, header: &DataWrite) -> Admission {
-        Sender::admit_write(self, now, peer, header)
-    }
-
-    fn poll_output(&mut self) -> Option<Output> {
-        Sender::poll_output(self)
-    }
-
-    fn poll_timeout(&mut self) -> Option<Instant> {
-        Sender::poll_timeout(self)
-    }
-
-    fn counters(&self) -> &Counters {
-        Sender::counters(self)
-    }
-
-    fn is_peer_ready(&self, peer: PeerId) -> bool {
-        Sender::is_peer_ready(self, peer)
-    }
-
-    fn frame_body_limit(&self, peer: PeerId) -> u32 {
-        self.shell.peers.body_limit(peer)
-    }
-
-    fn peer_count(&self) -> usize {
-        Sender::peer_count(self)
-    }
-
-    fn session_count(&self) -> usize {
-        Sender::session_count(self)
-    }
-}
-
-/// Checks one group's block run against the bounded block-source contract: it ends exactly at
-/// the asked end, is never longer than asked, and is shorter only in a windowed group (whose
-/// evicted head the contract allows).
-fn check_run(
-    request: RequestId,
-    group: GroupIndex,
-    asked: BlockWindow,
-    run: &BlockRun,
-    layout: &crate::layout::LayerGroupLayout,
-    prompt_len: u32,
-) -> Option<BlockRunError> {
-    let len = u32::try_from(run.ids.len()).unwrap_or(u32::MAX);
-    let returned = BlockWindow {
-        begin: run.first_ordinal,
-        end: run.first_ordinal.saturating_add(len),
-    };
-    let fault = if len > asked.len() {
-        BlockRunFault::TooLong
-    } else if returned.end != asked.end || run.first_ordinal.checked_add(len).is_none() {
-        BlockRunFault::WrongEnd
-    } else if len < asked.len() && !layout.is_windowed_for(prompt_len) {
-        BlockRunFault::TooShort
-    } else {
-        return None;
-    };
-    Some(BlockRunError {
-        request,
-        group,
-        asked,
-        returned,
-        fault,
-    })
 }
 
 /// The cancel reason that carries `status` to a peer that has no registration to name.

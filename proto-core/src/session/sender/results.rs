@@ -7,7 +7,7 @@ impl Sender {
     /// Sends every result that may leave now, in slice order, then the aux data; completes the
     /// session when everything went out.
     pub(super) fn progress(&mut self, now: Instant, request: RequestId) {
-        let Some(session) = self.sessions.get_mut(&request) else {
+        let Some(session) = self.sessions.live.get_mut(&request) else {
             return;
         };
         if !session.phase.is_active() {
@@ -75,16 +75,8 @@ impl Sender {
         }
         self.send_frames(now, frames);
         if transition == Some(SendPhase::Completed) {
-            self.shell.counters.completions += 1;
-            self.shell.counters.quiesced += 1;
-            self.shell.counters.blocks_released += blocks_pinned;
-            self.shell.event(Event::Completed {
-                request,
-                bytes_written: bytes,
-                aux: None,
-                timings,
-            });
-            self.shell.event(Event::Quiesced { request });
+            self.shell
+                .completed(request, bytes, None, timings, blocks_pinned);
         }
     }
 
@@ -110,13 +102,12 @@ impl Sender {
             }
             return Err(UsageError::UnknownBatch(batch));
         };
-        let Some(session) = self.sessions.get_mut(&r.request) else {
+        let Some(session) = self.sessions.live.get_mut(&r.request) else {
             return Ok(());
         };
         let target = &mut session.targets[r.target];
         target.inflight = target.inflight.saturating_sub(1);
         let peer = target.peer;
-        let receiver_slice = target.receiver_slice();
         let ts = &mut target.slices[r.slice];
         ts.deadline = None;
         if status == TransferStatus::Success {
@@ -141,7 +132,6 @@ impl Sender {
                     cause: status,
                     peer: Some(peer),
                     slice: Some(slice),
-                    receiver_slice,
                 },
             );
         } else {
@@ -156,12 +146,12 @@ impl Sender {
             request,
             reason: cancel.reason,
         });
-        if self.retired.contains(request) {
+        if self.sessions.retired.contains(request) {
             // Nothing of a retired request is in flight: confirm at once.
             self.shell.send(now, peer, confirm);
             return;
         }
-        let Some(session) = self.sessions.get_mut(&request) else {
+        if !self.sessions.live.contains_key(&request) {
             // Not opened yet: nothing is in flight. Confirm, and cancel it when it opens.
             self.shell
                 .remembered_cancels
@@ -169,21 +159,7 @@ impl Sender {
             self.pending_registrations.remove(request, peer);
             self.shell.send(now, peer, confirm);
             return;
-        };
-        if !session.targets.iter().any(|t| t.peer == peer) {
-            self.shell.violation(
-                peer,
-                ProtocolError::NotAParticipant {
-                    kind: "Cancel",
-                    request,
-                },
-            );
-            return;
         }
-        if session.phase.is_active() {
-            self.stop(now, request, Stop::Cancelled(CancelOrigin::Peer(peer)));
-        } else {
-            self.check_drained(now, request);
-        }
+        self.on_participant_cancel(now, request, peer);
     }
 }

@@ -1,5 +1,5 @@
 //! What the sender keeps per request: the session, its receivers (targets) and slices, the
-//! registrations that arrived before their request was opened, and why a session stops.
+//! registrations that arrived before their request was opened.
 
 use super::*;
 
@@ -78,18 +78,12 @@ impl Target {
 
     /// Moves the target's phase; an event its phase does not take changes nothing.
     pub(super) fn on(&mut self, event: TargetEvent) -> bool {
-        match self.phase.on(event) {
-            Transition::To(p) => {
-                self.phase = p;
-                true
-            }
-            Transition::Ignored | Transition::Refused => false,
-        }
+        self.phase.on(event).advance(&mut self.phase)
     }
 }
 
 #[derive(Clone, Debug)]
-pub(super) struct SendSession {
+pub(crate) struct SendSession {
     pub(super) phase: SendPhase,
     pub(super) targets: SmallVec<[Target; 2]>,
     pub(super) slices: Vec<Slice>,
@@ -112,6 +106,22 @@ pub(super) struct SendSession {
     pub(super) timings: RequestTimings,
     /// Blocks of the block runs of every slice, released (counted) when the session quiesces.
     pub(super) blocks_pinned: u64,
+}
+
+impl HeldSession for SendSession {
+    type Phase = SendPhase;
+    fn phase(&self) -> SendPhase {
+        self.phase
+    }
+    fn set_phase(&mut self, phase: SendPhase) {
+        self.phase = phase;
+    }
+    fn involves(&self, peer: PeerId) -> bool {
+        self.targets.iter().any(|t| t.peer == peer)
+    }
+    fn awaits(&self, peer: PeerId) -> bool {
+        (self.targets.iter()).any(|t| t.peer == peer && !t.phase.is_finished())
+    }
 }
 
 /// Registrations that arrived before the engine opened their request, by request.
@@ -182,17 +192,4 @@ pub(super) struct BatchRef {
     pub(super) request: RequestId,
     pub(super) target: usize,
     pub(super) slice: usize,
-}
-
-/// Why a session stops.
-#[derive(Clone, Copy, Debug)]
-pub(super) enum Stop {
-    Failed {
-        cause: TransferStatus,
-        peer: Option<PeerId>,
-        slice: Option<SenderSliceId>,
-        receiver_slice: Option<ReceiverSliceId>,
-    },
-    TimedOut(Wait),
-    Cancelled(CancelOrigin),
 }

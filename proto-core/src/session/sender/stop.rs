@@ -1,96 +1,74 @@
 //! Stop and quiesce: failures, timeouts, cancels and lost peers end a session on both sides, and
-//! its blocks stay pinned until no write of it can still land.
+//! its blocks stay pinned until no write of it can still land. The sender's part of the shared
+//! session frame (`EndpointRole`) is here.
 
 use super::*;
 
-impl Sender {
-    pub(super) fn on_disconnected(&mut self, now: Instant, peer: PeerId) -> Result<(), UsageError> {
-        self.shell.peers.disconnected(peer)?;
+impl EndpointRole for Sender {
+    type Session = SendSession;
+    type Kept = ();
+
+    fn shell(&mut self) -> &mut Shell {
+        &mut self.shell
+    }
+
+    fn sessions(&self) -> &SessionTable<SendSession, ()> {
+        &self.sessions
+    }
+
+    fn forget_peer(&mut self, peer: PeerId) {
         self.pending_registrations.remove_peer(peer);
         self.link_progress.remove(&peer);
         // Batches towards the peer can no longer touch memory.
-        let sessions = &self.sessions;
+        let sessions = &self.sessions.live;
         self.batches.retain(|_, r| {
             sessions
                 .get(&r.request)
                 .is_none_or(|s| s.targets[r.target].peer != peer)
         });
-        let involved: Vec<RequestId> = self
-            .sessions
-            .iter()
-            .filter(|(_, s)| s.targets.iter().any(|t| t.peer == peer))
-            .map(|(r, _)| *r)
-            .collect();
-        for request in involved {
-            let session = self.sessions.get_mut(&request).expect("listed");
-            let target = session
-                .targets
-                .iter_mut()
-                .find(|t| t.peer == peer)
-                .expect("listed");
-            let finished_here = target.phase.is_finished();
-            target.on(TargetEvent::Disconnected);
-            target.inflight = 0;
-            for ts in &mut target.slices {
-                ts.deadline = None;
-            }
-            let receiver_slice = target.receiver_slice();
-            if session.phase.is_active() && !finished_here {
-                self.stop(
-                    now,
-                    request,
-                    Stop::Failed {
-                        cause: TransferStatus::PeerLost,
-                        peer: Some(peer),
-                        slice: None,
-                        receiver_slice,
-                    },
-                );
-            } else {
-                self.check_drained(now, request);
-            }
-        }
-        Ok(())
     }
 
-    pub(super) fn fail_peer_sessions(&mut self, now: Instant, peer: PeerId, why: Stop) {
-        let involved: Vec<RequestId> = self
-            .sessions
-            .iter()
-            .filter(|(_, s)| {
-                s.phase.is_active()
-                    && s.targets
-                        .iter()
-                        .any(|t| t.peer == peer && !t.phase.is_finished())
-            })
-            .map(|(r, _)| *r)
-            .collect();
-        for request in involved {
-            let why = match why {
-                Stop::Failed {
-                    cause,
-                    peer,
-                    slice,
-                    receiver_slice: None,
-                } => Stop::Failed {
-                    cause,
-                    peer,
-                    slice,
-                    receiver_slice: self.sessions.get(&request).and_then(|s| {
-                        s.targets
-                            .iter()
-                            .find(|t| Some(t.peer) == peer)
-                            .and_then(Target::receiver_slice)
-                    }),
+    fn participant_gone(&mut self, request: RequestId, peer: PeerId) -> bool {
+        let session = self.sessions.live.get_mut(&request).expect("listed");
+        let target = session
+            .targets
+            .iter_mut()
+            .find(|t| t.peer == peer)
+            .expect("listed");
+        let finished_here = target.phase.is_finished();
+        target.on(TargetEvent::Disconnected);
+        target.inflight = 0;
+        for ts in &mut target.slices {
+            ts.deadline = None;
+        }
+        finished_here
+    }
+
+    // A receiver writes nothing: its cancel only ends the request.
+    fn participant_stopped(&mut self, _request: RequestId, _peer: PeerId) {}
+
+    // Registrations come from the receivers; a ready peer changes nothing by itself.
+    fn on_peer_ready(&mut self, _now: Instant, _peer: PeerId) {}
+
+    fn on_session_frame(&mut self, now: Instant, peer: PeerId, frame: Frame) {
+        match frame {
+            Frame::RecvRegistration(reg) => self.on_registration(now, peer, reg),
+            Frame::Cancel(cancel) => self.on_peer_cancel(now, peer, cancel),
+            other => self.shell.violation(
+                peer,
+                ProtocolError::UnexpectedFrame {
+                    kind: frame_kind(&other),
+                    role: Role::Sender,
                 },
-                other => other,
-            };
-            self.stop(now, request, why);
+            ),
         }
     }
 
-    pub(super) fn on_request_timeout(&mut self, now: Instant, request: RequestId) {
-        let Some(session) = self.sessions.get_mut(&request) else {
+    // A session waits for its receiver's registration under its own deadline.
+    fn on_handshake_timeout(&mut self, _now: Instant, _peer: PeerId) {}
+
+    fn on_request_timeout(&mut self, now: Instant, request: RequestId) {
+        let Some(session) = self.sessions.live.get_mut(&request) else {
             // Registrations held for a request the engine never opened: after the registration
             // deadline nobody will write them; their receivers learn at once.
             let expired = self
@@ -148,125 +126,23 @@ impl Sender {
         self.rearm(request);
     }
 
-    /// Arms the session's earliest pending deadline.
-    pub(super) fn rearm(&mut self, request: RequestId) {
-        let Some(session) = self.sessions.get(&request) else {
-            return;
-        };
-        let mut next: Option<Instant> = None;
-        let mut consider = |at: Option<Instant>| {
-            if let Some(at) = at {
-                next = Some(next.map_or(at, |n: Instant| n.min(at)));
-            }
-        };
-        if session.phase.is_active() {
-            for t in &session.targets {
-                for ts in &t.slices {
-                    consider(write_deadline(
-                        &self.link_progress,
-                        self.config.deadlines.write_completion,
-                        t.peer,
-                        ts.deadline,
-                    ));
-                }
-            }
-            if session
-                .targets
-                .iter()
-                .any(|t| t.phase == TargetPhase::AwaitingRegistration)
-            {
-                consider(Some(session.registration_deadline));
-            }
-            consider(session.aux_deadline);
-        } else if session.phase == SendPhase::Stopping {
-            consider(session.quiesce_deadline);
-        }
-        self.shell.timers.arm_opt(next, TimerKey::Request(request));
-    }
-
-    pub(super) fn stop_protocol(
-        &mut self,
-        now: Instant,
-        request: RequestId,
-        peer: PeerId,
-        error: ProtocolError,
-    ) {
-        self.stop_protocol_at(now, request, peer, error, None);
-    }
-
-    /// Fails the session for a peer's protocol error, attributed to `slice` when one is known.
-    pub(super) fn stop_protocol_at(
-        &mut self,
-        now: Instant,
-        request: RequestId,
-        peer: PeerId,
-        error: ProtocolError,
-        slice: Option<SenderSliceId>,
-    ) {
-        let receiver_slice = self.sessions.get(&request).and_then(|s| {
-            s.targets
-                .iter()
-                .find(|t| t.peer == peer)
-                .and_then(Target::receiver_slice)
-        });
-        self.shell.event(Event::ProtocolViolation { peer, error });
-        self.stop(
-            now,
-            request,
-            Stop::Failed {
-                cause: TransferStatus::ProtocolError,
-                peer: Some(peer),
-                slice,
-                receiver_slice,
-            },
-        );
-    }
-
     /// Ends an active session: reports it, tells every receiver at once, and waits for the
     /// in-flight writes before [`Event::Quiesced`].
-    pub(super) fn stop(&mut self, now: Instant, request: RequestId, why: Stop) {
-        let Some(session) = self.sessions.get_mut(&request) else {
+    fn stop(&mut self, now: Instant, request: RequestId, why: Stop) {
+        let Some(session) = self.sessions.begin_stop(request) else {
             return;
         };
-        let Transition::To(phase) = session.phase.on(SendEvent::Stop) else {
-            return;
-        };
-        session.phase = phase;
-        let (status, event) = match why {
-            Stop::Failed {
-                cause,
-                peer,
-                slice,
-                receiver_slice,
-            } => {
+        // A failure names the registration of the peer involved, when that peer registered.
+        let receiver_slice = match why {
+            Stop::Failed { peer, slice, .. } => {
                 session.stop_slice = slice;
-                (
-                    cause,
-                    Event::Failed {
-                        request,
-                        cause,
-                        peer,
-                        sender_slice: slice,
-                        receiver_slice,
-                    },
-                )
+                (session.targets.iter())
+                    .find(|t| Some(t.peer) == peer)
+                    .and_then(Target::receiver_slice)
             }
-            Stop::TimedOut(wait) => (
-                if wait == Wait::Writes {
-                    TransferStatus::InDoubt
-                } else {
-                    TransferStatus::TimedOut
-                },
-                Event::TimedOut {
-                    request,
-                    waiting_for: wait,
-                },
-            ),
-            Stop::Cancelled(origin) => (
-                TransferStatus::Cancelled,
-                Event::Cancelled { request, origin },
-            ),
+            Stop::TimedOut(_) | Stop::Cancelled(_) => None,
         };
+        let status = why.status();
         session.stop_status = status;
         // The slice the failure is attributed to, named the same on both sides (none when the
         // failure is not a slice's).
@@ -311,24 +187,15 @@ impl Sender {
                 }
             }
         }
-        self.shell.counters.failures.bump(status);
-        match why {
-            Stop::TimedOut(_) => self.shell.counters.timeouts += 1,
-            Stop::Cancelled(_) => self.shell.counters.cancellations += 1,
-            Stop::Failed { .. } => {}
-        }
-        self.shell.event(event);
+        self.shell.stopped(request, why, receiver_slice, quiesce_at);
         self.send_frames(now, frames);
-        self.shell
-            .timers
-            .arm(quiesce_at, TimerKey::Request(request));
         self.check_drained(now, request);
     }
 
     /// In a stopping session: sends each receiver's terminal result once its writes drained, and
     /// quiesces the session once no write is in flight.
-    pub(super) fn check_drained(&mut self, now: Instant, request: RequestId) {
-        let Some(session) = self.sessions.get_mut(&request) else {
+    fn check_drained(&mut self, now: Instant, request: RequestId) {
+        let Some(session) = self.sessions.live.get_mut(&request) else {
             return;
         };
         if session.phase != SendPhase::Stopping {
@@ -374,10 +241,46 @@ impl Sender {
         }
         self.send_frames(now, frames);
         if quiesced {
-            self.shell.counters.quiesced += 1;
-            self.shell.counters.blocks_released += blocks_pinned;
-            self.shell.event(Event::Quiesced { request });
+            self.shell.quiesced(request, blocks_pinned);
         }
+    }
+}
+
+impl Sender {
+    /// Arms the session's earliest pending deadline.
+    pub(super) fn rearm(&mut self, request: RequestId) {
+        let Some(session) = self.sessions.live.get(&request) else {
+            return;
+        };
+        let mut next: Option<Instant> = None;
+        let mut consider = |at: Option<Instant>| {
+            if let Some(at) = at {
+                next = Some(next.map_or(at, |n: Instant| n.min(at)));
+            }
+        };
+        if session.phase.is_active() {
+            for t in &session.targets {
+                for ts in &t.slices {
+                    consider(write_deadline(
+                        &self.link_progress,
+                        self.config.deadlines.write_completion,
+                        t.peer,
+                        ts.deadline,
+                    ));
+                }
+            }
+            if session
+                .targets
+                .iter()
+                .any(|t| t.phase == TargetPhase::AwaitingRegistration)
+            {
+                consider(Some(session.registration_deadline));
+            }
+            consider(session.aux_deadline);
+        } else if session.phase == SendPhase::Stopping {
+            consider(session.quiesce_deadline);
+        }
+        self.shell.timers.arm_opt(next, TimerKey::Request(request));
     }
 }
 
