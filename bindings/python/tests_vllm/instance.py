@@ -100,8 +100,13 @@ def pattern(kv_id: int, token: int, layer: int) -> np.ndarray:
 class Instance:
     """A scheduler, its connector's scheduler and worker sides, and the worker's KV tensors."""
 
-    def __init__(self, role: str, async_scheduling: bool, num_blocks: int = 256, tp: int = 1, **config):
+    def __init__(self, role: str, async_scheduling: bool, num_blocks: int = 256, tp: int = 1,
+                 layer_wise: bool = False, **config):
         self.role = role
+        # The "model" computes layer by layer and reports each layer (``save_kv_layer``), as
+        # vLLM's attention layers do; otherwise it writes every layer, then the step ends.
+        self.layer_wise = layer_wise
+        self.layer_slices = []  # per layer-wise step: the sender's slices before it and after each layer
         self.vllm_config = make_config(role, async_scheduling, tp=tp, **config)
         spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD_DIM, dtype=torch.float16)
         self.kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
@@ -196,7 +201,7 @@ class Instance:
             computed[rid] = cached.num_computed_tokens[i]
         heads = slice(rank * self.heads, (rank + 1) * self.heads)
         phys = self.phys_by_rank[rank]
-        req_ids, sampled, chunks = [], [], {}
+        req_ids, sampled, chunks, work = [], [], {}, []
         with set_forward_context(None, self.vllm_config), \
                 KVConnectorModelRunnerMixin.maybe_get_kv_connector_output(so) as kv_out:
             for rid, n in so.num_scheduled_tokens.items():
@@ -205,20 +210,31 @@ class Instance:
                 blocks = self.scheduler.kv_cache_manager.get_block_ids(rid)[0]
                 end = start + n
                 prompt = req.num_prompt_tokens
-                kv_id = self.kv_ids[rid]
-                for t in range(start, min(end, prompt)):  # "forward": this step's tokens' KV
-                    b = blocks[t // BLOCK]
-                    for layer in range(LAYERS):
-                        phys[layer][b, :, :, t % BLOCK, :] = pattern(kv_id, t, layer)[:, heads]
+                work.append((self.kv_ids[rid], blocks, range(start, min(end, prompt))))
                 if start < prompt:
                     chunks[rid] = (start, min(end, prompt))
                 req_ids.append(rid)
                 sampled.append([7] if end >= prompt else [])
+            # "forward": this step's tokens' KV, layer by layer
+            slices = [self._slices(worker)]
+            for layer in range(LAYERS):
+                for kv_id, blocks, tokens in work:
+                    for t in tokens:
+                        phys[layer][blocks[t // BLOCK], :, :, t % BLOCK, :] = pattern(kv_id, t, layer)[:, heads]
+                if self.layer_wise:
+                    worker.save_kv_layer(LAYER_NAMES[layer], None, None)
+                    slices.append(self._slices(worker))
+            if self.layer_wise and rank == 0 and chunks:
+                self.layer_slices.append(slices)
         if rank == 0:
             self.log.append(chunks)
         return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                  sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={},
                                  pooler_output=None, kv_connector_output=kv_out)
+
+    @staticmethod
+    def _slices(worker) -> int:
+        return worker.worker.counters().get("sender", {}).get("slices", 0)
 
     # ---- checks ----
     def blocks_of(self, req_id: str) -> list[int]:
@@ -269,6 +285,7 @@ def serve(conn, async_scheduling: bool, config: dict):
             so = inst.step()
             conn.send(("ok", {"scheduled": so.total_num_scheduled_tokens,
                               "chunks": inst.log[-1] if so.total_num_scheduled_tokens else {},
+                              "layer_slices": inst.layer_slices[-1] if inst.layer_slices else [],
                               "preempted": sorted(so.preempted_req_ids or ()),
                               "requests": len(inst.scheduler.requests)}))
         elif cmd == "abort":

@@ -8,6 +8,7 @@ import time
 import pytest
 from conftest import Pair
 
+import instance
 from instance import BLOCK
 
 
@@ -199,3 +200,38 @@ def test_a_prefill_request_preempted_mid_transfer_is_recomputed_by_decode(make_p
     pair.settle()
     assert not preempted & pair.loaded
     assert_nothing_held(pair)
+
+
+def test_layer_wise_prefill_pushes_each_layer_before_the_next_is_computed(make_pair):
+    # kvpipe_layers_per_slice 1: each layer of a chunk goes out from save_kv_layer, as a slice
+    # of its own, before the "model" computes the next layer.
+    pair = make_pair(prefill_config={"layer_wise": True, "extra": {"kvpipe_layers_per_slice": 1}})
+    rid, prompt = Pair.new_id(), 100  # 32-token chunks: 32, 32, 32, 4
+    pair.add_decode(rid, prompt)
+    pair.pump(lambda: pair.status(rid) == "WAITING_FOR_REMOTE_KVS", prefill=False)
+    pair.add_prefill((rid, prompt))
+    steps = []
+    while True:
+        r = pair.prefill.call("step")
+        if rid not in r["chunks"]:
+            continue
+        steps.append(r["layer_slices"])
+        start, end = r["chunks"][rid]
+        if end == prompt:
+            break
+        full = end // BLOCK * BLOCK
+        pair.pump(lambda: pair.decode.kv_matches(rid, full), timeout=10, prefill=False)
+        assert pair.status(rid) == "WAITING_FOR_REMOTE_KVS"
+    assert len(steps) == 4
+    for before, after_layer_0, after_layer_1 in steps:
+        assert after_layer_0 == before + 1, steps  # layer 0's range left before layer 1 was computed
+        assert after_layer_1 == after_layer_0 + 1, steps
+    pair.pump(lambda: rid in pair.loaded)
+    pair.settle()
+    assert rid not in pair.recomputed
+    assert_nothing_held(pair)
+
+
+def test_layer_wise_pushing_refuses_a_negative_slice_size():
+    with pytest.raises(ValueError, match="kvpipe_layers_per_slice is -1"):
+        instance.Instance("decode", False, extra={"kvpipe_layers_per_slice": -1})

@@ -38,15 +38,24 @@ the prefill worker waits for a preempted request's transfer to quiesce, 15),
 ``kvpipe_tp_rank`` (this worker's tensor rank where vLLM's tensor-parallel group is not
 initialised).
 
-``save_kv_layer`` and ``wait_for_layer_load`` are no-ops: a chunk is pushed whole after its
-step's forward pass; layer-wise pushing (kvpipe's layer slices) is not wired in yet.
+``kvpipe_layers_per_slice`` (default 0: off): with ``N`` > 0 the prefill worker pushes each
+range of ``N`` layers of the step's chunks from ``save_kv_layer``, as soon as the range's last
+layer is computed, while the forward pass goes on with the later layers (kvpipe's layer slices:
+the last chunk's transfer overlaps its own compute). On the GPU each range is handed to kvpipe
+by a worker thread once a CUDA event recorded after the layer completed; ``wait_for_save`` pushes
+what is left and waits until every range of the step was handed over. A step whose layers are
+not reported (``save_kv_layer`` not called, e.g. under full CUDA graphs) is pushed whole in
+``wait_for_save``, as with ``N`` = 0. ``wait_for_layer_load`` does nothing: the decode side runs
+a request only once all of its KV arrived.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import queue
 import re
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -139,6 +148,49 @@ class KvpipeMetadata(KVConnectorMetadata):
 
 
 @dataclass
+class _LayeredStep:
+    """A step whose chunks are pushed range of layers by range (``save_kv_layer``)."""
+
+    chunks: list  # (_Chunk, block table)
+    sent: int = 0  # layers pushed so far
+    failed: set = field(default_factory=set)  # kvpipe ids whose ranges stopped
+
+
+class _Submitter:
+    """Hands layer ranges to kvpipe, in order, each once the GPU completed the event recorded
+    after its last layer: the forward pass never waits for the GPU."""
+
+    def __init__(self):
+        self.queue: queue.Queue = queue.Queue()
+        self.thread = threading.Thread(target=self._run, name="kvpipe-layers", daemon=True)
+        self.thread.start()
+
+    def put(self, event, push):
+        self.queue.put((event, push))
+
+    def drain(self):
+        self.queue.join()
+
+    def close(self):
+        self.queue.put(None)
+        self.thread.join(10)
+
+    def _run(self):
+        while True:
+            item = self.queue.get()
+            try:
+                if item is None:
+                    return
+                event, push = item
+                event.synchronize()
+                push()
+            except Exception:  # a push logs and cancels its own failures; anything else is a bug
+                logger.exception("kvpipe: pushing a range of layers failed")
+            finally:
+                self.queue.task_done()
+
+
+@dataclass
 class _SendState:
     kv_id: int
     decode_addr: str
@@ -155,9 +207,9 @@ class KvpipeConnector(KVConnectorBase_V1):
     moves; the worker side owns a kvpipe :class:`~kvpipe.Sender` (producer) and/or
     :class:`~kvpipe.Receiver` (consumer) over the worker's KV tensors.
 
-    ``save_kv_layer`` and ``wait_for_layer_load`` do nothing: a chunk is pushed whole after its
-    forward pass (``wait_for_save``), not layer by layer, and the decode side never loads during
-    a forward pass (a request runs only once its KV arrived)."""
+    A chunk is pushed whole after its forward pass (``wait_for_save``) or, with
+    ``kvpipe_layers_per_slice``, range of layers by range from ``save_kv_layer``;
+    ``wait_for_layer_load`` does nothing (a request runs only once its KV arrived)."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
         super().__init__(vllm_config, role, kv_cache_config)
@@ -217,8 +269,10 @@ class KvpipeConnector(KVConnectorBase_V1):
         """Nothing: a request runs only once all of its KV arrived (no layer-wise loading)."""
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        """Nothing yet: chunks are pushed whole after the forward pass (``wait_for_save``).
-        Layer-wise pushing is kvpipe's layer slices, not wired here."""
+        """With ``kvpipe_layers_per_slice``: pushes the step's chunks' range of layers that this
+        layer completes (see the module doc); otherwise nothing."""
+        if self._worker is not None:
+            self._worker.save_layer(self._get_connector_metadata(), layer_name)
 
     def wait_for_save(self):
         self._worker.send_chunks(self._get_connector_metadata())
@@ -357,6 +411,14 @@ class _WorkerSide:
         self.recv_ok: set[int] = set()
         self.recv_done: set[str] = set()
         self.load_errors: set[int] = set()
+        # layer-wise pushing
+        self.layers_per_slice = int(self.extra.get("kvpipe_layers_per_slice", 0))
+        if self.layers_per_slice < 0:
+            raise ValueError(f"kvpipe: kvpipe_layers_per_slice is {self.layers_per_slice}; it must be 0 (whole "
+                             "chunks) or more")
+        self.layer_index: dict[str, int] = {}
+        self.layered: _LayeredStep | None = None  # the step whose layers are being pushed
+        self.submitter: _Submitter | None = None
 
     def _tp_rank(self) -> int:
         if "kvpipe_tp_rank" in self.extra:
@@ -377,6 +439,7 @@ class _WorkerSide:
             return int(m[-1]) if m else 0
 
         names = sorted(kv_caches, key=index)
+        self.layer_index = {name: i for i, name in enumerate(names)}
         pools, groups = {}, None
         for i, name in enumerate(names):
             t = kv_caches[name]
@@ -512,10 +575,59 @@ class _WorkerSide:
         return [ranks[r] for r in need]
 
     def send_chunks(self, meta: KvpipeMetadata):
+        """After the step's forward pass (``wait_for_save``): the rest of a step pushed layer by
+        layer, or every chunk whole."""
+        if self.layered is not None:
+            step, self.layered = self.layered, None
+            if step.sent < len(self.layer_index):
+                self._push_layers(step, len(self.layer_index))
+            if self.submitter is not None:
+                self.submitter.drain()  # every range of this step is with kvpipe before the next step
+            return
         if not meta.chunks:
             return
         if self.cuda:
             torch.cuda.current_stream().synchronize()  # the chunk's KV is computed before it is read
+        for ch, table in self._step_chunks(meta):
+            self._submit(ch, table, None, set())
+
+    def save_layer(self, meta: KvpipeMetadata, name: str):
+        """``save_kv_layer``: once ``layers_per_slice`` more layers (or the last) are computed,
+        the step's chunks' range of them goes out."""
+        if self.layers_per_slice == 0 or self.sender is None or not meta.chunks:
+            return
+        index = self.layer_index.get(name)
+        if index is None:
+            return
+        if self.layered is None:
+            self.layered = _LayeredStep(self._step_chunks(meta))
+        step, end = self.layered, index + 1
+        if end - step.sent >= self.layers_per_slice or (end == len(self.layer_index) and end > step.sent):
+            self._push_layers(step, end)
+
+    def _push_layers(self, step: _LayeredStep, end: int):
+        """Hands layers ``[step.sent, end)`` of the step's chunks to kvpipe: at once on the CPU, by
+        the submitter once the GPU computed them."""
+        layers, step.sent = (step.sent, end), end
+
+        def push():
+            for ch, table in step.chunks:
+                if ch.kv_id not in step.failed:
+                    self._submit(ch, table, layers, step.failed)
+
+        if not self.cuda:
+            push()
+            return
+        if self.submitter is None:
+            self.submitter = _Submitter()
+        done = torch.cuda.Event()
+        done.record()  # on the forward pass's stream, after this layer's kernels
+        self.submitter.put(done, push)
+
+    def _step_chunks(self, meta: KvpipeMetadata) -> list[tuple[_Chunk, list[int]]]:
+        """The step's chunks that go out (their requests opened where new) with their block
+        tables, grown by the step's new blocks."""
+        out = []
         for ch in meta.chunks:
             if ch.decode_addr is not None:
                 if not self._open(ch):
@@ -524,15 +636,23 @@ class _WorkerSide:
             if table is None or self.send_req.get(ch.kv_id) != ch.req_id:
                 continue
             table.extend(ch.new_block_ids)
-            try:
-                self.sender.submit_chunk(ch.kv_id, ch.start, ch.end, ch.prompt_len, [table],
-                                         prepopulated_len=ch.prepopulated, is_last=ch.end >= ch.prompt_len)
-                if ch.end >= ch.prompt_len:
-                    self.sender.submit_aux(ch.kv_id, [], prompt_tokens=ch.prompt_len,
-                                           cached_tokens=ch.prepopulated)
-            except kvpipe.KvpipeError as e:
-                logger.warning("kvpipe: request %s chunk %d..%d not sent: %s", ch.req_id, ch.start, ch.end, e)
-                self._quietly(self.sender.cancel, ch.kv_id)
+            out.append((ch, table))
+        return out
+
+    def _submit(self, ch: _Chunk, table: list[int], layers: tuple[int, int] | None, failed: set[int]):
+        """One chunk (``layers``: one range of its layers) to kvpipe, and the aux data after the
+        request's last; a refusal cancels the request (and ``failed`` keeps its later ranges)."""
+        last = ch.end >= ch.prompt_len
+        try:
+            self.sender.submit_chunk(ch.kv_id, ch.start, ch.end, ch.prompt_len, [table],
+                                     prepopulated_len=ch.prepopulated, is_last=last, layers=layers)
+            if last and (layers is None or layers[1] == len(self.layer_index)):
+                self.sender.submit_aux(ch.kv_id, [], prompt_tokens=ch.prompt_len, cached_tokens=ch.prepopulated)
+        except kvpipe.KvpipeError as e:
+            logger.warning("kvpipe: request %s chunk %d..%d%s not sent: %s", ch.req_id, ch.start, ch.end,
+                           "" if layers is None else f" layers {layers[0]}..{layers[1]}", e)
+            failed.add(ch.kv_id)
+            self._quietly(self.sender.cancel, ch.kv_id)
 
     def _open(self, ch: _Chunk) -> bool:
         if ch.kv_id in self.send_req:
@@ -639,6 +759,9 @@ class _WorkerSide:
         return out
 
     def close(self):
+        if self.submitter is not None:
+            self.submitter.close()
+            self.submitter = None
         for node in (self.sender, self.receiver):
             if node is not None:
                 try:
