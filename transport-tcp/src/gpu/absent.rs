@@ -175,3 +175,55 @@ pub(crate) fn import(
 ) -> Result<(HashMap<RegionId, PlacedRegion>, IpcMappings), String> {
     Err(GpuError::NotBuilt.to_string())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const NOT_BUILT: &str = "kvpipe-tcp was built without the `cuda` feature";
+
+    #[test]
+    fn whatever_needs_a_gpu_refuses_and_says_why() {
+        assert_eq!(supported().unwrap_err().to_string(), NOT_BUILT);
+        let regions = RegionTable::new();
+        assert_eq!(export(&regions).unwrap_err(), NOT_BUILT);
+        assert_eq!(import(&[], &regions).unwrap_err(), NOT_BUILT);
+        let spec = StagingSpec::from_config(&TcpConfig::default());
+        let mut pulls = PullCopies::new(spec.clone());
+        // SAFETY: the stand-in copies nothing.
+        let pulled = unsafe { pulls.copy((0, 0x1000), (0, 0x2000), 8) };
+        assert_eq!(pulled, Err(GpuError::NotBuilt));
+        let mut recv = RecvStaging::new(spec.clone());
+        assert_eq!(recv.begin(0, 0x1000), Err(GpuError::NotBuilt));
+        assert!(!recv.active(), "a refused write is not being staged");
+        let mut send = SendStaging::new(spec);
+        // SAFETY: the stand-in reads nothing.
+        assert_eq!(
+            unsafe { send.stage(1, 0, 0x1000, 8) },
+            Err(GpuError::NotBuilt)
+        );
+    }
+
+    #[test]
+    fn staging_holds_nothing_and_keeps_nothing_ahead_of_the_socket() {
+        let config = TcpConfig {
+            staging_slots: 4,
+            staging_slot_bytes: 1 << 20,
+            ..TcpConfig::default()
+        };
+        assert_eq!(SendStaging::ring_bytes(&config), 0);
+        let send = SendStaging::new(StagingSpec::from_config(&config));
+        let mut emitted = 0;
+        assert!(
+            send.ready_bytes(1, 0, |_, _| emitted += 1),
+            "an empty payload is whole"
+        );
+        assert!(
+            !send.ready_bytes(1, 8, |_, _| emitted += 1),
+            "no bytes are ever staged"
+        );
+        assert_eq!(emitted, 0);
+        let mut recv = RecvStaging::new(StagingSpec::from_config(&config));
+        assert!(recv.buffer(64).is_empty());
+    }
+}
