@@ -102,6 +102,7 @@
 mod blocking;
 mod config;
 mod conn;
+mod gpu;
 mod handles;
 pub mod memory;
 mod node;
@@ -112,11 +113,11 @@ mod stats;
 pub mod tokio_driver;
 
 pub use config::{TcpConfig, TcpDataPath};
+#[cfg(feature = "cuda")]
+pub use gpu::DeviceRegion;
 pub use handles::EndpointGuard;
 pub use handles::{TcpNode, TcpReceiver, TcpSender};
 pub use kvpipe_driver::{Driven, Driver};
-#[cfg(feature = "cuda")]
-pub use memory::DeviceRegion;
 pub use memory::{MemoryRegion, OutOfBounds, RegionTable};
 pub use node::lifecycle::CloseError;
 pub use node::TcpIo;

@@ -19,6 +19,10 @@ use std::sync::Arc;
 
 use kvpipe_core::RegionId;
 
+// Device memory (`cuda` feature), defined with the rest of the GPU path in `crate::gpu`.
+#[cfg(feature = "cuda")]
+pub use crate::gpu::DeviceRegion;
+
 /// A contiguous block of memory registered with a transport node. Cheap to clone (shared).
 #[derive(Clone)]
 pub struct MemoryRegion {
@@ -194,75 +198,13 @@ impl fmt::Debug for MemoryRegion {
     }
 }
 
-/// GPU memory registered with a node (`cuda` feature): a device address on one GPU. Cheap to
-/// clone (shared). The transport never dereferences it on the host: the sender copies source
-/// bytes down into pinned staging buffers, the receiver copies payloads up from them, both with
-/// the GPU's copy engines.
-#[cfg(feature = "cuda")]
-#[derive(Clone, Debug)]
-pub struct DeviceRegion {
-    inner: Arc<DeviceInner>,
-}
-
-#[cfg(feature = "cuda")]
-#[derive(Debug)]
-struct DeviceInner {
-    ordinal: usize,
-    ptr: u64,
-    len: usize,
-}
-
-#[cfg(feature = "cuda")]
-impl DeviceRegion {
-    /// A region over `len` bytes of device memory at device address `ptr` on GPU `ordinal`.
-    ///
-    /// # Safety
-    /// `ptr..ptr + len` must be device memory of GPU `ordinal` allocated in this process
-    /// (`cuMemAlloc`, `cudaMalloc`, or a framework's allocator on top of them), valid for as
-    /// long as any clone of the region exists, and the caller must follow the pinning contract
-    /// of the module doc.
-    pub unsafe fn from_raw_parts(ordinal: usize, ptr: u64, len: usize) -> Self {
-        DeviceRegion {
-            inner: Arc::new(DeviceInner { ordinal, ptr, len }),
-        }
-    }
-
-    /// The GPU's ordinal.
-    pub fn ordinal(&self) -> usize {
-        self.inner.ordinal
-    }
-
-    /// The device address of the first byte.
-    pub fn ptr(&self) -> u64 {
-        self.inner.ptr
-    }
-
-    /// Length in bytes.
-    pub fn len(&self) -> usize {
-        self.inner.len
-    }
-
-    /// Whether the region is empty.
-    pub fn is_empty(&self) -> bool {
-        self.inner.len == 0
-    }
-
-    /// Whether `[offset, offset + len)` lies inside the region.
-    pub fn contains(&self, offset: u64, len: u64) -> bool {
-        offset
-            .checked_add(len)
-            .is_some_and(|end| end <= self.inner.len as u64)
-    }
-}
-
 /// One registration: host memory, or (`cuda` feature) device memory.
 #[derive(Clone, Debug)]
 pub(crate) enum Registered {
     /// Host memory, read and written in place.
     Host(MemoryRegion),
-    /// Device memory, moved through pinned staging buffers.
-    #[cfg(feature = "cuda")]
-    Device(DeviceRegion),
+    /// Device memory, moved through pinned staging buffers (or pulled by the peer).
+    Device(crate::gpu::DeviceRegion),
 }
 
 impl Registered {
@@ -270,7 +212,6 @@ impl Registered {
     pub(crate) fn is_device(&self) -> bool {
         match self {
             Registered::Host(_) => false,
-            #[cfg(feature = "cuda")]
             Registered::Device(_) => true,
         }
     }
@@ -279,9 +220,14 @@ impl Registered {
     pub(crate) fn contains(&self, offset: u64, len: u64) -> bool {
         match self {
             Registered::Host(r) => r.contains(offset, len),
-            #[cfg(feature = "cuda")]
             Registered::Device(d) => d.contains(offset, len),
         }
+    }
+}
+
+impl From<crate::gpu::DeviceRegion> for Registered {
+    fn from(region: crate::gpu::DeviceRegion) -> Self {
+        Registered::Device(region)
     }
 }
 
@@ -299,30 +245,20 @@ impl RegionTable {
 
     /// Registers `region` as `id` (replacing an earlier registration of the same id).
     pub fn insert(&mut self, id: RegionId, region: MemoryRegion) {
-        self.regions.insert(id, Registered::Host(region));
+        self.register(id, Registered::Host(region));
     }
 
-    /// Registers device memory as `id` (replacing an earlier registration of the same id).
-    #[cfg(feature = "cuda")]
-    pub fn insert_device(&mut self, id: RegionId, region: DeviceRegion) {
-        self.regions.insert(id, Registered::Device(region));
+    /// Registers `registered` as `id`, of either kind (device memory: `insert_device`, in
+    /// `crate::gpu`).
+    pub(crate) fn register(&mut self, id: RegionId, registered: Registered) {
+        self.regions.insert(id, registered);
     }
 
     /// The host region registered as `id` (`None` for device memory).
     pub fn get(&self, id: RegionId) -> Option<&MemoryRegion> {
         match self.regions.get(&id)? {
             Registered::Host(r) => Some(r),
-            #[cfg(feature = "cuda")]
             Registered::Device(_) => None,
-        }
-    }
-
-    /// The device region registered as `id` (`None` for host memory).
-    #[cfg(feature = "cuda")]
-    pub fn get_device(&self, id: RegionId) -> Option<&DeviceRegion> {
-        match self.regions.get(&id)? {
-            Registered::Device(d) => Some(d),
-            Registered::Host(_) => None,
         }
     }
 

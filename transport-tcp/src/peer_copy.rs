@@ -2,6 +2,9 @@
 //! receiver **pulling** each write from the sender's memory itself (`cuda` feature). Control
 //! frames and the data-write headers still travel on the TCP connections.
 //!
+//! This module holds the negotiation and the records on the wire; the device half (exporting
+//! and opening regions, the copies) is in `crate::gpu`, with the rest of the GPU path.
+//!
 //! ## Negotiation (before the handshake, on the control connection)
 //!
 //! 1. A connecting **sender** whose [`TcpDataPath`] is not `Socket` sets
@@ -102,9 +105,8 @@ use std::time::Instant;
 
 use kvpipe_core::RegionId;
 
+use crate::gpu::{self, IpcMappings};
 use crate::memory::RegionTable;
-#[cfg(feature = "cuda")]
-use crate::memory::Registered;
 
 /// How a node's data writes reach the peer's memory ([`TcpConfig::data_path`](crate::TcpConfig::data_path)).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -452,8 +454,7 @@ pub(crate) struct PlacedRegion {
 #[derive(Debug, Default)]
 pub(crate) struct PeerMappings {
     regions: HashMap<RegionId, PlacedRegion>,
-    #[cfg(feature = "cuda")]
-    _mappings: Vec<kvpipe_cuda::IpcMapping>,
+    _mappings: IpcMappings,
 }
 
 impl PeerMappings {
@@ -475,8 +476,7 @@ impl PeerMappings {
     pub(crate) fn fake(regions: impl IntoIterator<Item = (RegionId, PlacedRegion)>) -> Self {
         PeerMappings {
             regions: regions.into_iter().collect(),
-            #[cfg(feature = "cuda")]
-            _mappings: Vec::new(),
+            ..PeerMappings::default()
         }
     }
 }
@@ -488,7 +488,6 @@ pub(crate) enum Placement {
     #[default]
     Socket,
     /// (Receiver) this node pulls them from the sender's regions, opened here.
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     Pull(std::sync::Arc<PeerMappings>),
     /// (Sender) the peer pulls them: pieces carry their source, batches complete on the
     /// peer's acknowledgements.
@@ -523,7 +522,7 @@ pub(crate) fn local_offer(path: TcpDataPath, regions: &RegionTable) -> Offer {
     if let Err(why) = device_only(regions) {
         return Offer::Declined(format!("the sender cannot export: {why}"));
     }
-    match export(regions) {
+    match gpu::export(regions) {
         Ok(entries) => Offer::Regions(entries),
         Err(why) => Offer::Declined(format!("the sender cannot export: {why}")),
     }
@@ -542,35 +541,7 @@ pub(crate) fn can_pull(
         return Err("the accepting node is not a receiver".into());
     }
     device_only(regions).map_err(|why| format!("the receiver cannot pull: {why}"))?;
-    if !cfg!(feature = "cuda") {
-        return Err("kvpipe-tcp was built without the `cuda` feature".into());
-    }
-    Ok(())
-}
-
-#[cfg(feature = "cuda")]
-fn export(regions: &RegionTable) -> Result<Vec<OfferEntry>, String> {
-    let mut out = Vec::new();
-    for (id, r) in regions.entries() {
-        let Registered::Device(d) = r else {
-            return Err(format!("{id} is host memory"));
-        };
-        let device = kvpipe_cuda::Device::open(d.ordinal()).map_err(|e| e.to_string())?;
-        let handle = kvpipe_cuda::export_ipc(&device, d.ptr(), d.len() as u64)
-            .map_err(|e| format!("{id}: {e}"))?;
-        out.push(OfferEntry {
-            region: id,
-            ordinal: d.ordinal() as u32,
-            handle: handle.to_bytes(),
-        });
-    }
-    out.sort_by_key(|e| e.region.0);
-    Ok(out)
-}
-
-#[cfg(not(feature = "cuda"))]
-fn export(_regions: &RegionTable) -> Result<Vec<OfferEntry>, String> {
-    Err("kvpipe-tcp was built without the `cuda` feature".into())
+    gpu::supported().map_err(|e| e.to_string())
 }
 
 /// The receiver's side: opens every offered region on the GPU of its own regions. `Err`: why
@@ -582,49 +553,11 @@ pub(crate) fn accept(offer: &Offer, regions: &RegionTable) -> Result<PeerMapping
         Offer::Regions(e) => e,
     };
     device_only(regions).map_err(|why| format!("this node cannot pull: {why}"))?;
-    import(entries, regions)
-}
-
-#[cfg(feature = "cuda")]
-fn import(entries: &[OfferEntry], regions: &RegionTable) -> Result<PeerMappings, String> {
-    let ordinal = regions
-        .entries()
-        .find_map(|(_, r)| match r {
-            Registered::Device(d) => Some(d.ordinal()),
-            Registered::Host(_) => None,
-        })
-        .unwrap_or(0);
-    let device = kvpipe_cuda::Device::open(ordinal).map_err(|e| e.to_string())?;
-    let mut mappings = Vec::with_capacity(entries.len());
-    let mut placed = HashMap::with_capacity(entries.len());
-    for e in entries {
-        let handle = kvpipe_cuda::IpcHandle::from_bytes(&e.handle).map_err(|x| x.to_string())?;
-        let mapping = kvpipe_cuda::IpcMapping::open(&device, &handle).map_err(|x| {
-            format!(
-                "{} (GPU {} of the peer) does not open here (another host, or the same \
-                 process?): {x}",
-                e.region, e.ordinal
-            )
-        })?;
-        placed.insert(
-            e.region,
-            PlacedRegion {
-                ordinal: mapping.ordinal(),
-                ptr: mapping.ptr(),
-                len: mapping.len(),
-            },
-        );
-        mappings.push(mapping);
-    }
+    let (placed, mappings) = gpu::import(entries, regions)?;
     Ok(PeerMappings {
         regions: placed,
         _mappings: mappings,
     })
-}
-
-#[cfg(not(feature = "cuda"))]
-fn import(_entries: &[OfferEntry], _regions: &RegionTable) -> Result<PeerMappings, String> {
-    Err("kvpipe-tcp was built without the `cuda` feature".into())
 }
 
 #[cfg(test)]

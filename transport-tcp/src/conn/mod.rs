@@ -12,8 +12,6 @@ mod hooks;
 mod inbound;
 mod outbound;
 mod pieces;
-#[cfg(feature = "cuda")]
-mod staging;
 
 pub(crate) use acks::PullAcks;
 pub(crate) use backlog::{Backlog, BatchTally, TalliedPiece};

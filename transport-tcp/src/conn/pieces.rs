@@ -27,7 +27,6 @@ pub(crate) enum Payload<'a> {
     Host(&'a [u8]),
     /// In device memory: `len` bytes at device address `addr` of GPU `ordinal` (the writer
     /// stages them into pinned host memory first).
-    #[cfg(feature = "cuda")]
     Device {
         /// The GPU.
         ordinal: usize,
@@ -80,7 +79,6 @@ impl Piece {
             Registered::Host(r) => Payload::Host(
                 unsafe { r.slice(self.src_offset, self.len) }.expect("checked in Piece::new"),
             ),
-            #[cfg(feature = "cuda")]
             Registered::Device(d) => Payload::Device {
                 ordinal: d.ordinal(),
                 addr: d.ptr() + self.src_offset,

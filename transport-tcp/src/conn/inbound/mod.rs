@@ -6,9 +6,9 @@
 //! A shell's loop is: `read` into [`Inbound::buffer`], pass the count to
 //! [`Inbound::consumed`], and when the stream ends or fails, [`Inbound::finish`].
 //!
-//! With the `cuda` feature a write admitted into device memory is read into pinned staging slots
-//! and copied up slot by slot while the socket fills the next ([`super::staging`]); it is
-//! reported landed once the copies of its last bytes completed.
+//! A write admitted into device memory (`cuda` feature) is read into pinned staging slots and
+//! copied up slot by slot while the socket fills the next ([`crate::gpu`]); it is reported
+//! landed once the copies of its last bytes completed.
 //!
 //! On a peer-copy connection ([`crate::peer_copy`]) the reader of a **receiver** reads each data
 //! write's source after its header, pulls the bytes from the sender's exported region into the
@@ -27,9 +27,8 @@ use kvpipe_core::{Admission, PeerId};
 use super::acks::PullAcks;
 use super::hooks::{HalfEnd, NodeHooks, ReadEnd};
 use super::outbound::JobQueue;
-#[cfg(feature = "cuda")]
-use super::staging::{PullCopies, RecvStaging, StagingSpec};
 use crate::config::TcpConfig;
+use crate::gpu::{PullCopies, RecvStaging, StagingSpec};
 use crate::memory::{RegionTable, Registered};
 use crate::peer_copy::{PeerMappings, ACK_LEN, SOURCE_LEN};
 use crate::stats::{bump, StatCells};
@@ -68,7 +67,6 @@ pub(crate) struct Inbound {
     /// Most payload bytes one `read` call lands in memory.
     read_max: usize,
     /// Writes into device memory, through pinned staging slots.
-    #[cfg(feature = "cuda")]
     staging: RecvStaging,
     /// (Receiver, peer copies) this reader pulls each write from the sender's memory.
     puller: Option<Puller>,
@@ -99,7 +97,6 @@ impl Inbound {
             stats,
             scratch: Vec::new(),
             read_max: config.socket_read_bytes.max(1),
-            #[cfg(feature = "cuda")]
             staging: RecvStaging::new(StagingSpec::from_config(config)),
             puller: None,
             acker: None,
@@ -118,15 +115,12 @@ impl Inbound {
         writer: &Arc<JobQueue>,
         config: &TcpConfig,
     ) -> Self {
-        #[cfg(not(feature = "cuda"))]
-        let _ = config;
         self.puller = mappings.map(|mappings| Puller {
             mappings,
             writer: writer.clone(),
             header: None,
             source: [0; SOURCE_LEN],
             filled: 0,
-            #[cfg(feature = "cuda")]
             copies: PullCopies::new(StagingSpec::from_config(config)),
         });
         self
@@ -146,27 +140,11 @@ impl Inbound {
         self
     }
 
-    /// The same reader pulling through `spec`'s GPU (tests).
-    #[cfg(all(test, feature = "cuda"))]
-    pub(crate) fn with_pull_gpu(mut self, spec: StagingSpec) -> Self {
-        if let Some(p) = &mut self.puller {
-            p.copies = PullCopies::new(spec);
-        }
-        self
-    }
-
     /// The same reader on a connection that does (`true`, the default) or does not carry the
     /// peer's control frames. Only the first reports payload still arriving
     /// ([`NodeHooks::data_arriving`]): payload elsewhere holds no frame back.
     pub(crate) fn carries_frames(mut self, carries: bool) -> Self {
         self.carries_frames = carries;
-        self
-    }
-
-    /// The same reader staging device memory through `spec` (tests).
-    #[cfg(all(test, feature = "cuda"))]
-    pub(crate) fn with_staging(mut self, spec: StagingSpec) -> Self {
-        self.staging = RecvStaging::new(spec);
         self
     }
 
@@ -185,7 +163,6 @@ impl Inbound {
             regions,
             scratch,
             read_max,
-            #[cfg(feature = "cuda")]
             staging,
             ..
         } = self;
@@ -213,7 +190,6 @@ impl Inbound {
                         .expect("inside the write checked at admission"),
                     // Device memory: the bytes go to the current staging slot (`admit` started
                     // the staged write at this offset; they continue it).
-                    #[cfg(feature = "cuda")]
                     Registered::Device(_) => staging.buffer(len as usize),
                 }
             }
@@ -245,10 +221,8 @@ impl Inbound {
                 }
             }
         }
-        #[cfg(feature = "cuda")]
         let staged = self.staging.active();
         let event = self.reader.advance(n).map_err(|e| self.stream_error(e))?;
-        #[cfg(feature = "cuda")]
         if staged {
             let last = matches!(event, Some(StreamEvent::Landed(_)));
             if self.staging.filled(n, last).is_err() {
@@ -268,7 +242,6 @@ impl Inbound {
     /// stopped.
     pub(crate) fn finish(mut self, stop: Stop) {
         let end = self.reader.end();
-        #[cfg(feature = "cuda")]
         self.staging.abandon();
         if let StreamEnd::Truncated {
             unfinished: Some(ticket),
@@ -309,7 +282,6 @@ impl Inbound {
             },
             Some(StreamEvent::Landed(ticket)) => {
                 // A staged write has landed once its last copy completed.
-                #[cfg(feature = "cuda")]
                 if self.staging.active() && self.staging.finish_write().is_err() {
                     self.hooks.write_finished(ticket, false);
                     return Err(ReadEnd::Failed);
@@ -351,7 +323,6 @@ impl Inbound {
                 self.hooks.write_finished(ticket, false);
                 return Err(ReadEnd::Failed);
             }
-            #[cfg(feature = "cuda")]
             Admission::Apply {
                 ticket,
                 region,
@@ -367,8 +338,6 @@ impl Inbound {
                     }
                 }
             }
-            #[cfg(not(feature = "cuda"))]
-            Admission::Apply { .. } => {}
             Admission::Discard { len } => {
                 bump(&self.stats.late_writes, 1);
                 bump(&self.stats.bytes_drained, len);

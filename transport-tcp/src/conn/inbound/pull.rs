@@ -15,9 +15,7 @@ use super::Inbound;
 use crate::conn::acks::PullAcks;
 use crate::conn::hooks::ReadEnd;
 use crate::conn::outbound::{Job, JobQueue};
-#[cfg(feature = "cuda")]
-use crate::conn::staging::PullCopies;
-#[cfg(feature = "cuda")]
+use crate::gpu::{self, PullCopies};
 use crate::memory::Registered;
 use crate::peer_copy::{decode_ack, encode_ack, PeerMappings, Source, ACK_LEN, SOURCE_LEN};
 use crate::stats::bump;
@@ -31,7 +29,6 @@ pub(super) struct Puller {
     pub(super) header: Option<DataWrite>,
     pub(super) source: [u8; SOURCE_LEN],
     pub(super) filled: usize,
-    #[cfg(feature = "cuda")]
     pub(super) copies: PullCopies,
 }
 
@@ -140,35 +137,23 @@ impl Inbound {
                 source.offset, source.region
             ));
         };
-        #[cfg(feature = "cuda")]
-        {
-            let Registered::Device(d) = dst else {
-                return Err(format!("{region} is host memory"));
-            };
-            let src = kvpipe_cuda::Memory::Device {
-                ordinal: src_ordinal,
-                addr: src_addr,
-            };
-            let to = kvpipe_cuda::Memory::Device {
-                ordinal: d.ordinal(),
-                addr: d.ptr() + offset,
-            };
-            // SAFETY: the destination bytes belong to a write the receiver admitted
-            // (`Admission::Apply`) and not yet reported finished: admission guarantees that no
-            // other write in flight overlaps them, and the engine does not touch a request's
-            // blocks before its `Quiesced`, which waits for this write's report (made after
-            // this copy completed, or after it was given up and left running for good). They
-            // lie inside the registered region (checked above). The source lies inside a
-            // region the sender exported (checked by `locate`); the sender keeps it pinned
-            // until this write is acknowledged, which happens after the copy; the mapping
-            // stays open while this reader holds `mappings`.
-            unsafe { p.copies.copy(src, to, len) }.map_err(|e| e.to_string())
-        }
-        #[cfg(not(feature = "cuda"))]
-        {
-            let _ = (dst, src_ordinal, src_addr);
-            Err("kvpipe-tcp was built without the `cuda` feature".into())
-        }
+        let Registered::Device(d) = dst else {
+            // Only device memory is pulled into; a build without the GPU path has no other
+            // memory, and says so.
+            return Err(gpu::supported()
+                .map_or_else(|e| e.to_string(), |()| format!("{region} is host memory")));
+        };
+        let to = (d.ordinal(), d.ptr() + offset);
+        // SAFETY: the destination bytes belong to a write the receiver admitted
+        // (`Admission::Apply`) and not yet reported finished: admission guarantees that no
+        // other write in flight overlaps them, and the engine does not touch a request's
+        // blocks before its `Quiesced`, which waits for this write's report (made after this
+        // copy completed, or after it was given up and left running for good). They lie
+        // inside the registered region (checked above). The source lies inside a region the
+        // sender exported (checked by `locate`); the sender keeps it pinned until this write
+        // is acknowledged, which happens after the copy; the mapping stays open while this
+        // reader holds `mappings`.
+        unsafe { p.copies.copy((src_ordinal, src_addr), to, len) }.map_err(|e| e.to_string())
     }
 
     /// (Sender, peer copies) `n` more bytes between frames were read: an acknowledgement

@@ -363,8 +363,24 @@ fn an_admitted_destination_outside_registered_memory_is_never_written() {
 #[cfg(feature = "cuda")]
 mod device {
     use super::*;
-    use crate::conn::staging::{fake, StagingSpec};
+    use crate::gpu::{fake, PullCopies, RecvStaging, StagingSpec};
     use crate::memory::DeviceRegion;
+
+    impl Inbound {
+        /// The same reader staging device memory through `spec`.
+        fn with_staging(mut self, spec: StagingSpec) -> Self {
+            self.staging = RecvStaging::new(spec);
+            self
+        }
+
+        /// The same reader pulling through `spec`'s GPU.
+        fn with_pull_gpu(mut self, spec: StagingSpec) -> Self {
+            if let Some(p) = &mut self.puller {
+                p.copies = PullCopies::new(spec);
+            }
+            self
+        }
+    }
 
     /// A reader whose region 3 is "device memory" (`memory`, which the fake GPU copies
     /// into), reading at most 7 bytes per call.

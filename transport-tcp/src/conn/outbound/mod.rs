@@ -13,8 +13,8 @@
 //! receiver pulls the bytes): it is added to the connection's [`PullAcks`] before it is
 //! written, and its batch is reported by the reader once the receiver acknowledged it.
 //!
-//! With the `cuda` feature a piece whose source is device memory is staged through pinned host
-//! slots ([`super::staging`]): [`Outbound::next`] keeps the slots filled ahead of the socket and
+//! A piece whose source is device memory (`cuda` feature) is staged through pinned host slots
+//! ([`crate::gpu`]): [`Outbound::next`] keeps the slots filled ahead of the socket and
 //! waits (briefly, for one slot's copy) only when the next bytes to write are still being
 //! copied; [`Outbound::slices`] offers only bytes whose copy completed.
 
@@ -30,9 +30,8 @@ use super::acks::PullAcks;
 use super::backlog::{Backlog, BatchTally, TalliedPiece};
 use super::hooks::{HalfEnd, NodeHooks, WriteEnd};
 use super::pieces::{Payload, Piece};
-#[cfg(feature = "cuda")]
-use super::staging::{SendStaging, StagingSpec};
 use crate::config::TcpConfig;
+use crate::gpu::{GpuError, SendStaging, StagingSpec};
 use crate::stats::{bump, StatCells};
 
 /// Most slices in one vectored write (Linux accepts 1024).
@@ -205,7 +204,6 @@ enum Entry {
         /// Its batch's pieces not written out yet.
         tally: Arc<BatchTally>,
         /// The piece's number on this connection (from 1), by which staging knows it.
-        #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
         seq: u64,
     },
     Close,
@@ -223,7 +221,6 @@ impl Entry {
     }
 
     /// Itself, unless it is a pulled piece (whose payload is not on the stream).
-    #[cfg(feature = "cuda")]
     fn pulled_not(&self) -> Option<&Entry> {
         match self {
             Entry::Piece { piece, .. } if piece.pulled() => None,
@@ -280,7 +277,6 @@ pub(crate) struct Outbound {
     /// The last piece number given.
     seq: u64,
     /// Device payloads staged through pinned memory.
-    #[cfg(feature = "cuda")]
     staging: SendStaging,
 }
 
@@ -294,12 +290,7 @@ impl Outbound {
     ) -> Self {
         // Enough for the next write call to be a full one and, for device memory, for every
         // staging slot to be filled ahead of the socket.
-        #[cfg(feature = "cuda")]
-        let staged = config
-            .staging_slots
-            .saturating_mul(config.staging_slot_bytes);
-        #[cfg(not(feature = "cuda"))]
-        let staged = 0;
+        let staged = SendStaging::ring_bytes(config);
         let lookahead = config.socket_write_bytes.max(staged).max(1) as u64;
         Outbound {
             peer,
@@ -316,7 +307,6 @@ impl Outbound {
             front_done: 0,
             write_max: config.socket_write_bytes.max(1),
             seq: 0,
-            #[cfg(feature = "cuda")]
             staging: SendStaging::new(StagingSpec::from_config(config)),
         }
     }
@@ -328,13 +318,6 @@ impl Outbound {
             self.lookahead = self.pull_lookahead;
         }
         self.acks = acks;
-        self
-    }
-
-    /// The same writer staging device memory through `spec` (tests).
-    #[cfg(all(test, feature = "cuda"))]
-    pub(crate) fn with_staging(mut self, spec: StagingSpec) -> Self {
-        self.staging = SendStaging::new(spec);
         self
     }
 
@@ -361,7 +344,6 @@ impl Outbound {
             .sum::<u64>();
         self.pull();
         self.expect_acks();
-        #[cfg(feature = "cuda")]
         if self.stage().is_err() {
             return Next::Stop;
         }
@@ -385,8 +367,6 @@ impl Outbound {
             match entry {
                 Entry::Frame(bytes) => push_part(&mut out, bytes, &mut skip, &mut budget),
                 Entry::Piece { piece, seq, .. } => {
-                    #[cfg(not(feature = "cuda"))]
-                    let _ = seq;
                     push_part(&mut out, &piece.header, &mut skip, &mut budget);
                     // A pulled piece: its source in place of the payload.
                     if let Some(source) = &piece.source {
@@ -395,7 +375,6 @@ impl Outbound {
                     }
                     match piece.payload() {
                         Payload::Host(bytes) => push_part(&mut out, bytes, &mut skip, &mut budget),
-                        #[cfg(feature = "cuda")]
                         Payload::Device { .. } => {
                             // `skip` is what was written of this payload: staged parts already
                             // written were released, the first left covers it.
@@ -431,7 +410,6 @@ impl Outbound {
             let left = front.wire_len() - self.front_done;
             if n < left || matches!(front, Entry::Close) {
                 self.front_done += n;
-                #[cfg(feature = "cuda")]
                 if let Some(Entry::Piece { piece, seq, .. }) = front.pulled_not() {
                     let payload_done = self.front_done.saturating_sub(piece.header.len());
                     self.staging.release(*seq, payload_done as u64);
@@ -449,10 +427,7 @@ impl Outbound {
                     continue;
                 }
                 self.ahead -= piece.len;
-                #[cfg(feature = "cuda")]
                 self.staging.release(seq, u64::MAX);
-                #[cfg(not(feature = "cuda"))]
-                let _ = seq;
                 drop(piece);
                 if tally.done(1) {
                     self.hooks.batch_written(tally.batch());
@@ -463,10 +438,8 @@ impl Outbound {
 
     /// The writer stopped: the queue accepts nothing more, and the node hears of it (once no
     /// staging copy reads a piece's memory any more).
-    #[cfg_attr(not(feature = "cuda"), allow(unused_mut))]
     pub(crate) fn finish(mut self, end: WriteEnd) {
         self.queue.abort();
-        #[cfg(feature = "cuda")]
         self.staging.settle();
         drop(self.entries);
         self.hooks.half_ended(self.peer, HalfEnd::Write(end));
@@ -519,8 +492,7 @@ impl Outbound {
 
     /// Stages device payloads ahead of the socket, in stream order, as far as the slots allow;
     /// when the next bytes to write are device bytes still being copied, waits for them.
-    #[cfg(feature = "cuda")]
-    fn stage(&mut self) -> Result<(), kvpipe_cuda::CudaError> {
+    fn stage(&mut self) -> Result<(), GpuError> {
         for entry in &self.entries {
             let Entry::Piece { piece, seq, .. } = entry else {
                 continue;

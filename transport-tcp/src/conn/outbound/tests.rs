@@ -309,13 +309,18 @@ fn an_abort_stops_the_writer_and_refuses_later_jobs() {
 #[cfg(feature = "cuda")]
 mod device {
     use super::*;
-    use crate::conn::staging::fake;
+    use crate::gpu::{fake, SendStaging, StagingSpec};
     use crate::memory::DeviceRegion;
 
-    fn writer(
-        spec: crate::conn::staging::StagingSpec,
-        write_max: usize,
-    ) -> (Outbound, Arc<JobQueue>, Arc<Recorder>) {
+    impl Outbound {
+        /// The same writer staging device memory through `spec`.
+        fn with_staging(mut self, spec: StagingSpec) -> Self {
+            self.staging = SendStaging::new(spec);
+            self
+        }
+    }
+
+    fn writer(spec: StagingSpec, write_max: usize) -> (Outbound, Arc<JobQueue>, Arc<Recorder>) {
         let hooks = Arc::new(Recorder::default());
         let queue = Arc::new(JobQueue::new());
         let out = Outbound::new(

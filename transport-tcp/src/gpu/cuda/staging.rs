@@ -169,7 +169,8 @@ fn host(addr: usize) -> Memory {
     Memory::Host { addr }
 }
 
-fn device(ordinal: usize, addr: u64) -> Memory {
+/// Device address `addr` of GPU `ordinal`.
+pub(super) fn device(ordinal: usize, addr: u64) -> Memory {
     Memory::Device { ordinal, addr }
 }
 
@@ -214,6 +215,14 @@ pub(crate) struct SendStaging {
 }
 
 impl SendStaging {
+    /// Bytes a writer keeps ahead of its socket for device payloads: every slot of the ring
+    /// (as configured, before `StagingSpec::from_config`'s floors).
+    pub(crate) fn ring_bytes(config: &TcpConfig) -> usize {
+        config
+            .staging_slots
+            .saturating_mul(config.staging_slot_bytes)
+    }
+
     pub(crate) fn new(spec: StagingSpec) -> Self {
         SendStaging {
             spec,
@@ -371,55 +380,6 @@ impl SendStaging {
     #[cfg(test)]
     pub(crate) fn staged_parts(&self) -> usize {
         self.parts.len()
-    }
-}
-
-/// The reader's pulls ([`crate::peer_copy`]): each admitted write copied by the GPU from the
-/// sender's exported region (opened in this process) into this node's own destination, on a
-/// stream of the reader's own, and waited for before the write is reported landed. So no copy
-/// into this node's memory outlives the reader's report of it.
-pub(crate) struct PullCopies {
-    spec: StagingSpec,
-    gpu: Option<Box<dyn StagingGpu>>,
-}
-
-impl PullCopies {
-    pub(crate) fn new(spec: StagingSpec) -> Self {
-        PullCopies { spec, gpu: None }
-    }
-
-    /// Copies `len` bytes from `src` to `dst` and waits for the copy (bounded by
-    /// [`STAGING_WAIT`]). A copy that does not finish in time is left running, with its ticket
-    /// and engine kept alive for good, and is an error.
-    ///
-    /// # Safety
-    ///
-    /// `src` stays valid, and `dst` is memory nobody else writes or reads, until this returns.
-    pub(crate) unsafe fn copy(
-        &mut self,
-        src: Memory,
-        dst: Memory,
-        len: u64,
-    ) -> Result<(), CudaError> {
-        if self.gpu.is_none() {
-            self.gpu = Some((self.spec.gpu)()?);
-        }
-        let gpu = self.gpu.as_mut().expect("created above");
-        let extent = CopyExtent {
-            src,
-            src_offset: 0,
-            dst,
-            dst_offset: 0,
-            len,
-        };
-        // SAFETY: forwarded from the caller.
-        let copy = unsafe { gpu.copy(extent) }?;
-        if let Err(e) = copy.wait(Instant::now() + STAGING_WAIT) {
-            std::mem::forget(copy);
-            std::mem::forget(self.gpu.take());
-            return Err(e);
-        }
-        Ok(())
     }
 }
 
