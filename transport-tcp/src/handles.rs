@@ -20,8 +20,8 @@ use crate::stats::TcpStats;
 
 /// A core endpoint driven over TCP with std threads: a [`TcpSender`] or a [`TcpReceiver`].
 ///
-/// Connect to (or accept) peers, give the role's engine commands, and read [`Event`]s with
-/// [`next_event`](Self::next_event).
+/// Connect to (or accept) peers, give the role's engine commands, and read [`Event`](kvpipe_core::Event)s with
+/// [`next_event`](Driver::next_event).
 pub struct TcpNode<E: Endpoint + Send + 'static> {
     node: Node<E>,
 }
@@ -29,14 +29,14 @@ pub struct TcpNode<E: Endpoint + Send + 'static> {
 /// A prefill-side node: a core [`Sender`] driven over TCP with std threads.
 ///
 /// Connect to (or accept) receivers, open requests naming their [`PeerId`]s, submit chunks as
-/// prefill computes them, and read [`Event`]s with [`next_event`](TcpNode::next_event). Source
+/// prefill computes them, and read [`Event`](kvpipe_core::Event)s with [`next_event`](Driver::next_event). Source
 /// bytes are read from the registered regions (the layout's pool regions) at send time, so a
 /// request's blocks must not change until its `Quiesced` event.
 pub type TcpSender = TcpNode<Sender>;
 
 /// A decode-side node: a core [`Receiver`] driven over TCP with std threads.
 ///
-/// Register a request's destination blocks with [`register`](TcpNode::register): every
+/// Register a request's destination blocks with [`register`](Driver::register): every
 /// incoming data write is admitted by the core ([`Receiver::admit_write`]: that request's
 /// grant, one of its writers, inside its blocks, overlapping no write in flight) before a byte
 /// is read into memory.
@@ -74,7 +74,8 @@ impl<E: Endpoint + Send + 'static> TcpNode<E> {
     }
 
     /// Connects to a peer at `addr`; the handshake runs in the background
-    /// ([`Event::PeerReady`] or [`Event::PeerRejected`] follows). A node numbers its peers
+    /// ([`Event::PeerReady`](kvpipe_core::Event::PeerReady) or
+    /// [`Event::PeerRejected`](kvpipe_core::Event::PeerRejected) follows). A node numbers its peers
     /// from 0, in the order they connect or are accepted.
     pub fn connect(&self, addr: impl ToSocketAddrs) -> io::Result<PeerId> {
         self.node.connect(addr)

@@ -20,8 +20,8 @@ impl Io for TcpIo {
         }
     }
 
-    /// Cuts a write batch into pieces and queues them to the peer's connections
-    /// ([`PeerLink::queue_pieces`](super::link::PeerLink::queue_pieces)).
+    /// Cuts a write batch into pieces and queues them to the peer's connections (on the
+    /// link's backlog, which the connection writers take from).
     fn post_writes(
         &mut self,
         peer: PeerId,
