@@ -2,8 +2,6 @@
 
 use std::time::Duration;
 
-pub use crate::peer_copy::TcpDataPath;
-
 /// How a node uses its sockets.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TcpConfig {
@@ -86,4 +84,20 @@ impl Default for TcpConfig {
             data_path: TcpDataPath::Socket,
         }
     }
+}
+
+/// How a node's data writes reach the peer's memory ([`TcpConfig::data_path`](crate::TcpConfig::data_path)).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum TcpDataPath {
+    /// Over the sockets (payload after each `DataWrite` header). The default.
+    #[default]
+    Socket,
+    /// Peer copies when both sides' regions are device memory and the sender's CUDA IPC
+    /// handles open at the receiver (same host); otherwise the socket path, without an error.
+    Auto,
+    /// Peer copies or nothing: a connecting sender fails `connect` with the reason when it
+    /// cannot export its regions or the peer declines; a receiver whose regions are not all
+    /// device memory fails `listen` with the reason, and drops a connection whose sender it
+    /// cannot pull from.
+    PeerCopy,
 }

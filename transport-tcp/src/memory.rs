@@ -289,6 +289,23 @@ impl FromIterator<(RegionId, MemoryRegion)> for RegionTable {
     }
 }
 
+/// Device memory (`cuda` feature).
+#[cfg(feature = "cuda")]
+impl RegionTable {
+    /// Registers device memory as `id` (replacing an earlier registration of the same id).
+    pub fn insert_device(&mut self, id: RegionId, region: DeviceRegion) {
+        self.register(id, region.into());
+    }
+
+    /// The device region registered as `id` (`None` for host memory).
+    pub fn get_device(&self, id: RegionId) -> Option<&DeviceRegion> {
+        match self.registered(id)? {
+            Registered::Device(d) => Some(d),
+            Registered::Host(_) => None,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

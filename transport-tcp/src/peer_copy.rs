@@ -105,27 +105,11 @@ use std::time::Instant;
 
 use kvpipe_core::RegionId;
 
+pub(crate) use crate::config::TcpDataPath;
 use crate::gpu::{self, IpcMappings};
-use crate::memory::RegionTable;
+pub(crate) use crate::gpu::{OfferEntry, PlacedRegion, HANDLE_LEN};
+use crate::memory::{RegionTable, Registered};
 
-/// How a node's data writes reach the peer's memory ([`TcpConfig::data_path`](crate::TcpConfig::data_path)).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub enum TcpDataPath {
-    /// Over the sockets (payload after each `DataWrite` header). The default.
-    #[default]
-    Socket,
-    /// Peer copies when both sides' regions are device memory and the sender's CUDA IPC
-    /// handles open at the receiver (same host); otherwise the socket path, without an error.
-    Auto,
-    /// Peer copies or nothing: a connecting sender fails `connect` with the reason when it
-    /// cannot export its regions or the peer declines; a receiver whose regions are not all
-    /// device memory fails `listen` with the reason, and drops a connection whose sender it
-    /// cannot pull from.
-    PeerCopy,
-}
-
-/// Bytes of an encoded IPC handle (`kvpipe_cuda::IPC_HANDLE_LEN`).
-pub(crate) const HANDLE_LEN: usize = 80;
 /// Bytes of one offered region.
 const ENTRY_LEN: usize = 8 + HANDLE_LEN;
 /// Most regions one offer lists.
@@ -142,15 +126,6 @@ pub(crate) const SOURCE_LEN: usize = 16;
 pub(crate) const ACK_LEN: usize = 8;
 /// First bytes of an acknowledgement.
 pub(crate) const ACK_MAGIC: [u8; 4] = *b"KVPK";
-
-/// One exported region.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) struct OfferEntry {
-    pub(crate) region: RegionId,
-    /// The exporter's GPU (informational).
-    pub(crate) ordinal: u32,
-    pub(crate) handle: [u8; HANDLE_LEN],
-}
 
 /// What the connecting sender offers.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -439,15 +414,6 @@ pub(crate) fn write_all(mut stream: &TcpStream, bytes: &[u8]) -> io::Result<()> 
     stream.write_all(bytes)
 }
 
-/// A region of the peer, opened in this process: the device address of its first byte on
-/// GPU `ordinal`, and its length.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct PlacedRegion {
-    pub(crate) ordinal: usize,
-    pub(crate) ptr: u64,
-    pub(crate) len: u64,
-}
-
 /// The sender's regions opened in this process (a receiver's view of an accepted offer). The
 /// IPC mappings close when the last clone of the link's `Arc` is gone — after every reader
 /// that copies from them stopped.
@@ -522,7 +488,10 @@ pub(crate) fn local_offer(path: TcpDataPath, regions: &RegionTable) -> Offer {
     if let Err(why) = device_only(regions) {
         return Offer::Declined(format!("the sender cannot export: {why}"));
     }
-    match gpu::export(regions) {
+    match gpu::export(regions.entries().map(|(id, r)| match r {
+        Registered::Device(d) => (id, Some(d)),
+        Registered::Host(_) => (id, None),
+    })) {
         Ok(entries) => Offer::Regions(entries),
         Err(why) => Offer::Declined(format!("the sender cannot export: {why}")),
     }
@@ -553,7 +522,15 @@ pub(crate) fn accept(offer: &Offer, regions: &RegionTable) -> Result<PeerMapping
         Offer::Regions(e) => e,
     };
     device_only(regions).map_err(|why| format!("this node cannot pull: {why}"))?;
-    let (placed, mappings) = gpu::import(entries, regions)?;
+    // This node's GPU: the one its own regions are on (all device memory, checked above).
+    let ordinal = regions
+        .entries()
+        .find_map(|(_, r)| match r {
+            Registered::Device(d) => Some(d.ordinal()),
+            Registered::Host(_) => None,
+        })
+        .unwrap_or(0);
+    let (placed, mappings) = gpu::import(entries, ordinal)?;
     Ok(PeerMappings {
         regions: placed,
         _mappings: mappings,

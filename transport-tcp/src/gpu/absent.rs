@@ -8,8 +8,7 @@ use std::collections::HashMap;
 use kvpipe_core::RegionId;
 
 use crate::config::TcpConfig;
-use crate::memory::RegionTable;
-use crate::peer_copy::{OfferEntry, PlacedRegion};
+use crate::gpu::{OfferEntry, PlacedRegion};
 
 /// What the GPU path says in a build without it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
@@ -164,14 +163,16 @@ impl PullCopies {
 pub(crate) struct IpcMappings;
 
 /// Refuses: this build cannot export regions.
-pub(crate) fn export(_regions: &RegionTable) -> Result<Vec<OfferEntry>, String> {
+pub(crate) fn export<'a>(
+    _regions: impl Iterator<Item = (RegionId, Option<&'a DeviceRegion>)>,
+) -> Result<Vec<OfferEntry>, String> {
     Err(GpuError::NotBuilt.to_string())
 }
 
 /// Refuses: this build cannot open a peer's regions.
 pub(crate) fn import(
     _entries: &[OfferEntry],
-    _regions: &RegionTable,
+    _ordinal: usize,
 ) -> Result<(HashMap<RegionId, PlacedRegion>, IpcMappings), String> {
     Err(GpuError::NotBuilt.to_string())
 }
@@ -185,9 +186,11 @@ mod tests {
     #[test]
     fn whatever_needs_a_gpu_refuses_and_says_why() {
         assert_eq!(supported().unwrap_err().to_string(), NOT_BUILT);
-        let regions = RegionTable::new();
-        assert_eq!(export(&regions).unwrap_err(), NOT_BUILT);
-        assert_eq!(import(&[], &regions).unwrap_err(), NOT_BUILT);
+        assert_eq!(
+            export(std::iter::once((RegionId(1), None))).unwrap_err(),
+            NOT_BUILT
+        );
+        assert_eq!(import(&[], 0).unwrap_err(), NOT_BUILT);
         let spec = StagingSpec::from_config(&TcpConfig::default());
         let mut pulls = PullCopies::new(spec.clone());
         // SAFETY: the stand-in copies nothing.

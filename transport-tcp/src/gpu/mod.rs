@@ -19,6 +19,9 @@
 //! Device regions themselves are [`DeviceRegion`]s, registered with
 //! `RegionTable::insert_device`.
 //!
+//! This module sits below the region table and the peer-copy negotiation: it takes plain device
+//! regions and offer entries, and knows neither.
+//!
 //! The module exists in both builds, with one API. With the `cuda` feature it is the real
 //! thing, over `kvpipe-cuda` (`cuda/`). Without it (`absent.rs`) every type is a stand-in:
 //! `DeviceRegion` has no values, so no registration is ever device memory and the staging calls
@@ -48,3 +51,26 @@ pub(crate) use imp::{
     export, import, supported, GpuError, IpcMappings, PullCopies, RecvStaging, SendStaging,
     StagingSpec,
 };
+
+use kvpipe_core::RegionId;
+
+/// Bytes of an encoded IPC handle (`kvpipe_cuda::IPC_HANDLE_LEN`).
+pub(crate) const HANDLE_LEN: usize = 80;
+
+/// One exported region.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct OfferEntry {
+    pub(crate) region: RegionId,
+    /// The exporter's GPU (informational).
+    pub(crate) ordinal: u32,
+    pub(crate) handle: [u8; HANDLE_LEN],
+}
+
+/// A region of the peer, opened in this process: the device address of its first byte on
+/// GPU `ordinal`, and its length.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct PlacedRegion {
+    pub(crate) ordinal: usize,
+    pub(crate) ptr: u64,
+    pub(crate) len: u64,
+}

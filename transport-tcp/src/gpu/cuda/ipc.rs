@@ -5,8 +5,8 @@ use std::collections::HashMap;
 
 use kvpipe_core::RegionId;
 
-use crate::memory::{RegionTable, Registered};
-use crate::peer_copy::{OfferEntry, PlacedRegion};
+use super::DeviceRegion;
+use crate::gpu::{OfferEntry, PlacedRegion};
 
 /// The sender's regions opened in this process; they close when dropped.
 #[derive(Debug, Default)]
@@ -14,12 +14,14 @@ pub(crate) struct IpcMappings {
     _open: Vec<kvpipe_cuda::IpcMapping>,
 }
 
-/// Every region of `regions` exported with CUDA IPC, by region id; `Err`: why not (a host
-/// region, no driver, memory the driver cannot export).
-pub(crate) fn export(regions: &RegionTable) -> Result<Vec<OfferEntry>, String> {
+/// Every region of `regions` (`None`: host memory) exported with CUDA IPC, by region id;
+/// `Err`: why not (a host region, no driver, memory the driver cannot export).
+pub(crate) fn export<'a>(
+    regions: impl Iterator<Item = (RegionId, Option<&'a DeviceRegion>)>,
+) -> Result<Vec<OfferEntry>, String> {
     let mut out = Vec::new();
-    for (id, r) in regions.entries() {
-        let Registered::Device(d) = r else {
+    for (id, d) in regions {
+        let Some(d) = d else {
             return Err(format!("{id} is host memory"));
         };
         let device = kvpipe_cuda::Device::open(d.ordinal()).map_err(|e| e.to_string())?;
@@ -35,20 +37,13 @@ pub(crate) fn export(regions: &RegionTable) -> Result<Vec<OfferEntry>, String> {
     Ok(out)
 }
 
-/// Opens every offered region on the GPU of this node's own regions: where each lies here, and
-/// the mappings that keep them open. `Err`: why one does not open (another host, the same
-/// process, no driver).
+/// Opens every offered region on GPU `ordinal` (this node's own): where each lies here, and the
+/// mappings that keep them open. `Err`: why one does not open (another host, the same process,
+/// no driver).
 pub(crate) fn import(
     entries: &[OfferEntry],
-    regions: &RegionTable,
+    ordinal: usize,
 ) -> Result<(HashMap<RegionId, PlacedRegion>, IpcMappings), String> {
-    let ordinal = regions
-        .entries()
-        .find_map(|(_, r)| match r {
-            Registered::Device(d) => Some(d.ordinal()),
-            Registered::Host(_) => None,
-        })
-        .unwrap_or(0);
     let device = kvpipe_cuda::Device::open(ordinal).map_err(|e| e.to_string())?;
     let mut mappings = Vec::with_capacity(entries.len());
     let mut placed = HashMap::with_capacity(entries.len());

@@ -1,11 +1,7 @@
-//! Device memory registered with a node: [`DeviceRegion`] and the [`RegionTable`] calls that
-//! register and look it up.
+//! Device memory registered with a node: [`DeviceRegion`] (the region table registers it:
+//! `RegionTable::insert_device`).
 
 use std::sync::Arc;
-
-use kvpipe_core::RegionId;
-
-use crate::memory::{RegionTable, Registered};
 
 /// GPU memory registered with a node (`cuda` feature): a device address on one GPU. Cheap to
 /// clone (shared). The transport never dereferences it on the host: the sender copies source
@@ -62,20 +58,5 @@ impl DeviceRegion {
         offset
             .checked_add(len)
             .is_some_and(|end| end <= self.inner.len as u64)
-    }
-}
-
-impl RegionTable {
-    /// Registers device memory as `id` (replacing an earlier registration of the same id).
-    pub fn insert_device(&mut self, id: RegionId, region: DeviceRegion) {
-        self.register(id, region.into());
-    }
-
-    /// The device region registered as `id` (`None` for host memory).
-    pub fn get_device(&self, id: RegionId) -> Option<&DeviceRegion> {
-        match self.registered(id)? {
-            Registered::Device(d) => Some(d),
-            Registered::Host(_) => None,
-        }
     }
 }
