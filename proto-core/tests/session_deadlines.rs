@@ -59,6 +59,22 @@ fn write_completion_deadline() {
 }
 
 #[test]
+fn a_later_batch_keeps_its_write_deadline_though_only_the_earliest_is_queued() {
+    // A request queues one write deadline, not one per batch: the later batch's deadline is
+    // found again when the earlier entry fires (stale, its batch done).
+    let (mut net, mut source) = Net::held_pair(R, 32);
+    net.submit(0, R, chunk(0, 16, 32, false), &mut source); // batch 0, due at 200 ms
+    net.advance(Duration::from_millis(150));
+    net.submit(0, R, chunk(16, 32, 32, true), &mut source); // batch 1, due at 350 ms
+    net.complete_held(0);
+    net.advance(Duration::from_millis(199)); // 349 ms: batch 0's entry fired at 200, stale
+    assert!(!timed_out(&net, Side::Sender(0), Wait::Writes));
+    assert_eq!(net.senders[0].phase(R), Some(SendPhase::Finishing));
+    net.advance(Duration::from_millis(1));
+    assert!(timed_out(&net, Side::Sender(0), Wait::Writes));
+}
+
+#[test]
 fn result_wait_deadline() {
     let mut net = Net::connected(1, 1);
     net.register(0, registration(R, 16, &[0]));

@@ -53,6 +53,14 @@ impl Timers {
         }
     }
 
+    /// The earliest deadline armed for `key`. O(log n).
+    pub(crate) fn earliest(&self, key: TimerKey) -> Option<Instant> {
+        self.by_key
+            .range((key, Instant::ZERO)..=(key, Instant::MAX))
+            .next()
+            .map(|(_, at)| *at)
+    }
+
     pub(crate) fn next(&self) -> Option<Instant> {
         self.by_time.first().map(|(at, _)| *at)
     }
@@ -110,6 +118,8 @@ mod tests {
         assert_eq!((t.len(), t.next()), (1, Some(at(40))));
         assert_eq!(t.by_key.len(), 1);
         t.disarm(a);
+        assert_eq!(t.earliest(a), None);
+        assert_eq!(t.earliest(b), Some(at(40)));
         assert_eq!(t.due(at(100)), vec![b]);
         assert_eq!((t.len(), t.next(), t.by_key.len()), (0, None, 0));
     }

@@ -271,7 +271,19 @@ impl Sender {
             );
             self.shell.counters.bytes_planned += bytes;
             self.shell.counters.write_batches += 1;
-            self.shell.timers.arm(deadline, TimerKey::Request(request));
+            // One entry per request, not one per batch: a batch's deadline is never earlier
+            // than one already armed for the request unless none is, and when that one fires
+            // the request re-arms its earliest pending deadline (`rearm`). With an entry per
+            // batch, a request of 512 batches held 512 and took them all out when it quiesced.
+            let key = TimerKey::Request(request);
+            if self
+                .shell
+                .timers
+                .earliest(key)
+                .is_none_or(|at| at > deadline)
+            {
+                self.shell.timers.arm(deadline, key);
+            }
             self.shell.outputs.push_back(Output::ExecuteWrites {
                 peer,
                 batch,
