@@ -60,6 +60,8 @@ impl<E: Endpoint + Send + 'static, T: Io> std::ops::DerefMut for EndpointGuard<E
 impl<E: Endpoint + Send + 'static, T: Io> Drop for EndpointGuard<E, T> {
     fn drop(&mut self) {
         if let Some(mut st) = self.guard.take() {
+            // What arrived while the engine held the endpoint is applied before it is let go.
+            self.driver.settle(&mut st);
             let now = self.driver.now();
             self.driver.drain(&mut st, now);
         }

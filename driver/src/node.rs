@@ -234,7 +234,7 @@ impl<E: Endpoint + Send + 'static, T: Io> Driver<E, T> {
 
     /// Applies every arrival in the inbox (the caller holds the lock), then carries out what
     /// the endpoint asked.
-    fn settle(&self, st: &mut Locked<E, T>) {
+    pub(crate) fn settle(&self, st: &mut Locked<E, T>) {
         if self.inbox_len.load(Ordering::Acquire) == 0 {
             return;
         }
@@ -424,4 +424,76 @@ pub trait Driven {
     type Io: Io;
     /// The driver under the node.
     fn driver(&self) -> &Arc<Driver<Self::Endpoint, Self::Io>>;
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::AtomicU32;
+
+    use kvpipe_core::session::LocalHello;
+    use kvpipe_core::wire::Topology;
+    use kvpipe_core::{InstanceId, Receiver, ReceiverConfig};
+
+    use super::*;
+
+    /// An `Io` that counts the frames it was asked to send.
+    #[derive(Default)]
+    struct Counting(Arc<AtomicU32>);
+
+    impl Io for Counting {
+        fn transmit(&mut self, _peer: PeerId, _bytes: Bytes) {
+            self.0.fetch_add(1, Ordering::Relaxed);
+        }
+        fn post_writes(
+            &mut self,
+            _: PeerId,
+            _: WriteBatchId,
+            _: &WritePlan,
+            _: &DataWriteHeaders,
+        ) -> Posted {
+            Posted::Refused
+        }
+        fn close_peer(&mut self, _: PeerId, _: CloseReason) -> Option<WallInstant> {
+            None
+        }
+    }
+
+    fn receiver() -> Receiver {
+        let hello = LocalHello::new(InstanceId(1), Topology::default(), vec![]);
+        Receiver::new(ReceiverConfig::new(hello, 7)).unwrap()
+    }
+
+    #[test]
+    fn what_arrives_while_the_engine_holds_the_endpoint_is_applied_when_it_lets_go() {
+        let sent = Arc::new(AtomicU32::new(0));
+        let driver = Driver::new(
+            receiver(),
+            Counting(sent.clone()),
+            "test",
+            WallInstant::now(),
+        );
+        let guard = driver.guard();
+        // The poller cannot take the lock: the arrival waits in the inbox.
+        driver.post(Arrival::Input(TransportInput::PeerConnected {
+            peer: PeerId(3),
+        }));
+        assert_eq!(guard.peer_count(), 0);
+        assert_eq!(sent.load(Ordering::Relaxed), 0);
+        drop(guard);
+        // Applied on release, and its output (the handshake's first frame) carried out, before
+        // anyone takes the lock again.
+        assert_eq!(sent.load(Ordering::Relaxed), 1);
+        assert_eq!(driver.lock().endpoint.peer_count(), 1);
+    }
+
+    #[test]
+    fn the_timer_thread_ends_when_the_driver_stops() {
+        let driver = Driver::new(receiver(), Counting::default(), "test", WallInstant::now());
+        let timer = driver.spawn_timer("kvpipe-test-timer").unwrap();
+        driver.stop();
+        let (done, ended) = std::sync::mpsc::channel();
+        std::thread::spawn(move || done.send(timer.join().is_ok()));
+        assert_eq!(ended.recv_timeout(StdDuration::from_secs(10)), Ok(true));
+        assert!(driver.is_stopped());
+    }
 }
