@@ -113,7 +113,8 @@ impl<E: Endpoint, T> Locked<E, T> {
         let _ = self.endpoint.handle_transport(now, input);
     }
 
-    fn apply(&mut self, now: Instant, arrival: Arrival) {
+    /// Applies `arrival` (its outputs are carried out by the caller's [`Driver::drain`]).
+    pub fn apply(&mut self, now: Instant, arrival: Arrival) {
         match arrival {
             Arrival::Input(input) => self.feed(now, input),
             Arrival::BatchDone { batch, ok } => {
@@ -204,11 +205,6 @@ impl<E: Endpoint + Send + 'static, T: Io> Driver<E, T> {
         let now = self.now();
         st.apply(now, arrival);
         self.drain(&mut st, now);
-    }
-
-    /// Applies `arrival` while the caller holds the lock (outputs: the caller's [`drain`](Self::drain)).
-    pub fn apply(&self, st: &mut Locked<E, T>, now: Instant, arrival: Arrival) {
-        st.apply(now, arrival);
     }
 
     /// Queues `arrival` for whoever takes the lock next, and applies the inbox at once if the

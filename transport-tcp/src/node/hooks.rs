@@ -87,7 +87,7 @@ impl<E: Endpoint + Send + 'static> NodeHooks for Shared<E> {
         if let NodePhase::Closing(outcomes) = &mut st.io.phase {
             outcomes.insert(peer, orderly);
         }
-        self.driver.apply(st, now, Arrival::PeerGone(peer));
+        st.apply(now, Arrival::PeerGone(peer));
         self.drain(st, now);
         self.peers_gone.notify_all();
     }
