@@ -161,7 +161,7 @@ impl<E: Endpoint + Send + 'static, T: Io> Driver<E, T> {
             inbox: Mutex::new(VecDeque::new()),
             inbox_len: AtomicUsize::new(0),
             events: EventQueue::default(),
-            clock: Clock::new(origin),
+            clock: Clock::starting_at(origin),
             timer: Condvar::new(),
             stopped: AtomicBool::new(false),
         })

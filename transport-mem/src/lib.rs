@@ -47,17 +47,20 @@
 //! .unwrap();
 //! ```
 
-pub mod clock;
+pub mod clock {
+    //! Real time as the core's `Instant`: kvpipe-driver's clock, which every driver here reads.
+    pub use kvpipe_driver::Clock;
+}
 pub mod copy;
 mod network;
 mod pair;
 pub mod region;
 mod worker;
 
-pub use clock::Clock;
 #[cfg(feature = "cuda")]
 pub use copy::InFlight;
 pub use copy::{split_even, CopyError, Piece, ResolvedBatch, WriteError};
+pub use kvpipe_driver::Clock;
 pub use network::{
     receiver_peer, sender_peer, BatchTiming, DriveError, MemNetwork, NetworkConfig, Node,
     PairStats, MAX_BATCH_TIMINGS,

@@ -5,11 +5,11 @@ use kvpipe_core::{
     ConfigError, Event, Instant, PeerId, Receiver, ReceiverConfig, RegionId, Sender, SenderConfig,
 };
 
-use crate::clock::Clock;
 use crate::network::{
     receiver_peer, sender_peer, BatchTiming, DriveError, MemNetwork, NetworkConfig, Node, PairStats,
 };
 use crate::region::{RegionTable, RegionUse, RegistrationError};
+use kvpipe_driver::Clock;
 use kvpipe_netem::{NetemConfig, NetemCounters};
 
 /// How the receiver names the sender.

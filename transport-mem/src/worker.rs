@@ -24,7 +24,7 @@ use kvpipe_core::session::{WriteBatchId, WriteTicket};
 use kvpipe_core::wire::TransferStatus;
 use kvpipe_core::Instant;
 
-use crate::clock::Clock;
+use kvpipe_driver::Clock;
 
 use crate::copy::ResolvedBatch;
 

@@ -20,10 +20,10 @@ use kvpipe_core::{
 use kvpipe_observe::Observer;
 use thiserror::Error;
 
-use crate::clock::Clock;
 use crate::copy::ResolvedBatch;
 use crate::region::{RegionTable, RegionUse, RegistrationError};
 use crate::worker::{CopyWorker, Done, Job};
+use kvpipe_driver::Clock;
 use kvpipe_netem::{Direction, FrameQueue, Link, Netem, NetemConfig, NetemCounters};
 
 mod links;
