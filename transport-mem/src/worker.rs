@@ -2,7 +2,11 @@
 //! reports each one's outcome in that order, so the driver and the engine keep running while
 //! bytes move.
 //!
-//! A host batch is copied on the worker's threads before the next job is taken. With the
+//! A host batch is copied on the worker's threads before the next job is taken, unless it is
+//! small ([`INLINE_HOST_BYTES`] or less): then the driver copies it where it is issued, since
+//! a few kilobytes copy in less time than it takes to wake the worker and hear back from it
+//! (tens of microseconds, which would sit on the exposed tail of every small layer range or
+//! request). With the
 //! `cuda` feature, a batch whose segments all touch device memory is submitted to the copy
 //! engine right where it is issued, on the driver's thread (issuing async copies takes
 //! microseconds, and the GPU starts without waiting for the worker to wake up), and the driver
@@ -62,6 +66,11 @@ pub(crate) struct Done {
 enum Work {
     Run(Job),
 }
+
+/// The largest host → host batch the driver copies itself, on its own thread, instead of
+/// handing it to the worker: copying 64 KiB takes a few microseconds, a round trip through
+/// the worker thread tens.
+pub(crate) const INLINE_HOST_BYTES: u64 = 64 * 1024;
 
 /// How long the worker spins on batches in flight after the last progress before it sleeps
 /// between polls.
@@ -125,6 +134,18 @@ impl Started {
                 Err(_) => Some((false, clock.now())),
             },
         }
+    }
+}
+
+/// Copies a host → host batch on the calling thread.
+fn copy_host(clock: &Clock, writes: ResolvedBatch, threads: usize, threshold: u64) -> Copying {
+    let ok = writes.execute(threads, threshold).is_ok();
+    // Release the registrations before reporting, so a region is free to deregister once
+    // its batches are reported.
+    drop(writes);
+    Copying::Finished {
+        ok,
+        at: clock.now(),
     }
 }
 
@@ -198,16 +219,7 @@ impl Worker {
     }
 
     fn copy_host(&self, writes: ResolvedBatch) -> Copying {
-        let ok = writes
-            .execute(self.threads, self.parallel_threshold)
-            .is_ok();
-        // Release the registrations before reporting, so a region is free to deregister
-        // once its batches are reported.
-        drop(writes);
-        Copying::Finished {
-            ok,
-            at: self.clock.now(),
-        }
+        copy_host(&self.clock, writes, self.threads, self.parallel_threshold)
     }
 
     /// Reports every finished batch at the front of the queue, in issue order. `Err` when the
@@ -306,8 +318,8 @@ enum Pending {
         #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
         device: bool,
     },
-    /// Device copies started on the driver's thread, watched here.
-    #[cfg(feature = "cuda")]
+    /// Started on the driver's thread and watched here: a small host batch copied at once, or
+    /// device copies running.
     Driver(Started),
 }
 
@@ -321,7 +333,6 @@ pub(crate) struct CopyWorker {
     /// The copy engine of the driver's thread, for batches started where they are issued.
     #[cfg(feature = "cuda")]
     engine: Option<kvpipe_cuda::CopyEngine>,
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     clock: Clock,
 }
 
@@ -357,7 +368,6 @@ impl CopyWorker {
     pub(crate) fn try_done(&mut self) -> Option<Done> {
         let done = match self.pending.front()? {
             Pending::Worker { .. } => self.done.try_recv().ok()?,
-            #[cfg(feature = "cuda")]
             Pending::Driver(started) => {
                 let (ok, finished) = started.poll(&self.clock)?;
                 match self.pending.pop_front() {
@@ -384,6 +394,9 @@ impl CopyWorker {
     /// up to [`DEVICE_SPIN`] first, then sleeps on the channel (a batch of the worker) or in
     /// steps of [`DEVICE_POLL`] (a batch the driver watches).
     pub(crate) fn done_within(&mut self, limit: std::time::Duration) -> Option<Done> {
+        if let Some(done) = self.try_done() {
+            return Some(done);
+        }
         #[cfg(feature = "cuda")]
         if self.device_first() {
             let start = std::time::Instant::now();
@@ -428,6 +441,23 @@ impl CopyWorker {
     }
 
     pub(crate) fn submit(&mut self, job: Job) {
+        if job.writes.bytes() <= INLINE_HOST_BYTES && !job.writes.touches_device() {
+            // Small and host only: copied now, reported in issue order like any other batch.
+            let started = self.clock.now();
+            let bytes = job.writes.bytes();
+            let copying = copy_host(&self.clock, job.writes, 1, u64::MAX);
+            self.pending.push_back(Pending::Driver(Started {
+                batch: job.batch,
+                sender: job.sender,
+                receiver: job.receiver,
+                bytes,
+                tickets: job.tickets,
+                fail: job.fail,
+                started,
+                copying,
+            }));
+            return;
+        }
         #[cfg(feature = "cuda")]
         if job.writes.touches_device() && !job.writes.segments().iter().any(|s| s.is_host()) {
             // Device copies only: issue them now (they run asynchronously) and watch them here.
