@@ -148,30 +148,39 @@ impl Receiver {
             return Err(UsageError::UnknownTicket(ticket));
         };
         let request = flight.request;
+        let idle = self.config.deadlines.result_idle;
+        // One lookup of the session for the write's bookkeeping; the held results and the
+        // drain are looked at only when there is something to do.
         let Some(session) = self.sessions.live.get_mut(&request) else {
             return Ok(());
         };
         session.writes_in_flight = session.writes_in_flight.saturating_sub(1);
+        let mut release = false;
         if landed {
             session.timings.first_byte.get_or_insert(now);
             session.timings.last_byte = Some(now);
-            self.note_progress(now, request);
-            let session = self.sessions.live.get_mut(&request).expect("present");
+            // Progress: the result deadline moves on (see `note_progress`).
+            session.last_progress = Some(now);
+            let due = session.result_deadline(idle);
+            if session.result_armed.is_none_or(|armed| due < armed) {
+                session.result_armed = Some(due);
+                self.shell.timers.arm(due, TimerKey::Request(request));
+            }
             session
                 .landed
                 .insert(flight.region, flight.offset, flight.offset + flight.len);
             self.shell.counters.bytes_landed += flight.len;
             if let Some(w) = session.writers.iter_mut().find(|w| w.peer == flight.peer) {
                 w.landed = w.landed.saturating_add(flight.len);
+                release = w.held.front().is_some_and(|(need, _)| *need <= w.landed);
             }
+        }
+        let stopping = session.phase == RecvPhase::Stopping;
+        if release {
             self.release_held(now, request, flight.peer);
         }
-        if self
-            .sessions
-            .live
-            .get(&request)
-            .is_some_and(|s| s.phase == RecvPhase::Stopping)
-        {
+        if stopping || release {
+            // (It looks at the phase itself: the held results may have stopped the session.)
             self.check_drained(now, request);
         }
         Ok(())
