@@ -20,6 +20,8 @@
 //! - [`export_ipc`] / [`DeviceBuffer::export_ipc`] → [`IpcHandle`] → [`IpcMapping::open`]:
 //!   device memory of one process opened by another on the same host (CUDA IPC), for copies
 //!   straight into it (peer copies when the two processes use different GPUs).
+//! - [`BusyKernel`]: a kernel that keeps the GPU busy for a given time, the simulated compute
+//!   of the demo's device runs (a serving engine's GPU is busy while it streams KV).
 //!
 //! ## Tests that need a GPU
 //!
@@ -39,6 +41,7 @@
 //! }
 //! ```
 
+mod busy;
 mod device;
 mod dmabuf;
 mod engine;
@@ -47,6 +50,7 @@ mod ipc;
 mod memory;
 mod stream;
 
+pub use busy::BusyKernel;
 pub use device::{check_driver, device_count, driver_version, Device};
 pub use dmabuf::{dmabuf_window, export_dmabuf, host_page_size, Dmabuf};
 pub use engine::{

@@ -6,8 +6,8 @@ use std::io::{Seek, SeekFrom};
 use std::time::{Duration, Instant};
 
 use kvpipe_cuda::{
-    check_driver, device_count, host_page_size, CopyEngine, CopyExtent, CudaError, Device,
-    DeviceBuffer, IpcHandle, IpcMapping, Memory, PinnedBuffer, Stream,
+    check_driver, device_count, host_page_size, BusyKernel, CopyEngine, CopyExtent, CudaError,
+    Device, DeviceBuffer, IpcHandle, IpcMapping, Memory, PinnedBuffer, Stream,
 };
 use libtest_mimic::{Arguments, Completion, Failed, Trial};
 
@@ -507,6 +507,53 @@ fn ipc_copy_bench_against_cuda_memcpy(d: &Device) -> TestResult {
     ipc_round_trip(d, true)
 }
 
+/// The busy kernel holds its GPU for the time asked (its event not done before), and a copy
+/// on another stream is not held up behind it.
+fn the_busy_kernel_keeps_the_gpu_busy_for_the_time_asked(d: &Device) -> TestResult {
+    let mut busy = BusyKernel::new(d)?;
+    assert!(busy.is_done()?, "nothing launched yet");
+    let start = Instant::now();
+    busy.launch(Duration::from_millis(20))?;
+    assert!(!busy.is_done()?, "done at once after a 20 ms launch");
+    // A 1 MiB copy on the copy engine finishes while the kernel still runs.
+    let (mut src, dst) = (
+        DeviceBuffer::new(d, 1 << 20)?,
+        DeviceBuffer::new(d, 1 << 20)?,
+    );
+    src.upload(0, &pattern(1 << 20, 5))?;
+    let mut engine = CopyEngine::new(1)?;
+    // SAFETY: both buffers outlive the wait below and nothing else touches them meanwhile.
+    let ticket = unsafe { engine.submit(&[extent(dev(&src), 0, dev(&dst), 0, 1 << 20)]) }?;
+    ticket.wait(deadline())?;
+    let copied = start.elapsed();
+    while !busy.is_done()? {
+        if start.elapsed() > Duration::from_secs(10) {
+            return Err("the busy kernel ran past 10 s".into());
+        }
+        std::hint::spin_loop();
+    }
+    let held = start.elapsed();
+    assert!(held >= Duration::from_millis(19), "done after {held:?}");
+    assert!(
+        copied < Duration::from_millis(19),
+        "the copy waited {copied:?}"
+    );
+    assert_eq!(download(&dst)?, pattern(1 << 20, 5));
+    // Launches queue behind each other.
+    let start = Instant::now();
+    busy.launch(Duration::from_millis(5))?;
+    busy.launch(Duration::from_millis(5))?;
+    while !busy.is_done()? {
+        std::hint::spin_loop();
+    }
+    assert!(
+        start.elapsed() >= Duration::from_millis(9),
+        "{:?}",
+        start.elapsed()
+    );
+    Ok(())
+}
+
 fn main() {
     if let Ok(handle) = std::env::var("KVPIPE_IPC_CHILD") {
         match ipc_child(&handle) {
@@ -519,6 +566,10 @@ fn main() {
     }
     let args = Arguments::from_args();
     let tests = vec![
+        gpu(
+            "the_busy_kernel_keeps_the_gpu_busy_for_the_time_asked",
+            the_busy_kernel_keeps_the_gpu_busy_for_the_time_asked,
+        ),
         gpu(
             "ipc_memory_round_trips_between_two_processes",
             ipc_memory_round_trips_between_two_processes,

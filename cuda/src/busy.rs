@@ -1,0 +1,147 @@
+//! [`BusyKernel`]: a stand-in for a model's compute in demos and benches — a kernel that keeps
+//! the GPU busy for a given time, and an event that says when it is over.
+//!
+//! A serving engine's GPU is busy while prefill runs: the layers after the one whose KV is
+//! being sent are being computed. A simulated compute that only sleeps on the host leaves the
+//! GPU idle instead, and a GPU that sat idle for milliseconds starts the next copy tens of
+//! microseconds later than a busy one (docs/PERFORMANCE.md, "Run 4"). The kernel is written in
+//! PTX here (one thread spinning on `%globaltimer`), loaded with `cuModuleLoadData`, so no CUDA
+//! compiler is needed at build or run time.
+
+use std::ffi::{c_void, CString};
+
+use cudarc::driver::{result, sys};
+
+use crate::{CudaError, Device};
+
+/// `kvpipe_busy(u64 ns)`: one thread spins until the GPU's global timer has advanced `ns`
+/// nanoseconds from the kernel's start.
+const PTX: &str = r#"
+.version 6.0
+.target sm_60
+.address_size 64
+
+.visible .entry kvpipe_busy(.param .u64 ns)
+{
+    .reg .pred %p;
+    .reg .b64 %rd<5>;
+    ld.param.u64 %rd1, [ns];
+    mov.u64 %rd2, %globaltimer;
+    add.u64 %rd3, %rd2, %rd1;
+spin:
+    mov.u64 %rd4, %globaltimer;
+    setp.lt.u64 %p, %rd4, %rd3;
+    @%p bra spin;
+    ret;
+}
+"#;
+
+/// A one-thread kernel that keeps its GPU busy for a given time, on a stream of its own, with
+/// an event recorded after each launch (see the module doc).
+#[derive(Debug)]
+pub struct BusyKernel {
+    device: Device,
+    module: sys::CUmodule,
+    function: sys::CUfunction,
+    stream: sys::CUstream,
+    done: sys::CUevent,
+}
+
+// SAFETY: the module, stream and event are owned by this value, and every call binds the
+// device's context first, so the handles may move to another thread.
+unsafe impl Send for BusyKernel {}
+
+impl BusyKernel {
+    /// Loads the kernel on `device` and makes its stream and event.
+    pub fn new(device: &Device) -> Result<BusyKernel, CudaError> {
+        device.bind()?;
+        let image = CString::new(PTX).expect("the PTX holds no NUL");
+        // SAFETY: `image` is a NUL-terminated PTX text that lives across the call.
+        let module = unsafe { result::module::load_data(image.as_ptr() as *const c_void) }
+            .map_err(CudaError::driver("cuModuleLoadData"))?;
+        let made = (|| {
+            let name = CString::new("kvpipe_busy").expect("the name holds no NUL");
+            // SAFETY: `module` was loaded above and is not unloaded while this runs.
+            let function = unsafe { result::module::get_function(module, name) }
+                .map_err(CudaError::driver("cuModuleGetFunction"))?;
+            let stream = result::stream::create(result::stream::StreamKind::NonBlocking)
+                .map_err(CudaError::driver("cuStreamCreate"))?;
+            let done = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+                .map_err(CudaError::driver("cuEventCreate"));
+            match done {
+                Ok(done) => Ok((function, stream, done)),
+                Err(e) => {
+                    // SAFETY: created just above, destroyed once.
+                    let _ = unsafe { result::stream::destroy(stream) };
+                    Err(e)
+                }
+            }
+        })();
+        let (function, stream, done) = match made {
+            Ok(made) => made,
+            Err(e) => {
+                // SAFETY: loaded above, unloaded once; nothing of it is in use.
+                let _ = unsafe { result::module::unload(module) };
+                return Err(e);
+            }
+        };
+        Ok(BusyKernel {
+            device: device.clone(),
+            module,
+            function,
+            stream,
+            done,
+        })
+    }
+
+    /// Enqueues the kernel for `busy` of GPU time, then the event [`is_done`](Self::is_done)
+    /// watches. Launches queue behind each other on the kernel's stream.
+    pub fn launch(&mut self, busy: std::time::Duration) -> Result<(), CudaError> {
+        self.device.bind()?;
+        let mut ns: u64 = busy.as_nanos().try_into().unwrap_or(u64::MAX);
+        let mut params = [&mut ns as *mut u64 as *mut c_void];
+        // SAFETY: the function belongs to this value's module, its one parameter is the u64
+        // `ns`, read at the launch (the driver copies kernel parameters before returning),
+        // and the stream is this value's own.
+        unsafe {
+            result::launch_kernel(
+                self.function,
+                (1, 1, 1),
+                (1, 1, 1),
+                0,
+                self.stream,
+                &mut params,
+            )
+        }
+        .map_err(CudaError::driver("cuLaunchKernel"))?;
+        // SAFETY: the event and the stream are this value's own and live.
+        unsafe { result::event::record(self.done, self.stream) }
+            .map_err(CudaError::driver("cuEventRecord"))
+    }
+
+    /// Whether every launch so far has finished (`cuEventQuery`; true before the first).
+    pub fn is_done(&self) -> Result<bool, CudaError> {
+        self.device.bind()?;
+        // SAFETY: the event is this value's own and live.
+        match unsafe { result::event::query(self.done) } {
+            Ok(()) => Ok(true),
+            Err(e) if e.0 == sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            Err(e) => Err(CudaError::driver("cuEventQuery")(e)),
+        }
+    }
+}
+
+impl Drop for BusyKernel {
+    fn drop(&mut self) {
+        if self.device.bind().is_ok() {
+            // SAFETY: each handle was made in `new` and is released once. The stream is
+            // synchronized first, so no launch is still running when the module goes.
+            unsafe {
+                let _ = result::stream::synchronize(self.stream);
+                let _ = result::event::destroy(self.done);
+                let _ = result::stream::destroy(self.stream);
+                let _ = result::module::unload(self.module);
+            }
+        }
+    }
+}
