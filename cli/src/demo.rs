@@ -10,7 +10,8 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use kvpipe_conformance::cache::{CacheSpec, ReferenceCache};
 use kvpipe_conformance::suite::demo::{run_demo, DemoConfig, DemoSummary, Model};
 use kvpipe_conformance::suite::{
-    MemHarness, Outcome, PoolMemory, RunReport, TcpHarness, TransferMode, VerbsHarness,
+    MemHarness, Outcome, PoolMemory, RunReport, SimulatedCompute, TcpHarness, TransferMode,
+    VerbsHarness,
 };
 use serde::Serialize;
 
@@ -121,6 +122,13 @@ pub(crate) struct DemoArgs {
     /// sockets), peer-copy (fail the connect rather than fall back) or socket.
     #[arg(long, default_value = "auto", value_parser = super::nodes::parse_data_path)]
     data_path: kvpipe_tcp::TcpDataPath,
+    /// How the simulated prefill compute passes: gpu (a kernel keeps GPU --gpu busy for each
+    /// chunk's or layer range's compute time, and the engine's thread waits for it as a
+    /// serving engine's thread waits for its forward pass; the default with --memory device)
+    /// or sleep (the engine's thread sleeps through it and the GPU idles; the default with
+    /// host memory).
+    #[arg(long)]
+    compute: Option<String>,
     /// Print one JSON object instead of the progress bar and table.
     #[arg(long)]
     json: bool,
@@ -184,8 +192,16 @@ pub(crate) fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
         preflight::at_least("--layers-per-slice", n.into(), 1)?;
     }
     let memory = pool_memory(&args)?;
+    let compute = simulated_compute(args.compute.as_deref(), memory)?;
     let split =
         args.sender_tp.is_some() || args.receiver_tp.is_some() || args.receiver_pp.is_some();
+    if args.compute.is_some() && (args.connect.is_some() || split) {
+        return Err(
+            "--compute sets the simulated compute of the demo that runs both sides in this \
+             process; it is not available with --connect or --sender-tp/--receiver-tp/--receiver-pp"
+                .into(),
+        );
+    }
     if args.layers_per_slice.is_some() && (args.connect.is_some() || split) {
         return Err(
             "--layers-per-slice runs both sides in this process; it is not available with \
@@ -287,6 +303,7 @@ pub(crate) fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
             (false, None) => TransferMode::Pipelined,
         },
         corrupt_one_byte: args.corrupt_one_byte,
+        compute,
     };
     let show = !args.json && std::io::stderr().is_terminal();
     let bar = ProgressBar::with_draw_target(
@@ -356,6 +373,7 @@ pub(crate) fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
     }
     let memory = Memory {
         memory: memory.name(),
+        compute: compute_name(config.compute),
         live_kv_bytes: live_kv_bytes(&config)? * u64::from(config.ranks),
         peak_rss_bytes: parallel::peak_rss_bytes(),
     };
@@ -504,11 +522,41 @@ fn device_memory(_gpu: usize) -> Result<PoolMemory, CliError> {
     Err(crate::NEEDS_CUDA.into())
 }
 
+/// How the simulated compute passes (`--compute`): by default a GPU kernel where the pools
+/// are device memory, the engine's thread asleep where they are host memory.
+fn simulated_compute(
+    compute: Option<&str>,
+    memory: PoolMemory,
+) -> Result<SimulatedCompute, CliError> {
+    match (compute, memory) {
+        (Some("sleep"), _) | (None, PoolMemory::Host) => Ok(SimulatedCompute::Sleep),
+        #[cfg(feature = "cuda")]
+        (Some("gpu") | None, PoolMemory::Device { ordinal }) => {
+            Ok(SimulatedCompute::Gpu { ordinal })
+        }
+        (Some("gpu"), PoolMemory::Host) => {
+            Err("--compute gpu keeps the pools' GPU busy: it needs --memory device".into())
+        }
+        (Some(other), _) => Err(format!("--compute {other:?}: use sleep or gpu").into()),
+    }
+}
+
+/// The simulated compute's name in the JSON and the table.
+fn compute_name(compute: SimulatedCompute) -> &'static str {
+    match compute {
+        SimulatedCompute::Sleep => "sleep",
+        #[cfg(feature = "cuda")]
+        SimulatedCompute::Gpu { .. } => "gpu",
+    }
+}
+
 /// How much memory the run took against the KV its caches held.
 #[derive(Debug, Serialize)]
 struct Memory {
     /// Where the KV pools lived: "host" or "device".
     memory: &'static str,
+    /// How the simulated compute passed (`--compute`): "sleep" or "gpu".
+    compute: &'static str,
     /// The most KV both sides' caches held at once (each cache's peak, summed; all ranks).
     live_kv_bytes: u64,
     /// This process's peak resident memory (Linux `VmHWM`), when known.

@@ -119,6 +119,24 @@ fn demo_connect_refuses_the_flags_it_cannot_honour() {
 }
 
 #[test]
+fn a_simulated_compute_that_cannot_run_is_refused() {
+    refused(&[
+        (
+            vec!["demo", "--compute", "gpu"],
+            "--compute gpu keeps the pools' GPU busy: it needs --memory device",
+        ),
+        (
+            vec!["demo", "--compute", "fast"],
+            "--compute \"fast\": use sleep or gpu",
+        ),
+        (
+            vec!["demo", "--compute", "sleep", "--sender-tp", "2"],
+            "--compute sets the simulated compute",
+        ),
+    ]);
+}
+
+#[test]
 fn a_picture_that_cannot_be_written_is_refused_before_the_run() {
     let missing = std::env::temp_dir().join(format!("kvpipe-no-such-dir-{}", std::process::id()));
     let file = missing.join("t.svg");

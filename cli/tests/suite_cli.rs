@@ -5,7 +5,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use kvpipe_conformance::suite::demo::{run_demo, DemoConfig, Model};
-use kvpipe_conformance::suite::{MemHarness, TransferMode};
+use kvpipe_conformance::suite::{MemHarness, SimulatedCompute, TransferMode};
 
 fn small(model: Model) -> DemoConfig {
     DemoConfig {
@@ -21,6 +21,7 @@ fn small(model: Model) -> DemoConfig {
         prefill_per_chunk: Duration::ZERO,
         mode: TransferMode::Pipelined,
         corrupt_one_byte: false,
+        compute: SimulatedCompute::Sleep,
     }
 }
 

@@ -11,7 +11,8 @@ use std::time::Duration;
 
 use kvpipe_conformance::suite::demo::{run_demo, DemoConfig, Model};
 use kvpipe_conformance::suite::{
-    scenarios, Harness, MemHarness, PoolMemory, Scenario, TcpHarness, TransferMode,
+    scenarios, Harness, MemHarness, PoolMemory, Scenario, SimulatedCompute, TcpHarness,
+    TransferMode,
 };
 use kvpipe_cuda::{check_driver, Device};
 use libtest_mimic::{Arguments, Completion, Failed, Trial};
@@ -88,6 +89,35 @@ fn demo_verifies_every_model_from_device_memory() -> Result<Completion, Failed> 
     Ok(Completion::Completed)
 }
 
+/// With the simulated compute on the GPU (a kernel for each layer range's share), every range
+/// goes out once its kernel is done and every byte lands; the run takes at least the compute
+/// time the kernels stood for.
+fn demo_with_the_gpu_kept_busy_verifies_layer_slices() -> Result<Completion, Failed> {
+    if let Some(reason) = skip_reason() {
+        return Ok(Completion::ignored_with(reason));
+    }
+    let config = DemoConfig {
+        prompt_tokens: 1024,
+        chunk_tokens: 256,
+        tokens_per_block: 16,
+        requests: 1,
+        prefill_per_chunk: Duration::from_millis(8),
+        mode: TransferMode::LayerSlices(4),
+        compute: SimulatedCompute::Gpu { ordinal: 0 },
+        ..DemoConfig::default()
+    };
+    for (transport, result) in [
+        ("mem", run_demo(&mem(), &config, |_, _| {})),
+        ("tcp", run_demo(&tcp(), &config, |_, _| {})),
+    ] {
+        let (summary, _) = result.map_err(|e| format!("over {transport}: {e}"))?;
+        if !summary.verified || summary.completed != 1 || summary.seconds < 0.032 {
+            return Err(format!("over {transport}: {summary:?}").into());
+        }
+    }
+    Ok(Completion::Completed)
+}
+
 /// A corrupted byte is found after the pools came back from the device.
 fn verification_reads_the_device_bytes() -> Result<Completion, Failed> {
     if let Some(reason) = skip_reason() {
@@ -146,6 +176,10 @@ fn main() {
     tests.push(Trial::ignorable_test(
         "demo_verifies_every_model_from_device_memory",
         demo_verifies_every_model_from_device_memory,
+    ));
+    tests.push(Trial::ignorable_test(
+        "demo_with_the_gpu_kept_busy_verifies_layer_slices",
+        demo_with_the_gpu_kept_busy_verifies_layer_slices,
     ));
     tests.push(Trial::ignorable_test(
         "verification_reads_the_device_bytes",

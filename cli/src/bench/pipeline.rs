@@ -199,6 +199,7 @@ pub(crate) fn run(args: PipelineBenchArgs) -> Result<ExitCode, CliError> {
             .layers_per_slice
             .map_or(TransferMode::Pipelined, TransferMode::LayerSlices),
         corrupt_one_byte: false,
+        ..DemoConfig::default()
     };
     if !args.sweep_chunk_tokens.is_empty() {
         return sweep::run(&args, &base);

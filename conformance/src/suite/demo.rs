@@ -21,7 +21,7 @@ use super::engine::run_workload_with;
 use super::report::RunReport;
 use super::timeline::BatchSpan;
 use super::workload::{suite_deadlines, RequestPlan, TransferMode, Workload};
-use super::{FaultPlan, Harness, SuiteError};
+use super::{FaultPlan, Harness, SimulatedCompute, SuiteError};
 use crate::cache::{AllocationStyle, GroupSpec};
 
 /// A model preset.
@@ -117,6 +117,8 @@ pub struct DemoConfig {
     pub mode: TransferMode,
     /// Flip one destination byte before verification (shows that verification catches it).
     pub corrupt_one_byte: bool,
+    /// How the simulated compute passes (a GPU kept busy, or the engine's thread asleep).
+    pub compute: SimulatedCompute,
 }
 
 impl Default for DemoConfig {
@@ -134,6 +136,7 @@ impl Default for DemoConfig {
             prefill_per_chunk: StdDuration::from_millis(20),
             mode: TransferMode::Pipelined,
             corrupt_one_byte: false,
+            compute: SimulatedCompute::Sleep,
         }
     }
 }
@@ -181,6 +184,7 @@ impl DemoConfig {
             verify_content: thorough,
             check_untouched: thorough,
             corrupt_one_byte: self.corrupt_one_byte,
+            compute: self.compute,
             time_limit: StdDuration::from_secs(600),
         }
     }

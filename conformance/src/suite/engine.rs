@@ -14,6 +14,7 @@ use kvpipe_core::{
     ReceiverConfig, RequestId, SenderConfig, SenderInput,
 };
 
+use super::compute::Compute;
 use super::report::{Outcome, RequestReport, RunReport};
 use super::verify::{corrupt_one_byte, verify_against_sender};
 use super::workload::{layer_slices, Interrupt, RequestPlan, TransferMode, Workload};
@@ -209,6 +210,7 @@ pub fn run_workload_with<H: Harness>(
     let slice_layers = |s: &Option<LayerRange>| s.map_or(1, |s| u64::from(s.len()));
     let chunk_layers: u64 = slices.iter().map(slice_layers).sum::<u64>().max(1);
     let layouts = sender_cache.layouts();
+    let mut compute = Compute::new(w.compute)?;
     for i in order {
         let compute_start = link.now();
         let (start, end) = states[i].chunks[states[i].next_chunk];
@@ -238,25 +240,26 @@ pub fn run_workload_with<H: Harness>(
                 slice.map(|l| w.layer_order.group_ranges(&layouts, l).into_vec());
             let range_layers = group_layers.clone();
             let cache = &mut *sender_cache;
-            let compute = move || match group_layers {
+            let content = move || match group_layers {
                 Some(layers) => cache.compute_chunk_layers(id, start, end, &layers, last_range),
                 None => cache.compute_chunk(id, start, end),
             };
+            compute.start(link.now(), ready)?;
             if w.prefill_per_chunk.is_zero() {
-                compute().map_err(cache_err)?;
+                content().map_err(cache_err)?;
             } else {
                 // With a compute time the content is written on a helper thread, as a GPU
                 // computes while the engine's loop goes on: the transport keeps being driven
                 // (and earlier slices' completions are seen when they happen) until the content
                 // is written and the range's share of the compute time is over.
                 std::thread::scope(|scope| -> Result<(), SuiteError> {
-                    let job = scope.spawn(compute);
+                    let job = scope.spawn(content);
                     loop {
                         link.pump()?;
                         collect(&mut link, &mut events, &mut states);
                         let now = link.now();
                         let written = job.is_finished();
-                        if written && now >= ready {
+                        if written && compute.is_over(now, ready)? {
                             break;
                         }
                         let wait = if now < ready {
@@ -266,11 +269,12 @@ pub fn run_workload_with<H: Harness>(
                         };
                         // While the content is being written, look again soon: the range is
                         // submitted as soon as it is computed.
-                        link.wait(if written {
+                        let wait = if written {
                             wait
                         } else {
                             wait.min(std::time::Duration::from_micros(200))
-                        });
+                        };
+                        compute.wait(&mut link, now, ready, wait);
                     }
                     job.join()
                         .map_err(|_| SuiteError::Check("the compute thread panicked".into()))?
@@ -283,10 +287,15 @@ pub fn run_workload_with<H: Harness>(
                 link.pump()?;
                 collect(&mut link, &mut events, &mut states);
                 let now = link.now();
-                if now >= ready {
+                if compute.is_over(now, ready)? {
                     break;
                 }
-                link.wait(std::time::Duration::from_nanos((ready - now).as_nanos()));
+                let left = if now < ready {
+                    std::time::Duration::from_nanos((ready - now).as_nanos())
+                } else {
+                    std::time::Duration::ZERO
+                };
+                compute.wait(&mut link, now, ready, left);
             }
             let computed = link.now();
             let st = &mut states[i];
@@ -370,10 +379,13 @@ pub fn run_workload_with<H: Harness>(
                             Err(e) => return Err(usage(Role::Sender)(e)),
                         }
                     }
-                    if last_range {
-                        progress(submitted, total_chunks);
-                    }
                 }
+            }
+            // The range goes out now: the engine's own bookkeeping below (the progress bar,
+            // the timeline) must not sit between a range's compute and its batch.
+            link.pump()?;
+            if last_range {
+                progress(submitted, total_chunks);
             }
             recorder.chunk(
                 i,

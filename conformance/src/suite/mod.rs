@@ -25,6 +25,7 @@
 //! timeline (`demo.rs`, `timeline.rs`); the built-in transports' harnesses (`mem.rs`, `tcp.rs`,
 //! `verbs.rs`, and `threaded.rs` shared by the last two).
 
+mod compute;
 pub mod demo;
 mod engine;
 #[cfg(feature = "mem")]
@@ -49,6 +50,7 @@ use thiserror::Error;
 
 use crate::cache::ReferenceCache;
 
+pub use compute::SimulatedCompute;
 pub use engine::{run_workload, run_workload_with};
 #[cfg(feature = "mem")]
 pub use mem::MemHarness;

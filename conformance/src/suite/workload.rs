@@ -6,7 +6,7 @@ use kvpipe_core::session::Deadlines;
 use kvpipe_core::wire::{Role, VersionRange};
 use kvpipe_core::{Duration, LayerOrder, LayerRange, RequestId};
 
-use super::FaultPlan;
+use super::{FaultPlan, SimulatedCompute};
 use crate::cache::{AllocationStyle, CacheSpec, GroupSpec};
 
 /// How the KV leaves the sender.
@@ -153,6 +153,8 @@ pub struct Workload {
     pub check_untouched: bool,
     /// Flip one destination byte after the transfer (tests that verification catches it).
     pub corrupt_one_byte: bool,
+    /// How the simulated compute passes: the engine's thread asleep, or a GPU kept busy.
+    pub compute: SimulatedCompute,
     /// How long the whole run may take.
     pub time_limit: std::time::Duration,
 }
@@ -177,6 +179,7 @@ impl Workload {
             verify_content: true,
             check_untouched: true,
             corrupt_one_byte: false,
+            compute: SimulatedCompute::Sleep,
             time_limit: std::time::Duration::from_secs(20),
         }
     }
