@@ -10,7 +10,7 @@ use kvpipe_core::{GrantId, RegionId, RequestId, WriteTicket};
 use std::sync::Mutex;
 
 use crate::memory::MemoryRegion;
-use crate::peer_copy::{encode_ack, Source};
+use crate::peer_copy::{encode_ack, PeerMappings, Source};
 
 /// Answers every data write with `answer` and records what the reader reported, in order.
 struct Recorder {
@@ -210,15 +210,16 @@ fn payload_still_arriving_is_reported_between_reads_at_most_so_often() {
 }
 
 /// The sender's region 1 as opened here: 64 bytes at `ptr` (fake: a host address).
-fn sender_regions(ptr: u64) -> Arc<PeerMappings> {
-    Arc::new(PeerMappings::fake([(
+/// A link placed to pull from the sender's region 1 of 64 bytes at `ptr`.
+fn sender_regions(ptr: u64) -> Arc<PeerPlacement> {
+    PeerPlacement::placed(Placement::Pull(Arc::new(PeerMappings::fake([(
         RegionId(1),
         crate::peer_copy::PlacedRegion {
             ordinal: 0,
             ptr,
             len: 64,
         },
-    )]))
+    )]))))
 }
 
 fn source(offset: u64) -> [u8; SOURCE_LEN] {
@@ -376,7 +377,10 @@ mod device {
         /// The same reader pulling through `spec`'s GPU.
         fn with_pull_gpu(mut self, spec: StagingSpec) -> Self {
             if let Some(p) = &mut self.puller {
-                p.copies = PullCopies::new(spec);
+                p.copies = PullCopies::new(spec.clone());
+            }
+            if let Some(pending) = &mut self.pull_from {
+                pending.2 = spec;
             }
             self
         }

@@ -119,7 +119,10 @@ fn pulled_pieces_go_out_as_header_and_source_and_complete_only_on_acknowledgemen
             ..TcpConfig::default()
         },
     )
-    .acked_by(Some(acks.clone()));
+    .acked_by(Some((
+        acks.clone(),
+        PeerPlacement::placed(Placement::Source),
+    )));
     let h = kvpipe_core::wire::DATA_WRITE_FRAME_LEN;
     let pulled = |tag: u8, off: u64| {
         let mut p = Piece::new(
