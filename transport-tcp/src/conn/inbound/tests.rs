@@ -270,6 +270,44 @@ fn a_discarded_pulled_write_is_acknowledged_and_a_refused_one_is_not() {
 }
 
 #[test]
+fn a_reader_reads_its_links_placement_at_the_first_data_write() {
+    // Placed to pull after the reader started (the handshake ends after the halves start).
+    let writer = Arc::new(JobQueue::new());
+    let (r, _, _) = inbound(Admission::Discard { len: 20 }, 32);
+    let placement = PeerPlacement::pending();
+    let mut r = r.pulling(Some(placement.clone()), &writer, &TcpConfig::default());
+    placement.decide(sender_regions(0x1000).get());
+    let mut stream = data_write(20);
+    stream.extend(source(8));
+    feed(&mut r, &stream).unwrap();
+    r.finish(Stop::Eof);
+    assert_eq!(writer.queued_frames(), [encode_ack(1).to_vec()]);
+
+    // Placed on the sockets (the offer was declined): the payload follows the header, and
+    // nothing is acknowledged.
+    let writer = Arc::new(JobQueue::new());
+    let (r, hooks, _) = inbound(Admission::Discard { len: 20 }, 32);
+    let placement = PeerPlacement::pending();
+    let mut r = r.pulling(Some(placement.clone()), &writer, &TcpConfig::default());
+    placement.decide(Decision::Placed(Placement::Socket));
+    let mut stream = data_write(20);
+    stream.extend([9u8; 20]);
+    let hb = Frame::Heartbeat(Heartbeat { seq: 1 }).to_vec().unwrap();
+    stream.extend(&hb);
+    feed(&mut r, &stream).unwrap();
+    r.finish(Stop::Eof);
+    assert!(writer.queued_frames().is_empty());
+    assert_eq!(
+        *hooks.log.lock().unwrap(),
+        [
+            "admit".to_string(),
+            format!("frame {}", hb.len()),
+            "ended Read(Eof)".into()
+        ]
+    );
+}
+
+#[test]
 fn a_stream_cut_inside_a_source_ends_the_reader_as_failed_without_an_admission() {
     let writer = Arc::new(JobQueue::new());
     let (r, hooks, _) = inbound(APPLY, 32);
