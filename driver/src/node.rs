@@ -15,7 +15,9 @@ use std::time::Duration as StdDuration;
 
 use bytes::Bytes;
 use kvpipe_core::session::{CloseReason, DataWriteHeaders, WriteBatchId};
-use kvpipe_core::{Endpoint, Event, Instant, Output, PeerId, TransportInput, WritePlan};
+use kvpipe_core::{
+    DataPathNegotiation, Endpoint, Event, Instant, Output, PeerId, TransportInput, WritePlan,
+};
 use kvpipe_observe::Observer;
 use parking_lot::{Condvar, Mutex, MutexGuard};
 
@@ -45,6 +47,22 @@ pub trait Io: Send + 'static {
 
     /// Sees every event before the engine does.
     fn saw_event(&mut self, _event: &Event) {}
+
+    /// Takes a step of the data-path negotiation ([`DataPathNegotiation`]) and returns an input
+    /// for the endpoint to take at once, if there is one. A transport that evaluates a peer's
+    /// offer later (it may take a while) returns `None` and delivers
+    /// [`TransportInput::DataPathAnswered`] itself, within the handshake deadline. By default
+    /// every offer is declined at once with an empty answer (a transport with no data path of
+    /// its own to offer), and a peer's answer is ignored.
+    fn data_path(&mut self, negotiation: DataPathNegotiation) -> Option<TransportInput> {
+        match negotiation {
+            DataPathNegotiation::Offered { peer, .. } => Some(TransportInput::DataPathAnswered {
+                peer,
+                answer: Bytes::new(),
+            }),
+            DataPathNegotiation::Answered { .. } => None,
+        }
+    }
 
     /// The timer's round: deals with the transport's own deadlines passed by `now` and returns
     /// the next one.
@@ -279,6 +297,7 @@ impl<E: Endpoint + Send + 'static, T: Io> Driver<E, T> {
                         st.io.saw_event(&event);
                         self.events.push(now, event);
                     }
+                    Output::DataPath(negotiation) => reports.extend(st.io.data_path(negotiation)),
                 }
             }
             if reports.is_empty() {

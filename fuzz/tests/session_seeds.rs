@@ -4,9 +4,10 @@
 use std::fs;
 use std::path::Path;
 
+use bytes::Bytes;
 use kvpipe_core::session::{ReceiverInput, SenderInput, TransportInput, WriteBatchId};
 use kvpipe_core::wire::TransferStatus;
-use kvpipe_core::{Instant, RequestId};
+use kvpipe_core::{Instant, PeerId, RequestId};
 use kvpipe_fuzz::session::{check, run_case, NetemCase, SessionCase, Step};
 
 fn case(steps: Vec<Step>) -> SessionCase {
@@ -125,6 +126,38 @@ fn session_structured_transfer_completes_on_both_sides() {
     assert_eq!(stats.ended_otherwise, 0, "{stats:?}");
     assert!(stats.batches >= 2, "{stats:?}");
     assert!(stats.admitted >= 2, "{stats:?}");
+}
+
+#[test]
+fn session_structured_transfer_completes_after_a_data_path_offer_is_answered() {
+    let to_sender = |input| {
+        Step::Sender(SenderInput::Transport {
+            now: Instant::ZERO,
+            input,
+        })
+    };
+    // Reconnect with the sender offering a data path; the receiver's transport answers once
+    // the Hello arrived; the transfer then runs as on any connection.
+    let mut steps = vec![
+        to_sender(TransportInput::PeerDisconnected { peer: PeerId(0) }),
+        to_sender(TransportInput::PeerConnectedWithOffer {
+            peer: PeerId(0),
+            offer: Bytes::from_static(b"offer"),
+        }),
+        Step::Deliver,
+        Step::Receiver(ReceiverInput::Transport {
+            now: Instant::ZERO,
+            input: TransportInput::DataPathAnswered {
+                peer: PeerId(0),
+                answer: Bytes::from_static(b"answer"),
+            },
+        }),
+    ];
+    steps.extend(happy_path(1));
+    let stats = run_case(&case(steps));
+    assert_eq!(stats.sender_completed, 1, "{stats:?}");
+    assert_eq!(stats.receiver_completed, 1, "{stats:?}");
+    assert_eq!(stats.ended_otherwise, 0, "{stats:?}");
 }
 
 #[test]

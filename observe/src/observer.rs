@@ -286,6 +286,9 @@ impl Observer {
                 info!(target: TARGET, %peer, ?reason, "closing the connection to the peer");
             }
             Output::Event(event) => self.event(event),
+            Output::DataPath(negotiation) => {
+                debug!(target: TARGET, ?negotiation, "data-path negotiation");
+            }
         }
     }
 

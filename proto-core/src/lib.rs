@@ -98,6 +98,8 @@
 //!                 }
 //!                 Output::Event(e) => events.push(e),
 //!                 Output::ClosePeer { .. } => unreachable!("nothing fails here"),
+//!                 // Only where a transport offers its own data path in the handshake.
+//!                 Output::DataPath(_) => unreachable!("no data-path offer here"),
 //!             }
 //!         }
 //!         while let Some(out) = r.poll_output() {
@@ -190,8 +192,9 @@ pub use plan::{
     DstCursor, GroupPairing, PairStats, PlanError, RankGroup, Side, WriteExtent, WritePlan,
 };
 pub use session::{
-    Admission, DataPath, Endpoint, EngineFault, Event, Output, Receiver, ReceiverConfig,
-    ReceiverInput, Sender, SenderConfig, SenderInput, Submitted, TransportInput, WriteTicket,
+    Admission, DataPath, DataPathNegotiation, Endpoint, EngineFault, Event, Output, Receiver,
+    ReceiverConfig, ReceiverInput, Sender, SenderConfig, SenderInput, Submitted, TransportInput,
+    WriteTicket,
 };
 pub use shard::{check_shard, writes_group, writes_to, ShardError};
 pub use source::{BlockSource, BlockSourceError};

@@ -37,6 +37,7 @@ fn render(net: &Net) -> String {
             ),
             Output::ClosePeer { peer, reason } => writeln!(out, "{who} close {peer}: {reason:?}"),
             Output::Event(e) => writeln!(out, "{who} event {e:?}"),
+            Output::DataPath(n) => writeln!(out, "{who} data path {n:?}"),
         };
     }
     out

@@ -211,8 +211,31 @@ fn body_lengths_over_the_cap_are_rejected_from_the_header_alone() {
 
 #[test]
 fn trailing_bytes_inside_a_variable_body_are_rejected() {
+    // Bytes after a Hello's groups (or a HelloAccept's instance) start its optional data-path
+    // section: three of them are a length cut short.
+    for (name, field) in [
+        ("hello", "data_path_offer"),
+        ("hello_accept", "data_path_answer"),
+    ] {
+        let (_, frame) = golden_frames()
+            .into_iter()
+            .find(|(n, _)| n == name)
+            .unwrap();
+        let bytes = encode(&frame);
+        let body = (bytes.len() - HEADER_LEN) as u32;
+        assert_eq!(
+            malformed(&with_body_len(bytes, body + 3)),
+            (
+                frame.kind(),
+                field,
+                Malformation::Short { needed: 4, have: 3 }
+            ),
+            "{name}"
+        );
+    }
     for name in [
-        "hello",
+        "hello_data_path_offer",
+        "hello_accept_data_path_answer",
         "hello_reject_role_mismatch",
         "recv_registration",
         "aux_result",
@@ -364,6 +387,7 @@ fn bad_version_fields_in_handshake_bodies_are_rejected() {
     let mut accept = encode(&Frame::HelloAccept(HelloAccept {
         version: 1,
         instance: kvpipe_core::InstanceId(1),
+        data_path_answer: None,
     }));
     accept[HEADER_LEN] = 0;
     assert_eq!(
@@ -520,6 +544,7 @@ fn the_encoder_refuses_what_the_decoder_would_refuse() {
         Frame::HelloAccept(HelloAccept {
             version: 0,
             instance: kvpipe_core::InstanceId(1),
+            data_path_answer: None,
         }),
         "version",
         Malformation::ZeroVersion,

@@ -21,14 +21,16 @@ fn identical_layouts_are_accepted_with_the_local_instance() {
         negotiate(&s, &r),
         Ok(HelloAccept {
             version: PROTOCOL_VERSION,
-            instance: s.instance
+            instance: s.instance,
+            data_path_answer: None,
         })
     );
     assert_eq!(
         negotiate(&r, &s),
         Ok(HelloAccept {
             version: PROTOCOL_VERSION,
-            instance: r.instance
+            instance: r.instance,
+            data_path_answer: None,
         })
     );
 }

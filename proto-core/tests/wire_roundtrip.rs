@@ -119,6 +119,7 @@ proptest! {
             any::<u16>().prop_map(|version| Frame::HelloAccept(HelloAccept {
                 version,
                 instance: kvpipe_core::InstanceId(1),
+                data_path_answer: None,
             })),
         ]
     ) {

@@ -535,6 +535,8 @@ impl Simulation {
                         .on_quiesced(&mut self.stage, &mut self.oracle, q.index, q.from);
                 }
             }
+            // The simulated transport offers no data path of its own.
+            Output::DataPath(_) => {}
         }
     }
 

@@ -27,8 +27,9 @@ pub struct TcpConfig {
     /// moved one connection's data about 15 % slower than uncapped ones.
     pub socket_read_bytes: usize,
     /// How long an accepted connection may take to send its preamble (each connection has its
-    /// own deadline; preambles are read concurrently), and a connecting bundle to bring all its
-    /// connections.
+    /// own deadline; preambles are read concurrently), a connecting bundle to bring all its
+    /// connections, and a connecting sender offering peer copies to hear the peer's answer
+    /// (in the handshake) before `connect` gives up.
     pub preamble_timeout: Duration,
     /// Most accepted connections that have not completed the handshake (reading their
     /// preamble, in a bundle still assembling, or handshaking) held at once; a new connection

@@ -87,7 +87,8 @@
 //!   receiver's results still wait for data that is in device memory.
 //!
 //! With [`TcpConfig::data_path`] `Auto` or `PeerCopy` a connecting sender negotiates **peer
-//! copies** instead (two processes on one host, both sides' regions device memory): the
+//! copies** instead, inside the core's handshake (its offer in its `Hello`, the receiver's
+//! answer in its `HelloAccept`; two processes on one host, both sides' regions device memory): the
 //! sender's regions are opened by the receiver by CUDA IPC, each piece's header goes on the
 //! socket with its source instead of the payload, and the receiver copies the bytes into its
 //! own memory, waits for the copy and acknowledges the piece; the sender's batch completes on
@@ -107,6 +108,7 @@ mod handles;
 pub mod memory;
 mod node;
 mod peer_copy;
+mod placement;
 pub mod preamble;
 mod stats;
 #[cfg(feature = "tokio")]

@@ -2,36 +2,50 @@
 //! receiver **pulling** each write from the sender's memory itself (`cuda` feature). Control
 //! frames and the data-write headers still travel on the TCP connections.
 //!
-//! This module holds the negotiation and the records on the wire; the device half (exporting
-//! and opening regions, the copies) is in `crate::gpu`, with the rest of the GPU path.
+//! This module holds the offer, the answer and the records on the wire; the node carries the
+//! negotiation out (`node/offers.rs`, `TcpIo::data_path`) and a link's placement is in
+//! `crate::placement`; the device half (exporting and opening regions, the copies) is in
+//! `crate::gpu`, with the rest of the GPU path.
 //!
-//! ## Negotiation (before the handshake, on the control connection)
+//! ## Negotiation (inside the core's handshake)
 //!
-//! 1. A connecting **sender** whose [`TcpDataPath`] is not `Socket` sets
-//!    [`PREAMBLE_PEER_COPY`](crate::preamble::PREAMBLE_PEER_COPY) in its control connection's
-//!    preamble and sends its **offer** right after it: when every one of its registered
-//!    regions is device memory, each region exported with CUDA IPC (`kvpipe_cuda::export_ipc`);
-//!    otherwise a decline that says why.
-//! 2. The accepting **receiver** — when its data path is not `Socket` and its own regions are
-//!    all device memory — opens every offered handle on its own GPU
-//!    (`kvpipe_cuda::IpcMapping`, lazy peer access) and **answers** accepted, or declined with
-//!    the reason (any other node declines). Then the `Hello` follows as on any connection.
+//! The offer and the answer travel in the core's versioned handshake, as the opaque data-path
+//! sections of `Hello` and `HelloAccept` (`docs/PROTOCOL.md`, "Data-path offers"); the core
+//! holds the receiver's `HelloAccept` until this transport answered.
+//!
+//! 1. A connecting **sender** whose [`TcpDataPath`] is not `Socket` connects its bundle with
+//!    `TransportInput::PeerConnectedWithOffer`, the offer in its `Hello`: when every one of
+//!    its registered regions is device memory, each region exported with CUDA IPC
+//!    (`kvpipe_cuda::export_ipc`); otherwise a decline that says why (on `PeerCopy` the
+//!    connect fails before connecting instead).
+//! 2. The accepting node's core checks the `Hello` as any other, then asks this transport
+//!    (`DataPathNegotiation::Offered`). On a thread of its own, outside the node's lock, the
+//!    node — when its data path is not `Socket`, it is a receiver and its own regions are all
+//!    device memory — opens every offered handle on its own GPU (`kvpipe_cuda::IpcMapping`,
+//!    lazy peer access), places the link (pull, or the sockets) and answers accepted, or
+//!    declined with the reason (`TransportInput::DataPathAnswered`); its `HelloAccept` carries
+//!    the answer, and the peer is ready on this side from then on.
+//! 3. The sender's core reports the answer (`DataPathNegotiation::Answered`) just before
+//!    `PeerReady`; the node places the link then. Its `connect` returns once the link is
+//!    placed.
 //!
 //! A declined offer leaves the peer on the socket data path (`Auto`), or fails the connect
-//! with the reason (`PeerCopy`; a receiver on `PeerCopy` drops a connection it cannot pull
-//! from). "Same host" is decided by the import itself: a handle opens only on the host (and
-//! for the user) that exported it, so a peer on another host falls back (or fails).
+//! with the reason (`PeerCopy`; a receiver on `PeerCopy` answers, then closes a connection it
+//! cannot pull from). "Same host" is decided by the import itself: a handle opens only on the
+//! host (and for the user) that exported it, so a peer on another host falls back (or fails).
+//! Every data write of the peer is planned after `PeerReady` and read after the receiver's
+//! `HelloAccept`, so every connection of the bundle knows the placement before one flows.
 //!
-//! | bytes | offer (sender → accepting node, after the preamble) |
+//! | bytes | offer (the `Hello`'s data-path section) |
 //! |---|---|
 //! | 4 | magic `b"KVPC"` |
 //! | 1 | version (2) |
 //! | 1 | 1: offered, 0: declined |
-//! | 2 | `n` (u16 LE): regions offered, or bytes of the reason |
+//! | 2 | `n` (u16 LE): regions offered (at most [`MAX_OFFER_REGIONS`]), or bytes of the reason |
 //! | `n` × 88 | offered: region id (u32 LE), the exporter's GPU (u32 LE), the IPC handle (80 bytes, `kvpipe_cuda::IpcHandle::to_bytes`) |
 //! | `n` | declined: the reason, UTF-8 |
 //!
-//! | bytes | answer (accepting node → sender) |
+//! | bytes | answer (the `HelloAccept`'s data-path section) |
 //! |---|---|
 //! | 4 | magic `b"KVPA"` |
 //! | 1 | version (2) |
@@ -39,14 +53,15 @@
 //! | 2 | `n` (u16 LE): bytes of the reason (0 when accepted) |
 //! | `n` | the reason, UTF-8 |
 //!
-//! Version 1 (the sender copied into memory the receiver exported) is not spoken any more: a
-//! version-1 peer's bytes fail the exchange, and the connect says so.
+//! An answer that is no such record (an empty one: the peer's transport takes no offers) is a
+//! decline. Version 1 (the sender copied into memory the receiver exported) is not spoken any
+//! more: a version-1 record is declined, naming both versions.
 //!
 //! ## The data path
 //!
-//! The core is unchanged: the sender's endpoint plans writes from the receiver's registration
-//! (its grant) exactly as for the socket path, and the receiver's endpoint admits every write
-//! (`Receiver::admit_write`). On a peer-copy connection:
+//! The core's sessions are unchanged: the sender's endpoint plans writes from the receiver's
+//! registration (its grant) exactly as for the socket path, and the receiver's endpoint admits
+//! every write (`Receiver::admit_write`). On a peer-copy connection:
 //!
 //! - the sender's writer sends each piece's `DataWrite` header followed, in place of the
 //!   payload, by the piece's **source** (16 bytes, below): where the bytes lie in the sender's
@@ -99,26 +114,27 @@
 //! the exported regions; a source outside them fails the write and the connection.
 
 use std::collections::HashMap;
-use std::io::{self, Read, Write};
-use std::net::TcpStream;
-use std::time::Instant;
 
+use kvpipe_core::wire::MAX_DATA_PATH_LEN;
 use kvpipe_core::RegionId;
 
 pub(crate) use crate::config::TcpDataPath;
 use crate::gpu::{self, IpcMappings};
 pub(crate) use crate::gpu::{OfferEntry, PlacedRegion, HANDLE_LEN};
 use crate::memory::{RegionTable, Registered};
+use crate::placement::Placement;
 
+/// Bytes of an offer's or an answer's head.
+const HEAD_LEN: usize = 8;
 /// Bytes of one offered region.
 const ENTRY_LEN: usize = 8 + HANDLE_LEN;
-/// Most regions one offer lists.
-pub(crate) const MAX_OFFER_REGIONS: usize = 4096;
+/// Most regions one offer lists: as many as the `Hello`'s data-path section holds.
+pub(crate) const MAX_OFFER_REGIONS: usize = (MAX_DATA_PATH_LEN - HEAD_LEN) / ENTRY_LEN;
 /// Most bytes of a reason.
 const MAX_REASON: usize = 1024;
 const OFFER_MAGIC: [u8; 4] = *b"KVPC";
 const ANSWER_MAGIC: [u8; 4] = *b"KVPA";
-/// Version of the negotiation and of the source and acknowledgement records.
+/// Version of the offer and answer records, and of the source and acknowledgement records.
 const VERSION: u8 = 2;
 /// Bytes of a piece's source, sent after its `DataWrite` header.
 pub(crate) const SOURCE_LEN: usize = 16;
@@ -130,7 +146,7 @@ pub(crate) const ACK_MAGIC: [u8; 4] = *b"KVPK";
 /// What the connecting sender offers.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) enum Offer {
-    /// Its regions, exported.
+    /// Its regions, exported (at most [`MAX_OFFER_REGIONS`]).
     Regions(Vec<OfferEntry>),
     /// No peer copies, and why.
     Declined(String),
@@ -145,73 +161,59 @@ fn short_reason(reason: &str) -> &[u8] {
     &reason.as_bytes()[..end]
 }
 
+/// The head of a record: magic, version, status, and the count or length after it.
+fn head(magic: [u8; 4], status: bool, n: usize) -> Vec<u8> {
+    let mut out = Vec::with_capacity(HEAD_LEN);
+    out.extend(magic);
+    out.push(VERSION);
+    out.push(u8::from(status));
+    out.extend((n as u16).to_le_bytes());
+    out
+}
+
 impl Offer {
+    /// The offer's bytes (a `Hello`'s data-path section). An offer of more than
+    /// [`MAX_OFFER_REGIONS`] is never made ([`local_offer`] declines it).
     pub(crate) fn encode(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(8);
-        out.extend(OFFER_MAGIC);
-        out.push(VERSION);
         match self {
             Offer::Regions(entries) => {
                 let n = entries.len().min(MAX_OFFER_REGIONS);
-                out.push(1);
-                out.extend((n as u16).to_le_bytes());
+                let mut out = head(OFFER_MAGIC, true, n);
                 for e in &entries[..n] {
                     out.extend(e.region.0.to_le_bytes());
                     out.extend(e.ordinal.to_le_bytes());
                     out.extend(e.handle);
                 }
+                out
             }
             Offer::Declined(reason) => {
                 let reason = short_reason(reason);
-                out.push(0);
-                out.extend((reason.len() as u16).to_le_bytes());
+                let mut out = head(OFFER_MAGIC, false, reason.len());
                 out.extend(reason);
+                out
             }
         }
-        out
     }
 
-    /// Reads an offer from `stream` by `deadline`.
-    pub(crate) fn read(stream: &TcpStream, deadline: Instant) -> io::Result<Offer> {
-        let mut head = [0u8; 8];
-        read_by(stream, &mut head, deadline)?;
-        let (offered, n) = Offer::check_head(&head)?;
-        let mut body = vec![0u8; if offered { n * ENTRY_LEN } else { n }];
-        read_by(stream, &mut body, deadline)?;
-        Offer::decode_body(offered, &body)
-    }
-
-    /// Checks an offer's first 8 bytes: whether it offers regions, and the count.
-    fn check_head(head: &[u8; 8]) -> io::Result<(bool, usize)> {
-        check_version(head, OFFER_MAGIC, "offer")?;
-        if head[5] > 1 {
-            return Err(invalid(format!(
-                "not a peer-copy offer (header {head:02x?})"
-            )));
-        }
-        let n = usize::from(u16::from_le_bytes([head[6], head[7]]));
-        if head[5] == 1 && n > MAX_OFFER_REGIONS {
-            return Err(invalid(format!(
-                "a peer-copy offer of {n} regions (at most {MAX_OFFER_REGIONS})"
-            )));
-        }
-        if head[5] == 0 && n > MAX_REASON {
-            return Err(invalid(format!(
-                "a peer-copy decline of {n} bytes (at most {MAX_REASON})"
-            )));
-        }
-        Ok((head[5] == 1, n))
-    }
-
-    fn decode_body(offered: bool, body: &[u8]) -> io::Result<Offer> {
+    /// Decodes an offer; `Err`: why it is none this node takes.
+    pub(crate) fn decode(bytes: &[u8]) -> Result<Offer, String> {
+        let (offered, n, body) = check_head(bytes, OFFER_MAGIC, "offer")?;
         if !offered {
+            if n > MAX_REASON || body.len() != n {
+                return Err(format!("a malformed peer-copy decline ({n} bytes said)"));
+            }
             return Ok(Offer::Declined(String::from_utf8_lossy(body).into_owned()));
         }
-        if body.len() % ENTRY_LEN != 0 {
-            return Err(invalid(format!(
-                "a peer-copy offer body of {} bytes is not whole {ENTRY_LEN}-byte entries",
+        if n > MAX_OFFER_REGIONS {
+            return Err(format!(
+                "a peer-copy offer of {n} regions (at most {MAX_OFFER_REGIONS})"
+            ));
+        }
+        if body.len() != n * ENTRY_LEN {
+            return Err(format!(
+                "a peer-copy offer of {n} regions in {} bytes (not whole {ENTRY_LEN}-byte entries)",
                 body.len()
-            )));
+            ));
         }
         let word = |b: &[u8]| u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
         Ok(Offer::Regions(
@@ -228,39 +230,33 @@ impl Offer {
                 .collect(),
         ))
     }
-
-    /// Decodes a whole offer held in memory (tests).
-    #[cfg(test)]
-    fn decode(bytes: &[u8]) -> io::Result<Offer> {
-        let head: [u8; 8] = bytes
-            .get(..8)
-            .and_then(|h| h.try_into().ok())
-            .ok_or_else(|| invalid("short offer".into()))?;
-        let (offered, n) = Offer::check_head(&head)?;
-        let want = if offered { n * ENTRY_LEN } else { n };
-        if bytes.len() - 8 != want {
-            return Err(invalid("offer length".into()));
-        }
-        Offer::decode_body(offered, &bytes[8..])
-    }
 }
 
-/// Checks the magic and the version of a negotiation message's head; a peer speaking another
-/// version is named as such.
-fn check_version(head: &[u8; 8], magic: [u8; 4], what: &str) -> io::Result<()> {
-    if head[..4] != magic {
-        return Err(invalid(format!(
-            "not a peer-copy {what} (header {head:02x?})"
-        )));
+/// Checks a record's head (magic, version, status byte): whether its status is set, its count
+/// or length, and the bytes after the head. A peer speaking another version is named as such.
+fn check_head<'a>(
+    bytes: &'a [u8],
+    magic: [u8; 4],
+    what: &str,
+) -> Result<(bool, usize, &'a [u8]), String> {
+    let Some((h, body)) = bytes.split_first_chunk::<HEAD_LEN>() else {
+        return Err(format!("not a peer-copy {what} ({} bytes)", bytes.len()));
+    };
+    if h[..4] != magic || h[5] > 1 {
+        return Err(format!("not a peer-copy {what} (header {h:02x?})"));
     }
-    if head[4] != VERSION {
-        return Err(invalid(format!(
+    if h[4] != VERSION {
+        return Err(format!(
             "a peer-copy {what} of version {} (this node speaks version {VERSION}: upgrade \
              both sides together, or use the socket data path)",
-            head[4]
-        )));
+            h[4]
+        ));
     }
-    Ok(())
+    Ok((
+        h[5] == 1,
+        usize::from(u16::from_le_bytes([h[6], h[7]])),
+        body,
+    ))
 }
 
 /// The accepting node's answer: whether it pulls from the offered regions, or why not.
@@ -273,60 +269,27 @@ pub(crate) enum Answer {
 }
 
 impl Answer {
+    /// The answer's bytes (a `HelloAccept`'s data-path section).
     pub(crate) fn encode(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(8);
-        out.extend(ANSWER_MAGIC);
-        out.push(VERSION);
         let reason: &[u8] = match self {
             Answer::Accepted => &[],
             Answer::Declined(why) => short_reason(why),
         };
-        out.push(u8::from(matches!(self, Answer::Accepted)));
-        out.extend((reason.len() as u16).to_le_bytes());
+        let mut out = head(ANSWER_MAGIC, matches!(self, Answer::Accepted), reason.len());
         out.extend(reason);
         out
     }
 
-    /// Reads an answer from `stream` by `deadline`.
-    pub(crate) fn read(stream: &TcpStream, deadline: Instant) -> io::Result<Answer> {
-        let mut head = [0u8; 8];
-        read_by(stream, &mut head, deadline)?;
-        let n = Answer::check_head(&head)?;
-        let mut body = vec![0u8; n];
-        read_by(stream, &mut body, deadline)?;
-        Ok(Answer::from_parts(head[5] == 1, &body))
-    }
-
-    /// Checks an answer's first 8 bytes: the bytes of its reason.
-    fn check_head(head: &[u8; 8]) -> io::Result<usize> {
-        check_version(head, ANSWER_MAGIC, "answer")?;
-        let n = usize::from(u16::from_le_bytes([head[6], head[7]]));
-        if head[5] > 1 || (head[5] == 1 && n != 0) || n > MAX_REASON {
-            return Err(invalid(format!("not a peer-copy answer ({head:02x?})")));
+    /// Decodes an answer; one that is no answer of this version is a decline saying so.
+    pub(crate) fn decode(bytes: &[u8]) -> Answer {
+        match check_head(bytes, ANSWER_MAGIC, "answer") {
+            Ok((true, 0, [])) => Answer::Accepted,
+            Ok((false, n, reason)) if n <= MAX_REASON && reason.len() == n => {
+                Answer::Declined(String::from_utf8_lossy(reason).into_owned())
+            }
+            Ok(_) => Answer::Declined(format!("a malformed peer-copy answer ({bytes:02x?})")),
+            Err(why) => Answer::Declined(why),
         }
-        Ok(n)
-    }
-
-    fn from_parts(accepted: bool, reason: &[u8]) -> Answer {
-        if accepted {
-            Answer::Accepted
-        } else {
-            Answer::Declined(String::from_utf8_lossy(reason).into_owned())
-        }
-    }
-
-    /// Decodes a whole answer held in memory (tests).
-    #[cfg(test)]
-    fn decode(bytes: &[u8]) -> io::Result<Answer> {
-        let head: [u8; 8] = bytes
-            .get(..8)
-            .and_then(|h| h.try_into().ok())
-            .ok_or_else(|| invalid("short answer".into()))?;
-        let n = Answer::check_head(&head)?;
-        if bytes.len() - 8 != n {
-            return Err(invalid("answer length".into()));
-        }
-        Ok(Answer::from_parts(head[5] == 1, &bytes[8..]))
     }
 }
 
@@ -377,43 +340,6 @@ pub(crate) fn decode_ack(b: &[u8; ACK_LEN]) -> Option<u32> {
     (count > 0).then_some(count)
 }
 
-fn invalid(message: String) -> io::Error {
-    io::Error::new(io::ErrorKind::InvalidData, message)
-}
-
-/// Reads exactly `buf.len()` bytes by `deadline` (the socket's read timeout is restored to
-/// none, as the connection's reader expects).
-fn read_by(mut stream: &TcpStream, buf: &mut [u8], deadline: Instant) -> io::Result<()> {
-    let mut filled = 0;
-    let result = loop {
-        if filled == buf.len() {
-            break Ok(());
-        }
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            break Err(io::Error::from(io::ErrorKind::TimedOut));
-        }
-        stream.set_read_timeout(Some(left))?;
-        match stream.read(&mut buf[filled..]) {
-            Ok(0) => break Err(io::Error::from(io::ErrorKind::UnexpectedEof)),
-            Ok(n) => filled += n,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            // A read timeout (EAGAIN on Linux): the deadline passed.
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                break Err(io::Error::from(io::ErrorKind::TimedOut))
-            }
-            Err(e) => break Err(e),
-        }
-    };
-    stream.set_read_timeout(None)?;
-    result
-}
-
-/// Writes `bytes` whole.
-pub(crate) fn write_all(mut stream: &TcpStream, bytes: &[u8]) -> io::Result<()> {
-    stream.write_all(bytes)
-}
-
 /// The sender's regions opened in this process (a receiver's view of an accepted offer). The
 /// IPC mappings close when the last clone of the link's `Arc` is gone — after every reader
 /// that copies from them stopped.
@@ -447,19 +373,6 @@ impl PeerMappings {
     }
 }
 
-/// How a peer's data writes travel, decided when its bundle connected.
-#[derive(Clone, Debug, Default)]
-pub(crate) enum Placement {
-    /// Over the sockets.
-    #[default]
-    Socket,
-    /// (Receiver) this node pulls them from the sender's regions, opened here.
-    Pull(std::sync::Arc<PeerMappings>),
-    /// (Sender) the peer pulls them: pieces carry their source, batches complete on the
-    /// peer's acknowledgements.
-    Source,
-}
-
 /// Why the local regions cannot take part in peer copies, if they cannot: every region must be
 /// device memory (and there must be one).
 pub(crate) fn device_only(regions: &RegionTable) -> Result<(), String> {
@@ -487,6 +400,12 @@ pub(crate) fn local_offer(path: TcpDataPath, regions: &RegionTable) -> Offer {
     }
     if let Err(why) = device_only(regions) {
         return Offer::Declined(format!("the sender cannot export: {why}"));
+    }
+    let count = regions.entries().count();
+    if count > MAX_OFFER_REGIONS {
+        return Offer::Declined(format!(
+            "the sender has {count} regions, more than an offer lists ({MAX_OFFER_REGIONS})"
+        ));
     }
     match gpu::export(regions.entries().map(|(id, r)| match r {
         Registered::Device(d) => (id, Some(d)),
@@ -537,159 +456,34 @@ pub(crate) fn accept(offer: &Offer, regions: &RegionTable) -> Result<PeerMapping
     })
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::memory::MemoryRegion;
+/// The accepting node's evaluation of a peer's offer (the bytes of its `Hello`'s data-path
+/// section): the sender's regions opened here, or why this node does not pull from them.
+pub(crate) fn evaluate(
+    offer: &[u8],
+    path: TcpDataPath,
+    is_receiver: bool,
+    regions: &RegionTable,
+) -> Result<PeerMappings, String> {
+    can_pull(path, is_receiver, regions)?;
+    accept(&Offer::decode(offer)?, regions)
+}
 
-    fn entry(region: u32) -> OfferEntry {
-        let mut handle = [0u8; HANDLE_LEN];
-        for (i, b) in handle.iter_mut().enumerate() {
-            *b = (i as u8) ^ (region as u8);
+/// Where a sender's link goes once the peer answered its `offer` (`answer`: the data-path
+/// section of the peer's `HelloAccept`; `None`: it carried none). `Err`: why there are no peer
+/// copies.
+pub(crate) fn placement_after(answer: Option<&[u8]>, offer: &Offer) -> Result<Placement, String> {
+    let answer = answer.map_or_else(
+        || Answer::Declined("the peer's transport answered no peer-copy offer".into()),
+        Answer::decode,
+    );
+    match (answer, offer) {
+        (Answer::Accepted, Offer::Regions(_)) => Ok(Placement::Source),
+        (Answer::Accepted, Offer::Declined(_)) => {
+            Err("the peer accepted a declined peer-copy offer".into())
         }
-        OfferEntry {
-            region: RegionId(region),
-            ordinal: region % 2,
-            handle,
-        }
-    }
-
-    #[test]
-    fn offers_and_answers_round_trip() {
-        let offer = Offer::Regions(vec![entry(1000), entry(1001)]);
-        let bytes = offer.encode();
-        assert_eq!(bytes.len(), 8 + 2 * ENTRY_LEN);
-        assert_eq!(bytes[4], 2, "version 2: the receiver pulls");
-        assert_eq!(Offer::decode(&bytes).unwrap(), offer);
-        let no = Offer::Declined("the sender cannot export: r1 is host memory".into());
-        assert_eq!(Offer::decode(&no.encode()).unwrap(), no);
-        assert_eq!(Answer::encode(&Answer::Accepted).len(), 8);
-        assert_eq!(
-            Answer::decode(&Answer::Accepted.encode()).unwrap(),
-            Answer::Accepted
-        );
-        let why = Answer::Declined("r1 (GPU 0 of the peer) does not open here".into());
-        assert_eq!(Answer::decode(&why.encode()).unwrap(), why);
-        // A long reason is cut at a character boundary.
-        let long = Answer::Declined("é".repeat(MAX_REASON));
-        let Answer::Declined(cut) = Answer::decode(&long.encode()).unwrap() else {
-            panic!("declined");
-        };
-        assert!(cut.len() <= MAX_REASON && cut.chars().all(|c| c == 'é'));
-    }
-
-    #[test]
-    fn malformed_offers_and_answers_are_refused() {
-        let bytes = Offer::Regions(vec![entry(7)]).encode();
-        // Wrong magic, version, status.
-        for (at, v) in [(0, b'X'), (4, 9), (5, 2)] {
-            let mut b = bytes.clone();
-            b[at] = v;
-            assert!(Offer::decode(&b).is_err(), "byte {at}");
-        }
-        // A region count past the cap is refused before its body is read.
-        let mut b = bytes.clone();
-        b[6..8].copy_from_slice(&(MAX_OFFER_REGIONS as u16 + 1).to_le_bytes());
-        assert!(Offer::check_head(b[..8].try_into().unwrap()).is_err());
-        // A body that is not whole entries (a handle of the wrong length).
-        assert!(Offer::decode_body(true, &bytes[8..bytes.len() - 1]).is_err());
-        // An accepted answer carries no reason; a status is 0 or 1.
-        let mut a = Answer::Accepted.encode();
-        a[6] = 1;
-        a.push(b'x');
-        assert!(Answer::decode(&a).is_err());
-        let mut a = Answer::Accepted.encode();
-        a[5] = 2;
-        assert!(Answer::decode(&a).is_err());
-    }
-
-    #[test]
-    fn a_version_1_peer_is_named_as_such() {
-        // Version 1: the receiver offered its own regions and the sender copied into them.
-        let mut b = Offer::Regions(vec![entry(7)]).encode();
-        b[4] = 1;
-        let e = Offer::decode(&b).unwrap_err().to_string();
-        assert!(e.contains("version 1") && e.contains("version 2"), "{e}");
-        let mut a = Answer::Accepted.encode();
-        a[4] = 1;
-        let e = Answer::decode(&a).unwrap_err().to_string();
-        assert!(e.contains("version 1"), "{e}");
-    }
-
-    #[test]
-    fn sources_and_acknowledgements_round_trip_and_never_look_like_frames() {
-        let s = Source {
-            region: RegionId(0x0102_0304),
-            offset: 0x1122_3344_5566_7788,
-        };
-        let b = s.encode();
-        assert_eq!(b.len(), SOURCE_LEN);
-        assert_eq!(Source::decode(&b), Some(s));
-        let mut bad = b;
-        bad[5] = 1;
-        assert_eq!(Source::decode(&bad), None, "reserved bytes must be zero");
-
-        assert_eq!(decode_ack(&encode_ack(3)), Some(3));
-        assert_eq!(decode_ack(&encode_ack(u32::MAX)), Some(u32::MAX));
-        assert_eq!(decode_ack(&encode_ack(0)), None, "acknowledges nothing");
-        // A frame's first bytes are no acknowledgement.
-        let frame = kvpipe_core::wire::Frame::Heartbeat(kvpipe_core::wire::Heartbeat { seq: 1 })
-            .to_vec()
-            .unwrap();
-        let head: [u8; ACK_LEN] = frame[..ACK_LEN].try_into().unwrap();
-        assert_eq!(decode_ack(&head), None);
-        assert_ne!(ACK_MAGIC, kvpipe_core::wire::MAGIC);
-    }
-
-    #[test]
-    fn sources_outside_the_exported_region_are_not_located() {
-        let m = PeerMappings::fake([(
-            RegionId(4),
-            PlacedRegion {
-                ordinal: 1,
-                ptr: 0x1000,
-                len: 256,
-            },
-        )]);
-        let at = |region, offset| Source {
-            region: RegionId(region),
-            offset,
-        };
-        assert_eq!(m.locate(at(4, 16), 240), Some((1, 0x1010)));
-        assert_eq!(m.locate(at(4, 16), 241), None);
-        assert_eq!(m.locate(at(4, u64::MAX), 2), None);
-        assert_eq!(m.locate(at(5, 0), 1), None);
-    }
-
-    #[test]
-    fn a_declined_offer_is_not_accepted_and_says_why() {
-        let regions = RegionTable::new();
-        let why = accept(&Offer::Declined("no device".into()), &regions).unwrap_err();
-        assert!(why.contains("no device"), "{why}");
-        let why = accept(&Offer::Regions(vec![]), &regions).unwrap_err();
-        assert!(why.contains("no region"), "{why}");
-    }
-
-    #[test]
-    fn host_memory_on_either_side_falls_back() {
-        let mut host = RegionTable::new();
-        host.insert(RegionId(3), MemoryRegion::zeroed(16));
-        // A sender declines to export host memory, or any region with the socket path.
-        for (path, want) in [
-            (TcpDataPath::Auto, "host memory"),
-            (TcpDataPath::PeerCopy, "host memory"),
-            (TcpDataPath::Socket, "socket data path"),
-        ] {
-            match local_offer(path, &host) {
-                Offer::Declined(why) => assert!(why.contains(want), "{why}"),
-                other => panic!("{other:?}"),
-            }
-        }
-        // A receiver with host memory (or no receiver, or the socket path) cannot pull.
-        assert!(can_pull(TcpDataPath::Auto, true, &host).is_err());
-        assert!(can_pull(TcpDataPath::Auto, false, &host).is_err());
-        assert!(can_pull(TcpDataPath::Socket, true, &host).is_err());
-        let why = accept(&Offer::Regions(vec![entry(1)]), &host).unwrap_err();
-        assert!(why.contains("host memory"), "{why}");
+        (Answer::Declined(why), _) => Err(why),
     }
 }
+
+#[cfg(test)]
+mod tests;

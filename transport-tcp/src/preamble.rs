@@ -10,7 +10,7 @@
 //! | 4 | 1 | preamble version (1) |
 //! | 5 | 1 | connection index (0: control) |
 //! | 6 | 1 | connections in the bundle |
-//! | 7 | 1 | flags: bit 0 [`PREAMBLE_PEER_COPY`] (control connection only); other bits 0 |
+//! | 7 | 1 | flags: reserved, 0 (bit 0 once asked for a peer-copy exchange before the `Hello`; peer copies are now negotiated inside the handshake, and a preamble with it set is refused) |
 //! | 8 | 8 | bundle token (u64 LE), the same on every connection of one peer |
 
 /// Length of the preamble.
@@ -18,11 +18,6 @@ pub const PREAMBLE_LEN: usize = 16;
 /// The preamble's magic.
 pub const PREAMBLE_MAGIC: [u8; 4] = *b"KVPT";
 const PREAMBLE_VERSION: u8 = 1;
-/// Flag of the control connection's preamble: the connecting prefill node offers to place its
-/// data writes itself by peer copies (CUDA IPC). The accepting node answers with its offer
-/// before any frame (see the `peer_copy` module); without the flag nothing precedes the
-/// `Hello`.
-pub const PREAMBLE_PEER_COPY: u8 = 1;
 
 /// A decoded preamble.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -33,7 +28,7 @@ pub struct Preamble {
     pub count: u8,
     /// The bundle's token.
     pub token: u64,
-    /// Flags ([`PREAMBLE_PEER_COPY`]); 0 for a plain connection.
+    /// Flags: reserved, always 0.
     pub flags: u8,
 }
 
@@ -46,7 +41,7 @@ pub enum PreambleError {
     /// Another preamble version.
     #[error("preamble version {0}, this build speaks 1")]
     Version(u8),
-    /// Index out of the bundle, empty bundle or unknown flags set.
+    /// Index out of the bundle, empty bundle or a flag set.
     #[error("invalid preamble fields (index {index}, count {count}, flags {reserved:#04x})")]
     Invalid {
         /// Index found.
@@ -81,7 +76,7 @@ impl Preamble {
             return Err(PreambleError::Version(buf[4]));
         }
         let (index, count, reserved) = (buf[5], buf[6], buf[7]);
-        if count == 0 || index >= count || reserved & !PREAMBLE_PEER_COPY != 0 {
+        if count == 0 || index >= count || reserved != 0 {
             return Err(PreambleError::Invalid {
                 index,
                 count,
@@ -111,17 +106,16 @@ mod tests {
             token: 0x0102_0304_0506_0708,
             flags: 0,
         };
-        let offer = Preamble {
-            flags: PREAMBLE_PEER_COPY,
-            ..p
-        };
-        assert_eq!(Preamble::decode(&offer.encode()), Ok(offer));
-        let mut bad = offer.encode();
-        bad[7] = 2;
-        assert!(matches!(
-            Preamble::decode(&bad),
-            Err(PreambleError::Invalid { reserved: 2, .. })
-        ));
+        // Every flag is refused, bit 0 too (the peer-copy exchange before the Hello that
+        // older builds asked for with it).
+        for flag in [1, 2] {
+            let mut bad = p.encode();
+            bad[7] = flag;
+            assert!(matches!(
+                Preamble::decode(&bad),
+                Err(PreambleError::Invalid { reserved, .. }) if reserved == flag
+            ));
+        }
         assert_eq!(Preamble::decode(&p.encode()), Ok(p));
         let mut bad = p.encode();
         bad[0] = b'X';

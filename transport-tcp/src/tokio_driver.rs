@@ -134,7 +134,7 @@ async fn connect_bundle<E: Endpoint + Send + 'static>(
         streams.push((pre, s));
     }
     // The async driver negotiates no peer copies: its data goes over the sockets.
-    shared.adopt_bundle(streams, crate::peer_copy::Placement::Socket)
+    shared.adopt_bundle(streams, None).map(|(peer, _)| peer)
 }
 
 fn tasks(runtime: Handle, tcp: &TcpConfig) -> Box<dyn Spawn> {

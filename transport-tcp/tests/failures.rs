@@ -196,6 +196,7 @@ fn dropping_receiver(listener: TcpListener, read_bytes: usize) {
     raw.send(&Frame::HelloAccept(HelloAccept {
         version: 1,
         instance: InstanceId(5),
+        data_path_answer: None,
     }));
     let ids: Vec<BlockId> = (0..4096).map(BlockId).collect();
     raw.send(&Frame::RecvRegistration(RecvRegistration {

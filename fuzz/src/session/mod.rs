@@ -164,7 +164,7 @@ impl Pair {
             receiver_outputs: Vec::new(),
             stats: SessionStats::default(),
         };
-        pair.reconnect();
+        pair.reconnect(None);
         // Finish the handshake (handshake frames are spared) so cases start ready.
         for _ in 0..4 {
             pair.deliver_due();

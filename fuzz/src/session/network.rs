@@ -10,17 +10,27 @@ use super::world::{RECEIVER, SENDER};
 use super::Pair;
 
 impl Pair {
-    pub(super) fn reconnect(&mut self) {
+    /// Connects the endpoints; the sender's Hello carries `offer`, a data-path offer, if any
+    /// (the receiver's handshake then waits for a `DataPathAnswered` step, or its deadline).
+    pub(super) fn reconnect(&mut self, offer: Option<Bytes>) {
         if self.connected {
             return;
         }
         self.connected = true;
         self.link.restart(self.now);
         let now = self.now;
-        let input = |peer| TransportInput::PeerConnected { peer };
-        let r = self.sender.handle_transport(now, input(RECEIVER));
+        let to_receiver = match offer {
+            Some(offer) => TransportInput::PeerConnectedWithOffer {
+                peer: RECEIVER,
+                offer,
+            },
+            None => TransportInput::PeerConnected { peer: RECEIVER },
+        };
+        let r = self.sender.handle_transport(now, to_receiver);
         self.count(r);
-        let r = self.receiver.handle_transport(now, input(SENDER));
+        let r = self
+            .receiver
+            .handle_transport(now, TransportInput::PeerConnected { peer: SENDER });
         self.count(r);
         self.drain();
     }

@@ -1,7 +1,7 @@
 //! The rules checked on every output the endpoints emit (see the module doc of
 //! [`session`](super)): draining both endpoints, each output against what the case did so far.
 
-use kvpipe_core::session::{Event, Output};
+use kvpipe_core::session::{DataPathNegotiation, Event, Output};
 use kvpipe_core::wire::Frame;
 use kvpipe_core::RequestId;
 
@@ -61,6 +61,10 @@ impl Pair {
                 });
             }
             Output::ClosePeer { .. } => self.disconnect(),
+            Output::DataPath(DataPathNegotiation::Answered { peer, .. }) => {
+                assert_eq!(peer, RECEIVER, "an answer from an unknown peer");
+            }
+            Output::DataPath(n) => panic!("the receiver offered no data path: {n:?}"),
             Output::Event(e) => {
                 let Some(r) = event_request(&e) else { return };
                 let t = self.send_track.entry(r).or_default().clone();
@@ -113,6 +117,11 @@ impl Pair {
             }
             Output::ExecuteWrites { .. } => panic!("a receiver emitted a write batch"),
             Output::ClosePeer { .. } => self.disconnect(),
+            // Answered by a `DataPathAnswered` step, or the handshake times out.
+            Output::DataPath(DataPathNegotiation::Offered { peer, .. }) => {
+                assert_eq!(peer, SENDER, "an offer from an unknown peer");
+            }
+            Output::DataPath(n) => panic!("the receiver made no offer: {n:?}"),
             Output::Event(e) => {
                 let Some(r) = event_request(&e) else { return };
                 let t = self.recv_track.entry(r).or_default().clone();

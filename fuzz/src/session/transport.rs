@@ -105,12 +105,23 @@ impl Pair {
     pub(super) fn sender_transport(&mut self, input: TransportInput) {
         let now = self.now;
         match input {
-            TransportInput::PeerConnected { .. } => self.reconnect(),
+            TransportInput::PeerConnected { .. } => self.reconnect(None),
+            TransportInput::PeerConnectedWithOffer { offer, .. } => self.reconnect(Some(offer)),
             TransportInput::PeerDisconnected { .. } => self.disconnect(),
             TransportInput::FrameReceived { bytes, .. } => {
                 if self.connected {
                     self.deliver(false, bytes);
                 }
+            }
+            // The receiver offers nothing: an answer on the sender's side waits for nothing.
+            TransportInput::DataPathAnswered { answer, .. } => {
+                let input = TransportInput::DataPathAnswered {
+                    peer: RECEIVER,
+                    answer,
+                };
+                let r = self.sender.handle_transport(now, input);
+                assert!(r.is_err(), "a sender took an answer to an offer never made");
+                self.count(r);
             }
             TransportInput::WritesCompleted { batch }
             | TransportInput::WritesFailed { batch, .. }
@@ -141,12 +152,22 @@ impl Pair {
     pub(super) fn receiver_transport(&mut self, input: TransportInput) {
         let now = self.now;
         match input {
-            TransportInput::PeerConnected { .. } => self.reconnect(),
+            TransportInput::PeerConnected { .. } => self.reconnect(None),
+            TransportInput::PeerConnectedWithOffer { offer, .. } => self.reconnect(Some(offer)),
             TransportInput::PeerDisconnected { .. } => self.disconnect(),
             TransportInput::FrameReceived { bytes, .. } => {
                 if self.connected {
                     self.deliver(true, bytes);
                 }
+            }
+            // The receiver's transport answers the sender's offer (if one waits).
+            TransportInput::DataPathAnswered { answer, .. } => {
+                let input = TransportInput::DataPathAnswered {
+                    peer: SENDER,
+                    answer,
+                };
+                let r = self.receiver.handle_transport(now, input);
+                self.count(r);
             }
             TransportInput::WriteArrived { mut header, .. } => {
                 if self.connected {

@@ -99,7 +99,10 @@ impl LocalHello {
         }
     }
 
-    /// The Hello frame this endpoint sends in `role`.
+    /// The Hello frame this endpoint sends in `role` (offering no data path: a transport that
+    /// offers one connects with [`TransportInput::PeerConnectedWithOffer`]).
+    ///
+    /// [`TransportInput::PeerConnectedWithOffer`]: super::TransportInput::PeerConnectedWithOffer
     pub fn to_hello(&self, role: Role) -> Hello {
         Hello {
             versions: self.versions,
@@ -109,6 +112,7 @@ impl LocalHello {
             role,
             topology: self.topology,
             groups: self.groups.clone(),
+            data_path_offer: None,
         }
     }
 }

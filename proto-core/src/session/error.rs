@@ -363,6 +363,18 @@ pub enum UsageError {
     /// The peer is not connected.
     #[error("{0} is not connected")]
     UnknownPeer(PeerId),
+    /// A data-path answer for a peer whose handshake does not wait for one (it offered
+    /// nothing, was answered already, or is ready, rejected or closing).
+    #[error("{0} has no data-path offer waiting for an answer")]
+    NoOfferPending(PeerId),
+    /// A data-path offer or answer longer than the wire carries.
+    #[error("a data-path offer or answer of {len} bytes (at most {max})")]
+    DataPathTooLong {
+        /// Its length.
+        len: usize,
+        /// The most a `Hello` or `HelloAccept` carries.
+        max: usize,
+    },
     /// The input belongs to the other role's endpoint.
     #[error("{input} is not an input of a {role:?} endpoint")]
     WrongRole {

@@ -95,8 +95,8 @@ pub use grants::GrantedExtents;
 pub use receiver::{Receiver, ReceiverInput, Registration};
 pub use sender::{ChunkQuery, SendRequest, Sender, SenderInput, Submitted};
 pub use transport::{
-    is_data_write, Admission, DataPath, DataWriteHeaders, Endpoint, TransportInput, WriteRefusal,
-    WriteTicket,
+    is_data_write, Admission, DataPath, DataPathNegotiation, DataWriteHeaders, Endpoint,
+    TransportInput, WriteRefusal, WriteTicket,
 };
 
 use crate::geometry::{BlockWindow, GeometryError};
@@ -171,6 +171,8 @@ pub enum Output {
     },
     /// Something the engine must learn about.
     Event(Event),
+    /// The data-path negotiation, for the transport (see [`DataPathNegotiation`]).
+    DataPath(DataPathNegotiation),
 }
 
 /// Why an endpoint asks for a connection to be torn down.

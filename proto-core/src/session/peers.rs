@@ -1,5 +1,11 @@
 //! Connections shared by both endpoints: the handshake, the negotiated version (every frame is
 //! encoded and decoded here, so a driver never learns it) and liveness of every peer.
+//!
+//! A handshake that passed its checks completes at once, unless a data-path offer is part of
+//! it: a peer's offer waits for the transport's answer before this side's `HelloAccept` leaves
+//! ([`DataPathNegotiation::Offered`], [`PeerTable::answered`]), and this side's own offer waits
+//! for the peer's `HelloAccept`, whose answer is reported just before `PeerReady`
+//! ([`DataPathNegotiation::Answered`]). Both waits are bounded by the handshake deadline.
 
 use std::collections::{BTreeMap, VecDeque};
 
@@ -8,13 +14,14 @@ use bytes::Bytes;
 use super::config::Deadlines;
 use super::state::{PeerEvent, PeerPhase};
 use super::timers::{TimerKey, Timers};
-use super::{CloseReason, Counters, Event, Output, ProtocolError, UsageError};
+use super::{CloseReason, Counters, DataPathNegotiation, Event, Output, ProtocolError, UsageError};
 use crate::ids::PeerId;
 use crate::plan::check_pairable;
 use crate::time::Instant;
 use crate::wire::{
-    negotiate, DecodeError, Frame, FrameHeader, FrameKind, Heartbeat, Hello, HelloReject,
-    RejectReason, Role, Topology, MAX_BODY_LEN, MAX_HANDSHAKE_BODY_LEN, PROTOCOL_VERSION,
+    negotiate, DecodeError, Frame, FrameHeader, FrameKind, Heartbeat, Hello, HelloAccept,
+    HelloReject, RejectReason, Role, Topology, MAX_BODY_LEN, MAX_DATA_PATH_LEN,
+    MAX_HANDSHAKE_BODY_LEN, PROTOCOL_VERSION,
 };
 
 #[derive(Clone, Debug)]
@@ -28,6 +35,22 @@ pub(crate) struct PeerEntry {
     last_rx: Instant,
     last_tx: Instant,
     heartbeat_seq: u64,
+    /// The data-path offer this side's Hello carried.
+    offer: Option<Bytes>,
+    /// The peer's Hello, accepted, while the data-path negotiation holds the handshake.
+    held: Option<Held>,
+    /// The answer of the peer's `HelloAccept`, once it came (this side offered).
+    peer_answer: Option<Option<Bytes>>,
+}
+
+/// A peer's Hello that passed every check, while the data-path negotiation holds the handshake.
+#[derive(Clone, Debug)]
+struct Held {
+    remote: Hello,
+    /// This side's `HelloAccept` (sent, or waiting for the transport's answer).
+    accept: HelloAccept,
+    /// The peer offered a data path and the transport has not answered yet.
+    answer_due: bool,
 }
 
 /// Where a frame goes after the connection layer saw it.
@@ -105,10 +128,11 @@ impl PeerTable {
         entry.phase.on(event).advance(&mut entry.phase)
     }
 
+    /// `peer` connected: sends this side's Hello, carrying `offer` if there is one.
     pub(crate) fn connected(
         &mut self,
         now: Instant,
-        peer: PeerId,
+        (peer, offer): (PeerId, Option<Bytes>),
         out: &mut VecDeque<Output>,
         counters: &mut Counters,
         timers: &mut Timers,
@@ -116,6 +140,7 @@ impl PeerTable {
         if self.peers.contains_key(&peer) {
             return Err(UsageError::PeerAlreadyConnected(peer));
         }
+        check_data_path_len(offer.as_ref())?;
         self.peers.insert(
             peer,
             PeerEntry {
@@ -126,9 +151,15 @@ impl PeerTable {
                 last_rx: now,
                 last_tx: now,
                 heartbeat_seq: 0,
+                offer: offer.clone(),
+                held: None,
+                peer_answer: None,
             },
         );
-        let hello = Frame::Hello(self.local.clone());
+        let hello = Frame::Hello(Hello {
+            data_path_offer: offer,
+            ..self.local.clone()
+        });
         self.emit(peer, hello, out, counters);
         timers.arm(now + self.deadlines.handshake, TimerKey::Peer(peer));
         Ok(())
@@ -296,7 +327,11 @@ impl PeerTable {
         let entry = self.peers.get_mut(&peer).expect("checked by on_bytes");
         match frame {
             Frame::Hello(remote) => {
-                if let Some(known) = &entry.remote {
+                let known = entry
+                    .remote
+                    .as_ref()
+                    .or(entry.held.as_ref().map(|h| &h.remote));
+                if let Some(known) = known {
                     if *known != remote {
                         counters.protocol_errors += 1;
                         out.push_back(Output::Event(Event::ProtocolViolation {
@@ -313,20 +348,27 @@ impl PeerTable {
                     Ok(accept)
                 }) {
                     Ok(accept) => {
-                        let instance = remote.instance;
-                        let role = remote.role;
-                        entry.remote = Some(remote);
                         entry.version = accept.version;
                         entry.last_tx = now;
-                        Self::step(entry, PeerEvent::HelloAccepted);
-                        self.emit(peer, Frame::HelloAccept(accept), out, counters);
-                        out.push_back(Output::Event(Event::PeerReady {
-                            peer,
-                            instance,
-                            role,
-                        }));
-                        timers.arm_opt(self.next_deadline(peer), TimerKey::Peer(peer));
-                        Ok(Route::BecameReady)
+                        let offer = remote.data_path_offer.clone();
+                        entry.held = Some(Held {
+                            remote,
+                            accept: accept.clone(),
+                            answer_due: offer.is_some(),
+                        });
+                        match offer {
+                            // The transport answers first; the HelloAccept carries its answer.
+                            Some(offer) => {
+                                out.push_back(Output::DataPath(DataPathNegotiation::Offered {
+                                    peer,
+                                    offer,
+                                }))
+                            }
+                            None => {
+                                self.emit(peer, Frame::HelloAccept(accept), out, counters);
+                            }
+                        }
+                        Ok(self.try_complete(peer, out, timers))
                     }
                     Err(reject) => {
                         Self::step(entry, PeerEvent::Rejected);
@@ -342,6 +384,15 @@ impl PeerTable {
                 counters.peers_rejected += 1;
                 close_rejected(peer, reject, CloseReason::RejectedByPeer, out, counters);
                 Ok(Route::Done)
+            }
+            // The answer to this side's offer; the handshake may complete now.
+            Frame::HelloAccept(accept)
+                if entry.offer.is_some()
+                    && entry.remote.is_none()
+                    && entry.peer_answer.is_none() =>
+            {
+                entry.peer_answer = Some(accept.data_path_answer);
+                Ok(self.try_complete(peer, out, timers))
             }
             Frame::HelloAccept(_) | Frame::Heartbeat(_) => Ok(Route::Done),
             Frame::DataWrite(_) => {
@@ -371,6 +422,72 @@ impl PeerTable {
                 Ok(Route::Session(other))
             }
         }
+    }
+
+    /// The transport answered `peer`'s data-path offer: this side's `HelloAccept` carries the
+    /// answer, and the handshake completes unless this side waits for the peer's answer too.
+    /// A usage error (nothing changed) unless `peer`'s handshake waits for that answer.
+    pub(crate) fn answered(
+        &mut self,
+        now: Instant,
+        (peer, answer): (PeerId, Bytes),
+        out: &mut VecDeque<Output>,
+        counters: &mut Counters,
+        timers: &mut Timers,
+    ) -> Result<Route, UsageError> {
+        check_data_path_len(Some(&answer))?;
+        let entry = self
+            .peers
+            .get_mut(&peer)
+            .ok_or(UsageError::UnknownPeer(peer))?;
+        let held = match &mut entry.held {
+            Some(held) if held.answer_due && entry.phase == PeerPhase::Handshaking => held,
+            _ => return Err(UsageError::NoOfferPending(peer)),
+        };
+        held.answer_due = false;
+        let accept = HelloAccept {
+            data_path_answer: Some(answer),
+            ..held.accept.clone()
+        };
+        entry.last_tx = now;
+        self.emit(peer, Frame::HelloAccept(accept), out, counters);
+        Ok(self.try_complete(peer, out, timers))
+    }
+
+    /// Completes `peer`'s held handshake once nothing holds it any more: the transport answered
+    /// the peer's offer (if it made one) and the peer answered this side's (if it made one).
+    fn try_complete(
+        &mut self,
+        peer: PeerId,
+        out: &mut VecDeque<Output>,
+        timers: &mut Timers,
+    ) -> Route {
+        let Some(entry) = self.peers.get_mut(&peer) else {
+            return Route::Done;
+        };
+        let waiting = entry.held.as_ref().is_none_or(|h| h.answer_due)
+            || (entry.offer.is_some() && entry.peer_answer.is_none());
+        if waiting {
+            return Route::Done;
+        }
+        let held = entry.held.take().expect("checked above");
+        let (instance, role) = (held.remote.instance, held.remote.role);
+        entry.remote = Some(held.remote);
+        Self::step(entry, PeerEvent::HelloAccepted);
+        if entry.offer.is_some() {
+            let answer = entry.peer_answer.take().flatten();
+            out.push_back(Output::DataPath(DataPathNegotiation::Answered {
+                peer,
+                answer,
+            }));
+        }
+        out.push_back(Output::Event(Event::PeerReady {
+            peer,
+            instance,
+            role,
+        }));
+        timers.arm_opt(self.next_deadline(peer), TimerKey::Peer(peer));
+        Route::BecameReady
     }
 
     /// The peer's next deadline: the handshake's before it completes, then the heartbeat's and
@@ -432,6 +549,17 @@ impl PeerTable {
             PeerExpiry::None => timers.arm_opt(self.next_deadline(peer), TimerKey::Peer(peer)),
         }
         expiry
+    }
+}
+
+/// A data-path offer or answer the wire cannot carry.
+fn check_data_path_len(bytes: Option<&Bytes>) -> Result<(), UsageError> {
+    match bytes {
+        Some(b) if b.len() > MAX_DATA_PATH_LEN => Err(UsageError::DataPathTooLong {
+            len: b.len(),
+            max: MAX_DATA_PATH_LEN,
+        }),
+        _ => Ok(()),
     }
 }
 

@@ -67,7 +67,15 @@ pub(crate) trait EndpointRole {
         input: TransportInput,
     ) -> Result<Option<TransportInput>, UsageError> {
         match input {
-            TransportInput::PeerConnected { peer } => self.shell().connected(now, peer)?,
+            TransportInput::PeerConnected { peer } => self.shell().connected(now, peer, None)?,
+            TransportInput::PeerConnectedWithOffer { peer, offer } => {
+                self.shell().connected(now, peer, Some(offer))?
+            }
+            TransportInput::DataPathAnswered { peer, answer } => {
+                if let Route::BecameReady = self.shell().data_path_answered(now, peer, answer)? {
+                    self.on_peer_ready(now, peer);
+                }
+            }
             TransportInput::PeerDisconnected { peer } => self.on_disconnected(now, peer)?,
             TransportInput::FrameReceived { peer, bytes } => self.on_frame(now, peer, &bytes)?,
             TransportInput::Timeout => {

@@ -122,10 +122,32 @@ impl Shell {
             .close(peer, reason, &mut self.outputs, &mut self.counters);
     }
 
-    pub(crate) fn connected(&mut self, now: Instant, peer: PeerId) -> Result<(), UsageError> {
+    /// `peer` connected; this side's Hello to it carries `offer`, if any.
+    pub(crate) fn connected(
+        &mut self,
+        now: Instant,
+        peer: PeerId,
+        offer: Option<Bytes>,
+    ) -> Result<(), UsageError> {
         self.peers.connected(
             now,
-            peer,
+            (peer, offer),
+            &mut self.outputs,
+            &mut self.counters,
+            &mut self.timers,
+        )
+    }
+
+    /// The transport answered `peer`'s data-path offer.
+    pub(crate) fn data_path_answered(
+        &mut self,
+        now: Instant,
+        peer: PeerId,
+        answer: Bytes,
+    ) -> Result<Route, UsageError> {
+        self.peers.answered(
+            now,
+            (peer, answer),
             &mut self.outputs,
             &mut self.counters,
             &mut self.timers,

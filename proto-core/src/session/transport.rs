@@ -22,6 +22,32 @@ pub enum TransportInput {
         /// The new peer.
         peer: PeerId,
     },
+    /// A connection to `peer` is up, as [`PeerConnected`](Self::PeerConnected), and this
+    /// endpoint offers the transport's own data path on it: `offer` (at most
+    /// [`MAX_DATA_PATH_LEN`](crate::wire::MAX_DATA_PATH_LEN) bytes, opaque to the core) travels
+    /// in its `Hello`. The handshake completes only once the peer's `HelloAccept` came back;
+    /// the peer's answer is then reported ([`DataPathNegotiation::Answered`]) just before
+    /// [`Event::PeerReady`](super::Event::PeerReady).
+    PeerConnectedWithOffer {
+        /// The new peer.
+        peer: PeerId,
+        /// The offer.
+        #[cfg_attr(feature = "arbitrary", arbitrary(with = arbitrary_bytes))]
+        offer: Bytes,
+    },
+    /// The transport's answer to `peer`'s data-path offer
+    /// ([`DataPathNegotiation::Offered`]), at most
+    /// [`MAX_DATA_PATH_LEN`](crate::wire::MAX_DATA_PATH_LEN) bytes, opaque to the core: it goes
+    /// back in this endpoint's `HelloAccept`, and the peer is ready from then on. An empty answer
+    /// declines in any transport's format. Refused ([`UsageError::NoOfferPending`]) unless the
+    /// peer's handshake waits for it.
+    DataPathAnswered {
+        /// The offering peer.
+        peer: PeerId,
+        /// The answer.
+        #[cfg_attr(feature = "arbitrary", arbitrary(with = arbitrary_bytes))]
+        answer: Bytes,
+    },
     /// `peer` is gone (closed, lost or fenced). The transport promises that no write of that
     /// connection can still touch memory on this side: no batch towards it still reads source
     /// memory (sender), no admitted write from it is still being applied (receiver).
@@ -92,6 +118,31 @@ fn arbitrary_bytes(u: &mut arbitrary::Unstructured<'_>) -> arbitrary::Result<Byt
     Ok(Bytes::from(<Vec<u8> as arbitrary::Arbitrary>::arbitrary(
         u,
     )?))
+}
+
+/// The data-path negotiation, as the endpoint reports it to its transport
+/// ([`Output::DataPath`]): never for the engine. See `docs/TRANSPORT.md`, "Data-path offers".
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DataPathNegotiation {
+    /// `peer`'s `Hello` carries a data-path offer. Its handshake waits (within the handshake
+    /// deadline) until the transport answers with [`TransportInput::DataPathAnswered`].
+    Offered {
+        /// The offering peer.
+        peer: PeerId,
+        /// The offer, as the peer's transport made it.
+        offer: Bytes,
+    },
+    /// The handshake with `peer`, to whom this endpoint offered a data path
+    /// ([`TransportInput::PeerConnectedWithOffer`]), completed: `answer` is what the peer's
+    /// transport answered (`None`: its `HelloAccept` carried no answer). Reported just before
+    /// [`Event::PeerReady`](super::Event::PeerReady), so the transport knows the placement
+    /// before the endpoint plans any write to the peer.
+    Answered {
+        /// The peer.
+        peer: PeerId,
+        /// The peer's answer.
+        answer: Option<Bytes>,
+    },
 }
 
 /// Identifies one admitted data write until the transport reports it finished. Unique per

@@ -310,5 +310,6 @@ pub fn negotiate(local: &Hello, remote: &Hello) -> Result<HelloAccept, HelloReje
     Ok(HelloAccept {
         version,
         instance: local.instance,
+        data_path_answer: None,
     })
 }

@@ -2,6 +2,7 @@
 //! golden snapshots in `proto-core/tests/snapshots/` and the fuzz seeds in `fuzz/seeds/decode/`;
 //! transports and tests may use them as realistic inputs.
 
+use bytes::Bytes;
 use smallvec::smallvec;
 
 use super::frame::Frame;
@@ -99,6 +100,7 @@ pub fn sample_hello(role: Role) -> Hello {
             layer_end: 32,
         },
         groups,
+        data_path_offer: None,
     }
 }
 
@@ -137,6 +139,22 @@ pub fn golden_frames() -> Vec<(String, Frame)> {
             Frame::HelloAccept(HelloAccept {
                 version: PROTOCOL_VERSION,
                 instance: InstanceId(0x7ec0_0002),
+                data_path_answer: None,
+            }),
+        ),
+        (
+            "hello_data_path_offer".into(),
+            Frame::Hello(Hello {
+                data_path_offer: Some(Bytes::from_static(b"transport offer")),
+                ..sample_hello(Role::Sender)
+            }),
+        ),
+        (
+            "hello_accept_data_path_answer".into(),
+            Frame::HelloAccept(HelloAccept {
+                version: PROTOCOL_VERSION,
+                instance: InstanceId(0x7ec0_0002),
+                data_path_answer: Some(Bytes::from_static(b"answer")),
             }),
         ),
     ];

@@ -290,6 +290,28 @@ impl Net {
             .unwrap();
     }
 
+    /// Connects sender `i` and receiver `j`, the sender offering `offer` as a transport's data
+    /// path.
+    pub fn connect_offering(&mut self, i: usize, j: usize, offer: &'static [u8]) {
+        let now = self.now;
+        self.connected.insert((i, j));
+        self.senders[i]
+            .handle_input(SenderInput::Transport {
+                now,
+                input: TransportInput::PeerConnectedWithOffer {
+                    peer: rx_peer(j),
+                    offer: bytes::Bytes::from_static(offer),
+                },
+            })
+            .unwrap();
+        self.receivers[j]
+            .handle_input(ReceiverInput::Transport {
+                now,
+                input: TransportInput::PeerConnected { peer: tx_peer(i) },
+            })
+            .unwrap();
+    }
+
     pub fn disconnect(&mut self, i: usize, j: usize) {
         if !self.connected.remove(&(i, j)) {
             return;
@@ -389,7 +411,8 @@ impl Net {
                 let j = (peer.0 - 1000) as usize;
                 self.disconnect(i, j);
             }
-            Output::Event(_) => {}
+            // The tests answer offers themselves (`session_data_path.rs`).
+            Output::Event(_) | Output::DataPath(_) => {}
         }
     }
 
@@ -412,7 +435,7 @@ impl Net {
             }
             Output::ClosePeer { peer, .. } => self.disconnect(peer.0 as usize, j),
             Output::ExecuteWrites { .. } => panic!("a receiver never executes writes"),
-            Output::Event(_) => {}
+            Output::Event(_) | Output::DataPath(_) => {}
         }
     }
 

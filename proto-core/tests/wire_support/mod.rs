@@ -128,23 +128,33 @@ pub(crate) fn arb_hello() -> impl Strategy<Value = Hello> {
         arb_role(),
         prop::array::uniform6(any::<u16>()),
         prop::collection::vec(arb_group(), 0..4),
+        arb_data_path(),
     )
-        .prop_map(|(versions, caps, hash, inst, role, t, groups)| Hello {
-            versions,
-            capabilities: Capabilities(caps),
-            compat_hash: hash,
-            instance: InstanceId(inst),
-            role,
-            topology: Topology {
-                tp_size: t[0],
-                tp_rank: t[1],
-                pp_size: t[2],
-                pp_rank: t[3],
-                layer_begin: t[4],
-                layer_end: t[5],
+        .prop_map(
+            |(versions, caps, hash, inst, role, t, groups, offer)| Hello {
+                versions,
+                capabilities: Capabilities(caps),
+                compat_hash: hash,
+                instance: InstanceId(inst),
+                role,
+                topology: Topology {
+                    tp_size: t[0],
+                    tp_rank: t[1],
+                    pp_size: t[2],
+                    pp_rank: t[3],
+                    layer_begin: t[4],
+                    layer_end: t[5],
+                },
+                groups,
+                data_path_offer: offer,
             },
-            groups,
-        })
+        )
+}
+
+/// An optional data-path offer or answer (opaque bytes, usually absent).
+pub(crate) fn arb_data_path() -> impl Strategy<Value = Option<bytes::Bytes>> {
+    prop::option::weighted(0.3, prop::collection::vec(any::<u8>(), 0..48))
+        .prop_map(|b| b.map(bytes::Bytes::from))
 }
 
 /// A canonical anchored run: non-empty id runs, adjacent runs merged, ids and ordinals in
@@ -176,10 +186,13 @@ pub(crate) fn arb_anchored_run() -> impl Strategy<Value = AnchoredRun> {
 pub(crate) fn arb_frame() -> impl Strategy<Value = Frame> {
     prop_oneof![
         arb_hello().prop_map(Frame::Hello),
-        (1u16.., any::<u64>()).prop_map(|(version, inst)| Frame::HelloAccept(HelloAccept {
-            version,
-            instance: InstanceId(inst),
-        })),
+        (1u16.., any::<u64>(), arb_data_path()).prop_map(|(version, inst, answer)| {
+            Frame::HelloAccept(HelloAccept {
+                version,
+                instance: InstanceId(inst),
+                data_path_answer: answer,
+            })
+        }),
         (prop::sample::select(RejectReason::ALL), "\\PC{0,40}")
             .prop_map(|(reason, message)| { Frame::HelloReject(HelloReject { reason, message }) }),
         (

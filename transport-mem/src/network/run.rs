@@ -274,6 +274,8 @@ impl MemNetwork {
                         let at = self.clock.now();
                         self.events.push_back((Node::Sender(s), at, e));
                     }
+                    // The in-process transport offers no data path of its own.
+                    Output::DataPath(_) => {}
                 }
             }
         }
@@ -302,6 +304,8 @@ impl MemNetwork {
                         let at = self.clock.now();
                         self.events.push_back((Node::Receiver(r), at, e));
                     }
+                    // The in-process transport offers no data path of its own.
+                    Output::DataPath(_) => {}
                 }
             }
         }

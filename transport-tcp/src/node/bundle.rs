@@ -22,9 +22,13 @@ use super::lobby::Victim;
 use super::{NodePhase, Shared, State};
 use crate::conn::PullAcks;
 use crate::conn::{Inbound, NodeHooks, Outbound};
-use crate::peer_copy::{self, Answer, Offer, Placement, TcpDataPath};
-use crate::preamble::{Preamble, PREAMBLE_LEN, PREAMBLE_PEER_COPY};
+use crate::peer_copy::{self, Offer, TcpDataPath};
+use crate::placement::PeerPlacement;
+use crate::preamble::{Preamble, PREAMBLE_LEN};
 use crate::stats::bump;
+
+/// A peer's connected streams, each with its preamble.
+pub(crate) type Bundle = Vec<(Preamble, TcpStream)>;
 
 /// Binds `addr` and starts the accept thread.
 pub(super) fn listen<E: Endpoint + Send + 'static>(
@@ -81,9 +85,6 @@ pub(super) fn wake_acceptor(local: SocketAddr) {
 
 /// Stack of a preamble thread: it reads 16 bytes.
 const PREAMBLE_STACK: usize = 64 << 10;
-/// Stack of a preamble thread that may open a sender's peer-copy offer: the CUDA driver's calls
-/// need more than [`PREAMBLE_STACK`].
-const PEER_COPY_PREAMBLE_STACK: usize = 2 << 20;
 
 /// Reads a preamble from `stream` by `deadline`, however the bytes are spread out in time.
 fn read_preamble(mut stream: &TcpStream, deadline: std::time::Instant) -> Option<Preamble> {
@@ -150,38 +151,22 @@ impl<E: Endpoint + Send + 'static> Shared<E> {
         };
         let deadline = kvpipe_driver::later(since, self.config.preamble_timeout);
         let shared = self.clone();
-        let stack = if self.config.data_path == TcpDataPath::Socket {
-            PREAMBLE_STACK
-        } else {
-            PEER_COPY_PREAMBLE_STACK
-        };
         let reader = thread::Builder::new()
             .name("kvpipe-tcp-preamble".into())
-            .stack_size(stack)
+            .stack_size(PREAMBLE_STACK)
             .spawn(move || {
                 let pre = read_preamble(&stream, deadline);
-                // A sender offering peer copies sends its offer next; this node answers
-                // (before the lock: the exchange waits on the peer).
-                let placement = match pre {
-                    Some(p) if p.index == 0 && p.flags & PREAMBLE_PEER_COPY != 0 => {
-                        shared.answer_peer_copy(&stream, deadline)
-                    }
-                    Some(_) => Some(Placement::Socket),
-                    None => None,
-                };
                 let mut st = shared.lock();
                 // Dropped meanwhile (to make room, or the node stopped): its socket is shut.
                 let Some(origin) = st.io.lobby.leave(ticket) else {
                     return;
                 };
-                let (Some(pre), Some(placement)) =
-                    (pre.filter(|_| shared.configure(&stream).is_ok()), placement)
-                else {
+                let Some(pre) = pre.filter(|_| shared.configure(&stream).is_ok()) else {
                     bump(&shared.stats.preambles_failed, 1);
                     return;
                 };
                 let now = shared.now();
-                shared.attach(&mut st, now, pre, stream, Some(origin), placement);
+                shared.attach(&mut st, now, pre, stream, Some(origin), None);
             });
         if reader.is_err() {
             // No thread for it: it leaves at once (the stream was moved into the failed
@@ -191,13 +176,13 @@ impl<E: Endpoint + Send + 'static> Shared<E> {
         }
     }
 
-    /// Connects the connections of one peer bundle and writes their preambles; a sender
-    /// whose data path is not the socket's negotiates peer copies on the control connection
-    /// (see [`crate::peer_copy`]).
+    /// Connects the connections of one peer bundle and writes their preambles. A sender whose
+    /// data path is not the socket's makes its peer-copy offer first (see
+    /// [`crate::peer_copy`]): it goes in the `Hello` once the bundle starts.
     pub(crate) fn open_bundle(
         &self,
         addr: impl ToSocketAddrs,
-    ) -> io::Result<(Vec<(Preamble, TcpStream)>, Placement)> {
+    ) -> io::Result<(Bundle, Option<Offer>)> {
         let addr = addr
             .to_socket_addrs()?
             .next()
@@ -211,10 +196,9 @@ impl<E: Endpoint + Send + 'static> Shared<E> {
                 "peer copies are negotiated by a connecting sender; this node is a receiver",
             ));
         }
-        let offer = path != TcpDataPath::Socket && is_sender;
         // Exported before connecting, on the caller's thread.
-        let local = offer.then(|| self.peer_copy_offer());
-        if let (TcpDataPath::PeerCopy, Some(Offer::Declined(why))) = (path, local) {
+        let offer = (path != TcpDataPath::Socket && is_sender).then(|| self.peer_copy_offer());
+        if let (TcpDataPath::PeerCopy, Some(Offer::Declined(why))) = (path, offer) {
             return Err(io::Error::other(format!("peer copies refused: {why}")));
         }
         let streams = (0..count)
@@ -225,43 +209,13 @@ impl<E: Endpoint + Send + 'static> Shared<E> {
                     index: index as u8,
                     count: count as u8,
                     token,
-                    flags: if offer && index == 0 {
-                        PREAMBLE_PEER_COPY
-                    } else {
-                        0
-                    },
+                    flags: 0,
                 };
                 s.write_all(&pre.encode())?;
                 Ok((pre, s))
             })
             .collect::<io::Result<Vec<_>>>()?;
-        let Some(local) = local else {
-            return Ok((streams, Placement::Socket));
-        };
-        let control = &streams[0].1;
-        peer_copy::write_all(control, &local.encode())?;
-        let deadline = std::time::Instant::now() + self.config.preamble_timeout;
-        let answer = Answer::read(control, deadline)
-            .map_err(|e| offer_error(e, addr, self.config.preamble_timeout))?;
-        let placement = match (answer, local) {
-            (Answer::Accepted, Offer::Regions(_)) => {
-                bump(&self.stats.peer_copy_peers, 1);
-                Placement::Source
-            }
-            (Answer::Accepted, Offer::Declined(_)) => {
-                return Err(io::Error::other(format!(
-                    "the peer at {addr} accepted a declined peer-copy offer"
-                )))
-            }
-            (Answer::Declined(why), _) => {
-                if path == TcpDataPath::PeerCopy {
-                    return Err(io::Error::other(format!("peer copies refused: {why}")));
-                }
-                tracing::info!(target: "kvpipe::tcp", %why, "peer copies declined; data goes over the sockets");
-                Placement::Socket
-            }
-        };
-        Ok((streams, placement))
+        Ok((streams, offer.cloned()))
     }
 
     /// This sender's peer-copy offer (its regions exported), made once.
@@ -276,52 +230,25 @@ impl<E: Endpoint + Send + 'static> Shared<E> {
         peer_copy::can_pull(self.config.data_path, is_receiver, &self.regions)
     }
 
-    /// The accepting side of the peer-copy negotiation on a control connection: reads the
-    /// sender's offer, opens its regions, and answers, all by `deadline`. `None`: the exchange
-    /// failed, or the node asks for peer copies (`PeerCopy`) and cannot have them (the
-    /// connection is dropped like one whose preamble failed).
-    fn answer_peer_copy(
-        &self,
-        stream: &TcpStream,
-        deadline: std::time::Instant,
-    ) -> Option<Placement> {
-        let offer = Offer::read(stream, deadline).ok()?;
-        let opened = self
-            .can_pull()
-            .and_then(|()| peer_copy::accept(&offer, &self.regions));
-        match opened {
-            Ok(mappings) => {
-                peer_copy::write_all(stream, &Answer::Accepted.encode()).ok()?;
-                bump(&self.stats.peer_copy_peers, 1);
-                Some(Placement::Pull(Arc::new(mappings)))
-            }
-            Err(why) => {
-                peer_copy::write_all(stream, &Answer::Declined(why.clone()).encode()).ok()?;
-                if self.config.data_path == TcpDataPath::PeerCopy {
-                    // No fall back to the sockets.
-                    tracing::warn!(target: "kvpipe::tcp", %why, "no peer copies from a sender; dropped (data path peer-copy)");
-                    return None;
-                }
-                Some(Placement::Socket)
-            }
-        }
-    }
-
-    /// Makes a peer of connected streams (from [`Shared::open_bundle`]); the handshake starts.
+    /// Makes a peer of connected streams (from [`Shared::open_bundle`]); the handshake starts,
+    /// its `Hello` carrying `offer`. Returns the peer and its placement, which the handshake
+    /// decides when an offer is part of it.
     pub(crate) fn adopt_bundle(
         self: &Arc<Self>,
-        streams: Vec<(Preamble, TcpStream)>,
-        placement: Placement,
-    ) -> io::Result<PeerId> {
+        streams: Bundle,
+        offer: Option<Offer>,
+    ) -> io::Result<(PeerId, Arc<PeerPlacement>)> {
         let mut st = self.lock();
         let now = self.now();
         let mut assembling = None;
         for (pre, stream) in streams {
-            match self.attach(&mut st, now, pre, stream, None, placement.clone()) {
+            match self.attach(&mut st, now, pre, stream, None, offer.clone()) {
                 Attached::Waiting(peer) => assembling = Some(peer),
-                Attached::Complete(peer) if st.io.links.get(peer).is_some() => return Ok(peer),
-                Attached::Complete(_) => {
-                    return Err(io::Error::other("could not start the connections"))
+                Attached::Complete(peer) => {
+                    return match st.io.links.get(peer) {
+                        Some(link) => Ok((peer, link.placement.clone())),
+                        None => Err(io::Error::other("could not start the connections")),
+                    }
                 }
                 Attached::Refused => break,
             }
@@ -340,7 +267,7 @@ impl<E: Endpoint + Send + 'static> Shared<E> {
         pre: Preamble,
         stream: TcpStream,
         origin: Option<(IpAddr, std::time::Instant)>,
-        placement: Placement,
+        offer: Option<Offer>,
     ) -> Attached {
         if !matches!(st.io.phase, NodePhase::Running) {
             return Attached::Refused;
@@ -349,10 +276,10 @@ impl<E: Endpoint + Send + 'static> Shared<E> {
             .io
             .links
             .attach(pre, stream, std::time::Instant::now(), origin);
-        // The control connection carries the bundle's placement (before the bundle starts).
+        // The offer goes in the `Hello` of the control connection (once the bundle starts).
         if let (Attached::Waiting(peer) | Attached::Complete(peer), 0) = (attached, pre.index) {
             if let Some(link) = st.io.links.get_mut(peer) {
-                link.placement = placement;
+                link.offer = offer;
             }
         }
         match attached {
@@ -377,21 +304,21 @@ impl<E: Endpoint + Send + 'static> Shared<E> {
     /// the peer connected. A bundle none of whose halves started is dropped unseen by the core.
     fn start(self: &Arc<Self>, st: &mut State<E>, now: Instant, peer: PeerId) {
         let hooks: Arc<dyn NodeHooks> = self.clone();
+        let pulls = self.can_pull_quickly(st.endpoint.role());
         let Some(link) = st.io.links.get_mut(peer) else {
             return;
         };
         let wanted = 2 * link.conns.len() as u32;
         let mut started = 0;
+        // A receiver's readers may pull (when the handshake says so); a sender that offered its
+        // regions may be acknowledged on every connection.
+        let offered = matches!(link.offer, Some(Offer::Regions(_)));
         for conn in &mut link.conns {
             let Some(stream) = conn.pending.take() else {
                 continue;
             };
-            let pulled_from = match &link.placement {
-                Placement::Pull(mappings) => Some(mappings.clone()),
-                _ => None,
-            };
             // Each connection's pulled pieces, acknowledged on that connection.
-            let acks = matches!(link.placement, Placement::Source).then(Arc::<PullAcks>::default);
+            let acks = offered.then(Arc::<PullAcks>::default);
             let inbound = Inbound::new(
                 peer,
                 hooks.clone(),
@@ -399,7 +326,11 @@ impl<E: Endpoint + Send + 'static> Shared<E> {
                 self.stats.clone(),
                 &self.config,
             )
-            .pulling(pulled_from, &conn.queue, &self.config)
+            .pulling(
+                pulls.then(|| link.placement.clone()),
+                &conn.queue,
+                &self.config,
+            )
             .acking(acks.clone(), &conn.queue)
             .carries_frames(conn.carries_frames());
             let outbound = Outbound::new(
@@ -409,7 +340,7 @@ impl<E: Endpoint + Send + 'static> Shared<E> {
                 self.stats.clone(),
                 &self.config,
             )
-            .acked_by(acks);
+            .acked_by(acks.map(|a| (a, link.placement.clone())));
             started += self.spawn.start(peer, stream, inbound, outbound);
         }
         link.halves = started;
@@ -425,8 +356,21 @@ impl<E: Endpoint + Send + 'static> Shared<E> {
         if started < wanted {
             link.abort();
         }
-        st.feed(now, TransportInput::PeerConnected { peer });
+        let input = match &link.offer {
+            Some(offer) => TransportInput::PeerConnectedWithOffer {
+                peer,
+                offer: offer.encode().into(),
+            },
+            None => TransportInput::PeerConnected { peer },
+        };
+        st.feed(now, input);
         self.drain(st, now);
+    }
+
+    /// Whether this node's readers may ever pull (a receiver not on the socket data path):
+    /// only then do they look at the placement.
+    fn can_pull_quickly(&self, role: Role) -> bool {
+        role == Role::Receiver && self.config.data_path != TcpDataPath::Socket
     }
 
     /// A token no other bundle of this process uses.
@@ -446,20 +390,4 @@ impl<E: Endpoint + Send + 'static> Shared<E> {
         stream.set_write_timeout(self.config.write_stall_timeout)?;
         Ok(())
     }
-}
-
-/// Says what a failed read of a listener's peer-copy answer means for the connect.
-fn offer_error(e: io::Error, addr: std::net::SocketAddr, within: StdDuration) -> io::Error {
-    let kind = e.kind();
-    let what = match kind {
-        io::ErrorKind::TimedOut => format!(
-            "the peer at {addr} did not answer the peer-copy offer within {within:?} (a kvpipe \
-             receiver answers as soon as it read it; is it one, and is it answering?)"
-        ),
-        io::ErrorKind::UnexpectedEof => {
-            format!("the peer at {addr} closed the connection before answering the peer-copy offer")
-        }
-        _ => format!("reading the peer-copy answer of {addr}: {e}"),
-    };
-    io::Error::new(kind, what)
 }

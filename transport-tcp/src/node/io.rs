@@ -5,12 +5,14 @@
 
 use bytes::Bytes;
 use kvpipe_core::session::{CloseReason, DataWriteHeaders, WriteBatchId};
-use kvpipe_core::{Event, PeerId, WritePlan};
+use kvpipe_core::{DataPathNegotiation, Event, PeerId, TransportInput, WritePlan};
 use kvpipe_driver::{deadline_after, Io, Posted, WallInstant};
 
 use super::link::LinkPhase;
 use super::TcpIo;
 use crate::conn::{cut_plan, BatchTally, TalliedPiece};
+use crate::peer_copy::{self, TcpDataPath};
+use crate::placement::{Decision, Placement};
 use crate::stats::bump;
 
 impl Io for TcpIo {
@@ -42,7 +44,7 @@ impl Io for TcpIo {
             link.conns.len(),
             (self.config.min_piece_bytes, self.config.max_piece_bytes),
             &self.regions,
-            matches!(link.placement, crate::peer_copy::Placement::Source),
+            link.placement.is_source(),
         ) else {
             // A source extent outside registered memory: nothing is sent.
             return Posted::Refused;
@@ -102,6 +104,45 @@ impl Io for TcpIo {
             // Proven: it no longer counts against the caps on unauthenticated connections.
             if let Some(link) = self.links.get_mut(*peer) {
                 link.authenticated = true;
+                // A handshake without an offer leaves the peer on the sockets.
+                link.placement.decide(Decision::Placed(Placement::Socket));
+            }
+        }
+    }
+
+    /// A peer's offer goes to the node's desk (answered off the lock, see `offers.rs`); the
+    /// peer's answer to this node's offer places the link, before `PeerReady`.
+    fn data_path(&mut self, negotiation: DataPathNegotiation) -> Option<TransportInput> {
+        match negotiation {
+            DataPathNegotiation::Offered { peer, offer } => match &self.offers {
+                Some(desk) if self.links.get(peer).is_some() => {
+                    desk(peer, offer);
+                    None
+                }
+                _ => Some(TransportInput::DataPathAnswered {
+                    peer,
+                    answer: Bytes::new(),
+                }),
+            },
+            DataPathNegotiation::Answered { peer, answer } => {
+                let link = self.links.get_mut(peer)?;
+                let offer = link.offer.as_ref()?;
+                match peer_copy::placement_after(answer.as_deref(), offer) {
+                    Ok(placement) => {
+                        bump(&self.stats.peer_copy_peers, 1);
+                        link.placement.decide(Decision::Placed(placement));
+                    }
+                    // No fall back to the sockets: the connect fails with the reason.
+                    Err(why) if self.config.data_path == TcpDataPath::PeerCopy => {
+                        link.placement.decide(Decision::Refused(why));
+                        link.abort();
+                    }
+                    Err(why) => {
+                        tracing::info!(target: "kvpipe::tcp", %peer, %why, "peer copies declined; data goes over the sockets");
+                        link.placement.decide(Decision::Placed(Placement::Socket));
+                    }
+                }
+                None
             }
         }
     }
@@ -144,6 +185,7 @@ impl TcpIo {
             regions,
             config,
             stats,
+            offers: None,
         }
     }
 }

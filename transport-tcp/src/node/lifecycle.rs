@@ -17,6 +17,7 @@ use super::link::LinkPhase;
 use super::{bundle, NodePhase, Shared, Spawn, TcpIo};
 use crate::config::TcpConfig;
 use crate::memory::RegionTable;
+use crate::placement::Decision;
 use crate::stats::{bump, StatCells};
 
 /// The engine-facing node: owns the shared state and the helper threads.
@@ -49,6 +50,8 @@ impl<E: Endpoint + Send + 'static> Node<E> {
             offer: std::sync::OnceLock::new(),
             spawn,
         });
+        let desk = shared.offer_desk();
+        shared.lock().io.offers = Some(desk);
         let timer = shared
             .driver
             .spawn_timer("kvpipe-tcp-timer")
@@ -68,10 +71,38 @@ impl<E: Endpoint + Send + 'static> Node<E> {
         Ok(local)
     }
 
-    /// Opens `connections_per_peer` connections to `addr`; the handshake starts on them.
+    /// Opens `connections_per_peer` connections to `addr`; the handshake starts on them. A
+    /// sender offering peer copies returns once the handshake placed the peer (by the preamble
+    /// timeout): on the sockets when the peer declined (`Auto`), or an error saying why
+    /// (`PeerCopy`, the peer then closed). A handshake that failed otherwise (rejected, cut)
+    /// returns the peer, whose events say why, as without an offer.
     pub(crate) fn connect(&self, addr: impl ToSocketAddrs) -> io::Result<PeerId> {
-        let (streams, placement) = self.shared.open_bundle(addr)?;
-        self.shared.adopt_bundle(streams, placement)
+        let addr = addr
+            .to_socket_addrs()?
+            .next()
+            .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "no address"))?;
+        let (streams, offer) = self.shared.open_bundle(addr)?;
+        let offered = offer.is_some();
+        let (peer, placement) = self.shared.adopt_bundle(streams, offer)?;
+        if !offered {
+            return Ok(peer);
+        }
+        let within = self.shared.config.preamble_timeout;
+        let error = match placement.wait(deadline_after(within)) {
+            Decision::Placed(_) | Decision::Gone => return Ok(peer),
+            Decision::Refused(why) => io::Error::other(format!("peer copies refused: {why}")),
+            Decision::Pending => io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!(
+                    "the peer at {addr} did not answer the peer-copy offer within {within:?} (a \
+                     kvpipe receiver answers in its handshake; is it one, and is it answering?)"
+                ),
+            ),
+        };
+        if let Some(link) = self.shared.lock().io.links.get_mut(peer) {
+            link.abort();
+        }
+        Err(error)
     }
 
     /// The peers now (assembling, open or closing), in id order.

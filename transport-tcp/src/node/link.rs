@@ -18,7 +18,8 @@ use kvpipe_core::PeerId;
 
 use super::lobby::Unproven;
 use crate::conn::{Backlog, Job, JobQueue, TalliedPiece};
-use crate::peer_copy::Placement;
+use crate::peer_copy::Offer;
+use crate::placement::{Decision, PeerPlacement};
 use crate::preamble::Preamble;
 
 /// One connection of a bundle.
@@ -79,8 +80,10 @@ pub(crate) struct PeerLink {
     pub(crate) origin: Option<(IpAddr, std::time::Instant)>,
     /// Whether its handshake completed (the core reported it ready).
     pub(crate) authenticated: bool,
-    /// How its data writes travel (negotiated on the control connection).
-    pub(crate) placement: Placement,
+    /// How its data writes travel (decided by the handshake when an offer is part of it).
+    pub(crate) placement: Arc<PeerPlacement>,
+    /// The peer-copy offer this node made the peer in its `Hello` (a connecting sender).
+    pub(crate) offer: Option<Offer>,
 }
 
 impl PeerLink {
@@ -219,10 +222,12 @@ impl Links {
             .collect()
     }
 
-    /// Removes a link (its sockets close once its halves dropped their streams).
+    /// Removes a link (its sockets close once its halves dropped their streams). A placement
+    /// still undecided never will be.
     pub(crate) fn remove(&mut self, peer: PeerId) -> Option<PeerLink> {
         let link = self.by_peer.remove(&peer)?;
         self.by_token.remove(&link.token);
+        link.placement.decide(Decision::Gone);
         Some(link)
     }
 
@@ -268,7 +273,8 @@ impl Links {
                         phase: LinkPhase::Assembling { since: now },
                         origin,
                         authenticated: false,
-                        placement: Default::default(),
+                        placement: PeerPlacement::pending(),
+                        offer: None,
                     },
                 );
                 peer

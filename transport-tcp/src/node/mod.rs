@@ -15,7 +15,9 @@
 //! - [`bundle`]: connecting, accepting, and starting a complete bundle;
 //! - [`lobby`]: accepted connections that have not completed the handshake, their caps;
 //! - [`hooks`]: what a connection's halves report, as endpoint inputs;
-//! - [`lifecycle`]: the engine-facing node (start, listen, connect, close).
+//! - [`lifecycle`]: the engine-facing node (start, listen, connect, close);
+//! - [`offers`]: a peer's peer-copy offer, evaluated off the lock and answered in the
+//!   handshake.
 //!
 //! This file holds the shared state only; each concern's file adds its methods to it, and no
 //! two files call into each other.
@@ -26,6 +28,7 @@ mod io;
 pub(crate) mod lifecycle;
 mod link;
 mod lobby;
+mod offers;
 
 use std::collections::HashMap;
 use std::net::TcpStream;
@@ -70,6 +73,8 @@ pub struct TcpIo {
     regions: Arc<RegionTable>,
     config: TcpConfig,
     stats: Arc<StatCells>,
+    /// Where a peer's peer-copy offer goes (set once the node is built).
+    offers: Option<offers::OfferDesk>,
 }
 
 /// Everything behind the node's lock.

@@ -310,6 +310,8 @@ impl Receiver {
             TransportInput::DataArriving { peer } => self.shell.peers.alive(now, peer)?,
             // The shared frame took these.
             TransportInput::PeerConnected { .. }
+            | TransportInput::PeerConnectedWithOffer { .. }
+            | TransportInput::DataPathAnswered { .. }
             | TransportInput::PeerDisconnected { .. }
             | TransportInput::FrameReceived { .. }
             | TransportInput::Timeout => {}

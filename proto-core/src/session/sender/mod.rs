@@ -395,6 +395,8 @@ impl Sender {
             }),
             // The shared frame took these.
             TransportInput::PeerConnected { .. }
+            | TransportInput::PeerConnectedWithOffer { .. }
+            | TransportInput::DataPathAnswered { .. }
             | TransportInput::PeerDisconnected { .. }
             | TransportInput::FrameReceived { .. }
             | TransportInput::Timeout => Ok(()),

@@ -6,13 +6,19 @@
 //! versions.min u16 | versions.max u16 | capabilities u64 | compat_hash u64 | instance u64
 //! | tp_size u16 | tp_rank u16 | pp_size u16 | pp_rank u16 | layer_begin u16 | layer_end u16
 //! | group_count u16 | role u8 | group_count × group (see `wire::group_layout`)
+//! [ | offer_len u32 | offer_len bytes ]   the data-path offer, only when there is one
 //! ```
+//!
+//! The trailing data-path offer ([`Hello::data_path_offer`], `data_path.rs`) is absent from a
+//! Hello that carries none, which then encodes exactly as before the offer existed.
 
 use core::fmt;
 
+use bytes::Bytes;
 use zerocopy::little_endian::{U16, U64};
 use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout, Unaligned};
 
+use super::data_path;
 use crate::ids::InstanceId;
 use crate::layout::LayerGroupLayout;
 use crate::wire::body::{fixed_len, wire_codes, BodyReader, BodyWriter, FrameBody, Invalid};
@@ -75,6 +81,12 @@ pub struct Hello {
     pub topology: Topology,
     /// Pool layout per layer group, in group order.
     pub groups: Vec<LayerGroupLayout>,
+    /// The transport's data-path offer (opaque to the core, at most
+    /// [`MAX_DATA_PATH_LEN`](super::MAX_DATA_PATH_LEN) bytes): the receiving endpoint asks its
+    /// transport to evaluate it and answers in its [`HelloAccept`](super::HelloAccept).
+    /// `None` for a Hello that offers nothing.
+    #[cfg_attr(feature = "arbitrary", arbitrary(with = data_path::arbitrary))]
+    pub data_path_offer: Option<Bytes>,
 }
 
 #[derive(FromBytes, IntoBytes, KnownLayout, Immutable, Unaligned)]
@@ -122,6 +134,7 @@ impl FrameBody for Hello {
                 .iter()
                 .map(group_layout::encoded_len)
                 .sum::<usize>()
+            + data_path::encoded_len(self.data_path_offer.as_ref())
     }
 
     fn parse_body(r: &mut BodyReader<'_>) -> Result<Self, DecodeError> {
@@ -141,6 +154,7 @@ impl FrameBody for Hello {
         for _ in 0..group_count {
             groups.push(group_layout::parse(r)?);
         }
+        let data_path_offer = data_path::parse(r, "data_path_offer")?;
         Ok(Hello {
             versions,
             capabilities: Capabilities(w.capabilities.get()),
@@ -156,6 +170,7 @@ impl FrameBody for Hello {
                 layer_end: w.layer_end.get(),
             },
             groups,
+            data_path_offer,
         })
     }
 
@@ -183,7 +198,8 @@ impl FrameBody for Hello {
         )?;
         self.groups
             .iter()
-            .try_for_each(|g| group_layout::emit(g, w))
+            .try_for_each(|g| group_layout::emit(g, w))?;
+        data_path::emit(self.data_path_offer.as_ref(), w, "data_path_offer")
     }
 }
 
@@ -220,7 +236,11 @@ impl fmt::Display for Hello {
             }
             write!(f, "{}", GroupDisplay(g))?;
         }
-        f.write_str("]")
+        f.write_str("]")?;
+        match &self.data_path_offer {
+            Some(offer) => write!(f, " data-path offer {} bytes", offer.len()),
+            None => Ok(()),
+        }
     }
 }
 
@@ -266,6 +286,7 @@ mod tests {
                 layer_end: 4,
             },
             groups: vec![group; groups],
+            data_path_offer: None,
         }
     }
 
@@ -287,6 +308,37 @@ mod tests {
         assert_eq!(&body[28..32], &[2, 0, 1, 0], "tp_size, tp_rank");
         assert_eq!(&body[40..43], &[2, 0, 2], "group_count, then role receiver");
         assert_eq!(roundtrip(&hello(0)).len(), 43);
+    }
+
+    #[test]
+    fn a_data_path_offer_follows_the_groups() {
+        let plain = roundtrip(&hello(1));
+        let offering = Hello {
+            data_path_offer: Some(Bytes::from_static(b"offer")),
+            ..hello(1)
+        };
+        let body = roundtrip(&offering);
+        assert_eq!(&body[..plain.len()], &plain[..], "the rest is unchanged");
+        assert_eq!(&body[plain.len()..], b"\x05\0\0\0offer");
+        assert!(offering.to_string().ends_with(" data-path offer 5 bytes"));
+        // An offer past the cap is refused both ways.
+        let long = Hello {
+            data_path_offer: Some(Bytes::from(vec![0; super::super::MAX_DATA_PATH_LEN + 1])),
+            ..hello(1)
+        };
+        assert!(crate::wire::body::testing::emit(&long).is_err());
+        let mut b = plain.clone();
+        b.extend(((super::super::MAX_DATA_PATH_LEN + 1) as u32).to_le_bytes());
+        assert_eq!(
+            parse(&b),
+            malformed(
+                "data_path_offer",
+                Malformation::TooLong {
+                    len: super::super::MAX_DATA_PATH_LEN + 1,
+                    max: super::super::MAX_DATA_PATH_LEN
+                }
+            )
+        );
     }
 
     #[test]

@@ -11,6 +11,7 @@
 mod accept;
 mod aux_result;
 mod cancel;
+mod data_path;
 mod data_write;
 mod heartbeat;
 mod hello;
@@ -21,6 +22,7 @@ mod reject;
 pub use accept::HelloAccept;
 pub use aux_result::{AuxData, AuxResult};
 pub use cancel::{Cancel, CancelReason};
+pub use data_path::MAX_DATA_PATH_LEN;
 pub use data_write::{DataWrite, DATA_WRITE_FRAME_LEN};
 pub use heartbeat::Heartbeat;
 pub use hello::{Capabilities, Hello, Role, Topology};

@@ -30,7 +30,8 @@ use super::outbound::JobQueue;
 use crate::config::TcpConfig;
 use crate::gpu::{PullCopies, RecvStaging, StagingSpec};
 use crate::memory::{RegionTable, Registered};
-use crate::peer_copy::{PeerMappings, ACK_LEN, SOURCE_LEN};
+use crate::peer_copy::{ACK_LEN, SOURCE_LEN};
+use crate::placement::{Decision, PeerPlacement, Placement};
 use crate::stats::{bump, StatCells};
 
 mod pull;
@@ -70,6 +71,8 @@ pub(crate) struct Inbound {
     staging: RecvStaging,
     /// (Receiver, peer copies) this reader pulls each write from the sender's memory.
     puller: Option<Puller>,
+    /// (Receiver) the link's placement, read at the first data write: whether to pull.
+    pull_from: Option<(Arc<PeerPlacement>, Arc<JobQueue>, StagingSpec)>,
     /// (Sender, peer copies) the receiver acknowledges pulled pieces on this connection.
     acker: Option<AckReader>,
     /// The peer's control frames travel on this connection: payload arriving here holds them
@@ -99,6 +102,7 @@ impl Inbound {
             read_max: config.socket_read_bytes.max(1),
             staging: RecvStaging::new(StagingSpec::from_config(config)),
             puller: None,
+            pull_from: None,
             acker: None,
             carries_frames: true,
             arriving_reported: Instant::now(),
@@ -106,24 +110,36 @@ impl Inbound {
         }
     }
 
-    /// The same reader pulling every data write from `mappings`, the sender's regions opened
-    /// here (a receiver on a peer-copy connection; `None`: the socket path). Acknowledgements
-    /// go out on `writer`, the connection's writer.
+    /// The same reader pulling every data write from the sender's regions opened here when the
+    /// link's `placement` says so (a receiver whose handshake accepted a peer-copy offer;
+    /// `None`, or any other placement: the socket path). The placement is read at the first
+    /// data write, which the handshake's decision precedes. Acknowledgements go out on
+    /// `writer`, the connection's writer.
     pub(crate) fn pulling(
         mut self,
-        mappings: Option<Arc<PeerMappings>>,
+        placement: Option<Arc<PeerPlacement>>,
         writer: &Arc<JobQueue>,
         config: &TcpConfig,
     ) -> Self {
-        self.puller = mappings.map(|mappings| Puller {
-            mappings,
-            writer: writer.clone(),
-            header: None,
-            source: [0; SOURCE_LEN],
-            filled: 0,
-            copies: PullCopies::new(StagingSpec::from_config(config)),
-        });
+        self.pull_from = placement.map(|p| (p, writer.clone(), StagingSpec::from_config(config)));
         self
+    }
+
+    /// Reads the link's placement once (at the first data write): a puller if it pulls.
+    fn place(&mut self) {
+        let Some((placement, writer, spec)) = self.pull_from.take() else {
+            return;
+        };
+        if let Decision::Placed(Placement::Pull(mappings)) = placement.get() {
+            self.puller = Some(Puller {
+                mappings,
+                writer,
+                header: None,
+                source: [0; SOURCE_LEN],
+                filled: 0,
+                copies: PullCopies::new(spec),
+            });
+        }
     }
 
     /// The same reader taking the receiver's acknowledgements of the pulled pieces in `acks`
@@ -271,15 +287,18 @@ impl Inbound {
                 }
                 Ok(())
             }
-            Some(StreamEvent::DataWrite(header)) => match &mut self.puller {
-                // Its source follows; the write is admitted once that is read.
-                Some(p) => {
-                    p.header = Some(header);
-                    p.filled = 0;
-                    Ok(())
+            Some(StreamEvent::DataWrite(header)) => {
+                self.place();
+                match &mut self.puller {
+                    // Its source follows; the write is admitted once that is read.
+                    Some(p) => {
+                        p.header = Some(header);
+                        p.filled = 0;
+                        Ok(())
+                    }
+                    None => self.admit(&header),
                 }
-                None => self.admit(&header),
-            },
+            }
             Some(StreamEvent::Landed(ticket)) => {
                 // A staged write has landed once its last copy completed.
                 if self.staging.active() && self.staging.finish_write().is_err() {

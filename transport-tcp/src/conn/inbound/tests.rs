@@ -10,7 +10,7 @@ use kvpipe_core::{GrantId, RegionId, RequestId, WriteTicket};
 use std::sync::Mutex;
 
 use crate::memory::MemoryRegion;
-use crate::peer_copy::{encode_ack, Source};
+use crate::peer_copy::{encode_ack, PeerMappings, Source};
 
 /// Answers every data write with `answer` and records what the reader reported, in order.
 struct Recorder {
@@ -210,15 +210,16 @@ fn payload_still_arriving_is_reported_between_reads_at_most_so_often() {
 }
 
 /// The sender's region 1 as opened here: 64 bytes at `ptr` (fake: a host address).
-fn sender_regions(ptr: u64) -> Arc<PeerMappings> {
-    Arc::new(PeerMappings::fake([(
+/// A link placed to pull from the sender's region 1 of 64 bytes at `ptr`.
+fn sender_regions(ptr: u64) -> Arc<PeerPlacement> {
+    PeerPlacement::placed(Placement::Pull(Arc::new(PeerMappings::fake([(
         RegionId(1),
         crate::peer_copy::PlacedRegion {
             ordinal: 0,
             ptr,
             len: 64,
         },
-    )]))
+    )]))))
 }
 
 fn source(offset: u64) -> [u8; SOURCE_LEN] {
@@ -266,6 +267,44 @@ fn a_discarded_pulled_write_is_acknowledged_and_a_refused_one_is_not() {
     r.finish(Stop::Ended(ReadEnd::Refused));
     assert!(writer.queued_frames().is_empty());
     assert_eq!(*hooks.log.lock().unwrap(), ["admit", "ended Read(Refused)"]);
+}
+
+#[test]
+fn a_reader_reads_its_links_placement_at_the_first_data_write() {
+    // Placed to pull after the reader started (the handshake ends after the halves start).
+    let writer = Arc::new(JobQueue::new());
+    let (r, _, _) = inbound(Admission::Discard { len: 20 }, 32);
+    let placement = PeerPlacement::pending();
+    let mut r = r.pulling(Some(placement.clone()), &writer, &TcpConfig::default());
+    placement.decide(sender_regions(0x1000).get());
+    let mut stream = data_write(20);
+    stream.extend(source(8));
+    feed(&mut r, &stream).unwrap();
+    r.finish(Stop::Eof);
+    assert_eq!(writer.queued_frames(), [encode_ack(1).to_vec()]);
+
+    // Placed on the sockets (the offer was declined): the payload follows the header, and
+    // nothing is acknowledged.
+    let writer = Arc::new(JobQueue::new());
+    let (r, hooks, _) = inbound(Admission::Discard { len: 20 }, 32);
+    let placement = PeerPlacement::pending();
+    let mut r = r.pulling(Some(placement.clone()), &writer, &TcpConfig::default());
+    placement.decide(Decision::Placed(Placement::Socket));
+    let mut stream = data_write(20);
+    stream.extend([9u8; 20]);
+    let hb = Frame::Heartbeat(Heartbeat { seq: 1 }).to_vec().unwrap();
+    stream.extend(&hb);
+    feed(&mut r, &stream).unwrap();
+    r.finish(Stop::Eof);
+    assert!(writer.queued_frames().is_empty());
+    assert_eq!(
+        *hooks.log.lock().unwrap(),
+        [
+            "admit".to_string(),
+            format!("frame {}", hb.len()),
+            "ended Read(Eof)".into()
+        ]
+    );
 }
 
 #[test]
@@ -376,7 +415,10 @@ mod device {
         /// The same reader pulling through `spec`'s GPU.
         fn with_pull_gpu(mut self, spec: StagingSpec) -> Self {
             if let Some(p) = &mut self.puller {
-                p.copies = PullCopies::new(spec);
+                p.copies = PullCopies::new(spec.clone());
+            }
+            if let Some(pending) = &mut self.pull_from {
+                pending.2 = spec;
             }
             self
         }

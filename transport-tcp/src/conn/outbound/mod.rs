@@ -32,6 +32,7 @@ use super::hooks::{HalfEnd, NodeHooks, WriteEnd};
 use super::pieces::{Payload, Piece};
 use crate::config::TcpConfig;
 use crate::gpu::{GpuError, SendStaging, StagingSpec};
+use crate::placement::{Decision, PeerPlacement, Placement};
 use crate::stats::{bump, StatCells};
 
 /// Most slices in one vectored write (Linux accepts 1024).
@@ -263,6 +264,8 @@ pub(crate) struct Outbound {
     ahead: u64,
     /// Pulled pieces awaiting the receiver's acknowledgement (peer copies).
     acks: Option<Arc<PullAcks>>,
+    /// Until the link's placement is decided: the acknowledgements to use if the peer pulls.
+    acks_if_pulled: Option<(Arc<PullAcks>, Arc<PeerPlacement>)>,
     /// The lookahead with peer copies: [`PULL_AHEAD_PIECES`] of the largest pieces.
     pull_lookahead: u64,
     /// The last piece number added to `acks`.
@@ -299,6 +302,7 @@ impl Outbound {
             lookahead,
             ahead: 0,
             acks: None,
+            acks_if_pulled: None,
             pull_lookahead: lookahead.max(PULL_AHEAD_PIECES.saturating_mul(config.max_piece_bytes)),
             expected_through: 0,
             hooks,
@@ -311,14 +315,30 @@ impl Outbound {
         }
     }
 
-    /// The same writer on a peer-copy connection: pulled pieces are added to `acks` before
-    /// they are written, and their batches are reported by whoever takes the acknowledgements.
-    pub(crate) fn acked_by(mut self, acks: Option<Arc<PullAcks>>) -> Self {
-        if acks.is_some() {
-            self.lookahead = self.pull_lookahead;
-        }
-        self.acks = acks;
+    /// The same writer on a connection whose peer may pull (a sender that offered peer
+    /// copies): once the link's placement says the peer pulls, pulled pieces are added to
+    /// `acks` before they are written, and their batches are reported by whoever takes the
+    /// acknowledgements. Any other placement is the socket path. The handshake decides the
+    /// placement before any piece of the peer is queued.
+    pub(crate) fn acked_by(mut self, acks: Option<(Arc<PullAcks>, Arc<PeerPlacement>)>) -> Self {
+        self.acks_if_pulled = acks;
         self
+    }
+
+    /// Reads the link's placement once it is decided.
+    fn place(&mut self) {
+        let Some((acks, placement)) = &self.acks_if_pulled else {
+            return;
+        };
+        match placement.get() {
+            Decision::Pending => return,
+            Decision::Placed(Placement::Source) => {
+                self.lookahead = self.pull_lookahead;
+                self.acks = Some(acks.clone());
+            }
+            Decision::Placed(_) | Decision::Refused(_) | Decision::Gone => {}
+        }
+        self.acks_if_pulled = None;
     }
 
     /// The queue to wait on after [`Next::Wait`].
@@ -329,6 +349,7 @@ impl Outbound {
     /// Takes what the node queued, and pieces from the backlog while the stream runs low, and
     /// says what to do.
     pub(crate) fn next(&mut self) -> Next {
+        self.place();
         let before = self.entries.len();
         if self.queue.take(&mut self.entries, &mut self.seq) {
             return Next::Stop;

@@ -119,7 +119,10 @@ fn pulled_pieces_go_out_as_header_and_source_and_complete_only_on_acknowledgemen
             ..TcpConfig::default()
         },
     )
-    .acked_by(Some(acks.clone()));
+    .acked_by(Some((
+        acks.clone(),
+        PeerPlacement::placed(Placement::Source),
+    )));
     let h = kvpipe_core::wire::DATA_WRITE_FRAME_LEN;
     let pulled = |tag: u8, off: u64| {
         let mut p = Piece::new(
@@ -163,6 +166,52 @@ fn pulled_pieces_go_out_as_header_and_source_and_complete_only_on_acknowledgemen
     assert!(hooks.written.lock().unwrap().is_empty());
     // The batch completes with its last acknowledgement (reported by the reader).
     assert_eq!(acks.acked(2).unwrap().batches, [WriteBatchId(9)]);
+    out.finish(WriteEnd::Closed);
+}
+
+#[test]
+fn a_link_placed_on_the_sockets_after_its_offer_reports_pieces_once_written() {
+    let src = Registered::Host(MemoryRegion::zeroed(1 << 10));
+    let hooks = Arc::new(Recorder::default());
+    let queue = Arc::new(JobQueue::new());
+    let backlog = Arc::new(Backlog::default());
+    let acks = Arc::new(PullAcks::default());
+    let placement = PeerPlacement::pending();
+    let mut out = Outbound::new(
+        PeerId(1),
+        (queue.clone(), backlog.clone()),
+        hooks.clone(),
+        Arc::new(StatCells::default()),
+        &TcpConfig {
+            socket_write_bytes: 64,
+            staging_slot_bytes: 0,
+            max_piece_bytes: 16,
+            ..TcpConfig::default()
+        },
+    )
+    .acked_by(Some((acks.clone(), placement.clone())));
+    // Nothing decided yet: frames go out as on any connection.
+    queue.push(Job::Frame(bytes::Bytes::from_static(b"hello")));
+    assert_eq!(drive(&mut out, usize::MAX), b"hello");
+    // The peer declined: the sockets, the payload written, the batch reported once written.
+    placement.decide(Decision::Placed(Placement::Socket));
+    let h = kvpipe_core::wire::DATA_WRITE_FRAME_LEN;
+    let pieces = (0..2u8)
+        .map(|i| {
+            Piece::new(
+                [i + 1; kvpipe_core::wire::DATA_WRITE_FRAME_LEN],
+                &src,
+                40 * u64::from(i),
+                40,
+            )
+            .unwrap()
+        })
+        .collect();
+    assert!(backlog.push(tallied(5, pieces)));
+    queue.poke();
+    assert_eq!(drive(&mut out, usize::MAX).len(), 2 * (h + 40));
+    assert_eq!(*hooks.written.lock().unwrap(), [WriteBatchId(5)]);
+    assert_eq!(acks.unacked_bytes(), 0);
     out.finish(WriteEnd::Closed);
 }
 
