@@ -4,14 +4,14 @@
 //! A serving engine's GPU is busy while prefill runs: the layers after the one whose KV is
 //! being sent are being computed. A simulated compute that only sleeps on the host leaves the
 //! GPU idle instead, and a GPU that sat idle for milliseconds starts the next copy tens of
-//! microseconds later than a busy one (docs/PERFORMANCE.md, "Run 4"). The kernel is written in
-//! PTX here (one thread spinning on `%globaltimer`), loaded with `cuModuleLoadData`, so no CUDA
-//! compiler is needed at build or run time.
+//! microseconds later than a busy one (docs/PERFORMANCE.md, "Run 4"). The kernel is one thread
+//! spinning on `%globaltimer`, in PTX (`crate::ptx`).
 
-use std::ffi::{c_void, CString};
+use std::ffi::c_void;
 
 use cudarc::driver::{result, sys};
 
+use crate::ptx::Kernel;
 use crate::{CudaError, Device};
 
 /// `kvpipe_busy(u64 ns)`: one thread spins until the GPU's global timer has advanced `ns`
@@ -41,8 +41,7 @@ spin:
 #[derive(Debug)]
 pub struct BusyKernel {
     device: Device,
-    module: sys::CUmodule,
-    function: sys::CUfunction,
+    kernel: Kernel,
     stream: sys::CUstream,
     done: sys::CUevent,
 }
@@ -55,43 +54,32 @@ impl BusyKernel {
     /// Loads the kernel on `device` and makes its stream and event.
     pub fn new(device: &Device) -> Result<BusyKernel, CudaError> {
         device.bind()?;
-        let image = CString::new(PTX).expect("the PTX holds no NUL");
-        // SAFETY: `image` is a NUL-terminated PTX text that lives across the call.
-        let module = unsafe { result::module::load_data(image.as_ptr() as *const c_void) }
-            .map_err(CudaError::driver("cuModuleLoadData"))?;
-        let made = (|| {
-            let name = CString::new("kvpipe_busy").expect("the name holds no NUL");
-            // SAFETY: `module` was loaded above and is not unloaded while this runs.
-            let function = unsafe { result::module::get_function(module, name) }
-                .map_err(CudaError::driver("cuModuleGetFunction"))?;
-            let stream = result::stream::create(result::stream::StreamKind::NonBlocking)
-                .map_err(CudaError::driver("cuStreamCreate"))?;
-            let done = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
-                .map_err(CudaError::driver("cuEventCreate"));
-            match done {
-                Ok(done) => Ok((function, stream, done)),
-                Err(e) => {
-                    // SAFETY: created just above, destroyed once.
-                    let _ = unsafe { result::stream::destroy(stream) };
-                    Err(e)
+        let kernel = Kernel::load(PTX, "kvpipe_busy")?;
+        let made = result::stream::create(result::stream::StreamKind::NonBlocking)
+            .map_err(CudaError::driver("cuStreamCreate"))
+            .and_then(|stream| {
+                match result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING) {
+                    Ok(done) => Ok((stream, done)),
+                    Err(e) => {
+                        // SAFETY: created just above, destroyed once.
+                        let _ = unsafe { result::stream::destroy(stream) };
+                        Err(CudaError::driver("cuEventCreate")(e))
+                    }
                 }
-            }
-        })();
-        let (function, stream, done) = match made {
-            Ok(made) => made,
+            });
+        match made {
+            Ok((stream, done)) => Ok(BusyKernel {
+                device: device.clone(),
+                kernel,
+                stream,
+                done,
+            }),
             Err(e) => {
-                // SAFETY: loaded above, unloaded once; nothing of it is in use.
-                let _ = unsafe { result::module::unload(module) };
-                return Err(e);
+                // SAFETY: loaded above; nothing of it ran.
+                unsafe { kernel.unload() };
+                Err(e)
             }
-        };
-        Ok(BusyKernel {
-            device: device.clone(),
-            module,
-            function,
-            stream,
-            done,
-        })
+        }
     }
 
     /// Enqueues the kernel for `busy` of GPU time, then the event [`is_done`](Self::is_done)
@@ -105,7 +93,7 @@ impl BusyKernel {
         // and the stream is this value's own.
         unsafe {
             result::launch_kernel(
-                self.function,
+                self.kernel.function,
                 (1, 1, 1),
                 (1, 1, 1),
                 0,
@@ -140,7 +128,7 @@ impl Drop for BusyKernel {
                 let _ = result::stream::synchronize(self.stream);
                 let _ = result::event::destroy(self.done);
                 let _ = result::stream::destroy(self.stream);
-                let _ = result::module::unload(self.module);
+                self.kernel.unload();
             }
         }
     }

@@ -48,6 +48,7 @@ mod engine;
 mod error;
 mod ipc;
 mod memory;
+mod ptx;
 mod stream;
 
 pub use busy::BusyKernel;

@@ -172,29 +172,32 @@ fn host_device_copies_both_ways_from_pinned_and_pageable_memory(d: &Device) -> T
 /// A head slice of every layer plane (one 2D copy: sources adjacent, destinations a plane
 /// apart) lands exactly, and bytes between the rows stay as they were.
 fn strided_extents_go_as_one_copy_and_land_exactly(d: &Device) -> TestResult {
-    let (row, planes, heads) = (8192u64, 80u64, 4u64);
-    let data = pattern((row * planes) as usize, 17);
-    let mut src = DeviceBuffer::new(d, data.len())?;
-    src.upload(0, &data)?;
-    let mut dst = DeviceBuffer::new(d, (row * planes * heads) as usize)?;
-    dst.fill(0x5A)?;
-    let head = 2;
-    let extents: Vec<_> = (0..planes)
-        .map(|p| extent(dev(&src), p * row, dev(&dst), (p * heads + head) * row, row))
-        .collect();
-    let mut engine = CopyEngine::new(2)?;
-    // SAFETY: both buffers outlive the wait below and nothing else touches them meanwhile.
-    let ticket = unsafe { engine.submit(&extents) }?;
-    assert_eq!(ticket.copies(), 1);
-    assert_eq!(ticket.bytes(), row * planes);
-    ticket.wait(deadline())?;
-    let out = download(&dst)?;
-    let mut expected = vec![0x5Au8; out.len()];
-    for e in &extents {
-        let (s, t, n) = (e.src_offset as usize, e.dst_offset as usize, e.len as usize);
-        expected[t..t + n].copy_from_slice(&data[s..s + n]);
+    // Rows of 8 KiB, of 8200 bytes (not a multiple of 16) and of 1 MiB.
+    for (row, planes) in [(8192u64, 80u64), (8200, 80), (1 << 20, 64)] {
+        let heads = 4u64;
+        let data = pattern((row * planes) as usize, 17 + row);
+        let mut src = DeviceBuffer::new(d, data.len())?;
+        src.upload(0, &data)?;
+        let mut dst = DeviceBuffer::new(d, (row * planes * heads) as usize)?;
+        dst.fill(0x5A)?;
+        let head = 2;
+        let extents: Vec<_> = (0..planes)
+            .map(|p| extent(dev(&src), p * row, dev(&dst), (p * heads + head) * row, row))
+            .collect();
+        let mut engine = CopyEngine::new(2)?;
+        // SAFETY: both buffers outlive the wait below and nothing else touches them meanwhile.
+        let ticket = unsafe { engine.submit(&extents) }?;
+        assert_eq!(ticket.copies(), 1);
+        assert_eq!(ticket.bytes(), row * planes);
+        ticket.wait(deadline())?;
+        let out = download(&dst)?;
+        let mut expected = vec![0x5Au8; out.len()];
+        for e in &extents {
+            let (s, t, n) = (e.src_offset as usize, e.dst_offset as usize, e.len as usize);
+            expected[t..t + n].copy_from_slice(&data[s..s + n]);
+        }
+        assert!(out == expected, "rows of {row} bytes");
     }
-    assert!(out == expected);
     Ok(())
 }
 
@@ -510,21 +513,25 @@ fn ipc_copy_bench_against_cuda_memcpy(d: &Device) -> TestResult {
 /// The busy kernel holds its GPU for the time asked (its event not done before), and a copy
 /// on another stream is not held up behind it.
 fn the_busy_kernel_keeps_the_gpu_busy_for_the_time_asked(d: &Device) -> TestResult {
-    let mut busy = BusyKernel::new(d)?;
-    assert!(busy.is_done()?, "nothing launched yet");
-    let start = Instant::now();
-    busy.launch(Duration::from_millis(20))?;
-    assert!(!busy.is_done()?, "done at once after a 20 ms launch");
-    // A 1 MiB copy on the copy engine finishes while the kernel still runs.
+    // Everything that may synchronize the context (allocations, loading the kernel, the copy
+    // engine's first streams) happens before the kernel runs.
     let (mut src, dst) = (
         DeviceBuffer::new(d, 1 << 20)?,
         DeviceBuffer::new(d, 1 << 20)?,
     );
     src.upload(0, &pattern(1 << 20, 5))?;
     let mut engine = CopyEngine::new(1)?;
-    // SAFETY: both buffers outlive the wait below and nothing else touches them meanwhile.
-    let ticket = unsafe { engine.submit(&[extent(dev(&src), 0, dev(&dst), 0, 1 << 20)]) }?;
-    ticket.wait(deadline())?;
+    let copy = [extent(dev(&src), 0, dev(&dst), 0, 1 << 20)];
+    // SAFETY: both buffers outlive the waits below and nothing else touches them meanwhile.
+    unsafe { engine.submit(&copy) }?.wait(deadline())?;
+    let mut busy = BusyKernel::new(d)?;
+    assert!(busy.is_done()?, "nothing launched yet");
+    let start = Instant::now();
+    busy.launch(Duration::from_millis(20))?;
+    assert!(!busy.is_done()?, "done at once after a 20 ms launch");
+    // A 1 MiB copy on the copy engine's stream finishes while the kernel still runs.
+    // SAFETY: as above.
+    unsafe { engine.submit(&copy) }?.wait(deadline())?;
     let copied = start.elapsed();
     while !busy.is_done()? {
         if start.elapsed() > Duration::from_secs(10) {
