@@ -103,6 +103,24 @@ struct Started {
 }
 
 impl Started {
+    /// Starts `job`'s writes now with `start` (which copies them, or submits them and returns
+    /// what to watch) and keeps what the batch's report needs.
+    fn begin(job: Job, clock: &Clock, start: impl FnOnce(ResolvedBatch) -> Copying) -> Started {
+        let started = clock.now();
+        let bytes = job.writes.bytes();
+        let copying = start(job.writes);
+        Started {
+            batch: job.batch,
+            sender: job.sender,
+            receiver: job.receiver,
+            bytes,
+            tickets: job.tickets,
+            fail: job.fail,
+            started,
+            copying,
+        }
+    }
+
     /// The report of a batch whose copy is over (`ok`, at `finished`). The batch (and its
     /// registrations: the copies are over) is released here, before the report goes out.
     fn into_done(self, ok: bool, finished: Instant) -> Done {
@@ -190,36 +208,17 @@ struct Worker {
 
 impl Worker {
     fn start(&mut self, job: Job) {
-        let started = self.clock.now();
-        let bytes = job.writes.bytes();
+        let (clock, threads, threshold) = (self.clock, self.threads, self.parallel_threshold);
         #[cfg(feature = "cuda")]
-        let copying = if job.writes.touches_device() {
-            start_device(
-                &mut self.engine,
-                &self.clock,
-                job.writes,
-                self.threads,
-                self.parallel_threshold,
-            )
-        } else {
-            self.copy_host(job.writes)
-        };
-        #[cfg(not(feature = "cuda"))]
-        let copying = self.copy_host(job.writes);
-        self.started.push_back(Started {
-            batch: job.batch,
-            sender: job.sender,
-            receiver: job.receiver,
-            bytes,
-            tickets: job.tickets,
-            fail: job.fail,
-            started,
-            copying,
+        let engine = &mut self.engine;
+        let started = Started::begin(job, &clock, |writes| {
+            #[cfg(feature = "cuda")]
+            if writes.touches_device() {
+                return start_device(engine, &clock, writes, threads, threshold);
+            }
+            copy_host(&clock, writes, threads, threshold)
         });
-    }
-
-    fn copy_host(&self, writes: ResolvedBatch) -> Copying {
-        copy_host(&self.clock, writes, self.threads, self.parallel_threshold)
+        self.started.push_back(started);
     }
 
     /// Reports every finished batch at the front of the queue, in issue order. `Err` when the
@@ -443,37 +442,20 @@ impl CopyWorker {
     pub(crate) fn submit(&mut self, job: Job) {
         if job.writes.bytes() <= INLINE_HOST_BYTES && !job.writes.touches_device() {
             // Small and host only: copied now, reported in issue order like any other batch.
-            let started = self.clock.now();
-            let bytes = job.writes.bytes();
-            let copying = copy_host(&self.clock, job.writes, 1, u64::MAX);
-            self.pending.push_back(Pending::Driver(Started {
-                batch: job.batch,
-                sender: job.sender,
-                receiver: job.receiver,
-                bytes,
-                tickets: job.tickets,
-                fail: job.fail,
-                started,
-                copying,
-            }));
+            let started = Started::begin(job, &self.clock, |writes| {
+                copy_host(&self.clock, writes, 1, u64::MAX)
+            });
+            self.pending.push_back(Pending::Driver(started));
             return;
         }
         #[cfg(feature = "cuda")]
         if job.writes.touches_device() && !job.writes.segments().iter().any(|s| s.is_host()) {
             // Device copies only: issue them now (they run asynchronously) and watch them here.
-            let started = self.clock.now();
-            let bytes = job.writes.bytes();
-            let copying = start_device(&mut self.engine, &self.clock, job.writes, 1, u64::MAX);
-            self.pending.push_back(Pending::Driver(Started {
-                batch: job.batch,
-                sender: job.sender,
-                receiver: job.receiver,
-                bytes,
-                tickets: job.tickets,
-                fail: job.fail,
-                started,
-                copying,
-            }));
+            let (clock, engine) = (self.clock, &mut self.engine);
+            let started = Started::begin(job, &clock, |writes| {
+                start_device(engine, &clock, writes, 1, u64::MAX)
+            });
+            self.pending.push_back(Pending::Driver(started));
             return;
         }
         #[cfg(feature = "cuda")]
