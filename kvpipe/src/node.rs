@@ -333,9 +333,7 @@ impl Node<Sender> {
         spec: ChunkSpec,
         source: &mut impl BlockSource,
     ) -> Result<Submitted, EmbedError> {
-        let query = self.command(|s, _| s.chunk_query(request, &spec))?;
-        let runs = query.ask(source)?;
-        self.command(|s, now| s.submit_chunk_runs(now, request, spec, runs))
+        kvpipe_driver::submit_chunk(&SenderCommands(self), request, spec, source)
     }
 
     /// Submits layers `layers` of a computed prefill chunk, as the engine finishes them (see
@@ -355,9 +353,7 @@ impl Node<Sender> {
         layers: LayerRange,
         source: &mut impl BlockSource,
     ) -> Result<Submitted, EmbedError> {
-        let query = self.command(|s, _| s.chunk_layers_query(request, &spec, layers))?;
-        let runs = query.ask(source)?;
-        self.command(|s, now| s.submit_chunk_layers_runs(now, request, spec, layers, runs))
+        kvpipe_driver::submit_chunk_layers(&SenderCommands(self), request, spec, layers, source)
     }
 
     /// The layers of this node's rank (every layer group's): a chunk submitted in layer ranges
@@ -392,6 +388,22 @@ impl Node<Sender> {
     /// Retires a request after its [`Event::Quiesced`] (see [`Sender::retire`]).
     pub fn retire(&self, request: RequestId) -> Result<(), EmbedError> {
         self.command(|s, now| s.retire(now, request))
+    }
+}
+
+/// A prefill node's commands, as the driver's submission in two steps takes them
+/// ([`kvpipe_driver::submit_chunk`]): every transport's, the in-process pair's too (kept out of
+/// the node's public API).
+struct SenderCommands<'a>(&'a Node<Sender>);
+
+impl kvpipe_driver::SenderLock for SenderCommands<'_> {
+    type Error = EmbedError;
+
+    fn with_sender<R>(
+        &self,
+        f: impl FnOnce(&mut Sender, Instant) -> Result<R, UsageError>,
+    ) -> Result<R, EmbedError> {
+        self.0.command(f)
     }
 }
 
