@@ -156,7 +156,13 @@ impl<E: Role> Node<E> {
 impl<E: Role> Node<E> {
     /// Connects to a peer listening at `addr` (TCP, or the verbs side channel) and returns the
     /// id this node gives it; the handshake goes on in the background ([`Event::PeerReady`] or
-    /// [`Event::PeerRejected`]).
+    /// [`Event::PeerRejected`]). One exception: a prefill node over TCP whose
+    /// [`TcpConfig::data_path`] is [`Auto`](crate::TcpDataPath::Auto) or
+    /// [`PeerCopy`](crate::TcpDataPath::PeerCopy) offers peer copies in its handshake, and
+    /// `connect` returns only once the decode side answered and the peer's data path is
+    /// decided, bounded by [`TcpConfig::preamble_timeout`]. A declined offer leaves the peer on
+    /// the sockets (`Auto`) or is the error, saying why (`PeerCopy`); no answer in time is an
+    /// error on both. An error closes the peer.
     pub fn connect(&self, addr: &str) -> Result<PeerId, EmbedError> {
         self.with(|inner| match inner {
             Inner::Tcp(node) => Ok(node.connect(addr)?),
