@@ -1,5 +1,5 @@
 //! The driver: one core endpoint behind one lock. Every input goes in through
-//! [`Driver::feed`]-and-[`Driver::drain`], under the lock, in one place: the observer sees it,
+//! [`Locked::feed`]-and-[`Driver::drain`], under the lock, in one place: the observer sees it,
 //! the endpoint applies it, and its outputs are carried out at once, in the order it produced
 //! them: frames and write batches go to the transport's [`Io`], events to the engine's queue,
 //! write reports straight back into the endpoint.

@@ -37,7 +37,7 @@ pub(crate) enum Inner<E: Role> {
 /// One core endpoint driven by a transport, usable from several threads at once (`&self`
 /// everywhere): a [`PrefillNode`] drives a core [`Sender`], a [`DecodeNode`] a core
 /// [`Receiver`]. Made by [`PrefillNode::new`] / [`DecodeNode::new`] on the transport the
-/// configuration names, or both at once in this process by [`mem_pair`](crate::mem_pair).
+/// configuration names, or both at once in this process by [`mem_pair`].
 ///
 /// Its methods, as the crate doc lays them out:
 ///
