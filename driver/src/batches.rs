@@ -12,8 +12,6 @@ const MAX_TIMINGS: usize = 1 << 16;
 
 struct Flight {
     peer: PeerId,
-    /// Part of the batch could not be handed to the transport: it fails once the rest is done.
-    failed: bool,
     bytes: u64,
     issued: Instant,
 }
@@ -27,18 +25,10 @@ pub struct Batches {
 }
 
 impl Batches {
-    /// `batch` of `bytes` went out to `peer` at `now`; `failed`: part of it was refused.
-    pub fn issue(
-        &mut self,
-        batch: WriteBatchId,
-        peer: PeerId,
-        failed: bool,
-        bytes: u64,
-        now: Instant,
-    ) {
+    /// `batch` of `bytes` went out to `peer` at `now`.
+    pub fn issue(&mut self, batch: WriteBatchId, peer: PeerId, bytes: u64, now: Instant) {
         let flight = Flight {
             peer,
-            failed,
             bytes,
             issued: now,
         };
@@ -54,7 +44,7 @@ impl Batches {
         now: Instant,
     ) -> Option<TransportInput> {
         let flight = self.flights.remove(&batch)?;
-        if flight.failed || !ok {
+        if !ok {
             return Some(TransportInput::WritesFailed {
                 batch,
                 status: TransferStatus::WriteFailed,
@@ -89,19 +79,20 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_partly_refused_batch_fails_and_a_forgotten_one_is_not_reported() {
+    fn a_failed_batch_fails_and_a_forgotten_one_is_not_reported() {
         let mut b = Batches::default();
         let t = Instant::from_nanos(5);
-        b.issue(WriteBatchId(1), PeerId(0), false, 10, t);
-        b.issue(WriteBatchId(2), PeerId(0), true, 10, t);
-        b.issue(WriteBatchId(3), PeerId(1), false, 10, t);
+        b.issue(WriteBatchId(1), PeerId(0), 10, t);
+        b.issue(WriteBatchId(2), PeerId(0), 10, t);
+        b.issue(WriteBatchId(3), PeerId(1), 10, t);
         assert_eq!(b.in_flight(), 3);
         assert!(matches!(
             b.finish(WriteBatchId(1), true, t),
             Some(TransportInput::WritesCompleted { .. })
         ));
+        // Not every byte placed: the batch fails, and its timing is not kept.
         assert!(matches!(
-            b.finish(WriteBatchId(2), true, t),
+            b.finish(WriteBatchId(2), false, t),
             Some(TransportInput::WritesFailed { .. })
         ));
         b.forget_peer(PeerId(1));

@@ -2,7 +2,10 @@
 //! applied under the node's lock with the node's now, and what it produced is carried out
 //! before it returns. A chunk's block queries run with the node unlocked, between two
 //! commands, so every connection's admissions and reports go on while the engine's block
-//! table answers; the sender checks the chunk again when the answers are applied.
+//! table answers; the sender checks the chunk again when the answers are applied. That
+//! sequence ([`submit_chunk`], [`submit_chunk_layers`]) serves any node that runs commands on a
+//! locked sender ([`SenderLock`]): a [`Driver`], and the engine API's in-process pair, which is
+//! none.
 
 use std::time::Duration as StdDuration;
 
@@ -48,6 +51,60 @@ impl<E: Endpoint + Send + 'static, T: Io> Driver<E, T> {
     }
 }
 
+/// A node whose core [`Sender`] runs one command at a time under the node's lock: what a
+/// chunk's submission in two steps needs ([`submit_chunk`], [`submit_chunk_layers`]).
+pub trait SenderLock {
+    /// What a command fails with: the core's usage error, or the node's own.
+    type Error: From<UsageError>;
+
+    /// Runs `f` on the sender under the node's lock with the node's now, and carries out what
+    /// it produced before returning.
+    fn with_sender<R>(
+        &self,
+        f: impl FnOnce(&mut Sender, Instant) -> Result<R, UsageError>,
+    ) -> Result<R, Self::Error>;
+}
+
+impl<T: Io> SenderLock for Driver<Sender, T> {
+    type Error = UsageError;
+
+    fn with_sender<R>(
+        &self,
+        f: impl FnOnce(&mut Sender, Instant) -> Result<R, UsageError>,
+    ) -> Result<R, UsageError> {
+        self.with(f)
+    }
+}
+
+/// Submits a computed chunk on `node` (see [`Sender::submit_chunk`]) in two commands: the
+/// chunk's block windows ([`Sender::chunk_query`]), then its block runs
+/// ([`Sender::submit_chunk_runs`]). `source` is asked in between, with the node unlocked, so
+/// the engine's block table never holds up the node (and may even call back into it).
+pub fn submit_chunk<N: SenderLock + ?Sized>(
+    node: &N,
+    request: RequestId,
+    spec: ChunkSpec,
+    source: &mut impl BlockSource,
+) -> Result<Submitted, N::Error> {
+    let query = node.with_sender(|ep, _| ep.chunk_query(request, &spec))?;
+    let runs = query.ask(source)?;
+    node.with_sender(|ep, now| ep.submit_chunk_runs(now, request, spec, runs))
+}
+
+/// Submits layers `layers` of a computed chunk on `node` (see [`Sender::submit_chunk_layers`])
+/// as [`submit_chunk`] does: only a chunk's first range asks `source`, with the node unlocked.
+pub fn submit_chunk_layers<N: SenderLock + ?Sized>(
+    node: &N,
+    request: RequestId,
+    spec: ChunkSpec,
+    layers: LayerRange,
+    source: &mut impl BlockSource,
+) -> Result<Submitted, N::Error> {
+    let query = node.with_sender(|ep, _| ep.chunk_layers_query(request, &spec, layers))?;
+    let runs = query.ask(source)?;
+    node.with_sender(|ep, now| ep.submit_chunk_layers_runs(now, request, spec, layers, runs))
+}
+
 /// # Prefill
 impl<T: Io> Driver<Sender, T> {
     /// Opens a request (see [`Sender::open_request`]).
@@ -63,9 +120,7 @@ impl<T: Io> Driver<Sender, T> {
         spec: ChunkSpec,
         source: &mut impl BlockSource,
     ) -> Result<Submitted, UsageError> {
-        let query = self.with(|ep, _| ep.chunk_query(request, &spec))?;
-        let runs = query.ask(source)?;
-        self.with(|ep, now| ep.submit_chunk_runs(now, request, spec, runs))
+        submit_chunk(self, request, spec, source)
     }
 
     /// Submits layers `layers` of a computed chunk, as the engine finishes them (see
@@ -78,9 +133,7 @@ impl<T: Io> Driver<Sender, T> {
         layers: LayerRange,
         source: &mut impl BlockSource,
     ) -> Result<Submitted, UsageError> {
-        let query = self.with(|ep, _| ep.chunk_layers_query(request, &spec, layers))?;
-        let runs = query.ask(source)?;
-        self.with(|ep, now| ep.submit_chunk_layers_runs(now, request, spec, layers, runs))
+        submit_chunk_layers(self, request, spec, layers, source)
     }
 
     /// Submits the request's aux data.

@@ -6,6 +6,8 @@
 //! - [`Driver`]: the lock, feeding inputs, carrying out outputs in order ([`Driver::drain`]),
 //!   the inbox for threads that must not wait ([`Driver::post`]), the timer thread, the
 //!   observer hook-up, and the engine's commands ([`Driver::submit_chunk`], ...);
+//! - [`submit_chunk`], [`submit_chunk_layers`]: a chunk's submission in two commands, the
+//!   engine's block table asked in between with the node unlocked, for any [`SenderLock`];
 //! - [`Io`]: what a transport plugs in: sending a frame, posting a write batch, closing a
 //!   peer, its own deadlines;
 //! - [`EventQueue`]: the engine's events, with their own lock;
@@ -25,6 +27,7 @@ mod node;
 
 pub use batches::Batches;
 pub use clock::{deadline_after, later, Clock, WallInstant};
+pub use commands::{submit_chunk, submit_chunk_layers, SenderLock};
 pub use events::EventQueue;
 pub use guard::EndpointGuard;
 pub use node::{Arrival, Driven, Driver, Io, Locked, Posted};

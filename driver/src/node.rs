@@ -1,5 +1,5 @@
 //! The driver: one core endpoint behind one lock. Every input goes in through
-//! [`Driver::feed`]-and-[`Driver::drain`], under the lock, in one place: the observer sees it,
+//! [`Locked::feed`]-and-[`Driver::drain`], under the lock, in one place: the observer sees it,
 //! the endpoint applies it, and its outputs are carried out at once, in the order it produced
 //! them: frames and write batches go to the transport's [`Io`], events to the engine's queue,
 //! write reports straight back into the endpoint.
@@ -74,12 +74,11 @@ pub trait Io: Send + 'static {
 /// What became of a write batch handed to [`Io::post_writes`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Posted {
-    /// In flight: the transport reports it with [`Arrival::BatchDone`]. `partly_refused`:
-    /// part of it could not be queued, so it fails once the rest is done; `done`: every part
-    /// queued was done already (the report is made now).
+    /// In flight, all of it: the transport reports it with [`Arrival::BatchDone`]. `done`:
+    /// every part was done already (the report is made now). A transport that can queue only
+    /// part of a batch refuses it whole ([`Refused`](Self::Refused)), or leaves it to the
+    /// peer's disconnect ([`NoPeer`](Self::NoPeer)).
     Queued {
-        /// Part of the batch was refused.
-        partly_refused: bool,
         /// Already done.
         done: bool,
     },
@@ -328,12 +327,8 @@ impl<E: Endpoint + Send + 'static, T: Io> Driver<E, T> {
         posted: Posted,
     ) -> Option<TransportInput> {
         match posted {
-            Posted::Queued {
-                partly_refused,
-                done,
-            } => {
-                st.batches
-                    .issue(batch, peer, partly_refused, plan.total_bytes(), now);
+            Posted::Queued { done } => {
+                st.batches.issue(batch, peer, plan.total_bytes(), now);
                 if done {
                     return st.batches.finish(batch, true, now);
                 }

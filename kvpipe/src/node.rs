@@ -37,7 +37,7 @@ pub(crate) enum Inner<E: Role> {
 /// One core endpoint driven by a transport, usable from several threads at once (`&self`
 /// everywhere): a [`PrefillNode`] drives a core [`Sender`], a [`DecodeNode`] a core
 /// [`Receiver`]. Made by [`PrefillNode::new`] / [`DecodeNode::new`] on the transport the
-/// configuration names, or both at once in this process by [`mem_pair`](crate::mem_pair).
+/// configuration names, or both at once in this process by [`mem_pair`].
 ///
 /// Its methods, as the crate doc lays them out:
 ///
@@ -156,7 +156,13 @@ impl<E: Role> Node<E> {
 impl<E: Role> Node<E> {
     /// Connects to a peer listening at `addr` (TCP, or the verbs side channel) and returns the
     /// id this node gives it; the handshake goes on in the background ([`Event::PeerReady`] or
-    /// [`Event::PeerRejected`]).
+    /// [`Event::PeerRejected`]). One exception: a prefill node over TCP whose
+    /// [`TcpConfig::data_path`] is [`Auto`](crate::TcpDataPath::Auto) or
+    /// [`PeerCopy`](crate::TcpDataPath::PeerCopy) offers peer copies in its handshake, and
+    /// `connect` returns only once the decode side answered and the peer's data path is
+    /// decided, bounded by [`TcpConfig::preamble_timeout`]. A declined offer leaves the peer on
+    /// the sockets (`Auto`) or is the error, saying why (`PeerCopy`); no answer in time is an
+    /// error on both. An error closes the peer.
     pub fn connect(&self, addr: &str) -> Result<PeerId, EmbedError> {
         self.with(|inner| match inner {
             Inner::Tcp(node) => Ok(node.connect(addr)?),
@@ -333,9 +339,7 @@ impl Node<Sender> {
         spec: ChunkSpec,
         source: &mut impl BlockSource,
     ) -> Result<Submitted, EmbedError> {
-        let query = self.command(|s, _| s.chunk_query(request, &spec))?;
-        let runs = query.ask(source)?;
-        self.command(|s, now| s.submit_chunk_runs(now, request, spec, runs))
+        kvpipe_driver::submit_chunk(&SenderCommands(self), request, spec, source)
     }
 
     /// Submits layers `layers` of a computed prefill chunk, as the engine finishes them (see
@@ -355,9 +359,7 @@ impl Node<Sender> {
         layers: LayerRange,
         source: &mut impl BlockSource,
     ) -> Result<Submitted, EmbedError> {
-        let query = self.command(|s, _| s.chunk_layers_query(request, &spec, layers))?;
-        let runs = query.ask(source)?;
-        self.command(|s, now| s.submit_chunk_layers_runs(now, request, spec, layers, runs))
+        kvpipe_driver::submit_chunk_layers(&SenderCommands(self), request, spec, layers, source)
     }
 
     /// The layers of this node's rank (every layer group's): a chunk submitted in layer ranges
@@ -392,6 +394,22 @@ impl Node<Sender> {
     /// Retires a request after its [`Event::Quiesced`] (see [`Sender::retire`]).
     pub fn retire(&self, request: RequestId) -> Result<(), EmbedError> {
         self.command(|s, now| s.retire(now, request))
+    }
+}
+
+/// A prefill node's commands, as the driver's submission in two steps takes them
+/// ([`kvpipe_driver::submit_chunk`]): every transport's, the in-process pair's too (kept out of
+/// the node's public API).
+struct SenderCommands<'a>(&'a Node<Sender>);
+
+impl kvpipe_driver::SenderLock for SenderCommands<'_> {
+    type Error = EmbedError;
+
+    fn with_sender<R>(
+        &self,
+        f: impl FnOnce(&mut Sender, Instant) -> Result<R, UsageError>,
+    ) -> Result<R, EmbedError> {
+        self.0.command(f)
     }
 }
 

@@ -84,10 +84,7 @@ impl Io for VerbsIo {
             return Posted::NoPeer;
         };
         match fabric.post_writes(link(peer), batch.0, plan.extents()) {
-            Ok(FabricPosted::Queued) => Posted::Queued {
-                partly_refused: false,
-                done: false,
-            },
+            Ok(FabricPosted::Queued) => Posted::Queued { done: false },
             Ok(FabricPosted::Done) => Posted::Empty,
             Err(WriteFailure::LinkDown(_)) => Posted::NoPeer,
             Err(_) => Posted::Refused,

@@ -75,8 +75,12 @@ impl<E: Endpoint + Send + 'static> TcpNode<E> {
 
     /// Connects to a peer at `addr`; the handshake runs in the background
     /// ([`Event::PeerReady`](kvpipe_core::Event::PeerReady) or
-    /// [`Event::PeerRejected`](kvpipe_core::Event::PeerRejected) follows). A node numbers its peers
-    /// from 0, in the order they connect or are accepted.
+    /// [`Event::PeerRejected`](kvpipe_core::Event::PeerRejected) follows), except that a sender
+    /// offering peer copies ([`TcpConfig::data_path`](crate::TcpConfig::data_path) `Auto` or
+    /// `PeerCopy`) returns only once the handshake decided the peer's data path, bounded by
+    /// [`TcpConfig::preamble_timeout`](crate::TcpConfig::preamble_timeout): on `PeerCopy` an
+    /// offer declined, or no answer in time, is the error (on `Auto` only the latter). A node
+    /// numbers its peers from 0, in the order they connect or are accepted.
     pub fn connect(&self, addr: impl ToSocketAddrs) -> io::Result<PeerId> {
         self.node.connect(addr)
     }

@@ -7,7 +7,7 @@
 //! source blocks of a request, nor touch destination blocks of a request, until the request's
 //! `Quiesced` event.
 //!
-//! With the `cuda` feature a region may be GPU memory ([`DeviceRegion`], registered with
+//! With the `cuda` feature a region may be GPU memory (`DeviceRegion`, registered with
 //! `RegionTable::insert_device`): the sender copies its source bytes into pinned host staging
 //! buffers before they go on the socket, the receiver reads payloads into pinned staging buffers
 //! and copies them up to the device, each pipelined with the socket (see the crate doc).

@@ -150,11 +150,13 @@ impl Sender {
     /// (default: the whole model on one rank); each layer group's heads must be those of
     /// ``tp_rank``, or ``ValueError`` says which. ``data_path``: how KV bytes reach the decode
     /// node's pools: ``"socket"`` (the default; GPU pools through pinned staging),
-    /// ``"peer_copy"`` (CUDA IPC: this process copies device to device straight into the
-    /// decode process's GPU pools, control frames still over TCP; both sides' pools on GPUs of
-    /// one host, a wheel built with the ``cuda`` feature, this side connecting; ``connect``
-    /// raises with the reason otherwise) or ``"auto"`` (peer copies where they work, else the
-    /// socket). ``layer_order``: the group index of each of the rank's layers in the order the
+    /// ``"peer_copy"`` (CUDA IPC: this node offers its exported GPU pools in its handshake and
+    /// the decode process copies device to device straight from them into its own, control
+    /// frames still over TCP; both sides' pools on GPUs of one host, a wheel built with the
+    /// ``cuda`` feature, this side connecting; ``connect`` raises with the reason otherwise) or
+    /// ``"auto"`` (peer copies where the decode node accepts them, else the socket); with
+    /// either, ``connect`` returns once the decode node answered the offer (within the
+    /// preamble deadline, else it raises). ``layer_order``: the group index of each of the rank's layers in the order the
     /// engine computes them, which the ``layers`` of :meth:`submit_chunk` index (default: the
     /// groups one after the other); a model whose groups interleave lists it.
     #[staticmethod]
@@ -415,9 +417,14 @@ impl Receiver {
     /// A decode node over TCP. ``pools`` maps region ids to writable memory the received KV
     /// lands in, in place (as in :meth:`Sender.tcp`; a read-only pool is refused); the rest as
     /// :meth:`Sender.tcp` (``connections`` applies when this side connects). ``data_path``
-    /// ``"peer_copy"`` or ``"auto"`` offers this node's GPU pools (CUDA IPC) to prefill nodes
-    /// that connect here asking for peer copies; with ``"peer_copy"``, ``listen`` raises when
-    /// a pool cannot be exported (host memory, no ``cuda`` feature).
+    /// ``"peer_copy"`` or ``"auto"`` takes peer copies (CUDA IPC) from prefill nodes that offer
+    /// them in their handshake when they connect here: accepted when this node's pools are GPU
+    /// memory that can open the offered ones (one host), each write then copied device to
+    /// device from the prefill pools into this node's, else declined with the reason (the
+    /// prefill node stays on the socket, unless either side asked for ``"peer_copy"``: the
+    /// prefill node's ``connect`` raises, or this node closes the connection); with
+    /// ``"peer_copy"``, ``listen`` raises when this node cannot take peer copies at all (host
+    /// memory pools, no ``cuda`` feature).
     #[staticmethod]
     #[pyo3(signature = (
         layout, pools, *, connections = 2, deadlines = None, instance = None, tp_size = 1,

@@ -80,7 +80,8 @@ impl Segment {
 
 /// The model-layer ranges where the sender's and the receiver's pools overlap, in layer order:
 /// a merge of the two pool lists, each pool placed at its rank's first layer (both lists tile
-/// their rank's layers, see [`check_pairable`]). Layers only one rank holds yield nothing.
+/// their rank's layers, see [`check_pairable`](super::check_pairable)). Layers only one rank
+/// holds yield nothing.
 pub(super) struct Segments<'a> {
     pub(super) src: &'a [PoolLayout],
     pub(super) dst: &'a [PoolLayout],

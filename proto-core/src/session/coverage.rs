@@ -41,7 +41,7 @@ impl GroupPart {
 
     /// The part of receiver rank `dst`'s group that sender rank `src` writes: the overlap of
     /// what both hold when the sender writes the group to that rank
-    /// ([`writes_group`](crate::shard::writes_group)), else empty. An engine that gives each
+    /// ([`writes_group`]), else empty. An engine that gives each
     /// writer its own receiving endpoint declares this part in that endpoint's registrations.
     pub fn written_by(
         src_topology: &Topology,

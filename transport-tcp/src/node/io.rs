@@ -52,11 +52,10 @@ impl Io for TcpIo {
         if pieces.is_empty() {
             return Posted::Empty;
         }
-        let count = pieces.len() as u64;
-        // One more than the pieces: the hold released below, once the pieces refused are known,
-        // so that no writer reports the batch before.
-        let tally = BatchTally::new(batch, count + 1);
-        let refused = link.queue_pieces(
+        // One more than the pieces: the hold released below, once the pieces are queued, so
+        // that no writer reports the batch before.
+        let tally = BatchTally::new(batch, pieces.len() as u64 + 1);
+        let queued = link.queue_pieces(
             pieces
                 .into_iter()
                 .map(|piece| TalliedPiece {
@@ -65,14 +64,13 @@ impl Io for TcpIo {
                 })
                 .collect(),
         );
-        if refused == count {
+        if !queued {
             // The link started closing meanwhile (a writer ended): as above.
             return Posted::NoPeer;
         }
         Posted::Queued {
-            partly_refused: refused > 0,
-            // Every queued piece was written out already.
-            done: tally.done(refused + 1),
+            // Every piece was written out already.
+            done: tally.done(1),
         }
     }
 

@@ -88,17 +88,16 @@ pub(crate) struct PeerLink {
 
 impl PeerLink {
     /// Queues a batch's `pieces` to the connections' writers: on the backlog, which each
-    /// writer takes from as its stream runs low (waking them). Returns how many pieces were
-    /// refused: all of them unless the link is open.
-    pub(crate) fn queue_pieces(&self, pieces: Vec<TalliedPiece>) -> u64 {
-        let count = pieces.len() as u64;
+    /// writer takes from as its stream runs low (waking them). Returns whether they were
+    /// queued: all of them, or none once the link is no longer open.
+    pub(crate) fn queue_pieces(&self, pieces: Vec<TalliedPiece>) -> bool {
         if !self.backlog.push(pieces) {
-            return count;
+            return false;
         }
         for c in &self.conns {
             c.queue.poke();
         }
-        0
+        true
     }
 
     /// Queues an encoded frame on the control connection (dropped unless open).

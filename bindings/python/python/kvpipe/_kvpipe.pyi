@@ -219,11 +219,13 @@ class Sender:
         range (sent in the handshake) is taken from the groups' ``first_layer``.
 
         ``data_path`` says how KV bytes reach the decode node's pools: ``"socket"`` (the
-        default; GPU pools go through pinned staging), ``"peer_copy"`` (CUDA IPC: this process
-        copies device to device straight into the decode process's GPU pools, control frames
-        still over TCP; needs GPU pools on both sides on one host, a wheel built with the
-        ``cuda`` feature, and this side connecting, else ``connect`` raises with the reason)
-        or ``"auto"`` (peer copies where they work, else the socket).
+        default; GPU pools go through pinned staging), ``"peer_copy"`` (CUDA IPC: this node
+        offers its exported GPU pools in its handshake and the decode process copies device to
+        device straight from them into its own, control frames still over TCP; needs GPU pools
+        on both sides on one host, a wheel built with the ``cuda`` feature, and this side
+        connecting, else ``connect`` raises with the reason) or ``"auto"`` (peer copies where
+        the decode node accepts them, else the socket). With either, ``connect`` returns once
+        the decode node answered the offer (within the preamble deadline, else it raises).
 
         ``layer_order`` lists the layer group of each of the rank's layers in the order the
         engine computes them (default: the groups one after the other), which the ``layers``
@@ -300,10 +302,15 @@ class Receiver:
         ``r*H/T .. (r+1)*H/T`` of ``H`` (one replicated head when ``H < T``). The rank's layer
         range (sent in the handshake) is taken from the groups' ``first_layer``.
 
-        ``data_path`` ``"peer_copy"`` or ``"auto"`` offers this node's GPU pools (CUDA IPC) to
-        prefill nodes that connect here asking for peer copies (see :meth:`Sender.tcp`); with
-        ``"peer_copy"`` a pool that cannot be exported (host memory, a wheel without the
-        ``cuda`` feature) makes ``listen`` raise."""
+        ``data_path`` ``"peer_copy"`` or ``"auto"`` takes peer copies (CUDA IPC) from prefill
+        nodes that offer them when they connect here (see :meth:`Sender.tcp`): their handshake
+        offers their exported GPU pools, and this node answers in its own, accepting when its
+        pools are GPU memory that can open them (one host) and then copying each write device
+        to device from the prefill pools into its own, or declining with the reason (the
+        prefill node then stays on the socket, unless either side asked for ``"peer_copy"``:
+        the prefill node's ``connect`` raises, or this node closes the connection).
+        With ``"peer_copy"``, ``listen`` raises when this node cannot take peer copies at all
+        (host memory pools, a wheel without the ``cuda`` feature)."""
     @property
     def transport(self) -> Literal["tcp", "mem"]: ...
     def listen(self, addr: str) -> int: ...
