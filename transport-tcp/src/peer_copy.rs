@@ -122,7 +122,6 @@ pub(crate) use crate::config::TcpDataPath;
 use crate::gpu::{self, IpcMappings};
 pub(crate) use crate::gpu::{OfferEntry, PlacedRegion, HANDLE_LEN};
 use crate::memory::{RegionTable, Registered};
-use crate::placement::Placement;
 
 /// Bytes of an offer's or an answer's head.
 const HEAD_LEN: usize = 8;
@@ -468,16 +467,16 @@ pub(crate) fn evaluate(
     accept(&Offer::decode(offer)?, regions)
 }
 
-/// Where a sender's link goes once the peer answered its `offer` (`answer`: the data-path
-/// section of the peer's `HelloAccept`; `None`: it carried none). `Err`: why there are no peer
-/// copies.
-pub(crate) fn placement_after(answer: Option<&[u8]>, offer: &Offer) -> Result<Placement, String> {
+/// Whether the peer pulls a sender's data writes once it answered its `offer` (`answer`: the
+/// data-path section of the peer's `HelloAccept`; `None`: it carried none): `Ok` makes the
+/// link the source of pulled copies; `Err` says why there are no peer copies.
+pub(crate) fn peer_pulls(answer: Option<&[u8]>, offer: &Offer) -> Result<(), String> {
     let answer = answer.map_or_else(
         || Answer::Declined("the peer's transport answered no peer-copy offer".into()),
         Answer::decode,
     );
     match (answer, offer) {
-        (Answer::Accepted, Offer::Regions(_)) => Ok(Placement::Source),
+        (Answer::Accepted, Offer::Regions(_)) => Ok(()),
         (Answer::Accepted, Offer::Declined(_)) => {
             Err("the peer accepted a declined peer-copy offer".into())
         }

@@ -125,10 +125,10 @@ impl Io for TcpIo {
             DataPathNegotiation::Answered { peer, answer } => {
                 let link = self.links.get_mut(peer)?;
                 let offer = link.offer.as_ref()?;
-                match peer_copy::placement_after(answer.as_deref(), offer) {
-                    Ok(placement) => {
+                match peer_copy::peer_pulls(answer.as_deref(), offer) {
+                    Ok(()) => {
                         bump(&self.stats.peer_copy_peers, 1);
-                        link.placement.decide(Decision::Placed(placement));
+                        link.placement.decide(Decision::Placed(Placement::Source));
                     }
                     // No fall back to the sockets: the connect fails with the reason.
                     Err(why) if self.config.data_path == TcpDataPath::PeerCopy => {

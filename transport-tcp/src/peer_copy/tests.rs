@@ -89,19 +89,13 @@ fn the_answer_places_the_senders_link() {
     let declined = Offer::Declined("host memory".into());
     let yes = Answer::Accepted.encode();
     let no = Answer::Declined("no GPU here".into()).encode();
-    assert!(matches!(
-        placement_after(Some(&yes), &offered),
-        Ok(Placement::Source)
-    ));
-    assert_eq!(
-        placement_after(Some(&no), &offered).unwrap_err(),
-        "no GPU here"
-    );
-    assert!(placement_after(Some(&yes), &declined).is_err());
-    assert!(placement_after(None, &offered)
+    assert_eq!(peer_pulls(Some(&yes), &offered), Ok(()));
+    assert_eq!(peer_pulls(Some(&no), &offered).unwrap_err(), "no GPU here");
+    assert!(peer_pulls(Some(&yes), &declined).is_err());
+    assert!(peer_pulls(None, &offered)
         .unwrap_err()
         .contains("answered no"));
-    assert!(placement_after(Some(b""), &offered).is_err());
+    assert!(peer_pulls(Some(b""), &offered).is_err());
 }
 
 #[test]
