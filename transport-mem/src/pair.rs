@@ -250,21 +250,8 @@ impl MemPair {
     pub fn drive_until(
         &mut self,
         limit: std::time::Duration,
-        mut done: impl FnMut(&mut Self) -> bool,
+        done: impl FnMut(&mut Self) -> bool,
     ) -> Result<(), DriveError> {
-        let start = std::time::Instant::now();
-        loop {
-            self.pump()?;
-            if done(self) {
-                return Ok(());
-            }
-            let elapsed = start.elapsed();
-            if elapsed >= limit {
-                return Err(DriveError::Stalled {
-                    waited_ms: elapsed.as_millis() as u64,
-                });
-            }
-            self.wait((limit - elapsed).min(std::time::Duration::from_millis(50)));
-        }
+        crate::network::drive(self, limit, Self::pump, Self::wait, done)
     }
 }

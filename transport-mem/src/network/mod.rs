@@ -29,6 +29,8 @@ use kvpipe_netem::{Direction, FrameQueue, Link, Netem, NetemConfig, NetemCounter
 mod links;
 mod run;
 
+pub(crate) use run::drive;
+
 /// One endpoint of a network: sender `i` or receiver `j`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Node {

@@ -105,22 +105,9 @@ impl MemNetwork {
     pub fn drive_until(
         &mut self,
         limit: std::time::Duration,
-        mut done: impl FnMut(&mut Self) -> bool,
+        done: impl FnMut(&mut Self) -> bool,
     ) -> Result<(), DriveError> {
-        let start = std::time::Instant::now();
-        loop {
-            self.pump()?;
-            if done(self) {
-                return Ok(());
-            }
-            let elapsed = start.elapsed();
-            if elapsed >= limit {
-                return Err(DriveError::Stalled {
-                    waited_ms: elapsed.as_millis() as u64,
-                });
-            }
-            self.wait((limit - elapsed).min(std::time::Duration::from_millis(50)));
-        }
+        drive(self, limit, Self::pump, Self::wait, done)
     }
 
     // ----- internals -----
@@ -433,5 +420,33 @@ impl MemNetwork {
             self.feed_receiver(r, now, TransportInput::WriteFinished { ticket, landed })?;
         }
         Ok(())
+    }
+}
+
+/// Pumps `it` and waits until `done(it)` holds, for at most `limit`: the `drive_until` of the
+/// network and of the pair.
+pub(crate) fn drive<T>(
+    it: &mut T,
+    limit: std::time::Duration,
+    pump: impl Fn(&mut T) -> Result<(), DriveError>,
+    wait: impl Fn(&mut T, std::time::Duration),
+    mut done: impl FnMut(&mut T) -> bool,
+) -> Result<(), DriveError> {
+    let start = std::time::Instant::now();
+    loop {
+        pump(it)?;
+        if done(it) {
+            return Ok(());
+        }
+        let elapsed = start.elapsed();
+        if elapsed >= limit {
+            return Err(DriveError::Stalled {
+                waited_ms: elapsed.as_millis() as u64,
+            });
+        }
+        wait(
+            it,
+            (limit - elapsed).min(std::time::Duration::from_millis(50)),
+        );
     }
 }
