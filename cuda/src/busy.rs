@@ -83,7 +83,8 @@ impl BusyKernel {
     }
 
     /// Enqueues the kernel for `busy` of GPU time, then the event [`is_done`](Self::is_done)
-    /// watches. Launches queue behind each other on the kernel's stream.
+    /// watches. Launches queue behind each other on the kernel's stream. Dropping the value
+    /// does not wait for them.
     pub fn launch(&mut self, busy: std::time::Duration) -> Result<(), CudaError> {
         self.device.bind()?;
         let mut ns: u64 = busy.as_nanos().try_into().unwrap_or(u64::MAX);
@@ -122,13 +123,18 @@ impl BusyKernel {
 impl Drop for BusyKernel {
     fn drop(&mut self) {
         if self.device.bind().is_ok() {
-            // SAFETY: each handle was made in `new` and is released once. The stream is
-            // synchronized first, so no launch is still running when the module goes.
+            // Dropping never waits for a launch (it may have been asked to run for hours):
+            // the stream and the event are released when their work is done, and the module
+            // is unloaded only when no launch runs any more (else it stays loaded, a few KiB).
+            let idle = self.is_done().unwrap_or(false);
+            // SAFETY: each handle was made in `new` and is released once; the module goes
+            // only when every launch on the stream has finished.
             unsafe {
-                let _ = result::stream::synchronize(self.stream);
                 let _ = result::event::destroy(self.done);
                 let _ = result::stream::destroy(self.stream);
-                self.kernel.unload();
+                if idle {
+                    self.kernel.unload();
+                }
             }
         }
     }

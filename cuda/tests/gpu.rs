@@ -558,6 +558,15 @@ fn the_busy_kernel_keeps_the_gpu_busy_for_the_time_asked(d: &Device) -> TestResu
         "{:?}",
         start.elapsed()
     );
+    // Dropping it while a launch runs does not wait for the launch.
+    busy.launch(Duration::from_secs(5))?;
+    let start = Instant::now();
+    drop(busy);
+    assert!(
+        start.elapsed() < Duration::from_secs(1),
+        "{:?}",
+        start.elapsed()
+    );
     Ok(())
 }
 
