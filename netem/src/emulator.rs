@@ -8,7 +8,7 @@ use crate::config::{BatchFault, LossModel, NetemConfig, ScriptedBatch};
 use crate::fate::{BatchFate, DeathNotice, Direction, FrameFate, Link, PeerDeath};
 use crate::rng::SeededRng;
 
-/// What a [`Netem`](crate::Netem) injected so far.
+/// What a [`Netem`] injected so far.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct NetemCounters {
     /// Frames handed to it.

@@ -1,11 +1,11 @@
 //! What the emulator hands back (the fate of a frame, of a write batch, a connection's death)
-//! and the per-connection state it keeps ([`Link`](crate::Link)).
+//! and the per-connection state it keeps ([`Link`]).
 
 use bytes::Bytes;
 use kvpipe_core::wire::TransferStatus;
 use kvpipe_core::{Duration, Instant};
 
-/// One direction of a [`Link`](crate::Link).
+/// One direction of a [`Link`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Direction {
     /// From the sender to the receiver.

@@ -11,7 +11,7 @@ use super::spec::{CacheSpec, GroupSpec};
 use super::ReferenceCache;
 
 /// One rank of a split model: its topology, the groups it holds (its layers and KV heads, for
-/// a [`CacheSpec`](super::CacheSpec)) and where they sit in the model (for
+/// a [`CacheSpec`]) and where they sit in the model (for
 /// [`ReferenceCache::with_shards`](super::ReferenceCache::with_shards)).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RankShape {

@@ -39,7 +39,7 @@ impl TransferMode {
 }
 
 /// The layer ranges of `per_slice` layers a chunk of a model with these groups is submitted
-/// in, in compute order (the sender's [`LayerOrder`](kvpipe_core::LayerOrder) indexes them):
+/// in, in compute order (the sender's [`LayerOrder`] indexes them):
 /// from layer 0 to the groups' layers summed, the last range possibly shorter; at least one.
 pub fn layer_slices(groups: &[GroupSpec], per_slice: u16) -> Vec<LayerRange> {
     let layers: u32 = groups

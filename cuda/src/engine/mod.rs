@@ -13,8 +13,8 @@
 //!    polls until a deadline. Nothing synchronizes a whole device or context.
 //! 4. Device → device copies of one length whose sources and destinations each advance by a
 //!    constant pitch (a head slice of every layer of a block, as tensor-parallel splits write)
-//!    go as one 2D copy ([`strided_runs`], `cuMemcpy2DAsync`) instead of one call each: the
-//!    driver calls, not the bytes, bound a batch of many small extents.
+//!    go as one 2D copy ([`strided_runs`](strided::strided_runs), `cuMemcpy2DAsync`) instead
+//!    of one call each: the driver calls, not the bytes, bound a batch of many small extents.
 //! 5. Events are reused: a dropped ticket hands its events back to the engine's pool, and the
 //!    next submission records them again, so a submission in steady state creates and destroys
 //!    none (each is a driver call of its own on the submit path).

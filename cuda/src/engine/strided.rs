@@ -37,11 +37,12 @@ impl StridedRun {
     }
 }
 
-/// Groups `copies` (as [`coalesce_in`] leaves them, with their `memories`) into runs, in
-/// order: consecutive device → device copies of one device, one length and the same memory on
-/// each side (a 2D copy's span, gaps included, must lie in one allocation) whose sources and
-/// destinations advance by constant pitches, each at least the length (rows never overlap)
-/// and at most [`MAX_PITCH`], form one run; every other copy is a run of one.
+/// Groups `copies` (as [`coalesce_in`](super::copies::coalesce_in) leaves them, with their
+/// `memories`) into runs, in order: consecutive device → device copies of one device, one
+/// length and the same memory on each side (a 2D copy's span, gaps included, must lie in one
+/// allocation) whose sources and destinations advance by constant pitches, each at least the
+/// length (rows never overlap) and at most [`MAX_PITCH`], form one run; every other copy is a
+/// run of one.
 pub(super) fn strided_runs(
     copies: &[CopyOp],
     memories: &[(Memory, Memory)],
