@@ -67,27 +67,7 @@ impl ReferenceCache {
         start: u32,
         end: u32,
     ) -> Result<(), CacheError> {
-        let req = self
-            .requests
-            .get(&request)
-            .ok_or(CacheError::UnknownRequest(request))?;
-        if start != req.computed || end < start {
-            return Err(CacheError::ChunkOutOfOrder {
-                start,
-                end,
-                computed: req.computed,
-            });
-        }
-        if end > req.prompt_len {
-            return Err(CacheError::TokensPastPrompt {
-                end,
-                prompt_len: req.prompt_len,
-            });
-        }
-        let blocks = end.div_ceil(self.tpb);
-        self.allocate_to(request, blocks, blocks, start)?;
-        self.compute(request, start, end, None, true)?;
-        self.flush_device()
+        self.compute_tokens(request, start, end, None, true)
     }
 
     /// Sender side, one range of a chunk's layers at a time, as an engine computes them:
@@ -102,6 +82,20 @@ impl ReferenceCache {
         start: u32,
         end: u32,
         layers: &[std::ops::Range<u16>],
+        last: bool,
+    ) -> Result<(), CacheError> {
+        self.compute_tokens(request, start, end, Some(layers), last)
+    }
+
+    /// [`compute_chunk`](Self::compute_chunk) and
+    /// [`compute_chunk_layers`](Self::compute_chunk_layers): checks the chunk's order and
+    /// length, allocates its blocks, writes `layers` of them (`None`: every layer).
+    fn compute_tokens(
+        &mut self,
+        request: RequestId,
+        start: u32,
+        end: u32,
+        layers: Option<&[std::ops::Range<u16>]>,
         last: bool,
     ) -> Result<(), CacheError> {
         let req = self
@@ -123,7 +117,7 @@ impl ReferenceCache {
         }
         let blocks = end.div_ceil(self.tpb);
         self.allocate_to(request, blocks, blocks, start)?;
-        self.compute(request, start, end, Some(layers), last)?;
+        self.compute(request, start, end, layers, last)?;
         self.flush_device()
     }
 
