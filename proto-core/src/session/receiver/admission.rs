@@ -159,11 +159,7 @@ impl Receiver {
         if landed {
             session.timings.first_byte.get_or_insert(now);
             session.timings.last_byte = Some(now);
-            // Progress: the result deadline moves on (see `note_progress`).
-            session.last_progress = Some(now);
-            let due = session.result_deadline(idle);
-            if session.result_armed.is_none_or(|armed| due < armed) {
-                session.result_armed = Some(due);
+            if let Some(due) = session.progressed(now, idle) {
                 self.shell.timers.arm(due, TimerKey::Request(request));
             }
             session

@@ -288,10 +288,7 @@ impl Receiver {
         let Some(session) = self.sessions.live.get_mut(&request) else {
             return;
         };
-        session.last_progress = Some(now);
-        let due = session.result_deadline(idle);
-        if session.result_armed.is_none_or(|armed| due < armed) {
-            session.result_armed = Some(due);
+        if let Some(due) = session.progressed(now, idle) {
             self.shell.timers.arm(due, TimerKey::Request(request));
         }
     }

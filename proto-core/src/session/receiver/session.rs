@@ -98,6 +98,22 @@ impl RecvSession {
             None => self.result_cap,
         }
     }
+
+    /// Progress was made at `now`: the result deadline moves on. Returns the deadline to arm
+    /// when it is earlier than the one armed (a later one is re-armed by the entry that fires).
+    pub(super) fn progressed(
+        &mut self,
+        now: Instant,
+        idle: crate::time::Duration,
+    ) -> Option<Instant> {
+        self.last_progress = Some(now);
+        let due = self.result_deadline(idle);
+        if self.result_armed.is_none_or(|armed| due < armed) {
+            self.result_armed = Some(due);
+            return Some(due);
+        }
+        None
+    }
 }
 
 /// What the receiver remembers of a retired request: late writes carrying its grant from one
