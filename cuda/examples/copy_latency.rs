@@ -6,7 +6,9 @@
 //! ("busy"), after 20 ms of an idle GPU with this thread asleep ("idle-sleep", as the demo's
 //! simulated compute leaves both) and after 20 ms of an idle GPU with this thread spinning
 //! ("idle-spin": the GPU's own wake-up alone), then through [`CopyEngine`] as the mem transport
-//! submits and polls it.
+//! submits and polls it, strided runs through kvpipe's row-copy kernel and as 2D copies (two
+//! engines, alternating), with one more shape: a chunk whose 16 blocks are not adjacent (rows
+//! of 4 MiB, 64 KiB apart).
 //!
 //! `cargo run --release -p kvpipe-cuda --example copy_latency [-- ROUNDS]`; prints one JSON
 //! line per case (medians and 90th percentiles in µs). Needs a GPU; without a driver it says so
@@ -147,7 +149,8 @@ fn main() {
         std::process::exit(1);
     }
     let device = Device::open(0).expect("device 0");
-    let span = 64 * MIB;
+    // The scattered chunk's 16 rows of 4 MiB, 64 KiB apart, need a little over 64 MiB.
+    let span = 65 * MIB;
     let src = DeviceBuffer::new(&device, span as usize).expect("source buffer");
     let mut dst = DeviceBuffer::new(&device, span as usize).expect("destination buffer");
     dst.fill(0).expect("fill");
@@ -236,13 +239,24 @@ fn main() {
         }
     }
 
-    // Through the copy engine, as the mem transport uses it: submit, then poll the ticket.
-    let mut engine = CopyEngine::new(2).expect("engine");
+    // Through the copy engine, as the mem transport uses it: submit, then poll the ticket;
+    // strided runs through the row-copy kernel and as 2D copies, alternating round by round.
+    let mut engines = [true, false].map(|kernel| {
+        let mut e = CopyEngine::new(2).expect("engine");
+        e.set_row_kernel(kernel);
+        e
+    });
     let mem = |b: &DeviceBuffer| Memory::Device {
         ordinal: 0,
         addr: b.ptr(),
     };
-    for shape in [shapes[0], shapes[1], shapes[3]] {
+    let scattered = Shape {
+        name: "chunk 16 x 4 MiB, pitch 4 MiB + 64 KiB",
+        rows: 16,
+        len: 4 * MIB,
+        pitch: 4 * MIB + 64 * 1024,
+    };
+    for shape in [shapes[0], shapes[1], scattered, shapes[3]] {
         for before in Before::ALL {
             let extents: Vec<CopyExtent> = (0..shape.rows)
                 .map(|k| CopyExtent {
@@ -253,26 +267,34 @@ fn main() {
                     len: shape.len,
                 })
                 .collect();
-            let mut host = Vec::new();
+            let (mut host, mut issue_us) = ([Vec::new(), Vec::new()], [Vec::new(), Vec::new()]);
             let mut copies = 0;
             for _ in 0..rounds {
-                before.pause();
-                let t0 = Instant::now();
-                // SAFETY: the extents lie in the two buffers, which outlive the ticket.
-                let ticket = unsafe { engine.submit(&extents) }.expect("submit");
-                while !ticket.is_complete().expect("query") {
-                    std::hint::spin_loop();
+                for (k, engine) in engines.iter_mut().enumerate() {
+                    before.pause();
+                    let t0 = Instant::now();
+                    // SAFETY: the extents lie in the two buffers, which outlive the ticket.
+                    let ticket = unsafe { engine.submit(&extents) }.expect("submit");
+                    let t1 = Instant::now();
+                    while !ticket.is_complete().expect("query") {
+                        std::hint::spin_loop();
+                    }
+                    host[k].push(t0.elapsed().as_nanos() as f64 / 1e3);
+                    issue_us[k].push((t1 - t0).as_nanos() as f64 / 1e3);
+                    copies = ticket.copies();
                 }
-                host.push(t0.elapsed().as_nanos() as f64 / 1e3);
-                copies = ticket.copies();
             }
-            println!(
-                "{{\"case\":\"engine: {}\",\"driver_copies\":{copies},\"gpu\":\"{}\",\"host_p50_us\":{:.1},\"host_p90_us\":{:.1}}}",
-                shape.name,
-                before.name(),
-                percentile(&mut host, 50.0),
-                percentile(&mut host, 90.0),
-            );
+            for (k, strided) in ["row kernel", "2d copy"].iter().enumerate() {
+                println!(
+                    "{{\"case\":\"engine: {}\",\"strided\":\"{strided}\",\"driver_copies\":{copies},\"gpu\":\"{}\",\"host_p50_us\":{:.1},\"host_p90_us\":{:.1},\"issue_p50_us\":{:.1},\"gbps_p50\":{:.0}}}",
+                    shape.name,
+                    before.name(),
+                    percentile(&mut host[k], 50.0),
+                    percentile(&mut host[k], 90.0),
+                    percentile(&mut issue_us[k], 50.0),
+                    (shape.rows * shape.len) as f64 / 1e3 / percentile(&mut host[k], 50.0),
+                );
+            }
         }
     }
 }

@@ -56,6 +56,7 @@ pub use device::{check_driver, device_count, driver_version, Device};
 pub use dmabuf::{dmabuf_window, export_dmabuf, host_page_size, Dmabuf};
 pub use engine::{
     coalesce, least_loaded, CopyEngine, CopyExtent, CopyOp, CopyTicket, Direction, Memory,
+    COPY_KERNEL_ENV,
 };
 pub use error::CudaError;
 pub use ipc::{export_ipc, IpcHandle, IpcMapping, IPC_DRIVER_HANDLE_LEN, IPC_HANDLE_LEN};

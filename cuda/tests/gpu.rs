@@ -169,34 +169,56 @@ fn host_device_copies_both_ways_from_pinned_and_pageable_memory(d: &Device) -> T
     Ok(())
 }
 
-/// A head slice of every layer plane (one 2D copy: sources adjacent, destinations a plane
-/// apart) lands exactly, and bytes between the rows stay as they were.
+/// A head slice of every layer plane (one strided run: sources adjacent, destinations a plane
+/// apart) lands exactly, and bytes between the rows stay as they were: through the row-copy
+/// kernel where the run is aligned to 16 bytes and within its grid, as a 2D copy otherwise,
+/// and as a 2D copy with the kernel turned off.
 fn strided_extents_go_as_one_copy_and_land_exactly(d: &Device) -> TestResult {
-    // Rows of 8 KiB, of 8200 bytes (not a multiple of 16) and of 1 MiB.
-    for (row, planes) in [(8192u64, 80u64), (8200, 80), (1 << 20, 64)] {
-        let heads = 4u64;
-        let data = pattern((row * planes) as usize, 17 + row);
-        let mut src = DeviceBuffer::new(d, data.len())?;
-        src.upload(0, &data)?;
-        let mut dst = DeviceBuffer::new(d, (row * planes * heads) as usize)?;
-        dst.fill(0x5A)?;
-        let head = 2;
-        let extents: Vec<_> = (0..planes)
-            .map(|p| extent(dev(&src), p * row, dev(&dst), (p * heads + head) * row, row))
-            .collect();
-        let mut engine = CopyEngine::new(2)?;
-        // SAFETY: both buffers outlive the wait below and nothing else touches them meanwhile.
-        let ticket = unsafe { engine.submit(&extents) }?;
-        assert_eq!(ticket.copies(), 1);
-        assert_eq!(ticket.bytes(), row * planes);
-        ticket.wait(deadline())?;
-        let out = download(&dst)?;
-        let mut expected = vec![0x5Au8; out.len()];
-        for e in &extents {
-            let (s, t, n) = (e.src_offset as usize, e.dst_offset as usize, e.len as usize);
-            expected[t..t + n].copy_from_slice(&data[s..s + n]);
+    // (row bytes, planes, destination shift): rows of 8 KiB, of 8200 bytes (not a multiple of
+    // 16), of 1 MiB, of 16 bytes, of 48 bytes in more rows than the kernel's grid holds, and
+    // of 8 KiB shifted by 8 bytes (aligned rows at unaligned addresses).
+    let shapes = [
+        (8192u64, 80u64, 0u64),
+        (8200, 80, 0),
+        (1 << 20, 64, 0),
+        (16, 5000, 0),
+        (48, 70_000, 0),
+        (8192, 80, 8),
+    ];
+    for kernel in [true, false] {
+        for (row, planes, shift) in shapes {
+            let heads = 4u64;
+            let data = pattern((row * planes) as usize, 17 + row);
+            let mut src = DeviceBuffer::new(d, data.len())?;
+            src.upload(0, &data)?;
+            let mut dst = DeviceBuffer::new(d, (row * planes * heads + shift) as usize)?;
+            dst.fill(0x5A)?;
+            let head = 2;
+            let extents: Vec<_> = (0..planes)
+                .map(|p| {
+                    let at = (p * heads + head) * row + shift;
+                    extent(dev(&src), p * row, dev(&dst), at, row)
+                })
+                .collect();
+            let mut engine = CopyEngine::new(2)?;
+            engine.set_row_kernel(kernel);
+            // SAFETY: both buffers outlive the wait below and nothing else touches them
+            // meanwhile.
+            let ticket = unsafe { engine.submit(&extents) }?;
+            assert_eq!(ticket.copies(), 1);
+            assert_eq!(ticket.bytes(), row * planes);
+            ticket.wait(deadline())?;
+            let out = download(&dst)?;
+            let mut expected = vec![0x5Au8; out.len()];
+            for e in &extents {
+                let (s, t, n) = (e.src_offset as usize, e.dst_offset as usize, e.len as usize);
+                expected[t..t + n].copy_from_slice(&data[s..s + n]);
+            }
+            assert!(
+                out == expected,
+                "rows of {row} bytes shifted by {shift}, kernel {kernel}"
+            );
         }
-        assert!(out == expected, "rows of {row} bytes");
     }
     Ok(())
 }

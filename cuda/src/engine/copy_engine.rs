@@ -8,6 +8,7 @@ use cudarc::driver::{result, sys};
 
 use super::copies::{coalesce_in, CopyExtent, CopyOp, Direction, Memory};
 use super::events::EventPool;
+use super::rows::RowCopier;
 use super::strided::{strided_runs, StridedRun};
 use super::ticket::CopyTicket;
 use crate::{check_driver, CudaError, Device};
@@ -30,6 +31,12 @@ pub fn least_loaded(queued: &[u64]) -> usize {
 struct DeviceStreams {
     device: Device,
     streams: Vec<sys::CUstream>,
+    /// The row-copy kernel for strided runs (`None`: turned off, or the driver could not load
+    /// it: strided runs then go as 2D copies).
+    rows: Option<RowCopier>,
+    /// Whether the kernel was ever launched here (the engine's drop then waits for the streams
+    /// before it unloads the kernel).
+    launched: bool,
 }
 
 /// Copies lists of extents between host and device memory and between devices, on its own
@@ -51,7 +58,14 @@ pub struct CopyEngine {
     used: Vec<bool>,
     /// Events of dropped tickets, ready to be recorded again.
     events: Arc<EventPool>,
+    /// Whether strided device → device runs may go through the row-copy kernel.
+    row_kernel: bool,
 }
+
+/// Set to `0` in the environment, a [`CopyEngine`] issues strided device → device runs as
+/// `cuMemcpy2DAsync` copies instead of through kvpipe's row-copy kernel (the copy engines then
+/// do all the work, and the SMs none). [`CopyEngine::set_row_kernel`] overrides it.
+pub const COPY_KERNEL_ENV: &str = "KVPIPE_CUDA_COPY_KERNEL";
 
 // SAFETY: the engine owns its streams; every driver call on them binds their device's context
 // first, and the driver API may be called from any thread. `&mut self` on every method that
@@ -73,6 +87,7 @@ impl CopyEngine {
             queued: Vec::new(),
             used: Vec::new(),
             events: Arc::default(),
+            row_kernel: std::env::var_os(COPY_KERNEL_ENV).is_none_or(|v| v != "0"),
         })
     }
 
@@ -100,8 +115,24 @@ impl CopyEngine {
                 }
             }
         }
-        self.devices.push(DeviceStreams { device, streams });
+        // Without the kernel (turned off, or a driver that cannot load it) strided runs go as
+        // 2D copies.
+        let rows = self.row_kernel.then(|| RowCopier::load().ok()).flatten();
+        self.devices.push(DeviceStreams {
+            device,
+            streams,
+            rows,
+            launched: false,
+        });
         Ok(self.devices.len() - 1)
+    }
+
+    /// Whether strided device → device runs (more than one row of one length, at constant
+    /// pitches, all aligned to 16 bytes) go through kvpipe's row-copy kernel (`true`, the
+    /// default unless [`COPY_KERNEL_ENV`] is `0`) or as `cuMemcpy2DAsync` copies. Applies to
+    /// devices opened after the call.
+    pub fn set_row_kernel(&mut self, on: bool) {
+        self.row_kernel = on;
     }
 
     /// Enables `executor`'s access to `peer`'s memory once, where the hardware allows it.
@@ -230,6 +261,9 @@ impl CopyEngine {
                 // SAFETY: forwarded; the caller vouches for the addresses.
                 unsafe { self.copy_on(d, s, &c.first) }?;
             // SAFETY: as above, for every row of the run.
+            } else if unsafe { self.rows_on(d, s, c) } {
+                // The kernel took it.
+                // SAFETY: as above, for every row of the run.
             } else if unsafe { self.copy_2d_on(d, s, c) }.is_err() {
                 // The driver refused the 2D copy (it checks the arguments when the copy is
                 // issued, and then enqueues nothing): the rows one by one.
@@ -258,6 +292,24 @@ impl CopyEngine {
             }
         }
         Ok(())
+    }
+
+    /// Launches the row-copy kernel for `run` on stream `s` of device slot `d` (its context is
+    /// current) where it is loaded and fits the run; `false`: not launched (nothing enqueued).
+    ///
+    /// # Safety
+    ///
+    /// As for [`submit`](Self::submit).
+    unsafe fn rows_on(&mut self, d: usize, s: usize, run: &StridedRun) -> bool {
+        let dev = &mut self.devices[d];
+        let Some(rows) = dev.rows.as_ref().filter(|_| RowCopier::fits(run)) else {
+            return false;
+        };
+        // SAFETY: it fits, and the caller vouches for every row's addresses; the rows do not
+        // overlap (every pitch is at least the length, as `strided_runs` formed the run).
+        let launched = unsafe { rows.launch(run, dev.streams[s]) }.is_ok();
+        dev.launched |= launched;
+        launched
     }
 
     /// Issues a strided run of device → device copies as one 2D copy on stream `s` of device
@@ -348,6 +400,18 @@ impl Drop for CopyEngine {
         // the work is done. Tickets hold their own events, so they stay valid.
         for d in &self.devices {
             if d.device.bind().is_ok() {
+                if let Some(rows) = &d.rows {
+                    if d.launched {
+                        // The kernel's module goes with the engine: its launches must be over
+                        // first (copies take microseconds).
+                        for &s in &d.streams {
+                            // SAFETY: a live stream of this engine.
+                            let _ = unsafe { result::stream::synchronize(s) };
+                        }
+                    }
+                    // SAFETY: nothing of it is queued or running any more.
+                    unsafe { rows.unload() };
+                }
                 for &s in &d.streams {
                     // SAFETY: created by this engine, destroyed once.
                     let _ = unsafe { result::stream::destroy(s) };
