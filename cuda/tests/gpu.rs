@@ -62,6 +62,16 @@ fn extent(src: Memory, so: u64, dst: Memory, d: u64, len: u64) -> CopyExtent {
     }
 }
 
+/// A destination of `len` bytes of `fill` after `extents` copied from `data` into it.
+fn expected_after(extents: &[CopyExtent], data: &[u8], fill: u8, len: usize) -> Vec<u8> {
+    let mut expected = vec![fill; len];
+    for e in extents {
+        let (s, t, n) = (e.src_offset as usize, e.dst_offset as usize, e.len as usize);
+        expected[t..t + n].copy_from_slice(&data[s..s + n]);
+    }
+    expected
+}
+
 fn deadline() -> Instant {
     Instant::now() + Duration::from_secs(30)
 }
@@ -116,13 +126,8 @@ fn device_to_device_extents_are_merged_and_copied_exactly(d: &Device) -> TestRes
     ticket.wait(deadline())?;
     assert!(ticket.is_complete()?);
     let out = download(&dst)?;
-    let mut expected = vec![0xEEu8; out.len()];
-    for e in &extents {
-        let (s, t, n) = (e.src_offset as usize, e.dst_offset as usize, e.len as usize);
-        expected[t..t + n].copy_from_slice(&data[s..s + n]);
-    }
     assert!(
-        out == expected,
+        out == expected_after(&extents, &data, 0xEE, out.len()),
         "destination differs from the expected bytes"
     );
     Ok(())
@@ -209,13 +214,8 @@ fn strided_extents_go_as_one_copy_and_land_exactly(d: &Device) -> TestResult {
             assert_eq!(ticket.bytes(), row * planes);
             ticket.wait(deadline())?;
             let out = download(&dst)?;
-            let mut expected = vec![0x5Au8; out.len()];
-            for e in &extents {
-                let (s, t, n) = (e.src_offset as usize, e.dst_offset as usize, e.len as usize);
-                expected[t..t + n].copy_from_slice(&data[s..s + n]);
-            }
             assert!(
-                out == expected,
+                out == expected_after(&extents, &data, 0x5A, out.len()),
                 "rows of {row} bytes shifted by {shift}, kernel {kernel}"
             );
         }
