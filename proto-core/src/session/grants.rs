@@ -3,12 +3,13 @@
 //! ([`WritesInFlight`]), so the receiver can answer every incoming write from its own
 //! registrations and never hand memory back while a write may still land in it.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{btree_map, BTreeMap, HashMap};
 use std::hash::{BuildHasherDefault, Hasher};
 
 use crate::blocks::AnchoredRun;
 use crate::ids::{PeerId, RegionId, RequestId};
 use crate::layout::LayerGroupLayout;
+use smallvec::SmallVec;
 
 use super::transport::WriteTicket;
 
@@ -88,12 +89,79 @@ pub(crate) struct Flight {
     pub(crate) len: u64,
 }
 
+/// Ordered maps keyed by offset, one per destination region. A receiver writes into a few
+/// regions (its pools), so the region is found by a binary search of a short sorted list and
+/// every search of the map itself compares plain offsets.
+#[derive(Clone, Debug)]
+struct ByRegion<V> {
+    /// Sorted by region.
+    regions: SmallVec<[(RegionId, BTreeMap<u64, V>); 4]>,
+}
+
+impl<V> Default for ByRegion<V> {
+    fn default() -> Self {
+        ByRegion {
+            regions: SmallVec::new(),
+        }
+    }
+}
+
+impl<V> ByRegion<V> {
+    fn get(&self, region: RegionId) -> Option<&BTreeMap<u64, V>> {
+        let i = self.regions.binary_search_by_key(&region, |e| e.0).ok()?;
+        Some(&self.regions[i].1)
+    }
+
+    fn get_mut(&mut self, region: RegionId) -> Option<&mut BTreeMap<u64, V>> {
+        let i = self.regions.binary_search_by_key(&region, |e| e.0).ok()?;
+        Some(&mut self.regions[i].1)
+    }
+
+    /// The map of `region`, created empty when there is none. (Regions come from granted
+    /// extents, so there are never more than the local pools.)
+    fn get_or_default(&mut self, region: RegionId) -> &mut BTreeMap<u64, V> {
+        let i = match self.regions.binary_search_by_key(&region, |e| e.0) {
+            Ok(i) => i,
+            Err(i) => {
+                self.regions.insert(i, (region, BTreeMap::new()));
+                i
+            }
+        };
+        &mut self.regions[i].1
+    }
+
+    /// Whether the last extent starting before `end` reaches past `offset` (`end_of` gives an
+    /// entry's end): for disjoint extents, whether `[offset, end)` overlaps one.
+    fn overlaps(
+        &self,
+        region: RegionId,
+        offset: u64,
+        end: u64,
+        end_of: impl Fn(&V) -> u64,
+    ) -> bool {
+        self.get(region).is_some_and(|m| {
+            m.range(..end)
+                .next_back()
+                .is_some_and(|(_, v)| end_of(v) > offset)
+        })
+    }
+
+    /// Every entry in order: `(region, start, value)` (for tests).
+    #[cfg(test)]
+    fn iter(&self) -> impl Iterator<Item = (RegionId, u64, &V)> {
+        self.regions
+            .iter()
+            .flat_map(|(r, m)| m.iter().map(move |(&s, v)| (*r, s, v)))
+    }
+}
+
 /// The admitted writes not reported finished yet. No two overlap, so a transport may hold one
 /// `&mut [u8]` per write.
 #[derive(Clone, Debug, Default)]
 pub(crate) struct WritesInFlight {
-    /// Destination start → (destination end, ticket).
-    by_dest: BTreeMap<(RegionId, u64), (u64, WriteTicket)>,
+    /// Destination start → (destination end, ticket), per region; writes of length 0 hold no
+    /// byte and are not in it.
+    by_dest: ByRegion<(u64, WriteTicket)>,
     /// Ticket → write: looked up once per write finished, in no order, so hashed.
     by_ticket: HashMap<WriteTicket, Flight, BuildHasherDefault<TicketHasher>>,
     next: u64,
@@ -125,20 +193,18 @@ impl WritesInFlight {
     pub(crate) fn overlaps(&self, region: RegionId, offset: u64, end: u64) -> bool {
         // Writes in flight are disjoint: only the last one starting before `end` can reach
         // past `offset`.
-        self.by_dest
-            .range((region, 0)..(region, end))
-            .next_back()
-            .is_some_and(|(_, &(e, _))| e > offset)
+        self.by_dest.overlaps(region, offset, end, |&(e, _)| e)
     }
 
     /// Records an admitted write and returns its ticket. The caller checked for overlaps.
     pub(crate) fn admit(&mut self, flight: Flight) -> WriteTicket {
         let ticket = WriteTicket(self.next);
         self.next += 1;
-        self.by_dest.insert(
-            (flight.region, flight.offset),
-            (flight.offset + flight.len, ticket),
-        );
+        if flight.len > 0 {
+            self.by_dest
+                .get_or_default(flight.region)
+                .insert(flight.offset, (flight.offset + flight.len, ticket));
+        }
         self.by_ticket.insert(ticket, flight);
         ticket
     }
@@ -146,7 +212,13 @@ impl WritesInFlight {
     /// Forgets a finished write.
     pub(crate) fn finish(&mut self, ticket: WriteTicket) -> Option<Flight> {
         let flight = self.by_ticket.remove(&ticket)?;
-        self.by_dest.remove(&(flight.region, flight.offset));
+        if let Some(m) = self.by_dest.get_mut(flight.region) {
+            if let btree_map::Entry::Occupied(e) = m.entry(flight.offset) {
+                if e.get().1 == ticket {
+                    e.remove();
+                }
+            }
+        }
         Some(flight)
     }
 
@@ -180,43 +252,54 @@ impl WritesInFlight {
 /// adds up).
 #[derive(Clone, Debug, Default)]
 pub(crate) struct LandedExtents {
-    /// Start → end, disjoint and not touching (touching extents are merged).
-    by_start: BTreeMap<(RegionId, u64), u64>,
+    /// Start → end per region, disjoint and not touching (touching extents are merged).
+    by_start: ByRegion<u64>,
 }
 
 impl LandedExtents {
     /// Whether `[offset, end)` of `region` overlaps bytes that landed.
     pub(crate) fn overlaps(&self, region: RegionId, offset: u64, end: u64) -> bool {
-        self.by_start
-            .range((region, 0)..(region, end))
-            .next_back()
-            .is_some_and(|(_, &e)| e > offset)
+        self.by_start.overlaps(region, offset, end, |&e| e)
     }
 
     /// Records `[offset, end)` of `region` as landed (the caller checked it overlaps nothing),
     /// merged with the extents it touches.
     pub(crate) fn insert(&mut self, region: RegionId, offset: u64, end: u64) {
-        // The extent that begins where this one ends is absorbed.
-        let stop = self.by_start.remove(&(region, end)).unwrap_or(end);
-        // Extending the extent that ends where this one begins in place (the usual case: a
-        // block's layer ranges land in order) costs one search, not a removal and an insertion.
-        if let Some((_, e)) = self
-            .by_start
-            .range_mut((region, 0)..(region, offset))
-            .next_back()
-        {
-            if *e == offset {
+        let map = self.by_start.get_or_default(region);
+        // One search finds both neighbours: the extent that begins where this one ends (it is
+        // absorbed) and the one before it (extended in place when it ends where this one
+        // begins, the usual case: a block's layer ranges land in order).
+        let mut near = map.range_mut(..=end);
+        let mut last = near.next_back();
+        let next_end = match &last {
+            Some((&s, e)) if s == end => {
+                let next_end = **e;
+                last = near.next_back();
+                Some(next_end)
+            }
+            _ => None,
+        };
+        let stop = next_end.unwrap_or(end);
+        match last {
+            Some((_, e)) if *e == offset => {
                 *e = stop;
-                return;
+                if next_end.is_some() {
+                    map.remove(&end);
+                }
+            }
+            _ => {
+                if next_end.is_some() {
+                    map.remove(&end);
+                }
+                map.insert(offset, stop);
             }
         }
-        self.by_start.insert((region, offset), stop);
     }
 
     /// Merged extents held (for tests).
     #[cfg(test)]
     pub(crate) fn len(&self) -> usize {
-        self.by_start.len()
+        self.by_start.iter().count()
     }
 }
 
@@ -304,6 +387,13 @@ mod tests {
         assert!(w.issued(a) && w.issued(b) && !w.issued(WriteTicket(9)));
         assert_eq!(w.remove_peer(PeerId(1)).len(), 1);
         assert_eq!(w.len(), 0);
+        // A write of length 0 where another one starts holds no byte: finishing it leaves the
+        // other one's bytes held.
+        let c = w.admit(f(1, 500, 10));
+        let empty = w.admit(f(1, 500, 0));
+        assert!(w.finish(empty).is_some());
+        assert!(w.overlaps(RegionId(1), 505, 506));
+        assert!(w.finish(c).is_some() && !w.overlaps(RegionId(1), 505, 506));
     }
 
     #[test]
@@ -357,7 +447,7 @@ mod tests {
                 }
             }
             let merged: Vec<(RegionId, u64, u64)> =
-                l.by_start.iter().map(|(&(r, a), &b)| (r, a, b)).collect();
+                l.by_start.iter().map(|(r, a, &b)| (r, a, b)).collect();
             proptest::prop_assert_eq!(&merged, &naive);
             // The same extents as writes in flight: each byte overlaps exactly when one holds it.
             let mut w = WritesInFlight::default();
