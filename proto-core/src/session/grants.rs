@@ -89,13 +89,152 @@ pub(crate) struct Flight {
     pub(crate) len: u64,
 }
 
-/// Ordered maps keyed by offset, one per destination region. A receiver writes into a few
-/// regions (its pools), so the region is found by a binary search of a short sorted list and
-/// every search of the map itself compares plain offsets.
+/// Most extents an [`Extents`] keeps in a sorted vector before it moves them into a B-tree:
+/// below it an insertion moves at most this many entries, cheaper than a B-tree's search,
+/// node split and allocation; above it the B-tree's logarithmic cost is kept. (Small in tests,
+/// so the property test crosses it both ways.)
+const SORTED_VEC_MAX: usize = if cfg!(test) { 4 } else { 64 };
+
+/// Disjoint extents of one region keyed by their start, each with a value (that holds its
+/// end): a sorted vector while there are few, a B-tree beyond [`SORTED_VEC_MAX`].
+#[derive(Clone, Debug)]
+enum Extents<V> {
+    Few(Vec<(u64, V)>),
+    Many(BTreeMap<u64, V>),
+}
+
+impl<V: Copy> Extents<V> {
+    /// The last extent starting before `bound`.
+    fn before(&self, bound: u64) -> Option<(u64, &V)> {
+        match self {
+            Extents::Few(v) => {
+                let i = v.partition_point(|e| e.0 < bound);
+                i.checked_sub(1).map(|i| (v[i].0, &v[i].1))
+            }
+            Extents::Many(m) => m.range(..bound).next_back().map(|(&s, v)| (s, v)),
+        }
+    }
+
+    /// Adds (or replaces) the extent starting at `start`.
+    fn insert(&mut self, start: u64, value: V) {
+        match self {
+            Extents::Few(v) => {
+                match v.binary_search_by_key(&start, |e| e.0) {
+                    Ok(i) => v[i].1 = value,
+                    Err(i) => v.insert(i, (start, value)),
+                }
+                if v.len() > SORTED_VEC_MAX {
+                    *self = Extents::Many(v.drain(..).collect());
+                }
+            }
+            Extents::Many(m) => {
+                m.insert(start, value);
+            }
+        }
+    }
+
+    /// Removes the extent starting at `start` when `mine` says it is the one meant.
+    fn remove_if(&mut self, start: u64, mine: impl FnOnce(&V) -> bool) {
+        match self {
+            Extents::Few(v) => {
+                if let Ok(i) = v.binary_search_by_key(&start, |e| e.0) {
+                    if mine(&v[i].1) {
+                        v.remove(i);
+                    }
+                }
+            }
+            Extents::Many(m) => {
+                if let btree_map::Entry::Occupied(e) = m.entry(start) {
+                    if mine(e.get()) {
+                        e.remove();
+                    }
+                }
+                if m.is_empty() {
+                    // Back to the vector once the burst is over.
+                    *self = Extents::Few(Vec::new());
+                }
+            }
+        }
+    }
+
+    /// Every extent in order (for tests).
+    #[cfg(test)]
+    fn iter(&self) -> Box<dyn Iterator<Item = (u64, &V)> + '_> {
+        match self {
+            Extents::Few(v) => Box::new(v.iter().map(|(s, v)| (*s, v))),
+            Extents::Many(m) => Box::new(m.iter().map(|(&s, v)| (s, v))),
+        }
+    }
+}
+
+impl Extents<u64> {
+    /// Records `[offset, end)` (it overlaps no extent), merged with the extents it touches:
+    /// the one that begins where it ends is absorbed, the one that ends where it begins is
+    /// extended in place (the usual case: a block's layer ranges land in order).
+    fn land(&mut self, offset: u64, end: u64) {
+        match self {
+            Extents::Few(v) => {
+                // Before `at`: the extents starting before `offset`; at `next`: the one
+                // starting at `end`, if any (none starts in between: no overlap).
+                let at = v.partition_point(|e| e.0 < offset);
+                let next = v.partition_point(|e| e.0 < end);
+                let absorbed = v.get(next).filter(|e| e.0 == end).map(|e| e.1);
+                let stop = absorbed.unwrap_or(end);
+                match at.checked_sub(1) {
+                    Some(prev) if v[prev].1 == offset => {
+                        v[prev].1 = stop;
+                        if absorbed.is_some() {
+                            v.remove(next);
+                        }
+                    }
+                    _ if absorbed.is_some() && next == at => v[next] = (offset, stop),
+                    _ => {
+                        if absorbed.is_some() {
+                            v.remove(next);
+                        }
+                        self.insert(offset, stop);
+                    }
+                }
+            }
+            Extents::Many(map) => {
+                // One search finds both neighbours.
+                let mut near = map.range_mut(..=end);
+                let mut last = near.next_back();
+                let absorbed = match &last {
+                    Some((&s, e)) if s == end => {
+                        let absorbed = **e;
+                        last = near.next_back();
+                        Some(absorbed)
+                    }
+                    _ => None,
+                };
+                let stop = absorbed.unwrap_or(end);
+                match last {
+                    Some((_, e)) if *e == offset => {
+                        *e = stop;
+                        if absorbed.is_some() {
+                            map.remove(&end);
+                        }
+                    }
+                    _ => {
+                        if absorbed.is_some() {
+                            map.remove(&end);
+                        }
+                        map.insert(offset, stop);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// [`Extents`] per destination region. A receiver writes into a few regions (its pools), so
+/// the region is found by a binary search of a short sorted list and every search of the
+/// extents compares plain offsets.
 #[derive(Clone, Debug)]
 struct ByRegion<V> {
     /// Sorted by region.
-    regions: SmallVec<[(RegionId, BTreeMap<u64, V>); 4]>,
+    regions: SmallVec<[(RegionId, Extents<V>); 4]>,
 }
 
 impl<V> Default for ByRegion<V> {
@@ -106,24 +245,24 @@ impl<V> Default for ByRegion<V> {
     }
 }
 
-impl<V> ByRegion<V> {
-    fn get(&self, region: RegionId) -> Option<&BTreeMap<u64, V>> {
+impl<V: Copy> ByRegion<V> {
+    fn get(&self, region: RegionId) -> Option<&Extents<V>> {
         let i = self.regions.binary_search_by_key(&region, |e| e.0).ok()?;
         Some(&self.regions[i].1)
     }
 
-    fn get_mut(&mut self, region: RegionId) -> Option<&mut BTreeMap<u64, V>> {
+    fn get_mut(&mut self, region: RegionId) -> Option<&mut Extents<V>> {
         let i = self.regions.binary_search_by_key(&region, |e| e.0).ok()?;
         Some(&mut self.regions[i].1)
     }
 
-    /// The map of `region`, created empty when there is none. (Regions come from granted
-    /// extents, so there are never more than the local pools.)
-    fn get_or_default(&mut self, region: RegionId) -> &mut BTreeMap<u64, V> {
+    /// The extents of `region`, created empty when there are none. (Regions come from
+    /// granted extents, so there are never more than the local pools.)
+    fn get_or_default(&mut self, region: RegionId) -> &mut Extents<V> {
         let i = match self.regions.binary_search_by_key(&region, |e| e.0) {
             Ok(i) => i,
             Err(i) => {
-                self.regions.insert(i, (region, BTreeMap::new()));
+                self.regions.insert(i, (region, Extents::Few(Vec::new())));
                 i
             }
         };
@@ -139,11 +278,9 @@ impl<V> ByRegion<V> {
         end: u64,
         end_of: impl Fn(&V) -> u64,
     ) -> bool {
-        self.get(region).is_some_and(|m| {
-            m.range(..end)
-                .next_back()
-                .is_some_and(|(_, v)| end_of(v) > offset)
-        })
+        self.get(region)
+            .and_then(|x| x.before(end))
+            .is_some_and(|(_, v)| end_of(v) > offset)
     }
 
     /// Every entry in order: `(region, start, value)` (for tests).
@@ -151,7 +288,7 @@ impl<V> ByRegion<V> {
     fn iter(&self) -> impl Iterator<Item = (RegionId, u64, &V)> {
         self.regions
             .iter()
-            .flat_map(|(r, m)| m.iter().map(move |(&s, v)| (*r, s, v)))
+            .flat_map(|(r, x)| x.iter().map(move |(s, v)| (*r, s, v)))
     }
 }
 
@@ -212,12 +349,8 @@ impl WritesInFlight {
     /// Forgets a finished write.
     pub(crate) fn finish(&mut self, ticket: WriteTicket) -> Option<Flight> {
         let flight = self.by_ticket.remove(&ticket)?;
-        if let Some(m) = self.by_dest.get_mut(flight.region) {
-            if let btree_map::Entry::Occupied(e) = m.entry(flight.offset) {
-                if e.get().1 == ticket {
-                    e.remove();
-                }
-            }
+        if let Some(x) = self.by_dest.get_mut(flight.region) {
+            x.remove_if(flight.offset, |&(_, t)| t == ticket);
         }
         Some(flight)
     }
@@ -265,35 +398,7 @@ impl LandedExtents {
     /// Records `[offset, end)` of `region` as landed (the caller checked it overlaps nothing),
     /// merged with the extents it touches.
     pub(crate) fn insert(&mut self, region: RegionId, offset: u64, end: u64) {
-        let map = self.by_start.get_or_default(region);
-        // One search finds both neighbours: the extent that begins where this one ends (it is
-        // absorbed) and the one before it (extended in place when it ends where this one
-        // begins, the usual case: a block's layer ranges land in order).
-        let mut near = map.range_mut(..=end);
-        let mut last = near.next_back();
-        let next_end = match &last {
-            Some((&s, e)) if s == end => {
-                let next_end = **e;
-                last = near.next_back();
-                Some(next_end)
-            }
-            _ => None,
-        };
-        let stop = next_end.unwrap_or(end);
-        match last {
-            Some((_, e)) if *e == offset => {
-                *e = stop;
-                if next_end.is_some() {
-                    map.remove(&end);
-                }
-            }
-            _ => {
-                if next_end.is_some() {
-                    map.remove(&end);
-                }
-                map.insert(offset, stop);
-            }
-        }
+        self.by_start.get_or_default(region).land(offset, end);
     }
 
     /// Merged extents held (for tests).
@@ -434,9 +539,16 @@ mod tests {
                 let j = o % shuffled.len();
                 shuffled.swap(i, j);
             }
+            // Landed one by one: after each, exactly the bytes landed so far overlap (the
+            // extents cross from a sorted vector into a B-tree on the way).
             let mut l = LandedExtents::default();
-            for &(r, a, b) in &shuffled {
+            for (n, &(r, a, b)) in shuffled.iter().enumerate() {
                 l.insert(r, a, b);
+                let so_far = &shuffled[..=n];
+                for byte in 0..next[r.0 as usize] + 1 {
+                    let held = so_far.iter().any(|&(pr, a, b)| pr == r && a <= byte && byte < b);
+                    proptest::prop_assert_eq!(l.overlaps(r, byte, byte + 1), held);
+                }
             }
             pieces.sort();
             let mut naive: Vec<(RegionId, u64, u64)> = Vec::new();
@@ -464,8 +576,21 @@ mod tests {
                     proptest::prop_assert_eq!(w.overlaps(RegionId(r), byte, byte + 1), held);
                 }
             }
-            for t in tickets {
+            // Finished in another order (the B-tree goes back to a vector once empty): after
+            // each, exactly the bytes of the writes left overlap, and a ticket finishes once.
+            let mut left: Vec<(WriteTicket, (RegionId, u64, u64))> =
+                tickets.iter().copied().zip(shuffled.iter().copied()).collect();
+            let n = left.len();
+            for (i, &o) in order.iter().rev().enumerate().take(n) {
+                left.swap(i, o.rotate_left(7) % n);
+            }
+            while let Some((t, (r, _, _))) = left.pop() {
                 proptest::prop_assert!(w.finish(t).is_some());
+                proptest::prop_assert!(w.finish(t).is_none() && w.issued(t));
+                for byte in 0..next[r.0 as usize] + 1 {
+                    let held = left.iter().any(|&(_, (pr, a, b))| pr == r && a <= byte && byte < b);
+                    proptest::prop_assert_eq!(w.overlaps(r, byte, byte + 1), held);
+                }
             }
             proptest::prop_assert_eq!(w.len(), 0);
             proptest::prop_assert!(!w.overlaps(RegionId(0), 0, u64::MAX));
