@@ -3,7 +3,7 @@
 //! ([`WritesInFlight`]), so the receiver can answer every incoming write from its own
 //! registrations and never hand memory back while a write may still land in it.
 
-use std::collections::{btree_map, BTreeMap, HashMap};
+use std::collections::{btree_map, BTreeMap, HashMap, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
 
 use crate::blocks::AnchoredRun;
@@ -292,6 +292,79 @@ impl<V: Copy> ByRegion<V> {
     }
 }
 
+/// How many finished tickets (beyond twice the writes in it) a [`ByTicket`] window keeps
+/// before it moves its oldest writes out. (Small in tests, so writes do move.)
+const WINDOW_SLACK: usize = if cfg!(test) { 2 } else { 64 };
+
+/// The writes in flight by ticket. Tickets are issued in order and most writes finish soon
+/// after, so they are kept in a window indexed by `ticket - first` (a finished write leaves a
+/// hole until the front passes it): issuing and finishing cost no hashing and no search. A
+/// write still in flight long after the later ones finished is moved out of the window into a
+/// hashed map, so the window never holds more than twice its writes plus [`WINDOW_SLACK`].
+#[derive(Clone, Debug, Default)]
+struct ByTicket {
+    window: VecDeque<Option<Flight>>,
+    /// The ticket of `window[0]`; `first + window.len()` is the next ticket issued.
+    first: u64,
+    /// Writes in the window.
+    in_window: usize,
+    /// Writes moved out of the window.
+    moved: HashMap<WriteTicket, Flight, BuildHasherDefault<TicketHasher>>,
+}
+
+impl ByTicket {
+    /// Adds the write of the next ticket.
+    fn push(&mut self, flight: Flight) {
+        self.window.push_back(Some(flight));
+        self.in_window += 1;
+        while self.window.len() > 2 * self.in_window + WINDOW_SLACK {
+            if let Some(Some(f)) = self.window.pop_front() {
+                self.moved.insert(WriteTicket(self.first), f);
+                self.in_window -= 1;
+            }
+            self.first += 1;
+            self.trim();
+        }
+    }
+
+    /// Drops the finished tickets at the front.
+    fn trim(&mut self) {
+        while let Some(None) = self.window.front() {
+            self.window.pop_front();
+            self.first += 1;
+        }
+    }
+
+    fn remove(&mut self, ticket: WriteTicket) -> Option<Flight> {
+        match ticket.0.checked_sub(self.first) {
+            Some(i) if i < self.window.len() as u64 => {
+                let flight = self.window[i as usize].take()?;
+                self.in_window -= 1;
+                self.trim();
+                Some(flight)
+            }
+            // Before the window: moved out (or finished); after it: never issued.
+            Some(_) => None,
+            None => self.moved.remove(&ticket),
+        }
+    }
+
+    /// The tickets of `peer`'s writes, in no order.
+    fn tickets_of(&self, peer: PeerId) -> impl Iterator<Item = WriteTicket> + '_ {
+        let window = (self.window.iter().enumerate())
+            .filter(move |(_, f)| f.is_some_and(|f| f.peer == peer))
+            .map(|(i, _)| WriteTicket(self.first + i as u64));
+        let moved = (self.moved.iter())
+            .filter(move |(_, f)| f.peer == peer)
+            .map(|(t, _)| *t);
+        window.chain(moved)
+    }
+
+    fn len(&self) -> usize {
+        self.in_window + self.moved.len()
+    }
+}
+
 /// The admitted writes not reported finished yet. No two overlap, so a transport may hold one
 /// `&mut [u8]` per write.
 #[derive(Clone, Debug, Default)]
@@ -299,8 +372,8 @@ pub(crate) struct WritesInFlight {
     /// Destination start → (destination end, ticket), per region; writes of length 0 hold no
     /// byte and are not in it.
     by_dest: ByRegion<(u64, WriteTicket)>,
-    /// Ticket → write: looked up once per write finished, in no order, so hashed.
-    by_ticket: HashMap<WriteTicket, Flight, BuildHasherDefault<TicketHasher>>,
+    /// Ticket → write, looked up once per write finished.
+    by_ticket: ByTicket,
     next: u64,
 }
 
@@ -342,13 +415,13 @@ impl WritesInFlight {
                 .get_or_default(flight.region)
                 .insert(flight.offset, (flight.offset + flight.len, ticket));
         }
-        self.by_ticket.insert(ticket, flight);
+        self.by_ticket.push(flight);
         ticket
     }
 
     /// Forgets a finished write.
     pub(crate) fn finish(&mut self, ticket: WriteTicket) -> Option<Flight> {
-        let flight = self.by_ticket.remove(&ticket)?;
+        let flight = self.by_ticket.remove(ticket)?;
         if let Some(x) = self.by_dest.get_mut(flight.region) {
             x.remove_if(flight.offset, |&(_, t)| t == ticket);
         }
@@ -363,12 +436,7 @@ impl WritesInFlight {
     /// Forgets every write of `peer` (it was reported disconnected: none of them still
     /// applies) and returns them.
     pub(crate) fn remove_peer(&mut self, peer: PeerId) -> Vec<Flight> {
-        let mut gone: Vec<WriteTicket> = self
-            .by_ticket
-            .iter()
-            .filter(|(_, f)| f.peer == peer)
-            .map(|(t, _)| *t)
-            .collect();
+        let mut gone: Vec<WriteTicket> = self.by_ticket.tickets_of(peer).collect();
         // In admission order, as they were admitted.
         gone.sort_unstable();
         gone.into_iter().filter_map(|t| self.finish(t)).collect()
@@ -594,6 +662,65 @@ mod tests {
             }
             proptest::prop_assert_eq!(w.len(), 0);
             proptest::prop_assert!(!w.overlaps(RegionId(0), 0, u64::MAX));
+        }
+    }
+
+    proptest::proptest! {
+        /// Writes admitted, finished (in any order, twice, or never issued) and forgotten by
+        /// peer behave as a naive map of tickets, while some stay in flight long enough to be
+        /// moved out of the ticket window.
+        #[test]
+        fn writes_in_flight_equal_a_naive_model(
+            ops in proptest::collection::vec((0u8..4, 0u64..64, 1u64..6), 1..120),
+        ) {
+            let mut w = WritesInFlight::default();
+            let mut model: BTreeMap<u64, Flight> = BTreeMap::new();
+            let (mut issued, mut cursor) = (0u64, 0u64);
+            for (op, k, len) in ops {
+                match op {
+                    0 | 1 => {
+                        // Disjoint extents, of two peers, some of length 0.
+                        let len = if k % 7 == 0 { 0 } else { len };
+                        let flight = Flight {
+                            request: RequestId(1),
+                            peer: PeerId((k % 2) as u32),
+                            region: RegionId((k % 3) as u32),
+                            offset: cursor,
+                            len,
+                        };
+                        cursor += len + k % 2;
+                        let t = w.admit(flight);
+                        proptest::prop_assert_eq!(t, WriteTicket(issued));
+                        model.insert(issued, flight);
+                        issued += 1;
+                        // The window stays short however long the oldest write takes.
+                        let window = &w.by_ticket;
+                        proptest::prop_assert!(window.window.len() <= 2 * window.in_window + WINDOW_SLACK);
+                    }
+                    2 => {
+                        // Mostly a recent ticket, sometimes one never issued.
+                        let t = WriteTicket(issued.saturating_sub(k % 9) + k / 60);
+                        proptest::prop_assert_eq!(w.finish(t), model.remove(&t.0));
+                        proptest::prop_assert_eq!(w.issued(t), t.0 < issued);
+                    }
+                    _ => {
+                        let peer = PeerId((k % 2) as u32);
+                        let gone: Vec<Flight> = model.values().filter(|f| f.peer == peer).copied().collect();
+                        model.retain(|_, f| f.peer != peer);
+                        proptest::prop_assert_eq!(w.remove_peer(peer), gone);
+                    }
+                }
+                proptest::prop_assert_eq!(w.len(), model.len());
+                for f in model.values().filter(|f| f.len > 0) {
+                    proptest::prop_assert!(w.overlaps(f.region, f.offset + f.len - 1, f.offset + f.len));
+                }
+                for r in 0..3u32 {
+                    for byte in 0..cursor + 1 {
+                        let held = model.values().any(|f| f.region == RegionId(r) && f.offset <= byte && byte < f.offset + f.len);
+                        proptest::prop_assert_eq!(w.overlaps(RegionId(r), byte, byte + 1), held);
+                    }
+                }
+            }
         }
     }
 }
