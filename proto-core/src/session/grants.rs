@@ -175,9 +175,13 @@ impl Extents<u64> {
         match self {
             Extents::Few(v) => {
                 // Before `at`: the extents starting before `offset`; at `next`: the one
-                // starting at `end`, if any (none starts in between: no overlap).
+                // starting at `end`, if any. None starts in between (no overlap), so `next` is
+                // `at` and one search finds both; a second is made only if one did.
                 let at = v.partition_point(|e| e.0 < offset);
-                let next = v.partition_point(|e| e.0 < end);
+                let next = match v.get(at) {
+                    Some(e) if e.0 < end => at + v[at..].partition_point(|e| e.0 < end),
+                    _ => at,
+                };
                 let absorbed = v.get(next).filter(|e| e.0 == end).map(|e| e.1);
                 let stop = absorbed.unwrap_or(end);
                 match at.checked_sub(1) {
