@@ -1,8 +1,10 @@
 //! [`Observer`]: one endpoint's outputs, batch reports and counters turned into spans, events
 //! and metrics.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
+
+use rustc_hash::FxHashMap as HashMap;
 
 use kvpipe_core::session::{
     CancelOrigin, Counters, Event, Output, TransportInput, Wait, WriteBatchId,
@@ -180,10 +182,10 @@ impl Observer {
         Observer {
             role,
             transport,
-            spans: HashMap::new(),
+            spans: HashMap::default(),
             opened: VecDeque::new(),
             next_seq: 0,
-            batches: HashMap::new(),
+            batches: HashMap::default(),
             last: Counters::default(),
             sessions: 0.0,
             pinned: 0.0,

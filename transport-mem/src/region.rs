@@ -10,11 +10,11 @@
 //! write batch that may still touch a region, and [`RegionTable::deregister`] refuses while one
 //! does, so the engine can only take memory back once the transport is quiesced for it.
 
-use std::collections::HashMap;
 use std::ptr::NonNull;
 use std::sync::Arc;
 
 use kvpipe_core::RegionId;
+use rustc_hash::FxHashMap as HashMap;
 use thiserror::Error;
 
 /// Which memory a region lives in.

@@ -3,12 +3,13 @@
 //! ([`WritesInFlight`]), so the receiver can answer every incoming write from its own
 //! registrations and never hand memory back while a write may still land in it.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{btree_map, BTreeMap, HashMap, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
 
 use crate::blocks::AnchoredRun;
 use crate::ids::{PeerId, RegionId, RequestId};
 use crate::layout::LayerGroupLayout;
+use smallvec::SmallVec;
 
 use super::transport::WriteTicket;
 
@@ -88,14 +89,295 @@ pub(crate) struct Flight {
     pub(crate) len: u64,
 }
 
+/// Most extents an [`Extents`] keeps in a sorted vector before it moves them into a B-tree:
+/// below it an insertion moves at most this many entries, cheaper than a B-tree's search,
+/// node split and allocation; above it the B-tree's logarithmic cost is kept. (Small in tests,
+/// so the property test crosses it both ways.)
+const SORTED_VEC_MAX: usize = if cfg!(test) { 4 } else { 64 };
+
+/// Disjoint extents of one region keyed by their start, each with a value (that holds its
+/// end): a sorted vector while there are few, a B-tree beyond [`SORTED_VEC_MAX`].
+#[derive(Clone, Debug)]
+enum Extents<V> {
+    Few(Vec<(u64, V)>),
+    Many(BTreeMap<u64, V>),
+}
+
+impl<V: Copy> Extents<V> {
+    /// The last extent starting before `bound`.
+    fn before(&self, bound: u64) -> Option<(u64, &V)> {
+        match self {
+            Extents::Few(v) => {
+                let i = v.partition_point(|e| e.0 < bound);
+                i.checked_sub(1).map(|i| (v[i].0, &v[i].1))
+            }
+            Extents::Many(m) => m.range(..bound).next_back().map(|(&s, v)| (s, v)),
+        }
+    }
+
+    /// Adds (or replaces) the extent starting at `start`.
+    fn insert(&mut self, start: u64, value: V) {
+        match self {
+            Extents::Few(v) => {
+                match v.binary_search_by_key(&start, |e| e.0) {
+                    Ok(i) => v[i].1 = value,
+                    Err(i) => v.insert(i, (start, value)),
+                }
+                if v.len() > SORTED_VEC_MAX {
+                    *self = Extents::Many(v.drain(..).collect());
+                }
+            }
+            Extents::Many(m) => {
+                m.insert(start, value);
+            }
+        }
+    }
+
+    /// Removes the extent starting at `start` when `mine` says it is the one meant.
+    fn remove_if(&mut self, start: u64, mine: impl FnOnce(&V) -> bool) {
+        match self {
+            Extents::Few(v) => {
+                if let Ok(i) = v.binary_search_by_key(&start, |e| e.0) {
+                    if mine(&v[i].1) {
+                        v.remove(i);
+                    }
+                }
+            }
+            Extents::Many(m) => {
+                if let btree_map::Entry::Occupied(e) = m.entry(start) {
+                    if mine(e.get()) {
+                        e.remove();
+                    }
+                }
+                if m.is_empty() {
+                    // Back to the vector once the burst is over.
+                    *self = Extents::Few(Vec::new());
+                }
+            }
+        }
+    }
+
+    /// Every extent in order (for tests).
+    #[cfg(test)]
+    fn iter(&self) -> Box<dyn Iterator<Item = (u64, &V)> + '_> {
+        match self {
+            Extents::Few(v) => Box::new(v.iter().map(|(s, v)| (*s, v))),
+            Extents::Many(m) => Box::new(m.iter().map(|(&s, v)| (s, v))),
+        }
+    }
+}
+
+impl Extents<u64> {
+    /// Records `[offset, end)` (it overlaps no extent), merged with the extents it touches:
+    /// the one that begins where it ends is absorbed, the one that ends where it begins is
+    /// extended in place (the usual case: a block's layer ranges land in order).
+    fn land(&mut self, offset: u64, end: u64) {
+        match self {
+            Extents::Few(v) => {
+                // Before `at`: the extents starting before `offset`; at `next`: the one
+                // starting at `end`, if any. None starts in between (no overlap), so `next` is
+                // `at` and one search finds both; a second is made only if one did.
+                let at = v.partition_point(|e| e.0 < offset);
+                let next = match v.get(at) {
+                    Some(e) if e.0 < end => at + v[at..].partition_point(|e| e.0 < end),
+                    _ => at,
+                };
+                let absorbed = v.get(next).filter(|e| e.0 == end).map(|e| e.1);
+                let stop = absorbed.unwrap_or(end);
+                match at.checked_sub(1) {
+                    Some(prev) if v[prev].1 == offset => {
+                        v[prev].1 = stop;
+                        if absorbed.is_some() {
+                            v.remove(next);
+                        }
+                    }
+                    _ if absorbed.is_some() && next == at => v[next] = (offset, stop),
+                    _ => {
+                        if absorbed.is_some() {
+                            v.remove(next);
+                        }
+                        self.insert(offset, stop);
+                    }
+                }
+            }
+            Extents::Many(map) => {
+                // One search finds both neighbours.
+                let mut near = map.range_mut(..=end);
+                let mut last = near.next_back();
+                let absorbed = match &last {
+                    Some((&s, e)) if s == end => {
+                        let absorbed = **e;
+                        last = near.next_back();
+                        Some(absorbed)
+                    }
+                    _ => None,
+                };
+                let stop = absorbed.unwrap_or(end);
+                match last {
+                    Some((_, e)) if *e == offset => {
+                        *e = stop;
+                        if absorbed.is_some() {
+                            map.remove(&end);
+                        }
+                    }
+                    _ => {
+                        if absorbed.is_some() {
+                            map.remove(&end);
+                        }
+                        map.insert(offset, stop);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// [`Extents`] per destination region. A receiver writes into a few regions (its pools), so
+/// the region is found by a binary search of a short sorted list and every search of the
+/// extents compares plain offsets.
+#[derive(Clone, Debug)]
+struct ByRegion<V> {
+    /// Sorted by region.
+    regions: SmallVec<[(RegionId, Extents<V>); 4]>,
+}
+
+impl<V> Default for ByRegion<V> {
+    fn default() -> Self {
+        ByRegion {
+            regions: SmallVec::new(),
+        }
+    }
+}
+
+impl<V: Copy> ByRegion<V> {
+    fn get(&self, region: RegionId) -> Option<&Extents<V>> {
+        let i = self.regions.binary_search_by_key(&region, |e| e.0).ok()?;
+        Some(&self.regions[i].1)
+    }
+
+    fn get_mut(&mut self, region: RegionId) -> Option<&mut Extents<V>> {
+        let i = self.regions.binary_search_by_key(&region, |e| e.0).ok()?;
+        Some(&mut self.regions[i].1)
+    }
+
+    /// The extents of `region`, created empty when there are none. (Regions come from
+    /// granted extents, so there are never more than the local pools.)
+    fn get_or_default(&mut self, region: RegionId) -> &mut Extents<V> {
+        let i = match self.regions.binary_search_by_key(&region, |e| e.0) {
+            Ok(i) => i,
+            Err(i) => {
+                self.regions.insert(i, (region, Extents::Few(Vec::new())));
+                i
+            }
+        };
+        &mut self.regions[i].1
+    }
+
+    /// Whether the last extent starting before `end` reaches past `offset` (`end_of` gives an
+    /// entry's end): for disjoint extents, whether `[offset, end)` overlaps one.
+    fn overlaps(
+        &self,
+        region: RegionId,
+        offset: u64,
+        end: u64,
+        end_of: impl Fn(&V) -> u64,
+    ) -> bool {
+        self.get(region)
+            .and_then(|x| x.before(end))
+            .is_some_and(|(_, v)| end_of(v) > offset)
+    }
+
+    /// Every entry in order: `(region, start, value)` (for tests).
+    #[cfg(test)]
+    fn iter(&self) -> impl Iterator<Item = (RegionId, u64, &V)> {
+        self.regions
+            .iter()
+            .flat_map(|(r, x)| x.iter().map(move |(s, v)| (*r, s, v)))
+    }
+}
+
+/// How many finished tickets (beyond twice the writes in it) a [`ByTicket`] window keeps
+/// before it moves its oldest writes out. (Small in tests, so writes do move.)
+const WINDOW_SLACK: usize = if cfg!(test) { 2 } else { 64 };
+
+/// The writes in flight by ticket. Tickets are issued in order and most writes finish soon
+/// after, so they are kept in a window indexed by `ticket - first` (a finished write leaves a
+/// hole until the front passes it): issuing and finishing cost no hashing and no search. A
+/// write still in flight long after the later ones finished is moved out of the window into a
+/// hashed map, so the window never holds more than twice its writes plus [`WINDOW_SLACK`].
+#[derive(Clone, Debug, Default)]
+struct ByTicket {
+    window: VecDeque<Option<Flight>>,
+    /// The ticket of `window[0]`; `first + window.len()` is the next ticket issued.
+    first: u64,
+    /// Writes in the window.
+    in_window: usize,
+    /// Writes moved out of the window.
+    moved: HashMap<WriteTicket, Flight, BuildHasherDefault<TicketHasher>>,
+}
+
+impl ByTicket {
+    /// Adds the write of the next ticket.
+    fn push(&mut self, flight: Flight) {
+        self.window.push_back(Some(flight));
+        self.in_window += 1;
+        while self.window.len() > 2 * self.in_window + WINDOW_SLACK {
+            if let Some(Some(f)) = self.window.pop_front() {
+                self.moved.insert(WriteTicket(self.first), f);
+                self.in_window -= 1;
+            }
+            self.first += 1;
+            self.trim();
+        }
+    }
+
+    /// Drops the finished tickets at the front.
+    fn trim(&mut self) {
+        while let Some(None) = self.window.front() {
+            self.window.pop_front();
+            self.first += 1;
+        }
+    }
+
+    fn remove(&mut self, ticket: WriteTicket) -> Option<Flight> {
+        match ticket.0.checked_sub(self.first) {
+            Some(i) if i < self.window.len() as u64 => {
+                let flight = self.window[i as usize].take()?;
+                self.in_window -= 1;
+                self.trim();
+                Some(flight)
+            }
+            // Before the window: moved out (or finished); after it: never issued.
+            Some(_) => None,
+            None => self.moved.remove(&ticket),
+        }
+    }
+
+    /// The tickets of `peer`'s writes, in no order.
+    fn tickets_of(&self, peer: PeerId) -> impl Iterator<Item = WriteTicket> + '_ {
+        let window = (self.window.iter().enumerate())
+            .filter(move |(_, f)| f.is_some_and(|f| f.peer == peer))
+            .map(|(i, _)| WriteTicket(self.first + i as u64));
+        let moved = (self.moved.iter())
+            .filter(move |(_, f)| f.peer == peer)
+            .map(|(t, _)| *t);
+        window.chain(moved)
+    }
+
+    fn len(&self) -> usize {
+        self.in_window + self.moved.len()
+    }
+}
+
 /// The admitted writes not reported finished yet. No two overlap, so a transport may hold one
 /// `&mut [u8]` per write.
 #[derive(Clone, Debug, Default)]
 pub(crate) struct WritesInFlight {
-    /// Destination start → (destination end, ticket).
-    by_dest: BTreeMap<(RegionId, u64), (u64, WriteTicket)>,
-    /// Ticket → write: looked up once per write finished, in no order, so hashed.
-    by_ticket: HashMap<WriteTicket, Flight, BuildHasherDefault<TicketHasher>>,
+    /// Destination start → (destination end, ticket), per region; writes of length 0 hold no
+    /// byte and are not in it.
+    by_dest: ByRegion<(u64, WriteTicket)>,
+    /// Ticket → write, looked up once per write finished.
+    by_ticket: ByTicket,
     next: u64,
 }
 
@@ -125,28 +407,28 @@ impl WritesInFlight {
     pub(crate) fn overlaps(&self, region: RegionId, offset: u64, end: u64) -> bool {
         // Writes in flight are disjoint: only the last one starting before `end` can reach
         // past `offset`.
-        self.by_dest
-            .range((region, 0)..(region, end))
-            .next_back()
-            .is_some_and(|(_, &(e, _))| e > offset)
+        self.by_dest.overlaps(region, offset, end, |&(e, _)| e)
     }
 
     /// Records an admitted write and returns its ticket. The caller checked for overlaps.
     pub(crate) fn admit(&mut self, flight: Flight) -> WriteTicket {
         let ticket = WriteTicket(self.next);
         self.next += 1;
-        self.by_dest.insert(
-            (flight.region, flight.offset),
-            (flight.offset + flight.len, ticket),
-        );
-        self.by_ticket.insert(ticket, flight);
+        if flight.len > 0 {
+            self.by_dest
+                .get_or_default(flight.region)
+                .insert(flight.offset, (flight.offset + flight.len, ticket));
+        }
+        self.by_ticket.push(flight);
         ticket
     }
 
     /// Forgets a finished write.
     pub(crate) fn finish(&mut self, ticket: WriteTicket) -> Option<Flight> {
-        let flight = self.by_ticket.remove(&ticket)?;
-        self.by_dest.remove(&(flight.region, flight.offset));
+        let flight = self.by_ticket.remove(ticket)?;
+        if let Some(x) = self.by_dest.get_mut(flight.region) {
+            x.remove_if(flight.offset, |&(_, t)| t == ticket);
+        }
         Some(flight)
     }
 
@@ -158,12 +440,7 @@ impl WritesInFlight {
     /// Forgets every write of `peer` (it was reported disconnected: none of them still
     /// applies) and returns them.
     pub(crate) fn remove_peer(&mut self, peer: PeerId) -> Vec<Flight> {
-        let mut gone: Vec<WriteTicket> = self
-            .by_ticket
-            .iter()
-            .filter(|(_, f)| f.peer == peer)
-            .map(|(t, _)| *t)
-            .collect();
+        let mut gone: Vec<WriteTicket> = self.by_ticket.tickets_of(peer).collect();
         // In admission order, as they were admitted.
         gone.sort_unstable();
         gone.into_iter().filter_map(|t| self.finish(t)).collect()
@@ -180,43 +457,26 @@ impl WritesInFlight {
 /// adds up).
 #[derive(Clone, Debug, Default)]
 pub(crate) struct LandedExtents {
-    /// Start → end, disjoint and not touching (touching extents are merged).
-    by_start: BTreeMap<(RegionId, u64), u64>,
+    /// Start → end per region, disjoint and not touching (touching extents are merged).
+    by_start: ByRegion<u64>,
 }
 
 impl LandedExtents {
     /// Whether `[offset, end)` of `region` overlaps bytes that landed.
     pub(crate) fn overlaps(&self, region: RegionId, offset: u64, end: u64) -> bool {
-        self.by_start
-            .range((region, 0)..(region, end))
-            .next_back()
-            .is_some_and(|(_, &e)| e > offset)
+        self.by_start.overlaps(region, offset, end, |&e| e)
     }
 
     /// Records `[offset, end)` of `region` as landed (the caller checked it overlaps nothing),
     /// merged with the extents it touches.
     pub(crate) fn insert(&mut self, region: RegionId, offset: u64, end: u64) {
-        // The extent that begins where this one ends is absorbed.
-        let stop = self.by_start.remove(&(region, end)).unwrap_or(end);
-        // Extending the extent that ends where this one begins in place (the usual case: a
-        // block's layer ranges land in order) costs one search, not a removal and an insertion.
-        if let Some((_, e)) = self
-            .by_start
-            .range_mut((region, 0)..(region, offset))
-            .next_back()
-        {
-            if *e == offset {
-                *e = stop;
-                return;
-            }
-        }
-        self.by_start.insert((region, offset), stop);
+        self.by_start.get_or_default(region).land(offset, end);
     }
 
     /// Merged extents held (for tests).
     #[cfg(test)]
     pub(crate) fn len(&self) -> usize {
-        self.by_start.len()
+        self.by_start.iter().count()
     }
 }
 
@@ -304,6 +564,13 @@ mod tests {
         assert!(w.issued(a) && w.issued(b) && !w.issued(WriteTicket(9)));
         assert_eq!(w.remove_peer(PeerId(1)).len(), 1);
         assert_eq!(w.len(), 0);
+        // A write of length 0 where another one starts holds no byte: finishing it leaves the
+        // other one's bytes held.
+        let c = w.admit(f(1, 500, 10));
+        let empty = w.admit(f(1, 500, 0));
+        assert!(w.finish(empty).is_some());
+        assert!(w.overlaps(RegionId(1), 505, 506));
+        assert!(w.finish(c).is_some() && !w.overlaps(RegionId(1), 505, 506));
     }
 
     #[test]
@@ -344,9 +611,16 @@ mod tests {
                 let j = o % shuffled.len();
                 shuffled.swap(i, j);
             }
+            // Landed one by one: after each, exactly the bytes landed so far overlap (the
+            // extents cross from a sorted vector into a B-tree on the way).
             let mut l = LandedExtents::default();
-            for &(r, a, b) in &shuffled {
+            for (n, &(r, a, b)) in shuffled.iter().enumerate() {
                 l.insert(r, a, b);
+                let so_far = &shuffled[..=n];
+                for byte in 0..next[r.0 as usize] + 1 {
+                    let held = so_far.iter().any(|&(pr, a, b)| pr == r && a <= byte && byte < b);
+                    proptest::prop_assert_eq!(l.overlaps(r, byte, byte + 1), held);
+                }
             }
             pieces.sort();
             let mut naive: Vec<(RegionId, u64, u64)> = Vec::new();
@@ -357,7 +631,7 @@ mod tests {
                 }
             }
             let merged: Vec<(RegionId, u64, u64)> =
-                l.by_start.iter().map(|(&(r, a), &b)| (r, a, b)).collect();
+                l.by_start.iter().map(|(r, a, &b)| (r, a, b)).collect();
             proptest::prop_assert_eq!(&merged, &naive);
             // The same extents as writes in flight: each byte overlaps exactly when one holds it.
             let mut w = WritesInFlight::default();
@@ -374,11 +648,83 @@ mod tests {
                     proptest::prop_assert_eq!(w.overlaps(RegionId(r), byte, byte + 1), held);
                 }
             }
-            for t in tickets {
+            // Finished in another order (the B-tree goes back to a vector once empty): after
+            // each, exactly the bytes of the writes left overlap, and a ticket finishes once.
+            let mut left: Vec<(WriteTicket, (RegionId, u64, u64))> =
+                tickets.iter().copied().zip(shuffled.iter().copied()).collect();
+            let n = left.len();
+            for (i, &o) in order.iter().rev().enumerate().take(n) {
+                left.swap(i, o.rotate_left(7) % n);
+            }
+            while let Some((t, (r, _, _))) = left.pop() {
                 proptest::prop_assert!(w.finish(t).is_some());
+                proptest::prop_assert!(w.finish(t).is_none() && w.issued(t));
+                for byte in 0..next[r.0 as usize] + 1 {
+                    let held = left.iter().any(|&(_, (pr, a, b))| pr == r && a <= byte && byte < b);
+                    proptest::prop_assert_eq!(w.overlaps(r, byte, byte + 1), held);
+                }
             }
             proptest::prop_assert_eq!(w.len(), 0);
             proptest::prop_assert!(!w.overlaps(RegionId(0), 0, u64::MAX));
+        }
+    }
+
+    proptest::proptest! {
+        /// Writes admitted, finished (in any order, twice, or never issued) and forgotten by
+        /// peer behave as a naive map of tickets, while some stay in flight long enough to be
+        /// moved out of the ticket window.
+        #[test]
+        fn writes_in_flight_equal_a_naive_model(
+            ops in proptest::collection::vec((0u8..4, 0u64..64, 1u64..6), 1..120),
+        ) {
+            let mut w = WritesInFlight::default();
+            let mut model: BTreeMap<u64, Flight> = BTreeMap::new();
+            let (mut issued, mut cursor) = (0u64, 0u64);
+            for (op, k, len) in ops {
+                match op {
+                    0 | 1 => {
+                        // Disjoint extents, of two peers, some of length 0.
+                        let len = if k % 7 == 0 { 0 } else { len };
+                        let flight = Flight {
+                            request: RequestId(1),
+                            peer: PeerId((k % 2) as u32),
+                            region: RegionId((k % 3) as u32),
+                            offset: cursor,
+                            len,
+                        };
+                        cursor += len + k % 2;
+                        let t = w.admit(flight);
+                        proptest::prop_assert_eq!(t, WriteTicket(issued));
+                        model.insert(issued, flight);
+                        issued += 1;
+                        // The window stays short however long the oldest write takes.
+                        let window = &w.by_ticket;
+                        proptest::prop_assert!(window.window.len() <= 2 * window.in_window + WINDOW_SLACK);
+                    }
+                    2 => {
+                        // Mostly a recent ticket, sometimes one never issued.
+                        let t = WriteTicket(issued.saturating_sub(k % 9) + k / 60);
+                        proptest::prop_assert_eq!(w.finish(t), model.remove(&t.0));
+                        proptest::prop_assert_eq!(w.issued(t), t.0 < issued);
+                    }
+                    _ => {
+                        let peer = PeerId((k % 2) as u32);
+                        let gone: Vec<Flight> = model.values().filter(|f| f.peer == peer).copied().collect();
+                        model.retain(|_, f| f.peer != peer);
+                        proptest::prop_assert_eq!(w.remove_peer(peer), gone);
+                    }
+                }
+                proptest::prop_assert_eq!(w.len(), model.len());
+                for f in model.values().filter(|f| f.len > 0) {
+                    proptest::prop_assert!(w.overlaps(f.region, f.offset + f.len - 1, f.offset + f.len));
+                }
+                for r in 0..3u32 {
+                    for byte in 0..cursor + 1 {
+                        let held = model.values().any(|f| f.region == RegionId(r) && f.offset <= byte && byte < f.offset + f.len);
+                        proptest::prop_assert_eq!(w.overlaps(RegionId(r), byte, byte + 1), held);
+                    }
+                }
+            }
         }
     }
 }

@@ -7,7 +7,9 @@
 //! - [`links`]: connecting, disconnecting and killing endpoints;
 //! - [`run`]: the run loop (reports, timers, frames, outputs, copies).
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
+
+use rustc_hash::FxHashMap as HashMap;
 
 use bytes::Bytes;
 use kvpipe_core::session::{
@@ -258,8 +260,8 @@ impl MemNetwork {
             in_flight: 0,
             reports: VecDeque::new(),
             held: Vec::new(),
-            stalls: HashMap::new(),
-            issued: HashMap::new(),
+            stalls: HashMap::default(),
+            issued: HashMap::default(),
             timings: Vec::new(),
             netem,
             events: VecDeque::new(),
