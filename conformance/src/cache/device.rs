@@ -125,7 +125,9 @@ impl ReferenceCache {
         })
     }
 
-    /// Uploads every slot the host wrote since the last upload, in runs of adjacent slots.
+    /// Uploads what the host wrote since the last upload: whole slots in runs of adjacent
+    /// slots, and of a slot written only in some layers (a chunk computed in layer ranges) the
+    /// span of those layers in each pool that holds them.
     pub(super) fn upload_dirty(&mut self) -> Result<(), CacheError> {
         for (i, &(g, p)) in self.regions.iter().enumerate() {
             let group = &self.groups[g];
@@ -135,14 +137,36 @@ impl ReferenceCache {
             if dirty.is_empty() {
                 continue;
             }
-            let mut slots = dirty.clone();
-            slots.sort_unstable();
-            slots.dedup();
-            let slot_bytes = group.layout.pools[p].slot_bytes as usize;
+            let mut dirty = dirty.clone();
+            dirty.sort_unstable();
+            dirty.dedup();
+            let whole: Vec<u32> = dirty
+                .iter()
+                .filter(|d| d.layers.is_none())
+                .map(|d| d.slot)
+                .collect();
+            let pool = &group.layout.pools[p];
+            let slot_bytes = pool.slot_bytes as usize;
+            // Checked when the cache was built (every pool's slot holds its layers' bytes).
+            let layer_bytes = group.layout.layer_block_bytes().unwrap_or(0) as usize;
             let host = &group.memory[p];
             let buf = &mut self.device.buffers[i];
-            for (first, end) in runs(&slots) {
+            for (first, end) in runs(&whole) {
                 let range = first as usize * slot_bytes..end as usize * slot_bytes;
+                buf.upload(range.start, &host[range])?;
+            }
+            let pool_layers = pool.layer_begin..pool.layer_begin + pool.layers;
+            for d in &dirty {
+                let Some((begin, end)) = d.layers else {
+                    continue;
+                };
+                let (lo, hi) = (begin.max(pool_layers.start), end.min(pool_layers.end));
+                if lo >= hi || whole.binary_search(&d.slot).is_ok() {
+                    continue;
+                }
+                let at = d.slot as usize * slot_bytes
+                    + usize::from(lo - pool_layers.start) * layer_bytes;
+                let range = at..at + usize::from(hi - lo) * layer_bytes;
                 buf.upload(range.start, &host[range])?;
             }
         }

@@ -103,9 +103,18 @@ struct GroupState {
     block_bytes: u64,
     /// One memory buffer per pool (empty when not materialised).
     memory: Vec<Vec<u8>>,
-    /// Slots whose host bytes were written since the last upload, while the pools are in
+    /// What of the slots' host bytes was written since the last upload, while the pools are in
     /// device memory (`None` otherwise).
-    dirty: Option<Vec<u32>>,
+    dirty: Option<Vec<Dirty>>,
+}
+
+/// Host bytes of a slot written since the last upload: all of it, or only the group's layers
+/// `layers` (`[begin, end)`, counted from the rank's first layer of the group, as pools'
+/// `layer_begin`): a chunk computed in layer ranges uploads each range's layers, not its slots.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+struct Dirty {
+    slot: u32,
+    layers: Option<(u16, u16)>,
 }
 
 /// One request's block tables.

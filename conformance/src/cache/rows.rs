@@ -68,7 +68,10 @@ pub(super) fn write_content(
         let row = &mut group.memory[p][at as usize..(at + len) as usize];
         fill_content(request, GroupIndex(g as u16), ordinal, layer, byte, row);
     }
-    group.mark_dirty(slot.0);
+    match only {
+        Some(layers) => group.mark_dirty_layers(slot.0, layers),
+        None => group.mark_dirty(slot.0),
+    }
 }
 
 /// The first byte of tokens `tokens` of `ordinal` that differs from the expected content, as

@@ -4,7 +4,7 @@
 use kvpipe_core::{stale_boundary, BlockId, RequestId};
 
 use super::content::fill_filler;
-use super::GroupState;
+use super::{Dirty, GroupState};
 
 impl GroupState {
     /// Hands out a free slot for `(request, ordinal)`; writes filler over it the first time.
@@ -33,7 +33,18 @@ impl GroupState {
     /// are in device memory).
     pub(super) fn mark_dirty(&mut self, slot: u32) {
         if let Some(dirty) = &mut self.dirty {
-            dirty.push(slot);
+            dirty.push(Dirty { slot, layers: None });
+        }
+    }
+
+    /// Notes that the host bytes of the group's layers `layers` (counted from its first, as
+    /// pools' `layer_begin`) of `slot` changed.
+    pub(super) fn mark_dirty_layers(&mut self, slot: u32, layers: std::ops::Range<u16>) {
+        if let Some(dirty) = &mut self.dirty {
+            dirty.push(Dirty {
+                slot,
+                layers: Some((layers.start, layers.end)),
+            });
         }
     }
 
