@@ -94,6 +94,44 @@ fn admission_applies_only_granted_non_overlapping_writes() {
     assert_eq!(net.receivers[0].phase(R), Some(RecvPhase::Quiesced));
 }
 
+/// A write of no bytes where an admitted write starts takes nothing of it: once the empty
+/// write is reported finished, the other write's bytes are still held, and a write over them is
+/// still refused (a peer could otherwise free bytes still being written by naming them with
+/// an empty write).
+#[test]
+fn an_empty_write_does_not_release_the_bytes_of_a_write_in_flight() {
+    let mut net = one_held_batch();
+    let now = net.now;
+    let at = 500 * BLOCK_BYTES;
+    let first = header(&net, 2, at, BLOCK_BYTES);
+    let Admission::Apply { .. } = net.receivers[0].admit_write(now, tx_peer(0), &first) else {
+        panic!("a granted write is applied")
+    };
+    let empty = header(&net, 2, at, 0);
+    let ticket = match net.receivers[0].admit_write(now, tx_peer(0), &empty) {
+        Admission::Apply { ticket, len, .. } => {
+            assert_eq!(len, 0);
+            ticket
+        }
+        other => panic!("an empty write inside the grant is admitted, got {other:?}"),
+    };
+    net.receivers[0]
+        .handle_transport(
+            now,
+            TransportInput::WriteFinished {
+                ticket,
+                landed: true,
+            },
+        )
+        .unwrap();
+    assert_eq!(net.receivers[0].writes_in_flight(), 1);
+    let over = header(&net, 2, at + 8, 8);
+    assert!(matches!(
+        net.receivers[0].admit_write(now, tx_peer(0), &over),
+        Admission::Refuse(WriteRefusal::Overlap { .. })
+    ));
+}
+
 #[test]
 fn every_refusal_names_its_reason() {
     let mut net = one_held_batch();
