@@ -77,15 +77,7 @@ fn admission_applies_only_granted_non_overlapping_writes() {
         )
         .unwrap();
     assert_eq!(net.receivers[0].phase(R), Some(RecvPhase::Stopping));
-    net.receivers[0]
-        .handle_transport(
-            now,
-            TransportInput::WriteFinished {
-                ticket,
-                landed: true,
-            },
-        )
-        .unwrap();
+    net.write_landed(0, ticket);
     assert_eq!(net.receivers[0].writes_in_flight(), 0);
     assert_eq!(net.receivers[0].phase(R), Some(RecvPhase::Stopping));
     net.receivers[0]
@@ -115,15 +107,7 @@ fn an_empty_write_does_not_release_the_bytes_of_a_write_in_flight() {
         }
         other => panic!("an empty write inside the grant is admitted, got {other:?}"),
     };
-    net.receivers[0]
-        .handle_transport(
-            now,
-            TransportInput::WriteFinished {
-                ticket,
-                landed: true,
-            },
-        )
-        .unwrap();
+    net.write_landed(0, ticket);
     assert_eq!(net.receivers[0].writes_in_flight(), 1);
     let over = header(&net, 2, at + 8, 8);
     assert!(matches!(
@@ -290,15 +274,7 @@ fn a_write_cut_short_does_not_count_as_landed() {
         .unwrap();
     assert_eq!(net.receivers[0].counters().bytes_landed, 0);
     // Reported twice, or never issued: a late report is harmless, an unknown one a usage error.
-    net.receivers[0]
-        .handle_transport(
-            now,
-            TransportInput::WriteFinished {
-                ticket,
-                landed: true,
-            },
-        )
-        .unwrap();
+    net.write_landed(0, ticket);
     assert!(net.receivers[0]
         .handle_transport(
             now,

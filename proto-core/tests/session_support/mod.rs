@@ -8,7 +8,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use kvpipe_core::session::{
     Admission, DataWriteHeaders, Deadlines, Event, LocalHello, Output, Receiver, ReceiverConfig,
     ReceiverInput, Registration, SendRequest, Sender, SenderConfig, SenderInput, TransportInput,
-    WriteBatchId,
+    WriteBatchId, WriteTicket,
 };
 use kvpipe_core::wire::{Frame, Topology};
 use kvpipe_core::WritePlan;
@@ -439,6 +439,20 @@ impl Net {
         }
     }
 
+    /// Reports admitted write `ticket` of receiver `j` landed, now.
+    pub fn write_landed(&mut self, j: usize, ticket: WriteTicket) {
+        let now = self.now;
+        self.receivers[j]
+            .handle_transport(
+                now,
+                TransportInput::WriteFinished {
+                    ticket,
+                    landed: true,
+                },
+            )
+            .unwrap();
+    }
+
     /// Carries a plan's writes into receiver `j` as a stream transport would: each extent is
     /// admitted by the receiver, "copied", and reported landed. Returns the admissions.
     pub fn land(
@@ -457,15 +471,7 @@ impl Net {
             let header = headers.frame(e.dst_region, e.dst_offset, e.len);
             let admission = self.receivers[j].admit_write(now, tx_peer(i), &header);
             if let Admission::Apply { ticket, .. } = admission {
-                self.receivers[j]
-                    .handle_transport(
-                        now,
-                        TransportInput::WriteFinished {
-                            ticket,
-                            landed: true,
-                        },
-                    )
-                    .unwrap();
+                self.write_landed(j, ticket);
             }
             out.push(admission);
         }
