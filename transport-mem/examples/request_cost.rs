@@ -158,20 +158,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         while begin < LAYERS {
             let end = begin + LAYERS_PER_RANGE;
             let last = end == LAYERS;
-            if !last {
-                let now = pair.now();
-                pair.sender_mut().submit_chunk_layers(
-                    now,
-                    request,
-                    spec,
-                    LayerRange::new(begin.into(), end.into()),
-                    &mut Source,
-                )?;
-                pair.drive_until(Duration::from_secs(5), |p| p.writes_in_flight() == 0)?;
-                begin = end;
-                continue;
+            if last {
+                pair.take_batch_timings();
             }
-            pair.take_batch_timings();
             let t0 = StdInstant::now();
             let now = pair.now();
             pair.sender_mut().submit_chunk_layers(
@@ -181,6 +170,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 LayerRange::new(begin.into(), end.into()),
                 &mut Source,
             )?;
+            if !last {
+                // Everything before the last range is driven to rest first.
+                pair.drive_until(Duration::from_secs(5), |p| p.writes_in_flight() == 0)?;
+                begin = end;
+                continue;
+            }
             let now = pair.now();
             pair.sender_mut().submit_aux(
                 now,
