@@ -98,20 +98,26 @@ fn writes_in_bounded_slices_and_reports_batches_once_written() {
     out.finish(WriteEnd::Closed);
 }
 
-#[test]
-fn pulled_pieces_go_out_as_header_and_source_and_complete_only_on_acknowledgement() {
-    use crate::peer_copy::{Source, SOURCE_LEN};
-    let src = Registered::Host(MemoryRegion::zeroed(1 << 10));
+/// A writer of a link whose peer may pull (`placement` says whether it does), with a lookahead
+/// of 64 bytes (no staging slots, pieces of at most 16 bytes), and what the test watches.
+struct PullRig {
+    out: Outbound,
+    hooks: Arc<Recorder>,
+    queue: Arc<JobQueue>,
+    backlog: Arc<Backlog>,
+    acks: Arc<PullAcks>,
+}
+
+fn pull_rig(placement: Arc<PeerPlacement>) -> PullRig {
     let hooks = Arc::new(Recorder::default());
     let queue = Arc::new(JobQueue::new());
     let backlog = Arc::new(Backlog::default());
     let acks = Arc::new(PullAcks::default());
-    let mut out = Outbound::new(
+    let out = Outbound::new(
         PeerId(1),
         (queue.clone(), backlog.clone()),
         hooks.clone(),
         Arc::new(StatCells::default()),
-        // A lookahead of 64 bytes (no staging slots, pieces of at most 16 bytes).
         &TcpConfig {
             socket_write_bytes: 64,
             staging_slot_bytes: 0,
@@ -119,10 +125,27 @@ fn pulled_pieces_go_out_as_header_and_source_and_complete_only_on_acknowledgemen
             ..TcpConfig::default()
         },
     )
-    .acked_by(Some((
-        acks.clone(),
-        PeerPlacement::placed(Placement::Source),
-    )));
+    .acked_by(Some((acks.clone(), placement)));
+    PullRig {
+        out,
+        hooks,
+        queue,
+        backlog,
+        acks,
+    }
+}
+
+#[test]
+fn pulled_pieces_go_out_as_header_and_source_and_complete_only_on_acknowledgement() {
+    use crate::peer_copy::{Source, SOURCE_LEN};
+    let src = Registered::Host(MemoryRegion::zeroed(1 << 10));
+    let PullRig {
+        mut out,
+        hooks,
+        queue,
+        backlog,
+        acks,
+    } = pull_rig(PeerPlacement::placed(Placement::Source));
     let h = kvpipe_core::wire::DATA_WRITE_FRAME_LEN;
     let pulled = |tag: u8, off: u64| {
         let mut p = Piece::new(
@@ -172,24 +195,14 @@ fn pulled_pieces_go_out_as_header_and_source_and_complete_only_on_acknowledgemen
 #[test]
 fn a_link_placed_on_the_sockets_after_its_offer_reports_pieces_once_written() {
     let src = Registered::Host(MemoryRegion::zeroed(1 << 10));
-    let hooks = Arc::new(Recorder::default());
-    let queue = Arc::new(JobQueue::new());
-    let backlog = Arc::new(Backlog::default());
-    let acks = Arc::new(PullAcks::default());
     let placement = PeerPlacement::pending();
-    let mut out = Outbound::new(
-        PeerId(1),
-        (queue.clone(), backlog.clone()),
-        hooks.clone(),
-        Arc::new(StatCells::default()),
-        &TcpConfig {
-            socket_write_bytes: 64,
-            staging_slot_bytes: 0,
-            max_piece_bytes: 16,
-            ..TcpConfig::default()
-        },
-    )
-    .acked_by(Some((acks.clone(), placement.clone())));
+    let PullRig {
+        mut out,
+        hooks,
+        queue,
+        backlog,
+        acks,
+    } = pull_rig(placement.clone());
     // Nothing decided yet: frames go out as on any connection.
     queue.push(Job::Frame(bytes::Bytes::from_static(b"hello")));
     assert_eq!(drive(&mut out, usize::MAX), b"hello");
