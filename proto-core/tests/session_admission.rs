@@ -400,3 +400,152 @@ fn reported_bytes_that_never_landed_wait_for_their_data() {
     assert!(!events.iter().any(|e| matches!(e, Event::Completed { .. })));
     assert_eq!(net.receivers[0].phase(R), Some(RecvPhase::Quiesced));
 }
+
+/// One write of the batch-admission model: inside the grant (a block, an offset in it, a
+/// length, so writes overlap, repeat and leave gaps), or refused for a reason.
+#[derive(Clone, Copy, Debug)]
+enum ModelWrite {
+    Granted { block: u64, at: u64, len: u64 },
+    WrongGrant,
+    UnknownRequest,
+    OutsideGrant,
+}
+
+/// One step of the model: a batch of writes asked about, or admitted writes reported finished.
+#[derive(Clone, Debug)]
+enum ModelStep {
+    Admit(Vec<ModelWrite>),
+    /// The oldest `count` writes in flight (or, `newest_first`, the newest), then an unknown
+    /// ticket when `unknown`.
+    Finish {
+        count: usize,
+        newest_first: bool,
+        landed: bool,
+        unknown: bool,
+    },
+    /// The decode engine cancels the request: later writes to it are discarded, not admitted.
+    Cancel,
+}
+
+fn model_write() -> impl proptest::strategy::Strategy<Value = ModelWrite> {
+    use proptest::prelude::*;
+    prop_oneof![
+        12 => (0u64..4, prop::sample::select(vec![0u64, 8, 64]), prop::sample::select(vec![0u64, 8, 56, 64]))
+            .prop_map(|(block, at, len)| ModelWrite::Granted { block, at, len }),
+        1 => Just(ModelWrite::WrongGrant),
+        1 => Just(ModelWrite::UnknownRequest),
+        1 => Just(ModelWrite::OutsideGrant),
+    ]
+}
+
+fn model_step() -> impl proptest::strategy::Strategy<Value = ModelStep> {
+    use proptest::prelude::*;
+    prop_oneof![
+        3 => prop::collection::vec(model_write(), 0..10).prop_map(ModelStep::Admit),
+        2 => (0usize..6, any::<bool>(), prop::bool::weighted(0.85), prop::bool::weighted(0.1))
+            .prop_map(|(count, newest_first, landed, unknown)| ModelStep::Finish {
+                count,
+                newest_first,
+                landed,
+                unknown,
+            }),
+        1 => Just(ModelStep::Cancel),
+    ]
+}
+
+fn model_header(net: &Net, w: ModelWrite) -> DataWrite {
+    let good = header(net, 2, 500 * BLOCK_BYTES, BLOCK_BYTES);
+    match w {
+        ModelWrite::Granted { block, at, len } => DataWrite {
+            offset: (500 + block) * BLOCK_BYTES + at,
+            len,
+            ..good
+        },
+        ModelWrite::WrongGrant => DataWrite {
+            grant: GrantId(good.grant.0 ^ 1),
+            ..good
+        },
+        ModelWrite::UnknownRequest => DataWrite {
+            request: RequestId(77),
+            ..good
+        },
+        ModelWrite::OutsideGrant => DataWrite {
+            offset: 504 * BLOCK_BYTES,
+            ..good
+        },
+    }
+}
+
+proptest::proptest! {
+    /// `admit_writes` and `writes_finished` answer, change and record exactly what
+    /// `admit_write` and `WriteFinished` of each write in turn do (up to the first refusal of a
+    /// batch, and the first refused ticket), whatever the writes: the same admissions, usage
+    /// errors, counters, phases, outputs and recorded inputs after every step.
+    #[test]
+    fn batch_admission_is_admission_of_each_write_in_turn(
+        steps in proptest::collection::vec(model_step(), 1..24),
+        recording: bool,
+    ) {
+        let (mut one, mut batch) = (one_held_batch(), one_held_batch());
+        one.receivers[0].record_inputs(recording);
+        batch.receivers[0].record_inputs(recording);
+        let now = one.now;
+        let mut in_flight: Vec<WriteTicket> = Vec::new();
+        let (mut scratch, mut answers) = (Vec::new(), Vec::new());
+        for step in steps {
+            match step {
+                ModelStep::Admit(writes) => {
+                    scratch.clear();
+                    scratch.extend(writes.iter().map(|&w| model_header(&one, w)));
+                    let mut expected = Vec::new();
+                    for w in &scratch {
+                        let a = one.receivers[0].admit_write(now, tx_peer(0), w);
+                        let refused = matches!(a, Admission::Refuse(_));
+                        expected.push(a);
+                        if refused {
+                            break;
+                        }
+                    }
+                    answers.clear();
+                    batch.receivers[0].admit_writes(now, tx_peer(0), &scratch, &mut answers);
+                    proptest::prop_assert_eq!(&answers, &expected);
+                    in_flight.extend(expected.iter().filter_map(|a| match a {
+                        Admission::Apply { ticket, .. } => Some(*ticket),
+                        _ => None,
+                    }));
+                }
+                ModelStep::Finish { count, newest_first, landed, unknown } => {
+                    let count = count.min(in_flight.len());
+                    let mut tickets: Vec<WriteTicket> = if newest_first {
+                        in_flight.split_off(in_flight.len() - count).into_iter().rev().collect()
+                    } else {
+                        in_flight.drain(..count).collect()
+                    };
+                    if unknown {
+                        tickets.push(WriteTicket(1 << 40));
+                    }
+                    let expected = tickets.iter().try_for_each(|&ticket| {
+                        one.receivers[0]
+                            .handle_transport(now, TransportInput::WriteFinished { ticket, landed })
+                    });
+                    let got = batch.receivers[0].writes_finished(now, &tickets, landed);
+                    proptest::prop_assert_eq!(got, expected);
+                }
+                ModelStep::Cancel => {
+                    let expected = one.receivers[0].cancel(now, R);
+                    proptest::prop_assert_eq!(batch.receivers[0].cancel(now, R), expected);
+                }
+            }
+            let (a, b) = (&mut one.receivers[0], &mut batch.receivers[0]);
+            proptest::prop_assert_eq!(a.counters(), b.counters());
+            proptest::prop_assert_eq!(a.phase(R), b.phase(R));
+            proptest::prop_assert_eq!(a.writes_in_flight(), b.writes_in_flight());
+            let outputs = |r: &mut Receiver| std::iter::from_fn(|| r.poll_output()).collect::<Vec<_>>();
+            proptest::prop_assert_eq!(outputs(a), outputs(b));
+        }
+        proptest::prop_assert_eq!(
+            one.receivers[0].take_recorded_inputs(),
+            batch.receivers[0].take_recorded_inputs()
+        );
+    }
+}

@@ -89,26 +89,54 @@ impl Receiver {
                 len: w.len,
             });
         }
-        // Data begins to move again after the request's pipeline drained: every write landed
-        // and every byte landed was reported by a result (see `RequestTimings::last_burst`).
-        if session.writes_in_flight == 0 && session.writers.iter().all(|x| x.landed == x.reported) {
-            session.timings.last_burst = Some(now);
+        Ok(admit(&mut self.writes, session, now, peer, w))
+    }
+
+    /// The fast path of [`admit_writes`](Self::admit_writes): admits the leading writes of
+    /// `writes` that name the request of the first one and that [`check_write`](Self::check_write)
+    /// would admit, and returns how many it admitted. The peer, the session and the writer are
+    /// looked up once; it stops (leaving the write to the full path) at the first write that
+    /// names another request or that any check would not admit.
+    pub(super) fn admit_run(
+        &mut self,
+        now: Instant,
+        peer: PeerId,
+        writes: &[DataWrite],
+        out: &mut Vec<Admission>,
+    ) -> usize {
+        let Some(first) = writes.first() else {
+            return 0;
+        };
+        if self.config.data_path != DataPath::Landed || !self.shell.peers.is_ready(peer) {
+            return 0;
         }
-        session.writes_in_flight += 1;
-        session.timings.writes += 1;
-        let ticket = self.writes.admit(Flight {
-            request,
-            peer,
-            region: w.region,
-            offset: w.offset,
-            len: w.len,
-        });
-        Ok(Admission::Apply {
-            ticket,
-            region: w.region,
-            offset: w.offset,
-            len: w.len,
-        })
+        let request = first.request;
+        let Some(session) = self.sessions.live.get_mut(&request) else {
+            return 0;
+        };
+        let writer = (session.writers.iter())
+            .any(|x| x.peer == peer && x.phase != WriterPhase::Unregistered);
+        if !writer || !session.phase.is_active() {
+            return 0;
+        }
+        let mut admitted = 0;
+        for w in writes {
+            if w.request != request
+                || w.grant != session.frame.grant
+                || !session.extents.contains(w.region, w.offset, w.len)
+            {
+                break;
+            }
+            let end = w.offset + w.len; // `contains` checked it does not overflow
+            if self.writes.overlaps(w.region, w.offset, end)
+                || session.landed.overlaps(w.region, w.offset, end)
+            {
+                break;
+            }
+            out.push(admit(&mut self.writes, session, now, peer, w));
+            admitted += 1;
+        }
+        admitted
     }
 
     /// A refused write: the peer is not trusted any more. The request it named fails on both
@@ -180,5 +208,36 @@ impl Receiver {
             self.check_drained(now, request);
         }
         Ok(())
+    }
+}
+
+/// Admits `w`, which passed every check of [`Receiver::check_write`]: records the flight and
+/// counts it in its session.
+fn admit(
+    writes: &mut WritesInFlight,
+    session: &mut RecvSession,
+    now: Instant,
+    peer: PeerId,
+    w: &DataWrite,
+) -> Admission {
+    // Data begins to move again after the request's pipeline drained: every write landed and
+    // every byte landed was reported by a result (see `RequestTimings::last_burst`).
+    if session.writes_in_flight == 0 && session.writers.iter().all(|x| x.landed == x.reported) {
+        session.timings.last_burst = Some(now);
+    }
+    session.writes_in_flight += 1;
+    session.timings.writes += 1;
+    let ticket = writes.admit(Flight {
+        request: w.request,
+        peer,
+        region: w.region,
+        offset: w.offset,
+        len: w.len,
+    });
+    Admission::Apply {
+        ticket,
+        region: w.region,
+        offset: w.offset,
+        len: w.len,
     }
 }

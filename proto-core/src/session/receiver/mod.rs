@@ -28,7 +28,7 @@ use super::stop::Stop;
 use super::surface::{endpoint_surface, InputLog};
 use super::table::{named_twice, CancelStep, HeldSession, SessionTable};
 use super::timers::TimerKey;
-use super::transport::{Admission, DataPath, Endpoint, TransportInput, WriteRefusal};
+use super::transport::{Admission, DataPath, Endpoint, TransportInput, WriteRefusal, WriteTicket};
 use super::{
     frame_kind, oversized, CancelOrigin, CloseReason, Counters, Output, ProtocolError,
     RequestTimings, UsageError, Wait,
@@ -281,6 +281,63 @@ impl Receiver {
             }
             Ok(None) | Err(_) => Admission::Refuse(WriteRefusal::PeerNotReady(peer)),
         }
+    }
+
+    /// Asks, in order, whether each data write of `writes` from `peer` may be applied, and
+    /// pushes the answers to `out`: exactly what [`admit_write`](Self::admit_write) of each in
+    /// turn answers, changes and records, at less cost per write, up to the first refusal. A
+    /// refusal is the last answer pushed: the writes after it are not asked about (the peer is
+    /// being closed and none of them would be admitted). A transport that applies a batch of
+    /// writes at once asks for the batch here: a run of writes to one request looks the peer,
+    /// the session and its writer up once.
+    pub fn admit_writes(
+        &mut self,
+        now: Instant,
+        peer: PeerId,
+        writes: &[DataWrite],
+        out: &mut Vec<Admission>,
+    ) {
+        let mut rest = writes;
+        while let Some(first) = rest.first() {
+            // A recording receiver records every write as its own input.
+            let admitted = if self.recorded.is_on() {
+                0
+            } else {
+                self.admit_run(now, peer, rest, out)
+            };
+            if admitted == 0 {
+                // The full path: a refusal, a discard, another request's session.
+                let admission = self.admit_write(now, peer, first);
+                let refused = matches!(admission, Admission::Refuse(_));
+                out.push(admission);
+                if refused {
+                    return;
+                }
+                rest = &rest[1..];
+            } else {
+                rest = &rest[admitted..];
+            }
+        }
+    }
+
+    /// Reports admitted writes finished, in order, as [`TransportInput::WriteFinished`] of
+    /// each ticket with `landed` in turn would (and recorded as such), at less cost per write.
+    /// Stops at the first ticket that input refuses, with its usage error: the tickets before
+    /// it are applied, it and the ones after are not.
+    pub fn writes_finished(
+        &mut self,
+        now: Instant,
+        tickets: &[WriteTicket],
+        landed: bool,
+    ) -> Result<(), UsageError> {
+        for &ticket in tickets {
+            if self.recorded.is_on() {
+                self.handle_transport(now, TransportInput::WriteFinished { ticket, landed })?;
+            } else {
+                self.on_write_finished(now, ticket, landed)?;
+            }
+        }
+        Ok(())
     }
 
     // ----- internals -----
