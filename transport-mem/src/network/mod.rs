@@ -219,6 +219,16 @@ pub struct MemNetwork {
     /// One observer per endpoint: spans, events and metrics of what it did.
     sender_obs: Vec<Observer>,
     receiver_obs: Vec<Observer>,
+    /// Buffers reused from one batch's admission to the next.
+    scratch: Scratch,
+}
+
+/// The headers of a batch's writes and their admissions, kept between batches so issuing one
+/// allocates neither.
+#[derive(Debug, Default)]
+pub(super) struct Scratch {
+    pub(super) frames: Vec<kvpipe_core::wire::DataWrite>,
+    pub(super) admissions: Vec<Admission>,
 }
 
 impl MemNetwork {
@@ -270,6 +280,7 @@ impl MemNetwork {
             receiver_obs: (0..r)
                 .map(|_| Observer::new(Role::Receiver, "mem"))
                 .collect(),
+            scratch: Scratch::default(),
         })
     }
 

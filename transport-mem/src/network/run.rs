@@ -362,22 +362,38 @@ impl MemNetwork {
             Ok(w) => w,
             Err(_) => return fail_now(self, TransferStatus::WriteFailed),
         };
+        // The whole batch is admitted in one call, as a receiving transport that applies it at
+        // once would ask.
+        let mut frames = std::mem::take(&mut self.scratch.frames);
+        let mut admissions = std::mem::take(&mut self.scratch.admissions);
+        frames.clear();
+        admissions.clear();
+        frames.extend(
+            (plan.extents().iter()).map(|e| headers.frame(e.dst_region, e.dst_offset, e.len)),
+        );
+        self.receivers[r].admit_writes(now, sender_peer(s), &frames, &mut admissions);
         let mut tickets = Vec::with_capacity(plan.len());
         let mut keep = Vec::with_capacity(plan.len());
-        for e in plan.extents() {
-            let header = headers.frame(e.dst_region, e.dst_offset, e.len);
-            match self.receivers[r].admit_write(now, sender_peer(s), &header) {
+        let mut refused = false;
+        for a in &admissions {
+            match *a {
                 Admission::Apply { ticket, .. } => {
                     tickets.push(ticket);
                     keep.push(true);
                 }
                 Admission::Discard { .. } => keep.push(false),
                 Admission::Refuse(_) => {
-                    // The receiver failed the request and asked to close the link.
-                    self.finish_tickets(r, &tickets, false)?;
-                    return fail_now(self, TransferStatus::GrantViolation);
+                    refused = true;
+                    break;
                 }
             }
+        }
+        self.scratch = Scratch { frames, admissions };
+        if refused {
+            // The receiver failed the request and asked to close the link; the writes it
+            // admitted are never applied.
+            self.finish_tickets(r, &tickets, false)?;
+            return fail_now(self, TransferStatus::GrantViolation);
         }
         writes.retain(&keep);
         let fate = self
@@ -416,10 +432,10 @@ impl MemNetwork {
             return Ok(());
         }
         let now = self.now();
-        for &ticket in tickets {
-            self.feed_receiver(r, now, TransportInput::WriteFinished { ticket, landed })?;
-        }
-        Ok(())
+        // Straight to the receiver: its observer takes nothing from write landings.
+        self.receivers[r]
+            .writes_finished(now, tickets, landed)
+            .map_err(usage(Node::Receiver(r)))
     }
 }
 
