@@ -86,6 +86,10 @@ impl ChunkSpec {
                 prompt_len: self.prompt_len,
             });
         }
+        if !self.is_last && self.end == self.prompt_len {
+            // No chunk can follow it, so the request could only end by a deadline.
+            return Err(GeometryError::PromptEndNotLast { end: self.end });
+        }
         Ok(())
     }
 }
@@ -289,6 +293,15 @@ pub enum GeometryError {
         /// Tokens in the prompt.
         prompt_len: u32,
     },
+    /// A chunk reaching the prompt's end is not marked last: no chunk can follow it.
+    #[error(
+        "the chunk ends at the prompt's end (token {end}) but is not marked last; mark the \
+         request's final chunk is_last"
+    )]
+    PromptEndNotLast {
+        /// One past the last token of the chunk: the prompt's length.
+        end: u32,
+    },
 }
 
 #[cfg(test)]
@@ -467,6 +480,13 @@ mod tests {
                     end: 8,
                     prompt_len: 32,
                 },
+            ),
+            (
+                ChunkSpec {
+                    is_last: false,
+                    ..chunk(24, 32, 32, 0)
+                },
+                GeometryError::PromptEndNotLast { end: 32 },
             ),
         ];
         for (c, err) in cases {
