@@ -263,3 +263,40 @@ fn plan_names_the_flag_out_of_range_first() {
         (plan(&["--window", "0"]), "--window must be at least 1"),
     ]);
 }
+
+/// `bench pipeline --layers-per-slice N` names the last range's real size (the last range of 32
+/// layers in ranges of 3 is 2 layers) and says when N is more than the model has.
+#[test]
+fn bench_pipeline_names_the_layers_its_last_range_really_has() {
+    let _turn = turn();
+    for (n, expected) in [
+        ("3", "(2 layers)"),
+        (
+            "100",
+            "(32 layers, --layers-per-slice 100 is more than the model's 32 layers)",
+        ),
+    ] {
+        let args = [
+            "bench",
+            "pipeline",
+            "--layers-per-slice",
+            n,
+            "--prompt-tokens",
+            "512",
+            "--chunk-tokens",
+            "256",
+            "--prefill-ms-per-chunk",
+            "1",
+            "--runs",
+            "1",
+        ];
+        let out = run(&args, Duration::from_secs(120));
+        let stdout = text(&out.stdout);
+        assert!(out.status.success(), "{args:?}: {}", text(&out.stderr));
+        let line = stdout
+            .lines()
+            .find(|l| l.starts_with("last range alone"))
+            .unwrap_or_else(|| panic!("no last-range line in {stdout}"));
+        assert!(line.contains(expected), "{line}");
+    }
+}

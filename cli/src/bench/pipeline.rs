@@ -259,8 +259,17 @@ pub(crate) fn run(args: PipelineBenchArgs) -> Result<ExitCode, CliError> {
                 report.tail_over_chunk
             ),
             Some(n) => {
+                // The ranges as the engine model submits them: the last one may be shorter,
+                // and a slice of more layers than the model has is the whole chunk.
+                let ranges = kvpipe_conformance::suite::layer_slices(&base.model.groups(None), n);
+                let layers = ranges.last().map_or(0, |r| r.len());
+                let clamped = if ranges.len() == 1 && u32::from(n) > layers {
+                    format!(", --layers-per-slice {n} is more than the model's {layers} layers")
+                } else {
+                    String::new()
+                };
                 println!(
-                    "last range alone   {:.2} ms ({n} layers); the last chunk at that speed {:.2} ms",
+                    "last range alone   {:.2} ms ({layers} layers{clamped}); the last chunk at that speed {:.2} ms",
                     report.last_batch_transfer_ms, report.last_chunk_alone_ms
                 );
                 println!(
