@@ -53,50 +53,20 @@ impl Receiver {
                 _ => Err(WriteRefusal::UnknownRequest(request)),
             };
         };
-        if session.frame.grant != w.grant {
-            return Err(WriteRefusal::WrongGrant {
-                request,
-                got: w.grant,
-            });
+        match check_in_session(&self.writes, session, peer, w)? {
+            Checked::Admit => Ok(admit(&mut self.writes, session, now, peer, w)),
+            Checked::Discard => {
+                self.shell.counters.late_writes += 1;
+                Ok(Admission::Discard { len: w.len })
+            }
         }
-        if !session
-            .writers
-            .iter()
-            .any(|x| x.peer == peer && x.phase != WriterPhase::Unregistered)
-        {
-            return Err(WriteRefusal::NotAWriter { request, peer });
-        }
-        if !session.extents.contains(w.region, w.offset, w.len) {
-            return Err(WriteRefusal::OutsideGrant {
-                request,
-                region: w.region,
-                offset: w.offset,
-                len: w.len,
-            });
-        }
-        if !session.phase.is_active() {
-            self.shell.counters.late_writes += 1;
-            return Ok(Admission::Discard { len: w.len });
-        }
-        let end = w.offset + w.len; // `contains` checked it does not overflow
-        if self.writes.overlaps(w.region, w.offset, end)
-            || session.landed.overlaps(w.region, w.offset, end)
-        {
-            return Err(WriteRefusal::Overlap {
-                request,
-                region: w.region,
-                offset: w.offset,
-                len: w.len,
-            });
-        }
-        Ok(admit(&mut self.writes, session, now, peer, w))
     }
 
     /// The fast path of [`admit_writes`](Self::admit_writes): admits the leading writes of
     /// `writes` that name the request of the first one and that [`check_write`](Self::check_write)
-    /// would admit, and returns how many it admitted. The peer, the session and the writer are
-    /// looked up once; it stops (leaving the write to the full path) at the first write that
-    /// names another request or that any check would not admit.
+    /// would admit, and returns how many it admitted. The peer and the session are looked up
+    /// once; it stops (leaving the write to the full path) at the first write that names
+    /// another request or that [`check_in_session`] would not admit.
     pub(super) fn admit_run(
         &mut self,
         now: Instant,
@@ -114,22 +84,13 @@ impl Receiver {
         let Some(session) = self.sessions.live.get_mut(&request) else {
             return 0;
         };
-        let writer = (session.writers.iter())
-            .any(|x| x.peer == peer && x.phase != WriterPhase::Unregistered);
-        if !writer || !session.phase.is_active() {
-            return 0;
-        }
         let mut admitted = 0;
         for w in writes {
             if w.request != request
-                || w.grant != session.frame.grant
-                || !session.extents.contains(w.region, w.offset, w.len)
-            {
-                break;
-            }
-            let end = w.offset + w.len; // `contains` checked it does not overflow
-            if self.writes.overlaps(w.region, w.offset, end)
-                || session.landed.overlaps(w.region, w.offset, end)
+                || !matches!(
+                    check_in_session(&self.writes, session, peer, w),
+                    Ok(Checked::Admit)
+                )
             {
                 break;
             }
@@ -211,8 +172,63 @@ impl Receiver {
     }
 }
 
-/// Admits `w`, which passed every check of [`Receiver::check_write`]: records the flight and
-/// counts it in its session.
+/// What a write to a live session from a ready peer gets, once [`check_in_session`] passed.
+enum Checked {
+    /// Apply it.
+    Admit,
+    /// The session ended: the write is late, its bytes are dropped.
+    Discard,
+}
+
+/// The checks of a data write against the live session it names (the peer is ready), in the
+/// order their refusals are reported: its grant, its writer, the granted extents, the session's
+/// phase, then no overlap with a write in flight or the bytes landed.
+fn check_in_session(
+    writes: &WritesInFlight,
+    session: &RecvSession,
+    peer: PeerId,
+    w: &DataWrite,
+) -> Result<Checked, WriteRefusal> {
+    let request = w.request;
+    if session.frame.grant != w.grant {
+        return Err(WriteRefusal::WrongGrant {
+            request,
+            got: w.grant,
+        });
+    }
+    if !session
+        .writers
+        .iter()
+        .any(|x| x.peer == peer && x.phase != WriterPhase::Unregistered)
+    {
+        return Err(WriteRefusal::NotAWriter { request, peer });
+    }
+    if !session.extents.contains(w.region, w.offset, w.len) {
+        return Err(WriteRefusal::OutsideGrant {
+            request,
+            region: w.region,
+            offset: w.offset,
+            len: w.len,
+        });
+    }
+    if !session.phase.is_active() {
+        return Ok(Checked::Discard);
+    }
+    let end = w.offset + w.len; // `contains` checked it does not overflow
+    if writes.overlaps(w.region, w.offset, end) || session.landed.overlaps(w.region, w.offset, end)
+    {
+        return Err(WriteRefusal::Overlap {
+            request,
+            region: w.region,
+            offset: w.offset,
+            len: w.len,
+        });
+    }
+    Ok(Checked::Admit)
+}
+
+/// Admits `w`, which passed [`check_in_session`]: records the flight and counts it in its
+/// session.
 fn admit(
     writes: &mut WritesInFlight,
     session: &mut RecvSession,
