@@ -8,13 +8,14 @@ use kvpipe::{mem_pair as embed_mem_pair, EmbedError, Node, NodeConfig, Role, Tcp
 use kvpipe_core::session::{Registration, SendRequest};
 use kvpipe_core::wire::AuxData;
 use kvpipe_core::{
-    AnchoredRun, BlockId, ChunkSpec, GroupIndex, InstanceId, LayerOrder, LayerRange, PeerId,
+    AnchoredRun, BlockId, ChunkSpec, GroupIndex, InstanceId, LayerOrder, PeerId,
     Receiver as CoreReceiver, RequestId, Sender as CoreSender,
 };
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
+use crate::arguments::layer_range;
 use crate::errors::{to_py, EngineFaultError};
 use crate::event::Event;
 use crate::layout::{deadlines, layout, LayerGroup};
@@ -256,6 +257,9 @@ impl Sender {
     /// :meth:`layer_count`. A chunk's ranges come in order with the same chunk arguments, the
     /// first from layer 0, each from where the previous one ended, the last to
     /// :meth:`layer_count`; only the first calls ``blocks``. Each range is a slice of its own.
+    /// A ``layers`` that is not a tuple raises ``TypeError``, one not of two integers from 0
+    /// to 2**32 - 1 ``TypeError`` or ``ValueError`` naming the item; a range that breaks the
+    /// rules above raises :class:`UsageError`. Either way nothing changes.
     ///
     /// Returns the slice id, or ``None`` when the chunk (range) writes nothing. Leave the
     /// blocks unchanged until the request's ``"quiesced"`` event.
@@ -275,8 +279,9 @@ impl Sender {
         prepopulated_len: u32,
         is_last: Option<bool>,
         prefix_sent_early: bool,
-        layers: Option<(u32, u32)>,
+        layers: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Option<u32>> {
+        let layers = layers.map(layer_range).transpose()?;
         let spec = ChunkSpec {
             start,
             end,
@@ -287,12 +292,10 @@ impl Sender {
         };
         let mut source = PySource::new(blocks);
         let result = py.detach(|| match layers {
-            Some((begin, end)) => self.node.submit_chunk_layers(
-                RequestId(request),
-                spec,
-                LayerRange::new(begin, end),
-                &mut source,
-            ),
+            Some(layers) => {
+                self.node
+                    .submit_chunk_layers(RequestId(request), spec, layers, &mut source)
+            }
             None => self
                 .node
                 .submit_chunk(RequestId(request), spec, &mut source),

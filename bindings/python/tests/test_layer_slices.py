@@ -155,3 +155,42 @@ def test_a_layer_order_that_misses_layers_is_refused():
     src = pools(1, True)
     with pytest.raises(kvpipe.ConfigError, match="layer order lists group#0 2 times"):
         kvpipe.Sender.tcp(layout(1), src, layer_order=[0, 0, 1])
+
+
+# What a message starts with: the argument, then what it accepts.
+TUPLE = r"layers must be None \(the whole chunk\) or a \(begin, end\) tuple of layer positions"
+BEGIN = r"the begin of layers=\(begin, end\) must be an integer from 0 to 4294967295"
+END = r"the end of layers=\(begin, end\) must be an integer from 0 to 4294967295"
+
+
+@pytest.mark.parametrize(
+    "layers, error, message",
+    [
+        ((-1, 2), ValueError, BEGIN + ", got -1$"),
+        ((0, 2**32), ValueError, END + ", got 4294967296$"),
+        ((0, 2**70), ValueError, END + ", got 1180591620717411303424$"),
+        ((0,), ValueError, TUPLE + r", got a tuple of length 1: \(0,\)$"),
+        ((0, 1, 2), ValueError, TUPLE + r", got a tuple of length 3: \(0, 1, 2\)$"),
+        ([0, 2], TypeError, TUPLE + r", got \[0, 2\] \(type list\)$"),
+        (2, TypeError, TUPLE + r", got 2 \(type int\)$"),
+        ("0:2", TypeError, TUPLE + r", got '0:2' \(type str\)$"),
+        ((0.0, 2.0), TypeError, BEGIN + r", got 0.0 \(type float\)$"),
+        ((0, None), TypeError, END + r", got None \(type NoneType\)$"),
+    ],
+)
+def test_a_bad_layer_range_names_the_argument_and_changes_nothing(layers, error, message):
+    src, dst = pools(1, True), pools(101, False)
+    tx, rx = kvpipe.mem_pair(layout(1), src, layout(101), dst, layer_order=ORDER)
+    try:
+        tx.open_request(3, [kvpipe.MEM_RECEIVER_PEER])
+        table = lambda req, group, begin, end: (begin, list(range(begin, end)))  # noqa: E731
+        with pytest.raises(error, match=message):
+            tx.submit_chunk(3, 0, CHUNK, PROMPT, table, layers=layers)
+        # Refused before the core saw it: the chunk's first range is still layer 0's.
+        assert tx.submit_chunk(3, 0, CHUNK, PROMPT, table, layers=(0, 1)) is not None
+        # numpy integers convert as Python's do.
+        numpy_range = (np.int64(1), np.uint8(2))
+        assert tx.submit_chunk(3, 0, CHUNK, PROMPT, table, layers=numpy_range) is not None
+    finally:
+        tx.close()
+        rx.close()

@@ -256,7 +256,10 @@ class Sender:
         ``layers=(begin, end)`` submits only those layers of it, as soon as the engine computed
         them (vLLM's ``save_kv_layer``): a chunk's ranges come in order with the same chunk
         arguments, from layer 0 to :meth:`layer_count`, each starting where the previous one
-        ended; only the first calls ``blocks``, and each range is a slice of its own."""
+        ended; only the first calls ``blocks``, and each range is a slice of its own. A
+        ``layers`` that is not a tuple raises ``TypeError``, one not of two integers from 0 to
+        2**32 - 1 ``TypeError`` or ``ValueError`` naming the item; a range that breaks these
+        rules raises :class:`UsageError`. Either way nothing changes."""
     def layer_count(self) -> int:
         """The rank's layers (every layer group's), which ``layers`` ranges end at."""
     def submit_prefix(
