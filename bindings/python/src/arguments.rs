@@ -6,10 +6,10 @@
 //! its inputs: ``TypeError`` for a wrong type, ``ValueError`` for a value out of range, each
 //! message saying which argument, what it accepts and what was given.
 
-use kvpipe_core::LayerRange;
+use kvpipe_core::{GroupIndex, LayerOrder, LayerRange};
 use pyo3::exceptions::{PyOverflowError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::PyTuple;
+use pyo3::types::{PyByteArray, PyBytes, PyString, PyTuple};
 
 /// An unsigned integer type an argument converts to.
 pub(crate) trait Unsigned: for<'a, 'py> FromPyObject<'a, 'py, Error = PyErr> {
@@ -84,4 +84,41 @@ pub(crate) fn layer_range(value: &Bound<'_, PyAny>) -> PyResult<LayerRange> {
     let begin = unsigned(&tuple.get_item(0)?, "the begin of layers=(begin, end)")?;
     let end = unsigned(&tuple.get_item(1)?, "the end of layers=(begin, end)")?;
     Ok(LayerRange::new(begin, end))
+}
+
+/// The ``layer_order`` argument of ``Sender.tcp`` and ``mem_pair``: an iterable of layer group
+/// indices, one per layer of the rank, in compute order (the caller keeps ``None``, the groups
+/// one after the other). An empty order is refused with ``ValueError`` rather than taken as the
+/// default (the core's empty order), a string or a non-iterable with ``TypeError``, an index
+/// that is not an integer or out of range as [`unsigned`] says. Whether the order fits the
+/// layout is the core's check.
+pub(crate) fn layer_order(value: &Bound<'_, PyAny>) -> PyResult<LayerOrder> {
+    const ACCEPTED: &str = "layer_order must be None (the layer groups one after the other) or \
+                            a sequence of layer group indices, one per layer of the rank";
+    let not_a_sequence = || {
+        PyTypeError::new_err(format!(
+            "{ACCEPTED}, got {} (type {})",
+            shown(value),
+            type_name(value)
+        ))
+    };
+    // A string iterates, but its characters are no group indices.
+    if value.is_instance_of::<PyString>()
+        || value.is_instance_of::<PyBytes>()
+        || value.is_instance_of::<PyByteArray>()
+    {
+        return Err(not_a_sequence());
+    }
+    let mut groups = Vec::new();
+    for (i, item) in value.try_iter().map_err(|_| not_a_sequence())?.enumerate() {
+        groups.push(GroupIndex(unsigned(&item?, &format!("layer_order[{i}]"))?));
+    }
+    if groups.is_empty() {
+        return Err(PyValueError::new_err(format!(
+            "layer_order is empty: it must list the layer group of each of the rank's layers, \
+             or be None for the groups one after the other; got {}",
+            shown(value)
+        )));
+    }
+    Ok(LayerOrder { groups })
 }

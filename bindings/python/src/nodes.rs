@@ -8,14 +8,14 @@ use kvpipe::{mem_pair as embed_mem_pair, EmbedError, Node, NodeConfig, Role, Tcp
 use kvpipe_core::session::{Registration, SendRequest};
 use kvpipe_core::wire::AuxData;
 use kvpipe_core::{
-    AnchoredRun, BlockId, ChunkSpec, GroupIndex, InstanceId, LayerOrder, PeerId,
-    Receiver as CoreReceiver, RequestId, Sender as CoreSender,
+    AnchoredRun, BlockId, ChunkSpec, InstanceId, PeerId, Receiver as CoreReceiver, RequestId,
+    Sender as CoreSender,
 };
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::arguments::layer_range;
+use crate::arguments::{self, layer_range};
 use crate::errors::{to_py, EngineFaultError};
 use crate::event::Event;
 use crate::layout::{deadlines, layout, LayerGroup};
@@ -44,7 +44,7 @@ fn config(
     given: Option<&Bound<'_, PyDict>>,
     instance: Option<u64>,
     place: RankPlace,
-    layer_order: Option<Vec<u16>>,
+    layer_order: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<NodeConfig> {
     if !(1..=255).contains(&connections) {
         return Err(PyValueError::new_err(format!(
@@ -57,9 +57,7 @@ fn config(
     c.instance = instance.map(InstanceId);
     c.tcp.connections_per_peer = connections;
     if let Some(order) = layer_order {
-        c.layer_order = LayerOrder {
-            groups: order.into_iter().map(GroupIndex).collect(),
-        };
+        c.layer_order = arguments::layer_order(order)?;
     }
     Ok(c)
 }
@@ -157,9 +155,12 @@ impl Sender {
     /// ``cuda`` feature, this side connecting; ``connect`` raises with the reason otherwise) or
     /// ``"auto"`` (peer copies where the decode node accepts them, else the socket); with
     /// either, ``connect`` returns once the decode node answered the offer (within the
-    /// preamble deadline, else it raises). ``layer_order``: the group index of each of the rank's layers in the order the
-    /// engine computes them, which the ``layers`` of :meth:`submit_chunk` index (default: the
-    /// groups one after the other); a model whose groups interleave lists it.
+    /// preamble deadline, else it raises). ``layer_order``: the group index of each of the
+    /// rank's layers in the order the engine computes them, which the ``layers`` of
+    /// :meth:`submit_chunk` index (default ``None``: the groups one after the other); a model
+    /// whose groups interleave lists it. An empty order is not the default: it raises
+    /// ``ValueError``, as does an index that is negative or past 65535 (``TypeError``: not a
+    /// sequence of integers); one that does not fit the layout raises :class:`ConfigError`.
     #[staticmethod]
     #[pyo3(signature = (
         layout, pools, *, connections = 2, deadlines = None, instance = None, tp_size = 1,
@@ -177,7 +178,7 @@ impl Sender {
         pp_size: i64,
         pp_rank: i64,
         data_path: &str,
-        layer_order: Option<Vec<u16>>,
+        layer_order: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let place = RankPlace {
             tp_size,
@@ -572,7 +573,7 @@ pub(crate) fn mem_pair(
     receiver_layout: Vec<PyRef<'_, LayerGroup>>,
     receiver_pools: &Bound<'_, PyDict>,
     deadlines: Option<&Bound<'_, PyDict>>,
-    layer_order: Option<Vec<u16>>,
+    layer_order: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<(Sender, Receiver)> {
     let s = config(
         &sender_layout,

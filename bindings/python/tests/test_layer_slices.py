@@ -194,3 +194,41 @@ def test_a_bad_layer_range_names_the_argument_and_changes_nothing(layers, error,
     finally:
         tx.close()
         rx.close()
+
+
+ORDER_TYPE = r"layer_order must be None \(the layer groups one after the other\) or a sequence"
+ORDER_ITEM = r"layer_order\[{}\] must be an integer from 0 to 65535, got {}"
+
+
+@pytest.mark.parametrize(
+    "order, error, message",
+    [
+        # An explicit empty order is not the default one.
+        ([], ValueError, r"layer_order is empty: it must list the layer group of each of the "
+                         r"rank's layers, or be None .*; got \[\]$"),
+        ((), ValueError, r"layer_order is empty: .*; got \(\)$"),
+        (np.array([], dtype=np.int64), ValueError, r"layer_order is empty: "),
+        ([1, -1, 0, 1, 0], ValueError, ORDER_ITEM.format(1, -1) + "$"),
+        ([1, 0, 0, 1, 70000], ValueError, ORDER_ITEM.format(4, 70000) + "$"),
+        ([1, 0, 0.0, 1, 0], TypeError, ORDER_ITEM.format(2, r"0.0 \(type float\)") + "$"),
+        ([1, 0, None, 1, 0], TypeError, ORDER_ITEM.format(2, r"None \(type NoneType\)") + "$"),
+        ("10010", TypeError, ORDER_TYPE + r".*, got '10010' \(type str\)$"),
+        (b"\x01\x00", TypeError, ORDER_TYPE + r".* \(type bytes\)$"),
+        (1, TypeError, ORDER_TYPE + r".*, got 1 \(type int\)$"),
+    ],
+)
+def test_a_bad_layer_order_names_the_argument(order, error, message):
+    src, dst = pools(1, True), pools(101, False)
+    with pytest.raises(error, match=message):
+        kvpipe.Sender.tcp(layout(1), src, layer_order=order)
+    with pytest.raises(error, match=message):
+        kvpipe.mem_pair(layout(1), src, layout(101), dst, layer_order=order)
+
+
+@pytest.mark.parametrize("order", [None, ORDER, tuple(ORDER), np.array(ORDER, dtype=np.uint16)])
+def test_a_layer_order_is_none_or_any_sequence_of_group_indices(order):
+    tx = kvpipe.Sender.tcp(layout(1), pools(1, True), layer_order=order)
+    try:
+        assert tx.layer_count() == len(ORDER)
+    finally:
+        tx.close()

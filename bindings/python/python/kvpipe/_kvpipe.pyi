@@ -228,8 +228,11 @@ class Sender:
         the decode node answered the offer (within the preamble deadline, else it raises).
 
         ``layer_order`` lists the layer group of each of the rank's layers in the order the
-        engine computes them (default: the groups one after the other), which the ``layers``
-        of :meth:`submit_chunk` index; a model whose groups interleave lists it."""
+        engine computes them (default ``None``: the groups one after the other), which the
+        ``layers`` of :meth:`submit_chunk` index; a model whose groups interleave lists it. An
+        empty order is not the default: it raises ``ValueError``, as does an index that is
+        negative or past 65535 (``TypeError``: not a sequence of integers); one that does not
+        fit the layout (each group named once per layer it has) raises :class:`ConfigError`."""
     @property
     def transport(self) -> Literal["tcp", "mem"]: ...
     def listen(self, addr: str) -> int: ...
@@ -357,4 +360,6 @@ def mem_pair(
     *,
     deadlines: Deadlines | None = None,
     layer_order: Sequence[int] | None = None,
-) -> tuple[Sender, Receiver]: ...
+) -> tuple[Sender, Receiver]:
+    """A prefill and a decode node connected in this process. ``layer_order`` is the prefill
+    node's, checked as :meth:`Sender.tcp` checks it."""
