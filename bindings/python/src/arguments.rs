@@ -122,3 +122,29 @@ pub(crate) fn layer_order(value: &Bound<'_, PyAny>) -> PyResult<LayerOrder> {
     }
     Ok(LayerOrder { groups })
 }
+
+/// The token counts of ``Sender.submit_chunk``, for ``#[pyo3(from_py_with = ...)]`` (which
+/// hands a converter no argument name): each as [`unsigned`] converts it.
+pub(crate) mod chunk {
+    use pyo3::prelude::*;
+
+    /// ``start``: the chunk's first token.
+    pub(crate) fn start(value: &Bound<'_, PyAny>) -> PyResult<u32> {
+        super::unsigned(value, "start")
+    }
+
+    /// ``end``: one past the chunk's last token.
+    pub(crate) fn end(value: &Bound<'_, PyAny>) -> PyResult<u32> {
+        super::unsigned(value, "end")
+    }
+
+    /// ``prompt_len``: the prompt's tokens.
+    pub(crate) fn prompt_len(value: &Bound<'_, PyAny>) -> PyResult<u32> {
+        super::unsigned(value, "prompt_len")
+    }
+
+    /// ``prepopulated_len``: the prompt's tokens the decode side holds already.
+    pub(crate) fn prepopulated_len(value: &Bound<'_, PyAny>) -> PyResult<u32> {
+        super::unsigned(value, "prepopulated_len")
+    }
+}

@@ -15,7 +15,7 @@ use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::arguments::{self, layer_range};
+use crate::arguments::{self, chunk, layer_range};
 use crate::errors::{to_py, EngineFaultError};
 use crate::event::Event;
 use crate::layout::{deadlines, layout, LayerGroup};
@@ -251,6 +251,8 @@ impl Sender {
     /// ``blocks(request, group, begin, end) -> (first_ordinal, ids)`` returning the run of
     /// resident blocks ending at ``end`` (called with the node unlocked; the chunk is checked
     /// again when its answers are applied). ``is_last`` defaults to ``end == prompt_len``.
+    /// ``start``, ``end``, ``prompt_len`` and ``prepopulated_len`` are integers from 0 to
+    /// 2**32 - 1; another value raises ``ValueError`` (``TypeError``: not an integer) naming it.
     ///
     /// ``layers=(begin, end)`` submits only those layers of the chunk, as soon as the engine
     /// has computed them (vLLM's ``save_kv_layer``): layers count the rank's layers in compute
@@ -273,11 +275,11 @@ impl Sender {
         &self,
         py: Python<'_>,
         request: u64,
-        start: u32,
-        end: u32,
-        prompt_len: u32,
+        #[pyo3(from_py_with = chunk::start)] start: u32,
+        #[pyo3(from_py_with = chunk::end)] end: u32,
+        #[pyo3(from_py_with = chunk::prompt_len)] prompt_len: u32,
         blocks: &Bound<'_, PyAny>,
-        prepopulated_len: u32,
+        #[pyo3(from_py_with = chunk::prepopulated_len)] prepopulated_len: u32,
         is_last: Option<bool>,
         prefix_sent_early: bool,
         layers: Option<&Bound<'_, PyAny>>,

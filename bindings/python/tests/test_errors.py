@@ -113,6 +113,25 @@ def test_a_block_source_exception_propagates(pair):
     assert tx.submit_chunk(8, 0, 4, 8, [[0, 1]]) is not None
 
 
+@pytest.mark.parametrize("argument", ["start", "end", "prompt_len", "prepopulated_len"])
+@pytest.mark.parametrize(
+    "value, error, got",
+    [
+        (-1, ValueError, "-1"),
+        (2**32, ValueError, "4294967296"),
+        (4.0, TypeError, r"4.0 \(type float\)"),
+    ],
+)
+def test_a_bad_token_count_names_the_argument(pair, argument, value, error, got):
+    tx, _, _, _ = pair
+    tx.open_request(9, [kvpipe.MEM_RECEIVER_PEER])
+    chunk = dict(request=9, start=0, end=4, prompt_len=10, blocks=[[0, 1, 2]])
+    message = rf"^{argument} must be an integer from 0 to 4294967295, got {got}"
+    with pytest.raises(error, match=message):
+        tx.submit_chunk(**{**chunk, argument: value})
+    # Refused before the core saw it: the chunk can still be submitted.
+    assert tx.submit_chunk(**chunk) is not None
+
 def test_registration_anchors_are_explicit(pair):
     _, rx, _, _ = pair
     with pytest.raises(TypeError, match="first_ordinal, ids"):

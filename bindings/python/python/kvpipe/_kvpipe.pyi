@@ -255,6 +255,8 @@ class Sender:
         layers: tuple[int, int] | None = None,
     ) -> int | None:
         """Submits chunk ``[start, end)`` just computed (``None``: it writes nothing).
+        ``start``, ``end``, ``prompt_len`` and ``prepopulated_len`` are integers from 0 to
+        2**32 - 1; another value raises ``ValueError`` (``TypeError``: not an integer) naming it.
 
         ``layers=(begin, end)`` submits only those layers of it, as soon as the engine computed
         them (vLLM's ``save_kv_layer``): a chunk's ranges come in order with the same chunk
