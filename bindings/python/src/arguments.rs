@@ -123,6 +123,27 @@ pub(crate) fn layer_order(value: &Bound<'_, PyAny>) -> PyResult<LayerOrder> {
     Ok(LayerOrder { groups })
 }
 
+/// The ``connections`` argument of ``Sender.tcp`` and ``Receiver.tcp``: sockets per peer, 1 to
+/// 255. ``ValueError`` for another integer (a negative one included), ``TypeError`` for a
+/// non-integer.
+pub(crate) fn connections(value: &Bound<'_, PyAny>) -> PyResult<usize> {
+    const ACCEPTED: &str = "connections must be between 1 and 255";
+    match value.extract::<u8>() {
+        Ok(n) if n >= 1 => Ok(usize::from(n)),
+        Err(e) if !e.is_instance_of::<PyOverflowError>(value.py()) => {
+            Err(PyTypeError::new_err(format!(
+                "{ACCEPTED}, got {} (type {})",
+                shown(value),
+                type_name(value)
+            )))
+        }
+        _ => Err(PyValueError::new_err(format!(
+            "{ACCEPTED}, got {}",
+            shown(value)
+        ))),
+    }
+}
+
 /// The token counts of ``Sender.submit_chunk``, for ``#[pyo3(from_py_with = ...)]`` (which
 /// hands a converter no argument name): each as [`unsigned`] converts it.
 pub(crate) mod chunk {

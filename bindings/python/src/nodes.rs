@@ -38,6 +38,8 @@ fn tcp_data_path(name: &str) -> PyResult<TcpDataPath> {
     }
 }
 
+/// A node's configuration from its constructor's arguments (`connections` as
+/// [`arguments::connections`] converts it: 1 to 255).
 fn config(
     groups: &[PyRef<'_, LayerGroup>],
     connections: usize,
@@ -46,11 +48,6 @@ fn config(
     place: RankPlace,
     layer_order: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<NodeConfig> {
-    if !(1..=255).contains(&connections) {
-        return Err(PyValueError::new_err(format!(
-            "connections must be between 1 and 255, got {connections}"
-        )));
-    }
     let mut c = NodeConfig::new(layout(groups));
     c.topology = place.topology(&c.layout)?;
     c.deadlines = deadlines(given)?;
@@ -170,7 +167,7 @@ impl Sender {
     fn tcp(
         layout: Vec<PyRef<'_, LayerGroup>>,
         pools: &Bound<'_, PyDict>,
-        connections: usize,
+        #[pyo3(from_py_with = arguments::connections)] connections: usize,
         deadlines: Option<&Bound<'_, PyDict>>,
         instance: Option<u64>,
         tp_size: i64,
@@ -440,7 +437,7 @@ impl Receiver {
     fn tcp(
         layout: Vec<PyRef<'_, LayerGroup>>,
         pools: &Bound<'_, PyDict>,
-        connections: usize,
+        #[pyo3(from_py_with = arguments::connections)] connections: usize,
         deadlines: Option<&Bound<'_, PyDict>>,
         instance: Option<u64>,
         tp_size: i64,

@@ -153,8 +153,14 @@ def test_bad_pools_and_settings_raise():
         kvpipe.Sender.tcp(layout(1), {1: src}, deadlines={"handshak": 1.0})
     with pytest.raises(ValueError, match="a pool in region#1, but no memory was given for region#1"):
         kvpipe.Sender.tcp(layout(1), {2: src})
-    with pytest.raises(ValueError, match="connections must be between 1 and 255"):
-        kvpipe.Sender.tcp(layout(1), {1: src}, connections=0)
+    connections_range = "^connections must be between 1 and 255, got "
+    for connections in (0, -1, 256, 2**64):
+        with pytest.raises(ValueError, match=f"{connections_range}{connections}"):
+            kvpipe.Sender.tcp(layout(1), {1: src}, connections=connections)
+        with pytest.raises(ValueError, match=f"{connections_range}{connections}"):
+            kvpipe.Receiver.tcp(layout(9), {9: np.zeros_like(src)}, connections=connections)
+    with pytest.raises(TypeError, match=connections_range + r"'2' \(type str\)"):
+        kvpipe.Sender.tcp(layout(1), {1: src}, connections="2")
     # A read-only pool is fine on the prefill side, which only reads.
     tx = kvpipe.Sender.tcp(layout(1), {1: readonly})
     with pytest.raises(kvpipe.TransportError, match="not available on the mem"):
