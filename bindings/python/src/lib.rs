@@ -4,6 +4,7 @@
 //! the GIL first (the node's lock is never waited for while holding it), and a Python block
 //! source takes the GIL back only while it answers the core's query.
 
+mod arguments;
 mod errors;
 mod event;
 mod layout;

@@ -8,13 +8,14 @@ use kvpipe::{mem_pair as embed_mem_pair, EmbedError, Node, NodeConfig, Role, Tcp
 use kvpipe_core::session::{Registration, SendRequest};
 use kvpipe_core::wire::AuxData;
 use kvpipe_core::{
-    AnchoredRun, BlockId, ChunkSpec, GroupIndex, InstanceId, LayerOrder, LayerRange, PeerId,
-    Receiver as CoreReceiver, RequestId, Sender as CoreSender,
+    AnchoredRun, BlockId, ChunkSpec, InstanceId, PeerId, Receiver as CoreReceiver, RequestId,
+    Sender as CoreSender,
 };
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
+use crate::arguments::{self, chunk, layer_range};
 use crate::errors::{to_py, EngineFaultError};
 use crate::event::Event;
 use crate::layout::{deadlines, layout, LayerGroup};
@@ -37,28 +38,23 @@ fn tcp_data_path(name: &str) -> PyResult<TcpDataPath> {
     }
 }
 
+/// A node's configuration from its constructor's arguments (`connections` as
+/// [`arguments::connections`] converts it: 1 to 255).
 fn config(
     groups: &[PyRef<'_, LayerGroup>],
     connections: usize,
     given: Option<&Bound<'_, PyDict>>,
     instance: Option<u64>,
     place: RankPlace,
-    layer_order: Option<Vec<u16>>,
+    layer_order: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<NodeConfig> {
-    if !(1..=255).contains(&connections) {
-        return Err(PyValueError::new_err(format!(
-            "connections must be between 1 and 255, got {connections}"
-        )));
-    }
     let mut c = NodeConfig::new(layout(groups));
     c.topology = place.topology(&c.layout)?;
     c.deadlines = deadlines(given)?;
     c.instance = instance.map(InstanceId);
     c.tcp.connections_per_peer = connections;
     if let Some(order) = layer_order {
-        c.layer_order = LayerOrder {
-            groups: order.into_iter().map(GroupIndex).collect(),
-        };
+        c.layer_order = arguments::layer_order(order)?;
     }
     Ok(c)
 }
@@ -156,9 +152,12 @@ impl Sender {
     /// ``cuda`` feature, this side connecting; ``connect`` raises with the reason otherwise) or
     /// ``"auto"`` (peer copies where the decode node accepts them, else the socket); with
     /// either, ``connect`` returns once the decode node answered the offer (within the
-    /// preamble deadline, else it raises). ``layer_order``: the group index of each of the rank's layers in the order the
-    /// engine computes them, which the ``layers`` of :meth:`submit_chunk` index (default: the
-    /// groups one after the other); a model whose groups interleave lists it.
+    /// preamble deadline, else it raises). ``layer_order``: the group index of each of the
+    /// rank's layers in the order the engine computes them, which the ``layers`` of
+    /// :meth:`submit_chunk` index (default ``None``: the groups one after the other); a model
+    /// whose groups interleave lists it. An empty order is not the default: it raises
+    /// ``ValueError``, as does an index that is negative or past 65535 (``TypeError``: not a
+    /// sequence of integers); one that does not fit the layout raises :class:`ConfigError`.
     #[staticmethod]
     #[pyo3(signature = (
         layout, pools, *, connections = 2, deadlines = None, instance = None, tp_size = 1,
@@ -168,7 +167,7 @@ impl Sender {
     fn tcp(
         layout: Vec<PyRef<'_, LayerGroup>>,
         pools: &Bound<'_, PyDict>,
-        connections: usize,
+        #[pyo3(from_py_with = arguments::connections)] connections: usize,
         deadlines: Option<&Bound<'_, PyDict>>,
         instance: Option<u64>,
         tp_size: i64,
@@ -176,7 +175,7 @@ impl Sender {
         pp_size: i64,
         pp_rank: i64,
         data_path: &str,
-        layer_order: Option<Vec<u16>>,
+        layer_order: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let place = RankPlace {
             tp_size,
@@ -249,6 +248,8 @@ impl Sender {
     /// ``blocks(request, group, begin, end) -> (first_ordinal, ids)`` returning the run of
     /// resident blocks ending at ``end`` (called with the node unlocked; the chunk is checked
     /// again when its answers are applied). ``is_last`` defaults to ``end == prompt_len``.
+    /// ``start``, ``end``, ``prompt_len`` and ``prepopulated_len`` are integers from 0 to
+    /// 2**32 - 1; another value raises ``ValueError`` (``TypeError``: not an integer) naming it.
     ///
     /// ``layers=(begin, end)`` submits only those layers of the chunk, as soon as the engine
     /// has computed them (vLLM's ``save_kv_layer``): layers count the rank's layers in compute
@@ -256,6 +257,9 @@ impl Sender {
     /// :meth:`layer_count`. A chunk's ranges come in order with the same chunk arguments, the
     /// first from layer 0, each from where the previous one ended, the last to
     /// :meth:`layer_count`; only the first calls ``blocks``. Each range is a slice of its own.
+    /// A ``layers`` that is not a tuple raises ``TypeError``, one not of two integers from 0
+    /// to 2**32 - 1 ``TypeError`` or ``ValueError`` naming the item; a range that breaks the
+    /// rules above raises :class:`UsageError`. Either way nothing changes.
     ///
     /// Returns the slice id, or ``None`` when the chunk (range) writes nothing. Leave the
     /// blocks unchanged until the request's ``"quiesced"`` event.
@@ -268,15 +272,16 @@ impl Sender {
         &self,
         py: Python<'_>,
         request: u64,
-        start: u32,
-        end: u32,
-        prompt_len: u32,
+        #[pyo3(from_py_with = chunk::start)] start: u32,
+        #[pyo3(from_py_with = chunk::end)] end: u32,
+        #[pyo3(from_py_with = chunk::prompt_len)] prompt_len: u32,
         blocks: &Bound<'_, PyAny>,
-        prepopulated_len: u32,
+        #[pyo3(from_py_with = chunk::prepopulated_len)] prepopulated_len: u32,
         is_last: Option<bool>,
         prefix_sent_early: bool,
-        layers: Option<(u32, u32)>,
+        layers: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Option<u32>> {
+        let layers = layers.map(layer_range).transpose()?;
         let spec = ChunkSpec {
             start,
             end,
@@ -287,12 +292,10 @@ impl Sender {
         };
         let mut source = PySource::new(blocks);
         let result = py.detach(|| match layers {
-            Some((begin, end)) => self.node.submit_chunk_layers(
-                RequestId(request),
-                spec,
-                LayerRange::new(begin, end),
-                &mut source,
-            ),
+            Some(layers) => {
+                self.node
+                    .submit_chunk_layers(RequestId(request), spec, layers, &mut source)
+            }
             None => self
                 .node
                 .submit_chunk(RequestId(request), spec, &mut source),
@@ -434,7 +437,7 @@ impl Receiver {
     fn tcp(
         layout: Vec<PyRef<'_, LayerGroup>>,
         pools: &Bound<'_, PyDict>,
-        connections: usize,
+        #[pyo3(from_py_with = arguments::connections)] connections: usize,
         deadlines: Option<&Bound<'_, PyDict>>,
         instance: Option<u64>,
         tp_size: i64,
@@ -569,7 +572,7 @@ pub(crate) fn mem_pair(
     receiver_layout: Vec<PyRef<'_, LayerGroup>>,
     receiver_pools: &Bound<'_, PyDict>,
     deadlines: Option<&Bound<'_, PyDict>>,
-    layer_order: Option<Vec<u16>>,
+    layer_order: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<(Sender, Receiver)> {
     let s = config(
         &sender_layout,

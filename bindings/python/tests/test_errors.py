@@ -113,6 +113,25 @@ def test_a_block_source_exception_propagates(pair):
     assert tx.submit_chunk(8, 0, 4, 8, [[0, 1]]) is not None
 
 
+@pytest.mark.parametrize("argument", ["start", "end", "prompt_len", "prepopulated_len"])
+@pytest.mark.parametrize(
+    "value, error, got",
+    [
+        (-1, ValueError, "-1"),
+        (2**32, ValueError, "4294967296"),
+        (4.0, TypeError, r"4.0 \(type float\)"),
+    ],
+)
+def test_a_bad_token_count_names_the_argument(pair, argument, value, error, got):
+    tx, _, _, _ = pair
+    tx.open_request(9, [kvpipe.MEM_RECEIVER_PEER])
+    chunk = dict(request=9, start=0, end=4, prompt_len=10, blocks=[[0, 1, 2]])
+    message = rf"^{argument} must be an integer from 0 to 4294967295, got {got}"
+    with pytest.raises(error, match=message):
+        tx.submit_chunk(**{**chunk, argument: value})
+    # Refused before the core saw it: the chunk can still be submitted.
+    assert tx.submit_chunk(**chunk) is not None
+
 def test_registration_anchors_are_explicit(pair):
     _, rx, _, _ = pair
     with pytest.raises(TypeError, match="first_ordinal, ids"):
@@ -134,8 +153,14 @@ def test_bad_pools_and_settings_raise():
         kvpipe.Sender.tcp(layout(1), {1: src}, deadlines={"handshak": 1.0})
     with pytest.raises(ValueError, match="a pool in region#1, but no memory was given for region#1"):
         kvpipe.Sender.tcp(layout(1), {2: src})
-    with pytest.raises(ValueError, match="connections must be between 1 and 255"):
-        kvpipe.Sender.tcp(layout(1), {1: src}, connections=0)
+    connections_range = "^connections must be between 1 and 255, got "
+    for connections in (0, -1, 256, 2**64):
+        with pytest.raises(ValueError, match=f"{connections_range}{connections}"):
+            kvpipe.Sender.tcp(layout(1), {1: src}, connections=connections)
+        with pytest.raises(ValueError, match=f"{connections_range}{connections}"):
+            kvpipe.Receiver.tcp(layout(9), {9: np.zeros_like(src)}, connections=connections)
+    with pytest.raises(TypeError, match=connections_range + r"'2' \(type str\)"):
+        kvpipe.Sender.tcp(layout(1), {1: src}, connections="2")
     # A read-only pool is fine on the prefill side, which only reads.
     tx = kvpipe.Sender.tcp(layout(1), {1: readonly})
     with pytest.raises(kvpipe.TransportError, match="not available on the mem"):

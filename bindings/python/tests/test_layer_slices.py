@@ -155,3 +155,80 @@ def test_a_layer_order_that_misses_layers_is_refused():
     src = pools(1, True)
     with pytest.raises(kvpipe.ConfigError, match="layer order lists group#0 2 times"):
         kvpipe.Sender.tcp(layout(1), src, layer_order=[0, 0, 1])
+
+
+# What a message starts with: the argument, then what it accepts.
+TUPLE = r"layers must be None \(the whole chunk\) or a \(begin, end\) tuple of layer positions"
+BEGIN = r"the begin of layers=\(begin, end\) must be an integer from 0 to 4294967295"
+END = r"the end of layers=\(begin, end\) must be an integer from 0 to 4294967295"
+
+
+@pytest.mark.parametrize(
+    "layers, error, message",
+    [
+        ((-1, 2), ValueError, BEGIN + ", got -1$"),
+        ((0, 2**32), ValueError, END + ", got 4294967296$"),
+        ((0, 2**70), ValueError, END + ", got 1180591620717411303424$"),
+        ((0,), ValueError, TUPLE + r", got a tuple of length 1: \(0,\)$"),
+        ((0, 1, 2), ValueError, TUPLE + r", got a tuple of length 3: \(0, 1, 2\)$"),
+        ([0, 2], TypeError, TUPLE + r", got \[0, 2\] \(type list\)$"),
+        (2, TypeError, TUPLE + r", got 2 \(type int\)$"),
+        ("0:2", TypeError, TUPLE + r", got '0:2' \(type str\)$"),
+        ((0.0, 2.0), TypeError, BEGIN + r", got 0.0 \(type float\)$"),
+        ((0, None), TypeError, END + r", got None \(type NoneType\)$"),
+    ],
+)
+def test_a_bad_layer_range_names_the_argument_and_changes_nothing(layers, error, message):
+    src, dst = pools(1, True), pools(101, False)
+    tx, rx = kvpipe.mem_pair(layout(1), src, layout(101), dst, layer_order=ORDER)
+    try:
+        tx.open_request(3, [kvpipe.MEM_RECEIVER_PEER])
+        table = lambda req, group, begin, end: (begin, list(range(begin, end)))  # noqa: E731
+        with pytest.raises(error, match=message):
+            tx.submit_chunk(3, 0, CHUNK, PROMPT, table, layers=layers)
+        # Refused before the core saw it: the chunk's first range is still layer 0's.
+        assert tx.submit_chunk(3, 0, CHUNK, PROMPT, table, layers=(0, 1)) is not None
+        # numpy integers convert as Python's do.
+        numpy_range = (np.int64(1), np.uint8(2))
+        assert tx.submit_chunk(3, 0, CHUNK, PROMPT, table, layers=numpy_range) is not None
+    finally:
+        tx.close()
+        rx.close()
+
+
+ORDER_TYPE = r"layer_order must be None \(the layer groups one after the other\) or a sequence"
+ORDER_ITEM = r"layer_order\[{}\] must be an integer from 0 to 65535, got {}"
+
+
+@pytest.mark.parametrize(
+    "order, error, message",
+    [
+        # An explicit empty order is not the default one.
+        ([], ValueError, r"layer_order is empty: it must list the layer group of each of the "
+                         r"rank's layers, or be None .*; got \[\]$"),
+        ((), ValueError, r"layer_order is empty: .*; got \(\)$"),
+        (np.array([], dtype=np.int64), ValueError, r"layer_order is empty: "),
+        ([1, -1, 0, 1, 0], ValueError, ORDER_ITEM.format(1, -1) + "$"),
+        ([1, 0, 0, 1, 70000], ValueError, ORDER_ITEM.format(4, 70000) + "$"),
+        ([1, 0, 0.0, 1, 0], TypeError, ORDER_ITEM.format(2, r"0.0 \(type float\)") + "$"),
+        ([1, 0, None, 1, 0], TypeError, ORDER_ITEM.format(2, r"None \(type NoneType\)") + "$"),
+        ("10010", TypeError, ORDER_TYPE + r".*, got '10010' \(type str\)$"),
+        (b"\x01\x00", TypeError, ORDER_TYPE + r".* \(type bytes\)$"),
+        (1, TypeError, ORDER_TYPE + r".*, got 1 \(type int\)$"),
+    ],
+)
+def test_a_bad_layer_order_names_the_argument(order, error, message):
+    src, dst = pools(1, True), pools(101, False)
+    with pytest.raises(error, match=message):
+        kvpipe.Sender.tcp(layout(1), src, layer_order=order)
+    with pytest.raises(error, match=message):
+        kvpipe.mem_pair(layout(1), src, layout(101), dst, layer_order=order)
+
+
+@pytest.mark.parametrize("order", [None, ORDER, tuple(ORDER), np.array(ORDER, dtype=np.uint16)])
+def test_a_layer_order_is_none_or_any_sequence_of_group_indices(order):
+    tx = kvpipe.Sender.tcp(layout(1), pools(1, True), layer_order=order)
+    try:
+        assert tx.layer_count() == len(ORDER)
+    finally:
+        tx.close()

@@ -228,8 +228,11 @@ class Sender:
         the decode node answered the offer (within the preamble deadline, else it raises).
 
         ``layer_order`` lists the layer group of each of the rank's layers in the order the
-        engine computes them (default: the groups one after the other), which the ``layers``
-        of :meth:`submit_chunk` index; a model whose groups interleave lists it."""
+        engine computes them (default ``None``: the groups one after the other), which the
+        ``layers`` of :meth:`submit_chunk` index; a model whose groups interleave lists it. An
+        empty order is not the default: it raises ``ValueError``, as does an index that is
+        negative or past 65535 (``TypeError``: not a sequence of integers); one that does not
+        fit the layout (each group named once per layer it has) raises :class:`ConfigError`."""
     @property
     def transport(self) -> Literal["tcp", "mem"]: ...
     def listen(self, addr: str) -> int: ...
@@ -252,11 +255,16 @@ class Sender:
         layers: tuple[int, int] | None = None,
     ) -> int | None:
         """Submits chunk ``[start, end)`` just computed (``None``: it writes nothing).
+        ``start``, ``end``, ``prompt_len`` and ``prepopulated_len`` are integers from 0 to
+        2**32 - 1; another value raises ``ValueError`` (``TypeError``: not an integer) naming it.
 
         ``layers=(begin, end)`` submits only those layers of it, as soon as the engine computed
         them (vLLM's ``save_kv_layer``): a chunk's ranges come in order with the same chunk
         arguments, from layer 0 to :meth:`layer_count`, each starting where the previous one
-        ended; only the first calls ``blocks``, and each range is a slice of its own."""
+        ended; only the first calls ``blocks``, and each range is a slice of its own. A
+        ``layers`` that is not a tuple raises ``TypeError``, one not of two integers from 0 to
+        2**32 - 1 ``TypeError`` or ``ValueError`` naming the item; a range that breaks these
+        rules raises :class:`UsageError`. Either way nothing changes."""
     def layer_count(self) -> int:
         """The rank's layers (every layer group's), which ``layers`` ranges end at."""
     def submit_prefix(
@@ -354,4 +362,6 @@ def mem_pair(
     *,
     deadlines: Deadlines | None = None,
     layer_order: Sequence[int] | None = None,
-) -> tuple[Sender, Receiver]: ...
+) -> tuple[Sender, Receiver]:
+    """A prefill and a decode node connected in this process. ``layer_order`` is the prefill
+    node's, checked as :meth:`Sender.tcp` checks it."""
