@@ -15,6 +15,7 @@ use kvpipe_conformance::suite::{
 };
 use serde::Serialize;
 
+use super::slice_fit::SliceFit;
 use super::{preflight, CliError};
 
 mod baseline;
@@ -377,17 +378,19 @@ pub(crate) fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
         live_kv_bytes: live_kv_bytes(&config)? * u64::from(config.ranks),
         peak_rss_bytes: parallel::peak_rss_bytes(),
     };
+    let slice_fit = SliceFit::of_demo(&config);
     if args.json {
         println!(
             "{}",
             serde_json::to_string(&WithMemory {
                 summary: &summary,
+                slice_fit,
                 memory: &memory,
                 baseline: baseline.as_ref(),
             })?
         );
     } else {
-        print_table(&summary, &memory, baseline.as_ref());
+        print_table(&summary, slice_fit, &memory, baseline.as_ref());
     }
     if !summary.verified {
         for cause in failure_causes(&report) {
@@ -568,6 +571,10 @@ struct Memory {
 struct WithMemory<'a> {
     #[serde(flatten)]
     summary: &'a DemoSummary,
+    /// With layer slices: the last range's layers, and whether `--layers-per-slice` was more
+    /// than the model has (absent without).
+    #[serde(flatten)]
+    slice_fit: Option<SliceFit>,
     #[serde(flatten)]
     memory: &'a Memory,
     #[serde(flatten)]
@@ -619,7 +626,12 @@ fn live_kv_bytes(config: &DemoConfig) -> Result<u64, CliError> {
     Ok(sender.peak_resident_bytes() + receiver.peak_resident_bytes())
 }
 
-fn print_table(s: &DemoSummary, memory: &Memory, baseline: Option<&baseline::Baseline>) {
+fn print_table(
+    s: &DemoSummary,
+    slice_fit: Option<SliceFit>,
+    memory: &Memory,
+    baseline: Option<&baseline::Baseline>,
+) {
     let gib = s.bytes as f64 / f64::from(1u32 << 30);
     let mut rows = vec![
         ("transport", s.transport.clone()),
@@ -631,7 +643,13 @@ fn print_table(s: &DemoSummary, memory: &Memory, baseline: Option<&baseline::Bas
             },
         ),
         ("model", s.model.clone()),
-        ("mode", s.mode.clone()),
+        (
+            "mode",
+            match slice_fit {
+                Some(fit) => format!("{} (last range: {})", s.mode, fit.note()),
+                None => s.mode.clone(),
+            },
+        ),
         (
             "requests",
             if s.ranks == 1 {

@@ -300,3 +300,94 @@ fn bench_pipeline_names_the_layers_its_last_range_really_has() {
         assert!(line.contains(expected), "{line}");
     }
 }
+
+/// `demo` and `bench fragments` say what `bench pipeline` says of `--layers-per-slice N`: the
+/// last range's real layers, and when N is more than the model has (each chunk then goes out
+/// whole); their JSON, and bench pipeline's, say it in `last_range_layers` and
+/// `layers_per_slice_exceeds_model`.
+#[test]
+fn demo_and_bench_fragments_say_when_layers_per_slice_is_more_than_the_model_has() {
+    let _turn = turn();
+    let demo = |n: &'static str| -> Vec<&'static str> {
+        let mut args = vec!["demo", "--layers-per-slice", n, "--no-baseline"];
+        args.extend([
+            "--prompt-tokens",
+            "512",
+            "--chunk-tokens",
+            "256",
+            "--requests",
+            "1",
+            "--prefill-ms-per-chunk",
+            "1",
+        ]);
+        args
+    };
+    let fragments = |n: &'static str| -> Vec<&'static str> {
+        vec![
+            "bench",
+            "fragments",
+            "--layers-per-slice",
+            n,
+            "--fragments",
+            "1600",
+            "--runs",
+            "1",
+        ]
+    };
+    let pipeline = |n: &'static str| -> Vec<&'static str> {
+        vec![
+            "bench",
+            "pipeline",
+            "--layers-per-slice",
+            n,
+            "--prompt-tokens",
+            "512",
+            "--chunk-tokens",
+            "256",
+            "--prefill-ms-per-chunk",
+            "1",
+            "--runs",
+            "1",
+        ]
+    };
+    // (arguments, the human line's start, what it must say, last range's layers, exceeds)
+    let cases = [
+        (demo("3"), "mode", "(last range: 2 layers)", 2, false),
+        (
+            demo("100"),
+            "mode",
+            "(last range: 32 layers, --layers-per-slice 100 is more than the model's 32 layers)",
+            32,
+            true,
+        ),
+        (fragments("3"), "", "(last range: 2 layers)", 2, false),
+        (
+            fragments("100"),
+            "",
+            "(last range: 80 layers, --layers-per-slice 100 is more than the model's 80 layers)",
+            80,
+            true,
+        ),
+        (pipeline("100"), "last range alone", "", 32, true),
+    ];
+    for (args, starts, says, last_range, exceeds) in cases {
+        let out = run(&args, Duration::from_secs(120));
+        let stdout = text(&out.stdout);
+        assert!(out.status.success(), "{args:?}: {}", text(&out.stderr));
+        let line = stdout
+            .lines()
+            .find(|l| l.starts_with(starts) && l.contains("layers"))
+            .unwrap_or_else(|| panic!("{args:?}: no {starts:?} line in {stdout}"));
+        assert!(line.contains(says), "{args:?}: {line}");
+        let mut json_args = args.clone();
+        json_args.push("--json");
+        let out = run(&json_args, Duration::from_secs(120));
+        assert!(out.status.success(), "{json_args:?}: {}", text(&out.stderr));
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(v["last_range_layers"], last_range, "{json_args:?}: {v}");
+        assert_eq!(
+            v["layers_per_slice_exceeds_model"], exceeds,
+            "{json_args:?}: {v}"
+        );
+    }
+}
