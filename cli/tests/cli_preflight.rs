@@ -391,3 +391,56 @@ fn demo_and_bench_fragments_say_when_layers_per_slice_is_more_than_the_model_has
         );
     }
 }
+
+/// `bench pipeline --sweep-chunk-tokens` with `--layers-per-slice N` says that its pipelined
+/// runs went out in layer slices: in the header, the tail's column and the JSON; without it,
+/// none of them does.
+#[test]
+fn a_layered_sweep_says_it_is_layered() {
+    let _turn = turn();
+    for layered in [true, false] {
+        let mut args = vec![
+            "bench",
+            "pipeline",
+            "--sweep-chunk-tokens",
+            "256,512",
+            "--prompt-tokens",
+            "512",
+            "--chunk-tokens",
+            "256",
+            "--prefill-ms-per-chunk",
+            "1",
+            "--runs",
+            "1",
+        ];
+        if layered {
+            args.extend(["--layers-per-slice", "3"]);
+        }
+        let out = run(&args, Duration::from_secs(120));
+        let stdout = text(&out.stdout);
+        assert!(out.status.success(), "{args:?}: {}", text(&out.stderr));
+        let mut lines = stdout.lines();
+        let (header, columns) = (lines.next().unwrap_or(""), lines.next().unwrap_or(""));
+        assert_eq!(
+            header.contains("pipelined in layer slices of 3 (last range: 2 layers)"),
+            layered,
+            "{header}"
+        );
+        assert_eq!(
+            columns.contains("tail, 3-layer slices"),
+            layered,
+            "{columns}"
+        );
+        assert_eq!(columns.contains("exposed tail"), !layered, "{columns}");
+        args.push("--json");
+        let out = run(&args, Duration::from_secs(120));
+        assert!(out.status.success(), "{args:?}: {}", text(&out.stderr));
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let expected = if layered {
+            serde_json::json!(3)
+        } else {
+            serde_json::Value::Null
+        };
+        assert_eq!(v["layers_per_slice"], expected, "{v}");
+    }
+}
