@@ -632,6 +632,21 @@ fn print_table(
     memory: &Memory,
     baseline: Option<&baseline::Baseline>,
 ) {
+    let rows = table_rows(s, slice_fit, memory, baseline);
+    let width = rows.iter().map(|(k, _)| k.len()).max().unwrap_or(0);
+    for (k, v) in rows {
+        println!("{k:<width$}  {v}");
+    }
+}
+
+/// The table's rows, name and text: its "p50"s are the summary's `*_p50_ms`, the medians the
+/// JSON reports.
+fn table_rows(
+    s: &DemoSummary,
+    slice_fit: Option<SliceFit>,
+    memory: &Memory,
+    baseline: Option<&baseline::Baseline>,
+) -> Vec<(&'static str, String)> {
     let gib = s.bytes as f64 / f64::from(1u32 << 30);
     let mut rows = vec![
         ("transport", s.transport.clone()),
@@ -746,8 +761,46 @@ fn print_table(
         let at = rows.iter().position(|(k, _)| *k == "exposed tail");
         rows.insert(at.map_or(rows.len(), |i| i + 1), b.row());
     }
-    let width = rows.iter().map(|(k, _)| k.len()).max().unwrap_or(0);
-    for (k, v) in rows {
-        println!("{k:<width$}  {v}");
+    rows
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// With two requests (an even count) the table's p50 is the JSON's median, not the
+    /// nearest-rank 50th percentile (the smaller of the two).
+    #[test]
+    fn the_tables_p50_is_the_jsons_median_for_an_even_request_count() {
+        let config = DemoConfig {
+            prompt_tokens: 256,
+            chunk_tokens: 128,
+            requests: 2,
+            prefill_per_chunk: Duration::from_millis(1),
+            ..DemoConfig::default()
+        };
+        let (summary, _) = run_demo(&MemHarness::default(), &config, |_, _| {}).unwrap();
+        assert!(summary.verified);
+        let memory = Memory {
+            memory: "host",
+            compute: "sleep",
+            live_kv_bytes: 0,
+            peak_rss_bytes: None,
+        };
+        let json = serde_json::to_value(WithMemory {
+            summary: &summary,
+            slice_fit: None,
+            memory: &memory,
+            baseline: None,
+        })
+        .unwrap();
+        let median = json["exposed_tail_ms"].as_f64().unwrap();
+        assert_eq!(json["exposed_tail_p50_ms"].as_f64(), Some(median), "{json}");
+        let rows = table_rows(&summary, None, &memory, None);
+        let tail = &rows.iter().find(|(k, _)| *k == "exposed tail").unwrap().1;
+        assert!(
+            tail.starts_with(&format!("p50 {median:.2} ms,")),
+            "{tail} against {json}"
+        );
     }
 }

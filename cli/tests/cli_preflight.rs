@@ -444,3 +444,34 @@ fn a_layered_sweep_says_it_is_layered() {
         assert_eq!(v["layers_per_slice"], expected, "{v}");
     }
 }
+
+/// With an even count of requests the p50 the demo prints is the median its JSON reports
+/// (`exposed_tail_ms`, the mean of the middle two), not the nearest-rank 50th percentile (the
+/// smaller of two): in the in-process demo and in the heterogeneous split.
+#[test]
+fn the_demos_p50_is_its_median_for_an_even_request_count() {
+    let _turn = turn();
+    for extra in [&[][..], &["--sender-tp", "2"][..]] {
+        let mut args = vec![
+            "demo",
+            "--json",
+            "--no-baseline",
+            "--requests",
+            "2",
+            "--prompt-tokens",
+            "512",
+            "--chunk-tokens",
+            "256",
+            "--prefill-ms-per-chunk",
+            "1",
+        ];
+        args.extend(extra);
+        let out = run(&args, Duration::from_secs(120));
+        assert!(out.status.success(), "{args:?}: {}", text(&out.stderr));
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(
+            v["exposed_tail_p50_ms"], v["exposed_tail_ms"],
+            "{args:?}: {v}"
+        );
+    }
+}
