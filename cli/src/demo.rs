@@ -98,8 +98,8 @@ pub(crate) struct DemoArgs {
     transport: String,
     /// With --transport tcp or verbs: run only the prefill side, against `kvpipe serve`
     /// listening at this address (give both the same workload flags; --receiver-prefix goes to
-    /// `serve`, and --monolithic, --ranks, --sender-tp/--receiver-tp/--receiver-pp and
-    /// --timeline are refused).
+    /// `serve`, and --monolithic, --ranks, --sender-tp/--receiver-tp/--receiver-pp,
+    /// --layers-per-slice, --compute and --timeline are refused).
     #[arg(long)]
     connect: Option<String>,
     /// With --transport verbs: the RDMA device (default: the first with an active port).

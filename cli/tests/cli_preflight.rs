@@ -475,3 +475,105 @@ fn the_demos_p50_is_its_median_for_an_even_request_count() {
         );
     }
 }
+
+/// The flags `demo --connect` refuses, as `demo --help` and docs/CLI.md list them ("…
+/// --receiver-prefix goes to `serve`, and FLAGS are refused"): every flag of `demo`, given
+/// with --connect to a port nothing listens on, is either refused before any connect (and
+/// listed) or gets as far as connecting (and is not).
+#[test]
+fn demo_connect_refuses_exactly_the_flags_its_help_and_cli_md_list() {
+    let _turn = turn();
+    // A value for every flag of `demo` that works without --connect (--help, --connect and
+    // --transport aside).
+    let samples: &[(&str, Option<&str>)] = &[
+        ("--model", Some("gemma3-swa")),
+        ("--prompt-tokens", Some("1024")),
+        ("--chunk-tokens", Some("256")),
+        ("--tokens-per-block", Some("16")),
+        ("--window", Some("512")),
+        ("--sender-prefix", Some("64")),
+        ("--receiver-prefix", Some("64")),
+        ("--requests", Some("1")),
+        ("--ranks", Some("2")),
+        ("--sender-tp", Some("2")),
+        ("--receiver-tp", Some("2")),
+        ("--receiver-pp", Some("2")),
+        ("--prefill-ms-per-chunk", Some("1")),
+        ("--monolithic", None),
+        ("--layers-per-slice", Some("4")),
+        ("--no-baseline", None),
+        ("--timeline", Some("connect-refusal.svg")),
+        ("--device", Some("rxe0")),
+        ("--connections", Some("1")),
+        ("--memory", Some("host")),
+        ("--gpu", Some("0")),
+        ("--data-path", Some("socket")),
+        ("--compute", Some("sleep")),
+        ("--json", None),
+    ];
+    let help = text(&run(&["demo", "--help"], Duration::from_secs(30)).stdout);
+    // The flags' own lines (their descriptions are indented further).
+    let flags: Vec<&str> = help
+        .lines()
+        .filter(|l| l.len() - l.trim_start().len() < 8)
+        .filter_map(|l| l.trim_start().split(' ').find(|w| w.starts_with("--")))
+        .filter(|f| !["--help", "--connect", "--transport"].contains(f))
+        .collect();
+    let mut sampled: Vec<&str> = samples.iter().map(|(f, _)| *f).collect();
+    sampled.sort_unstable();
+    let mut listed_flags = flags.clone();
+    listed_flags.sort_unstable();
+    assert_eq!(sampled, listed_flags, "give every flag of `demo` a sample");
+
+    let mut refused = std::collections::BTreeSet::new();
+    for (flag, value) in samples {
+        let mut args = vec![
+            "demo",
+            "--transport",
+            "tcp",
+            "--connect",
+            "127.0.0.1:9",
+            flag,
+        ];
+        args.extend(value);
+        let out = run(&args, Duration::from_secs(60));
+        let err = text(&out.stderr);
+        assert!(!out.status.success(), "{args:?}");
+        if err.starts_with("kvpipe: connecting to 127.0.0.1:9") {
+            continue;
+        }
+        assert!(err.contains(flag), "{args:?}: {err}");
+        refused.insert(flag.to_string());
+    }
+    // The flags named after "goes to `serve`, and" up to "are refused", --receiver-prefix
+    // (which goes to `serve`) with them.
+    let listed = |doc: &str| -> std::collections::BTreeSet<String> {
+        let doc = doc.split_whitespace().collect::<Vec<_>>().join(" ");
+        let (before, after) = doc
+            .split_once("goes to `serve`, and ")
+            .unwrap_or_else(|| panic!("no refusals in {doc}"));
+        let list = after.split(" are refused").next().unwrap();
+        let mut flags: std::collections::BTreeSet<String> = list
+            .split(|c: char| !(c.is_ascii_alphanumeric() || c == '-'))
+            .filter(|w| w.starts_with("--"))
+            .map(str::to_string)
+            .collect();
+        assert!(before.contains("--receiver-prefix"), "{before}");
+        flags.insert("--receiver-prefix".into());
+        flags
+    };
+    let connect_help: String = help
+        .split("--connect <CONNECT>")
+        .nth(1)
+        .and_then(|rest| rest.split("\n      --").next())
+        .unwrap_or_else(|| panic!("no --connect in {help}"))
+        .to_string();
+    assert_eq!(listed(&connect_help), refused, "demo --help");
+    let cli_md =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/CLI.md")).unwrap();
+    let row = cli_md
+        .lines()
+        .find(|l| l.starts_with("| `--connect ADDR` |"))
+        .expect("docs/CLI.md has the --connect row");
+    assert_eq!(listed(row), refused, "docs/CLI.md");
+}
