@@ -196,27 +196,7 @@ pub(crate) fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
     let compute = simulated_compute(args.compute.as_deref(), memory)?;
     let split =
         args.sender_tp.is_some() || args.receiver_tp.is_some() || args.receiver_pp.is_some();
-    if args.compute.is_some() && (args.connect.is_some() || split) {
-        return Err(
-            "--compute sets the simulated compute of the demo that runs both sides in this \
-             process; it is not available with --connect or --sender-tp/--receiver-tp/--receiver-pp"
-                .into(),
-        );
-    }
-    if args.layers_per_slice.is_some() && (args.connect.is_some() || split) {
-        return Err(
-            "--layers-per-slice runs both sides in this process; it is not available with \
-             --connect or --sender-tp/--receiver-tp/--receiver-pp"
-                .into(),
-        );
-    }
-    if args.timeline.is_some() && (args.connect.is_some() || split) {
-        return Err(
-            "--timeline draws this process's own runs; it is not available with \
-             --connect or --sender-tp/--receiver-tp/--receiver-pp"
-                .into(),
-        );
-    }
+    refuse_outside_the_engine_model(&args, split)?;
     if let Some(path) = &args.timeline {
         preflight::output_file("--timeline", path)?;
     }
@@ -404,6 +384,46 @@ pub(crate) fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
             ExitCode::FAILURE
         },
     )
+}
+
+/// The flags only the demo of one prefill and one decode endpoint per rank honours (the
+/// suite's engine model, `run_demo`), refused with the two demos that drive their endpoints in
+/// a loop of their own — the prefill side of `--connect` (`prefill`) and the heterogeneous
+/// split (`parallel`) — with what that loop lacks.
+fn refuse_outside_the_engine_model(args: &DemoArgs, split: bool) -> Result<(), CliError> {
+    let (with, runner) = if args.connect.is_some() {
+        ("--connect", "the prefill side of --connect")
+    } else if split {
+        (
+            "--sender-tp/--receiver-tp/--receiver-pp",
+            "the heterogeneous split",
+        )
+    } else {
+        return Ok(());
+    };
+    let refused = [
+        (
+            args.compute.is_some(),
+            "--compute",
+            "waits out each chunk's compute on its own thread, with no GPU kernel to run",
+        ),
+        (
+            args.layers_per_slice.is_some(),
+            "--layers-per-slice",
+            "submits each chunk whole, never in layer ranges",
+        ),
+        (
+            args.timeline.is_some(),
+            "--timeline",
+            "records no timeline to draw",
+        ),
+    ];
+    match refused.into_iter().find(|(given, _, _)| *given) {
+        Some((_, flag, lacks)) => {
+            Err(format!("{flag} is not available with {with}: {runner} {lacks}").into())
+        }
+        None => Ok(()),
+    }
 }
 
 /// The flags the prefill side of a two-process demo (`--connect`) cannot honour, refused

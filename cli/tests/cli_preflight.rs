@@ -131,7 +131,8 @@ fn a_simulated_compute_that_cannot_run_is_refused() {
         ),
         (
             vec!["demo", "--compute", "sleep", "--sender-tp", "2"],
-            "--compute sets the simulated compute",
+            "--compute is not available with --sender-tp/--receiver-tp/--receiver-pp: the \
+             heterogeneous split waits out each chunk's compute",
         ),
     ]);
 }
@@ -576,4 +577,49 @@ fn demo_connect_refuses_exactly_the_flags_its_help_and_cli_md_list() {
         .find(|l| l.starts_with("| `--connect ADDR` |"))
         .expect("docs/CLI.md has the --connect row");
     assert_eq!(listed(row), refused, "docs/CLI.md");
+}
+
+/// `--layers-per-slice`, `--compute` and `--timeline` are refused with --connect and with the
+/// split flags for what those runs lack: each chunk goes out whole, no GPU kernel runs, and no
+/// timeline is recorded.
+#[test]
+fn the_engine_models_flags_are_refused_for_what_the_other_runs_lack() {
+    let connect = ["demo", "--transport", "tcp", "--connect", "127.0.0.1:9"];
+    let split = ["demo", "--sender-tp", "2"];
+    let with = |base: &[&'static str], extra: &[&'static str]| -> Vec<&'static str> {
+        base.iter().chain(extra).copied().collect()
+    };
+    let layers = ["--layers-per-slice", "4"];
+    let compute = ["--compute", "sleep"];
+    let timeline = ["--timeline", "t.svg"];
+    refused(&[
+        (
+            with(&split, &layers),
+            "--layers-per-slice is not available with --sender-tp/--receiver-tp/--receiver-pp: \
+             the heterogeneous split submits each chunk whole, never in layer ranges",
+        ),
+        (
+            with(&connect, &layers),
+            "--layers-per-slice is not available with --connect: the prefill side of --connect \
+             submits each chunk whole",
+        ),
+        (
+            with(&split, &compute),
+            "the heterogeneous split waits out each chunk's compute on its own thread, with no \
+             GPU kernel to run",
+        ),
+        (
+            with(&connect, &compute),
+            "--compute is not available with --connect",
+        ),
+        (
+            with(&split, &timeline),
+            "--timeline is not available with --sender-tp/--receiver-tp/--receiver-pp: the \
+             heterogeneous split records no timeline to draw",
+        ),
+        (
+            with(&connect, &timeline),
+            "--timeline is not available with --connect",
+        ),
+    ]);
 }
