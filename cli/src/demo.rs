@@ -15,6 +15,7 @@ use kvpipe_conformance::suite::{
 };
 use serde::Serialize;
 
+use super::slice_fit::SliceFit;
 use super::{preflight, CliError};
 
 mod baseline;
@@ -97,8 +98,8 @@ pub(crate) struct DemoArgs {
     transport: String,
     /// With --transport tcp or verbs: run only the prefill side, against `kvpipe serve`
     /// listening at this address (give both the same workload flags; --receiver-prefix goes to
-    /// `serve`, and --monolithic, --ranks, --sender-tp/--receiver-tp/--receiver-pp and
-    /// --timeline are refused).
+    /// `serve`, and --monolithic, --ranks, --sender-tp/--receiver-tp/--receiver-pp,
+    /// --layers-per-slice, --compute and --timeline are refused).
     #[arg(long)]
     connect: Option<String>,
     /// With --transport verbs: the RDMA device (default: the first with an active port).
@@ -195,27 +196,7 @@ pub(crate) fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
     let compute = simulated_compute(args.compute.as_deref(), memory)?;
     let split =
         args.sender_tp.is_some() || args.receiver_tp.is_some() || args.receiver_pp.is_some();
-    if args.compute.is_some() && (args.connect.is_some() || split) {
-        return Err(
-            "--compute sets the simulated compute of the demo that runs both sides in this \
-             process; it is not available with --connect or --sender-tp/--receiver-tp/--receiver-pp"
-                .into(),
-        );
-    }
-    if args.layers_per_slice.is_some() && (args.connect.is_some() || split) {
-        return Err(
-            "--layers-per-slice runs both sides in this process; it is not available with \
-             --connect or --sender-tp/--receiver-tp/--receiver-pp"
-                .into(),
-        );
-    }
-    if args.timeline.is_some() && (args.connect.is_some() || split) {
-        return Err(
-            "--timeline draws this process's own runs; it is not available with \
-             --connect or --sender-tp/--receiver-tp/--receiver-pp"
-                .into(),
-        );
-    }
+    refuse_outside_the_engine_model(&args, split)?;
     if let Some(path) = &args.timeline {
         preflight::output_file("--timeline", path)?;
     }
@@ -377,17 +358,19 @@ pub(crate) fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
         live_kv_bytes: live_kv_bytes(&config)? * u64::from(config.ranks),
         peak_rss_bytes: parallel::peak_rss_bytes(),
     };
+    let slice_fit = SliceFit::of_demo(&config);
     if args.json {
         println!(
             "{}",
             serde_json::to_string(&WithMemory {
                 summary: &summary,
+                slice_fit,
                 memory: &memory,
                 baseline: baseline.as_ref(),
             })?
         );
     } else {
-        print_table(&summary, &memory, baseline.as_ref());
+        print_table(&summary, slice_fit, &memory, baseline.as_ref());
     }
     if !summary.verified {
         for cause in failure_causes(&report) {
@@ -401,6 +384,46 @@ pub(crate) fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
             ExitCode::FAILURE
         },
     )
+}
+
+/// The flags only the demo of one prefill and one decode endpoint per rank honours (the
+/// suite's engine model, `run_demo`), refused with the two demos that drive their endpoints in
+/// a loop of their own — the prefill side of `--connect` (`prefill`) and the heterogeneous
+/// split (`parallel`) — with what that loop lacks.
+fn refuse_outside_the_engine_model(args: &DemoArgs, split: bool) -> Result<(), CliError> {
+    let (with, runner) = if args.connect.is_some() {
+        ("--connect", "the prefill side of --connect")
+    } else if split {
+        (
+            "--sender-tp/--receiver-tp/--receiver-pp",
+            "the heterogeneous split",
+        )
+    } else {
+        return Ok(());
+    };
+    let refused = [
+        (
+            args.compute.is_some(),
+            "--compute",
+            "waits out each chunk's compute on its own thread, with no GPU kernel to run",
+        ),
+        (
+            args.layers_per_slice.is_some(),
+            "--layers-per-slice",
+            "submits each chunk whole, never in layer ranges",
+        ),
+        (
+            args.timeline.is_some(),
+            "--timeline",
+            "records no timeline to draw",
+        ),
+    ];
+    match refused.into_iter().find(|(given, _, _)| *given) {
+        Some((_, flag, lacks)) => {
+            Err(format!("{flag} is not available with {with}: {runner} {lacks}").into())
+        }
+        None => Ok(()),
+    }
 }
 
 /// The flags the prefill side of a two-process demo (`--connect`) cannot honour, refused
@@ -568,6 +591,10 @@ struct Memory {
 struct WithMemory<'a> {
     #[serde(flatten)]
     summary: &'a DemoSummary,
+    /// With layer slices: the last range's layers, and whether `--layers-per-slice` was more
+    /// than the model has (absent without).
+    #[serde(flatten)]
+    slice_fit: Option<SliceFit>,
     #[serde(flatten)]
     memory: &'a Memory,
     #[serde(flatten)]
@@ -619,7 +646,27 @@ fn live_kv_bytes(config: &DemoConfig) -> Result<u64, CliError> {
     Ok(sender.peak_resident_bytes() + receiver.peak_resident_bytes())
 }
 
-fn print_table(s: &DemoSummary, memory: &Memory, baseline: Option<&baseline::Baseline>) {
+fn print_table(
+    s: &DemoSummary,
+    slice_fit: Option<SliceFit>,
+    memory: &Memory,
+    baseline: Option<&baseline::Baseline>,
+) {
+    let rows = table_rows(s, slice_fit, memory, baseline);
+    let width = rows.iter().map(|(k, _)| k.len()).max().unwrap_or(0);
+    for (k, v) in rows {
+        println!("{k:<width$}  {v}");
+    }
+}
+
+/// The table's rows, name and text: its "p50"s are the summary's `*_p50_ms`, the medians the
+/// JSON reports.
+fn table_rows(
+    s: &DemoSummary,
+    slice_fit: Option<SliceFit>,
+    memory: &Memory,
+    baseline: Option<&baseline::Baseline>,
+) -> Vec<(&'static str, String)> {
     let gib = s.bytes as f64 / f64::from(1u32 << 30);
     let mut rows = vec![
         ("transport", s.transport.clone()),
@@ -631,7 +678,13 @@ fn print_table(s: &DemoSummary, memory: &Memory, baseline: Option<&baseline::Bas
             },
         ),
         ("model", s.model.clone()),
-        ("mode", s.mode.clone()),
+        (
+            "mode",
+            match slice_fit {
+                Some(fit) => format!("{} (last range: {})", s.mode, fit.note()),
+                None => s.mode.clone(),
+            },
+        ),
         (
             "requests",
             if s.ranks == 1 {
@@ -728,8 +781,46 @@ fn print_table(s: &DemoSummary, memory: &Memory, baseline: Option<&baseline::Bas
         let at = rows.iter().position(|(k, _)| *k == "exposed tail");
         rows.insert(at.map_or(rows.len(), |i| i + 1), b.row());
     }
-    let width = rows.iter().map(|(k, _)| k.len()).max().unwrap_or(0);
-    for (k, v) in rows {
-        println!("{k:<width$}  {v}");
+    rows
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// With two requests (an even count) the table's p50 is the JSON's median, not the
+    /// nearest-rank 50th percentile (the smaller of the two).
+    #[test]
+    fn the_tables_p50_is_the_jsons_median_for_an_even_request_count() {
+        let config = DemoConfig {
+            prompt_tokens: 256,
+            chunk_tokens: 128,
+            requests: 2,
+            prefill_per_chunk: Duration::from_millis(1),
+            ..DemoConfig::default()
+        };
+        let (summary, _) = run_demo(&MemHarness::default(), &config, |_, _| {}).unwrap();
+        assert!(summary.verified);
+        let memory = Memory {
+            memory: "host",
+            compute: "sleep",
+            live_kv_bytes: 0,
+            peak_rss_bytes: None,
+        };
+        let json = serde_json::to_value(WithMemory {
+            summary: &summary,
+            slice_fit: None,
+            memory: &memory,
+            baseline: None,
+        })
+        .unwrap();
+        let median = json["exposed_tail_ms"].as_f64().unwrap();
+        assert_eq!(json["exposed_tail_p50_ms"].as_f64(), Some(median), "{json}");
+        let rows = table_rows(&summary, None, &memory, None);
+        let tail = &rows.iter().find(|(k, _)| *k == "exposed tail").unwrap().1;
+        assert!(
+            tail.starts_with(&format!("p50 {median:.2} ms,")),
+            "{tail} against {json}"
+        );
     }
 }

@@ -12,6 +12,7 @@ mod plan;
 mod preflight;
 mod serve;
 mod sim;
+mod slice_fit;
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::process::ExitCode;

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use kvpipe::{DecodeNode, NodeConfig};
 use kvpipe_conformance::cache::{CacheSpec, GroupSpec, ReferenceCache};
-use kvpipe_conformance::suite::demo::{percentile, Model};
+use kvpipe_conformance::suite::demo::{median, percentile, Model};
 use kvpipe_core::session::{Deadlines, Registration};
 use kvpipe_core::wire::Role;
 use kvpipe_core::{Event, PeerId, RequestId};
@@ -178,10 +178,11 @@ struct ServeReport {
     /// Data writes this side pulled from the prefill side's device memory (peer copies).
     writes_placed: u64,
     /// Per completed request, as this side sees it alone: the request's last burst of data
-    /// began → complete (`RequestTimings::receiver_tail`), p50 and p99.
+    /// began → complete (`RequestTimings::receiver_tail`), p50 (the median: for an even count
+    /// the mean of the middle two) and p99 (nearest rank).
     exposed_tail_p50_ms: f64,
     exposed_tail_p99_ms: f64,
-    /// Per completed request: first byte landed → last byte landed, p50 and p99.
+    /// Per completed request: first byte landed → last byte landed, p50 (median) and p99.
     transfer_p50_ms: f64,
     transfer_p99_ms: f64,
 }
@@ -374,9 +375,9 @@ pub(crate) fn run(args: ServeArgs) -> Result<ExitCode, CliError> {
         memory: memory.name(),
         data_path,
         writes_placed,
-        exposed_tail_p50_ms: percentile(&tails, 50.0),
+        exposed_tail_p50_ms: median(tails.clone()),
         exposed_tail_p99_ms: percentile(&tails, 99.0),
-        transfer_p50_ms: percentile(&transfers, 50.0),
+        transfer_p50_ms: median(transfers.clone()),
         transfer_p99_ms: percentile(&transfers, 99.0),
     };
     if args.json {

@@ -447,7 +447,8 @@ fn layers_per_slice_is_refused_where_it_cannot_apply() {
         ),
         (
             &["--layers-per-slice", "4", "--receiver-tp", "2"][..],
-            "--layers-per-slice",
+            "--layers-per-slice is not available with --sender-tp/--receiver-tp/--receiver-pp: \
+             the heterogeneous split submits each chunk whole",
         ),
     ] {
         let mut args = vec!["demo"];

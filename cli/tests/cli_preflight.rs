@@ -131,7 +131,8 @@ fn a_simulated_compute_that_cannot_run_is_refused() {
         ),
         (
             vec!["demo", "--compute", "sleep", "--sender-tp", "2"],
-            "--compute sets the simulated compute",
+            "--compute is not available with --sender-tp/--receiver-tp/--receiver-pp: the \
+             heterogeneous split waits out each chunk's compute",
         ),
     ]);
 }
@@ -299,4 +300,326 @@ fn bench_pipeline_names_the_layers_its_last_range_really_has() {
             .unwrap_or_else(|| panic!("no last-range line in {stdout}"));
         assert!(line.contains(expected), "{line}");
     }
+}
+
+/// `demo` and `bench fragments` say what `bench pipeline` says of `--layers-per-slice N`: the
+/// last range's real layers, and when N is more than the model has (each chunk then goes out
+/// whole); their JSON, and bench pipeline's, say it in `last_range_layers` and
+/// `layers_per_slice_exceeds_model`.
+#[test]
+fn demo_and_bench_fragments_say_when_layers_per_slice_is_more_than_the_model_has() {
+    let _turn = turn();
+    let demo = |n: &'static str| -> Vec<&'static str> {
+        let mut args = vec!["demo", "--layers-per-slice", n, "--no-baseline"];
+        args.extend([
+            "--prompt-tokens",
+            "512",
+            "--chunk-tokens",
+            "256",
+            "--requests",
+            "1",
+            "--prefill-ms-per-chunk",
+            "1",
+        ]);
+        args
+    };
+    let fragments = |n: &'static str| -> Vec<&'static str> {
+        vec![
+            "bench",
+            "fragments",
+            "--layers-per-slice",
+            n,
+            "--fragments",
+            "1600",
+            "--runs",
+            "1",
+        ]
+    };
+    let pipeline = |n: &'static str| -> Vec<&'static str> {
+        vec![
+            "bench",
+            "pipeline",
+            "--layers-per-slice",
+            n,
+            "--prompt-tokens",
+            "512",
+            "--chunk-tokens",
+            "256",
+            "--prefill-ms-per-chunk",
+            "1",
+            "--runs",
+            "1",
+        ]
+    };
+    // (arguments, the human line's start, what it must say, last range's layers, exceeds)
+    let cases = [
+        (demo("3"), "mode", "(last range: 2 layers)", 2, false),
+        (
+            demo("100"),
+            "mode",
+            "(last range: 32 layers, --layers-per-slice 100 is more than the model's 32 layers)",
+            32,
+            true,
+        ),
+        (fragments("3"), "", "(last range: 2 layers)", 2, false),
+        (
+            fragments("100"),
+            "",
+            "(last range: 80 layers, --layers-per-slice 100 is more than the model's 80 layers)",
+            80,
+            true,
+        ),
+        (pipeline("100"), "last range alone", "", 32, true),
+    ];
+    for (args, starts, says, last_range, exceeds) in cases {
+        let out = run(&args, Duration::from_secs(120));
+        let stdout = text(&out.stdout);
+        assert!(out.status.success(), "{args:?}: {}", text(&out.stderr));
+        let line = stdout
+            .lines()
+            .find(|l| l.starts_with(starts) && l.contains("layers"))
+            .unwrap_or_else(|| panic!("{args:?}: no {starts:?} line in {stdout}"));
+        assert!(line.contains(says), "{args:?}: {line}");
+        let mut json_args = args.clone();
+        json_args.push("--json");
+        let out = run(&json_args, Duration::from_secs(120));
+        assert!(out.status.success(), "{json_args:?}: {}", text(&out.stderr));
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(v["last_range_layers"], last_range, "{json_args:?}: {v}");
+        assert_eq!(
+            v["layers_per_slice_exceeds_model"], exceeds,
+            "{json_args:?}: {v}"
+        );
+    }
+}
+
+/// `bench pipeline --sweep-chunk-tokens` with `--layers-per-slice N` says that its pipelined
+/// runs went out in layer slices: in the header, the tail's column and the JSON; without it,
+/// none of them does.
+#[test]
+fn a_layered_sweep_says_it_is_layered() {
+    let _turn = turn();
+    for layered in [true, false] {
+        let mut args = vec![
+            "bench",
+            "pipeline",
+            "--sweep-chunk-tokens",
+            "256,512",
+            "--prompt-tokens",
+            "512",
+            "--chunk-tokens",
+            "256",
+            "--prefill-ms-per-chunk",
+            "1",
+            "--runs",
+            "1",
+        ];
+        if layered {
+            args.extend(["--layers-per-slice", "3"]);
+        }
+        let out = run(&args, Duration::from_secs(120));
+        let stdout = text(&out.stdout);
+        assert!(out.status.success(), "{args:?}: {}", text(&out.stderr));
+        let mut lines = stdout.lines();
+        let (header, columns) = (lines.next().unwrap_or(""), lines.next().unwrap_or(""));
+        assert_eq!(
+            header.contains("pipelined in layer slices of 3 (last range: 2 layers)"),
+            layered,
+            "{header}"
+        );
+        assert_eq!(
+            columns.contains("tail, 3-layer slices"),
+            layered,
+            "{columns}"
+        );
+        assert_eq!(columns.contains("exposed tail"), !layered, "{columns}");
+        args.push("--json");
+        let out = run(&args, Duration::from_secs(120));
+        assert!(out.status.success(), "{args:?}: {}", text(&out.stderr));
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let expected = if layered {
+            serde_json::json!(3)
+        } else {
+            serde_json::Value::Null
+        };
+        assert_eq!(v["layers_per_slice"], expected, "{v}");
+    }
+}
+
+/// With an even count of requests the p50 the demo prints is the median its JSON reports
+/// (`exposed_tail_ms`, the mean of the middle two), not the nearest-rank 50th percentile (the
+/// smaller of two): in the in-process demo and in the heterogeneous split.
+#[test]
+fn the_demos_p50_is_its_median_for_an_even_request_count() {
+    let _turn = turn();
+    for extra in [&[][..], &["--sender-tp", "2"][..]] {
+        let mut args = vec![
+            "demo",
+            "--json",
+            "--no-baseline",
+            "--requests",
+            "2",
+            "--prompt-tokens",
+            "512",
+            "--chunk-tokens",
+            "256",
+            "--prefill-ms-per-chunk",
+            "1",
+        ];
+        args.extend(extra);
+        let out = run(&args, Duration::from_secs(120));
+        assert!(out.status.success(), "{args:?}: {}", text(&out.stderr));
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(
+            v["exposed_tail_p50_ms"], v["exposed_tail_ms"],
+            "{args:?}: {v}"
+        );
+    }
+}
+
+/// The flags `demo --connect` refuses, as `demo --help` and docs/CLI.md list them ("…
+/// --receiver-prefix goes to `serve`, and FLAGS are refused"): every flag of `demo`, given
+/// with --connect to a port nothing listens on, is either refused before any connect (and
+/// listed) or gets as far as connecting (and is not).
+#[test]
+fn demo_connect_refuses_exactly_the_flags_its_help_and_cli_md_list() {
+    let _turn = turn();
+    // A value for every flag of `demo` that works without --connect (--help, --connect and
+    // --transport aside).
+    let samples: &[(&str, Option<&str>)] = &[
+        ("--model", Some("gemma3-swa")),
+        ("--prompt-tokens", Some("1024")),
+        ("--chunk-tokens", Some("256")),
+        ("--tokens-per-block", Some("16")),
+        ("--window", Some("512")),
+        ("--sender-prefix", Some("64")),
+        ("--receiver-prefix", Some("64")),
+        ("--requests", Some("1")),
+        ("--ranks", Some("2")),
+        ("--sender-tp", Some("2")),
+        ("--receiver-tp", Some("2")),
+        ("--receiver-pp", Some("2")),
+        ("--prefill-ms-per-chunk", Some("1")),
+        ("--monolithic", None),
+        ("--layers-per-slice", Some("4")),
+        ("--no-baseline", None),
+        ("--timeline", Some("connect-refusal.svg")),
+        ("--device", Some("rxe0")),
+        ("--connections", Some("1")),
+        ("--memory", Some("host")),
+        ("--gpu", Some("0")),
+        ("--data-path", Some("socket")),
+        ("--compute", Some("sleep")),
+        ("--json", None),
+    ];
+    let help = text(&run(&["demo", "--help"], Duration::from_secs(30)).stdout);
+    // The flags' own lines (their descriptions are indented further).
+    let flags: Vec<&str> = help
+        .lines()
+        .filter(|l| l.len() - l.trim_start().len() < 8)
+        .filter_map(|l| l.trim_start().split(' ').find(|w| w.starts_with("--")))
+        .filter(|f| !["--help", "--connect", "--transport"].contains(f))
+        .collect();
+    let mut sampled: Vec<&str> = samples.iter().map(|(f, _)| *f).collect();
+    sampled.sort_unstable();
+    let mut listed_flags = flags.clone();
+    listed_flags.sort_unstable();
+    assert_eq!(sampled, listed_flags, "give every flag of `demo` a sample");
+
+    let mut refused = std::collections::BTreeSet::new();
+    for (flag, value) in samples {
+        let mut args = vec![
+            "demo",
+            "--transport",
+            "tcp",
+            "--connect",
+            "127.0.0.1:9",
+            flag,
+        ];
+        args.extend(value);
+        let out = run(&args, Duration::from_secs(60));
+        let err = text(&out.stderr);
+        assert!(!out.status.success(), "{args:?}");
+        if err.starts_with("kvpipe: connecting to 127.0.0.1:9") {
+            continue;
+        }
+        assert!(err.contains(flag), "{args:?}: {err}");
+        refused.insert(flag.to_string());
+    }
+    // The flags named after "goes to `serve`, and" up to "are refused", --receiver-prefix
+    // (which goes to `serve`) with them.
+    let listed = |doc: &str| -> std::collections::BTreeSet<String> {
+        let doc = doc.split_whitespace().collect::<Vec<_>>().join(" ");
+        let (before, after) = doc
+            .split_once("goes to `serve`, and ")
+            .unwrap_or_else(|| panic!("no refusals in {doc}"));
+        let list = after.split(" are refused").next().unwrap();
+        let mut flags: std::collections::BTreeSet<String> = list
+            .split(|c: char| !(c.is_ascii_alphanumeric() || c == '-'))
+            .filter(|w| w.starts_with("--"))
+            .map(str::to_string)
+            .collect();
+        assert!(before.contains("--receiver-prefix"), "{before}");
+        flags.insert("--receiver-prefix".into());
+        flags
+    };
+    let connect_help: String = help
+        .split("--connect <CONNECT>")
+        .nth(1)
+        .and_then(|rest| rest.split("\n      --").next())
+        .unwrap_or_else(|| panic!("no --connect in {help}"))
+        .to_string();
+    assert_eq!(listed(&connect_help), refused, "demo --help");
+    let cli_md =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/CLI.md")).unwrap();
+    let row = cli_md
+        .lines()
+        .find(|l| l.starts_with("| `--connect ADDR` |"))
+        .expect("docs/CLI.md has the --connect row");
+    assert_eq!(listed(row), refused, "docs/CLI.md");
+}
+
+/// `--layers-per-slice`, `--compute` and `--timeline` are refused with --connect and with the
+/// split flags for what those runs lack: each chunk goes out whole, no GPU kernel runs, and no
+/// timeline is recorded.
+#[test]
+fn the_engine_models_flags_are_refused_for_what_the_other_runs_lack() {
+    let connect = ["demo", "--transport", "tcp", "--connect", "127.0.0.1:9"];
+    let split = ["demo", "--sender-tp", "2"];
+    let with = |base: &[&'static str], extra: &[&'static str]| -> Vec<&'static str> {
+        base.iter().chain(extra).copied().collect()
+    };
+    let layers = ["--layers-per-slice", "4"];
+    let compute = ["--compute", "sleep"];
+    let timeline = ["--timeline", "t.svg"];
+    refused(&[
+        (
+            with(&split, &layers),
+            "--layers-per-slice is not available with --sender-tp/--receiver-tp/--receiver-pp: \
+             the heterogeneous split submits each chunk whole, never in layer ranges",
+        ),
+        (
+            with(&connect, &layers),
+            "--layers-per-slice is not available with --connect: the prefill side of --connect \
+             submits each chunk whole",
+        ),
+        (
+            with(&split, &compute),
+            "the heterogeneous split waits out each chunk's compute on its own thread, with no \
+             GPU kernel to run",
+        ),
+        (
+            with(&connect, &compute),
+            "--compute is not available with --connect",
+        ),
+        (
+            with(&split, &timeline),
+            "--timeline is not available with --sender-tp/--receiver-tp/--receiver-pp: the \
+             heterogeneous split records no timeline to draw",
+        ),
+        (
+            with(&connect, &timeline),
+            "--timeline is not available with --connect",
+        ),
+    ]);
 }

@@ -42,6 +42,7 @@ use kvpipe_mem::{
 use serde::Serialize;
 
 use super::transfer::{chunks, ContiguousSource};
+use crate::slice_fit::SliceFit;
 use crate::{preflight, CliError};
 
 /// Layers of the benchmarked group.
@@ -87,6 +88,10 @@ struct FragmentsBenchReport {
     write_batches: u32,
     /// Layers per write batch (`null`: whole chunks).
     layers_per_slice: Option<u16>,
+    /// With layer slices: the last range's layers, and whether `layers_per_slice` was more
+    /// than the group has (absent without).
+    #[serde(flatten)]
+    slice_fit: Option<SliceFit>,
     /// Microseconds of planning + posting per write batch (median run).
     overhead_us_per_batch: f64,
     /// Median over the runs of each run's total, in milliseconds.
@@ -414,6 +419,9 @@ pub(crate) fn run(args: FragmentsBenchArgs) -> Result<ExitCode, CliError> {
         extents,
         write_batches: (specs.len() * ranges.len()) as u32,
         layers_per_slice: args.layers_per_slice,
+        slice_fit: args
+            .layers_per_slice
+            .map(|n| SliceFit::of(n, ranges.iter().map(|r| u32::from(r.end - r.start)))),
         overhead_us_per_batch: (plan + post) * 1e3 / (specs.len() * ranges.len()) as f64,
         plan_ms: plan,
         post_ms: post,
@@ -430,8 +438,10 @@ pub(crate) fn run(args: FragmentsBenchArgs) -> Result<ExitCode, CliError> {
         println!(
             "{fragments} fragments of {fragment_bytes} B ({extents} extents after coalescing) in {} batches{} over mem, {threads} copy thread(s)",
             report.write_batches,
-            args.layers_per_slice
-                .map_or(String::new(), |n| format!(" of {n} layers"))
+            match (args.layers_per_slice, report.slice_fit) {
+                (Some(n), Some(fit)) => format!(" of {n} layers (last range: {})", fit.note()),
+                _ => String::new(),
+            }
         );
         println!("planning   {plan:.2} ms");
         println!("posting    {post:.2} ms");

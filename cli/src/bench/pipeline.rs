@@ -34,6 +34,7 @@ use kvpipe_conformance::suite::timeline::Timeline;
 use kvpipe_conformance::suite::{MemHarness, RunReport, SuiteError, TcpHarness, TransferMode};
 use serde::Serialize;
 
+use crate::slice_fit::SliceFit;
 use crate::{pictures, preflight, CliError};
 
 mod sweep;
@@ -115,6 +116,10 @@ struct PipelineBenchReport {
     tail_over_last_chunk_alone: f64,
     /// Layers per slice (`null`: whole chunks).
     layers_per_slice: Option<u16>,
+    /// With layer slices: the last range's layers, and whether `layers_per_slice` was more
+    /// than the model has (absent without).
+    #[serde(flatten)]
+    slice_fit: Option<SliceFit>,
     exposed_tail_ms: f64,
     monolithic_tail_ms: f64,
     tail_ratio: f64,
@@ -223,6 +228,7 @@ pub(crate) fn run(args: PipelineBenchArgs) -> Result<ExitCode, CliError> {
         last_chunk_alone_ms: m.last_chunk_alone_ms,
         tail_over_last_chunk_alone: exposed_tail_ms / m.last_chunk_alone_ms,
         layers_per_slice: args.layers_per_slice,
+        slice_fit: SliceFit::of_demo(&base),
         exposed_tail_ms,
         monolithic_tail_ms,
         tail_ratio: exposed_tail_ms / monolithic_tail_ms,
@@ -259,17 +265,9 @@ pub(crate) fn run(args: PipelineBenchArgs) -> Result<ExitCode, CliError> {
                 report.tail_over_chunk
             ),
             Some(n) => {
-                // The ranges as the engine model submits them: the last one may be shorter,
-                // and a slice of more layers than the model has is the whole chunk.
-                let ranges = kvpipe_conformance::suite::layer_slices(&base.model.groups(None), n);
-                let layers = ranges.last().map_or(0, |r| r.len());
-                let clamped = if ranges.len() == 1 && u32::from(n) > layers {
-                    format!(", --layers-per-slice {n} is more than the model's {layers} layers")
-                } else {
-                    String::new()
-                };
+                let last_range = report.slice_fit.map_or(String::new(), |f| f.note());
                 println!(
-                    "last range alone   {:.2} ms ({layers} layers{clamped}); the last chunk at that speed {:.2} ms",
+                    "last range alone   {:.2} ms ({last_range}); the last chunk at that speed {:.2} ms",
                     report.last_batch_transfer_ms, report.last_chunk_alone_ms
                 );
                 println!(

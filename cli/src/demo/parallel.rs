@@ -64,13 +64,15 @@ struct ParallelSummary {
     seconds: f64,
     chunk_transfer_ms: f64,
     /// Median over requests of the exposed tail: the last sender rank's last chunk computed →
-    /// the last decode rank complete (every rank's timings, on the network's one clock).
+    /// the last decode rank complete (every rank's timings, on the network's one clock); for
+    /// an even count of requests the mean of the middle two.
     exposed_tail_ms: f64,
     max_exposed_tail_ms: f64,
+    /// The median again, as the table's "p50" (the p99 is nearest rank).
     exposed_tail_p50_ms: f64,
     exposed_tail_p99_ms: f64,
     /// Per request: the first sender rank's first byte sent → the last decode rank's last
-    /// byte landed.
+    /// byte landed; p50 the median, p99 nearest rank.
     transfer_p50_ms: f64,
     transfer_p99_ms: f64,
     /// Destination bytes checked against the whole model's content.
@@ -556,9 +558,9 @@ pub(super) fn run(
         ),
         exposed_tail_ms: median(tails.clone()),
         max_exposed_tail_ms: tails.iter().copied().fold(0.0, f64::max),
-        exposed_tail_p50_ms: percentile(&tails, 50.0),
+        exposed_tail_p50_ms: median(tails.clone()),
         exposed_tail_p99_ms: percentile(&tails, 99.0),
-        transfer_p50_ms: percentile(&transfers, 50.0),
+        transfer_p50_ms: median(transfers.clone()),
         transfer_p99_ms: percentile(&transfers, 99.0),
         bytes_verified: verified_bytes,
         mismatched_blocks: mismatched,

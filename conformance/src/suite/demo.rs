@@ -249,18 +249,21 @@ pub struct DemoSummary {
     pub last_batch_transfer_ms: f64,
     /// Median over requests of the exposed tail: last chunk computed (the sender's
     /// `last_chunk`) → receiver complete (the receiver's `ended`), both sides' timings on the
-    /// run's one clock ([`TransferTimings::exposed_tail`]).
+    /// run's one clock ([`TransferTimings::exposed_tail`]). For an even count of requests the
+    /// mean of the middle two ([`median`]).
     pub exposed_tail_ms: f64,
     /// Largest exposed tail.
     pub max_exposed_tail_ms: f64,
-    /// 50th percentile of the exposed tail over requests.
+    /// The p50 of the exposed tail over requests: the median, the same figure as
+    /// `exposed_tail_ms` (the table's "p50").
     pub exposed_tail_p50_ms: f64,
-    /// 99th percentile of the exposed tail over requests.
+    /// The p99 of the exposed tail over requests, nearest rank ([`percentile`]): with fewer
+    /// than 100 requests, the largest.
     pub exposed_tail_p99_ms: f64,
-    /// 50th percentile over requests of the transfer time: first byte sent → last byte landed
-    /// ([`TransferTimings::transfer_time`]).
+    /// The p50 over requests of the transfer time, first byte sent → last byte landed
+    /// ([`TransferTimings::transfer_time`]): the median, as `exposed_tail_p50_ms`.
     pub transfer_p50_ms: f64,
-    /// 99th percentile of the transfer time.
+    /// The p99 of the transfer time, nearest rank ([`percentile`]).
     pub transfer_p99_ms: f64,
     /// Where the exposed tail of the request whose last chunk came last went (`None` when it
     /// did not complete).
@@ -320,7 +323,8 @@ fn ms(d: Duration) -> f64 {
     d.as_nanos() as f64 / 1e6
 }
 
-/// The median of `v` (0 for none).
+/// The median of `v`: its middle value, or for an even count the mean of the middle two (0
+/// for none). Every "median" and every "p50" the demo, `serve` and the benches report is this.
 pub fn median(mut v: Vec<f64>) -> f64 {
     if v.is_empty() {
         return 0.0;
@@ -335,7 +339,8 @@ pub fn median(mut v: Vec<f64>) -> f64 {
 }
 
 /// The `p`-th percentile of `v` (`p` in 0..=100), nearest rank: the smallest value with at
-/// least `p` % of the values at or below it (0 for none).
+/// least `p` % of the values at or below it (0 for none). For the reported p99s; a p50 is the
+/// [`median`] instead, which differs from the nearest rank's 50th for an even count.
 pub fn percentile(v: &[f64], p: f64) -> f64 {
     if v.is_empty() {
         return 0.0;
@@ -448,9 +453,9 @@ pub fn summarize(
             .map_or(0.0, |t| ms(t.transfer)),
         exposed_tail_ms: median(tails.clone()),
         max_exposed_tail_ms: tails.iter().copied().fold(0.0, f64::max),
-        exposed_tail_p50_ms: percentile(&tails, 50.0),
+        exposed_tail_p50_ms: median(tails.clone()),
         exposed_tail_p99_ms: percentile(&tails, 99.0),
-        transfer_p50_ms: percentile(&transfers, 50.0),
+        transfer_p50_ms: median(transfers.clone()),
         transfer_p99_ms: percentile(&transfers, 99.0),
         last_tail_parts: last_tail_parts(report),
         bytes_verified: report.requests.iter().map(|r| r.bytes_verified).sum(),

@@ -3,7 +3,9 @@
 //! a `--chunk-tokens` chunk), so every size prefills the prompt in the same time and only the
 //! granularity of the pipelining changes: the exposed tail should follow the last chunk's
 //! transfer down as chunks shrink, while the monolithic tail stays the whole request's and the
-//! time spent moving bytes stays about the same for both.
+//! time spent moving bytes stays about the same for both. With `--layers-per-slice N` every
+//! pipelined run submits its chunks in ranges of N layers: the header, the tail's column, the
+//! plot's title and the JSON (`layers_per_slice`) say so.
 
 use std::process::ExitCode;
 use std::time::Duration;
@@ -13,6 +15,7 @@ use kvpipe_conformance::suite::demo::DemoConfig;
 use serde::Serialize;
 
 use super::{measure, PipelineBenchArgs};
+use crate::slice_fit::SliceFit;
 use crate::{pictures, CliError};
 
 /// One chunk size's figures in `--json`.
@@ -33,6 +36,12 @@ struct SweepReport {
     prompt_tokens: u32,
     /// Compute of the whole prompt, the same for every chunk size.
     prefill_ms: f64,
+    /// Layers per slice every pipelined run submitted its chunks in (`null`: whole chunks).
+    layers_per_slice: Option<u16>,
+    /// With layer slices: the last range's layers, and whether `layers_per_slice` was more
+    /// than the model has (absent without).
+    #[serde(flatten)]
+    slice_fit: Option<SliceFit>,
     bytes: u64,
     runs: u32,
     verified: bool,
@@ -70,11 +79,23 @@ pub(super) fn run(args: &PipelineBenchArgs, base: &DemoConfig) -> Result<ExitCod
     }
     let verified = rows.iter().all(|r| r.verified);
     let prefill_ms = ms_per_token * f64::from(base.prompt_tokens);
+    let slice_fit = SliceFit::of_demo(base);
+    // How the pipelined runs submitted their chunks, for the title, the header and the column.
+    let (sliced, tail_column) = match (args.layers_per_slice, slice_fit) {
+        (Some(n), Some(fit)) => (
+            format!(
+                ", pipelined in layer slices of {n} (last range: {})",
+                fit.note()
+            ),
+            format!("tail, {n}-layer slices"),
+        ),
+        _ => (String::new(), "exposed tail".to_string()),
+    };
     if let Some(path) = &args.plot {
         let points: Vec<SweepPoint> = rows.iter().map(|r| r.point).collect();
         let title = format!(
             "kvpipe bench pipeline: {} over {}, {} tokens, {prefill_ms:.0} ms of prefill compute \
-             at every chunk size",
+             at every chunk size{sliced}",
             base.model.name(),
             args.transport,
             base.prompt_tokens
@@ -86,6 +107,8 @@ pub(super) fn run(args: &PipelineBenchArgs, base: &DemoConfig) -> Result<ExitCod
         model: base.model.name(),
         prompt_tokens: base.prompt_tokens,
         prefill_ms,
+        layers_per_slice: args.layers_per_slice,
+        slice_fit,
         bytes,
         runs: args.runs.max(1),
         verified,
@@ -96,28 +119,25 @@ pub(super) fn run(args: &PipelineBenchArgs, base: &DemoConfig) -> Result<ExitCod
     } else {
         println!(
             "{} tokens of {} over {} ({} bytes), {prefill_ms:.0} ms of prefill compute at every \
-             chunk size; {} run(s) of each mode, medians",
+             chunk size{sliced}; {} run(s) of each mode, medians",
             report.prompt_tokens, report.model, report.transport, bytes, report.runs
         );
+        let tail_width = tail_column.chars().count().max(12);
         println!(
-            "{:>12}  {:>6}  {:>12}  {:>15}  {:>12}  {:>23}",
-            "chunk tokens",
-            "chunks",
-            "exposed tail",
-            "monolithic tail",
-            "moving bytes",
-            "monolithic moving bytes"
+            "{:>12}  {:>6}  {tail_column:>tail_width$}  {:>15}  {:>12}  {:>23}",
+            "chunk tokens", "chunks", "monolithic tail", "moving bytes", "monolithic moving bytes"
         );
         for r in &report.sweep {
             let p = &r.point;
             println!(
-                "{:>12}  {:>6}  {:>9.2} ms  {:>12.2} ms  {:>9.2} ms  {:>20.2} ms",
+                "{:>12}  {:>6}  {:>w$.2} ms  {:>12.2} ms  {:>9.2} ms  {:>20.2} ms",
                 p.chunk_tokens,
                 r.chunks,
                 p.exposed_tail_ms,
                 p.monolithic_tail_ms,
                 p.transfer_ms,
-                p.monolithic_transfer_ms
+                p.monolithic_transfer_ms,
+                w = tail_width - 3
             );
         }
         println!("verified     {verified}");
