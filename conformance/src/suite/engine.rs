@@ -437,35 +437,38 @@ pub fn run_workload_with<H: Harness>(
         collect(&mut link, &mut events, &mut states);
         let s_alive = link.is_alive(Role::Sender);
         let r_alive = link.is_alive(Role::Receiver);
-        let pending: Vec<String> = states
-            .iter()
-            .filter(|s| {
-                (s_alive && !s.report.sender_quiesced) || (r_alive && !s.report.receiver_quiesced)
-            })
-            .map(|s| {
-                format!(
-                    "{}: sender {:?}{}, receiver {:?}{}",
-                    s.plan.id,
-                    s.report.sender,
-                    if s.report.sender_quiesced {
-                        " (quiesced)"
-                    } else {
-                        ""
-                    },
-                    s.report.receiver,
-                    if s.report.receiver_quiesced {
-                        " (quiesced)"
-                    } else {
-                        ""
-                    },
-                )
-            })
-            .collect();
-        if pending.is_empty() {
+        let waiting = |s: &&ReqState| {
+            (s_alive && !s.report.sender_quiesced) || (r_alive && !s.report.receiver_quiesced)
+        };
+        // Checked on every pass of the loop, which is the exposed tail's: the words are made
+        // only for the error.
+        if !states.iter().any(|s| waiting(&s)) {
             break;
         }
         let now = link.now();
         if now >= limit {
+            let pending: Vec<String> = states
+                .iter()
+                .filter(waiting)
+                .map(|s| {
+                    format!(
+                        "{}: sender {:?}{}, receiver {:?}{}",
+                        s.plan.id,
+                        s.report.sender,
+                        if s.report.sender_quiesced {
+                            " (quiesced)"
+                        } else {
+                            ""
+                        },
+                        s.report.receiver,
+                        if s.report.receiver_quiesced {
+                            " (quiesced)"
+                        } else {
+                            ""
+                        },
+                    )
+                })
+                .collect();
             return Err(SuiteError::Stalled {
                 limit_ms: w.time_limit.as_millis() as u64,
                 pending: pending.join("; "),
