@@ -9,7 +9,7 @@
 mod session_support;
 
 use kvpipe_core::session::state::{RecvPhase, SendPhase};
-use kvpipe_core::session::{Event, ReceiverInput, TransportInput, Wait};
+use kvpipe_core::session::{Event, ReceiverInput, TransportInput, UsageError, Wait};
 use kvpipe_core::wire::AuxData;
 use kvpipe_core::{Duration, Instant, RequestId, Sender};
 use session_support::*;
@@ -105,7 +105,7 @@ fn late_aux_with_the_receiver_timer_first_times_out_on_both_sides() {
     let (mut net, last) = last_chunk_sent(300, 300);
     net.now = last + Duration::from_millis(500);
     let now = net.now;
-    let _ = net.senders[0].submit_aux(now, R, aux_data());
+    let answer = net.senders[0].submit_aux(now, R, aux_data());
     receiver_timer(&mut net);
     net.pump();
     assert_agree(&net);
@@ -114,6 +114,7 @@ fn late_aux_with_the_receiver_timer_first_times_out_on_both_sides() {
         "{:?}",
         net.events(Side::Sender(0))
     );
+    assert_eq!(answer, Err(UsageError::SessionEnded(R)));
     assert_eq!(
         outcome(&net, Side::Receiver(0)),
         Some(Event::TimedOut {
@@ -130,7 +131,8 @@ fn late_aux_with_the_frame_first_times_out_on_both_sides() {
     let (mut net, last) = last_chunk_sent(300, 300);
     net.now = last + Duration::from_millis(500);
     let now = net.now;
-    let _ = net.senders[0].submit_aux(now, R, aux_data());
+    let answer = net.senders[0].submit_aux(now, R, aux_data());
+    assert!(matches!(answer, Err(UsageError::SessionEnded(R))));
     net.pump();
     receiver_timer(&mut net);
     net.pump();
@@ -143,4 +145,114 @@ fn late_aux_with_the_frame_first_times_out_on_both_sides() {
     net.advance(Duration::from_millis(1_000));
     assert_eq!(net.senders[0].phase(R), Some(SendPhase::Quiesced));
     assert_eq!(net.receivers[0].phase(R), Some(RecvPhase::Quiesced));
+}
+
+/// A deadline that has passed at `now` wins over an input at `now`: aux data at the deadline
+/// instant itself is late, one nanosecond before it is in time.
+#[test]
+fn aux_at_the_deadline_instant_is_late_and_just_before_is_in_time() {
+    let (mut net, last) = last_chunk_sent(300, 300);
+    net.now = last + Duration::from_millis(300);
+    let now = net.now;
+    assert!(net.senders[0].submit_aux(now, R, aux_data()).is_err());
+    net.pump();
+    assert_agree(&net);
+    assert!(sender_timed_out_on_aux(&net));
+
+    let (mut net, last) = last_chunk_sent(300, 300);
+    net.now = last + Duration::from_nanos(300_000_000 - 1);
+    let now = net.now;
+    net.senders[0].submit_aux(now, R, aux_data()).unwrap();
+    net.pump();
+    assert_agree(&net);
+    assert!(completed(&net, Side::Sender(0)));
+}
+
+/// After the sender's timer already timed the session out, a late aux gets the same answer.
+#[test]
+fn late_aux_after_the_timer_ran_gets_the_same_answer() {
+    let (mut net, _) = last_chunk_sent(300, 300);
+    net.advance(Duration::from_millis(500));
+    assert!(sender_timed_out_on_aux(&net));
+    let now = net.now;
+    assert_eq!(
+        net.senders[0].submit_aux(now, R, aux_data()),
+        Err(UsageError::SessionEnded(R))
+    );
+    assert_agree(&net);
+}
+
+/// The late aux's timeout is recorded: a fresh sender replaying the recorded inputs produces
+/// the same outputs.
+#[test]
+fn a_late_aux_replays_into_the_same_outputs() {
+    let mut net = Net::new(1, 1);
+    net.senders[0].record_inputs(true);
+    net.connect(0, 0);
+    net.pump();
+    let mut source = TestSource::with(R, 100, 4);
+    net.register(0, registration(R, 16, &[0]));
+    net.open(0, send_request(R, &[0]));
+    net.submit(0, R, chunk(0, 16, 16, true), &mut source);
+    // Past the aux deadline (300 ms), before the peers' liveness deadline (400 ms).
+    net.now += Duration::from_millis(350);
+    let now = net.now;
+    assert!(net.senders[0].submit_aux(now, R, aux_data()).is_err());
+    net.pump();
+    let inputs = net.senders[0].take_recorded_inputs();
+    let original: Vec<_> = net
+        .log
+        .iter()
+        .filter(|(s, _)| *s == Side::Sender(0))
+        .map(|(_, o)| o.clone())
+        .collect();
+    let mut replay = Sender::new(sender_config(0)).unwrap();
+    let mut outputs = Vec::new();
+    for input in inputs {
+        replay.handle_input(input).unwrap();
+        while let Some(o) = replay.poll_output() {
+            outputs.push(o);
+        }
+    }
+    assert_eq!(outputs, original);
+    assert!(
+        outputs.contains(&kvpipe_core::session::Output::Event(Event::TimedOut {
+            request: R,
+            waiting_for: Wait::Aux,
+        }))
+    );
+}
+
+/// The aux frame reaches the receiver after the receiver's own deadline (its aux wait is
+/// shorter than the sender's) but before its timer poll: the sender accepted the aux data in
+/// time and reported `Completed`, so the receiver completes too rather than contradict it.
+#[test]
+fn aux_in_time_for_the_sender_but_late_for_the_receiver_completes_on_both_sides() {
+    let (mut net, last) = last_chunk_sent(300, 100);
+    net.now = last + Duration::from_millis(200);
+    let now = net.now;
+    net.senders[0].submit_aux(now, R, aux_data()).unwrap();
+    net.pump();
+    assert_agree(&net);
+    assert!(completed(&net, Side::Receiver(0)));
+}
+
+/// The receiver's deadline comes first and its timer runs: it times out and tells the sender,
+/// which has not completed: neither side completes, and later aux data is refused.
+#[test]
+fn the_receiver_deadline_first_stops_the_sender_too() {
+    let (mut net, last) = last_chunk_sent(300, 100);
+    net.advance(Duration::from_millis(150));
+    assert_eq!(
+        outcome(&net, Side::Receiver(0)),
+        Some(Event::TimedOut {
+            request: R,
+            waiting_for: Wait::Aux,
+        })
+    );
+    let now = last + Duration::from_millis(200);
+    net.now = now;
+    assert!(net.senders[0].submit_aux(now, R, aux_data()).is_err());
+    net.pump();
+    assert_agree(&net);
 }

@@ -344,8 +344,11 @@ pub enum UsageError {
         /// The block source's error.
         error: BlockSourceError,
     },
-    /// The request already ended (failed, timed out, cancelled or completed).
-    #[error("{0} already ended")]
+    /// The request already ended (failed, timed out, cancelled or completed); its event says
+    /// which. Aux data submitted at or after the request's aux deadline gets this too, after
+    /// the deadline timed the request out ([`Event::TimedOut`] waiting for
+    /// [`Wait::Aux`](super::Wait::Aux)).
+    #[error("{0} already ended (failed, timed out, cancelled or completed: its event says which)")]
     SessionEnded(RequestId),
     /// The request still has writes that may touch its blocks; retire it after
     /// [`Event::Quiesced`].
