@@ -9,7 +9,7 @@
 mod session_support;
 
 use kvpipe_core::session::state::{RecvPhase, SendPhase};
-use kvpipe_core::session::{Event, ReceiverInput, TransportInput, UsageError, Wait};
+use kvpipe_core::session::{CancelOrigin, Event, ReceiverInput, TransportInput, UsageError, Wait};
 use kvpipe_core::wire::AuxData;
 use kvpipe_core::{Duration, Instant, RequestId, Sender};
 use session_support::*;
@@ -250,9 +250,20 @@ fn the_receiver_deadline_first_stops_the_sender_too() {
             waiting_for: Wait::Aux,
         })
     );
+    // The receiver's cancel reached the sender while it waited for the aux data.
+    assert_eq!(
+        outcome(&net, Side::Sender(0)),
+        Some(Event::Cancelled {
+            request: R,
+            origin: CancelOrigin::Peer(rx_peer(0)),
+        })
+    );
     let now = last + Duration::from_millis(200);
     net.now = now;
-    assert!(net.senders[0].submit_aux(now, R, aux_data()).is_err());
+    assert_eq!(
+        net.senders[0].submit_aux(now, R, aux_data()),
+        Err(UsageError::SessionEnded(R))
+    );
     net.pump();
     assert_agree(&net);
 }

@@ -205,9 +205,10 @@ impl SendRequest {
 /// only after the transport reported slice `k`'s writes complete and after the results of every
 /// earlier slice; the `is_last` result is followed by the aux data.
 ///
-/// **Errors**: a method returns [`UsageError`] for a caller bug and changes nothing. A peer's
-/// misbehaviour never returns an error: it fails the sessions involved (an
-/// [`Event::Failed`] with [`TransferStatus::ProtocolError`]) or is reported as
+/// **Errors**: a method returns [`UsageError`] for a caller bug and changes nothing (late aux
+/// data is refused after its passed deadline was applied, as the timer input it is: see **Aux
+/// deadline**). A peer's misbehaviour never returns an error: it fails the sessions involved
+/// (an [`Event::Failed`] with [`TransferStatus::ProtocolError`]) or is reported as
 /// [`Event::ProtocolViolation`].
 ///
 /// **Aux deadline**: the engine's aux data must come before
