@@ -381,7 +381,9 @@ impl Node<Sender> {
         self.command(|s, now| s.submit_prefix(now, request, prompt_len, prepopulated_len, source))
     }
 
-    /// Submits the request's aux data (first generated tokens, draft tokens, counts).
+    /// Submits the request's aux data (first generated tokens, draft tokens, counts). Aux data
+    /// at or after the request's aux deadline times the request out ([`Event::TimedOut`]) and
+    /// returns [`UsageError::SessionEnded`] (see [`kvpipe_core::Sender::submit_aux`]).
     pub fn submit_aux(&self, request: RequestId, aux: AuxData) -> Result<(), EmbedError> {
         self.command(|s, now| s.submit_aux(now, request, aux))
     }

@@ -22,6 +22,8 @@
 //! When the prefix was sent early, that early send is described by [`early_prefix_window`];
 //! the chunks then start at `floor(prepopulated_len / tpb)` and the tiling still holds.
 
+use core::fmt;
+
 use thiserror::Error;
 
 use crate::layout::LayerGroupLayout;
@@ -91,6 +93,95 @@ impl ChunkSpec {
             return Err(GeometryError::PromptEndNotLast { end: self.end });
         }
         Ok(())
+    }
+
+    /// The first field, in declaration order, in which `other` differs from this chunk
+    /// (`None`: they are the same chunk).
+    pub fn first_difference(&self, other: &ChunkSpec) -> Option<ChunkSpecField> {
+        use ChunkSpecField as F;
+        [
+            (F::Start, self.start != other.start),
+            (F::End, self.end != other.end),
+            (F::PromptLen, self.prompt_len != other.prompt_len),
+            (
+                F::PrepopulatedLen,
+                self.prepopulated_len != other.prepopulated_len,
+            ),
+            (F::IsLast, self.is_last != other.is_last),
+            (
+                F::PrefixSentEarly,
+                self.prefix_sent_early != other.prefix_sent_early,
+            ),
+        ]
+        .into_iter()
+        .find_map(|(field, differs)| differs.then_some(field))
+    }
+}
+
+/// One field of a [`ChunkSpec`], named in errors that say where two specs differ.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ChunkSpecField {
+    /// [`ChunkSpec::start`].
+    Start,
+    /// [`ChunkSpec::end`].
+    End,
+    /// [`ChunkSpec::prompt_len`].
+    PromptLen,
+    /// [`ChunkSpec::prepopulated_len`].
+    PrepopulatedLen,
+    /// [`ChunkSpec::is_last`].
+    IsLast,
+    /// [`ChunkSpec::prefix_sent_early`].
+    PrefixSentEarly,
+}
+
+impl ChunkSpecField {
+    /// The field's name in [`ChunkSpec`].
+    pub fn name(self) -> &'static str {
+        match self {
+            ChunkSpecField::Start => "start",
+            ChunkSpecField::End => "end",
+            ChunkSpecField::PromptLen => "prompt_len",
+            ChunkSpecField::PrepopulatedLen => "prepopulated_len",
+            ChunkSpecField::IsLast => "is_last",
+            ChunkSpecField::PrefixSentEarly => "prefix_sent_early",
+        }
+    }
+
+    /// The field's value in `spec`, as text.
+    pub fn value_in(self, spec: &ChunkSpec) -> ChunkSpecValue {
+        match self {
+            ChunkSpecField::Start => ChunkSpecValue::Tokens(spec.start),
+            ChunkSpecField::End => ChunkSpecValue::Tokens(spec.end),
+            ChunkSpecField::PromptLen => ChunkSpecValue::Tokens(spec.prompt_len),
+            ChunkSpecField::PrepopulatedLen => ChunkSpecValue::Tokens(spec.prepopulated_len),
+            ChunkSpecField::IsLast => ChunkSpecValue::Flag(spec.is_last),
+            ChunkSpecField::PrefixSentEarly => ChunkSpecValue::Flag(spec.prefix_sent_early),
+        }
+    }
+}
+
+impl fmt::Display for ChunkSpecField {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// The value of one [`ChunkSpecField`] of a chunk.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ChunkSpecValue {
+    /// A token position or count.
+    Tokens(u32),
+    /// A flag.
+    Flag(bool),
+}
+
+impl fmt::Display for ChunkSpecValue {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ChunkSpecValue::Tokens(n) => write!(f, "{n}"),
+            ChunkSpecValue::Flag(b) => write!(f, "{b}"),
+        }
     }
 }
 

@@ -179,7 +179,7 @@ pub use blocks::{AnchoredRun, BlockRun, IdRun};
 pub use config::{ConfigError, PipelineConfig, SchedulingPolicy};
 pub use geometry::{
     chunk_window, early_prefix_window, stale_boundary, total_blocks, BlockWindow, ChunkSpec,
-    GeometryError, StaleBoundary,
+    ChunkSpecField, ChunkSpecValue, GeometryError, StaleBoundary,
 };
 pub use ids::{
     BlockId, GrantId, GroupIndex, InstanceId, PeerId, ReceiverSliceId, RegionId, RequestId,

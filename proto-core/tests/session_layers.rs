@@ -8,7 +8,8 @@ use kvpipe_core::session::state::SendPhase;
 use kvpipe_core::session::LocalHello;
 use kvpipe_core::session::{Event, Output, SenderInput, UsageError};
 use kvpipe_core::{
-    ChunkSpec, GroupIndex, InstanceId, LayerOrder, LayerRange, RequestId, Sender, SenderConfig,
+    ChunkSpec, ChunkSpecField, GroupIndex, InstanceId, LayerOrder, LayerRange, RequestId, Sender,
+    SenderConfig,
 };
 use session_support::*;
 
@@ -208,6 +209,80 @@ fn misplaced_ranges_are_refused_with_nothing_changed() {
             "{err}"
         );
     }
+    // The open chunk again, but described differently: the error names the field that differs
+    // and both values, and nothing changes.
+    let differing = [
+        (
+            ChunkSpec { end: 12, ..spec },
+            ChunkSpecField::End,
+            "end = 12",
+            "end = 16",
+        ),
+        (
+            ChunkSpec {
+                prompt_len: 40,
+                ..spec
+            },
+            ChunkSpecField::PromptLen,
+            "prompt_len = 40",
+            "prompt_len = 32",
+        ),
+        (
+            ChunkSpec {
+                end: 32,
+                is_last: true,
+                ..spec
+            },
+            ChunkSpecField::End,
+            "end = 32",
+            "end = 16",
+        ),
+        (
+            ChunkSpec {
+                is_last: true,
+                ..spec
+            },
+            ChunkSpecField::IsLast,
+            "is_last = true",
+            "is_last = false",
+        ),
+        (
+            ChunkSpec {
+                prefix_sent_early: true,
+                ..spec
+            },
+            ChunkSpecField::PrefixSentEarly,
+            "prefix_sent_early = true",
+            "prefix_sent_early = false",
+        ),
+    ];
+    for (other, field, got, open) in differing {
+        let err = refuse(&mut s, other, layers(2, 4));
+        assert_eq!(
+            err,
+            UsageError::ChunkRangeSpecMismatch {
+                request: R,
+                field,
+                open: spec,
+                got: other,
+            }
+        );
+        let text = err.to_string();
+        assert!(text.contains(got) && text.contains(open), "{text}");
+    }
+    // The first field that differs is named.
+    let other = ChunkSpec {
+        prepopulated_len: 4,
+        is_last: true,
+        ..spec
+    };
+    assert!(matches!(
+        refuse(&mut s, other, layers(2, 4)),
+        UsageError::ChunkRangeSpecMismatch {
+            field: ChunkSpecField::PrepopulatedLen,
+            ..
+        }
+    ));
     // Another chunk, whole or in ranges, while this one is open.
     let next = chunk(16, 32, 32, true);
     assert!(matches!(

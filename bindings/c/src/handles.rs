@@ -604,7 +604,9 @@ pub unsafe extern "C" fn kvpipe_sender_submit_prefix(
 }
 
 /// Submits `request`'s aux data (first generated tokens, draft tokens, counts); it travels
-/// inline after the KV. A transfer completes only with it.
+/// inline after the KV. A transfer completes only with it. Aux data at or after the request's
+/// aux deadline times the request out (its event says so) and returns `KVPIPE_ERR_USAGE`
+/// (the request already ended).
 ///
 /// # Safety
 /// `sender` is a live handle; `aux` and its token pointers are readable.

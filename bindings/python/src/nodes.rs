@@ -339,7 +339,10 @@ impl Sender {
     }
 
     /// Submits the aux data of ``request`` (the first generated token(s), draft tokens and
-    /// counts), carried inline after its KV; the transfer completes only with it.
+    /// counts), carried inline after its KV; the transfer completes only with it. Aux data at
+    /// or after the request's aux deadline (``aux_wait`` after the last chunk) times the
+    /// request out (a ``timed_out`` event waiting for aux) and raises ``UsageError`` (the
+    /// request already ended).
     #[pyo3(signature = (request, first_tokens, *, prompt_tokens = 0, cached_tokens = 0, draft_tokens = Vec::new()))]
     fn submit_aux(
         &self,

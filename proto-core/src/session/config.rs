@@ -34,8 +34,13 @@ pub struct Deadlines {
     /// fails when no further progress comes for this long — a stalled transfer ends well before
     /// the cap, a slow one that keeps progressing is never cut off by it.
     pub result_idle: Duration,
-    /// Sender: from the last chunk to the engine's aux data. Receiver: from the last writer's
-    /// last result to the aux data.
+    /// Sender: from the last chunk to the engine's aux data; aux data at or after that
+    /// deadline times the request out even if no timer poll ran since. Receiver: from the last
+    /// writer's last result to the aux data; it fires only from a timer poll, so aux data the
+    /// sender sent in time is taken until then (see the `Sender` and `Receiver` docs, "Aux
+    /// deadline"). Give the receiver at least the sender's wait: a receiver whose deadline
+    /// passes first stops its writers, and an aux frame already on the way then completes the
+    /// sender while the receiver has timed out.
     pub aux_wait: Duration,
     /// Send a heartbeat to a peer when nothing was sent to it for this long.
     pub heartbeat_interval: Duration,

@@ -292,8 +292,9 @@ pub enum UsageError {
         /// Where it must start.
         expected: u32,
     },
-    /// A chunk (or a range of another chunk) while the previous chunk's layers are not all
-    /// submitted.
+    /// A chunk (or a range of another chunk: another `start`) while the previous chunk's
+    /// layers are not all submitted. A range of the open chunk whose spec differs otherwise is
+    /// [`UsageError::ChunkRangeSpecMismatch`].
     #[error(
         "{request}'s chunk submitted in layer ranges is open until its last range: submit \
          layers {next_layer}..{layers} of that chunk before another chunk"
@@ -305,6 +306,26 @@ pub enum UsageError {
         next_layer: u32,
         /// The rank's layers.
         layers: u32,
+    },
+    /// A later layer range of the open chunk names the same chunk (the same `start`) with a
+    /// [`ChunkSpec`] that differs from its first range's in `field` (the first field that
+    /// differs). Every range of a chunk carries the chunk's spec unchanged.
+    #[error(
+        "a layer range of {request}'s open chunk (from token {}) gives {field} = {}, its first \
+         range gave {field} = {}: every range of a chunk carries the same ChunkSpec",
+        .open.start,
+        .field.value_in(.got),
+        .field.value_in(.open)
+    )]
+    ChunkRangeSpecMismatch {
+        /// The request.
+        request: RequestId,
+        /// The first field that differs.
+        field: ChunkSpecField,
+        /// The open chunk's spec (as its first range gave it).
+        open: ChunkSpec,
+        /// The spec this range gave.
+        got: ChunkSpec,
     },
     /// Chunks must be submitted in token order without gaps.
     #[error("chunk for {request} starts at token {got}, expected {expected}")]
@@ -344,8 +365,11 @@ pub enum UsageError {
         /// The block source's error.
         error: BlockSourceError,
     },
-    /// The request already ended (failed, timed out, cancelled or completed).
-    #[error("{0} already ended")]
+    /// The request already ended (failed, timed out, cancelled or completed); its event says
+    /// which. Aux data submitted at or after the request's aux deadline gets this too, after
+    /// the deadline timed the request out ([`Event::TimedOut`] waiting for
+    /// [`Wait::Aux`](super::Wait::Aux)).
+    #[error("{0} already ended (failed, timed out, cancelled or completed: its event says which)")]
     SessionEnded(RequestId),
     /// The request still has writes that may touch its blocks; retire it after
     /// [`Event::Quiesced`].

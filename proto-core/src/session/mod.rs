@@ -99,7 +99,7 @@ pub use transport::{
     TransportInput, WriteRefusal, WriteTicket,
 };
 
-use crate::geometry::{BlockWindow, GeometryError};
+use crate::geometry::{BlockWindow, ChunkSpec, ChunkSpecField, GeometryError};
 use crate::layers::LayerRange;
 use bytes::Bytes;
 

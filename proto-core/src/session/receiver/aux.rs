@@ -3,6 +3,10 @@
 use super::*;
 
 impl Receiver {
+    /// A writer's aux data. A successful one is taken while the session is active, even at or
+    /// after the receiver's aux deadline: the writer sent it only because the engine's data
+    /// came before the sender's deadline, and its session already finished (see the
+    /// `Receiver` doc, "Aux deadline").
     pub(super) fn on_aux(&mut self, now: Instant, peer: PeerId, aux: AuxResult) {
         let request = aux.request;
         let Some(w) = self.locate(now, peer, request, "AuxResult") else {

@@ -136,6 +136,20 @@ pub struct Registration {
 /// successful last result from every writer, plus the aux data), [`Event::Failed`],
 /// [`Event::TimedOut`] or [`Event::Cancelled`], and then [`Event::Quiesced`].
 ///
+/// **Aux deadline** (one rule for both sides: the aux deadline is judged once, where the aux
+/// data enters, against the sender's deadline): a writer's successful `AuxResult` is its word
+/// that the engine's aux data came in time and that its session for this receiver finished
+/// ([`Event::Completed`] there). The receiver takes it while the session is active, even at or
+/// after its own aux deadline when no timer poll ran since: timing out then would contradict a
+/// writer that already completed. The receiver's own deadline
+/// ([`Deadlines::aux_wait`](super::Deadlines) after the last writer's last result) guards
+/// against a writer that says nothing: when its timer fires the receiver reports
+/// [`Event::TimedOut`] waiting for [`Wait::Aux`](super::Wait::Aux) and sends every writer a
+/// `Cancel`, which stops a writer still waiting for its aux data. A writer late on the
+/// sender's side never sends the aux data; it sends a failed terminal result, and the
+/// receiver reports [`Event::Failed`] with [`TransferStatus::TimedOut`] (or its own
+/// [`Event::TimedOut`], when its timer fired first).
+///
 /// **Memory**: the destination blocks stay pinned until [`Event::Quiesced`]: after a failure,
 /// timeout or cancel that is when every writer confirmed it stopped (its terminal `KvResult`
 /// or a `Cancel`) or was reported disconnected, and no admitted write is still being applied.

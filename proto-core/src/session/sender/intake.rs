@@ -385,6 +385,28 @@ impl Sender {
         self.sessions.retire(now, request, counters, |_| ())
     }
 
+    /// Aux data at or after the session's aux deadline is late, whether or not a timer poll
+    /// ran since: the deadline wins over an input at the same `now`. The deadline is applied
+    /// first, exactly as the timer would apply it (a [`TransportInput::Timeout`] at `now`,
+    /// recorded as its own input so that a recorded run replays the same), and the aux data
+    /// then finds the session ended.
+    pub(super) fn time_out_late_aux(&mut self, now: Instant, request: RequestId) {
+        let late = self.sessions.live.get(&request).is_some_and(|s| {
+            s.phase.is_active() && s.aux.is_none() && s.aux_deadline.is_some_and(|at| at <= now)
+        });
+        if late {
+            let timeout = SenderInput::Transport {
+                now,
+                input: TransportInput::Timeout,
+            };
+            // A timer poll is never a caller bug: it cannot fail.
+            let _ = self.handle_input(timeout);
+        }
+    }
+
+    /// Takes the engine's aux data while the session is active; it goes out after every
+    /// receiver's last result. A late one never gets here active (see
+    /// [`Self::time_out_late_aux`]).
     pub(super) fn on_aux_submitted(
         &mut self,
         now: Instant,

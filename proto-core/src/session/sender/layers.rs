@@ -5,6 +5,7 @@
 
 use super::session::{OpenChunk, SliceLayers};
 use super::*;
+use crate::geometry::ChunkSpecField;
 
 /// What a checked layer range does.
 pub(super) enum RangeStep {
@@ -52,8 +53,19 @@ impl Sender {
         let Some(next_phase) = super::intake::chunk_phase(session.phase, open.spec.is_last) else {
             return Err(UsageError::SessionEnded(request));
         };
-        if *spec != open.spec {
-            return Err(self.chunk_layers_unfinished(request, &open));
+        match open.spec.first_difference(spec) {
+            None => {}
+            // Another start is another chunk, which waits for this one's last range.
+            Some(ChunkSpecField::Start) => return Err(self.chunk_layers_unfinished(request, &open)),
+            // The same chunk, described differently: name what differs.
+            Some(field) => {
+                return Err(UsageError::ChunkRangeSpecMismatch {
+                    request,
+                    field,
+                    open: open.spec,
+                    got: *spec,
+                })
+            }
         }
         check_range_bounds(request, layers, open.next_layer, self.layer_count)?;
         Ok(RangeStep::Later { next_phase })

@@ -115,7 +115,10 @@ pub enum SenderInput {
         /// something, in group order.
         runs: Vec<(GroupIndex, BlockRun)>,
     },
-    /// The engine's aux data for `request` (first tokens, draft tokens, counts).
+    /// The engine's aux data for `request` (first tokens, draft tokens, counts). At or after
+    /// the request's aux deadline it is late: the deadline is applied first, as the input
+    /// [`TransportInput::Timeout`] at `now` (recorded as such), and the aux data then finds the
+    /// session ended (see [`Sender::submit_aux`]).
     Aux {
         /// Current time.
         now: Instant,
@@ -202,10 +205,21 @@ impl SendRequest {
 /// only after the transport reported slice `k`'s writes complete and after the results of every
 /// earlier slice; the `is_last` result is followed by the aux data.
 ///
-/// **Errors**: a method returns [`UsageError`] for a caller bug and changes nothing. A peer's
-/// misbehaviour never returns an error: it fails the sessions involved (an
-/// [`Event::Failed`] with [`TransferStatus::ProtocolError`]) or is reported as
+/// **Errors**: a method returns [`UsageError`] for a caller bug and changes nothing (late aux
+/// data is refused after its passed deadline was applied, as the timer input it is: see **Aux
+/// deadline**). A peer's misbehaviour never returns an error: it fails the sessions involved
+/// (an [`Event::Failed`] with [`TransferStatus::ProtocolError`]) or is reported as
 /// [`Event::ProtocolViolation`].
+///
+/// **Aux deadline**: the engine's aux data must come before
+/// [`Deadlines::aux_wait`](super::Deadlines) after the request's last chunk. At or after it —
+/// even when no timer poll ran since — the request times out exactly as the timer would
+/// ([`Event::TimedOut`] waiting for [`Wait::Aux`]; every receiver gets a failed terminal result
+/// and never completes) and [`submit_aux`](Self::submit_aux) returns
+/// [`UsageError::SessionEnded`]. Aux data in time goes out after each receiver's last result
+/// and the request completes; a receiver takes it even when it arrives after the receiver's
+/// own aux deadline, as long as the receiver's timer has not fired (see
+/// [`Receiver`](super::Receiver)).
 ///
 /// **Memory**: a session pins the engine's blocks from [`open_request`](Self::open_request) to
 /// [`Event::Quiesced`], which follows [`Event::Completed`] at once, and follows a failure,
@@ -306,6 +320,14 @@ impl Sender {
     }
 
     /// Submits the request's aux data (see [`SenderInput::Aux`]).
+    ///
+    /// The aux data must come before the request's aux deadline
+    /// ([`Deadlines::aux_wait`](super::Deadlines) after its last chunk). Data at or after the
+    /// deadline is late even when no timer poll ran since: a deadline that has passed at `now`
+    /// wins over an input at `now`. The session then times out exactly as the timer would
+    /// ([`Event::TimedOut`] waiting for [`Wait::Aux`]; the receivers are told), and the call
+    /// returns [`UsageError::SessionEnded`] — the answer it gets when the timer ran first. The
+    /// data is never sent, so the receivers never complete a request this sender timed out.
     pub fn submit_aux(
         &mut self,
         now: Instant,
@@ -348,7 +370,10 @@ impl Sender {
             } => self
                 .on_prefix(now, request, prompt_len, prepopulated_len, runs)
                 .map(|_| ()),
-            SenderInput::Aux { now, request, data } => self.on_aux_submitted(now, request, data),
+            SenderInput::Aux { now, request, data } => {
+                self.time_out_late_aux(now, request);
+                self.on_aux_submitted(now, request, data)
+            }
             SenderInput::Cancel { now, request } => self.on_cancel(now, request),
             SenderInput::Retire { now, request } => self.on_retire(now, request),
         }

@@ -184,12 +184,14 @@ impl Sender {
     ///
     /// Returns the range's outcome as [`submit_chunk`](Self::submit_chunk) does:
     /// [`Submitted::Nothing`] when it writes nothing (a chunk that completes no block; an
-    /// engine's fault only on a chunk's first range, which asks the engine). Refused with nothing changed ([`UsageError`]): an empty range, one past the
-    /// rank's layers, one that does not start where the chunk's previous range ended (overlap,
-    /// gap, out of order: [`UsageError::LayerRangeOutOfOrder`]), a range naming another chunk
-    /// (or a whole chunk) while a chunk's last range has not come
-    /// ([`UsageError::ChunkLayersUnfinished`]), and every refusal of
-    /// [`submit_chunk`](Self::submit_chunk) for a chunk's first range.
+    /// engine's fault only on a chunk's first range, which asks the engine). Refused with
+    /// nothing changed ([`UsageError`]): an empty range, one past the rank's layers, one that
+    /// does not start where the chunk's previous range ended (overlap, gap, out of order:
+    /// [`UsageError::LayerRangeOutOfOrder`]), a range naming another chunk (another `start`)
+    /// or a whole chunk while a chunk's last range has not come
+    /// ([`UsageError::ChunkLayersUnfinished`]), a range of the open chunk whose spec differs
+    /// in another field ([`UsageError::ChunkRangeSpecMismatch`], naming the field), and every
+    /// refusal of [`submit_chunk`](Self::submit_chunk) for a chunk's first range.
     pub fn submit_chunk_layers(
         &mut self,
         now: Instant,
