@@ -267,47 +267,11 @@ fn plan_names_the_flag_out_of_range_first() {
 
 /// `bench pipeline --layers-per-slice N` names the last range's real size (the last range of 32
 /// layers in ranges of 3 is 2 layers) and says when N is more than the model has.
-#[test]
-fn bench_pipeline_names_the_layers_its_last_range_really_has() {
-    let _turn = turn();
-    for (n, expected) in [
-        ("3", "(2 layers)"),
-        (
-            "100",
-            "(32 layers, --layers-per-slice 100 is more than the model's 32 layers)",
-        ),
-    ] {
-        let args = [
-            "bench",
-            "pipeline",
-            "--layers-per-slice",
-            n,
-            "--prompt-tokens",
-            "512",
-            "--chunk-tokens",
-            "256",
-            "--prefill-ms-per-chunk",
-            "1",
-            "--runs",
-            "1",
-        ];
-        let out = run(&args, Duration::from_secs(120));
-        let stdout = text(&out.stdout);
-        assert!(out.status.success(), "{args:?}: {}", text(&out.stderr));
-        let line = stdout
-            .lines()
-            .find(|l| l.starts_with("last range alone"))
-            .unwrap_or_else(|| panic!("no last-range line in {stdout}"));
-        assert!(line.contains(expected), "{line}");
-    }
-}
-
-/// `demo` and `bench fragments` say what `bench pipeline` says of `--layers-per-slice N`: the
+/// `demo`, `bench fragments` and `bench pipeline` say what `--layers-per-slice N` did: the
 /// last range's real layers, and when N is more than the model has (each chunk then goes out
-/// whole); their JSON, and bench pipeline's, say it in `last_range_layers` and
-/// `layers_per_slice_exceeds_model`.
+/// whole); their JSON says it in `last_range_layers` and `layers_per_slice_exceeds_model`.
 #[test]
-fn demo_and_bench_fragments_say_when_layers_per_slice_is_more_than_the_model_has() {
+fn demo_and_benches_say_how_layers_per_slice_fell_on_the_model() {
     let _turn = turn();
     let demo = |n: &'static str| -> Vec<&'static str> {
         let mut args = vec!["demo", "--layers-per-slice", n, "--no-baseline"];
@@ -369,7 +333,14 @@ fn demo_and_bench_fragments_say_when_layers_per_slice_is_more_than_the_model_has
             80,
             true,
         ),
-        (pipeline("100"), "last range alone", "", 32, true),
+        (pipeline("3"), "last range alone", "(2 layers)", 2, false),
+        (
+            pipeline("100"),
+            "last range alone",
+            "(32 layers, --layers-per-slice 100 is more than the model's 32 layers)",
+            32,
+            true,
+        ),
     ];
     for (args, starts, says, last_range, exceeds) in cases {
         let out = run(&args, Duration::from_secs(120));

@@ -6,12 +6,11 @@ mod common;
 
 use std::time::Duration;
 
-use common::{configs, dst_slot, src_slot, wait_for, Sides, PROMPT};
+use common::{configs, first_token, open_request, wait_for, Sides, PROMPT};
 use kvpipe::kvpipe_core::session::Wait;
 use kvpipe::{
-    mem_pair, AnchoredRun, AuxData, BlockId, BlockTables, ChunkSpec, EmbedError, Event, Node,
-    Registration, RequestId, Role, SendRequest, Transport, UsageError, MEM_RECEIVER_PEER,
-    MEM_SENDER_PEER,
+    mem_pair, BlockId, BlockTables, ChunkSpec, EmbedError, Event, Node, RequestId, Role, Transport,
+    UsageError, MEM_RECEIVER_PEER, MEM_SENDER_PEER,
 };
 
 /// The request's terminal event on `node` (completed, failed, timed out or cancelled).
@@ -36,20 +35,7 @@ fn aux_after_the_deadline_times_the_request_out_on_both_sides() {
     {
         let (tx, rx) = unsafe { mem_pair(&s, &src, &r, &dst) }.unwrap();
         let request = RequestId(7);
-        let blocks = PROMPT.div_ceil(4);
-        let ids: Vec<BlockId> = (0..blocks).map(|o| BlockId(dst_slot(o))).collect();
-        rx.register(Registration {
-            request,
-            prompt_len: PROMPT,
-            groups: vec![AnchoredRun::from_ids(0, &ids)],
-            writers: [MEM_SENDER_PEER].into_iter().collect(),
-            aux_capacity: 64,
-            expected_part: None,
-        })
-        .unwrap();
-        tx.open_request(SendRequest::new(request, [MEM_RECEIVER_PEER]))
-            .unwrap();
-        let table: Vec<Option<BlockId>> = (0..blocks).map(|o| Some(BlockId(src_slot(o)))).collect();
+        let table = open_request(&tx, &rx, request, MEM_RECEIVER_PEER, MEM_SENDER_PEER);
         let groups: [&[Option<BlockId>]; 1] = [&table];
         let whole = ChunkSpec {
             start: 0,
@@ -64,15 +50,7 @@ fn aux_after_the_deadline_times_the_request_out_on_both_sides() {
         // The engine computes its first token for longer than the aux wait, and nothing else
         // drives the pair meanwhile.
         std::thread::sleep(Duration::from_millis(500));
-        let late = tx.submit_aux(
-            request,
-            AuxData {
-                prompt_tokens: PROMPT,
-                cached_tokens: 0,
-                first_tokens: vec![9],
-                draft_tokens: vec![],
-            },
-        );
+        let late = tx.submit_aux(request, first_token());
         assert!(
             matches!(late, Err(EmbedError::Usage(UsageError::SessionEnded(r))) if r == request),
             "{late:?}"

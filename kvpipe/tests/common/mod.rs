@@ -151,14 +151,16 @@ pub(crate) fn transfer_layers(
     transfer_with(tx, rx, to_receiver, to_sender, true);
 }
 
-fn transfer_with(
+/// Registers `request` on `rx` (its blocks: every destination slot of the prompt, written by
+/// `to_sender`) and opens it on `tx` towards `to_receiver`; returns the prefill side's block
+/// table of the prompt's blocks, for a [`kvpipe::BlockTables`].
+pub(crate) fn open_request(
     tx: &PrefillNode,
     rx: &DecodeNode,
+    request: RequestId,
     to_receiver: PeerId,
     to_sender: PeerId,
-    layered: bool,
-) {
-    let request = RequestId(42);
+) -> Vec<Option<BlockId>> {
     let blocks = PROMPT.div_ceil(4);
     let dst: Vec<BlockId> = (0..blocks).map(|o| BlockId(dst_slot(o))).collect();
     rx.register(Registration {
@@ -172,7 +174,29 @@ fn transfer_with(
     .unwrap();
     tx.open_request(SendRequest::new(request, [to_receiver]))
         .unwrap();
-    let table: Vec<Option<BlockId>> = (0..blocks).map(|o| Some(BlockId(src_slot(o)))).collect();
+    (0..blocks).map(|o| Some(BlockId(src_slot(o)))).collect()
+}
+
+/// The aux data the tests' engine submits: the prompt's first token.
+pub(crate) fn first_token() -> AuxData {
+    AuxData {
+        prompt_tokens: PROMPT,
+        cached_tokens: 0,
+        first_tokens: vec![9],
+        draft_tokens: vec![],
+    }
+}
+
+fn transfer_with(
+    tx: &PrefillNode,
+    rx: &DecodeNode,
+    to_receiver: PeerId,
+    to_sender: PeerId,
+    layered: bool,
+) {
+    let request = RequestId(42);
+    let blocks = PROMPT.div_ceil(4);
+    let table = open_request(tx, rx, request, to_receiver, to_sender);
     let groups: [&[Option<BlockId>]; 1] = [&table];
     let chunk = |start, end, is_last| ChunkSpec {
         start,
@@ -205,16 +229,7 @@ fn transfer_with(
     // Every chunk completes a block: one slice per chunk, or per layer range of it.
     assert_eq!(slices.len(), if layered { 4 } else { 2 });
     assert!(slices.iter().all(|s| s.slice().is_some()), "{slices:?}");
-    tx.submit_aux(
-        request,
-        AuxData {
-            prompt_tokens: PROMPT,
-            cached_tokens: 0,
-            first_tokens: vec![9],
-            draft_tokens: vec![],
-        },
-    )
-    .unwrap();
+    tx.submit_aux(request, first_token()).unwrap();
     let bytes = u64::from(blocks) * SLOT as u64;
     for (side, completed) in [
         (
