@@ -493,8 +493,15 @@ impl Node<Receiver> {
 /// decode side [`MEM_RECEIVER_PEER`](crate::MEM_RECEIVER_PEER); the decode side names it
 /// [`MEM_SENDER_PEER`](crate::MEM_SENDER_PEER).
 ///
+/// Closing or dropping one handle loses it for the other at once, as a TCP peer's close does:
+/// once no write batch in flight can touch the closed side's regions, the other side's
+/// requests with it fail with [`TransferStatus::PeerLost`](kvpipe_core::wire::TransferStatus)
+/// and [`is_peer_ready`](Node::is_peer_ready) turns false; no later write reaches the closed
+/// side.
+///
 /// # Safety
-/// Every region follows [`RawRegion`]'s contract until both handles are dropped.
+/// Every region follows [`RawRegion`]'s contract until both handles are dropped, or, for one
+/// side's regions, until that side's [`close`](Node::close) returned `Ok`.
 pub unsafe fn mem_pair(
     sender: &NodeConfig,
     sender_regions: &[RawRegion],
