@@ -180,3 +180,95 @@ fn dropping_the_prefill_node_fails_the_decode_side_over_tcp() {
 fn dropping_the_prefill_node_fails_the_decode_side_in_process() {
     prefill_closed("mem", true);
 }
+
+/// A pool of `blocks` slots of 16 MiB each (1 layer, K|V, 8 heads of 128 dims, 4096 tokens a
+/// block), in region `region`.
+fn big_layout(region: u32) -> Vec<kvpipe::LayerGroupLayout> {
+    vec![kvpipe::LayerGroupLayout {
+        layers: 1,
+        kv_factor: 2,
+        kv_heads: 8,
+        head_dim: 128,
+        elem_bytes: 2,
+        tokens_per_block: BIG_BLOCK,
+        window: None,
+        block_layout: Default::default(),
+        pools: [kvpipe::PoolLayout {
+            region: kvpipe::RegionId(region),
+            layer_begin: 0,
+            layers: 1,
+            slot_bytes: BIG_SLOT as u64,
+        }]
+        .into_iter()
+        .collect(),
+        shard: Default::default(),
+    }]
+}
+
+const BIG_BLOCK: u32 = 4096;
+const BIG_SLOT: usize = 2 * 8 * 128 * 2 * BIG_BLOCK as usize;
+const BIG_BLOCKS: u32 = 4;
+
+/// The decode node closes right after the prefill node submitted 64 MiB: its close returns
+/// only once no copy can still land, so its pool stays exactly as it was when close returned.
+#[test]
+fn a_closed_decode_node_pool_is_still_once_close_returned() {
+    let mut src = vec![7u8; BIG_SLOT * BIG_BLOCKS as usize];
+    let mut dst = vec![0u8; BIG_SLOT * BIG_BLOCKS as usize];
+    let (s_regions, r_regions) = (
+        [kvpipe::RawRegion::host(kvpipe::RegionId(1), &mut src)],
+        [kvpipe::RawRegion::host(kvpipe::RegionId(2), &mut dst)],
+    );
+    let prompt = BIG_BLOCK * BIG_BLOCKS;
+    {
+        // SAFETY: `src` and `dst` outlive both nodes (dropped at the end of the block).
+        let (tx, rx) = unsafe {
+            mem_pair(
+                &kvpipe::NodeConfig::new(big_layout(1)),
+                &s_regions,
+                &kvpipe::NodeConfig::new(big_layout(2)),
+                &r_regions,
+            )
+        }
+        .unwrap();
+        let ready = |e: &Event| matches!(e, Event::PeerReady { .. });
+        wait_for(&rx, "PeerReady (decode)", ready);
+        wait_for(&tx, "PeerReady (prefill)", ready);
+        let ids: Vec<BlockId> = (0..BIG_BLOCKS).map(BlockId).collect();
+        rx.register(kvpipe::Registration {
+            request: REQUEST,
+            prompt_len: prompt,
+            groups: vec![kvpipe::AnchoredRun::from_ids(0, &ids)],
+            writers: [MEM_SENDER_PEER].into_iter().collect(),
+            aux_capacity: 64,
+            expected_part: None,
+        })
+        .unwrap();
+        tx.open_request(kvpipe::SendRequest::new(REQUEST, [MEM_RECEIVER_PEER]))
+            .unwrap();
+        let table: Vec<Option<BlockId>> = ids.iter().copied().map(Some).collect();
+        let groups: [&[Option<BlockId>]; 1] = [&table];
+        let spec = ChunkSpec {
+            start: 0,
+            end: prompt,
+            prompt_len: prompt,
+            prepopulated_len: 0,
+            is_last: true,
+            prefix_sent_early: false,
+        };
+        // Pump until the registration reached the prefill side, so the chunk's write is issued
+        // as it is submitted.
+        wait_for(&tx, "Registered", |e| matches!(e, Event::Registered { .. }));
+        tx.submit_chunk(REQUEST, spec, &mut BlockTables { groups: &groups })
+            .unwrap();
+        rx.close(Duration::from_secs(1)).unwrap();
+        // SAFETY: no write touches `dst` once the decode side's close returned.
+        let at_close = unsafe { std::slice::from_raw_parts(r_regions[0].ptr, dst.len()) }.to_vec();
+        let end = outcome(&tx, "mem prefill");
+        assert!(peer_lost(&end, MEM_RECEIVER_PEER), "{end:?}");
+        let _ = tx.next_event(Duration::from_millis(200)).unwrap();
+        // SAFETY: as above.
+        let later = unsafe { std::slice::from_raw_parts(r_regions[0].ptr, dst.len()) };
+        assert!(later == at_close, "bytes landed after close returned");
+    }
+}
