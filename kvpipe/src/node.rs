@@ -207,9 +207,10 @@ impl<E: Role> Node<E> {
 
     /// Closes the node: over TCP every peer is closed in order (what was queued reaches it
     /// first), over verbs every link (queued frames and writes are sent and acknowledged
-    /// first), both bounded by `within`; an in-process handle lets go of its side of the pair once no
-    /// write batch in flight can still touch its regions, and the other side loses it at once
-    /// (its requests with this node fail with `PeerLost`, as over TCP).
+    /// first), both bounded by `within`; an in-process handle lets go of its side of the pair
+    /// once no write batch in flight can still touch its regions (bounded by the pair's drain
+    /// limit, not `within`), and the other side loses it at once (its requests with this node
+    /// fail with `PeerLost`, as over TCP).
     /// A `next_event` waiting on another thread returns [`EmbedError::Closed`] within 100 ms.
     /// Every later call returns [`EmbedError::Closed`]. Dropping the node closes it too, bounded
     /// by the transport's close grace (verbs: at once).
