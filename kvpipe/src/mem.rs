@@ -92,6 +92,32 @@ impl MemSide {
             st.pair.wait(left.min(WAIT_SLICE));
         }
     }
+
+    /// Lets go of this side of the pair, as a process would by closing its connection: what
+    /// it queued is carried first, then the side takes no more input, every write batch in
+    /// flight to or from it is waited for (bounded by the transport's drain limit), and only
+    /// then does the other side hear the disconnect, so its requests with this side fail with
+    /// `PeerLost` at once and no later write touches this side's regions. Closing a side twice
+    /// does nothing.
+    pub(crate) fn close(&self) -> Result<(), EmbedError> {
+        let mut st = self.lock();
+        if !st.pair.is_alive(self.side) {
+            return Ok(());
+        }
+        let queued = st.pump();
+        st.pair.kill(self.side)?;
+        st.events[slot(self.side)].clear();
+        queued?;
+        st.pump()
+    }
+}
+
+impl Drop for MemSide {
+    /// A dropped handle closes its side (see [`MemSide::close`]); a batch stuck past the drain
+    /// limit cannot be reported from here, and the side is killed regardless.
+    fn drop(&mut self) {
+        let _ = self.close();
+    }
 }
 
 /// Both sides of an in-process pair over these regions, connected (see

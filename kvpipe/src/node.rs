@@ -207,7 +207,10 @@ impl<E: Role> Node<E> {
 
     /// Closes the node: over TCP every peer is closed in order (what was queued reaches it
     /// first), over verbs every link (queued frames and writes are sent and acknowledged
-    /// first), both bounded by `within`; an in-process handle lets go of its side of the pair.
+    /// first), both bounded by `within`; an in-process handle lets go of its side of the pair
+    /// once no write batch in flight can still touch its regions (bounded by the pair's drain
+    /// limit, not `within`), and the other side loses it at once (its requests with this node
+    /// fail with `PeerLost`, as over TCP).
     /// A `next_event` waiting on another thread returns [`EmbedError::Closed`] within 100 ms.
     /// Every later call returns [`EmbedError::Closed`]. Dropping the node closes it too, bounded
     /// by the transport's close grace (verbs: at once).
@@ -219,7 +222,7 @@ impl<E: Role> Node<E> {
             .take();
         match taken {
             Some(Inner::Tcp(node)) => Ok(node.close(within)?),
-            Some(Inner::Mem(_)) => Ok(()),
+            Some(Inner::Mem(side)) => side.close(),
             #[cfg(feature = "verbs")]
             Some(Inner::Verbs(node)) => crate::verbs::closed(node.close(within)),
             None => Err(EmbedError::Closed),
@@ -491,8 +494,15 @@ impl Node<Receiver> {
 /// decode side [`MEM_RECEIVER_PEER`](crate::MEM_RECEIVER_PEER); the decode side names it
 /// [`MEM_SENDER_PEER`](crate::MEM_SENDER_PEER).
 ///
+/// Closing or dropping one handle loses it for the other at once, as a TCP peer's close does:
+/// once no write batch in flight can touch the closed side's regions, the other side's
+/// requests with it fail with [`TransferStatus::PeerLost`](kvpipe_core::wire::TransferStatus)
+/// and [`is_peer_ready`](Node::is_peer_ready) turns false; no later write reaches the closed
+/// side.
+///
 /// # Safety
-/// Every region follows [`RawRegion`]'s contract until both handles are dropped.
+/// Every region follows [`RawRegion`]'s contract until both handles are dropped, or, for one
+/// side's regions, until that side's [`close`](Node::close) returned `Ok`.
 pub unsafe fn mem_pair(
     sender: &NodeConfig,
     sender_regions: &[RawRegion],

@@ -1,6 +1,6 @@
 //! Closing a node from one thread while another waits on it with no deadline: the waiter
 //! returns `Closed` instead of waiting forever, and the in-process pair keeps working for the
-//! other handle.
+//! other handle, which loses the closed one as a peer.
 
 use std::time::Duration;
 
@@ -62,6 +62,6 @@ fn close_ends_a_wait_without_deadline() {
         rx.cancel(kvpipe_core::RequestId(1)),
         Err(EmbedError::Closed)
     ));
-    // The prefill handle still reaches the pair.
-    assert!(tx.is_peer_ready(kvpipe::MEM_RECEIVER_PEER).unwrap());
+    // The prefill handle still reaches the pair, and sees the decode side gone.
+    assert!(!tx.is_peer_ready(kvpipe::MEM_RECEIVER_PEER).unwrap());
 }
