@@ -156,6 +156,16 @@ pub(crate) fn report(args: &PlanArgs) -> Result<PlanReport, CliError> {
         .check()?;
     let mut start = args.sender_prefix;
     for (i, &(a, b)) in args.chunks.iter().enumerate() {
+        if i > 0 && start == args.prompt_tokens {
+            return Err(format!(
+                "chunk {i} ({a}:{b}) comes after chunk {} ({}:{start}), which ends at the \
+                 prompt's end and is the final chunk: a sender refuses a chunk after the last \
+                 one, so drop chunk {i}",
+                i - 1,
+                args.chunks[i - 1].0
+            )
+            .into());
+        }
         if a != start {
             return Err(format!(
                 "chunk {i} ({a}:{b}) must start at token {start}: chunks are consecutive and \
@@ -435,6 +445,22 @@ mod tests {
         for line in bad {
             assert!(report(&args(line)).is_err(), "{line}");
         }
+        // An empty chunk after the final one would be a second final chunk.
+        for line in [
+            "kvpipe plan --prompt-tokens 32 --tokens-per-block 4 --chunks 0:32,32:32",
+            "kvpipe plan --prompt-tokens 32 --tokens-per-block 4 --chunks 0:6,6:32,32:32,32:32",
+        ] {
+            let err = report(&args(line)).expect_err(line).to_string();
+            assert!(
+                err.contains("after chunk") && err.contains("is the final chunk"),
+                "{line}: {err}"
+            );
+        }
+        // A prompt the sender has whole is one empty final chunk, which stays allowed.
+        assert!(report(&args(
+            "kvpipe plan --prompt-tokens 32 --tokens-per-block 4 --chunks 32:32 --sender-prefix 32"
+        ))
+        .is_ok());
         assert!(Cli::try_parse_from(
             "kvpipe plan --prompt-tokens 32 --tokens-per-block 4 --chunks 0-6".split_whitespace()
         )

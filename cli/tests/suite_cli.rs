@@ -240,3 +240,77 @@ fn bench_pipeline_reports_both_tails() {
         assert!(v[key].as_f64().unwrap() > 0.0, "{key}");
     }
 }
+
+/// A prompt that is not a multiple of the chunk ends in a short chunk: the tail's target ratio
+/// is over that last chunk's own transfer, not over the median full chunk's, which would make a
+/// short last chunk read as a pass.
+#[test]
+fn bench_pipeline_compares_the_tail_with_the_last_chunks_own_transfer() {
+    let (ok, out, err) = kvpipe(&[
+        "bench",
+        "pipeline",
+        "--transport",
+        "mem",
+        "--prompt-tokens",
+        "250",
+        "--chunk-tokens",
+        "100",
+        "--prefill-ms-per-chunk",
+        "1",
+        "--runs",
+        "1",
+    ]);
+    assert!(ok, "{err}");
+    let ms_after = |label: &str| -> f64 {
+        let line = out
+            .lines()
+            .find(|l| l.starts_with(label))
+            .unwrap_or_else(|| panic!("no {label:?} line in {out}"));
+        line[label.len()..]
+            .split_whitespace()
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap()
+    };
+    let last_chunk = ms_after("last chunk alone");
+    let tail = ms_after("exposed tail");
+    let line = out.lines().find(|l| l.starts_with("exposed tail")).unwrap();
+    let (_, rest) = line.split_once(" = ").expect(line);
+    let ratio: f64 = rest.split_whitespace().next().unwrap().parse().unwrap();
+    assert!(
+        rest.contains("× the last chunk's transfer (target ≤ 1.25"),
+        "{line}"
+    );
+    // Both printed to two decimals: the ratio is theirs within the rounding.
+    let expected = tail / last_chunk;
+    assert!(
+        (ratio - expected).abs() <= 0.01 + 0.01 * expected,
+        "{ratio} printed, {tail} ms / {last_chunk} ms = {expected}: {line}"
+    );
+
+    let (ok, out, err) = kvpipe(&[
+        "bench",
+        "pipeline",
+        "--transport",
+        "mem",
+        "--json",
+        "--prompt-tokens",
+        "250",
+        "--chunk-tokens",
+        "100",
+        "--prefill-ms-per-chunk",
+        "1",
+        "--runs",
+        "1",
+    ]);
+    assert!(ok, "{err}");
+    let v = json(&out);
+    let f = |k: &str| v[k].as_f64().unwrap_or_else(|| panic!("{k} in {out}"));
+    assert_eq!(v["chunks"], 3);
+    assert!(
+        (f("tail_over_last_chunk") - f("exposed_tail_ms") / f("last_chunk_transfer_ms")).abs()
+            < 1e-9
+    );
+    assert!((f("tail_over_chunk") - f("exposed_tail_ms") / f("chunk_transfer_ms")).abs() < 1e-9);
+}

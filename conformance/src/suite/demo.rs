@@ -19,9 +19,9 @@ use serde::Serialize;
 
 use super::engine::run_workload_with;
 use super::report::RunReport;
-use super::timeline::BatchSpan;
+use super::timeline::{BatchSpan, Lane};
 use super::workload::{suite_deadlines, RequestPlan, TransferMode, Workload};
-use super::{FaultPlan, Harness, SimulatedCompute, SuiteError};
+use super::{BatchTiming, FaultPlan, Harness, SimulatedCompute, SuiteError};
 use crate::cache::{AllocationStyle, GroupSpec};
 
 /// A model preset.
@@ -237,7 +237,8 @@ pub struct DemoSummary {
     /// Wall time from the first chunk to the last completion.
     pub seconds: f64,
     /// Bytes per second while the transport was moving bytes, in GB/s (per rank: ranks copy
-    /// side by side).
+    /// side by side): bytes over [`copy_busy_time`], the time at least one batch was copying,
+    /// so batches copying at once count once.
     pub transfer_gbps: f64,
     /// Median time the transport took to move one write batch's bytes.
     pub chunk_transfer_ms: f64,
@@ -279,7 +280,7 @@ pub struct DemoSummary {
 }
 
 /// The exposed tail of one request in four consecutive parts, in microseconds (on the run's
-/// one clock): its sum is the tail. The last write batch is the one issued last.
+/// one clock): its sum is the tail. The last write batch is the request's own last batch.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
 pub struct TailParts {
     /// Last chunk submitted → its write batch issued to the transport (the core's planning,
@@ -295,18 +296,37 @@ pub struct TailParts {
     pub complete_us: f64,
 }
 
-/// The [`TailParts`] of the request whose last chunk was computed last.
+/// The [`TailParts`] of the request whose last chunk was computed last, split at that
+/// request's own last write batch: the last batch paired with one of its chunks on its lane of
+/// the timeline (a lane is one request on one rank, so another request's or rank's batch can
+/// never stand in). `None` when the request did not complete or its batches could not be
+/// paired with its chunks (see [`super::timeline`]).
 fn last_tail_parts(report: &RunReport) -> Option<TailParts> {
+    // The lanes follow the requests one for one (plan order, rank by rank).
+    tail_parts_of_last(
+        report
+            .requests
+            .iter()
+            .zip(&report.timeline.lanes)
+            .filter_map(|(r, lane)| {
+                let t = r.transfer_timings()?;
+                Some((t.sender.last_chunk?, t.receiver.ended, lane))
+            }),
+    )
+}
+
+/// Of `requests` (last chunk computed, decode side complete, its lane), the [`TailParts`] of
+/// the one computed last, split at the last batch of its own lane.
+fn tail_parts_of_last<'a>(
+    requests: impl Iterator<Item = (Instant, Instant, &'a Lane)>,
+) -> Option<TailParts> {
     let us = |d: Duration| d.as_nanos() as f64 / 1e3;
-    let (computed, ended) = report
-        .requests
+    let (computed, ended, lane) = requests.max_by_key(|&(computed, _, _)| computed)?;
+    let batch = lane
+        .chunks
         .iter()
-        .filter_map(|r| {
-            let t = r.transfer_timings()?;
-            Some((t.sender.last_chunk?, t.receiver.ended))
-        })
-        .max_by_key(|&(computed, _)| computed)?;
-    let batch = report.batch_timings.iter().max_by_key(|t| t.issued)?;
+        .filter_map(|c| c.batch)
+        .max_by_key(|b| b.issued)?;
     if batch.issued < computed || batch.reported > ended {
         return None;
     }
@@ -317,6 +337,36 @@ fn last_tail_parts(report: &RunReport) -> Option<TailParts> {
         report_us: (us(handoff) - us(batch.transfer)).max(0.0),
         complete_us: us(ended - batch.reported),
     })
+}
+
+/// How long at least one write batch was copying: the length of the union of the batches'
+/// copy intervals, each placed at its issue (`[issued, issued + transfer]`: the transport
+/// times its own copy but not when it began, which lies between the issue and the report).
+/// Batches that overlap (several connections or copy workers) count once, so bytes over this
+/// time can never fall below bytes over the run's wall time. Every batch must be on one clock
+/// (one rank's run).
+pub fn copy_busy_time(batches: &[BatchTiming]) -> Duration {
+    let mut spans: Vec<(Instant, Instant)> = batches
+        .iter()
+        .map(|b| (b.issued, b.issued + b.transfer))
+        .collect();
+    spans.sort_unstable();
+    let mut busy = Duration::ZERO;
+    let mut current: Option<(Instant, Instant)> = None;
+    for (start, end) in spans {
+        current = match current {
+            Some((s, e)) if start <= e => Some((s, e.max(end))),
+            Some((s, e)) => {
+                busy = busy + (e - s);
+                Some((start, end))
+            }
+            None => Some((start, end)),
+        };
+    }
+    if let Some((s, e)) = current {
+        busy = busy + (e - s);
+    }
+    busy
 }
 
 fn ms(d: Duration) -> f64 {
@@ -390,11 +440,13 @@ pub fn last_chunk_batches(report: &RunReport) -> Option<Vec<BatchSpan>> {
     })
 }
 
-/// Summarises a run.
+/// Summarises a run. `copy_busy` is how long the transport was copying: each rank's
+/// [`copy_busy_time`] (on its own clock), summed over the ranks, so the rate is per rank.
 pub fn summarize(
     transport: &str,
     config: &DemoConfig,
     report: &RunReport,
+    copy_busy: Duration,
     thorough: bool,
 ) -> DemoSummary {
     let timings: Vec<TransferTimings> = report
@@ -415,12 +467,7 @@ pub fn summarize(
         .iter()
         .map(|t| ms(t.transfer))
         .collect();
-    // The transport's own copy time (its copy worker runs one batch at a time).
-    let busy: u64 = report
-        .batch_timings
-        .iter()
-        .map(|t| t.transfer.as_nanos())
-        .sum();
+    let busy = copy_busy.as_nanos();
     let copied: u64 = report.batch_timings.iter().map(|t| t.bytes).sum();
     DemoSummary {
         transport: transport.to_string(),
@@ -492,8 +539,10 @@ pub fn run_demo<H: Harness + Sync>(
         ));
     }
     let workload = config.workload();
-    let report = if config.ranks == 1 {
-        run_workload_with(harness, &workload, &progress)?
+    let (report, copy_busy) = if config.ranks == 1 {
+        let report = run_workload_with(harness, &workload, &progress)?;
+        let busy = copy_busy_time(&report.batch_timings);
+        (report, busy)
     } else {
         // One thread per rank, each with its own caches and its own connected pair: tensor
         // parallel ranks write their own KV heads to the decode rank of the same index.
@@ -521,9 +570,20 @@ pub fn run_demo<H: Harness + Sync>(
                 })
                 .collect()
         });
-        merge(reports.into_iter().collect::<Result<Vec<_>, _>>()?)
+        let reports = reports.into_iter().collect::<Result<Vec<_>, _>>()?;
+        // Each rank on its own clock: a union across ranks would mix clocks.
+        let busy = reports.iter().fold(Duration::ZERO, |sum, r| {
+            sum + copy_busy_time(&r.batch_timings)
+        });
+        (merge(reports), busy)
     };
-    let summary = summarize(harness.name(), config, &report, workload.verify_content);
+    let summary = summarize(
+        harness.name(),
+        config,
+        &report,
+        copy_busy,
+        workload.verify_content,
+    );
     record_timings(harness.name(), &report);
     Ok((summary, report))
 }
@@ -581,4 +641,142 @@ fn merge(reports: Vec<RunReport>) -> RunReport {
         merged.leftover_writes += r.leftover_writes;
     }
     merged
+}
+
+#[cfg(test)]
+mod tests {
+    use kvpipe_core::RequestId;
+
+    use super::super::timeline::ChunkTiming;
+    use super::*;
+
+    fn at_us(us: u64) -> Instant {
+        Instant::ZERO + Duration::from_micros(us)
+    }
+
+    /// A batch issued at `issued` µs that copied for `transfer` µs.
+    fn batch(issued: u64, transfer: u64) -> BatchTiming {
+        BatchTiming {
+            bytes: 1_000,
+            issued: at_us(issued),
+            transfer: Duration::from_micros(transfer),
+            reported: at_us(issued + transfer + 5),
+        }
+    }
+
+    fn busy_us(batches: &[BatchTiming]) -> u64 {
+        copy_busy_time(batches).as_nanos() / 1_000
+    }
+
+    #[test]
+    fn copy_busy_time_is_the_union_of_the_batches_copies() {
+        assert_eq!(busy_us(&[]), 0);
+        // Overlapping: [0, 10] ∪ [5, 20] = [0, 20].
+        assert_eq!(busy_us(&[batch(0, 10), batch(5, 15)]), 20);
+        // Nested: [0, 30] ⊇ [10, 20], in either order.
+        assert_eq!(busy_us(&[batch(10, 10), batch(0, 30)]), 30);
+        // Disjoint: [0, 10] and [20, 25].
+        assert_eq!(busy_us(&[batch(20, 5), batch(0, 10)]), 15);
+        // Touching: [0, 10] and [10, 20] make one span.
+        assert_eq!(busy_us(&[batch(0, 10), batch(10, 10)]), 20);
+        // A mix: [0, 10] ∪ [5, 8] ∪ [12, 20] ∪ [15, 30] = 10 + 18.
+        assert_eq!(
+            busy_us(&[batch(15, 15), batch(0, 10), batch(12, 8), batch(5, 3)]),
+            28
+        );
+    }
+
+    #[test]
+    fn the_rate_while_copying_is_never_below_the_runs_average() {
+        // Four batches copying side by side on four connections during a 110 µs run: their
+        // copy times sum to 400 µs, more than the run lasted.
+        let batches = [batch(0, 100), batch(2, 100), batch(4, 100), batch(6, 100)];
+        let bytes: u64 = batches.iter().map(|b| b.bytes).sum();
+        let wall = Duration::from_micros(110);
+        let busy = copy_busy_time(&batches);
+        assert!(busy <= wall);
+        let while_copying = bytes as f64 / busy.as_nanos() as f64;
+        let average = bytes as f64 / wall.as_nanos() as f64;
+        assert!(
+            while_copying >= average,
+            "{while_copying} GB/s while copying < {average} GB/s over the run"
+        );
+    }
+
+    fn lane(rank: u32, request: u64, batches: &[(u64, u64)]) -> Lane {
+        Lane {
+            rank,
+            request: RequestId(request),
+            origin: Instant::ZERO,
+            chunks: batches
+                .iter()
+                .zip(0u32..)
+                .map(|(&(issued, transfer), index)| ChunkTiming {
+                    index,
+                    tokens: (index * 64, index * 64 + 64),
+                    layers: None,
+                    compute_started: at_us(issued.saturating_sub(20)),
+                    computed: at_us(issued.saturating_sub(10)),
+                    submitted: Some(at_us(issued.saturating_sub(10))),
+                    sliced: true,
+                    batch: Some(BatchSpan {
+                        bytes: 1_000,
+                        issued: at_us(issued),
+                        reported: at_us(issued + transfer + 5),
+                        transfer: Duration::from_micros(transfer),
+                    }),
+                })
+                .collect(),
+            last_computed: None,
+            completed: None,
+        }
+    }
+
+    #[test]
+    fn the_tail_splits_at_the_last_batch_of_its_own_request() {
+        // Request 1 on rank 0 computes last (at 490 µs, its batch issued at 500); request 1 on
+        // rank 1 (another clock, same id) issued a batch later (at 900) that must not stand in.
+        let mine = lane(0, 1, &[(100, 50), (500, 40)]);
+        let other_rank = lane(1, 1, &[(300, 50), (900, 40)]);
+        let other_request = lane(0, 2, &[(200, 50), (700, 40)]);
+        let parts = tail_parts_of_last(
+            [
+                (at_us(480), at_us(1_000), &other_request),
+                (at_us(490), at_us(600), &mine),
+                (at_us(470), at_us(1_000), &other_rank),
+            ]
+            .into_iter(),
+        )
+        .unwrap();
+        assert_eq!(
+            parts,
+            TailParts {
+                submit_us: 10.0,
+                copy_us: 40.0,
+                report_us: 5.0,
+                complete_us: 55.0,
+            }
+        );
+        assert_eq!(
+            parts.submit_us + parts.copy_us + parts.report_us + parts.complete_us,
+            110.0
+        );
+    }
+
+    #[test]
+    fn no_tail_parts_when_the_requests_batches_were_not_paired() {
+        let mut unpaired = lane(0, 1, &[(100, 50)]);
+        unpaired.chunks[0].batch = None;
+        let paired = lane(1, 1, &[(100, 50)]);
+        assert_eq!(
+            tail_parts_of_last(
+                [
+                    (at_us(90), at_us(300), &unpaired),
+                    (at_us(80), at_us(300), &paired)
+                ]
+                .into_iter()
+            ),
+            None
+        );
+    }
 }

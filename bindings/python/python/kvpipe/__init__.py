@@ -9,9 +9,11 @@ KV pools are used in place: nothing is copied on the way in, and each pool objec
 alive while its node exists. A pool is a C-contiguous buffer (a numpy array), a DLPack tensor
 (``__dlpack__`` and ``__dlpack_device__``: torch CPU or CUDA tensors, CuPy, JAX) or an object
 exposing ``__cuda_array_interface__`` (version 2 or 3, with ``__dlpack_device__`` to name its
-GPU). Host memory works on every transport; CUDA memory is handed to the node as a device pool,
-which the transports of this build refuse by name (:class:`TransportError`) until they can
-read and write GPU memory. Strides must be C-contiguous, a decode pool must be writable, and a
+GPU). Host memory works on every transport and in every build; CUDA memory is handed to the
+node as a device pool, which a wheel built with the ``cuda`` feature serves (device copies in
+:func:`mem_pair`, pinned staging or CUDA IPC peer copies over TCP) and a wheel built without it,
+or a machine whose CUDA driver does not see the GPU, refuses by name (:class:`TransportError`).
+Strides must be C-contiguous, a decode pool must be writable, and a
 malformed object raises ``TypeError``, ``ValueError`` or ``BufferError``.
 
 A node made for one rank of a tensor- or pipeline-parallel engine says so with ``tp_size``,
