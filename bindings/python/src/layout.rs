@@ -183,9 +183,13 @@ pub(crate) fn deadlines(given: Option<&Bound<'_, PyDict>>) -> PyResult<Deadlines
     for (key, value) in given.iter() {
         let name: String = key.extract()?;
         let seconds: f64 = value.extract()?;
-        if !(seconds.is_finite() && seconds >= 0.0) {
+        // A deadline is held in whole nanoseconds (u64): about 584 years at most. Whether a
+        // zero can work is the core's rule (`Deadlines::check`, a ConfigError at start).
+        let max_seconds = u64::MAX as f64 / 1e9;
+        if !(seconds.is_finite() && (0.0..=max_seconds).contains(&seconds)) {
             return Err(PyValueError::new_err(format!(
-                "deadline {name:?} must be a non-negative number of seconds, got {seconds}"
+                "deadline {name:?} must be a number of seconds from 0 to {max_seconds:.0} \
+                 (about 584 years), got {seconds}"
             )));
         }
         let duration = Duration::from_nanos((seconds * 1e9) as u64);

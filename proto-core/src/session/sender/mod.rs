@@ -260,6 +260,7 @@ impl Sender {
         }
         .validate()?;
         config.layer_order.check(&config.local.groups)?;
+        config.deadlines.check()?;
         let hello = config.local.to_hello(Role::Sender);
         Ok(Sender {
             shell: Shell::new(hello, config.deadlines, config.max_remembered_cancels),
