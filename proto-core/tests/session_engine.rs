@@ -381,3 +381,47 @@ fn a_registration_past_the_prompt_is_refused_on_both_sides() {
         }
     )));
 }
+
+#[test]
+fn a_registration_that_repeats_a_destination_block_is_refused_changing_nothing() {
+    let mut net = Net::connected(1, 1);
+    let now = net.now;
+    let counters = *net.receivers[0].counters();
+    let events = |net: &Net| {
+        (
+            net.events(Side::Receiver(0)).len(),
+            net.events(Side::Sender(0)).len(),
+        )
+    };
+    let before = events(&net);
+    // Adjacent (`[20, 20]`) and inside an earlier run (`[20, 21, 22, 21]`).
+    for (ids, prompt_len) in [(&[20, 20][..], 8), (&[20, 21, 22, 21][..], 16)] {
+        let mut reg = registration(R, prompt_len, &[0]);
+        let ids: Vec<BlockId> = ids.iter().map(|&i| BlockId(i)).collect();
+        reg.groups = vec![kvpipe_core::AnchoredRun::from_ids(0, &ids)];
+        let err = net.receivers[0].register(now, reg).unwrap_err();
+        let block = if ids.len() == 2 { 20 } else { 21 };
+        assert_eq!(
+            err,
+            UsageError::RepeatedBlock {
+                request: R,
+                group: 0,
+                block: BlockId(block)
+            }
+        );
+        let message = err.to_string();
+        assert!(
+            message.contains(&R.to_string())
+                && message.contains(&format!("block {}", BlockId(block)))
+                && message.contains("group 0"),
+            "{message}"
+        );
+    }
+    assert_eq!(net.receivers[0].session_count(), 0);
+    assert_eq!(*net.receivers[0].counters(), counters);
+    net.pump();
+    assert_eq!(events(&net), before);
+    // The same request with distinct blocks is taken.
+    net.register(0, registration(R, 16, &[0]));
+    assert_eq!(net.receivers[0].session_count(), 1);
+}

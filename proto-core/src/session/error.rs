@@ -254,6 +254,21 @@ pub enum UsageError {
         /// Groups given.
         got: usize,
     },
+    /// A registration names one destination block for two ordinals of a layer group: two
+    /// blocks of the prompt would be written into one slot, and the sender's write there
+    /// would be refused as a grant violation that closes the link.
+    #[error(
+        "registration for {request} names block {block} twice in layer group {group}: each \
+         ordinal needs its own destination block"
+    )]
+    RepeatedBlock {
+        /// The request.
+        request: RequestId,
+        /// The layer group (index in the layout).
+        group: usize,
+        /// The smallest block id named twice.
+        block: crate::ids::BlockId,
+    },
     /// A chunk after the request's last chunk.
     #[error("chunk for {0} after its last chunk")]
     ChunkAfterLast(RequestId),
