@@ -117,7 +117,7 @@ pub enum ConfigError {
     #[error("{0}")]
     LayerOrder(#[from] crate::layers::LayerOrderError),
     /// A deadline is zero where a zero wait cannot work (see
-    /// [`Deadlines::check`](crate::Deadlines::check)).
+    /// [`Deadlines::check`](crate::session::Deadlines::check)).
     #[error(
         "deadline {0} is zero: an endpoint cannot wait for nothing (a zero heartbeat interval \
          spins, a zero handshake or liveness timeout drops every peer at once); give it a \
