@@ -442,6 +442,24 @@ pub enum UsageError {
         /// The frame body cap.
         max: u64,
     },
+    /// The aux data does not fit in the aux slot a receiver of the request registered: it
+    /// would be refused there after this side had completed.
+    #[error(
+        "aux data for {request} takes {len} bytes, the aux slot {peer} registered holds \
+         {capacity}: submit at most {capacity} bytes (16 plus 4 per token)"
+    )]
+    AuxOverSlot {
+        /// The request.
+        request: RequestId,
+        /// The receiver with the smallest aux slot.
+        peer: PeerId,
+        /// Bytes the aux data takes in a slot ([`AuxData::slot_len`]).
+        ///
+        /// [`AuxData::slot_len`]: crate::wire::AuxData::slot_len
+        len: u64,
+        /// That receiver's aux capacity.
+        capacity: u32,
+    },
     /// The registration does not fit in one frame.
     #[error("registration of {request} takes {len} bytes, a frame carries at most {max}")]
     RegistrationTooLarge {
