@@ -412,7 +412,7 @@ fn a_registration_that_repeats_a_destination_block_is_refused_changing_nothing()
         let message = err.to_string();
         assert!(
             message.contains(&R.to_string())
-                && message.contains(&format!("block {}", BlockId(block)))
+                && message.contains(&format!("names {} twice", BlockId(block)))
                 && message.contains("group 0"),
             "{message}"
         );

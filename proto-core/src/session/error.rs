@@ -258,7 +258,7 @@ pub enum UsageError {
     /// blocks of the prompt would be written into one slot, and the sender's write there
     /// would be refused as a grant violation that closes the link.
     #[error(
-        "registration for {request} names block {block} twice in layer group {group}: each \
+        "registration for {request} names {block} twice in layer group {group}: each \
          ordinal needs its own destination block"
     )]
     RepeatedBlock {
