@@ -185,11 +185,17 @@ pub(crate) fn deadlines(given: Option<&Bound<'_, PyDict>>) -> PyResult<Deadlines
         let seconds: f64 = value.extract()?;
         // A deadline is held in whole nanoseconds (u64): about 584 years at most. Whether a
         // zero can work is the core's rule (`Deadlines::check`, a ConfigError at start).
-        let max_seconds = u64::MAX as f64 / 1e9;
-        if !(seconds.is_finite() && (0.0..=max_seconds).contains(&seconds)) {
+        const MAX_SECONDS: u64 = u64::MAX / 1_000_000_000;
+        if !(seconds.is_finite() && (0.0..=MAX_SECONDS as f64).contains(&seconds)) {
+            // A huge value in exponent form, not its three hundred digits.
+            let got = if seconds.abs() < 1e12 {
+                format!("{seconds}")
+            } else {
+                format!("{seconds:e}")
+            };
             return Err(PyValueError::new_err(format!(
-                "deadline {name:?} must be a number of seconds from 0 to {max_seconds:.0} \
-                 (about 584 years), got {seconds}"
+                "deadline {name:?} must be a number of seconds from 0 to {MAX_SECONDS} (about \
+                 584 years), got {got}"
             )));
         }
         let duration = Duration::from_nanos((seconds * 1e9) as u64);
