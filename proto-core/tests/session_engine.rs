@@ -425,3 +425,46 @@ fn a_registration_that_repeats_a_destination_block_is_refused_changing_nothing()
     net.register(0, registration(R, 16, &[0]));
     assert_eq!(net.receivers[0].session_count(), 1);
 }
+
+#[test]
+fn a_registration_frame_that_repeats_a_block_fails_the_request_before_any_write() {
+    let mut net = Net::connected(1, 1);
+    let now = net.now;
+    net.open(0, send_request(R, &[0]));
+    // A receiver that sends one anyway (a hostile or buggy peer): the sender refuses it.
+    let frame = kvpipe_core::wire::Frame::RecvRegistration(kvpipe_core::wire::RecvRegistration {
+        request: R,
+        slice: kvpipe_core::ReceiverSliceId(9),
+        prompt_len: 8,
+        grant: kvpipe_core::GrantId(1),
+        aux_capacity: 64,
+        groups: vec![kvpipe_core::AnchoredRun::from_ids(
+            0,
+            &[BlockId(20), BlockId(20)],
+        )],
+    });
+    net.senders[0]
+        .handle_transport(
+            now,
+            kvpipe_core::TransportInput::FrameReceived {
+                peer: rx_peer(0),
+                bytes: frame.to_bytes().unwrap(),
+            },
+        )
+        .unwrap();
+    net.pump();
+    let events = net.events(Side::Sender(0));
+    assert!(events.iter().any(|e| matches!(
+        e,
+        Event::ProtocolViolation { error, .. }
+            if error.to_string().contains("names blk#20 twice in layer group 0")
+    )));
+    assert!(events.iter().any(|e| matches!(
+        e,
+        Event::Failed {
+            cause: TransferStatus::ProtocolError,
+            ..
+        }
+    )));
+    assert!(!events.iter().any(|e| matches!(e, Event::Registered { .. })));
+}

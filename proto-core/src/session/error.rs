@@ -89,6 +89,17 @@ pub enum ProtocolError {
         /// Prompt length of the local chunks.
         local: u32,
     },
+    /// A registration names one destination block for two ordinals of a layer group (a
+    /// receiver's own `register` refuses that; this one came over the wire).
+    #[error("registration for {request} names {block} twice in layer group {group}")]
+    RepeatedBlock {
+        /// The request.
+        request: RequestId,
+        /// The layer group (index in the layout).
+        group: usize,
+        /// The smallest block id named twice.
+        block: crate::ids::BlockId,
+    },
     /// Aux data larger than the receiver's aux slot.
     #[error("aux data for {request} takes {len} bytes, the aux slot holds {capacity}")]
     AuxTooLarge {
