@@ -114,6 +114,37 @@ impl AnchoredRun {
         None
     }
 
+    /// A block id the run names for two ordinals (the smallest such id), or `None` when every
+    /// id is distinct. O(r log r) in the number `r` of id runs, never in the number of blocks:
+    /// it sorts a copy of the runs' id ranges (an id range past `u32::MAX` wraps, as
+    /// [`iter`](Self::iter) does, and is split in two) and looks for two that overlap.
+    pub fn repeated_id(&self) -> Option<BlockId> {
+        const IDS: u64 = 1 << 32;
+        let mut ranges: Vec<(u64, u64)> = Vec::with_capacity(self.runs.len() + 1);
+        for run in self.runs.iter().filter(|r| r.len > 0) {
+            let start = u64::from(run.first.0);
+            let end = start + u64::from(run.len);
+            if end > IDS {
+                ranges.push((start, IDS));
+                ranges.push((0, end - IDS));
+            } else {
+                ranges.push((start, end));
+            }
+        }
+        ranges.sort_unstable();
+        let mut covered_to = 0u64;
+        let mut repeated: Option<u64> = None;
+        for (i, &(start, end)) in ranges.iter().enumerate() {
+            if i > 0 && start < covered_to {
+                // Sorted by start: `start` lies in an earlier range, and is the smallest id
+                // this range shares with the ones before it.
+                repeated = Some(repeated.map_or(start, |r| r.min(start)));
+            }
+            covered_to = covered_to.max(end);
+        }
+        repeated.map(|id| BlockId(id as u32))
+    }
+
     /// Iterates `(ordinal, id)` pairs in ordinal order.
     pub fn iter(&self) -> impl Iterator<Item = (u64, BlockId)> + '_ {
         let mut ordinal = u64::from(self.first_ordinal);
@@ -128,6 +159,49 @@ impl AnchoredRun {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_repeated_id_is_found_in_any_run_shape() {
+        let ids = |v: &[u32]| {
+            AnchoredRun::from_ids(0, &v.iter().map(|&i| BlockId(i)).collect::<Vec<_>>())
+        };
+        assert_eq!(ids(&[]).repeated_id(), None);
+        assert_eq!(ids(&[5, 6, 7, 1, 2]).repeated_id(), None);
+        assert_eq!(ids(&[20, 20]).repeated_id(), Some(BlockId(20)));
+        // A later run that starts inside an earlier, longer one.
+        assert_eq!(
+            ids(&[10, 11, 12, 13, 4, 12]).repeated_id(),
+            Some(BlockId(12))
+        );
+        assert_eq!(
+            ids(&[3, 4, 5, 6, 7, 8, 9, 1, 5, 6]).repeated_id(),
+            Some(BlockId(5))
+        );
+        // A run whose ids wrap past u32::MAX aliases the low ids.
+        let wrapping = AnchoredRun {
+            first_ordinal: 0,
+            runs: smallvec::smallvec![
+                IdRun {
+                    first: BlockId(1),
+                    len: 1
+                },
+                IdRun {
+                    first: BlockId(u32::MAX),
+                    len: 3
+                },
+            ],
+        };
+        assert_eq!(wrapping.repeated_id(), Some(BlockId(1)));
+        // Thousands of blocks in one run cost one range.
+        let long = AnchoredRun {
+            first_ordinal: 0,
+            runs: smallvec::smallvec![IdRun {
+                first: BlockId(0),
+                len: u32::MAX
+            }],
+        };
+        assert_eq!(long.repeated_id(), None);
+    }
 
     #[test]
     fn contiguous_ids_encode_as_one_run() {

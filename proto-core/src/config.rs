@@ -116,6 +116,27 @@ pub enum ConfigError {
     /// [`SenderConfig::layer_order`](crate::SenderConfig::layer_order)).
     #[error("{0}")]
     LayerOrder(#[from] crate::layers::LayerOrderError),
+    /// A deadline is zero where a zero wait cannot work (see
+    /// [`Deadlines::check`](crate::session::Deadlines::check)).
+    #[error(
+        "deadline {0} is zero: an endpoint cannot wait for nothing (a zero heartbeat interval \
+         spins, a zero handshake or liveness timeout drops every peer at once); give it a \
+         positive duration"
+    )]
+    ZeroDeadline(&'static str),
+    /// The liveness timeout is not longer than the heartbeat interval, so a healthy idle peer
+    /// would be declared lost before its next heartbeat could arrive.
+    #[error(
+        "deadline liveness_timeout ({liveness_timeout}) must be longer than heartbeat_interval \
+         ({heartbeat_interval}), or an idle but healthy peer is lost before its next \
+         heartbeat: raise liveness_timeout (several heartbeat intervals)"
+    )]
+    LivenessNotAboveHeartbeat {
+        /// The configured liveness timeout.
+        liveness_timeout: crate::time::Duration,
+        /// The configured heartbeat interval.
+        heartbeat_interval: crate::time::Duration,
+    },
 }
 
 #[cfg(test)]

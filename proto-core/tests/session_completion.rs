@@ -366,3 +366,90 @@ fn overlapping_slices_keep_the_burst_where_the_pipeline_last_drained() {
         Some(kvpipe_core::Duration::from_millis(15))
     );
 }
+
+fn aux_of(tokens: u32) -> kvpipe_core::wire::AuxData {
+    kvpipe_core::wire::AuxData {
+        prompt_tokens: 16,
+        cached_tokens: 0,
+        first_tokens: (0..tokens).collect(),
+        draft_tokens: vec![],
+    }
+}
+
+fn failed(net: &Net, side: Side, status: TransferStatus) -> bool {
+    net.events(side).iter().any(
+        |e| matches!(e, Event::Failed { request, cause, .. } if *request == R && *cause == status),
+    )
+}
+
+#[test]
+fn aux_larger_than_a_registered_slot_is_refused_at_the_call_changing_nothing() {
+    let mut net = Net::connected(1, 1);
+    let mut source = TestSource::with(R, 100, 4);
+    // Net::aux's data (one token) takes 20 bytes: the slot holds exactly that.
+    let mut reg = registration(R, 16, &[0]);
+    reg.aux_capacity = 20;
+    net.register(0, reg);
+    net.open(0, send_request(R, &[0]));
+    net.submit(0, R, chunk(0, 16, 16, true), &mut source);
+    let phase = net.senders[0].phase(R);
+    let events = net.events(Side::Sender(0)).len();
+    let now = net.now;
+    let err = net.senders[0]
+        .handle_input(SenderInput::Aux {
+            now,
+            request: R,
+            data: aux_of(100),
+        })
+        .unwrap_err();
+    assert_eq!(
+        err,
+        UsageError::AuxOverSlot {
+            request: R,
+            peer: rx_peer(0),
+            len: 416,
+            capacity: 20
+        }
+    );
+    assert!(err.to_string().contains("416") && err.to_string().contains("20"));
+    net.pump();
+    assert_eq!(net.senders[0].phase(R), phase);
+    assert_eq!(net.events(Side::Sender(0)).len(), events);
+    // Nothing was taken: aux data that fits still completes both sides.
+    net.aux(0, R);
+    assert!(completed(&net, Side::Sender(0)));
+    assert!(completed(&net, Side::Receiver(0)));
+}
+
+#[test]
+fn aux_taken_before_a_smaller_slot_registers_fails_both_sides_and_never_completes() {
+    let mut net = Net::connected(1, 1);
+    let mut source = TestSource::with(R, 100, 4);
+    net.open(0, send_request(R, &[0]));
+    net.submit(0, R, chunk(0, 16, 16, true), &mut source);
+    // No receiver registered yet: the slot's size is unknown, the data is taken.
+    let now = net.now;
+    net.senders[0]
+        .handle_input(SenderInput::Aux {
+            now,
+            request: R,
+            data: aux_of(100),
+        })
+        .unwrap();
+    net.pump();
+    let mut reg = registration(R, 16, &[0]);
+    reg.aux_capacity = 16;
+    net.register(0, reg);
+    for side in [Side::Sender(0), Side::Receiver(0)] {
+        assert!(
+            failed(&net, side, TransferStatus::ProtocolError),
+            "{side:?}"
+        );
+        assert!(!completed(&net, side), "{side:?}");
+    }
+    assert!(net.events(Side::Sender(0)).iter().any(|e| matches!(
+        e,
+        Event::ProtocolViolation { error, .. }
+            if error.to_string().contains("416 bytes, the aux slot holds 16")
+    )));
+}

@@ -290,3 +290,47 @@ fn the_cap_bounds_a_request_that_never_progresses() {
     net.advance(Duration::from_millis(1));
     assert!(timed_out(&net, Side::Receiver(0), Wait::Results));
 }
+
+#[test]
+fn a_deadline_that_cannot_work_is_refused_at_start_naming_the_field() {
+    use kvpipe_core::{ConfigError, Receiver, Sender};
+    // Every deadline but result_per_token (which only adds to result_wait) must be positive.
+    type Zero = fn(&mut kvpipe_core::session::Deadlines);
+    let fields: [(&str, Zero); 9] = [
+        ("handshake", |d| d.handshake = Duration::ZERO),
+        ("registration", |d| d.registration = Duration::ZERO),
+        ("write_completion", |d| d.write_completion = Duration::ZERO),
+        ("result_wait", |d| d.result_wait = Duration::ZERO),
+        ("result_idle", |d| d.result_idle = Duration::ZERO),
+        ("aux_wait", |d| d.aux_wait = Duration::ZERO),
+        ("heartbeat_interval", |d| {
+            d.heartbeat_interval = Duration::ZERO
+        }),
+        ("liveness_timeout", |d| d.liveness_timeout = Duration::ZERO),
+        ("quiesce", |d| d.quiesce = Duration::ZERO),
+    ];
+    for (field, zero) in fields {
+        let mut sender = sender_config(0);
+        zero(&mut sender.deadlines);
+        let err = Sender::new(sender).err();
+        assert_eq!(err, Some(ConfigError::ZeroDeadline(field)), "{field}");
+        assert!(err.unwrap().to_string().contains(field));
+        let mut receiver = receiver_config(0);
+        zero(&mut receiver.deadlines);
+        assert_eq!(
+            Receiver::new(receiver).err(),
+            Some(ConfigError::ZeroDeadline(field)),
+            "{field}"
+        );
+    }
+    // A liveness timeout no longer than the heartbeat interval loses quiet healthy peers.
+    let mut sender = sender_config(0);
+    sender.deadlines.liveness_timeout = sender.deadlines.heartbeat_interval;
+    let err = Sender::new(sender).err().unwrap();
+    assert!(matches!(err, ConfigError::LivenessNotAboveHeartbeat { .. }));
+    assert!(err.to_string().contains("liveness_timeout"));
+    // A zero per-token allowance is fine.
+    let mut receiver = receiver_config(0);
+    receiver.deadlines.result_per_token = Duration::ZERO;
+    assert!(Receiver::new(receiver).is_ok());
+}

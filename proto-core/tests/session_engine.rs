@@ -381,3 +381,90 @@ fn a_registration_past_the_prompt_is_refused_on_both_sides() {
         }
     )));
 }
+
+#[test]
+fn a_registration_that_repeats_a_destination_block_is_refused_changing_nothing() {
+    let mut net = Net::connected(1, 1);
+    let now = net.now;
+    let counters = *net.receivers[0].counters();
+    let events = |net: &Net| {
+        (
+            net.events(Side::Receiver(0)).len(),
+            net.events(Side::Sender(0)).len(),
+        )
+    };
+    let before = events(&net);
+    // Adjacent (`[20, 20]`) and inside an earlier run (`[20, 21, 22, 21]`).
+    for (ids, prompt_len) in [(&[20, 20][..], 8), (&[20, 21, 22, 21][..], 16)] {
+        let mut reg = registration(R, prompt_len, &[0]);
+        let ids: Vec<BlockId> = ids.iter().map(|&i| BlockId(i)).collect();
+        reg.groups = vec![kvpipe_core::AnchoredRun::from_ids(0, &ids)];
+        let err = net.receivers[0].register(now, reg).unwrap_err();
+        let block = if ids.len() == 2 { 20 } else { 21 };
+        assert_eq!(
+            err,
+            UsageError::RepeatedBlock {
+                request: R,
+                group: 0,
+                block: BlockId(block)
+            }
+        );
+        let message = err.to_string();
+        assert!(
+            message.contains(&R.to_string())
+                && message.contains(&format!("names {} twice", BlockId(block)))
+                && message.contains("group 0"),
+            "{message}"
+        );
+    }
+    assert_eq!(net.receivers[0].session_count(), 0);
+    assert_eq!(*net.receivers[0].counters(), counters);
+    net.pump();
+    assert_eq!(events(&net), before);
+    // The same request with distinct blocks is taken.
+    net.register(0, registration(R, 16, &[0]));
+    assert_eq!(net.receivers[0].session_count(), 1);
+}
+
+#[test]
+fn a_registration_frame_that_repeats_a_block_fails_the_request_before_any_write() {
+    let mut net = Net::connected(1, 1);
+    let now = net.now;
+    net.open(0, send_request(R, &[0]));
+    // A receiver that sends one anyway (a hostile or buggy peer): the sender refuses it.
+    let frame = kvpipe_core::wire::Frame::RecvRegistration(kvpipe_core::wire::RecvRegistration {
+        request: R,
+        slice: kvpipe_core::ReceiverSliceId(9),
+        prompt_len: 8,
+        grant: kvpipe_core::GrantId(1),
+        aux_capacity: 64,
+        groups: vec![kvpipe_core::AnchoredRun::from_ids(
+            0,
+            &[BlockId(20), BlockId(20)],
+        )],
+    });
+    net.senders[0]
+        .handle_transport(
+            now,
+            kvpipe_core::TransportInput::FrameReceived {
+                peer: rx_peer(0),
+                bytes: frame.to_bytes().unwrap(),
+            },
+        )
+        .unwrap();
+    net.pump();
+    let events = net.events(Side::Sender(0));
+    assert!(events.iter().any(|e| matches!(
+        e,
+        Event::ProtocolViolation { error, .. }
+            if error.to_string().contains("names blk#20 twice in layer group 0")
+    )));
+    assert!(events.iter().any(|e| matches!(
+        e,
+        Event::Failed {
+            cause: TransferStatus::ProtocolError,
+            ..
+        }
+    )));
+    assert!(!events.iter().any(|e| matches!(e, Event::Registered { .. })));
+}

@@ -268,7 +268,10 @@ typedef struct kvpipe_region {
   size_t len;
 } kvpipe_region;
 
-// Every deadline the core keeps; [`kvpipe_deadlines_default`] fills the defaults.
+// Every deadline the core keeps; [`kvpipe_deadlines_default`] fills the defaults. Each must
+// be positive but `result_per_token_us`, and `liveness_timeout_ms` must exceed
+// `heartbeat_interval_ms`: a node made with another is refused with `KVPIPE_ERR_CONFIG`,
+// naming the field.
 typedef struct kvpipe_deadlines {
   // From connection to a validated handshake.
   uint64_t handshake_ms;

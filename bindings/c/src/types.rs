@@ -74,7 +74,10 @@ pub struct kvpipe_region {
     pub len: usize,
 }
 
-/// Every deadline the core keeps; [`kvpipe_deadlines_default`] fills the defaults.
+/// Every deadline the core keeps; [`kvpipe_deadlines_default`] fills the defaults. Each must
+/// be positive but `result_per_token_us`, and `liveness_timeout_ms` must exceed
+/// `heartbeat_interval_ms`: a node made with another is refused with `KVPIPE_ERR_CONFIG`,
+/// naming the field.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct kvpipe_deadlines {

@@ -144,6 +144,26 @@ fn in_process_transfer_through_the_abi() {
         message()
     );
     assert!(tx.is_null() && rx.is_null());
+    // A zero heartbeat interval (a node that would spin) is refused, naming the field.
+    let mut zero = std::mem::MaybeUninit::<kvpipe_deadlines>::uninit();
+    // SAFETY: a valid out pointer.
+    unsafe { kvpipe_deadlines_default(zero.as_mut_ptr()) };
+    // SAFETY: kvpipe_deadlines_default filled it.
+    let mut zero = unsafe { zero.assume_init() };
+    zero.heartbeat_interval_ms = 0;
+    let bad = kvpipe_node_config {
+        deadlines: &zero,
+        ..config(&sgroup, &sregion)
+    };
+    // SAFETY: valid configs; no node is made.
+    let refused = unsafe { kvpipe_mem_pair_new(&bad, &rcfg, &mut tx, &mut rx) };
+    assert_eq!(refused, kvpipe_status::KVPIPE_ERR_CONFIG, "{}", message());
+    assert!(
+        message().contains("heartbeat_interval is zero"),
+        "{}",
+        message()
+    );
+    assert!(tx.is_null() && rx.is_null());
     // SAFETY: valid configs; `src` and `dst` outlive both nodes (freed below).
     unsafe {
         assert_eq!(
@@ -199,7 +219,24 @@ fn in_process_transfer_through_the_abi() {
             "{}",
             message()
         );
+        // One slot named for two ordinals: refused at the call, naming the block.
+        let repeated_ids = [10u32, 11, 10];
+        let repeated = [kvpipe_block_list {
+            ids: repeated_ids.as_ptr(),
+            ..list
+        }];
+        reg.groups = repeated.as_ptr();
         reg.group_count = 1;
+        assert_eq!(
+            kvpipe_receiver_register(rx, &reg, ptr::null_mut()),
+            kvpipe_status::KVPIPE_ERR_USAGE
+        );
+        assert!(
+            message().contains("names blk#10 twice in layer group 0"),
+            "{}",
+            message()
+        );
+        reg.groups = too_many.as_ptr();
         assert_eq!(
             kvpipe_receiver_register(rx, &reg, ptr::null_mut()),
             kvpipe_status::KVPIPE_OK

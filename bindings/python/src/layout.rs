@@ -183,9 +183,19 @@ pub(crate) fn deadlines(given: Option<&Bound<'_, PyDict>>) -> PyResult<Deadlines
     for (key, value) in given.iter() {
         let name: String = key.extract()?;
         let seconds: f64 = value.extract()?;
-        if !(seconds.is_finite() && seconds >= 0.0) {
+        // A deadline is held in whole nanoseconds (u64): about 584 years at most. Whether a
+        // zero can work is the core's rule (`Deadlines::check`, a ConfigError at start).
+        const MAX_SECONDS: u64 = u64::MAX / 1_000_000_000;
+        if !(seconds.is_finite() && (0.0..=MAX_SECONDS as f64).contains(&seconds)) {
+            // A huge value in exponent form, not its three hundred digits.
+            let got = if seconds.abs() < 1e12 {
+                format!("{seconds}")
+            } else {
+                format!("{seconds:e}")
+            };
             return Err(PyValueError::new_err(format!(
-                "deadline {name:?} must be a non-negative number of seconds, got {seconds}"
+                "deadline {name:?} must be a number of seconds from 0 to {MAX_SECONDS} (about \
+                 584 years), got {got}"
             )));
         }
         let duration = Duration::from_nanos((seconds * 1e9) as u64);

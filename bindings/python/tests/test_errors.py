@@ -85,6 +85,31 @@ def test_core_refusals_raise_usage_error_with_the_core_message(pair):
     assert issubclass(kvpipe.UsageError, kvpipe.KvpipeError)
 
 
+def test_input_the_other_side_would_refuse_is_refused_at_the_call(pair):
+    tx, rx, _, _ = pair
+    # One destination slot for two ordinals.
+    with pytest.raises(kvpipe.UsageError, match="req#2 names blk#10 twice in layer group 0"):
+        rx.register(2, 8, [(0, [10, 10])], [kvpipe.MEM_SENDER_PEER])
+    # Aux data larger than the registered aux slot: refused, and data that fits completes.
+    rx.register(1, 16, [(0, [10, 11, 12, 13])], [kvpipe.MEM_SENDER_PEER], aux_capacity=20)
+    tx.open_request(1, [kvpipe.MEM_RECEIVER_PEER])
+    until(tx, "registered")
+    tx.submit_chunk(1, 0, 16, 16, [[0, 1, 2, 3]])
+    with pytest.raises(kvpipe.UsageError, match="takes 416 bytes.*holds 20"):
+        tx.submit_aux(1, list(range(100)))
+    tx.submit_aux(1, [7])
+    until(tx, "completed")
+    until(rx, "completed")
+
+
+def test_deadlines_that_cannot_work_are_refused():
+    src = np.zeros((4, SLOT), dtype=np.uint8)
+    with pytest.raises(kvpipe.ConfigError, match="heartbeat_interval is zero"):
+        kvpipe.Sender.tcp(layout(1), {1: src}, deadlines={"heartbeat_interval": 0.0})
+    with pytest.raises(ValueError, match=r"from 0 to 18446744073 \(about 584 years\), got 1e300"):
+        kvpipe.Sender.tcp(layout(1), {1: src}, deadlines={"handshake": 1e300})
+
+
 def test_a_block_source_breaking_its_contract_fails_the_request_on_both_sides(pair):
     tx, rx, _, _ = pair
     rx.register(7, 8, [(0, [1, 2])], [kvpipe.MEM_SENDER_PEER])

@@ -1,7 +1,7 @@
 //! Endpoint configuration: deadlines, bounds and the local handshake data.
 
 use super::transport::DataPath;
-use crate::config::PipelineConfig;
+use crate::config::{ConfigError, PipelineConfig};
 use crate::ids::InstanceId;
 use crate::layers::LayerOrder;
 use crate::layout::LayerGroupLayout;
@@ -49,6 +49,39 @@ pub struct Deadlines {
     /// From a session's failure to the confirmation that no write can still land; after it the
     /// endpoint asks the transport to close the peer ([`super::CloseReason::QuiesceFence`]).
     pub quiesce: Duration,
+}
+
+impl Deadlines {
+    /// Whether every deadline can work: each one but `result_per_token` (which only adds to
+    /// `result_wait`) must be positive — a zero heartbeat interval would make the endpoint
+    /// send heartbeats in a loop, a zero handshake or liveness timeout drops each peer at once,
+    /// and a zero wait elsewhere fails every request (or, for `quiesce`, closes the link on
+    /// each failure) before anything could arrive. `liveness_timeout` must also be longer
+    /// than `heartbeat_interval`, or a quiet but healthy peer is lost between two heartbeats.
+    /// [`Sender::new`](super::Sender::new) and [`Receiver::new`](super::Receiver::new) call it.
+    pub fn check(&self) -> Result<(), ConfigError> {
+        let positive = [
+            ("handshake", self.handshake),
+            ("registration", self.registration),
+            ("write_completion", self.write_completion),
+            ("result_wait", self.result_wait),
+            ("result_idle", self.result_idle),
+            ("aux_wait", self.aux_wait),
+            ("heartbeat_interval", self.heartbeat_interval),
+            ("liveness_timeout", self.liveness_timeout),
+            ("quiesce", self.quiesce),
+        ];
+        if let Some((field, _)) = positive.iter().find(|(_, d)| *d == Duration::ZERO) {
+            return Err(ConfigError::ZeroDeadline(field));
+        }
+        if self.liveness_timeout <= self.heartbeat_interval {
+            return Err(ConfigError::LivenessNotAboveHeartbeat {
+                liveness_timeout: self.liveness_timeout,
+                heartbeat_interval: self.heartbeat_interval,
+            });
+        }
+        Ok(())
+    }
 }
 
 impl Default for Deadlines {

@@ -89,6 +89,17 @@ pub enum ProtocolError {
         /// Prompt length of the local chunks.
         local: u32,
     },
+    /// A registration names one destination block for two ordinals of a layer group (a
+    /// receiver's own `register` refuses that; this one came over the wire).
+    #[error("registration for {request} names {block} twice in layer group {group}")]
+    RepeatedBlock {
+        /// The request.
+        request: RequestId,
+        /// The layer group (index in the layout).
+        group: usize,
+        /// The smallest block id named twice.
+        block: crate::ids::BlockId,
+    },
     /// Aux data larger than the receiver's aux slot.
     #[error("aux data for {request} takes {len} bytes, the aux slot holds {capacity}")]
     AuxTooLarge {
@@ -253,6 +264,21 @@ pub enum UsageError {
         expected: usize,
         /// Groups given.
         got: usize,
+    },
+    /// A registration names one destination block for two ordinals of a layer group: two
+    /// blocks of the prompt would be written into one slot, and the sender's write there
+    /// would be refused as a grant violation that closes the link.
+    #[error(
+        "registration for {request} names {block} twice in layer group {group}: each \
+         ordinal needs its own destination block"
+    )]
+    RepeatedBlock {
+        /// The request.
+        request: RequestId,
+        /// The layer group (index in the layout).
+        group: usize,
+        /// The smallest block id named twice.
+        block: crate::ids::BlockId,
     },
     /// A chunk after the request's last chunk.
     #[error("chunk for {0} after its last chunk")]
@@ -426,6 +452,24 @@ pub enum UsageError {
         len: u64,
         /// The frame body cap.
         max: u64,
+    },
+    /// The aux data does not fit in the aux slot a receiver of the request registered: it
+    /// would be refused there after this side had completed.
+    #[error(
+        "aux data for {request} takes {len} bytes, the aux slot {peer} registered holds \
+         {capacity}: submit at most {capacity} bytes (16 plus 4 per token)"
+    )]
+    AuxOverSlot {
+        /// The request.
+        request: RequestId,
+        /// The receiver with the smallest aux slot.
+        peer: PeerId,
+        /// Bytes the aux data takes in a slot ([`AuxData::slot_len`]).
+        ///
+        /// [`AuxData::slot_len`]: crate::wire::AuxData::slot_len
+        len: u64,
+        /// That receiver's aux capacity.
+        capacity: u32,
     },
     /// The registration does not fit in one frame.
     #[error("registration of {request} takes {len} bytes, a frame carries at most {max}")]

@@ -21,7 +21,7 @@ impl Receiver {
             self.stop(now, request, Stop::by(peer, aux.status));
             return;
         }
-        let len = aux_encoded_len(&aux.data);
+        let len = aux.data.slot_len();
         let capacity = session.frame.aux_capacity;
         if len > u64::from(capacity) {
             self.stop_protocol(
@@ -45,9 +45,4 @@ impl Receiver {
         self.note_progress(now, request);
         self.progress(now, request);
     }
-}
-
-/// Bytes the aux data takes in the receiver's aux slot: two counts, two lengths and the tokens.
-fn aux_encoded_len(data: &AuxData) -> u64 {
-    16 + 4 * (data.first_tokens.len() as u64 + data.draft_tokens.len() as u64)
 }

@@ -185,6 +185,7 @@ impl Receiver {
     /// run pipelined transfer.
     pub fn new(config: ReceiverConfig) -> Result<Self, crate::config::ConfigError> {
         config.pipeline.validate()?;
+        config.deadlines.check()?;
         let hello = config.local.to_hello(Role::Receiver);
         Ok(Receiver {
             shell: Shell::new(hello, config.deadlines, config.max_remembered_cancels),

@@ -26,6 +26,18 @@ impl Receiver {
                 got: reg.groups.len(),
             });
         }
+        // O(r log r) per group in its id runs (see `AnchoredRun::repeated_id`), so a
+        // registration of thousands of contiguous blocks stays cheap. Only within a group, the
+        // unit the layout gives a pool to: groups whose pools share memory are not compared.
+        for (group, run) in reg.groups.iter().enumerate() {
+            if let Some(block) = run.repeated_id() {
+                return Err(UsageError::RepeatedBlock {
+                    request,
+                    group,
+                    block,
+                });
+            }
+        }
         crate::session::check_registration_ordinals(
             request,
             reg.prompt_len,

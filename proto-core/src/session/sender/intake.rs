@@ -431,6 +431,22 @@ impl Sender {
         let Frame::AuxResult(AuxResult { data, .. }) = frame else {
             unreachable!("built above")
         };
+        // The smallest aux slot among the receivers registered so far; one that registers
+        // later with a smaller slot fails the request on both sides (`registration_fault`).
+        let len = data.slot_len();
+        let smallest = session
+            .targets
+            .iter()
+            .filter_map(|t| t.registration.as_ref().map(|r| (t.peer, r.aux_capacity)))
+            .min_by_key(|&(_, capacity)| capacity);
+        if let Some((peer, capacity)) = smallest.filter(|&(_, c)| len > u64::from(c)) {
+            return Err(UsageError::AuxOverSlot {
+                request,
+                peer,
+                len,
+                capacity,
+            });
+        }
         session.aux = Some(data);
         session.aux_deadline = None;
         self.progress(now, request);

@@ -5,8 +5,9 @@ use super::*;
 
 impl Sender {
     /// Why registration `reg` of held `request` cannot be written: another group count than
-    /// this rank's, ordinals that do not end at the prompt's last block, or another prompt
-    /// length than the request's chunks declared.
+    /// this rank's, ordinals that do not end at the prompt's last block, a block named twice,
+    /// an aux slot smaller than the aux data already submitted, or another prompt length than
+    /// the request's chunks declared.
     fn registration_fault(
         &self,
         request: RequestId,
@@ -26,7 +27,33 @@ impl Sender {
         {
             return Some(error);
         }
-        let local = self.sessions.live.get(&request)?.prompt_len?;
+        // Two ordinals written into one slot: the receiver would refuse the second write as a
+        // grant violation and close the link. O(r log r) per group in its id runs.
+        if let Some((group, block)) = reg
+            .groups
+            .iter()
+            .enumerate()
+            .find_map(|(g, run)| run.repeated_id().map(|b| (g, b)))
+        {
+            return Some(ProtocolError::RepeatedBlock {
+                request,
+                group,
+                block,
+            });
+        }
+        let session = self.sessions.live.get(&request)?;
+        // Aux data taken before this receiver registered that its slot cannot hold: it would
+        // refuse the aux after this side completed, so the request fails on both sides now.
+        if let Some(len) = session.aux.as_ref().map(AuxData::slot_len) {
+            if len > u64::from(reg.aux_capacity) {
+                return Some(ProtocolError::AuxTooLarge {
+                    request,
+                    len,
+                    capacity: reg.aux_capacity,
+                });
+            }
+        }
+        let local = session.prompt_len?;
         (local != reg.prompt_len).then_some(ProtocolError::PromptLenMismatch {
             request,
             registered: reg.prompt_len,

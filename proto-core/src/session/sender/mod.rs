@@ -260,6 +260,7 @@ impl Sender {
         }
         .validate()?;
         config.layer_order.check(&config.local.groups)?;
+        config.deadlines.check()?;
         let hello = config.local.to_hello(Role::Sender);
         Ok(Sender {
             shell: Shell::new(hello, config.deadlines, config.max_remembered_cancels),
@@ -328,6 +329,15 @@ impl Sender {
     /// ([`Event::TimedOut`] waiting for [`Wait::Aux`]; the receivers are told), and the call
     /// returns [`UsageError::SessionEnded`] — the answer it gets when the timer ran first. The
     /// data is never sent, so the receivers never complete a request this sender timed out.
+    ///
+    /// The data must fit every receiver's aux slot ([`AuxData::slot_len`] at most the
+    /// registration's `aux_capacity`): data larger than the smallest slot registered so far is
+    /// refused with [`UsageError::AuxOverSlot`], nothing changed. A receiver that registers
+    /// after the data was taken, with a slot too small for it, fails the request on both sides
+    /// as a protocol error ([`ProtocolError::AuxTooLarge`](super::ProtocolError)), so this
+    /// side never completes a request whose receiver would refuse the aux.
+    ///
+    /// [`AuxData::slot_len`]: crate::wire::AuxData::slot_len
     pub fn submit_aux(
         &mut self,
         now: Instant,

@@ -31,6 +31,14 @@ pub struct AuxData {
     pub draft_tokens: Vec<u32>,
 }
 
+impl AuxData {
+    /// Bytes the data takes in a receiver's aux slot (two counts, two lengths and the tokens),
+    /// which a registration's `aux_capacity` bounds.
+    pub fn slot_len(&self) -> u64 {
+        16 + 4 * (self.first_tokens.len() as u64 + self.draft_tokens.len() as u64)
+    }
+}
+
 /// Inline aux data for a request.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 #[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
