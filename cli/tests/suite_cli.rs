@@ -246,7 +246,7 @@ fn bench_pipeline_reports_both_tails() {
 /// short last chunk read as a pass.
 #[test]
 fn bench_pipeline_compares_the_tail_with_the_last_chunks_own_transfer() {
-    let (ok, out, err) = kvpipe(&[
+    let args = [
         "bench",
         "pipeline",
         "--transport",
@@ -259,7 +259,8 @@ fn bench_pipeline_compares_the_tail_with_the_last_chunks_own_transfer() {
         "1",
         "--runs",
         "1",
-    ]);
+    ];
+    let (ok, out, err) = kvpipe(&args);
     assert!(ok, "{err}");
     let ms_after = |label: &str| -> f64 {
         let line = out
@@ -289,21 +290,7 @@ fn bench_pipeline_compares_the_tail_with_the_last_chunks_own_transfer() {
         "{ratio} printed, {tail} ms / {last_chunk} ms = {expected}: {line}"
     );
 
-    let (ok, out, err) = kvpipe(&[
-        "bench",
-        "pipeline",
-        "--transport",
-        "mem",
-        "--json",
-        "--prompt-tokens",
-        "250",
-        "--chunk-tokens",
-        "100",
-        "--prefill-ms-per-chunk",
-        "1",
-        "--runs",
-        "1",
-    ]);
+    let (ok, out, err) = kvpipe(&[&args[..], &["--json"]].concat());
     assert!(ok, "{err}");
     let v = json(&out);
     let f = |k: &str| v[k].as_f64().unwrap_or_else(|| panic!("{k} in {out}"));
