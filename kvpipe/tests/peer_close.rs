@@ -96,6 +96,22 @@ fn peer_lost(e: &Event, peer: PeerId) -> bool {
     )
 }
 
+/// Opens [`REQUEST`], submits its first chunk (tokens 0..12) and waits until it landed;
+/// returns the prefill side's block table of the prompt.
+fn first_chunk_landed(
+    tx: &PrefillNode,
+    rx: &DecodeNode,
+    to_receiver: PeerId,
+    to_sender: PeerId,
+) -> Vec<Option<BlockId>> {
+    let table = open_request(tx, rx, REQUEST, to_receiver, to_sender);
+    let groups: [&[Option<BlockId>]; 1] = [&table];
+    tx.submit_chunk(REQUEST, chunk(0, 12), &mut BlockTables { groups: &groups })
+        .unwrap();
+    until_landed(tx, rx, 3 * SLOT as u64);
+    table
+}
+
 /// The decode node closes between two chunks: the prefill node's request fails with
 /// `PeerLost` at once, the peer is no longer ready, and
 /// the second chunk lands nowhere in the closed node's pool.
@@ -103,11 +119,8 @@ fn decode_closed(transport: &str) {
     let mut sides = Sides::new();
     {
         let (tx, rx, to_receiver, to_sender) = nodes(transport, &mut sides);
-        let table = open_request(&tx, &rx, REQUEST, to_receiver, to_sender);
+        let table = first_chunk_landed(&tx, &rx, to_receiver, to_sender);
         let groups: [&[Option<BlockId>]; 1] = [&table];
-        tx.submit_chunk(REQUEST, chunk(0, 12), &mut BlockTables { groups: &groups })
-            .unwrap();
-        until_landed(&tx, &rx, 3 * SLOT as u64);
         rx.close(Duration::from_secs(1)).unwrap();
         let before = sides.dst.clone();
         // The chunk may be refused or accepted; either way it must not land.
@@ -135,11 +148,7 @@ fn prefill_closed(transport: &str, drop_it: bool) {
     let mut sides = Sides::new();
     {
         let (tx, rx, to_receiver, to_sender) = nodes(transport, &mut sides);
-        let table = open_request(&tx, &rx, REQUEST, to_receiver, to_sender);
-        let groups: [&[Option<BlockId>]; 1] = [&table];
-        tx.submit_chunk(REQUEST, chunk(0, 12), &mut BlockTables { groups: &groups })
-            .unwrap();
-        until_landed(&tx, &rx, 3 * SLOT as u64);
+        first_chunk_landed(&tx, &rx, to_receiver, to_sender);
         if drop_it {
             drop(tx);
         } else {
