@@ -1,6 +1,6 @@
-//! `kvpipe bench transfer --memory device` and `kvpipe demo --memory device`: without the
-//! `cuda` feature or without a driver they exit non-zero and say why ("no CUDA driver"); with a
-//! GPU a short run verifies.
+//! `kvpipe bench transfer --memory device`, `kvpipe bench request --memory device` and `kvpipe
+//! demo --memory device`: without the `cuda` feature or without a driver they exit non-zero and
+//! say why ("no CUDA driver"); with a GPU a short run verifies.
 
 use std::process::Command;
 
@@ -29,6 +29,32 @@ fn device_memory_bench_says_why_it_cannot_run_or_runs_and_verifies() {
             None => {
                 assert!(out.status.success(), "{transport}: {stderr}");
                 assert!(stdout.contains(baseline), "{stdout}");
+                assert!(stdout.contains("\"verified\":true"), "{stdout}");
+            }
+        }
+    }
+}
+
+#[test]
+fn device_memory_request_bench_says_why_it_cannot_run_or_runs_and_verifies() {
+    for gpu in ["busy", "idle"] {
+        let out = Command::new(KVPIPE)
+            .args(["bench", "request", "--memory", "device", "--gpu", gpu])
+            .args(["--requests", "20", "--json"])
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        match expected_error() {
+            Some(message) => {
+                assert!(!out.status.success(), "{gpu}: {stdout}");
+                assert!(stderr.contains(message), "{gpu}: {stderr}");
+                assert!(stdout.is_empty(), "{gpu}: {stdout}");
+            }
+            None => {
+                assert!(out.status.success(), "{gpu}: {stderr}");
+                assert!(stdout.contains("\"baseline\":\"copy-engine\""), "{stdout}");
+                assert!(stdout.contains(&format!("\"gpu\":\"{gpu}\"")), "{stdout}");
                 assert!(stdout.contains("\"verified\":true"), "{stdout}");
             }
         }

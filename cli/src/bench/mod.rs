@@ -8,6 +8,7 @@ use super::CliError;
 mod fragments;
 mod pipeline;
 mod plan;
+mod request;
 mod transfer;
 
 /// Arguments of `kvpipe bench`.
@@ -32,6 +33,9 @@ enum Bench {
     /// Planning + posting 100 000 head-slice writes of 8 KiB (heterogeneous tensor
     /// parallelism) against their transfer time on the in-process transport.
     Fragments(fragments::FragmentsBenchArgs),
+    /// The fixed cost the protocol adds to one request's exposed tail (its last layer range,
+    /// submit → decode side complete), against the bare copy of the same extents.
+    Request(request::RequestBenchArgs),
 }
 
 pub(crate) fn run(args: BenchArgs) -> Result<ExitCode, CliError> {
@@ -40,5 +44,6 @@ pub(crate) fn run(args: BenchArgs) -> Result<ExitCode, CliError> {
         Bench::Transfer(a) => transfer::run(a),
         Bench::Pipeline(a) => pipeline::run(a),
         Bench::Fragments(a) => fragments::run(a),
+        Bench::Request(a) => request::run(a),
     }
 }
