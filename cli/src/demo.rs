@@ -105,24 +105,24 @@ pub(crate) struct DemoArgs {
     /// With --transport verbs: the RDMA device (default: the first with an active port).
     #[arg(long)]
     device: Option<String>,
-    /// With --transport tcp: connections per peer.
-    #[arg(long, default_value_t = 2)]
-    connections: usize,
+    /// With --transport tcp: connections per peer (default 2).
+    #[arg(long)]
+    connections: Option<usize>,
     /// Where both sides' KV pools live: host, or device (GPU --gpu; needs the `cuda` feature):
     /// the mem transport copies with the GPU's copy engines, tcp stages through pinned host
     /// memory (or, with --connect, copies into the decode side's pools by CUDA IPC: see
     /// --data-path), and verification copies every pool back to the host.
     #[arg(long, default_value = "host")]
     memory: String,
-    /// With --memory device: the GPU (with --connect: this prefill side's GPU).
-    #[arg(long, default_value_t = 0)]
-    gpu: usize,
+    /// With --memory device: the GPU (default 0; with --connect: this prefill side's GPU).
+    #[arg(long)]
+    gpu: Option<usize>,
     /// With --connect over tcp: how data reaches the decode side's pools — auto (peer copies
     /// when both sides' pools are device memory and the decode side opens this side's CUDA IPC
     /// handles, i.e. it runs on the same host: it then pulls every write itself; else the
-    /// sockets), peer-copy (fail the connect rather than fall back) or socket.
-    #[arg(long, default_value = "auto", value_parser = super::nodes::parse_data_path)]
-    data_path: kvpipe_tcp::TcpDataPath,
+    /// sockets; the default), peer-copy (fail the connect rather than fall back) or socket.
+    #[arg(long, value_parser = super::nodes::parse_data_path)]
+    data_path: Option<kvpipe_tcp::TcpDataPath>,
     /// How the simulated prefill compute passes: gpu (a kernel keeps GPU --gpu busy for each
     /// chunk's or layer range's compute time, and the engine's thread waits for it as a
     /// serving engine's thread waits for its forward pass; the default with --memory device)
@@ -182,13 +182,14 @@ pub(crate) fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
         preflight::MAX_PREFILL_MS,
         "one minute of simulated compute per chunk",
     )?;
+    refuse_outside_their_mode(&args)?;
     preflight::at_most(
         "--connections",
-        args.connections as u64,
+        args.connections() as u64,
         255,
         "a bundle's size",
     )?;
-    preflight::at_least("--connections", args.connections as u64, 1)?;
+    preflight::at_least("--connections", args.connections() as u64, 1)?;
     if let Some(n) = args.layers_per_slice {
         preflight::at_least("--layers-per-slice", n.into(), 1)?;
     }
@@ -319,7 +320,7 @@ pub(crate) fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
     };
     let tcp = TcpHarness {
         memory,
-        ..TcpHarness::blocking(args.connections.clamp(1, 255))
+        ..TcpHarness::blocking(args.connections().clamp(1, 255))
     };
     if args.transport == "verbs" {
         // Checked here, to say what is missing and what to do, not as the first connect's error.
@@ -390,6 +391,43 @@ pub(crate) fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
 /// suite's engine model, `run_demo`), refused with the two demos that drive their endpoints in
 /// a loop of their own — the prefill side of `--connect` (`prefill`) and the heterogeneous
 /// split (`parallel`) — with what that loop lacks.
+impl DemoArgs {
+    /// TCP connections per peer (`--connections`, default 2).
+    pub(crate) fn connections(&self) -> usize {
+        self.connections.unwrap_or(2)
+    }
+}
+
+/// Flags of another transport, memory or mode than this run's are refused, naming what they
+/// apply to, rather than ignored.
+fn refuse_outside_their_mode(args: &DemoArgs) -> Result<(), CliError> {
+    let transport = args.transport.as_str();
+    let misplaced = if args.connections.is_some() && transport != "tcp" {
+        Some(("--connections", "--transport tcp"))
+    } else if args.device.is_some() && transport != "verbs" {
+        Some(("--device", "--transport verbs"))
+    } else if args.gpu.is_some() && args.memory != "device" {
+        Some(("--gpu", "--memory device"))
+    } else if args.data_path.is_some() && (args.connect.is_none() || transport != "tcp") {
+        Some(("--data-path", "--connect over --transport tcp"))
+    } else {
+        None
+    };
+    match misplaced {
+        Some((flag, mode)) => Err(format!(
+            "{flag} applies to {mode}; this run has --transport {transport} and --memory {}{}",
+            args.memory,
+            if args.connect.is_some() {
+                " with --connect"
+            } else {
+                ""
+            }
+        )
+        .into()),
+        None => Ok(()),
+    }
+}
+
 fn refuse_outside_the_engine_model(args: &DemoArgs, split: bool) -> Result<(), CliError> {
     let (with, runner) = if args.connect.is_some() {
         ("--connect", "the prefill side of --connect")
@@ -527,7 +565,7 @@ fn pool_memory(args: &DemoArgs) -> Result<PoolMemory, CliError> {
                         .into(),
                 );
             }
-            device_memory(args.gpu)
+            device_memory(args.gpu.unwrap_or(0))
         }
         other => Err(format!("--memory {other:?}: use host or device").into()),
     }

@@ -69,22 +69,22 @@ pub(crate) struct ServeArgs {
     #[arg(long, value_name = "ADDR")]
     metrics: Option<String>,
     /// With --metrics: keep serving them this many seconds after the transfer (and the report)
-    /// before exiting, so a scraper sees the final figures.
-    #[arg(long, default_value_t = 0)]
-    metrics_linger_s: u64,
+    /// before exiting, so a scraper sees the final figures (default 0).
+    #[arg(long)]
+    metrics_linger_s: Option<u64>,
     /// Where the KV pools live: host, or device (GPU --gpu; needs the `cuda` feature and
     /// --transport tcp). Verification copies every pool back to the host.
     #[arg(long, default_value = "host")]
     memory: String,
-    /// With --memory device: the GPU.
-    #[arg(long, default_value_t = 0)]
-    gpu: usize,
+    /// With --memory device: the GPU (default 0).
+    #[arg(long)]
+    gpu: Option<usize>,
     /// With --transport tcp: how data reaches this side's pools — auto (peer copies when both
     /// sides' pools are device memory and this side opens the prefill side's CUDA IPC handles,
     /// i.e. it runs on the same host: this side then pulls every write itself; else the
-    /// sockets), peer-copy (refuse to fall back) or socket.
-    #[arg(long, default_value = "auto", value_parser = super::nodes::parse_data_path)]
-    data_path: kvpipe_tcp::TcpDataPath,
+    /// sockets; the default), peer-copy (refuse to fall back) or socket.
+    #[arg(long, value_parser = super::nodes::parse_data_path)]
+    data_path: Option<kvpipe_tcp::TcpDataPath>,
 }
 
 /// Where a two-process command puts its pools (`--memory`, `--gpu`), checked before anything
@@ -187,9 +187,40 @@ struct ServeReport {
     transfer_p99_ms: f64,
 }
 
+/// Flags of another transport or memory than this run's are refused, naming what they apply
+/// to, rather than ignored.
+fn refuse_outside_their_mode(args: &ServeArgs) -> Result<(), CliError> {
+    let misplaced = if args.device.is_some() && args.transport != "verbs" {
+        Some(("--device", "--transport verbs"))
+    } else if args.gpu.is_some() && args.memory != "device" {
+        Some(("--gpu", "--memory device"))
+    } else if args.data_path.is_some() && args.transport != "tcp" {
+        Some(("--data-path", "--transport tcp"))
+    } else if args.metrics_linger_s.is_some() && args.metrics.is_none() {
+        Some(("--metrics-linger-s", "--metrics"))
+    } else {
+        None
+    };
+    match misplaced {
+        Some((flag, mode)) => Err(format!(
+            "{flag} applies to {mode}; this run has --transport {} and --memory {}{}",
+            args.transport,
+            args.memory,
+            if args.metrics.is_some() {
+                " with --metrics"
+            } else {
+                ""
+            }
+        )
+        .into()),
+        None => Ok(()),
+    }
+}
+
 pub(crate) fn run(args: ServeArgs) -> Result<ExitCode, CliError> {
+    refuse_outside_their_mode(&args)?;
     let transport = TransportChoice::parse(&args.transport, 1, args.device.as_deref())?;
-    let memory = two_process_memory(&args.memory, args.gpu, &transport)?;
+    let memory = two_process_memory(&args.memory, args.gpu.unwrap_or(0), &transport)?;
     let workload = preflight::Workload {
         model: args.model,
         window: args.window,
@@ -230,7 +261,8 @@ pub(crate) fn run(args: ServeArgs) -> Result<ExitCode, CliError> {
     };
     // SAFETY: `cache` outlives the node (shut down below) and is touched only for registrations
     // and for verification after each request quiesced.
-    let rx = unsafe { decode_node(&transport, config, &mut cache, args.data_path)? };
+    let data_path = args.data_path.unwrap_or(kvpipe_tcp::TcpDataPath::Auto);
+    let rx = unsafe { decode_node(&transport, config, &mut cache, data_path)? };
     let addr = rx.listen(args.listen.as_str())?;
     eprintln!("kvpipe serve: listening on {addr}");
     if let Some(m) = &metrics {
@@ -420,11 +452,12 @@ pub(crate) fn run(args: ServeArgs) -> Result<ExitCode, CliError> {
             }
         );
     }
-    if metrics.is_some() && args.metrics_linger_s > 0 {
+    let linger = args.metrics_linger_s.unwrap_or(0);
+    if metrics.is_some() && linger > 0 {
         use std::io::Write;
         // The report is out before the wait.
         let _ = std::io::stdout().flush();
-        std::thread::sleep(Duration::from_secs(args.metrics_linger_s));
+        std::thread::sleep(Duration::from_secs(linger));
     }
     for line in failures.lines() {
         eprintln!("kvpipe serve: {line}");

@@ -448,6 +448,97 @@ fn the_demos_p50_is_its_median_for_an_even_request_count() {
     }
 }
 
+/// A flag of another transport, memory or mode than the run's is refused, naming what it
+/// applies to, instead of being ignored; given where it applies, it is taken.
+#[test]
+fn flags_outside_their_mode_are_refused_not_ignored() {
+    let _turn = turn();
+    let cases: &[(&[&str], &str)] = &[
+        (
+            &["demo", "--connections", "1"],
+            "--connections applies to --transport tcp",
+        ),
+        (
+            &["demo", "--transport", "verbs", "--connections", "1"],
+            "--connections applies to",
+        ),
+        (
+            &["demo", "--device", "rxe0"],
+            "--device applies to --transport verbs",
+        ),
+        (
+            &["demo", "--transport", "tcp", "--device", "rxe0"],
+            "--device applies to",
+        ),
+        (&["demo", "--gpu", "1"], "--gpu applies to --memory device"),
+        (
+            &["demo", "--data-path", "socket"],
+            "--data-path applies to --connect over",
+        ),
+        (
+            &["demo", "--transport", "tcp", "--data-path", "socket"],
+            "--data-path applies to",
+        ),
+        (
+            &["serve", "--listen", "127.0.0.1:0", "--device", "rxe0"],
+            "--device applies to --transport verbs",
+        ),
+        (
+            &["serve", "--listen", "127.0.0.1:0", "--gpu", "1"],
+            "--gpu applies to --memory device",
+        ),
+        (
+            &[
+                "serve",
+                "--listen",
+                "127.0.0.1:0",
+                "--transport",
+                "verbs",
+                "--data-path",
+                "socket",
+            ],
+            "--data-path applies to --transport tcp",
+        ),
+        (
+            &[
+                "serve",
+                "--listen",
+                "127.0.0.1:0",
+                "--metrics-linger-s",
+                "5",
+            ],
+            "--metrics-linger-s applies to --metrics",
+        ),
+    ];
+    for (args, says) in cases {
+        let out = run(args, Duration::from_secs(30));
+        let err = text(&out.stderr);
+        assert!(!out.status.success(), "{args:?}");
+        assert!(err.contains(says), "{args:?}: {err}");
+        assert!(!err.contains("listening"), "{args:?}: {err}");
+    }
+    // Where they apply they are taken: tcp with --connections runs and verifies.
+    let out = run(
+        &[
+            "demo",
+            "--transport",
+            "tcp",
+            "--connections",
+            "1",
+            "--prompt-tokens",
+            "256",
+            "--requests",
+            "1",
+            "--prefill-ms-per-chunk",
+            "0",
+            "--json",
+        ],
+        Duration::from_secs(120),
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(text(&out.stdout).contains("\"verified\":true"));
+}
+
 /// The flags `demo --connect` refuses, as `demo --help` and docs/CLI.md list them ("…
 /// --receiver-prefix goes to `serve`, and FLAGS are refused"): every flag of `demo`, given
 /// with --connect to a port nothing listens on, is either refused before any connect (and
@@ -511,7 +602,12 @@ fn demo_connect_refuses_exactly_the_flags_its_help_and_cli_md_list() {
         let out = run(&args, Duration::from_secs(60));
         let err = text(&out.stderr);
         assert!(!out.status.success(), "{args:?}");
-        if err.starts_with("kvpipe: connecting to 127.0.0.1:9") {
+        // Reaching the connect, or refused as a flag of another transport or memory (the
+        // sample's --device is a verbs device, its --gpu needs --memory device): not a flag
+        // --connect refuses.
+        if err.starts_with("kvpipe: connecting to 127.0.0.1:9")
+            || err.starts_with(&format!("kvpipe: {flag} applies to"))
+        {
             continue;
         }
         assert!(err.contains(flag), "{args:?}: {err}");

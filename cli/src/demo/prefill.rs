@@ -69,11 +69,18 @@ pub(super) fn run(args: &DemoArgs, addr: &str, memory: PoolMemory) -> Result<Exi
         deadlines: two_process_deadlines(),
         ..NodeConfig::new(cache.layouts())
     };
-    let connections = args.connections.clamp(1, 255);
+    let connections = args.connections().clamp(1, 255);
     let transport = TransportChoice::parse(&args.transport, connections, args.device.as_deref())?;
     // SAFETY: `cache` outlives the node (shut down below); the engine computes only blocks no
     // transfer reads (a chunk's blocks are sent after they are computed, and stay untouched).
-    let tx = unsafe { prefill_node(&transport, config, &mut cache, args.data_path)? };
+    let tx = unsafe {
+        prefill_node(
+            &transport,
+            config,
+            &mut cache,
+            args.data_path.unwrap_or(kvpipe_tcp::TcpDataPath::Auto),
+        )?
+    };
     let peer = tx
         .connect(addr)
         .map_err(|e| format!("connecting to {addr}: {e}"))?;
