@@ -29,6 +29,12 @@ impl Unsigned for u32 {
     }
 }
 
+impl Unsigned for u64 {
+    fn max() -> u64 {
+        u64::MAX
+    }
+}
+
 /// `value` or `"?"` when even its `repr` fails.
 fn shown(value: &Bound<'_, PyAny>) -> String {
     value.repr().map_or_else(|_| "?".into(), |r| r.to_string())
@@ -167,5 +173,62 @@ pub(crate) mod chunk {
     /// ``prepopulated_len``: the prompt's tokens the decode side holds already.
     pub(crate) fn prepopulated_len(value: &Bound<'_, PyAny>) -> PyResult<u32> {
         super::unsigned(value, "prepopulated_len")
+    }
+}
+
+/// Ids, for ``#[pyo3(from_py_with = ...)]``: each as [`unsigned`] converts it (a negative id
+/// raises ``ValueError`` naming the argument, not a bare ``OverflowError``).
+pub(crate) mod ids {
+    use pyo3::prelude::*;
+    use pyo3::types::PyString;
+
+    /// ``request``: the request's id.
+    pub(crate) fn request(value: &Bound<'_, PyAny>) -> PyResult<u64> {
+        super::unsigned(value, "request")
+    }
+
+    /// ``peer``: a peer id from ``connect`` or a ``PeerReady`` event.
+    pub(crate) fn peer(value: &Bound<'_, PyAny>) -> PyResult<u32> {
+        super::unsigned(value, "peer")
+    }
+
+    /// ``instance``: the handshake's instance id, or ``None`` for the default.
+    pub(crate) fn instance(value: &Bound<'_, PyAny>) -> PyResult<Option<u64>> {
+        if value.is_none() {
+            return Ok(None);
+        }
+        super::unsigned(value, "instance").map(Some)
+    }
+
+    /// A list of peer ids named `name` (``receivers``, ``writers``), item by item.
+    fn peers(value: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<u32>> {
+        if value.is_instance_of::<PyString>() {
+            return Err(pyo3::exceptions::PyTypeError::new_err(format!(
+                "{name} must be a sequence of peer ids, got {}",
+                super::shown(value)
+            )));
+        }
+        value
+            .try_iter()
+            .map_err(|_| {
+                pyo3::exceptions::PyTypeError::new_err(format!(
+                    "{name} must be a sequence of peer ids, got {} (type {})",
+                    super::shown(value),
+                    super::type_name(value)
+                ))
+            })?
+            .enumerate()
+            .map(|(i, item)| super::unsigned(&item?, &format!("{name}[{i}]")))
+            .collect()
+    }
+
+    /// ``receivers`` of ``Sender.open_request``.
+    pub(crate) fn receivers(value: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+        peers(value, "receivers")
+    }
+
+    /// ``writers`` of ``Receiver.register``.
+    pub(crate) fn writers(value: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+        peers(value, "writers")
     }
 }

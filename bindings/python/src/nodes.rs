@@ -15,7 +15,7 @@ use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::arguments::{self, chunk, layer_range};
+use crate::arguments::{self, chunk, ids, layer_range};
 use crate::errors::{to_py, EngineFaultError};
 use crate::event::Event;
 use crate::layout::{deadlines, layout, LayerGroup};
@@ -169,7 +169,7 @@ impl Sender {
         pools: &Bound<'_, PyDict>,
         #[pyo3(from_py_with = arguments::connections)] connections: usize,
         deadlines: Option<&Bound<'_, PyDict>>,
-        instance: Option<u64>,
+        #[pyo3(from_py_with = ids::instance)] instance: Option<u64>,
         tp_size: i64,
         tp_rank: i64,
         pp_size: i64,
@@ -226,7 +226,7 @@ impl Sender {
     }
 
     /// Whether the handshake with ``peer`` completed.
-    fn is_peer_ready(&self, peer: u32) -> PyResult<bool> {
+    fn is_peer_ready(&self, #[pyo3(from_py_with = ids::peer)] peer: u32) -> PyResult<bool> {
         self.node.is_peer_ready(PeerId(peer)).map_err(to_py)
     }
 
@@ -236,7 +236,12 @@ impl Sender {
     }
 
     /// Opens ``request`` before its first chunk, naming the decode peers it is written to.
-    fn open_request(&self, py: Python<'_>, request: u64, receivers: Vec<u32>) -> PyResult<()> {
+    fn open_request(
+        &self,
+        py: Python<'_>,
+        #[pyo3(from_py_with = ids::request)] request: u64,
+        #[pyo3(from_py_with = ids::receivers)] receivers: Vec<u32>,
+    ) -> PyResult<()> {
         let req = SendRequest::new(RequestId(request), receivers.into_iter().map(PeerId));
         run(py, || self.node.open_request(req))
     }
@@ -271,7 +276,7 @@ impl Sender {
     fn submit_chunk(
         &self,
         py: Python<'_>,
-        request: u64,
+        #[pyo3(from_py_with = ids::request)] request: u64,
         #[pyo3(from_py_with = chunk::start)] start: u32,
         #[pyo3(from_py_with = chunk::end)] end: u32,
         #[pyo3(from_py_with = chunk::prompt_len)] prompt_len: u32,
@@ -318,7 +323,7 @@ impl Sender {
     fn submit_prefix(
         &self,
         py: Python<'_>,
-        request: u64,
+        #[pyo3(from_py_with = ids::request)] request: u64,
         prompt_len: u32,
         prepopulated_len: u32,
         blocks: &Bound<'_, PyAny>,
@@ -347,7 +352,7 @@ impl Sender {
     fn submit_aux(
         &self,
         py: Python<'_>,
-        request: u64,
+        #[pyo3(from_py_with = ids::request)] request: u64,
         first_tokens: Vec<u32>,
         prompt_tokens: u32,
         cached_tokens: u32,
@@ -363,12 +368,20 @@ impl Sender {
     }
 
     /// Cancels ``request`` in any phase (one not opened yet is cancelled when it is).
-    fn cancel(&self, py: Python<'_>, request: u64) -> PyResult<()> {
+    fn cancel(
+        &self,
+        py: Python<'_>,
+        #[pyo3(from_py_with = ids::request)] request: u64,
+    ) -> PyResult<()> {
         run(py, || self.node.cancel(RequestId(request)))
     }
 
     /// Retires ``request`` after its ``"quiesced"`` event; its id is never used again.
-    fn retire(&self, py: Python<'_>, request: u64) -> PyResult<()> {
+    fn retire(
+        &self,
+        py: Python<'_>,
+        #[pyo3(from_py_with = ids::request)] request: u64,
+    ) -> PyResult<()> {
         run(py, || self.node.retire(RequestId(request)))
     }
 
@@ -442,7 +455,7 @@ impl Receiver {
         pools: &Bound<'_, PyDict>,
         #[pyo3(from_py_with = arguments::connections)] connections: usize,
         deadlines: Option<&Bound<'_, PyDict>>,
-        instance: Option<u64>,
+        #[pyo3(from_py_with = ids::instance)] instance: Option<u64>,
         tp_size: i64,
         tp_rank: i64,
         pp_size: i64,
@@ -489,7 +502,7 @@ impl Receiver {
     }
 
     /// Whether the handshake with ``peer`` completed.
-    fn is_peer_ready(&self, peer: u32) -> PyResult<bool> {
+    fn is_peer_ready(&self, #[pyo3(from_py_with = ids::peer)] peer: u32) -> PyResult<bool> {
         self.node.is_peer_ready(PeerId(peer)).map_err(to_py)
     }
 
@@ -506,10 +519,10 @@ impl Receiver {
     fn register(
         &self,
         py: Python<'_>,
-        request: u64,
+        #[pyo3(from_py_with = ids::request)] request: u64,
         prompt_len: u32,
         blocks: &Bound<'_, PyAny>,
-        writers: Vec<u32>,
+        #[pyo3(from_py_with = ids::writers)] writers: Vec<u32>,
         aux_capacity: u32,
     ) -> PyResult<u32> {
         let reg = Registration {
@@ -524,12 +537,20 @@ impl Receiver {
     }
 
     /// Cancels ``request`` in any phase (one not registered yet is cancelled when it is).
-    fn cancel(&self, py: Python<'_>, request: u64) -> PyResult<()> {
+    fn cancel(
+        &self,
+        py: Python<'_>,
+        #[pyo3(from_py_with = ids::request)] request: u64,
+    ) -> PyResult<()> {
         run(py, || self.node.cancel(RequestId(request)))
     }
 
     /// Retires ``request`` after its ``"quiesced"`` event.
-    fn retire(&self, py: Python<'_>, request: u64) -> PyResult<()> {
+    fn retire(
+        &self,
+        py: Python<'_>,
+        #[pyo3(from_py_with = ids::request)] request: u64,
+    ) -> PyResult<()> {
         run(py, || self.node.retire(RequestId(request)))
     }
 

@@ -157,6 +157,43 @@ def test_a_bad_token_count_names_the_argument(pair, argument, value, error, got)
     # Refused before the core saw it: the chunk can still be submitted.
     assert tx.submit_chunk(**chunk) is not None
 
+U64 = "18446744073709551615"
+
+
+def test_a_bad_id_names_the_argument(pair):
+    tx, rx, _, _ = pair
+    calls = [
+        ("request", U64, lambda v: tx.open_request(v, [kvpipe.MEM_RECEIVER_PEER])),
+        ("request", U64, lambda v: tx.submit_chunk(v, 0, 4, 10, [[0, 1, 2]])),
+        ("request", U64, lambda v: tx.submit_aux(v, [1])),
+        ("request", U64, lambda v: tx.cancel(v)),
+        ("request", U64, lambda v: tx.retire(v)),
+        ("request", U64, lambda v: rx.register(v, 10, [(0, [0, 1, 2])], [kvpipe.MEM_SENDER_PEER])),
+        ("request", U64, lambda v: rx.cancel(v)),
+        ("request", U64, lambda v: rx.retire(v)),
+        ("peer", "4294967295", lambda v: tx.is_peer_ready(v)),
+        ("peer", "4294967295", lambda v: rx.is_peer_ready(v)),
+        ("receivers\\[1\\]", "4294967295", lambda v: tx.open_request(7, [kvpipe.MEM_RECEIVER_PEER, v])),
+        ("writers\\[0\\]", "4294967295", lambda v: rx.register(7, 10, [(0, [0, 1, 2])], [v])),
+    ]
+    for name, largest, call in calls:
+        bad = [(-1, ValueError, "-1"), (2**64, ValueError, str(2**64)),
+               ("3", TypeError, r"'3' \(type str\)")]
+        for value, error, got in bad:
+            message = rf"^{name} must be an integer from 0 to {largest}, got {got}"
+            with pytest.raises(error, match=message):
+                call(value)
+    with pytest.raises(TypeError, match=r"^receivers must be a sequence of peer ids, got 3"):
+        tx.open_request(7, 3)
+    with pytest.raises(TypeError, match=r"^writers must be a sequence of peer ids, got '01'"):
+        rx.register(7, 10, [(0, [0, 1, 2])], "01")
+    with pytest.raises(ValueError, match=rf"^instance must be an integer from 0 to {U64}, got -5"):
+        kvpipe.Sender.tcp(layout(1), {1: np.zeros((4, SLOT), dtype=np.uint8)}, instance=-5)
+    # The refused calls opened and registered nothing: request 7 still can be.
+    tx.open_request(7, [kvpipe.MEM_RECEIVER_PEER])
+    rx.register(7, 10, [(0, [0, 1, 2])], [kvpipe.MEM_SENDER_PEER])
+
+
 def test_registration_anchors_are_explicit(pair):
     _, rx, _, _ = pair
     with pytest.raises(TypeError, match="first_ordinal, ids"):
