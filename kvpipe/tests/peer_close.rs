@@ -54,10 +54,12 @@ fn chunk(start: u32, end: u32) -> ChunkSpec {
 }
 
 /// The first outcome (`Completed`, `Failed`, `TimedOut`, `Cancelled`) `node` reports for
-/// `request` within [`HEARS_WITHIN`], then its `Quiesced`.
-fn outcome<E: kvpipe::Role>(node: &kvpipe::Node<E>, side: &str) -> Event {
+/// `request` within [`HEARS_WITHIN`], then its `Quiesced`; and the peers whose `PeerLost` came
+/// before that outcome.
+fn outcome<E: kvpipe::Role>(node: &kvpipe::Node<E>, side: &str) -> (Event, Vec<PeerId>) {
     let deadline = Instant::now() + HEARS_WITHIN;
     let mut outcome = None;
+    let mut lost = Vec::new();
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
         assert!(
@@ -66,7 +68,11 @@ fn outcome<E: kvpipe::Role>(node: &kvpipe::Node<E>, side: &str) -> Event {
         );
         match node.next_event(left).expect("the node is open") {
             Some(Event::Quiesced { request }) if request == REQUEST => {
-                return outcome.expect("an outcome before Quiesced");
+                return (outcome.expect("an outcome before Quiesced"), lost);
+            }
+            Some(Event::PeerLost { peer, reason }) if outcome.is_none() => {
+                assert_eq!(reason, None, "{side}: the peer closed it, not this side");
+                lost.push(peer);
             }
             Some(
                 e @ (Event::Completed { request, .. }
@@ -130,8 +136,13 @@ fn decode_closed(transport: &str) {
             &mut BlockTables { groups: &groups },
         );
         let _ = tx.submit_aux(REQUEST, common::first_token());
-        let end = outcome(&tx, &format!("{transport} prefill"));
+        let (end, lost) = outcome(&tx, &format!("{transport} prefill"));
         assert!(peer_lost(&end, to_receiver), "{transport}: {end:?}");
+        assert_eq!(
+            lost,
+            [to_receiver],
+            "{transport}: PeerLost once, before the failure"
+        );
         assert!(!tx.is_peer_ready(to_receiver).unwrap(), "{transport}");
         // Give any stray write time to land before looking.
         let _ = tx.next_event(Duration::from_millis(100)).unwrap();
@@ -154,10 +165,60 @@ fn prefill_closed(transport: &str, drop_it: bool) {
         } else {
             tx.close(Duration::from_secs(1)).unwrap();
         }
-        let end = outcome(&rx, &format!("{transport} decode"));
+        let (end, lost) = outcome(&rx, &format!("{transport} decode"));
         assert!(peer_lost(&end, to_sender), "{transport}: {end:?}");
+        assert_eq!(
+            lost,
+            [to_sender],
+            "{transport}: PeerLost once, before the failure"
+        );
         assert!(!rx.is_peer_ready(to_sender).unwrap(), "{transport}");
     }
+}
+
+/// With no request open, closing either node is still heard: the other reports `PeerLost`
+/// (the peer closed it), once, and the peer is no longer ready.
+fn idle_close_is_heard(transport: &str) {
+    for close_decode in [true, false] {
+        let mut sides = Sides::new();
+        let (tx, rx, to_receiver, to_sender) = nodes(transport, &mut sides);
+        let lost_from = |node_events: &dyn Fn(Duration) -> Option<Event>, peer: PeerId| {
+            let deadline = Instant::now() + HEARS_WITHIN;
+            let mut seen = Vec::new();
+            while Instant::now() < deadline {
+                if let Some(e) = node_events(Duration::from_millis(20)) {
+                    seen.push(e);
+                }
+            }
+            let lost: Vec<&Event> = (seen.iter())
+                .filter(|e| matches!(e, Event::PeerLost { .. }))
+                .collect();
+            assert_eq!(
+                lost,
+                [&Event::PeerLost { peer, reason: None }],
+                "{transport}: {seen:?}"
+            );
+        };
+        if close_decode {
+            rx.close(Duration::from_secs(1)).unwrap();
+            lost_from(&|t| tx.next_event(t).unwrap(), to_receiver);
+            assert!(!tx.is_peer_ready(to_receiver).unwrap(), "{transport}");
+        } else {
+            tx.close(Duration::from_secs(1)).unwrap();
+            lost_from(&|t| rx.next_event(t).unwrap(), to_sender);
+            assert!(!rx.is_peer_ready(to_sender).unwrap(), "{transport}");
+        }
+    }
+}
+
+#[test]
+fn a_close_with_no_request_open_is_heard_over_tcp() {
+    idle_close_is_heard("tcp");
+}
+
+#[test]
+fn a_close_with_no_request_open_is_heard_in_process() {
+    idle_close_is_heard("mem");
 }
 
 #[test]
@@ -273,8 +334,9 @@ fn a_closed_decode_node_pool_is_still_once_close_returned() {
         rx.close(Duration::from_secs(1)).unwrap();
         // SAFETY: no write touches `dst` once the decode side's close returned.
         let at_close = unsafe { std::slice::from_raw_parts(r_regions[0].ptr, dst.len()) }.to_vec();
-        let end = outcome(&tx, "mem prefill");
+        let (end, lost) = outcome(&tx, "mem prefill");
         assert!(peer_lost(&end, MEM_RECEIVER_PEER), "{end:?}");
+        assert_eq!(lost, [MEM_RECEIVER_PEER]);
         let _ = tx.next_event(Duration::from_millis(200)).unwrap();
         // SAFETY: as above.
         let later = unsafe { std::slice::from_raw_parts(r_regions[0].ptr, dst.len()) };

@@ -357,6 +357,12 @@ impl Observer {
                 counter!(names::HANDSHAKES_REFUSED, "role" => r, "transport" => t).increment(1);
                 warn!(target: TARGET, %peer, ?reason, transport = t, "handshake refused: {message}");
             }
+            Event::PeerLost { peer, reason } => match reason {
+                None => info!(target: TARGET, %peer, transport = t, "connection ended"),
+                Some(reason) => {
+                    warn!(target: TARGET, %peer, ?reason, transport = t, "connection closed")
+                }
+            },
             Event::ProtocolViolation { peer, error } => {
                 warn!(target: TARGET, %peer, transport = t, "protocol violation: {error}");
             }

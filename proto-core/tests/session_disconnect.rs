@@ -93,3 +93,41 @@ fn disconnect_before_a_writers_aux_data_fails_the_request() {
         }
     )));
 }
+
+#[test]
+fn a_lost_peer_is_reported_once_before_its_requests_fail() {
+    let mut net = Net::connected(1, 2);
+    let r = RequestId(9);
+    let mut source = TestSource::with(r, 100, 4);
+    net.register(0, registration(r, 16, &[0]));
+    net.open(0, send_request(r, &[0]));
+    net.submit(0, r, chunk(0, 8, 16, false), &mut source);
+    net.disconnect(0, 0);
+    net.pump();
+    for (side, peer) in [
+        (Side::Sender(0), rx_peer(0)),
+        (Side::Receiver(0), tx_peer(0)),
+    ] {
+        let events = net.events(side);
+        let lost: Vec<usize> = (events.iter().enumerate())
+            .filter(|(_, e)| matches!(e, Event::PeerLost { .. }))
+            .map(|(i, _)| i)
+            .collect();
+        assert_eq!(lost.len(), 1, "{side:?}: {events:?}");
+        assert_eq!(
+            events[lost[0]],
+            Event::PeerLost { peer, reason: None },
+            "{side:?}"
+        );
+        let failed = events
+            .iter()
+            .position(|e| matches!(e, Event::Failed { request, .. } if *request == r))
+            .expect("the request failed");
+        assert!(lost[0] < failed, "{side:?}: {events:?}");
+    }
+    // The other receiver's connection is untouched.
+    assert!(!net
+        .events(Side::Receiver(1))
+        .iter()
+        .any(|e| matches!(e, Event::PeerLost { .. })));
+}

@@ -334,3 +334,67 @@ fn before_its_handshake_a_peer_may_send_only_handshake_sized_bodies() {
     assert_eq!(net.receivers[0].frame_body_limit(tx_peer(0)), MAX_BODY_LEN);
     assert_eq!(net.senders[0].frame_body_limit(rx_peer(0)), MAX_BODY_LEN);
 }
+
+/// The `PeerLost` events `side` reported, in order.
+fn lost(net: &Net, side: Side) -> Vec<(PeerId, Option<CloseReason>)> {
+    net.events(side)
+        .into_iter()
+        .filter_map(|e| match e {
+            Event::PeerLost { peer, reason } => Some((peer, reason)),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn a_handshake_that_never_finishes_ends_with_peer_lost_on_both_sides() {
+    let mut net = Net::new(1, 1);
+    net.cut.insert((0, 0));
+    net.connect(0, 0);
+    net.pump();
+    net.advance(Duration::from_millis(99));
+    assert!(lost(&net, Side::Sender(0)).is_empty());
+    assert!(lost(&net, Side::Receiver(0)).is_empty());
+    net.advance(Duration::from_millis(2));
+    // This side closed it for the deadline (the harness then reports the disconnect to both).
+    let sender = lost(&net, Side::Sender(0));
+    let receiver = lost(&net, Side::Receiver(0));
+    assert_eq!(sender, [(rx_peer(0), Some(CloseReason::HandshakeTimeout))]);
+    assert_eq!(receiver.len(), 1, "{receiver:?}");
+    assert_eq!(receiver[0].0, tx_peer(0));
+    assert!(
+        receiver[0].1 == Some(CloseReason::HandshakeTimeout) || receiver[0].1.is_none(),
+        "{receiver:?}"
+    );
+}
+
+#[test]
+fn a_refused_handshake_ends_with_peer_lost_after_peer_rejected() {
+    let mut net = Net::new(1, 1);
+    let mut cfg = receiver_config(0);
+    cfg.local.compat_hash ^= 1;
+    net.receivers[0] = Receiver::new(cfg).unwrap();
+    net.connect(0, 0);
+    net.pump();
+    for side in [Side::Sender(0), Side::Receiver(0)] {
+        let events = net.events(side);
+        let rejected = events
+            .iter()
+            .position(|e| matches!(e, Event::PeerRejected { .. }));
+        let lost = events
+            .iter()
+            .position(|e| matches!(e, Event::PeerLost { .. }));
+        assert!(
+            matches!((rejected, lost), (Some(r), Some(l)) if r < l),
+            "{events:?}"
+        );
+        assert_eq!(
+            events
+                .iter()
+                .filter(|e| matches!(e, Event::PeerLost { .. }))
+                .count(),
+            1,
+            "{events:?}"
+        );
+    }
+}

@@ -49,6 +49,7 @@ pub fn event_summary(event: &Event) -> String {
     match event {
         Event::PeerReady { peer, role, .. } => format!("PeerReady {peer} {role:?}"),
         Event::PeerRejected { peer, reason, .. } => format!("PeerRejected {peer} {reason:?}"),
+        Event::PeerLost { peer, reason } => format!("PeerLost {peer} {reason:?}"),
         Event::ProtocolViolation { peer, error } => format!("ProtocolViolation {peer}: {error}"),
         Event::Registered {
             request,

@@ -86,6 +86,13 @@ enum kvpipe_event_kind
   KVPIPE_EVENT_CANCELLED = 8,
   // No write of `request` can touch its blocks any more: free or reuse them, then retire it.
   KVPIPE_EVENT_QUIESCED = 9,
+  // The connection to `peer` ended (`status` `KVPIPE_TRANSFER_PEER_LOST`; `message` says
+  // why). Every connection ends with exactly one, handshake done or not; `waiting_for` is
+  // `KVPIPE_WAIT_HANDSHAKE` when its handshake did not finish in time and
+  // `KVPIPE_WAIT_LIVENESS` when it fell silent (this side closed it), else
+  // `KVPIPE_WAIT_NONE`. The peer's requests that still needed it fail too (after it, or
+  // before it when this side closed the connection for a deadline).
+  KVPIPE_EVENT_PEER_LOST = 10,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L

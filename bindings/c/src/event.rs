@@ -4,7 +4,7 @@
 use std::ffi::{c_char, CString};
 use std::ptr;
 
-use kvpipe_core::session::{CancelOrigin, Wait};
+use kvpipe_core::session::{CancelOrigin, CloseReason, Wait};
 use kvpipe_core::wire::{RejectReason, Role, TransferStatus};
 use kvpipe_core::{Event, Instant};
 
@@ -33,6 +33,13 @@ pub enum kvpipe_event_kind {
     KVPIPE_EVENT_CANCELLED = 8,
     /// No write of `request` can touch its blocks any more: free or reuse them, then retire it.
     KVPIPE_EVENT_QUIESCED = 9,
+    /// The connection to `peer` ended (`status` `KVPIPE_TRANSFER_PEER_LOST`; `message` says
+    /// why). Every connection ends with exactly one, handshake done or not; `waiting_for` is
+    /// `KVPIPE_WAIT_HANDSHAKE` when its handshake did not finish in time and
+    /// `KVPIPE_WAIT_LIVENESS` when it fell silent (this side closed it), else
+    /// `KVPIPE_WAIT_NONE`. The peer's requests that still needed it fail too (after it, or
+    /// before it when this side closed the connection for a deadline).
+    KVPIPE_EVENT_PEER_LOST = 10,
 }
 
 /// How a transfer ended (the wire's status).
@@ -267,6 +274,20 @@ impl EventStorage {
                 out.peer = peer.0;
                 out.reject_reason = reject(*reason);
                 message = text.clone();
+            }
+            Event::PeerLost { peer, reason } => {
+                out.kind = KVPIPE_EVENT_PEER_LOST;
+                out.peer = peer.0;
+                out.status = kvpipe_transfer_status::KVPIPE_TRANSFER_PEER_LOST;
+                out.waiting_for = match reason {
+                    Some(CloseReason::HandshakeTimeout) => kvpipe_wait::KVPIPE_WAIT_HANDSHAKE,
+                    Some(CloseReason::LivenessTimeout) => kvpipe_wait::KVPIPE_WAIT_LIVENESS,
+                    _ => kvpipe_wait::KVPIPE_WAIT_NONE,
+                };
+                message = match reason {
+                    None => "the connection ended (closed by the peer or the network)".into(),
+                    Some(r) => format!("this side closed the connection: {r:?}"),
+                };
             }
             Event::ProtocolViolation { peer, error } => {
                 out.kind = KVPIPE_EVENT_PROTOCOL_VIOLATION;

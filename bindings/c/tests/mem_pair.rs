@@ -185,10 +185,11 @@ fn in_process_transfer_through_the_abi() {
 
         let (tx, rx) = (tx as *const kvpipe_sender, rx as *const kvpipe_receiver);
         // A timeout too long for the clock waits until the event comes.
-        poll(
+        let ready_peer_of_sender = poll(
             &|ev| kvpipe_sender_poll_event(tx, u64::MAX, ev),
             kvpipe_event_kind::KVPIPE_EVENT_PEER_READY,
-        );
+        )
+        .peer;
         let ready = poll(
             &|ev| kvpipe_receiver_poll_event(rx, 10, ev),
             kvpipe_event_kind::KVPIPE_EVENT_PEER_READY,
@@ -333,6 +334,19 @@ fn in_process_transfer_through_the_abi() {
             failed.status,
             kvpipe_transfer_status::KVPIPE_TRANSFER_ENGINE_ERROR
         );
+        // Closing the decode node is heard on the prefill node, no request open: PEER_LOST,
+        // closed by the peer (no deadline of this side's).
+        assert_eq!(kvpipe_receiver_close(rx, 5000), kvpipe_status::KVPIPE_OK);
+        let lost = poll(
+            &|ev| kvpipe_sender_poll_event(tx, 10, ev),
+            kvpipe_event_kind::KVPIPE_EVENT_PEER_LOST,
+        );
+        assert_eq!(lost.peer, ready_peer_of_sender);
+        assert_eq!(
+            lost.status,
+            kvpipe_transfer_status::KVPIPE_TRANSFER_PEER_LOST
+        );
+        assert_eq!(lost.waiting_for, kvpipe_wait::KVPIPE_WAIT_NONE);
         kvpipe_sender_free(tx as *mut _);
         kvpipe_receiver_free(rx as *mut _);
     }

@@ -7,8 +7,9 @@ use pyo3::prelude::*;
 
 /// Something a node tells its engine. ``kind`` is one of ``"peer_ready"``, ``"peer_rejected"``,
 /// ``"protocol_violation"``, ``"registered"``, ``"completed"``, ``"failed"``, ``"timed_out"``,
-/// ``"cancelled"``, ``"quiesced"``; the other attributes are set where they apply and are
-/// ``None`` otherwise. Only after ``"quiesced"`` may a request's blocks be freed or reused.
+/// ``"cancelled"``, ``"quiesced"``, ``"peer_lost"`` (a connection ended: every connection ends
+/// with exactly one); the other attributes are set where they apply and are ``None`` otherwise.
+/// Only after ``"quiesced"`` may a request's blocks be freed or reused.
 #[pyclass(frozen, get_all, module = "kvpipe")]
 #[derive(Clone, Debug, Default)]
 pub(crate) struct Event {
@@ -27,7 +28,9 @@ pub(crate) struct Event {
     status: Option<String>,
     /// (timed_out) what was awaited, e.g. "results".
     waiting_for: Option<String>,
-    /// (peer_rejected) why, e.g. "compatibility_mismatch".
+    /// (peer_rejected) why, e.g. "compatibility_mismatch"; (peer_lost) why this side closed
+    /// the connection, e.g. "handshake_timeout", "liveness_timeout" (``None``: the peer or the
+    /// network closed it).
     reason: Option<String>,
     /// (cancelled) whether the peer cancelled (else this engine).
     cancelled_by_peer: Option<bool>,
@@ -106,6 +109,12 @@ impl From<CoreEvent> for Event {
                 e.peer = Some(peer.0);
                 e.reason = Some(snake(reason));
                 e.message = message;
+            }
+            CoreEvent::PeerLost { peer, reason } => {
+                e.kind = "peer_lost";
+                e.peer = Some(peer.0);
+                e.status = Some("peer_lost".into());
+                e.reason = reason.map(snake);
             }
             CoreEvent::ProtocolViolation { peer, error } => {
                 e.kind = "protocol_violation";

@@ -268,3 +268,27 @@ def test_pools_stay_alive_while_the_node_exists():
     del tx
     gc.collect()
     assert alive() is None, "a dropped node lets its pool go"
+
+
+@pytest.mark.parametrize("closing", ["decode", "prefill"])
+def test_the_other_node_hears_a_close_as_peer_lost(closing):
+    """With no request open, closing one node of a pair is still heard by the other: one
+    ``peer_lost`` event (the peer closed it: ``reason`` is ``None``), and the peer is not ready."""
+    import time
+
+    src = np.zeros((16, SLOT), dtype=np.uint8)
+    dst = np.zeros((16, SLOT), dtype=np.uint8)
+    tx, rx = kvpipe.mem_pair(layout(1), {1: src}, layout(9), {9: dst})
+    until(tx, "peer_ready")
+    until(rx, "peer_ready")
+    closed, other, peer = (rx, tx, kvpipe.MEM_RECEIVER_PEER) if closing == "decode" else (
+        tx, rx, kvpipe.MEM_SENDER_PEER)
+    closed.close()
+    lost, _ = until(other, "peer_lost", timeout=3.0)
+    assert (lost.peer, lost.reason, lost.status) == (peer, None, "peer_lost")
+    assert not other.is_peer_ready(peer)
+    deadline = time.monotonic() + 0.3
+    while time.monotonic() < deadline:
+        e = other.next_event(0.05)
+        assert e is None or e.kind != "peer_lost", f"a second peer_lost: {e}"
+    other.close()

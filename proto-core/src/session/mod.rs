@@ -244,6 +244,22 @@ pub enum Event {
         /// What differs (names both versions or both values).
         message: String,
     },
+    /// The connection to `peer` ended: the transport reported it gone. Every connection the
+    /// transport reported ([`TransportInput::PeerConnected`]) ends with exactly one of these,
+    /// whether its handshake completed ([`Event::PeerReady`]), was refused
+    /// ([`Event::PeerRejected`]) or never finished. The peer's requests that still needed it
+    /// fail too: right after, with [`TransferStatus::PeerLost`](crate::wire::TransferStatus),
+    /// when the peer or the network closed it; just before, timed out, when this side closed
+    /// it for a handshake or liveness deadline. A transport gives a peer that connects again a
+    /// new id.
+    PeerLost {
+        /// The peer.
+        peer: PeerId,
+        /// Why this side closed the connection — its handshake did not finish in time
+        /// ([`CloseReason::HandshakeTimeout`]), it fell silent ([`CloseReason::LivenessTimeout`]),
+        /// it broke a rule, it was refused — or `None` when the peer or the network closed it.
+        reason: Option<CloseReason>,
+    },
     /// A peer broke a protocol rule outside any session it could fail (the frame was dropped).
     ProtocolViolation {
         /// The peer.

@@ -41,6 +41,15 @@ pub(crate) struct PeerEntry {
     held: Option<Held>,
     /// The answer of the peer's `HelloAccept`, once it came (this side offered).
     peer_answer: Option<Option<Bytes>>,
+    /// Why this side closed the connection, if it did.
+    closed_for: Option<CloseReason>,
+}
+
+impl PeerEntry {
+    /// Why this side closed the connection (`None`: it did not; the peer or the network did).
+    pub(crate) fn closed_for(&self) -> Option<CloseReason> {
+        self.closed_for
+    }
 }
 
 /// A peer's Hello that passed every check, while the data-path negotiation holds the handshake.
@@ -154,6 +163,7 @@ impl PeerTable {
                 offer: offer.clone(),
                 held: None,
                 peer_answer: None,
+                closed_for: None,
             },
         );
         let hello = Frame::Hello(Hello {
@@ -232,6 +242,7 @@ impl PeerTable {
     ) {
         if let Some(p) = self.peers.get_mut(&peer) {
             if Self::step(p, PeerEvent::Close) {
+                p.closed_for.get_or_insert(reason);
                 counters.peers_closed += 1;
                 out.push_back(Output::ClosePeer { peer, reason });
             }

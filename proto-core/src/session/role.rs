@@ -10,7 +10,7 @@ use super::shell::{Due, Shell};
 use super::state::SessionPhase;
 use super::stop::Stop;
 use super::table::{HeldSession, SessionTable};
-use super::{CancelOrigin, ProtocolError, TransportInput, UsageError, Wait};
+use super::{CancelOrigin, Event, Output, ProtocolError, TransportInput, UsageError, Wait};
 use crate::ids::{PeerId, RequestId, SenderSliceId};
 use crate::time::Instant;
 use crate::wire::Frame;
@@ -108,7 +108,9 @@ pub(crate) trait EndpointRole {
     /// The transport reported `peer` gone: none of its writes can touch memory any more. Every
     /// active session that still needed it fails ([`Stop::lost`]); the others may quiesce now.
     fn on_disconnected(&mut self, now: Instant, peer: PeerId) -> Result<(), UsageError> {
-        self.shell().peers.disconnected(peer)?;
+        let reason = self.shell().peers.disconnected(peer)?.closed_for();
+        // The connection's end, first: its requests' failures follow.
+        (self.shell().outputs).push_back(Output::Event(Event::PeerLost { peer, reason }));
         self.forget_peer(peer);
         for request in self.sessions().involving(peer) {
             let finished = self.participant_gone(request, peer);

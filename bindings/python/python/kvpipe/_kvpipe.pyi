@@ -89,6 +89,7 @@ EventKind = Literal[
     "timed_out",
     "cancelled",
     "quiesced",
+    "peer_lost",
 ]
 
 @final
@@ -104,6 +105,9 @@ class Event:
     """e.g. ``"success"``, ``"peer_lost"``, ``"engine_error"``, ``"timed_out"``."""
     waiting_for: str | None
     reason: str | None
+    """``peer_rejected``: why, e.g. ``"compatibility_mismatch"``; ``peer_lost``: why this side
+    closed the connection, e.g. ``"handshake_timeout"``, ``"liveness_timeout"`` (``None``: the
+    peer or the network closed it)."""
     cancelled_by_peer: bool | None
     sender_slice: int | None
     receiver_slice: int | None

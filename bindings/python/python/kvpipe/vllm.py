@@ -723,6 +723,12 @@ class _WorkerSide:
                 self.send_done.add(rid)
         elif e.kind in ("failed", "timed_out", "cancelled"):
             logger.info("kvpipe: sending %s: %s", self.send_req.get(e.request), e.message)
+        elif e.kind == "peer_lost":
+            # Its requests fail on their own; later ones connect again.
+            for addr, (peer, _) in list(self.decode_peers.items()):
+                if peer == e.peer:
+                    del self.decode_peers[addr]
+                    logger.info("kvpipe: lost decode rank %s: %s", addr, e.message)
         elif e.kind in ("peer_rejected", "protocol_violation"):
             logger.warning("kvpipe: %s", e.message)
 
