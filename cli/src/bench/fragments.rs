@@ -29,7 +29,7 @@ use std::time::Duration;
 
 use kvpipe_conformance::cache::fill_filler;
 use kvpipe_conformance::suite::demo::median;
-use kvpipe_core::session::{GroupPart, LocalHello, Registration, SendRequest};
+use kvpipe_core::session::{GroupPart, LocalHello};
 use kvpipe_core::wire::{AuxData, Topology};
 use kvpipe_core::{
     chunk_window, plan_rank_group, plan_rank_group_layers, AnchoredRun, BlockId, BlockRun,
@@ -41,7 +41,7 @@ use kvpipe_mem::{
 };
 use serde::Serialize;
 
-use super::transfer::{chunks, ContiguousSource};
+use super::transfer::{chunks, register_and_open, ContiguousSource};
 use crate::slice_fit::SliceFit;
 use crate::{preflight, CliError};
 
@@ -299,40 +299,16 @@ pub(crate) fn run(args: FragmentsBenchArgs) -> Result<ExitCode, CliError> {
     for run in 0..args.runs.max(1) {
         let request = RequestId(u64::from(run) + 1);
         dst.fill(0);
-        let now = pair.now();
-        pair.receiver_mut().register(
-            now,
-            Registration {
-                request,
-                prompt_len: tokens,
-                groups: vec![anchored.clone()],
-                writers: std::iter::once(SENDER_PEER).collect(),
-                aux_capacity: 64,
-                // One endpoint per writer: this pair receives the sender's heads only.
-                expected_part: Some(vec![GroupPart::written_by(
-                    &s_topo,
-                    &src_layout,
-                    &r_topo,
-                    &dst_layout,
-                )]),
-            },
+        // One endpoint per writer: this pair receives the sender's heads only.
+        let part = GroupPart::written_by(&s_topo, &src_layout, &r_topo, &dst_layout);
+        register_and_open(
+            &mut pair,
+            request,
+            tokens,
+            vec![anchored.clone()],
+            Some(vec![part]),
+            true,
         )?;
-        pair.sender_mut().open_request(
-            now,
-            SendRequest {
-                request,
-                receivers: std::iter::once(RECEIVER_PEER).collect(),
-                beam_width: 1,
-            },
-        )?;
-        let mut registered = false;
-        pair.drive_until(Duration::from_secs(10), |p| {
-            registered |= p.take_events().iter().any(
-                |(_, _, e)| matches!(e, Event::Registered { request: r, .. } if *r == request),
-            );
-            registered
-        })
-        .map_err(|e| format!("registration: {e}"))?;
         // Only this request's batches are timed below.
         drop(pair.take_batch_timings());
         let (mut plan_s, mut post_s) = (0.0, 0.0);

@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 
 use kvpipe_conformance::cache::fill_filler;
 use kvpipe_conformance::suite::demo::{median, percentile};
-use kvpipe_core::session::{LocalHello, Registration, SendRequest};
+use kvpipe_core::session::LocalHello;
 use kvpipe_core::wire::{AuxData, Topology};
 use kvpipe_core::{
     AnchoredRun, BlockId, ChunkSpec, Event, InstanceId, LayerGroupLayout, LayerRange, PoolLayout,
@@ -39,7 +39,7 @@ use kvpipe_core::{
 use kvpipe_mem::{Endpoint, MemPair, PairConfig, RegionUse, RECEIVER_PEER, SENDER_PEER};
 use serde::Serialize;
 
-use super::transfer::ContiguousSource;
+use super::transfer::{register_and_open, ContiguousSource};
 use crate::CliError;
 
 const LAYERS: u16 = 32;
@@ -306,26 +306,8 @@ fn measure(
     for r in 0..WARM_UP + args.requests {
         let request = RequestId(r + 1);
         pools.clear()?;
-        let now = pair.now();
-        pair.receiver_mut().register(
-            now,
-            Registration {
-                request,
-                prompt_len: PROMPT,
-                groups: vec![AnchoredRun::from_ids(0, &ids)],
-                writers: std::iter::once(SENDER_PEER).collect(),
-                aux_capacity: 64,
-                expected_part: None,
-            },
-        )?;
-        pair.sender_mut().open_request(
-            now,
-            SendRequest {
-                request,
-                receivers: std::iter::once(RECEIVER_PEER).collect(),
-                beam_width: 1,
-            },
-        )?;
+        let groups = vec![AnchoredRun::from_ids(0, &ids)];
+        register_and_open(&mut pair, request, PROMPT, groups, None, false)?;
         for begin in (0..last_range.begin).step_by(usize::from(LAYERS_PER_RANGE)) {
             let now = pair.now();
             let range = LayerRange::new(begin, begin + u32::from(LAYERS_PER_RANGE));

@@ -135,6 +135,51 @@ struct TransferBenchReport {
     baseline_runs_s: Vec<f64>,
 }
 
+/// Registers `request` at the pair's decode side (its blocks `groups`, written by the prefill
+/// side alone, which holds `expected_part` of them) and opens it at the prefill side, towards
+/// the decode side; with `wait`, drives the pair until the prefill side has the registration.
+pub(super) fn register_and_open(
+    pair: &mut MemPair,
+    request: RequestId,
+    prompt_len: u32,
+    groups: Vec<AnchoredRun>,
+    expected_part: Option<Vec<kvpipe_core::session::GroupPart>>,
+    wait: bool,
+) -> Result<(), CliError> {
+    let now = pair.now();
+    pair.receiver_mut().register(
+        now,
+        Registration {
+            request,
+            prompt_len,
+            groups,
+            writers: std::iter::once(SENDER_PEER).collect(),
+            aux_capacity: 64,
+            expected_part,
+        },
+    )?;
+    pair.sender_mut().open_request(
+        now,
+        SendRequest {
+            request,
+            receivers: std::iter::once(RECEIVER_PEER).collect(),
+            beam_width: 1,
+        },
+    )?;
+    if !wait {
+        return Ok(());
+    }
+    let mut registered = false;
+    pair.drive_until(Duration::from_secs(10), |p| {
+        registered |= p
+            .take_events()
+            .iter()
+            .any(|(_, _, e)| matches!(e, Event::Registered { request: r, .. } if *r == request));
+        registered
+    })
+    .map_err(|e| format!("registration: {e}").into())
+}
+
 /// A block source over one contiguous allocation: ordinal `o` lives in slot `o`.
 pub(super) struct ContiguousSource {
     /// Blocks allocated.
@@ -414,34 +459,14 @@ pub(crate) fn run(args: TransferBenchArgs) -> Result<ExitCode, CliError> {
         }
         dst.fill(0);
         // Set up: the receiver registers and the sender has the registration before timing.
-        let now = pair.now();
-        pair.receiver_mut().register(
-            now,
-            Registration {
-                request,
-                prompt_len: tokens,
-                groups: vec![anchored.clone()],
-                writers: std::iter::once(SENDER_PEER).collect(),
-                aux_capacity: 64,
-                expected_part: None,
-            },
+        register_and_open(
+            &mut pair,
+            request,
+            tokens,
+            vec![anchored.clone()],
+            None,
+            true,
         )?;
-        pair.sender_mut().open_request(
-            now,
-            SendRequest {
-                request,
-                receivers: std::iter::once(RECEIVER_PEER).collect(),
-                beam_width: 1,
-            },
-        )?;
-        let mut registered = false;
-        pair.drive_until(Duration::from_secs(10), |p| {
-            registered |= p.take_events().iter().any(
-                |(_, _, e)| matches!(e, Event::Registered { request: r, .. } if *r == request),
-            );
-            registered
-        })
-        .map_err(|e| format!("registration: {e}"))?;
         // Timed: every chunk submitted, until the receiver completes.
         let t0 = Instant::now();
         for spec in &specs {

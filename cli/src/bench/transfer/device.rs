@@ -36,7 +36,7 @@ mod gpu {
 
     use kvpipe_conformance::cache::fill_filler;
     use kvpipe_conformance::suite::demo::median;
-    use kvpipe_core::session::{LocalHello, Registration, SendRequest};
+    use kvpipe_core::session::LocalHello;
     use kvpipe_core::wire::{AuxData, Topology};
     use kvpipe_core::{
         Event, InstanceId, LayerGroupLayout, ReceiverConfig, RegionId, RequestId, SenderConfig,
@@ -47,7 +47,8 @@ mod gpu {
     use serde::Serialize;
 
     use super::super::{
-        chunks, layout, mem_available, sender_plans, slots, ContiguousSource, TransferBenchArgs,
+        chunks, layout, mem_available, register_and_open, sender_plans, slots, ContiguousSource,
+        TransferBenchArgs,
     };
     use super::{CliError, ExitCode};
 
@@ -234,34 +235,14 @@ mod gpu {
                 t_baseline.push(baseline_run(&stream, &src, &mut dst, &plans)?);
             }
             dst.fill(0)?;
-            let now = pair.now();
-            pair.receiver_mut().register(
-                now,
-                Registration {
-                    request,
-                    prompt_len: tokens,
-                    groups: vec![anchored.clone()],
-                    writers: std::iter::once(SENDER_PEER).collect(),
-                    aux_capacity: 64,
-                    expected_part: None,
-                },
+            register_and_open(
+                &mut pair,
+                request,
+                tokens,
+                vec![anchored.clone()],
+                None,
+                true,
             )?;
-            pair.sender_mut().open_request(
-                now,
-                SendRequest {
-                    request,
-                    receivers: std::iter::once(RECEIVER_PEER).collect(),
-                    beam_width: 1,
-                },
-            )?;
-            let mut registered = false;
-            pair.drive_until(Duration::from_secs(10), |p| {
-                registered |= p.take_events().iter().any(
-                    |(_, _, e)| matches!(e, Event::Registered { request: r, .. } if *r == request),
-                );
-                registered
-            })
-            .map_err(|e| format!("registration: {e}"))?;
             // Only this round's batches are timed below.
             drop(pair.take_batch_timings());
             let t0 = Instant::now();
