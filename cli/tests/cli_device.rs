@@ -6,58 +6,75 @@ use std::process::Command;
 
 const KVPIPE: &str = env!("CARGO_BIN_EXE_kvpipe");
 
-#[test]
-fn device_memory_bench_says_why_it_cannot_run_or_runs_and_verifies() {
-    for (transport, baseline) in [
-        ("mem", "\"baseline\":\"cuda-memcpy-d2d\""),
-        ("tcp", "\"baseline\":\"min(tcp-raw, pinned-copy)\""),
-    ] {
-        let out = Command::new(KVPIPE)
-            .args(["bench", "transfer", "--transport", transport])
-            .args(["--memory", "device", "--json", "--tokens", "2048"])
-            .args(["--chunk-tokens", "512", "--runs", "1"])
-            .output()
-            .unwrap();
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        match expected_error() {
-            Some(message) => {
-                assert!(!out.status.success(), "{transport}: {stdout}");
-                assert!(stderr.contains(message), "{transport}: {stderr}");
-                assert!(stdout.is_empty(), "{transport}: {stdout}");
-            }
-            None => {
-                assert!(out.status.success(), "{transport}: {stderr}");
-                assert!(stdout.contains(baseline), "{stdout}");
-                assert!(stdout.contains("\"verified\":true"), "{stdout}");
+/// Runs `kvpipe ARGS`: where device memory cannot run here it must fail, say why and print
+/// nothing; else it must succeed with every line of `expect` in its report and every byte
+/// verified.
+fn says_why_or_verifies(args: &[&str], expect: &[&str]) {
+    let out = Command::new(KVPIPE).args(args).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    match expected_error() {
+        Some(message) => {
+            assert!(!out.status.success(), "{args:?}: {stdout}");
+            assert!(stderr.contains(message), "{args:?}: {stderr}");
+            assert!(stdout.is_empty(), "{args:?}: {stdout}");
+        }
+        None => {
+            assert!(out.status.success(), "{args:?}: {stderr}");
+            for e in expect.iter().chain(&["\"verified\":true"]) {
+                assert!(stdout.contains(e), "{args:?}: no {e} in {stdout}");
             }
         }
     }
 }
 
 #[test]
+fn device_memory_bench_says_why_it_cannot_run_or_runs_and_verifies() {
+    for (transport, baseline) in [
+        ("mem", "\"baseline\":\"cuda-memcpy-d2d\""),
+        ("tcp", "\"baseline\":\"min(tcp-raw, pinned-copy)\""),
+    ] {
+        says_why_or_verifies(
+            &[
+                "bench",
+                "transfer",
+                "--transport",
+                transport,
+                "--memory",
+                "device",
+                "--json",
+                "--tokens",
+                "2048",
+                "--chunk-tokens",
+                "512",
+                "--runs",
+                "1",
+            ],
+            &[baseline],
+        );
+    }
+}
+
+#[test]
 fn device_memory_request_bench_says_why_it_cannot_run_or_runs_and_verifies() {
     for gpu in ["busy", "idle"] {
-        let out = Command::new(KVPIPE)
-            .args(["bench", "request", "--memory", "device", "--gpu", gpu])
-            .args(["--requests", "20", "--json"])
-            .output()
-            .unwrap();
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        match expected_error() {
-            Some(message) => {
-                assert!(!out.status.success(), "{gpu}: {stdout}");
-                assert!(stderr.contains(message), "{gpu}: {stderr}");
-                assert!(stdout.is_empty(), "{gpu}: {stdout}");
-            }
-            None => {
-                assert!(out.status.success(), "{gpu}: {stderr}");
-                assert!(stdout.contains("\"baseline\":\"copy-engine\""), "{stdout}");
-                assert!(stdout.contains(&format!("\"gpu\":\"{gpu}\"")), "{stdout}");
-                assert!(stdout.contains("\"verified\":true"), "{stdout}");
-            }
-        }
+        says_why_or_verifies(
+            &[
+                "bench",
+                "request",
+                "--memory",
+                "device",
+                "--gpu",
+                gpu,
+                "--requests",
+                "20",
+                "--json",
+            ],
+            &[
+                "\"baseline\":\"copy-engine\"",
+                &format!("\"gpu\":\"{gpu}\""),
+            ],
+        );
     }
 }
 
@@ -76,26 +93,23 @@ fn expected_error() -> Option<&'static str> {
 #[test]
 fn device_memory_demo_says_why_it_cannot_run_or_runs_and_verifies() {
     for transport in ["mem", "tcp"] {
-        let out = Command::new(KVPIPE)
-            .args(["demo", "--memory", "device", "--transport", transport])
-            .args(["--json", "--prompt-tokens", "256", "--chunk-tokens", "96"])
-            .args(["--prefill-ms-per-chunk", "0"])
-            .output()
-            .unwrap();
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        match expected_error() {
-            Some(message) => {
-                assert!(!out.status.success(), "{transport}: {stdout}");
-                assert!(stderr.contains(message), "{transport}: {stderr}");
-                assert!(stdout.is_empty(), "{transport}: {stdout}");
-            }
-            None => {
-                assert!(out.status.success(), "{transport}: {stderr}");
-                assert!(stdout.contains("\"memory\":\"device\""), "{stdout}");
-                assert!(stdout.contains("\"verified\":true"), "{stdout}");
-            }
-        }
+        says_why_or_verifies(
+            &[
+                "demo",
+                "--memory",
+                "device",
+                "--transport",
+                transport,
+                "--json",
+                "--prompt-tokens",
+                "256",
+                "--chunk-tokens",
+                "96",
+                "--prefill-ms-per-chunk",
+                "0",
+            ],
+            &["\"memory\":\"device\""],
+        );
     }
     // Device memory is moved only by transports that run both sides here.
     let out = Command::new(KVPIPE)
