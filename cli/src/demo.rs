@@ -401,31 +401,44 @@ impl DemoArgs {
 /// Flags of another transport, memory or mode than this run's are refused, naming what they
 /// apply to, rather than ignored.
 fn refuse_outside_their_mode(args: &DemoArgs) -> Result<(), CliError> {
-    let transport = args.transport.as_str();
-    let misplaced = if args.connections.is_some() && transport != "tcp" {
-        Some(("--connections", "--transport tcp"))
-    } else if args.device.is_some() && transport != "verbs" {
-        Some(("--device", "--transport verbs"))
-    } else if args.gpu.is_some() && args.memory != "device" {
-        Some(("--gpu", "--memory device"))
-    } else if args.data_path.is_some() && (args.connect.is_none() || transport != "tcp") {
-        Some(("--data-path", "--connect over --transport tcp"))
-    } else {
-        None
-    };
-    match misplaced {
-        Some((flag, mode)) => Err(format!(
-            "{flag} applies to {mode}; this run has --transport {transport} and --memory {}{}",
-            args.memory,
+    let (transport, memory) = (args.transport.as_str(), args.memory.as_str());
+    let tcp = transport == "tcp";
+    preflight::refuse_misplaced(
+        &[
+            (
+                args.connections.is_some(),
+                tcp,
+                "--connections",
+                "--transport tcp",
+            ),
+            (
+                args.device.is_some(),
+                transport == "verbs",
+                "--device",
+                "--transport verbs",
+            ),
+            (
+                args.gpu.is_some(),
+                memory == "device",
+                "--gpu",
+                "--memory device",
+            ),
+            (
+                args.data_path.is_some(),
+                tcp && args.connect.is_some(),
+                "--data-path",
+                "--connect over --transport tcp",
+            ),
+        ],
+        &format!(
+            "--transport {transport} and --memory {memory}{}",
             if args.connect.is_some() {
                 " with --connect"
             } else {
                 ""
             }
-        )
-        .into()),
-        None => Ok(()),
-    }
+        ),
+    )
 }
 
 fn refuse_outside_the_engine_model(args: &DemoArgs, split: bool) -> Result<(), CliError> {

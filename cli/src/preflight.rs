@@ -57,6 +57,24 @@ pub(crate) fn at_least(flag: &str, value: u64, min: u64) -> Result<(), CliError>
 }
 
 /// `value` of `flag` must be at most `max`; `what` says what the bound is.
+/// The first of `rules` — `(given, applies, flag, mode)`: `flag` was given, and whether this
+/// run is the `mode` it applies to — that is given where it does not apply, refused naming
+/// its mode and what the run `has`.
+pub(crate) fn refuse_misplaced(
+    rules: &[(bool, bool, &str, &str)],
+    has: &str,
+) -> Result<(), CliError> {
+    match rules
+        .iter()
+        .find(|(given, applies, _, _)| *given && !*applies)
+    {
+        Some((_, _, flag, mode)) => {
+            Err(format!("{flag} applies to {mode}; this run has {has}").into())
+        }
+        None => Ok(()),
+    }
+}
+
 pub(crate) fn at_most(flag: &str, value: u64, max: u64, what: &str) -> Result<(), CliError> {
     if value > max {
         return Err(format!("{flag} must be at most {max} ({what}; got {value})").into());

@@ -190,31 +190,40 @@ struct ServeReport {
 /// Flags of another transport or memory than this run's are refused, naming what they apply
 /// to, rather than ignored.
 fn refuse_outside_their_mode(args: &ServeArgs) -> Result<(), CliError> {
-    let misplaced = if args.device.is_some() && args.transport != "verbs" {
-        Some(("--device", "--transport verbs"))
-    } else if args.gpu.is_some() && args.memory != "device" {
-        Some(("--gpu", "--memory device"))
-    } else if args.data_path.is_some() && args.transport != "tcp" {
-        Some(("--data-path", "--transport tcp"))
-    } else if args.metrics_linger_s.is_some() && args.metrics.is_none() {
-        Some(("--metrics-linger-s", "--metrics"))
-    } else {
-        None
-    };
-    match misplaced {
-        Some((flag, mode)) => Err(format!(
-            "{flag} applies to {mode}; this run has --transport {} and --memory {}{}",
-            args.transport,
-            args.memory,
-            if args.metrics.is_some() {
-                " with --metrics"
-            } else {
-                ""
-            }
-        )
-        .into()),
-        None => Ok(()),
-    }
+    let (transport, memory) = (args.transport.as_str(), args.memory.as_str());
+    let metrics = args.metrics.is_some();
+    preflight::refuse_misplaced(
+        &[
+            (
+                args.device.is_some(),
+                transport == "verbs",
+                "--device",
+                "--transport verbs",
+            ),
+            (
+                args.gpu.is_some(),
+                memory == "device",
+                "--gpu",
+                "--memory device",
+            ),
+            (
+                args.data_path.is_some(),
+                transport == "tcp",
+                "--data-path",
+                "--transport tcp",
+            ),
+            (
+                args.metrics_linger_s.is_some(),
+                metrics,
+                "--metrics-linger-s",
+                "--metrics",
+            ),
+        ],
+        &format!(
+            "--transport {transport} and --memory {memory}{}",
+            if metrics { " with --metrics" } else { "" }
+        ),
+    )
 }
 
 pub(crate) fn run(args: ServeArgs) -> Result<ExitCode, CliError> {
