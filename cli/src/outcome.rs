@@ -1,7 +1,7 @@
 //! How requests ended badly, in words an operator can act on: which requests failed, and
 //! whether the peer was lost, stopped answering, or broke a rule.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use kvpipe_core::session::{CancelOrigin, Wait};
 use kvpipe_core::wire::TransferStatus;
@@ -17,6 +17,10 @@ pub(crate) struct Failures {
     silent: bool,
     /// Rules a peer broke, as the endpoint reported them (they name what differed).
     violations: Vec<String>,
+    /// (Prefill side) requests a decode side registered.
+    registered: BTreeSet<RequestId>,
+    /// Requests that completed.
+    completed: usize,
 }
 
 impl Failures {
@@ -24,6 +28,14 @@ impl Failures {
     /// reports a rule a peer broke.
     pub(crate) fn note(&mut self, e: &Event) {
         let (request, why) = match e {
+            Event::Registered { request, .. } => {
+                self.registered.insert(*request);
+                return;
+            }
+            Event::Completed { .. } => {
+                self.completed += 1;
+                return;
+            }
             Event::Failed {
                 request,
                 cause,
@@ -97,6 +109,25 @@ impl Failures {
             (true, false) => Some(format!("{who} was lost (its connection closed or failed)")),
             (false, false) => None,
         }
+    }
+
+    /// (Prefill side) when the decode side was lost after completing some requests and before
+    /// registering the failed ones: a line saying it may have served all it meant to (a `kvpipe
+    /// serve` given fewer `--requests` than this side's `sent`).
+    pub(crate) fn served_fewer(&self, sent: usize) -> Option<String> {
+        let unregistered: Vec<String> = (self.why.keys())
+            .filter(|r| !self.registered.contains(r))
+            .map(|r| r.to_string())
+            .collect();
+        (self.lost && self.completed > 0 && unregistered.len() == self.why.len()).then(|| {
+            format!(
+                "the decode side registered none of the failed request(s) ({}) and closed after \
+                 completing {} request(s): a `kvpipe serve` stops after its own --requests; does \
+                 it serve as many as this side sends ({sent})?",
+                unregistered.join(", "),
+                self.completed
+            )
+        })
     }
 
     /// A one-line summary: the peer's fate and the failed requests, of `total`.

@@ -385,6 +385,37 @@ fn the_prefill_side_names_a_decode_side_that_died_and_the_requests_it_failed() {
     assert!(err.contains(&serve.addr), "{err}");
     assert!(err.contains("req#1") && err.contains("req#2"), "{err}");
     assert!(!err.contains("already ended"), "{err}");
+    // A decode side that died mid-transfer is not taken for one that served fewer requests.
+    assert!(!err.contains("--requests"), "{err}");
+}
+
+#[test]
+fn a_decode_side_serving_fewer_requests_is_named_as_the_likely_cause() {
+    let _turn = turn();
+    let serve = Serve::start(&[
+        "--model",
+        "llama3-70b-tp8",
+        "--prompt-tokens",
+        "300",
+        "--requests",
+        "1",
+    ]);
+    let demo = Command::new(KVPIPE)
+        .args(["demo", "--transport", "tcp", "--connect", &serve.addr])
+        .args(["--prefill-ms-per-chunk", "0"])
+        .args(SMALL_SERVE)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let out = finish(demo, Duration::from_secs(60), "demo --connect");
+    let err = ended_cleanly(&out);
+    assert!(err.contains("req#2 failed"), "{err}");
+    assert!(
+        err.contains("registered none of the failed request(s) (req#2)")
+            && err.contains("does it serve as many as this side sends (2)?"),
+        "{err}"
+    );
 }
 
 #[test]

@@ -268,7 +268,7 @@ pub(super) fn run(args: &DemoArgs, addr: &str, memory: PoolMemory) -> Result<Exi
             );
         }
     }
-    for line in failures.lines() {
+    for line in failures.lines().chain(failures.served_fewer(ids.len())) {
         eprintln!("kvpipe demo: {line}");
     }
     if failures.len() > 0 {
