@@ -387,10 +387,6 @@ pub(crate) fn run(args: DemoArgs) -> Result<ExitCode, CliError> {
     )
 }
 
-/// The flags only the demo of one prefill and one decode endpoint per rank honours (the
-/// suite's engine model, `run_demo`), refused with the two demos that drive their endpoints in
-/// a loop of their own — the prefill side of `--connect` (`prefill`) and the heterogeneous
-/// split (`parallel`) — with what that loop lacks.
 impl DemoArgs {
     /// TCP connections per peer (`--connections`, default 2).
     pub(crate) fn connections(&self) -> usize {
@@ -441,6 +437,10 @@ fn refuse_outside_their_mode(args: &DemoArgs) -> Result<(), CliError> {
     )
 }
 
+/// The flags only the demo of one prefill and one decode endpoint per rank honours (the
+/// suite's engine model, `run_demo`), refused with the two demos that drive their endpoints in
+/// a loop of their own — the prefill side of `--connect` (`prefill`) and the heterogeneous
+/// split (`parallel`) — with what that loop lacks.
 fn refuse_outside_the_engine_model(args: &DemoArgs, split: bool) -> Result<(), CliError> {
     let (with, runner) = if args.connect.is_some() {
         ("--connect", "the prefill side of --connect")

@@ -56,7 +56,6 @@ pub(crate) fn at_least(flag: &str, value: u64, min: u64) -> Result<(), CliError>
     Ok(())
 }
 
-/// `value` of `flag` must be at most `max`; `what` says what the bound is.
 /// The first of `rules` — `(given, applies, flag, mode)`: `flag` was given, and whether this
 /// run is the `mode` it applies to — that is given where it does not apply, refused naming
 /// its mode and what the run `has`.
@@ -75,6 +74,7 @@ pub(crate) fn refuse_misplaced(
     }
 }
 
+/// `value` of `flag` must be at most `max`; `what` says what the bound is.
 pub(crate) fn at_most(flag: &str, value: u64, max: u64, what: &str) -> Result<(), CliError> {
     if value > max {
         return Err(format!("{flag} must be at most {max} ({what}; got {value})").into());
