@@ -16,9 +16,10 @@
 //! (`kvpipe_cuda::CopyEngine`, which issues them as one row-copy kernel) polled until its event
 //! completes. `protocol_us` is the median over the requests of `total − baseline`, each request
 //! against its own baseline. Printed too, the last range's parts (medians): `submit` (the core's
-//! `submit_chunk_layers` and the aux data), `issue` (the pump up to the batch issued: the
-//! admissions and the copy's issue), `copy` (issued → the sender's outcome: the copy, its report
-//! and the receiver's write-finished inputs) and `complete` (outcome → decode side complete).
+//! `submit_chunk_layers` and the aux data), `issue` (until the transport takes the batch: the
+//! pump reaching it), `copy` (the batch taken → the sender's outcome: the receiver's admissions,
+//! the copy's issue and the copy, its report and the receiver's write-finished inputs) and
+//! `complete` (outcome → decode side complete).
 //!
 //! With device memory the GPU is kept computing by default (`--gpu busy`: a one-thread kernel on
 //! a stream of its own, relaunched whenever it ends, as a serving engine's prefill keeps its GPU
