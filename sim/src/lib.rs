@@ -35,6 +35,8 @@
 //!   it only on `Quiesced`.
 //! - **Bounded driving and a leak check.** A run stops at a step cap or virtual time cap; what did
 //!   not finish is [`Outcome::Hung`]. At the end no session, write batch or block may remain.
+//! - **Connections end once.** Every disconnect an endpoint is told of must give exactly one
+//!   `Event::PeerLost` for that peer; a run where one did not counts an anomaly.
 //!
 //! **Outcomes.** Each request is [`Outcome::Completed`] (every side, bytes verified),
 //! [`Outcome::Failed`] or [`Outcome::Cancelled`] (ended everywhere, not completed everywhere), or

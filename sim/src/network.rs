@@ -523,6 +523,14 @@ impl Network {
                 },
             })
         };
+        if res.is_ok() {
+            let (side, peer) = if to_receiver {
+                (None, sender_peer(link))
+            } else {
+                (Some(link), RECEIVER_PEER)
+            };
+            oracle.told_disconnected(side, peer);
+        }
         stage.check(res, || format!("link S{link} down"));
         Called::Endpoint
     }

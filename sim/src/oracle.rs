@@ -8,12 +8,12 @@
 //! never calls an endpoint. When an endpoint reports `Quiesced` it says so ([`Quiesced`]) and
 //! the world hands it to the engine.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 use kvpipe_conformance::cache::ReferenceCache;
 use kvpipe_core::session::state::{RecvPhase, SendPhase};
 use kvpipe_core::session::{Event, Wait};
-use kvpipe_core::{GroupIndex, Instant, RegionId, RequestId, Sender};
+use kvpipe_core::{GroupIndex, Instant, PeerId, RegionId, RequestId, Sender};
 use smallvec::SmallVec;
 
 use crate::report::{Outcome, RequestOutcome, SimReport, Terminal};
@@ -71,6 +71,9 @@ pub(crate) struct Oracle {
     /// Requests the receiver timed out while they were progressing (see
     /// [`Oracle::check_result_timeout`]).
     pub(crate) timed_out_progressing: u64,
+    /// Per endpoint (`None`: the receiver) and peer: the disconnects it was told of, and the
+    /// `PeerLost` events it reported. Each disconnect must give exactly one.
+    pub(crate) disconnects: BTreeMap<(Option<usize>, PeerId), (u64, u64)>,
 }
 
 /// An endpoint reported `Quiesced` for a request: no write can touch its blocks any more, so
@@ -109,7 +112,26 @@ impl Oracle {
             engine_mistakes: 0,
             decode_mistakes: 0,
             timed_out_progressing: 0,
+            disconnects: BTreeMap::new(),
         }
+    }
+
+    /// Endpoint `side` was told `peer` disconnected.
+    pub(crate) fn told_disconnected(&mut self, side: Option<usize>, peer: PeerId) {
+        self.disconnects.entry((side, peer)).or_default().0 += 1;
+    }
+
+    /// Every disconnect an endpoint was told of that did not give exactly one `PeerLost`.
+    pub(crate) fn peer_loss_mismatches(&self) -> Vec<String> {
+        (self.disconnects.iter())
+            .filter(|(_, (told, lost))| told != lost)
+            .map(|((side, peer), (told, lost))| {
+                format!(
+                    "{} reported PeerLost {lost} time(s) for {peer} after {told} disconnect(s)",
+                    who(*side)
+                )
+            })
+            .collect()
     }
 
     /// The plan index of `request`.
@@ -337,6 +359,9 @@ impl Oracle {
             Event::Cancelled { request, .. } => (*request, Some(Terminal::Cancelled)),
             Event::Quiesced { request } => (*request, None),
             other => {
+                if let Event::PeerLost { peer, .. } = other {
+                    self.disconnects.entry((from, *peer)).or_default().1 += 1;
+                }
                 let text = event_summary(other);
                 stage.note(|| format!("{who} event {text}"));
                 return None;

@@ -543,6 +543,8 @@ impl Simulation {
     // ----- the end -----
 
     fn report(&mut self) -> SimReport {
+        let mismatches = self.oracle.peer_loss_mismatches();
+        self.stage.trace.anomalies.extend(mismatches);
         let mut report = self.oracle.judge(
             &self.engine.plans,
             &self.stage.hosts,
