@@ -118,6 +118,27 @@ impl MemPair {
         unsafe { self.net.register_host(endpoint.node(), id, usage, ptr, len) }
     }
 
+    /// Registers `len` bytes of device memory of `endpoint` (at device address `ptr` on GPU
+    /// `ordinal`) as region `id`.
+    ///
+    /// # Safety
+    ///
+    /// The contract of [`RegionTable::register_device`].
+    #[cfg(feature = "cuda")]
+    pub unsafe fn register_device(
+        &mut self,
+        endpoint: Endpoint,
+        id: RegionId,
+        usage: RegionUse,
+        ordinal: usize,
+        ptr: u64,
+        len: usize,
+    ) -> Result<(), RegistrationError> {
+        let table = (self.net.regions_mut(endpoint.node())).expect("a pair has both endpoints");
+        // SAFETY: forwarded; the caller upholds the contract.
+        unsafe { table.register_device(id, usage, ordinal, ptr, len) }
+    }
+
     /// Removes a region; refused while a write batch may still touch it.
     pub fn deregister(
         &mut self,

@@ -492,7 +492,6 @@ mod device {
 #[cfg(feature = "cuda")]
 mod device {
     use kvpipe_cuda::{BusyKernel, CopyEngine, CopyExtent, Device, DeviceBuffer, Memory};
-    use kvpipe_mem::Node;
 
     use super::*;
 
@@ -512,30 +511,13 @@ mod device {
 
     impl Pools for DevicePools {
         unsafe fn register(&mut self, pair: &mut MemPair) -> Result<(), CliError> {
-            let net = pair.network();
-            let missing = || "a pair has both endpoints";
-            let ordinal = self.device.ordinal();
+            let (kv, ordinal) = (RegionUse::KvPool, self.device.ordinal());
             // SAFETY: the caller keeps `self` (and so the buffers) alive past `pair`; they are
             // touched here only while no request holds their blocks.
             unsafe {
-                net.regions_mut(Node::Sender(0))
-                    .ok_or_else(missing)?
-                    .register_device(
-                        RegionId(1),
-                        RegionUse::KvPool,
-                        ordinal,
-                        self.src.ptr(),
-                        POOL,
-                    )?;
-                net.regions_mut(Node::Receiver(0))
-                    .ok_or_else(missing)?
-                    .register_device(
-                        RegionId(2),
-                        RegionUse::KvPool,
-                        ordinal,
-                        self.dst.ptr(),
-                        POOL,
-                    )?;
+                let (src, dst) = (self.src.ptr(), self.dst.ptr());
+                pair.register_device(Endpoint::Sender, RegionId(1), kv, ordinal, src, POOL)?;
+                pair.register_device(Endpoint::Receiver, RegionId(2), kv, ordinal, dst, POOL)?;
             }
             Ok(())
         }

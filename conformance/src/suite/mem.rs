@@ -96,18 +96,11 @@ impl Harness for MemHarness {
             for id in ids {
                 #[cfg(feature = "cuda")]
                 if let Some(pool) = cache.device_pool(id) {
-                    let node = match side {
-                        Endpoint::Sender => kvpipe_mem::Node::Sender(0),
-                        Endpoint::Receiver => kvpipe_mem::Node::Receiver(0),
-                    };
-                    let table = pair
-                        .network()
-                        .regions_mut(node)
-                        .ok_or_else(|| transport("a pair has both endpoints"))?;
                     // SAFETY: the cache owns the device buffer and outlives the pair (the
                     // caller's contract); the sessions pin blocks until quiesced.
                     unsafe {
-                        table.register_device(
+                        pair.register_device(
+                            side,
                             id,
                             RegionUse::KvPool,
                             pool.ordinal,

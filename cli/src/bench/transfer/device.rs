@@ -43,7 +43,7 @@ mod gpu {
         SenderInput, WritePlan,
     };
     use kvpipe_cuda::{Device, DeviceBuffer, Stream};
-    use kvpipe_mem::{Endpoint, MemPair, Node, PairConfig, RegionUse, RECEIVER_PEER, SENDER_PEER};
+    use kvpipe_mem::{Endpoint, MemPair, PairConfig, RegionUse, RECEIVER_PEER, SENDER_PEER};
     use serde::Serialize;
 
     use super::super::{
@@ -182,32 +182,14 @@ mod gpu {
             SenderConfig::new(hello(1, &src_layout)),
             ReceiverConfig::new(hello(2, &dst_layout), 11),
         ))?;
-        {
-            let net = pair.network();
-            let missing = || "a pair has both endpoints";
-            // SAFETY: `src` and `dst` outlive `pair` (dropped before them below) and are only
-            // touched here between transfers (zeroing, the baseline and verification happen
-            // after both sides quiesced, when no write batch is in flight).
-            unsafe {
-                net.regions_mut(Node::Sender(0))
-                    .ok_or_else(missing)?
-                    .register_device(
-                        RegionId(1),
-                        RegionUse::KvPool,
-                        device.ordinal(),
-                        src.ptr(),
-                        src.len(),
-                    )?;
-                net.regions_mut(Node::Receiver(0))
-                    .ok_or_else(missing)?
-                    .register_device(
-                        RegionId(2),
-                        RegionUse::KvPool,
-                        device.ordinal(),
-                        dst.ptr(),
-                        dst.len(),
-                    )?;
-            }
+        let (kv, ordinal) = (RegionUse::KvPool, device.ordinal());
+        // SAFETY: `src` and `dst` outlive `pair` (dropped before them below) and are only
+        // touched here between transfers (zeroing, the baseline and verification happen after
+        // both sides quiesced, when no write batch is in flight).
+        unsafe {
+            let (s, d) = ((src.ptr(), src.len()), (dst.ptr(), dst.len()));
+            pair.register_device(Endpoint::Sender, RegionId(1), kv, ordinal, s.0, s.1)?;
+            pair.register_device(Endpoint::Receiver, RegionId(2), kv, ordinal, d.0, d.1)?;
         }
         pair.connect()?;
         pair.drive_until(Duration::from_secs(10), |p| {
