@@ -69,14 +69,20 @@ fn version_mismatch_is_rejected_on_both_sides_naming_both_versions() {
         .any(|(s, o)| *s == Side::Receiver(0) && matches!(o, Output::ClosePeer { .. })));
 }
 
-#[test]
-fn compatibility_mismatch_is_rejected_on_both_sides() {
+/// A sender and a receiver whose compatibility hashes differ, after their handshake.
+fn compatibility_mismatched() -> Net {
     let mut net = Net::new(1, 1);
     let mut cfg = receiver_config(0);
     cfg.local.compat_hash ^= 1;
     net.receivers[0] = Receiver::new(cfg).unwrap();
     net.connect(0, 0);
     net.pump();
+    net
+}
+
+#[test]
+fn compatibility_mismatch_is_rejected_on_both_sides() {
+    let net = compatibility_mismatched();
     for side in [Side::Sender(0), Side::Receiver(0)] {
         let (reason, _) = rejection(side, &net).expect("rejected");
         assert_eq!(reason, RejectReason::CompatibilityMismatch);
@@ -370,12 +376,7 @@ fn a_handshake_that_never_finishes_ends_with_peer_lost_on_both_sides() {
 
 #[test]
 fn a_refused_handshake_ends_with_peer_lost_after_peer_rejected() {
-    let mut net = Net::new(1, 1);
-    let mut cfg = receiver_config(0);
-    cfg.local.compat_hash ^= 1;
-    net.receivers[0] = Receiver::new(cfg).unwrap();
-    net.connect(0, 0);
-    net.pump();
+    let net = compatibility_mismatched();
     for side in [Side::Sender(0), Side::Receiver(0)] {
         let events = net.events(side);
         let rejected = events
