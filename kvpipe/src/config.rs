@@ -159,6 +159,12 @@ pub(crate) unsafe fn tcp_regions(regions: &[RawRegion]) -> Result<RegionTable, E
     Ok(table)
 }
 
+/// Each region's id and length, for the core's checks of the blocks a request names
+/// ([`SenderConfig::region_bytes`], [`ReceiverConfig::region_bytes`]).
+pub(crate) fn region_bytes(regions: &[RawRegion]) -> Vec<(RegionId, u64)> {
+    regions.iter().map(|r| (r.id, r.len as u64)).collect()
+}
+
 /// Refuses regions that share an id or have a null address, GPU regions this build or machine
 /// cannot serve (see [`crate::gpu::check`]), and a layout whose pools name a region that is not
 /// given (every write to or from it would fail at run time instead).

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant as StdInstant};
 use kvpipe_core::{Event, Instant, PeerId};
 use kvpipe_mem::{Endpoint, MemPair, PairConfig, RegionUse};
 
-use crate::config::{check_regions, NodeConfig, RawRegion};
+use crate::config::{check_regions, region_bytes, NodeConfig, RawRegion};
 use crate::role::Role;
 use crate::EmbedError;
 
@@ -133,10 +133,11 @@ pub(crate) unsafe fn sides(
 ) -> Result<(MemSide, MemSide), EmbedError> {
     check_regions(sender, sender_regions)?;
     check_regions(receiver, receiver_regions)?;
-    let mut pair = MemPair::new(PairConfig::new(
-        sender.sender_config(),
-        receiver.receiver_config(),
-    ))?;
+    let mut sender_core = sender.sender_config();
+    sender_core.region_bytes = region_bytes(sender_regions);
+    let mut receiver_core = receiver.receiver_config();
+    receiver_core.region_bytes = region_bytes(receiver_regions);
+    let mut pair = MemPair::new(PairConfig::new(sender_core, receiver_core))?;
     for (side, regions) in [
         (Endpoint::Sender, sender_regions),
         (Endpoint::Receiver, receiver_regions),

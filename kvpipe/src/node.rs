@@ -12,7 +12,7 @@ use kvpipe_core::{
 };
 use kvpipe_tcp::{TcpConfig, TcpNode};
 
-use crate::config::{check_regions, tcp_regions, NodeConfig, RawRegion};
+use crate::config::{check_regions, region_bytes, tcp_regions, NodeConfig, RawRegion};
 use crate::mem::{self, MemSide};
 use crate::role::Role;
 use crate::stats::DataPathStats;
@@ -289,7 +289,8 @@ impl Node<Sender> {
     /// Every region follows [`RawRegion`]'s contract until the node is dropped.
     pub unsafe fn new(config: &NodeConfig, regions: &[RawRegion]) -> Result<Self, EmbedError> {
         check_regions(config, regions)?;
-        let core = config.sender_config();
+        let mut core = config.sender_config();
+        core.region_bytes = region_bytes(regions);
         let inner = match &config.transport {
             Transport::Mem => return Err(mem_alone()),
             Transport::Tcp(tcp) => {
@@ -427,7 +428,8 @@ impl Node<Receiver> {
     /// Every region follows [`RawRegion`]'s contract until the node is dropped.
     pub unsafe fn new(config: &NodeConfig, regions: &[RawRegion]) -> Result<Self, EmbedError> {
         check_regions(config, regions)?;
-        let core = config.receiver_config();
+        let mut core = config.receiver_config();
+        core.region_bytes = region_bytes(regions);
         let inner = match &config.transport {
             Transport::Mem => return Err(mem_alone()),
             Transport::Tcp(tcp) => {

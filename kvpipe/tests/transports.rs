@@ -414,3 +414,104 @@ fn the_block_source_runs_without_the_node_locked() {
         rx.close(Duration::from_secs(5)).unwrap();
     }
 }
+
+/// Blocks past a pool's memory, on either side, are caught before anything is written: the
+/// decode side's registration is refused, and a chunk whose source blocks lie past the prefill
+/// pool is the engine's fault that fails the request on both sides.
+#[test]
+fn blocks_past_a_pool_are_caught_before_any_write_over_every_transport() {
+    use kvpipe::{AnchoredRun, EngineFault, Event, Registration, Submitted, UsageError};
+    let past_the_pool = |tx: &PrefillNode, rx: &DecodeNode, to_receiver, to_sender| {
+        let slots = common::SLOTS as u32;
+        let request = RequestId(5);
+        let registration = |last: u32| Registration {
+            request,
+            prompt_len: common::PROMPT,
+            groups: vec![AnchoredRun::from_ids(
+                0,
+                &(0..7).map(|o| BlockId(last - 6 + o)).collect::<Vec<_>>(),
+            )],
+            writers: [to_sender].into_iter().collect(),
+            aux_capacity: 64,
+            expected_part: None,
+        };
+        // Slots 10..=16 of a 16-slot pool: the last one is past it.
+        let refused = rx.register(registration(slots)).unwrap_err();
+        assert!(
+            matches!(
+                refused,
+                EmbedError::Usage(UsageError::BlockPastPool {
+                    block: BlockId(16),
+                    slots: 16,
+                    ..
+                })
+            ),
+            "{refused:?}"
+        );
+        assert!(refused.to_string().contains("holds 16 slots"), "{refused}");
+        // Slots 9..=15 fit.
+        rx.register(registration(slots - 1)).unwrap();
+        tx.open_request(SendRequest::new(request, [to_receiver]))
+            .unwrap();
+        let table: Vec<Option<BlockId>> = (0..7).map(|o| Some(BlockId(12 + o))).collect();
+        let groups: [&[Option<BlockId>]; 1] = [&table];
+        let whole = ChunkSpec {
+            start: 0,
+            end: common::PROMPT,
+            prompt_len: common::PROMPT,
+            prepopulated_len: 0,
+            is_last: true,
+            prefix_sent_early: false,
+        };
+        let outcome = tx
+            .submit_chunk(request, whole, &mut BlockTables { groups: &groups })
+            .unwrap();
+        assert!(
+            matches!(
+                outcome,
+                Submitted::EngineFault(EngineFault::BlockPastPool {
+                    block: BlockId(16),
+                    ..
+                })
+            ),
+            "{outcome:?}"
+        );
+        // The decode side hears it as the request's failure, or, where its registration
+        // reached the prefill side only after the fault, as the prefill side's cancel.
+        let ended = |e: &Event| match e {
+            Event::Failed { request: r, .. } | Event::Cancelled { request: r, .. } => *r == request,
+            _ => false,
+        };
+        loop {
+            match rx.next_event(Duration::from_secs(10)).unwrap() {
+                Some(e) if ended(&e) => break,
+                Some(Event::PeerReady { .. }) => {}
+                other => panic!("the decode side's next event: {other:?}"),
+            }
+        }
+        let failed = |e: &Event| matches!(e, Event::Failed { request: r, .. } if *r == request);
+        common::wait_for(tx, "Failed (prefill)", failed);
+        assert_eq!(tx.counters().unwrap().write_batches, 0);
+    };
+    let mut sides = Sides::new();
+    for transport in [Transport::Mem, Transport::Tcp(TcpConfig::default())] {
+        let (s, r) = configs(transport.clone());
+        let (src, dst) = (sides.src_region(), sides.dst_region());
+        // SAFETY: `sides` outlives the nodes (dropped at the end of each pass).
+        let (tx, rx) = match transport {
+            Transport::Mem => unsafe { mem_pair(&s, &src, &r, &dst) }.unwrap(),
+            _ => unsafe {
+                (
+                    PrefillNode::new(&s, &src).unwrap(),
+                    DecodeNode::new(&r, &dst).unwrap(),
+                )
+            },
+        };
+        let (to_receiver, to_sender) = match transport {
+            Transport::Mem => (MEM_RECEIVER_PEER, MEM_SENDER_PEER),
+            _ => connect(&tx, &rx, "127.0.0.1"),
+        };
+        past_the_pool(&tx, &rx, to_receiver, to_sender);
+    }
+    assert!(sides.dst.iter().all(|&b| b == 0), "nothing landed");
+}

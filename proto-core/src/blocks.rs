@@ -114,6 +114,25 @@ impl AnchoredRun {
         None
     }
 
+    /// The first id, in ordinal order, that is `bound` or more: a block past a pool of
+    /// `bound` slots. O(number of id runs). (An id range past `u32::MAX` wraps to ids below
+    /// its first, which are below `bound` whenever its first is.)
+    pub fn first_id_from(&self, bound: u64) -> Option<BlockId> {
+        if bound > u64::from(u32::MAX) {
+            return None;
+        }
+        self.runs.iter().filter(|r| r.len > 0).find_map(|run| {
+            let start = u64::from(run.first.0);
+            if start >= bound {
+                Some(run.first)
+            } else if start + u64::from(run.len) > bound {
+                Some(BlockId(bound as u32))
+            } else {
+                None
+            }
+        })
+    }
+
     /// A block id the run names for two ordinals (the smallest such id), or `None` when every
     /// id is distinct. O(r log r) in the number `r` of id runs, never in the number of blocks:
     /// it sorts a copy of the runs' id ranges (an id range past `u32::MAX` wraps, as
@@ -228,5 +247,38 @@ mod tests {
             assert_eq!(id, ids[i]);
             assert_eq!(run.id_at(ordinal as u32), Some(id));
         }
+    }
+
+    #[test]
+    fn the_first_id_past_a_bound_is_found_in_ordinal_order() {
+        let ids = |v: &[u32]| {
+            AnchoredRun::from_ids(0, &v.iter().map(|&i| BlockId(i)).collect::<Vec<_>>())
+        };
+        let naive = |v: &[u32], bound: u64| v.iter().find(|&&i| u64::from(i) >= bound).copied();
+        let shapes: [&[u32]; 5] = [&[], &[0, 1, 2, 3], &[9, 10, 11, 2, 3], &[5, 1, 7, 8], &[7]];
+        for v in shapes {
+            for bound in 0..13 {
+                assert_eq!(
+                    ids(v).first_id_from(bound).map(|b| b.0),
+                    naive(v, bound),
+                    "{v:?} from {bound}"
+                );
+            }
+        }
+        // No id reaches a bound past u32::MAX; a run that wraps is past any bound above its
+        // first id, at the bound.
+        assert_eq!(ids(&[u32::MAX]).first_id_from(1 << 32), None);
+        let wrapping = AnchoredRun {
+            first_ordinal: 0,
+            runs: smallvec::smallvec![IdRun {
+                first: BlockId(u32::MAX - 1),
+                len: 4
+            }],
+        };
+        assert_eq!(wrapping.first_id_from(10), Some(BlockId(u32::MAX - 1)));
+        assert_eq!(
+            wrapping.first_id_from(u64::from(u32::MAX)),
+            Some(BlockId(u32::MAX))
+        );
     }
 }

@@ -93,6 +93,20 @@ impl LayerGroupLayout {
             .checked_mul(u64::from(self.elem_bytes))
     }
 
+    /// The slots every pool of the group holds, given the byte length of the regions its
+    /// pools name (`region_bytes`, as [`SenderConfig::region_bytes`](crate::SenderConfig::region_bytes)):
+    /// the smallest `length / slot_bytes` over the pools whose region is listed, or `None`
+    /// when none is.
+    pub fn slots_in(&self, region_bytes: &[(RegionId, u64)]) -> Option<u64> {
+        self.pools
+            .iter()
+            .filter_map(|p| {
+                let (_, len) = region_bytes.iter().find(|(r, _)| *r == p.region)?;
+                Some(len.checked_div(p.slot_bytes).unwrap_or(u64::MAX))
+            })
+            .min()
+    }
+
     /// Whether the group is windowed for a prompt of `prompt_len` tokens: only when the window
     /// is shorter than the prompt. A window of at least the prompt behaves as full attention.
     pub fn is_windowed_for(&self, prompt_len: u32) -> bool {

@@ -468,3 +468,84 @@ fn a_registration_frame_that_repeats_a_block_fails_the_request_before_any_write(
     )));
     assert!(!events.iter().any(|e| matches!(e, Event::Registered { .. })));
 }
+
+/// A pair whose sender's pool holds `sender_slots` slots and whose receiver's holds
+/// `receiver_slots` (`region_bytes` given), connected.
+fn net_with_pools(sender_slots: u64, receiver_slots: u64) -> Net {
+    use kvpipe_core::{Receiver, RegionId, Sender};
+    let mut net = Net::new(1, 1);
+    let mut tx = sender_config(0);
+    tx.region_bytes = vec![(RegionId(1), sender_slots * BLOCK_BYTES)];
+    let mut rx = receiver_config(0);
+    // A region the layout does not name changes nothing.
+    rx.region_bytes = vec![
+        (RegionId(9), 0),
+        (RegionId(2), receiver_slots * BLOCK_BYTES),
+    ];
+    net.senders[0] = Sender::new(tx).unwrap();
+    net.receivers[0] = Receiver::new(rx).unwrap();
+    net.connect(0, 0);
+    net.pump();
+    net
+}
+
+#[test]
+fn a_registration_past_the_receivers_pool_is_refused_changing_nothing() {
+    // `registration(R, 16)` names blocks 500..504: they fit 504 slots exactly.
+    let mut net = net_with_pools(200, 504);
+    let now = net.now;
+    let counters = *net.receivers[0].counters();
+    let err = net.receivers[0]
+        .register(now, registration(R, 20, &[0]))
+        .unwrap_err();
+    assert_eq!(
+        err,
+        UsageError::BlockPastPool {
+            request: R,
+            group: 0,
+            block: BlockId(504),
+            slots: 504,
+        }
+    );
+    let message = err.to_string();
+    assert!(
+        message.contains("names blk#504") && message.contains("holds 504 slots"),
+        "{message}"
+    );
+    assert_eq!(net.receivers[0].session_count(), 0);
+    assert_eq!(*net.receivers[0].counters(), counters);
+    net.register(0, registration(R, 16, &[0]));
+    assert_eq!(net.receivers[0].session_count(), 1);
+}
+
+#[test]
+fn a_source_block_past_the_senders_pool_fails_the_request_before_it_is_written() {
+    // The source names slot 100 + ordinal; the pool holds 103 slots. Chunk 0:6 (block 0, slot
+    // 100) is taken; chunk 6:16 names slots 101..104 and 103 is past the pool.
+    let mut net = net_with_pools(103, 600);
+    net.register(0, registration(R, 16, &[0]));
+    net.open(0, send_request(R, &[0]));
+    let mut fine = Bent(|_, _, _| {});
+    net.submit(0, R, spec(0, 6, 0), &mut fine);
+    let batches = net.senders[0].counters().write_batches;
+    let err = submit(&mut net, spec(6, 16, 0), &mut fine);
+    assert_eq!(
+        err,
+        EngineFault::BlockPastPool {
+            request: R,
+            group: GroupIndex(0),
+            block: BlockId(103),
+            slots: 103,
+        }
+    );
+    assert!(
+        err.to_string().contains("named blk#103") && err.to_string().contains("holds 103 slots"),
+        "{err}"
+    );
+    assert_failed_on_both_sides(&net);
+    assert_eq!(
+        net.senders[0].counters().write_batches,
+        batches,
+        "nothing of the chunk was written"
+    );
+}

@@ -102,6 +102,21 @@ def test_input_the_other_side_would_refuse_is_refused_at_the_call(pair):
     until(rx, "completed")
 
 
+def test_blocks_past_a_pool_are_caught_before_any_write(pair):
+    tx, rx, _, dst = pair
+    # Both pools hold 16 slots: slot 16 is past them.
+    with pytest.raises(kvpipe.UsageError, match="req#3 names blk#16 in layer group 0, past its pools.*holds 16 slots"):
+        rx.register(3, 12, [(0, [14, 15, 16])], [kvpipe.MEM_SENDER_PEER])
+    rx.register(3, 12, [(0, [13, 14, 15])], [kvpipe.MEM_SENDER_PEER])
+    tx.open_request(3, [kvpipe.MEM_RECEIVER_PEER])
+    with pytest.raises(kvpipe.EngineFaultError, match="named blk#16 .*holds 16 slots.*failed on both sides"):
+        tx.submit_chunk(3, 0, 12, 12, [[14, 15, 16]])
+    failed, _ = until(rx, "failed")
+    assert failed.request == 3 and failed.status == "engine_error"
+    until(rx, "quiesced")
+    assert tx.counters()["write_batches"] == 0 and not dst.any()
+
+
 def test_deadlines_that_cannot_work_are_refused():
     src = np.zeros((4, SLOT), dtype=np.uint8)
     with pytest.raises(kvpipe.ConfigError, match="heartbeat_interval is zero"):

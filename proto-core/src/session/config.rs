@@ -2,7 +2,7 @@
 
 use super::transport::DataPath;
 use crate::config::{ConfigError, PipelineConfig};
-use crate::ids::InstanceId;
+use crate::ids::{InstanceId, RegionId};
 use crate::layers::LayerOrder;
 use crate::layout::LayerGroupLayout;
 use crate::time::Duration;
@@ -187,6 +187,12 @@ pub struct SenderConfig {
     /// [`Sender::new`](super::Sender::new) refuses an order that does not list every layer of
     /// the rank once.
     pub layer_order: LayerOrder,
+    /// The byte length of each local region the layout's pools name, where the engine gives
+    /// it: a chunk whose block source names a block whose slot lies past its pool's region is
+    /// the engine's fault ([`EngineFault::BlockPastPool`](super::EngineFault::BlockPastPool)),
+    /// caught before any write is planned. Empty (the default): not checked here, and such a
+    /// write fails at the transport instead.
+    pub region_bytes: Vec<(RegionId, u64)>,
 }
 
 impl SenderConfig {
@@ -201,6 +207,7 @@ impl SenderConfig {
             max_pending_registrations: 4096,
             pipeline: PipelineConfig::default(),
             layer_order: LayerOrder::stacked(),
+            region_bytes: Vec::new(),
         }
     }
 }
@@ -233,6 +240,11 @@ pub struct ReceiverConfig {
     /// The engine settings pipelined transfer depends on;
     /// [`Receiver::new`](super::Receiver::new) refuses an unsupported one.
     pub pipeline: PipelineConfig,
+    /// The byte length of each local region the layout's pools name, where the engine gives
+    /// it: a registration naming a block whose slot lies past its pool's region is refused
+    /// ([`UsageError::BlockPastPool`](super::UsageError::BlockPastPool)). Empty (the
+    /// default): not checked here, and a write to such a block fails at the transport instead.
+    pub region_bytes: Vec<(RegionId, u64)>,
 }
 
 impl ReceiverConfig {
@@ -247,6 +259,7 @@ impl ReceiverConfig {
             max_retired: DEFAULT_MAX_RETIRED,
             data_path: DataPath::Landed,
             pipeline: PipelineConfig::default(),
+            region_bytes: Vec::new(),
         }
     }
 }

@@ -280,6 +280,23 @@ pub enum UsageError {
         /// The smallest block id named twice.
         block: crate::ids::BlockId,
     },
+    /// A registration names a destination block whose slot lies past the memory of its
+    /// layer group's pool ([`ReceiverConfig::region_bytes`](super::ReceiverConfig::region_bytes)):
+    /// every write to it would fail at the transport.
+    #[error(
+        "registration for {request} names {block} in layer group {group}, past its pools: the \
+         memory given for them holds {slots} slots"
+    )]
+    BlockPastPool {
+        /// The request.
+        request: RequestId,
+        /// The layer group (index in the layout).
+        group: usize,
+        /// The first block (in ordinal order) past the pools.
+        block: crate::ids::BlockId,
+        /// Slots the group's smallest pool holds.
+        slots: u64,
+    },
     /// A chunk after the request's last chunk.
     #[error("chunk for {0} after its last chunk")]
     ChunkAfterLast(RequestId),
@@ -617,6 +634,23 @@ pub enum EngineFault {
         expected: u32,
         /// This chunk's prefix length.
         got: u32,
+    },
+    /// The block source named a block whose slot lies past the memory of its layer group's
+    /// pool ([`SenderConfig::region_bytes`](super::SenderConfig::region_bytes)): its bytes
+    /// cannot be read.
+    #[error(
+        "block source named {block} for {request} in {group}, past its pools: the memory given \
+         for them holds {slots} slots; the request was failed on both sides"
+    )]
+    BlockPastPool {
+        /// The request.
+        request: RequestId,
+        /// The layer group.
+        group: GroupIndex,
+        /// The first block (in ordinal order) past the pools.
+        block: crate::ids::BlockId,
+        /// Slots the group's smallest pool holds.
+        slots: u64,
     },
     /// A chunk's prompt length differs from what a receiver registered (the KV of the other
     /// tokens would never move).

@@ -38,6 +38,18 @@ impl Receiver {
                 });
             }
         }
+        for (group, (run, layout)) in reg.groups.iter().zip(&self.config.local.groups).enumerate() {
+            let past = (layout.slots_in(&self.config.region_bytes))
+                .and_then(|slots| Some((run.first_id_from(slots)?, slots)));
+            if let Some((block, slots)) = past {
+                return Err(UsageError::BlockPastPool {
+                    request,
+                    group,
+                    block,
+                    slots,
+                });
+            }
+        }
         crate::session::check_registration_ordinals(
             request,
             reg.prompt_len,

@@ -147,9 +147,9 @@ impl Sender {
     ) -> Result<Submitted, UsageError> {
         let windows = self.check_prefix(request, prompt_len, prepopulated_len)?;
         check_answers(request, &windows, &runs)?;
-        if let Some(error) = self.run_fault(request, &windows, &runs, prompt_len) {
+        if let Some(fault) = self.run_fault(request, &windows, &runs, prompt_len) {
             self.fail_engine(now, request);
-            return Ok(Submitted::EngineFault(EngineFault::BlockRun(error)));
+            return Ok(Submitted::EngineFault(fault));
         }
         let session = self.sessions.live.get_mut(&request).expect("checked above");
         session.prefix_sent_early = true;
@@ -204,19 +204,30 @@ impl Sender {
         Ok(windows)
     }
 
-    /// The first of `runs` that breaks the block-source contract for its window of `windows`.
+    /// The first of `runs` that breaks the block-source contract for its window of `windows`,
+    /// or names a block past its group's pools.
     fn run_fault(
         &self,
         request: RequestId,
         windows: &[(GroupIndex, BlockWindow)],
         runs: &[(GroupIndex, BlockRun)],
         prompt_len: u32,
-    ) -> Option<BlockRunError> {
+    ) -> Option<EngineFault> {
         runs.iter()
             .zip(windows)
             .find_map(|((group, run), (_, asked))| {
                 let layout = &self.config.local.groups[usize::from(group.0)];
-                check_run(request, *group, *asked, run, layout, prompt_len)
+                if let Some(error) = check_run(request, *group, *asked, run, layout, prompt_len) {
+                    return Some(EngineFault::BlockRun(error));
+                }
+                let slots = layout.slots_in(&self.config.region_bytes)?;
+                let block = run.ids.iter().find(|id| u64::from(id.0) >= slots)?;
+                Some(EngineFault::BlockPastPool {
+                    request,
+                    group: *group,
+                    block: *block,
+                    slots,
+                })
             })
     }
 
@@ -273,9 +284,9 @@ impl Sender {
                 }));
             }
         }
-        if let Some(error) = self.run_fault(request, windows, &runs, spec.prompt_len) {
+        if let Some(fault) = self.run_fault(request, windows, &runs, spec.prompt_len) {
             self.fail_engine(now, request);
-            return Ok(Submitted::EngineFault(EngineFault::BlockRun(error)));
+            return Ok(Submitted::EngineFault(fault));
         }
         let session = self.sessions.live.get_mut(&request).expect("checked above");
         session.next_start = Some(spec.end);
