@@ -105,6 +105,23 @@ pub fn submit_chunk_layers<N: SenderLock + ?Sized>(
     node.with_sender(|ep, now| ep.submit_chunk_layers_runs(now, request, spec, layers, runs))
 }
 
+/// Submits an early prefix on `node` (see [`Sender::submit_prefix`]) as [`submit_chunk`]
+/// does: `source` is asked with the node unlocked, so it may call into the node (or wait for a
+/// thread that does) without a deadlock.
+pub fn submit_prefix<N: SenderLock + ?Sized>(
+    node: &N,
+    request: RequestId,
+    prompt_len: u32,
+    prepopulated_len: u32,
+    source: &mut impl BlockSource,
+) -> Result<Submitted, N::Error> {
+    let query = node.with_sender(|ep, _| ep.prefix_query(request, prompt_len, prepopulated_len))?;
+    let runs = query.ask(source)?;
+    node.with_sender(|ep, now| {
+        ep.submit_prefix_runs(now, request, prompt_len, prepopulated_len, runs)
+    })
+}
+
 /// # Prefill
 impl<T: Io> Driver<Sender, T> {
     /// Opens a request (see [`Sender::open_request`]).

@@ -27,7 +27,7 @@ mod node;
 
 pub use batches::Batches;
 pub use clock::{deadline_after, later, Clock, WallInstant};
-pub use commands::{submit_chunk, submit_chunk_layers, SenderLock};
+pub use commands::{submit_chunk, submit_chunk_layers, submit_prefix, SenderLock};
 pub use events::EventQueue;
 pub use guard::EndpointGuard;
 pub use node::{Arrival, Driven, Driver, Io, Locked, Posted};

@@ -374,7 +374,8 @@ impl Node<Sender> {
     }
 
     /// Sends the request's cached prefix before its first chunk (see
-    /// [`Sender::submit_prefix`]).
+    /// [`Sender::submit_prefix`]); `source` is asked with the node unlocked, as
+    /// [`submit_chunk`](Self::submit_chunk) asks it.
     pub fn submit_prefix(
         &self,
         request: RequestId,
@@ -382,7 +383,13 @@ impl Node<Sender> {
         prepopulated_len: u32,
         source: &mut impl BlockSource,
     ) -> Result<Submitted, EmbedError> {
-        self.command(|s, now| s.submit_prefix(now, request, prompt_len, prepopulated_len, source))
+        kvpipe_driver::submit_prefix(
+            &SenderCommands(self),
+            request,
+            prompt_len,
+            prepopulated_len,
+            source,
+        )
     }
 
     /// Submits the request's aux data (first generated tokens, draft tokens, counts). Aux data

@@ -87,8 +87,10 @@ fn next_event<E: Role>(py: Python<'_>, node: &Node<E>, timeout: f64) -> PyResult
     }
 }
 
-fn counters<E: Role>(node: &Node<E>) -> PyResult<HashMap<&'static str, u64>> {
-    let c = node.counters().map_err(to_py)?;
+/// The node's counters, read with the GIL released: the node's lock may be held by a thread
+/// that waits for the GIL (a block source written in Python).
+fn counters<E: Role>(py: Python<'_>, node: &Node<E>) -> PyResult<HashMap<&'static str, u64>> {
+    let c = run(py, || node.counters())?;
     Ok(HashMap::from([
         ("bytes_planned", c.bytes_planned),
         ("bytes_written", c.bytes_written),
@@ -204,8 +206,8 @@ impl Sender {
 
     /// The transport: ``"tcp"`` or ``"mem"``.
     #[getter]
-    fn transport(&self) -> PyResult<&'static str> {
-        self.node.transport().map_err(to_py)
+    fn transport(&self, py: Python<'_>) -> PyResult<&'static str> {
+        run(py, || self.node.transport())
     }
 
     /// Accepts peers on ``addr`` (``"127.0.0.1:0"`` picks a free port); returns the port.
@@ -226,13 +228,17 @@ impl Sender {
     }
 
     /// Whether the handshake with ``peer`` completed.
-    fn is_peer_ready(&self, #[pyo3(from_py_with = ids::peer)] peer: u32) -> PyResult<bool> {
-        self.node.is_peer_ready(PeerId(peer)).map_err(to_py)
+    fn is_peer_ready(
+        &self,
+        py: Python<'_>,
+        #[pyo3(from_py_with = ids::peer)] peer: u32,
+    ) -> PyResult<bool> {
+        run(py, || self.node.is_peer_ready(PeerId(peer)))
     }
 
     /// The core's counters (``bytes_written``, ``completions``, ``failures``, …).
-    fn counters(&self) -> PyResult<HashMap<&'static str, u64>> {
-        counters(&self.node)
+    fn counters(&self, py: Python<'_>) -> PyResult<HashMap<&'static str, u64>> {
+        counters(py, &self.node)
     }
 
     /// Opens ``request`` before its first chunk, naming the decode peers it is written to.
@@ -313,8 +319,8 @@ impl Sender {
 
     /// The rank's layers (every layer group's): a chunk submitted in ``layers`` ranges ends
     /// with the range that reaches it.
-    fn layer_count(&self) -> PyResult<u32> {
-        self.node.layer_count().map_err(to_py)
+    fn layer_count(&self, py: Python<'_>) -> PyResult<u32> {
+        run(py, || self.node.layer_count())
     }
 
     /// Sends the cached prefix (``prepopulated_len`` tokens) of ``request`` before its first
@@ -481,8 +487,8 @@ impl Receiver {
 
     /// The transport: ``"tcp"`` or ``"mem"``.
     #[getter]
-    fn transport(&self) -> PyResult<&'static str> {
-        self.node.transport().map_err(to_py)
+    fn transport(&self, py: Python<'_>) -> PyResult<&'static str> {
+        run(py, || self.node.transport())
     }
 
     /// Accepts peers on ``addr`` (``"127.0.0.1:0"`` picks a free port); returns the port.
@@ -502,13 +508,17 @@ impl Receiver {
     }
 
     /// Whether the handshake with ``peer`` completed.
-    fn is_peer_ready(&self, #[pyo3(from_py_with = ids::peer)] peer: u32) -> PyResult<bool> {
-        self.node.is_peer_ready(PeerId(peer)).map_err(to_py)
+    fn is_peer_ready(
+        &self,
+        py: Python<'_>,
+        #[pyo3(from_py_with = ids::peer)] peer: u32,
+    ) -> PyResult<bool> {
+        run(py, || self.node.is_peer_ready(PeerId(peer)))
     }
 
     /// The core's counters (``bytes_written``, ``bytes_landed``, ``writes_refused``, …).
-    fn counters(&self) -> PyResult<HashMap<&'static str, u64>> {
-        counters(&self.node)
+    fn counters(&self, py: Python<'_>) -> PyResult<HashMap<&'static str, u64>> {
+        counters(py, &self.node)
     }
 
     /// Registers the destination of ``request`` before its prefill starts: ``blocks`` holds

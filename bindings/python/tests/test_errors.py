@@ -307,3 +307,36 @@ def test_the_other_node_hears_a_close_as_peer_lost(closing):
         e = other.next_event(0.05)
         assert e is None or e.kind != "peer_lost", f"a second peer_lost: {e}"
     other.close()
+
+
+PREFIX_BESIDE_A_READER = """
+import threading, numpy as np, kvpipe
+g = lambda r: [kvpipe.LayerGroup(layers=2, kv_heads=1, head_dim=8, elem_bytes=2,
+                                 tokens_per_block=4,
+                                 pools=[kvpipe.Pool(region=r, layers=2, slot_bytes=256)])]
+tx, rx = kvpipe.mem_pair(g(1), {1: np.ones((64, 256), np.uint8)},
+                         g(9), {9: np.zeros((64, 256), np.uint8)})
+threading.Thread(target=lambda: [tx.counters() for _ in iter(int, 1)], daemon=True).start()
+# A block source that calls into the node (and the other node) while it is asked.
+def source(r, group, begin, end):
+    tx.counters(); tx.next_event(0); rx.next_event(0); tx.is_peer_ready(kvpipe.MEM_RECEIVER_PEER)
+    return (begin, list(range(10, 10 + end - begin)))
+for r in range(1, 1001):
+    tx.open_request(r, [kvpipe.MEM_RECEIVER_PEER])
+    tx.submit_prefix(r, 12, 8, [[10, 11, 12]] if r % 2 else source)
+    tx.cancel(r)
+print("done")
+"""
+
+
+def test_a_prefix_beside_another_thread_and_a_reentrant_source_does_not_deadlock():
+    # The block source of an early prefix is asked with the node unlocked, as a chunk's is, and
+    # the getters wait for the node's lock with the GIL released: a thread reading the counters
+    # meanwhile, or a source calling into the node, cannot freeze the interpreter.
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", PREFIX_BESIDE_A_READER], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "done", out.stderr[-2000:]

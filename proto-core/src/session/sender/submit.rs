@@ -262,16 +262,48 @@ impl Sender {
         prepopulated_len: u32,
         source: &mut impl BlockSource,
     ) -> Result<Submitted, UsageError> {
+        let runs = self
+            .prefix_query(request, prompt_len, prepopulated_len)?
+            .ask(source)?;
+        self.submit_prefix_runs(now, request, prompt_len, prepopulated_len, runs)
+    }
+
+    /// The block windows an early prefix needs, after every check
+    /// [`submit_prefix`](Self::submit_prefix) makes before asking the engine (nothing
+    /// changes): the first half of a prefix submission whose block queries run without the
+    /// sender, as [`chunk_query`](Self::chunk_query) is for a chunk.
+    pub fn prefix_query(
+        &self,
+        request: RequestId,
+        prompt_len: u32,
+        prepopulated_len: u32,
+    ) -> Result<ChunkQuery, UsageError> {
         let windows = self.check_prefix(request, prompt_len, prepopulated_len)?;
-        let runs = ChunkQuery { request, windows }.ask(source)?;
-        let outcome = self.on_prefix(now, request, prompt_len, prepopulated_len, runs.clone())?;
-        self.recorded.push(SenderInput::Prefix {
-            now,
-            request,
-            prompt_len,
-            prepopulated_len,
-            runs,
-        });
+        Ok(ChunkQuery { request, windows })
+    }
+
+    /// Applies an early prefix whose block runs the engine gave for its
+    /// [`prefix_query`](Self::prefix_query): the checks are made again, since the sender may
+    /// have changed in between. Errors and outcome as [`submit_prefix`](Self::submit_prefix).
+    pub fn submit_prefix_runs(
+        &mut self,
+        now: Instant,
+        request: RequestId,
+        prompt_len: u32,
+        prepopulated_len: u32,
+        runs: Vec<(GroupIndex, BlockRun)>,
+    ) -> Result<Submitted, UsageError> {
+        let recorded = self.recorded.is_on().then(|| runs.clone());
+        let outcome = self.on_prefix(now, request, prompt_len, prepopulated_len, runs)?;
+        if let Some(runs) = recorded {
+            self.recorded.push(SenderInput::Prefix {
+                now,
+                request,
+                prompt_len,
+                prepopulated_len,
+                runs,
+            });
+        }
         Ok(outcome)
     }
 }
