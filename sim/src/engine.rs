@@ -538,10 +538,10 @@ impl Engine {
         let spare: Vec<usize> = (0..stage.hosts.senders.len())
             .filter(|r| !plan.writers.contains(r))
             .collect();
-        let mistake = self.mistakes.draw_decode(plan.writers.len(), spare.len());
-        if let Some(m) = mistake {
-            bend_registration(&mut registration, m, &spare);
-        }
+        // A mistake that changes nothing (a truncation of a registration with no block: the
+        // decode side holds the whole prompt) is no mistake, and is not expected to fail.
+        let mistake = (self.mistakes.draw_decode(plan.writers.len(), spare.len()))
+            .filter(|&m| bend_registration(&mut registration, m, &spare));
         let res = stage.hosts.receiver.register(now, registration).map(|_| ());
         let Some(mistake) = mistake else {
             if res.is_ok() {
@@ -685,24 +685,27 @@ impl Engine {
 }
 
 /// Bends a registration by the decode engine's `mistake` (`spare`: sender ranks that are not
-/// writers of the request).
-fn bend_registration(reg: &mut Registration, mistake: DecodeMistake, spare: &[usize]) {
+/// writers of the request); whether it changed anything (a registration with no block cannot
+/// be truncated).
+fn bend_registration(reg: &mut Registration, mistake: DecodeMistake, spare: &[usize]) -> bool {
     match mistake {
         DecodeMistake::DropWriter => {
             reg.writers.pop();
         }
         DecodeMistake::ExtraWriter => reg.writers.push(sender_peer(spare[0])),
         DecodeMistake::Truncated => {
-            if let Some(run) = reg.groups.iter_mut().find(|g| g.block_count() > 0) {
-                let last = run.runs.last_mut().expect("a non-empty run has an id run");
-                if last.len == 1 {
-                    run.runs.pop();
-                } else {
-                    last.len -= 1;
-                }
+            let Some(run) = reg.groups.iter_mut().find(|g| g.block_count() > 0) else {
+                return false;
+            };
+            let last = run.runs.last_mut().expect("a non-empty run has an id run");
+            if last.len == 1 {
+                run.runs.pop();
+            } else {
+                last.len -= 1;
             }
         }
     }
+    true
 }
 
 /// Sender `rank` submits a chunk its engine computed as it should (whole, or layer range

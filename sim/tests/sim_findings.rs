@@ -64,3 +64,29 @@ fn sim_finding_a_remembered_receiver_cancel_reaches_the_writers() {
         o.duration
     );
 }
+
+/// A decode mistake drawn for a registration with no block (the decode side holds the whole
+/// prompt): a truncation changes nothing, the request completes correctly with nothing sent —
+/// and the oracle used to count it `undetected` (seen as `kvpipe sim --requests 3000 --seed 40
+/// --faults all` failing). Only a mistake that bends the registration is expected to fail.
+#[test]
+fn sim_finding_a_truncation_of_a_registration_with_no_block_is_no_mistake() {
+    use kvpipe_sim::FaultKind;
+    let plans = (1..=10)
+        .map(|i| {
+            let mut plan = RequestPlan::simple(i, 64, 4);
+            plan.receiver_prefix = 64;
+            plan
+        })
+        .collect();
+    let mut cfg = SimConfig::new(7, FaultSet::NONE.with(FaultKind::Decode));
+    cfg.rates.decode = 1.0;
+    let report = Simulation::new(cfg, plans, vec![]).run();
+    let json = serde_json::to_string(&report).unwrap();
+    assert!(!report.has_bugs(), "{json}");
+    // Every request drew a mistake: the truncations completed and are not counted as
+    // mistakes; the others (a writer listed that writes nothing of it) failed.
+    assert_eq!(report.undetected, 0, "{json}");
+    assert!(report.completed > 0, "{json}");
+    assert_eq!(report.completed + report.decode_faults, 10, "{json}");
+}
