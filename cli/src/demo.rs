@@ -399,7 +399,14 @@ impl DemoArgs {
 fn refuse_outside_their_mode(args: &DemoArgs) -> Result<(), CliError> {
     let (transport, memory) = (args.transport.as_str(), args.memory.as_str());
     let tcp = transport == "tcp";
-    preflight::refuse_misplaced(
+    let with = if args.connect.is_some() {
+        " with --connect"
+    } else {
+        ""
+    };
+    preflight::refuse_outside_mode(
+        (transport, memory, with),
+        (args.device.is_some(), args.gpu.is_some()),
         &[
             (
                 args.connections.is_some(),
@@ -408,32 +415,12 @@ fn refuse_outside_their_mode(args: &DemoArgs) -> Result<(), CliError> {
                 "--transport tcp",
             ),
             (
-                args.device.is_some(),
-                transport == "verbs",
-                "--device",
-                "--transport verbs",
-            ),
-            (
-                args.gpu.is_some(),
-                memory == "device",
-                "--gpu",
-                "--memory device",
-            ),
-            (
                 args.data_path.is_some(),
                 tcp && args.connect.is_some(),
                 "--data-path",
                 "--connect over --transport tcp",
             ),
         ],
-        &format!(
-            "--transport {transport} and --memory {memory}{}",
-            if args.connect.is_some() {
-                " with --connect"
-            } else {
-                ""
-            }
-        ),
     )
 }
 

@@ -59,10 +59,7 @@ pub(crate) fn at_least(flag: &str, value: u64, min: u64) -> Result<(), CliError>
 /// The first of `rules` — `(given, applies, flag, mode)`: `flag` was given, and whether this
 /// run is the `mode` it applies to — that is given where it does not apply, refused naming
 /// its mode and what the run `has`.
-pub(crate) fn refuse_misplaced(
-    rules: &[(bool, bool, &str, &str)],
-    has: &str,
-) -> Result<(), CliError> {
+fn refuse_misplaced(rules: &[(bool, bool, &str, &str)], has: &str) -> Result<(), CliError> {
     match rules
         .iter()
         .find(|(given, applies, _, _)| *given && !*applies)
@@ -72,6 +69,31 @@ pub(crate) fn refuse_misplaced(
         }
         None => Ok(()),
     }
+}
+
+/// [`refuse_misplaced`] for a run with `transport` and `memory` (`with`: the rest of what the
+/// run has, e.g. " with --connect"): the rules of every such command — `--device` (`device`
+/// given) applies to verbs, `--gpu` (`gpu` given) to device memory — then the command's own
+/// `rules`.
+pub(crate) fn refuse_outside_mode(
+    (transport, memory, with): (&str, &str, &str),
+    (device, gpu): (bool, bool),
+    rules: &[(bool, bool, &str, &str)],
+) -> Result<(), CliError> {
+    let mut all = vec![
+        (
+            device,
+            transport == "verbs",
+            "--device",
+            "--transport verbs",
+        ),
+        (gpu, memory == "device", "--gpu", "--memory device"),
+    ];
+    all.extend_from_slice(rules);
+    refuse_misplaced(
+        &all,
+        &format!("--transport {transport} and --memory {memory}{with}"),
+    )
 }
 
 /// `value` of `flag` must be at most `max`; `what` says what the bound is.

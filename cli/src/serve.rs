@@ -192,20 +192,11 @@ struct ServeReport {
 fn refuse_outside_their_mode(args: &ServeArgs) -> Result<(), CliError> {
     let (transport, memory) = (args.transport.as_str(), args.memory.as_str());
     let metrics = args.metrics.is_some();
-    preflight::refuse_misplaced(
+    let with = if metrics { " with --metrics" } else { "" };
+    preflight::refuse_outside_mode(
+        (transport, memory, with),
+        (args.device.is_some(), args.gpu.is_some()),
         &[
-            (
-                args.device.is_some(),
-                transport == "verbs",
-                "--device",
-                "--transport verbs",
-            ),
-            (
-                args.gpu.is_some(),
-                memory == "device",
-                "--gpu",
-                "--memory device",
-            ),
             (
                 args.data_path.is_some(),
                 transport == "tcp",
@@ -219,10 +210,6 @@ fn refuse_outside_their_mode(args: &ServeArgs) -> Result<(), CliError> {
                 "--metrics",
             ),
         ],
-        &format!(
-            "--transport {transport} and --memory {memory}{}",
-            if metrics { " with --metrics" } else { "" }
-        ),
     )
 }
 

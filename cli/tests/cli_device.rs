@@ -141,25 +141,8 @@ fn device_memory_split_says_why_it_cannot_run_or_runs_and_verifies() {
         "--prefill-ms-per-chunk",
         "0",
     ];
-    let out = Command::new(KVPIPE)
-        .args(["demo", "--memory", "device", "--json"])
-        .args(split)
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    match expected_error() {
-        Some(message) => {
-            assert!(!out.status.success(), "{stdout}");
-            assert!(stderr.contains(message), "{stderr}");
-            assert!(stdout.is_empty(), "{stdout}");
-        }
-        None => {
-            assert!(out.status.success(), "{stderr}");
-            assert!(stdout.contains("\"memory\":\"device\""), "{stdout}");
-            assert!(stdout.contains("\"verified\":true"), "{stdout}");
-        }
-    }
+    let args = [&["demo", "--memory", "device", "--json"][..], &split].concat();
+    says_why_or_verifies(&args, &["\"memory\":\"device\""]);
     let out = Command::new(KVPIPE)
         .args(["demo", "--memory", "device", "--transport", "tcp"])
         .args(split)

@@ -6,10 +6,10 @@ mod common;
 
 use std::time::Duration;
 
-use common::{configs, first_token, open_request, wait_for, Sides, PROMPT};
+use common::{configs, first_token, open_request, wait_for, Sides};
 use kvpipe::kvpipe_core::session::Wait;
 use kvpipe::{
-    mem_pair, BlockId, BlockTables, ChunkSpec, EmbedError, Event, Node, RequestId, Role, Transport,
+    mem_pair, BlockId, BlockTables, EmbedError, Event, Node, RequestId, Role, Transport,
     UsageError, MEM_RECEIVER_PEER, MEM_SENDER_PEER,
 };
 
@@ -37,14 +37,7 @@ fn aux_after_the_deadline_times_the_request_out_on_both_sides() {
         let request = RequestId(7);
         let table = open_request(&tx, &rx, request, MEM_RECEIVER_PEER, MEM_SENDER_PEER);
         let groups: [&[Option<BlockId>]; 1] = [&table];
-        let whole = ChunkSpec {
-            start: 0,
-            end: PROMPT,
-            prompt_len: PROMPT,
-            prepopulated_len: 0,
-            is_last: true,
-            prefix_sent_early: false,
-        };
+        let whole = common::whole_prompt();
         tx.submit_chunk(request, whole, &mut BlockTables { groups: &groups })
             .unwrap();
         // The engine computes its first token for longer than the aux wait, and nothing else

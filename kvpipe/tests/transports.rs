@@ -323,7 +323,7 @@ fn a_gpu_region_is_refused_with_what_is_missing_on_every_transport() {
 /// does not deadlock, and the chunk still goes out.
 #[test]
 fn the_block_source_runs_without_the_node_locked() {
-    use kvpipe::{AnchoredRun, BlockId, BlockRun, BlockSource, ChunkSpec, Registration};
+    use kvpipe::{AnchoredRun, BlockId, BlockRun, BlockSource, Registration};
     use kvpipe::{BlockSourceError, GroupIndex, RequestId, SendRequest};
 
     struct Reentrant<'a> {
@@ -370,14 +370,7 @@ fn the_block_source_runs_without_the_node_locked() {
         .unwrap();
         tx.open_request(SendRequest::new(request, [to_receiver]))
             .unwrap();
-        let spec = ChunkSpec {
-            start: 0,
-            end: common::PROMPT,
-            prompt_len: common::PROMPT,
-            prepopulated_len: 0,
-            is_last: true,
-            prefix_sent_early: false,
-        };
+        let spec = common::whole_prompt();
         let (done_tx, done_rx) = std::sync::mpsc::channel();
         std::thread::scope(|scope| {
             scope.spawn(|| {
@@ -455,14 +448,7 @@ fn blocks_past_a_pool_are_caught_before_any_write_over_every_transport() {
             .unwrap();
         let table: Vec<Option<BlockId>> = (0..7).map(|o| Some(BlockId(12 + o))).collect();
         let groups: [&[Option<BlockId>]; 1] = [&table];
-        let whole = ChunkSpec {
-            start: 0,
-            end: common::PROMPT,
-            prompt_len: common::PROMPT,
-            prepopulated_len: 0,
-            is_last: true,
-            prefix_sent_early: false,
-        };
+        let whole = common::whole_prompt();
         let outcome = tx
             .submit_chunk(request, whole, &mut BlockTables { groups: &groups })
             .unwrap();

@@ -363,16 +363,7 @@ fn a_registration_past_the_prompt_is_refused_on_both_sides() {
         aux_capacity: 64,
         groups: reg.groups,
     });
-    net.senders[0]
-        .handle_transport(
-            now,
-            kvpipe_core::TransportInput::FrameReceived {
-                peer: rx_peer(0),
-                bytes: frame.to_bytes().unwrap(),
-            },
-        )
-        .unwrap();
-    net.pump();
+    sender_hears(&mut net, frame);
     assert!(net.events(Side::Sender(0)).iter().any(|e| matches!(
         e,
         Event::Failed {
@@ -429,7 +420,6 @@ fn a_registration_that_repeats_a_destination_block_is_refused_changing_nothing()
 #[test]
 fn a_registration_frame_that_repeats_a_block_fails_the_request_before_any_write() {
     let mut net = Net::connected(1, 1);
-    let now = net.now;
     net.open(0, send_request(R, &[0]));
     // A receiver that sends one anyway (a hostile or buggy peer): the sender refuses it.
     let frame = kvpipe_core::wire::Frame::RecvRegistration(kvpipe_core::wire::RecvRegistration {
@@ -443,16 +433,7 @@ fn a_registration_frame_that_repeats_a_block_fails_the_request_before_any_write(
             &[BlockId(20), BlockId(20)],
         )],
     });
-    net.senders[0]
-        .handle_transport(
-            now,
-            kvpipe_core::TransportInput::FrameReceived {
-                peer: rx_peer(0),
-                bytes: frame.to_bytes().unwrap(),
-            },
-        )
-        .unwrap();
-    net.pump();
+    sender_hears(&mut net, frame);
     let events = net.events(Side::Sender(0));
     assert!(events.iter().any(|e| matches!(
         e,
@@ -467,6 +448,22 @@ fn a_registration_frame_that_repeats_a_block_fails_the_request_before_any_write(
         }
     )));
     assert!(!events.iter().any(|e| matches!(e, Event::Registered { .. })));
+}
+
+/// Sender 0 receives `frame` from receiver 0 (as a hostile or buggy peer would send it), and
+/// the network is pumped.
+fn sender_hears(net: &mut Net, frame: kvpipe_core::wire::Frame) {
+    let now = net.now;
+    net.senders[0]
+        .handle_transport(
+            now,
+            kvpipe_core::TransportInput::FrameReceived {
+                peer: rx_peer(0),
+                bytes: frame.to_bytes().unwrap(),
+            },
+        )
+        .unwrap();
+    net.pump();
 }
 
 /// A pair whose sender's pool holds `sender_slots` slots and whose receiver's holds

@@ -177,6 +177,18 @@ pub(crate) fn open_request(
     (0..blocks).map(|o| Some(BlockId(src_slot(o)))).collect()
 }
 
+/// The whole prompt as one last chunk.
+pub(crate) fn whole_prompt() -> ChunkSpec {
+    ChunkSpec {
+        start: 0,
+        end: PROMPT,
+        prompt_len: PROMPT,
+        prepopulated_len: 0,
+        is_last: true,
+        prefix_sent_early: false,
+    }
+}
+
 /// The aux data the tests' engine submits: the prompt's first token.
 pub(crate) fn first_token() -> AuxData {
     AuxData {
