@@ -546,3 +546,52 @@ fn a_source_block_past_the_senders_pool_fails_the_request_before_it_is_written()
         "nothing of the chunk was written"
     );
 }
+
+#[test]
+fn a_block_another_live_request_holds_is_refused_until_that_request_quiesces() {
+    let mut net = net();
+    let now = net.now;
+    let other = RequestId(12);
+    // `net()` registered R into blocks 500..504; 503 is R's until R quiesces.
+    let counters = *net.receivers[0].counters();
+    let err = net.receivers[0]
+        .register(now, registration_from(other, 8, &[0], 503))
+        .unwrap_err();
+    assert_eq!(
+        err,
+        UsageError::BlockHeldByRequest {
+            request: other,
+            group: 0,
+            block: BlockId(503),
+            holder: R,
+        }
+    );
+    assert!(
+        err.to_string()
+            .contains("names blk#503 in layer group 0, which req#11 still holds"),
+        "{err}"
+    );
+    assert_eq!(net.receivers[0].session_count(), 1);
+    assert_eq!(*net.receivers[0].counters(), counters);
+    // Blocks of its own are taken.
+    net.register(0, registration_from(other, 8, &[0], 504));
+    // R completes and quiesces: its blocks are free for a new request before R is retired.
+    let mut source = TestSource::with(R, 100, 4);
+    net.submit(0, R, spec(0, 16, 0), &mut source);
+    net.aux(0, R);
+    assert!(net
+        .events(Side::Receiver(0))
+        .iter()
+        .any(|e| matches!(e, Event::Quiesced { request } if *request == R)));
+    let third = RequestId(13);
+    net.register(0, registration_from(third, 8, &[0], 502));
+    // After R's retirement the new holder keeps its blocks.
+    net.receivers[0].retire(net.now, R).unwrap();
+    let err = net.receivers[0]
+        .register(net.now, registration_from(RequestId(14), 4, &[0], 503))
+        .unwrap_err();
+    assert!(
+        matches!(err, UsageError::BlockHeldByRequest { holder, .. } if holder == third),
+        "{err}"
+    );
+}

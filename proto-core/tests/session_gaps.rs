@@ -26,7 +26,7 @@ fn one_rejected_peer_fails_only_its_own_requests() {
     net.senders[1] = Sender::new(cfg).unwrap();
     let (good, bad) = (RequestId(1), RequestId(2));
     net.register(0, registration(good, 16, &[0]));
-    net.register(0, registration(bad, 16, &[1]));
+    net.register(0, registration_from(bad, 16, &[1], 600));
     net.connect(0, 0);
     net.connect(1, 0);
     net.pump();

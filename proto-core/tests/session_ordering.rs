@@ -246,7 +246,7 @@ fn registrations_before_open_are_held_and_bounded() {
     net.connect(0, 0);
     net.pump();
     net.register(0, registration(RequestId(1), 8, &[0]));
-    net.register(0, registration(RequestId(2), 8, &[0]));
+    net.register(0, registration_from(RequestId(2), 8, &[0], 600));
     // The second registration found no room: the receiver is told at once.
     assert!(net.events(Side::Receiver(0)).iter().any(|e| matches!(
         e,

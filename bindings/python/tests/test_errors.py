@@ -117,6 +117,25 @@ def test_blocks_past_a_pool_are_caught_before_any_write(pair):
     assert tx.counters()["write_batches"] == 0 and not dst.any()
 
 
+def test_a_block_another_live_request_holds_is_refused(pair):
+    tx, rx, src, dst = pair
+    rx.register(1, 8, [(0, [5, 6])], [kvpipe.MEM_SENDER_PEER])
+    # The engine hands block 6 to a second request while the first still holds it.
+    with pytest.raises(kvpipe.UsageError, match="req#2 names blk#6 in layer group 0, which req#1 still holds"):
+        rx.register(2, 8, [(0, [6, 7])], [kvpipe.MEM_SENDER_PEER])
+    rx.register(2, 8, [(0, [7, 8])], [kvpipe.MEM_SENDER_PEER])
+    for request, blocks in ((1, [1, 2]), (2, [3, 4])):
+        tx.open_request(request, [kvpipe.MEM_RECEIVER_PEER])
+        tx.submit_chunk(request, 0, 8, 8, [blocks])
+        tx.submit_aux(request, [request])
+    for _ in range(2):
+        until(rx, "completed")
+    assert (dst[5:9] == src[1:5]).all()
+    # Once the first quiesced its blocks may go to a new request, before it is retired.
+    until(rx, "quiesced")
+    rx.register(3, 8, [(0, [5, 6])], [kvpipe.MEM_SENDER_PEER])
+
+
 def test_deadlines_that_cannot_work_are_refused():
     src = np.zeros((4, SLOT), dtype=np.uint8)
     with pytest.raises(kvpipe.ConfigError, match="heartbeat_interval is zero"):

@@ -297,6 +297,23 @@ pub enum UsageError {
         /// Slots the group's smallest pool holds.
         slots: u64,
     },
+    /// A registration names a destination block that another request still holds: it was
+    /// registered and has not quiesced, so writes may still land in it. Each block belongs to
+    /// one request at a time.
+    #[error(
+        "registration for {request} names {block} in layer group {group}, which {holder} still \
+         holds: a block is free again at its holder's Quiesced event"
+    )]
+    BlockHeldByRequest {
+        /// The request.
+        request: RequestId,
+        /// The layer group (index in the layout).
+        group: usize,
+        /// The first block (in ordinal order) another request holds.
+        block: crate::ids::BlockId,
+        /// The request that holds it.
+        holder: RequestId,
+    },
     /// A chunk after the request's last chunk.
     #[error("chunk for {0} after its last chunk")]
     ChunkAfterLast(RequestId),

@@ -145,14 +145,26 @@ pub fn chunk(start: u32, end: u32, prompt_len: u32, is_last: bool) -> ChunkSpec 
     }
 }
 
+/// A registration of the whole prompt into destination blocks 500, 501, …
 pub fn registration(request: RequestId, prompt_len: u32, writers: &[usize]) -> Registration {
+    registration_from(request, prompt_len, writers, 500)
+}
+
+/// A registration of the whole prompt into destination blocks `first`, `first + 1`, … (two
+/// live requests need blocks of their own).
+pub fn registration_from(
+    request: RequestId,
+    prompt_len: u32,
+    writers: &[usize],
+    first: u32,
+) -> Registration {
     let blocks = prompt_len.div_ceil(TPB);
     Registration {
         request,
         prompt_len,
         groups: vec![AnchoredRun::from_ids(
             0,
-            &(0..blocks).map(|o| BlockId(500 + o)).collect::<Vec<_>>(),
+            &(0..blocks).map(|o| BlockId(first + o)).collect::<Vec<_>>(),
         )],
         writers: writers.iter().map(|&i| tx_peer(i)).collect(),
         aux_capacity: 1024,

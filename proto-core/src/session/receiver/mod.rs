@@ -7,6 +7,7 @@
 
 mod admission;
 mod aux;
+mod held;
 mod registration;
 mod results;
 mod session;
@@ -165,6 +166,8 @@ pub struct Receiver {
     shell: Shell,
     sessions: SessionTable<RecvSession, RetiredGrant>,
     writes: WritesInFlight,
+    /// The destination blocks live requests hold.
+    held: held::HeldBlocks,
     next_slice: u32,
     grant_state: u64,
     recorded: InputLog<ReceiverInput>,
@@ -191,6 +194,7 @@ impl Receiver {
             shell: Shell::new(hello, config.deadlines, config.max_remembered_cancels),
             sessions: SessionTable::new(config.retired_horizon, config.max_retired),
             writes: WritesInFlight::default(),
+            held: held::HeldBlocks::default(),
             next_slice: 0,
             grant_state: config.grant_seed,
             recorded: InputLog::off(),

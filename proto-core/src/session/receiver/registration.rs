@@ -50,6 +50,19 @@ impl Receiver {
                 });
             }
         }
+        let sessions = &self.sessions;
+        let pins = |holder| {
+            (sessions.live.get(&holder))
+                .is_some_and(|s| matches!(s.phase, RecvPhase::Receiving | RecvPhase::Stopping))
+        };
+        if let Some((group, block, holder)) = self.held.conflict(&reg.groups, pins) {
+            return Err(UsageError::BlockHeldByRequest {
+                request,
+                group,
+                block,
+                holder,
+            });
+        }
         crate::session::check_registration_ordinals(
             request,
             reg.prompt_len,
@@ -100,6 +113,7 @@ impl Receiver {
             + crate::time::Duration::from_nanos(
                 per_token.saturating_mul(u64::from(frame.prompt_len)),
             );
+        self.held.hold(request, &frame.groups);
         self.sessions.live.insert(
             request,
             RecvSession {
@@ -191,11 +205,16 @@ impl Receiver {
 
     pub(super) fn on_retire(&mut self, now: Instant, request: RequestId) -> Result<(), UsageError> {
         let counters = &mut self.shell.counters;
-        self.sessions
-            .retire(now, request, counters, |s| RetiredGrant {
+        let mut groups = Vec::new();
+        self.sessions.retire(now, request, counters, |s| {
+            groups = s.frame.groups;
+            RetiredGrant {
                 grant: s.frame.grant,
                 writers: s.writers.iter().map(|w| w.peer).collect(),
-            })
+            }
+        })?;
+        self.held.release(request, &groups);
+        Ok(())
     }
 
     /// splitmix64: a seeded, well-mixed sequence; never zero.
