@@ -182,7 +182,8 @@ struct ServeReport {
     /// the mean of the middle two) and p99 (nearest rank).
     exposed_tail_p50_ms: f64,
     exposed_tail_p99_ms: f64,
-    /// Per completed request: first byte landed → last byte landed, p50 (median) and p99.
+    /// Per completed request: first write admitted (its bytes began to arrive) → last byte
+    /// landed, p50 (median) and p99.
     transfer_p50_ms: f64,
     transfer_p99_ms: f64,
 }
@@ -432,7 +433,7 @@ pub(crate) fn run(args: ServeArgs) -> Result<ExitCode, CliError> {
                 report.exposed_tail_p50_ms, report.exposed_tail_p99_ms
             );
             println!(
-                "transfer: p50 {:.2} ms, p99 {:.2} ms (first byte landed → last byte landed)",
+                "transfer: p50 {:.2} ms, p99 {:.2} ms (first byte arriving → last byte landed)",
                 report.transfer_p50_ms, report.transfer_p99_ms
             );
         }

@@ -453,3 +453,49 @@ fn aux_taken_before_a_smaller_slot_registers_fails_both_sides_and_never_complete
             if error.to_string().contains("416 bytes, the aux slot holds 16")
     )));
 }
+
+/// The receiver's transfer time runs from its first write's admission (its bytes began to
+/// arrive) to its last landing: a request of one write that takes 5 ms to land reports 5 ms,
+/// not zero.
+#[test]
+fn the_receivers_transfer_starts_when_its_first_write_is_admitted() {
+    use kvpipe_core::session::Admission;
+    use kvpipe_core::Duration;
+    let mut net = Net::connected(1, 1);
+    net.auto_complete = false;
+    let mut source = TestSource::with(R, 100, 1);
+    net.register(0, registration(R, 4, &[0]));
+    net.open(0, send_request(R, &[0]));
+    net.submit(0, R, chunk(0, 4, 4, true), &mut source);
+    let h = net.held.remove(0);
+    assert_eq!(h.plan.extents().len(), 1, "one write");
+    let admitted_at = net.now;
+    let e = &h.plan.extents()[0];
+    let header = h.headers.frame(e.dst_region, e.dst_offset, e.len);
+    let Admission::Apply { ticket, .. } =
+        net.receivers[0].admit_write(admitted_at, tx_peer(0), &header)
+    else {
+        panic!("the write was not admitted")
+    };
+    net.now = admitted_at + Duration::from_millis(5);
+    net.write_landed(0, ticket);
+    let now = net.now;
+    net.senders[0]
+        .handle_input(SenderInput::Transport {
+            now,
+            input: kvpipe_core::TransportInput::WritesCompleted { batch: h.batch },
+        })
+        .unwrap();
+    net.pump();
+    net.aux(0, R);
+    let timings = net
+        .events(Side::Receiver(0))
+        .iter()
+        .find_map(|e| match e {
+            Event::Completed { timings, .. } => Some(*timings),
+            _ => None,
+        })
+        .expect("completed");
+    assert_eq!(timings.first_byte, Some(admitted_at));
+    assert_eq!(timings.transfer(), Some(Duration::from_millis(5)));
+}

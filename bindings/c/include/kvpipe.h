@@ -378,7 +378,7 @@ typedef struct kvpipe_event {
   // (Completed) request timings on this node's clock, in nanoseconds (0: did not happen):
   // started (prefill: opened; decode: registered).
   uint64_t started_ns;
-  // First byte sent (prefill) or landed (decode).
+  // First byte sent (prefill) or arriving: the first write admitted (decode).
   uint64_t first_byte_ns;
   // Last byte reported written (prefill) or landed (decode).
   uint64_t last_byte_ns;

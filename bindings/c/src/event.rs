@@ -141,7 +141,7 @@ pub struct kvpipe_event {
     /// (Completed) request timings on this node's clock, in nanoseconds (0: did not happen):
     /// started (prefill: opened; decode: registered).
     pub started_ns: u64,
-    /// First byte sent (prefill) or landed (decode).
+    /// First byte sent (prefill) or arriving: the first write admitted (decode).
     pub first_byte_ns: u64,
     /// Last byte reported written (prefill) or landed (decode).
     pub last_byte_ns: u64,

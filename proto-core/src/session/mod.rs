@@ -335,8 +335,8 @@ pub struct RequestTimings {
     /// Sender: the first chunk was submitted (prefill's first output). Receiver: `None`.
     pub first_chunk: Option<Instant>,
     /// Sender: the first write batch was handed to the transport (first byte sent).
-    /// Receiver: the first admitted write landed (first byte landed; with
-    /// [`DataPath::Ordered`], the first result arrived).
+    /// Receiver: the first write was admitted (its bytes began to arrive; with
+    /// [`DataPath::Ordered`], where writes land unseen, the first result arrived).
     pub first_byte: Option<Instant>,
     /// Sender: the last chunk was submitted (prefill finished). Receiver: `None`.
     pub last_chunk: Option<Instant>,

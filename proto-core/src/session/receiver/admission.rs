@@ -146,7 +146,6 @@ impl Receiver {
         session.writes_in_flight = session.writes_in_flight.saturating_sub(1);
         let mut release = false;
         if landed {
-            session.timings.first_byte.get_or_insert(now);
             session.timings.last_byte = Some(now);
             if let Some(due) = session.progressed(now, idle) {
                 self.shell.timers.arm(due, TimerKey::Request(request));
@@ -243,6 +242,7 @@ fn admit(
     }
     session.writes_in_flight += 1;
     session.timings.writes += 1;
+    session.timings.first_byte.get_or_insert(now);
     let ticket = writes.admit(Flight {
         request: w.request,
         peer,
