@@ -17,6 +17,12 @@ pub(crate) trait Unsigned: for<'a, 'py> FromPyObject<'a, 'py, Error = PyErr> {
     fn max() -> u64;
 }
 
+impl Unsigned for u8 {
+    fn max() -> u64 {
+        u64::from(u8::MAX)
+    }
+}
+
 impl Unsigned for u16 {
     fn max() -> u64 {
         u64::from(u16::MAX)
@@ -173,6 +179,116 @@ pub(crate) mod chunk {
     /// ``prepopulated_len``: the prompt's tokens the decode side holds already.
     pub(crate) fn prepopulated_len(value: &Bound<'_, PyAny>) -> PyResult<u32> {
         super::unsigned(value, "prepopulated_len")
+    }
+}
+
+/// A sequence argument `name` whose items each convert as [`unsigned`] does, an item out of
+/// range or of another type named by its index (``first_tokens[2] must be …``).
+pub(crate) fn unsigned_items<T: Unsigned>(
+    value: &Bound<'_, PyAny>,
+    name: &str,
+) -> PyResult<Vec<T>> {
+    let items = value.try_iter().map_err(|_| {
+        PyTypeError::new_err(format!(
+            "{name} must be a sequence of integers, got {} (type {})",
+            shown(value),
+            type_name(value)
+        ))
+    })?;
+    items
+        .enumerate()
+        .map(|(i, item)| unsigned(&item?, &format!("{name}[{i}]")))
+        .collect()
+}
+
+/// A block run given as ``(first_ordinal, ids)`` (a registration's group, or a block source's
+/// answer): ``TypeError`` saying `shape` for another shape, and the ordinal and each id
+/// converted as [`unsigned`] does, named after `what`.
+pub(crate) fn block_run(
+    value: &Bound<'_, PyAny>,
+    what: &str,
+    shape: &str,
+) -> PyResult<(u32, Vec<kvpipe_core::BlockId>)> {
+    let (first, ids): (Bound<'_, PyAny>, Bound<'_, PyAny>) = value.extract().map_err(|_| {
+        PyTypeError::new_err(format!(
+            "{shape}; got {} (type {})",
+            shown(value),
+            type_name(value)
+        ))
+    })?;
+    let first = unsigned(&first, &format!("{what}'s first_ordinal"))?;
+    let ids = unsigned_items::<u32>(&ids, &format!("{what}'s ids"))?;
+    Ok((first, ids.into_iter().map(kvpipe_core::BlockId).collect()))
+}
+
+/// Converters named after their argument, each as [`unsigned`] converts it.
+macro_rules! named_unsigned {
+    ($($name:ident: $t:ty),* $(,)?) => {
+        $(
+            #[doc = concat!("``", stringify!($name), "``.")]
+            pub(crate) fn $name(value: &Bound<'_, PyAny>) -> PyResult<$t> {
+                super::unsigned(value, stringify!($name))
+            }
+        )*
+    };
+}
+
+/// The integer fields of ``Pool`` and ``LayerGroup``.
+pub(crate) mod layout {
+    use pyo3::prelude::*;
+
+    named_unsigned!(
+        region: u32,
+        layers: u16,
+        slot_bytes: u64,
+        layer_begin: u16,
+        kv_heads: u16,
+        head_dim: u16,
+        elem_bytes: u8,
+        tokens_per_block: u32,
+        kv_factor: u8,
+        model_layers: u16,
+        first_layer: u16,
+        model_kv_heads: u16,
+        first_head: u16,
+    );
+
+    /// ``window``: ``None`` (full attention) or the window in tokens.
+    pub(crate) fn window(value: &Bound<'_, PyAny>) -> PyResult<Option<u32>> {
+        if value.is_none() {
+            return Ok(None);
+        }
+        super::unsigned(value, "window").map(Some)
+    }
+}
+
+/// The aux data's token arguments of ``Sender.submit_aux``.
+pub(crate) mod aux {
+    use pyo3::prelude::*;
+
+    /// ``first_tokens``: the first generated token(s).
+    pub(crate) fn first_tokens(value: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+        super::unsigned_items(value, "first_tokens")
+    }
+
+    /// ``draft_tokens``: speculative tokens.
+    pub(crate) fn draft_tokens(value: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+        super::unsigned_items(value, "draft_tokens")
+    }
+
+    /// ``prompt_tokens``: the prompt's tokens, as the aux data counts them.
+    pub(crate) fn prompt_tokens(value: &Bound<'_, PyAny>) -> PyResult<u32> {
+        super::unsigned(value, "prompt_tokens")
+    }
+
+    /// ``cached_tokens``: the prompt's tokens the prefill side had cached.
+    pub(crate) fn cached_tokens(value: &Bound<'_, PyAny>) -> PyResult<u32> {
+        super::unsigned(value, "cached_tokens")
+    }
+
+    /// ``aux_capacity`` (``Receiver.register``): bytes the aux data may take.
+    pub(crate) fn aux_capacity(value: &Bound<'_, PyAny>) -> PyResult<u32> {
+        super::unsigned(value, "aux_capacity")
     }
 }
 

@@ -6,6 +6,8 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
+use crate::arguments::layout;
+
 /// One pool of a layer group: a region (a key of the node's ``pools``) holding ``layers``
 /// consecutive layers of the group for every block slot. Block slot ``b`` is the bytes
 /// ``[b * slot_bytes, (b + 1) * slot_bytes)`` of the region.
@@ -26,7 +28,12 @@ pub(crate) struct Pool {
 impl Pool {
     #[new]
     #[pyo3(signature = (region, layers, slot_bytes, layer_begin = 0))]
-    fn new(region: u32, layers: u16, slot_bytes: u64, layer_begin: u16) -> Self {
+    fn new(
+        #[pyo3(from_py_with = layout::region)] region: u32,
+        #[pyo3(from_py_with = layout::layers)] layers: u16,
+        #[pyo3(from_py_with = layout::slot_bytes)] slot_bytes: u64,
+        #[pyo3(from_py_with = layout::layer_begin)] layer_begin: u16,
+    ) -> Self {
         Pool {
             region,
             layers,
@@ -85,18 +92,18 @@ impl LayerGroup {
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
-        layers: u16,
-        kv_heads: u16,
-        head_dim: u16,
-        elem_bytes: u8,
-        tokens_per_block: u32,
+        #[pyo3(from_py_with = layout::layers)] layers: u16,
+        #[pyo3(from_py_with = layout::kv_heads)] kv_heads: u16,
+        #[pyo3(from_py_with = layout::head_dim)] head_dim: u16,
+        #[pyo3(from_py_with = layout::elem_bytes)] elem_bytes: u8,
+        #[pyo3(from_py_with = layout::tokens_per_block)] tokens_per_block: u32,
         pools: Vec<PyRef<'_, Pool>>,
-        kv_factor: u8,
-        window: Option<u32>,
-        model_layers: u16,
-        first_layer: u16,
-        model_kv_heads: u16,
-        first_head: u16,
+        #[pyo3(from_py_with = layout::kv_factor)] kv_factor: u8,
+        #[pyo3(from_py_with = layout::window)] window: Option<u32>,
+        #[pyo3(from_py_with = layout::model_layers)] model_layers: u16,
+        #[pyo3(from_py_with = layout::first_layer)] first_layer: u16,
+        #[pyo3(from_py_with = layout::model_kv_heads)] model_kv_heads: u16,
+        #[pyo3(from_py_with = layout::first_head)] first_head: u16,
     ) -> Self {
         LayerGroup {
             layers,

@@ -8,14 +8,14 @@ use kvpipe::{mem_pair as embed_mem_pair, EmbedError, Node, NodeConfig, Role, Tcp
 use kvpipe_core::session::{Registration, SendRequest};
 use kvpipe_core::wire::AuxData;
 use kvpipe_core::{
-    AnchoredRun, BlockId, ChunkSpec, InstanceId, PeerId, Receiver as CoreReceiver, RequestId,
+    AnchoredRun, ChunkSpec, InstanceId, PeerId, Receiver as CoreReceiver, RequestId,
     Sender as CoreSender,
 };
-use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::arguments::{self, chunk, ids, layer_range};
+use crate::arguments::{self, aux, chunk, ids, layer_range};
 use crate::errors::{to_py, EngineFaultError};
 use crate::event::Event;
 use crate::layout::{deadlines, layout, LayerGroup};
@@ -330,8 +330,8 @@ impl Sender {
         &self,
         py: Python<'_>,
         #[pyo3(from_py_with = ids::request)] request: u64,
-        prompt_len: u32,
-        prepopulated_len: u32,
+        #[pyo3(from_py_with = chunk::prompt_len)] prompt_len: u32,
+        #[pyo3(from_py_with = chunk::prepopulated_len)] prepopulated_len: u32,
         blocks: &Bound<'_, PyAny>,
     ) -> PyResult<Option<u32>> {
         let mut source = PySource::new(blocks);
@@ -359,10 +359,10 @@ impl Sender {
         &self,
         py: Python<'_>,
         #[pyo3(from_py_with = ids::request)] request: u64,
-        first_tokens: Vec<u32>,
-        prompt_tokens: u32,
-        cached_tokens: u32,
-        draft_tokens: Vec<u32>,
+        #[pyo3(from_py_with = aux::first_tokens)] first_tokens: Vec<u32>,
+        #[pyo3(from_py_with = aux::prompt_tokens)] prompt_tokens: u32,
+        #[pyo3(from_py_with = aux::cached_tokens)] cached_tokens: u32,
+        #[pyo3(from_py_with = aux::draft_tokens)] draft_tokens: Vec<u32>,
     ) -> PyResult<()> {
         let aux = AuxData {
             prompt_tokens,
@@ -420,19 +420,14 @@ impl Sender {
 /// The anchored runs of a registration's ``blocks``: one ``(first_ordinal, ids)`` per group.
 fn anchored_runs(blocks: &Bound<'_, PyAny>) -> PyResult<Vec<AnchoredRun>> {
     let mut runs = Vec::new();
-    for item in blocks.try_iter()? {
-        let item = item?;
-        let (first, ids): (u32, Bound<'_, PyAny>) = item.extract().map_err(|_| {
-            PyTypeError::new_err(
-                "each group's blocks are (first_ordinal, ids): the ordinal of ids[0] is given, \
-                 never inferred",
-            )
-        })?;
-        let mut run = AnchoredRun::empty(first);
-        for id in ids.try_iter()? {
-            run.push(BlockId(id?.extract()?));
-        }
-        runs.push(run);
+    for (g, item) in blocks.try_iter()?.enumerate() {
+        let (first, ids) = arguments::block_run(
+            &item?,
+            &format!("blocks[{g}]"),
+            "each group's blocks are (first_ordinal, ids): the ordinal of ids[0] is given, never \
+             inferred",
+        )?;
+        runs.push(AnchoredRun::from_ids(first, &ids));
     }
     Ok(runs)
 }
@@ -530,10 +525,10 @@ impl Receiver {
         &self,
         py: Python<'_>,
         #[pyo3(from_py_with = ids::request)] request: u64,
-        prompt_len: u32,
+        #[pyo3(from_py_with = chunk::prompt_len)] prompt_len: u32,
         blocks: &Bound<'_, PyAny>,
         #[pyo3(from_py_with = ids::writers)] writers: Vec<u32>,
-        aux_capacity: u32,
+        #[pyo3(from_py_with = aux::aux_capacity)] aux_capacity: u32,
     ) -> PyResult<u32> {
         let reg = Registration {
             request: RequestId(request),

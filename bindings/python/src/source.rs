@@ -1,7 +1,7 @@
 //! A Python block source: a callable, or the request's block tables.
 
 use kvpipe_core::{BlockId, BlockRun, BlockSource, BlockSourceError, GroupIndex, RequestId};
-use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 /// What `Sender.submit_chunk`'s `blocks` answers the core's queries with.
@@ -43,16 +43,14 @@ impl PySource {
         out.ids.clear();
         if self.callable {
             let answer = blocks.call1((request.0, group.0, begin, end))?;
-            let (first, ids): (u32, Bound<'_, PyAny>) = answer.extract().map_err(|_| {
-                PyTypeError::new_err(
-                    "a block source returns (first_ordinal, ids): the run of resident blocks \
-                     ending at `end`",
-                )
-            })?;
+            let (first, ids) = crate::arguments::block_run(
+                &answer,
+                "a block source's answer",
+                "a block source returns (first_ordinal, ids): the run of resident blocks ending \
+                 at `end`",
+            )?;
             out.first_ordinal = first;
-            for id in ids.try_iter()? {
-                out.ids.push(BlockId(id?.extract()?));
-            }
+            out.ids = ids;
             return Ok(Ok(()));
         }
         let groups = blocks.len()?;

@@ -92,9 +92,16 @@ impl RankPlace {
 /// The KV heads tensor-parallel rank ``tp_rank`` of ``tp_size`` holds of a model with
 /// ``model_kv_heads`` KV heads, as ``(first_head, kv_heads)`` (kvpipe's rule: contiguous equal
 /// shares, one replicated head when there are fewer heads than ranks). Raises ``ValueError``
-/// when neither count divides the other or the rank is out of range.
+/// when ``tp_size`` is 0, neither count divides the other or the rank is out of range.
 #[pyfunction]
 pub(crate) fn rank_heads(model_kv_heads: u16, tp_size: u16, tp_rank: u16) -> PyResult<(u16, u16)> {
+    // The core reads a tensor-parallel size of 0 as 1 (a topology's default); a caller who
+    // names a size means one of at least one rank.
+    if tp_size == 0 {
+        return Err(PyValueError::new_err(
+            "tp_size must be at least 1 (the ranks of the tensor-parallel group), got 0",
+        ));
+    }
     kvpipe_core::shard::rank_heads(model_kv_heads, tp_size, tp_rank).ok_or_else(|| {
         PyValueError::new_err(format!(
             "{model_kv_heads} KV heads cannot be split over tp_size={tp_size} for tp_rank={tp_rank} \

@@ -136,6 +136,41 @@ def test_a_block_another_live_request_holds_is_refused(pair):
     rx.register(3, 8, [(0, [5, 6])], [kvpipe.MEM_SENDER_PEER])
 
 
+def test_every_bad_integer_names_its_argument(pair):
+    tx, rx, _, _ = pair
+    S, R = kvpipe.MEM_SENDER_PEER, kvpipe.MEM_RECEIVER_PEER
+    U32 = "4294967295"
+    cases = [
+        (lambda: rx.register(5, -1, [(0, [1, 2])], [S]), ValueError, f"prompt_len must be an integer from 0 to {U32}, got -1"),
+        (lambda: rx.register(5, 8, [(0, [1, -2])], [S]), ValueError, rf"blocks\[0\]'s ids\[1\] must be an integer from 0 to {U32}, got -2"),
+        (lambda: rx.register(5, 8, [(-1, [1, 2])], [S]), ValueError, r"blocks\[0\]'s first_ordinal must be"),
+        (lambda: rx.register(5, 8, [(0, [1, 2])], [S], aux_capacity=-1), ValueError, "aux_capacity must be"),
+        (lambda: tx.submit_prefix(6, 2**32, 4, [[1]]), ValueError, f"prompt_len must be an integer from 0 to {U32}, got 4294967296"),
+        (lambda: tx.submit_prefix(6, 12, -4, [[1]]), ValueError, "prepopulated_len must be"),
+        (lambda: tx.submit_aux(6, [7, -1]), ValueError, r"first_tokens\[1\] must be an integer"),
+        (lambda: tx.submit_aux(6, [7], draft_tokens=[2**32]), ValueError, r"draft_tokens\[0\] must be"),
+        (lambda: tx.submit_aux(6, [7], prompt_tokens=-1), ValueError, "prompt_tokens must be"),
+        (lambda: tx.submit_aux(6, 7), TypeError, r"first_tokens must be a sequence of integers, got 7 \(type int\)"),
+        (lambda: tx.submit_chunk(6, 0, 8, 8, lambda r, g, b, e: (b, [-5] * (e - b))), ValueError, r"a block source's answer's ids\[0\] must be"),
+        (lambda: kvpipe.Pool(region=-1, layers=2, slot_bytes=SLOT), ValueError, f"region must be an integer from 0 to {U32}, got -1"),
+        (lambda: kvpipe.Pool(region=1, layers=70000, slot_bytes=SLOT), ValueError, "layers must be an integer from 0 to 65535, got 70000"),
+        (lambda: kvpipe.LayerGroup(layers=2, kv_heads=1, head_dim=8, elem_bytes=256, tokens_per_block=4, pools=[]), ValueError, "elem_bytes must be an integer from 0 to 255"),
+        (lambda: kvpipe.LayerGroup(layers=2, kv_heads=1, head_dim=8, elem_bytes=2, tokens_per_block=4, pools=[], window=-3), ValueError, "window must be"),
+    ]
+    tx.open_request(6, [R])
+    for call, error, message in cases:
+        with pytest.raises(error, match=message):
+            call()
+    # Refused before the core saw them: the request takes its chunk and aux, and a
+    # registration with good values is taken.
+    rx.register(5, 8, [(0, [1, 2])], [S])
+    rx.register(6, 8, [(0, [3, 4])], [S])
+    assert tx.submit_chunk(6, 0, 8, 8, [[1, 2]]) is not None
+    tx.submit_aux(6, [7])
+    assert kvpipe.LayerGroup(layers=2, kv_heads=1, head_dim=8, elem_bytes=2, tokens_per_block=4, pools=[], window=None).window is None
+    until(rx, "completed")
+
+
 def test_deadlines_that_cannot_work_are_refused():
     src = np.zeros((4, SLOT), dtype=np.uint8)
     with pytest.raises(kvpipe.ConfigError, match="heartbeat_interval is zero"):

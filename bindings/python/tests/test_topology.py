@@ -178,6 +178,11 @@ def test_rank_heads_and_tensor_writers_follow_the_core_rule():
     assert kvpipe.rank_heads(2, 8, 5) == (1, 1)  # four replicas of each head
     with pytest.raises(ValueError, match="cannot be split"):
         kvpipe.rank_heads(6, 4, 0)
+    # A group of no ranks is refused, on either side of a writer question too.
+    for call in (lambda: kvpipe.rank_heads(2, 0, 0), lambda: kvpipe.tensor_writes_to(2, 0, 0, 1, 0),
+                 lambda: kvpipe.tensor_writes_to(2, 1, 0, 0, 0)):
+        with pytest.raises(ValueError, match="tp_size must be at least 1"):
+            call()
     # 8 heads, prefill TP 8 -> decode TP 2: ranks 0..3 write decode rank 0, 4..7 rank 1.
     writers = [[s for s in range(8) if kvpipe.tensor_writes_to(8, 8, s, 2, d)] for d in range(2)]
     assert writers == [[0, 1, 2, 3], [4, 5, 6, 7]]
