@@ -68,8 +68,14 @@ fn seconds(timeout: f64) -> PyResult<Duration> {
 }
 
 fn next_event<E: Role>(py: Python<'_>, node: &Node<E>, timeout: f64) -> PyResult<Option<Event>> {
-    // A timeout too long to add to the clock waits until an event comes.
-    let deadline = Instant::now().checked_add(seconds(timeout)?);
+    // A timeout too long to add to the clock (``float("inf")`` among them) waits until an
+    // event comes.
+    let wait = if timeout == f64::INFINITY {
+        Duration::MAX
+    } else {
+        seconds(timeout)?
+    };
+    let deadline = Instant::now().checked_add(wait);
     loop {
         let left = deadline.map_or(Duration::MAX, |d| {
             d.saturating_duration_since(Instant::now())

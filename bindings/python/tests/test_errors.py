@@ -171,6 +171,17 @@ def test_every_bad_integer_names_its_argument(pair):
     until(rx, "completed")
 
 
+def test_next_event_waits_for_ever_on_an_infinite_timeout(pair):
+    tx, rx, _, _ = pair
+    rx.register(4, 8, [(0, [1, 2])], [kvpipe.MEM_SENDER_PEER])
+    tx.open_request(4, [kvpipe.MEM_RECEIVER_PEER])
+    # The registration reaches the prefill side: the wait ends with it.
+    assert tx.next_event(float("inf")).kind == "registered"
+    for bad in (-1.0, float("nan"), float("-inf")):
+        with pytest.raises(ValueError, match="a timeout is a non-negative number of seconds"):
+            tx.next_event(bad)
+
+
 def test_deadlines_that_cannot_work_are_refused():
     src = np.zeros((4, SLOT), dtype=np.uint8)
     with pytest.raises(kvpipe.ConfigError, match="heartbeat_interval is zero"):
