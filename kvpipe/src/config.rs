@@ -4,7 +4,8 @@
 use kvpipe_core::session::{Deadlines, LocalHello};
 use kvpipe_core::wire::Topology;
 use kvpipe_core::{
-    InstanceId, LayerGroupLayout, LayerOrder, ReceiverConfig, RegionId, SenderConfig,
+    ConfigError, InstanceId, LayerGroupLayout, LayerOrder, ReceiverConfig, RegionId, SenderConfig,
+    Side,
 };
 use kvpipe_tcp::{MemoryRegion, RegionTable, TcpConfig};
 
@@ -165,10 +166,20 @@ pub(crate) fn region_bytes(regions: &[RawRegion]) -> Vec<(RegionId, u64)> {
     regions.iter().map(|r| (r.id, r.len as u64)).collect()
 }
 
-/// Refuses regions that share an id or have a null address, GPU regions this build or machine
-/// cannot serve (see [`crate::gpu::check`]), and a layout whose pools name a region that is not
-/// given (every write to or from it would fail at run time instead).
-pub(crate) fn check_regions(config: &NodeConfig, regions: &[RawRegion]) -> Result<(), EmbedError> {
+/// Refuses a layout whose groups break a rule every layout keeps
+/// ([`kvpipe_core::plan::check_layout`], named as `side`'s), regions that share an id or have a
+/// null address, GPU regions this build or machine cannot serve (see [`crate::gpu::check`]),
+/// and a layout whose pools name a region that is not given (every write to or from it would
+/// fail at run time instead).
+pub(crate) fn check_regions(
+    config: &NodeConfig,
+    regions: &[RawRegion],
+    side: Side,
+) -> Result<(), EmbedError> {
+    for (group, layout) in config.layout.iter().enumerate() {
+        kvpipe_core::plan::check_layout(side, layout)
+            .map_err(|error| ConfigError::Layout { group, error })?;
+    }
     let mut seen = std::collections::HashSet::new();
     for r in regions {
         if r.ptr.is_null() && r.len > 0 {

@@ -6,7 +6,7 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant as StdInstant};
 
-use kvpipe_core::{Event, Instant, PeerId};
+use kvpipe_core::{Event, Instant, PeerId, Side};
 use kvpipe_mem::{Endpoint, MemPair, PairConfig, RegionUse};
 
 use crate::config::{check_regions, region_bytes, NodeConfig, RawRegion};
@@ -131,8 +131,8 @@ pub(crate) unsafe fn sides(
     receiver: &NodeConfig,
     receiver_regions: &[RawRegion],
 ) -> Result<(MemSide, MemSide), EmbedError> {
-    check_regions(sender, sender_regions)?;
-    check_regions(receiver, receiver_regions)?;
+    check_regions(sender, sender_regions, Side::Sender)?;
+    check_regions(receiver, receiver_regions, Side::Receiver)?;
     let mut sender_core = sender.sender_config();
     sender_core.region_bytes = region_bytes(sender_regions);
     let mut receiver_core = receiver.receiver_config();

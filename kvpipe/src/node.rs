@@ -8,7 +8,7 @@ use kvpipe_core::session::{Counters, Registration, SendRequest, UsageError};
 use kvpipe_core::wire::AuxData;
 use kvpipe_core::{
     BlockSource, ChunkSpec, Event, Instant, LayerGroupLayout, LayerRange, PeerId, Receiver,
-    ReceiverSliceId, RequestId, Sender, Submitted,
+    ReceiverSliceId, RequestId, Sender, Side, Submitted,
 };
 use kvpipe_tcp::{TcpConfig, TcpNode};
 
@@ -288,7 +288,7 @@ impl Node<Sender> {
     /// # Safety
     /// Every region follows [`RawRegion`]'s contract until the node is dropped.
     pub unsafe fn new(config: &NodeConfig, regions: &[RawRegion]) -> Result<Self, EmbedError> {
-        check_regions(config, regions)?;
+        check_regions(config, regions, Side::Sender)?;
         let mut core = config.sender_config();
         core.region_bytes = region_bytes(regions);
         let inner = match &config.transport {
@@ -434,7 +434,7 @@ impl Node<Receiver> {
     /// # Safety
     /// Every region follows [`RawRegion`]'s contract until the node is dropped.
     pub unsafe fn new(config: &NodeConfig, regions: &[RawRegion]) -> Result<Self, EmbedError> {
-        check_regions(config, regions)?;
+        check_regions(config, regions, Side::Receiver)?;
         let mut core = config.receiver_config();
         core.region_bytes = region_bytes(regions);
         let inner = match &config.transport {

@@ -137,6 +137,15 @@ pub enum ConfigError {
         /// The configured heartbeat interval.
         heartbeat_interval: crate::time::Duration,
     },
+    /// A layer group of the node's own layout breaks a rule every layout keeps (see
+    /// [`check_layout`](crate::plan::check_layout)): every transfer would fail or move nothing.
+    #[error("layer group {group}: {error}")]
+    Layout {
+        /// The group (index in the layout).
+        group: usize,
+        /// What is wrong.
+        error: crate::plan::PlanError,
+    },
 }
 
 #[cfg(test)]

@@ -188,8 +188,9 @@ pub use ids::{
 pub use layers::{LayerOrder, LayerOrderError, LayerRange};
 pub use layout::{BlockLayout, GroupShard, LayerGroupLayout, PoolLayout};
 pub use plan::{
-    check_pairable, plan_group, plan_group_with_cursor, plan_rank_group, plan_rank_group_layers,
-    DstCursor, GroupPairing, PairStats, PlanError, RankGroup, Side, WriteExtent, WritePlan,
+    check_layout, check_pairable, plan_group, plan_group_with_cursor, plan_rank_group,
+    plan_rank_group_layers, DstCursor, GroupPairing, PairStats, PlanError, RankGroup, Side,
+    WriteExtent, WritePlan,
 };
 pub use session::{
     Admission, DataPath, DataPathNegotiation, Endpoint, EngineFault, Event, Output, Receiver,

@@ -182,6 +182,39 @@ def test_next_event_waits_for_ever_on_an_infinite_timeout(pair):
             tx.next_event(bad)
 
 
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(head_dim=0), "head_dim is 0; it must be at least 1"),
+        (dict(elem_bytes=0), "elem_bytes is 0"),
+        (dict(tokens_per_block=0), "tokens_per_block is 0"),
+        (dict(kv_factor=0), r"kv_factor is 0; it must be 1 \(K only\) or 2"),
+        (dict(kv_factor=3), "kv_factor is 3"),
+        (dict(window=0), "window is 0; it must be at least 1 token"),
+        (dict(pools=[]), "pools hold 0 layers, but the layer group has 2"),
+        (dict(pools=[kvpipe.Pool(region=1, layers=2, slot_bytes=SLOT - 1)]), f"has {SLOT - 1}-byte slots but its layers need {SLOT} bytes"),
+        (dict(pools=[kvpipe.Pool(region=1, layers=1, slot_bytes=SLOT),
+                     kvpipe.Pool(region=1, layers=1, slot_bytes=SLOT)]), "pool 1"),
+    ],
+)
+def test_a_layout_that_cannot_work_is_refused_when_the_node_is_made(change, message):
+    # Each would otherwise move nothing (and complete) or fail only at the handshake.
+    group = dict(layers=2, kv_heads=1, head_dim=8, elem_bytes=2, tokens_per_block=4,
+                 pools=[kvpipe.Pool(region=1, layers=2, slot_bytes=SLOT)])
+    bad = [kvpipe.LayerGroup(**{**group, **change})]
+    src = np.zeros((4, SLOT), dtype=np.uint8)
+    dst = np.zeros((4, SLOT), dtype=np.uint8)
+    with pytest.raises(kvpipe.ConfigError, match=rf"layer group 0: sender .*{message}"):
+        kvpipe.Sender.tcp(bad, {1: src})
+    with pytest.raises(kvpipe.ConfigError, match=rf"layer group 0: sender .*{message}"):
+        kvpipe.mem_pair(bad, {1: src}, layout(9), {9: dst})
+    bad_decode = [kvpipe.LayerGroup(**{**group, **change, "pools": [
+        kvpipe.Pool(region=9, layers=p.layers, slot_bytes=p.slot_bytes, layer_begin=p.layer_begin)
+        for p in (change.get("pools", group["pools"]))]})]
+    with pytest.raises(kvpipe.ConfigError, match=rf"layer group 0: receiver .*{message}"):
+        kvpipe.Receiver.tcp(bad_decode, {9: dst})
+
+
 def test_deadlines_that_cannot_work_are_refused():
     src = np.zeros((4, SLOT), dtype=np.uint8)
     with pytest.raises(kvpipe.ConfigError, match="heartbeat_interval is zero"):

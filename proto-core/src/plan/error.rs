@@ -113,6 +113,19 @@ pub enum PlanError {
         /// Bytes its layers need per block.
         needed: u64,
     },
+    /// A size of a layer group is out of the range it can take (a zero size, a `kv_factor`
+    /// other than 1 or 2, a window of no token).
+    #[error("{side} layer group's {field} is {value}; it must be {accepted}")]
+    FieldOutOfRange {
+        /// Which side's layout is wrong.
+        side: Side,
+        /// The field.
+        field: &'static str,
+        /// Its value.
+        value: u64,
+        /// What it accepts.
+        accepted: &'static str,
+    },
     /// A block's byte offset overflows `u64`.
     #[error(
         "{side} block {block} at {slot_bytes} bytes per slot lies past the 64-bit address range"

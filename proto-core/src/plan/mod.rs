@@ -27,7 +27,7 @@ mod write_plan;
 
 pub use cursor::DstCursor;
 pub use error::{PlanError, Side};
-pub use pairing::{check_pairable, GroupPairing};
+pub use pairing::{check_layout, check_pairable, GroupPairing};
 pub use planner::{
     plan_group, plan_group_with_cursor, plan_rank_group, plan_rank_group_layers, PairStats,
     RankGroup,

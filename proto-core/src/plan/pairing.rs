@@ -106,67 +106,11 @@ pub fn check_pairable(
             receiver: dst.window,
         });
     }
-    for (side, layout) in [(Side::Sender, src), (Side::Receiver, dst)] {
-        let (layers, heads) = (layout.layer_range(), layout.head_range());
-        if layers.end > u32::from(layout.model_layers())
-            || heads.end > u32::from(layout.model_kv_heads())
-        {
-            return Err(PlanError::ShardPastModel {
-                side,
-                first_layer: layout.shard.first_layer,
-                layers: layout.layers,
-                model_layers: layout.model_layers(),
-                first_head: layout.shard.first_head,
-                kv_heads: layout.kv_heads,
-                model_kv_heads: layout.model_kv_heads(),
-            });
-        }
-    }
     let head_bytes = src
         .head_block_bytes()
         .ok_or(PlanError::BlockBytesOverflow)?;
-    let src_layer_bytes = src
-        .layer_block_bytes()
-        .ok_or(PlanError::BlockBytesOverflow)?;
-    let dst_layer_bytes = dst
-        .layer_block_bytes()
-        .ok_or(PlanError::BlockBytesOverflow)?;
-    for (side, layout, layer_bytes) in [
-        (Side::Sender, src, src_layer_bytes),
-        (Side::Receiver, dst, dst_layer_bytes),
-    ] {
-        let mut next = 0u32;
-        for (pool, p) in layout.pools.iter().enumerate() {
-            if u32::from(p.layer_begin) != next || p.layers == 0 {
-                return Err(PlanError::PoolsDoNotTile {
-                    side,
-                    pool,
-                    layer_begin: p.layer_begin,
-                    layers: p.layers,
-                    expected_begin: next,
-                });
-            }
-            next += u32::from(p.layers);
-            let needed = u64::from(p.layers)
-                .checked_mul(layer_bytes)
-                .ok_or(PlanError::BlockBytesOverflow)?;
-            if p.slot_bytes < needed {
-                return Err(PlanError::SlotTooSmall {
-                    side,
-                    pool,
-                    slot_bytes: p.slot_bytes,
-                    needed,
-                });
-            }
-        }
-        if next != u32::from(layout.layers) {
-            return Err(PlanError::PoolsCoverWrongLayers {
-                side,
-                covered: next,
-                layers: layout.layers,
-            });
-        }
-    }
+    let src_layer_bytes = check_layout(Side::Sender, src)?;
+    let dst_layer_bytes = check_layout(Side::Receiver, dst)?;
     let (sl, dl) = (src.layer_range(), dst.layer_range());
     let (sh, dh) = (src.head_range(), dst.head_range());
     let layer_begin = sl.start.max(dl.start);
@@ -185,4 +129,94 @@ pub fn check_pairable(
         dst_first_head: dh.start,
         dst_heads: u32::from(dst.kv_heads),
     })
+}
+
+/// The rules one side's layout of a group keeps on its own, whatever the other side's: every
+/// size of a block at least one (`kv_factor` 1 or 2, a window at least one token), its
+/// shard inside the model, and pools that tile the rank's layers in order, each of at least
+/// one layer, with slots that hold their layers. Returns the bytes one layer contributes to a
+/// block. [`check_pairable`] checks both sides with it; a node checks its own layout with it
+/// when it is made.
+pub fn check_layout(side: Side, layout: &LayerGroupLayout) -> Result<u64, PlanError> {
+    // `layers` may be 0: a pipeline-parallel rank can hold none of a group's layers (its
+    // pools are then empty).
+    let sizes: [(&'static str, u64); 4] = [
+        ("kv_heads", layout.kv_heads.into()),
+        ("head_dim", layout.head_dim.into()),
+        ("elem_bytes", layout.elem_bytes.into()),
+        ("tokens_per_block", layout.tokens_per_block.into()),
+    ];
+    if let Some((field, _)) = sizes.into_iter().find(|&(_, v)| v == 0) {
+        return Err(PlanError::FieldOutOfRange {
+            side,
+            field,
+            value: 0,
+            accepted: "at least 1",
+        });
+    }
+    if !matches!(layout.kv_factor, 1 | 2) {
+        return Err(PlanError::FieldOutOfRange {
+            side,
+            field: "kv_factor",
+            value: layout.kv_factor.into(),
+            accepted: "1 (K only) or 2 (K and V)",
+        });
+    }
+    if layout.window == Some(0) {
+        return Err(PlanError::FieldOutOfRange {
+            side,
+            field: "window",
+            value: 0,
+            accepted: "at least 1 token, or none (full attention)",
+        });
+    }
+    let (layers, heads) = (layout.layer_range(), layout.head_range());
+    if layers.end > u32::from(layout.model_layers())
+        || heads.end > u32::from(layout.model_kv_heads())
+    {
+        return Err(PlanError::ShardPastModel {
+            side,
+            first_layer: layout.shard.first_layer,
+            layers: layout.layers,
+            model_layers: layout.model_layers(),
+            first_head: layout.shard.first_head,
+            kv_heads: layout.kv_heads,
+            model_kv_heads: layout.model_kv_heads(),
+        });
+    }
+    let layer_bytes = layout
+        .layer_block_bytes()
+        .ok_or(PlanError::BlockBytesOverflow)?;
+    let mut next = 0u32;
+    for (pool, p) in layout.pools.iter().enumerate() {
+        if u32::from(p.layer_begin) != next || p.layers == 0 {
+            return Err(PlanError::PoolsDoNotTile {
+                side,
+                pool,
+                layer_begin: p.layer_begin,
+                layers: p.layers,
+                expected_begin: next,
+            });
+        }
+        next += u32::from(p.layers);
+        let needed = u64::from(p.layers)
+            .checked_mul(layer_bytes)
+            .ok_or(PlanError::BlockBytesOverflow)?;
+        if p.slot_bytes < needed {
+            return Err(PlanError::SlotTooSmall {
+                side,
+                pool,
+                slot_bytes: p.slot_bytes,
+                needed,
+            });
+        }
+    }
+    if next != u32::from(layout.layers) {
+        return Err(PlanError::PoolsCoverWrongLayers {
+            side,
+            covered: next,
+            layers: layout.layers,
+        });
+    }
+    Ok(layer_bytes)
 }

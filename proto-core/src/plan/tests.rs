@@ -209,6 +209,50 @@ mod plan_group_tests {
     }
 
     #[test]
+    fn a_layout_of_sizes_no_block_can_have_is_refused_on_its_own() {
+        let ok = layout(&[2, 2], 1);
+        assert_eq!(
+            check_layout(Side::Sender, &ok),
+            Ok(ok.layer_block_bytes().unwrap())
+        );
+        let field = |change: fn(&mut LayerGroupLayout)| {
+            let mut l = ok.clone();
+            change(&mut l);
+            match check_layout(Side::Receiver, &l) {
+                Err(PlanError::FieldOutOfRange { side, field, .. }) => {
+                    assert_eq!(side, Side::Receiver);
+                    field
+                }
+                other => panic!("{other:?}"),
+            }
+        };
+        assert_eq!(field(|l| l.kv_heads = 0), "kv_heads");
+        assert_eq!(field(|l| l.head_dim = 0), "head_dim");
+        assert_eq!(field(|l| l.elem_bytes = 0), "elem_bytes");
+        assert_eq!(field(|l| l.tokens_per_block = 0), "tokens_per_block");
+        assert_eq!(field(|l| l.kv_factor = 0), "kv_factor");
+        assert_eq!(field(|l| l.kv_factor = 3), "kv_factor");
+        assert_eq!(field(|l| l.window = Some(0)), "window");
+        // A pipeline rank that holds none of the group's layers has no pool: that is fine.
+        let mut none = ok.clone();
+        none.layers = 0;
+        none.pools.clear();
+        assert_eq!(check_layout(Side::Sender, &none).map(|_| ()), Ok(()));
+        // The pairing check refuses the same, naming the side.
+        let (mut s, mut d) = (ok.clone(), layout(&[2, 2], 2));
+        s.window = Some(0);
+        d.window = Some(0);
+        assert!(matches!(
+            check_pairable(&s, &d),
+            Err(PlanError::FieldOutOfRange {
+                side: Side::Sender,
+                field: "window",
+                ..
+            })
+        ));
+    }
+
+    #[test]
     fn offset_overflow_leaves_the_plan_unchanged() {
         let mut s = layout(&[4], 1);
         s.pools[0].slot_bytes = u64::MAX / 2;
