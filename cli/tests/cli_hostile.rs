@@ -520,3 +520,52 @@ fn a_decode_side_with_a_shorter_prompt_is_not_a_success() {
 fn a_decode_side_with_a_longer_prompt_is_not_a_success() {
     mismatched_prompts("1024", "512");
 }
+
+/// `demo --connect` to something that is not a `kvpipe serve`: a listener that never answers,
+/// and one that answers like a web server. Each is named with the reason the connection closed
+/// before the handshake, not a bare "did not complete the handshake".
+#[test]
+fn a_connect_to_something_that_is_not_a_decode_side_says_what_it_found() {
+    let _turn = turn();
+    for answer in [None, Some(&b"HTTP/1.1 400 Bad Request\r\n\r\n"[..])] {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let peer = std::thread::spawn(move || {
+            // Hold every connection open (answering, if told to) until the demo is done.
+            let mut held = Vec::new();
+            listener.set_nonblocking(true).unwrap();
+            let until = Instant::now() + Duration::from_secs(30);
+            while Instant::now() < until && held.len() < 2 {
+                if let Ok((mut s, _)) = listener.accept() {
+                    if let Some(bytes) = answer {
+                        let _ = s.write_all(bytes);
+                    }
+                    held.push(s);
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            std::thread::sleep(Duration::from_secs(15));
+        });
+        let demo = Command::new(KVPIPE)
+            .args(["demo", "--transport", "tcp", "--connect", &addr])
+            .args(["--data-path", "socket", "--prompt-tokens", "64"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let out = finish(demo, Duration::from_secs(60), "demo --connect");
+        let err = ended_cleanly(&out);
+        assert!(!out.status.success(), "{err}");
+        assert!(
+            err.contains(&format!(
+                "the connection to {addr} closed before the handshake completed"
+            )),
+            "{err}"
+        );
+        match answer {
+            None => assert!(err.contains("HandshakeTimeout"), "{err}"),
+            Some(_) => assert!(err.contains("not a kvpipe peer?"), "{err}"),
+        }
+        drop(peer);
+    }
+}

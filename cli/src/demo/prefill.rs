@@ -85,15 +85,34 @@ pub(super) fn run(args: &DemoArgs, addr: &str, memory: PoolMemory) -> Result<Exi
         .connect(addr)
         .map_err(|e| format!("connecting to {addr}: {e}"))?;
     let deadline = Instant::now() + Duration::from_secs(10);
+    // What the other side broke, if it broke a rule before the connection closed.
+    let mut violation = None;
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
-            return Err("the decode side did not complete the handshake".into());
+            return Err(format!(
+                "the decode side did not complete the handshake within 10 s: no connection to \
+                 {addr} was made, or nothing there answered (is a `kvpipe serve` listening \
+                 there, and reachable from here?)"
+            )
+            .into());
         }
         match tx.next_event(left)? {
             Some(Event::PeerReady { .. }) => break,
             Some(Event::PeerRejected { message, .. }) => {
                 return Err(format!("the handshake failed: {message}").into())
+            }
+            Some(Event::ProtocolViolation { error, .. }) => violation = Some(error.to_string()),
+            Some(Event::PeerLost { reason, .. }) => {
+                let why = match (reason, violation) {
+                    (_, Some(broken)) => format!("this side closed it: {broken}"),
+                    (Some(r), None) => format!("this side closed it: {r:?}"),
+                    (None, None) => "the other side or the network closed it".to_string(),
+                };
+                return Err(format!(
+                    "the connection to {addr} closed before the handshake completed ({why})"
+                )
+                .into());
             }
             _ => {}
         }
