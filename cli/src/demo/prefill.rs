@@ -42,16 +42,17 @@ struct PrefillReport {
     bytes_placed: u64,
     /// Per request, this side's view (`RequestTimings::tail`): last chunk computed → the
     /// sender finished (last batch written, last result and aux data sent); the median, for
-    /// an even count of requests the mean of the middle two.
-    exposed_tail_ms: f64,
-    max_exposed_tail_ms: f64,
+    /// an even count of requests the mean of the middle two. Every figure of no request
+    /// (none completed) is `null`, not 0.
+    exposed_tail_ms: Option<f64>,
+    max_exposed_tail_ms: Option<f64>,
     /// The median again, as the printed "p50" (the p99 is nearest rank).
-    exposed_tail_p50_ms: f64,
-    exposed_tail_p99_ms: f64,
+    exposed_tail_p50_ms: Option<f64>,
+    exposed_tail_p99_ms: Option<f64>,
     /// Per request: first batch handed to the transport → last batch reported written; p50
     /// the median, p99 nearest rank.
-    transfer_p50_ms: f64,
-    transfer_p99_ms: f64,
+    transfer_p50_ms: Option<f64>,
+    transfer_p99_ms: Option<f64>,
 }
 
 pub(super) fn run(args: &DemoArgs, addr: &str, memory: PoolMemory) -> Result<ExitCode, CliError> {
@@ -240,6 +241,8 @@ pub(super) fn run(args: &DemoArgs, addr: &str, memory: PoolMemory) -> Result<Exi
     let max_tail = tails.iter().copied().fold(0.0, f64::max);
     // The exposed tail's median, reported as `exposed_tail_ms` and as its p50.
     let tail_median = median(tails.clone());
+    let of_tails = |x: f64| (!tails.is_empty()).then_some(x);
+    let of_transfers = |x: f64| (!transfers.is_empty()).then_some(x);
     let report = PrefillReport {
         role: "prefill",
         transport: transport.name(),
@@ -256,12 +259,12 @@ pub(super) fn run(args: &DemoArgs, addr: &str, memory: PoolMemory) -> Result<Exi
         memory: memory.name(),
         data_path,
         bytes_placed,
-        exposed_tail_ms: tail_median,
-        max_exposed_tail_ms: max_tail,
-        exposed_tail_p50_ms: tail_median,
-        exposed_tail_p99_ms: percentile(&tails, 99.0),
-        transfer_p50_ms: median(transfers.clone()),
-        transfer_p99_ms: percentile(&transfers, 99.0),
+        exposed_tail_ms: of_tails(tail_median),
+        max_exposed_tail_ms: of_tails(max_tail),
+        exposed_tail_p50_ms: of_tails(tail_median),
+        exposed_tail_p99_ms: of_tails(percentile(&tails, 99.0)),
+        transfer_p50_ms: of_transfers(median(transfers.clone())),
+        transfer_p99_ms: of_transfers(percentile(&transfers, 99.0)),
     };
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
@@ -271,19 +274,22 @@ pub(super) fn run(args: &DemoArgs, addr: &str, memory: PoolMemory) -> Result<Exi
              {:.2} s, from {} memory by {}",
             report.completed, report.requests, report.seconds, report.memory, report.data_path
         );
-        if report.completed == 0 {
-            // Percentiles of no request would print as zeros, which read as instant transfers.
-            println!("exposed tail: none (no request completed)");
-        } else {
+        // Percentiles of no request would print as zeros, which read as instant transfers.
+        match (
+            report.exposed_tail_p50_ms,
+            report.exposed_tail_p99_ms,
+            report.max_exposed_tail_ms,
+        ) {
+            (Some(p50), Some(p99), Some(max)) => println!(
+                "exposed tail: p50 {p50:.2} ms, p99 {p99:.2} ms, max {max:.2} ms (this side's \
+                 view: last chunk computed → last result and aux data sent)"
+            ),
+            _ => println!("exposed tail: none (no request completed)"),
+        }
+        if let (Some(p50), Some(p99)) = (report.transfer_p50_ms, report.transfer_p99_ms) {
             println!(
-                "exposed tail: p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms (this side's view: last \
-                 chunk computed → last result and aux data sent)",
-                report.exposed_tail_p50_ms, report.exposed_tail_p99_ms, report.max_exposed_tail_ms
-            );
-            println!(
-                "transfer: p50 {:.2} ms, p99 {:.2} ms (first batch handed to the transport → last \
-                 batch written)",
-                report.transfer_p50_ms, report.transfer_p99_ms
+                "transfer: p50 {p50:.2} ms, p99 {p99:.2} ms (first batch handed to the transport \
+                 → last batch written)"
             );
         }
     }
