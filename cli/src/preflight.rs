@@ -59,7 +59,10 @@ pub(crate) fn at_least(flag: &str, value: u64, min: u64) -> Result<(), CliError>
 /// The first of `rules` — `(given, applies, flag, mode)`: `flag` was given, and whether this
 /// run is the `mode` it applies to — that is given where it does not apply, refused naming
 /// its mode and what the run `has`.
-fn refuse_misplaced(rules: &[(bool, bool, &str, &str)], has: &str) -> Result<(), CliError> {
+pub(crate) fn refuse_misplaced(
+    rules: &[(bool, bool, &str, &str)],
+    has: &str,
+) -> Result<(), CliError> {
     match rules
         .iter()
         .find(|(given, applies, _, _)| *given && !*applies)

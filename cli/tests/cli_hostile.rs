@@ -489,7 +489,13 @@ fn mismatched_prompts(serve_prompt: &str, demo_prompt: &str) {
     let demo = Command::new(KVPIPE)
         .args(["demo", "--transport", "tcp", "--connect", &serve.addr])
         .args(["--model", "llama3-70b-tp8", "--prompt-tokens", demo_prompt])
-        .args(["--chunk-tokens", "128", "--prefill-ms-per-chunk", "1", "--json"])
+        .args([
+            "--chunk-tokens",
+            "128",
+            "--prefill-ms-per-chunk",
+            "1",
+            "--json",
+        ])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -501,7 +507,11 @@ fn mismatched_prompts(serve_prompt: &str, demo_prompt: &str) {
     // No request completed: its report's figures of completed requests are null, not 0.
     let report: serde_json::Value = serde_json::from_str(text(&demo.stdout).trim()).unwrap();
     assert_eq!(report["completed"], 0, "{report}");
-    for figure in ["exposed_tail_ms", "exposed_tail_p50_ms", "max_exposed_tail_ms"] {
+    for figure in [
+        "exposed_tail_ms",
+        "exposed_tail_p50_ms",
+        "max_exposed_tail_ms",
+    ] {
         assert!(report[figure].is_null(), "{figure}: {report}");
     }
     assert!(report["transfer_p50_ms"].is_null(), "{report}");

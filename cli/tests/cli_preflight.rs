@@ -213,6 +213,50 @@ fn bench_flags_that_measure_nothing_are_refused() {
 }
 
 #[test]
+fn bench_flags_outside_their_mode_are_refused_not_ignored() {
+    let transfer = |extra: &[&'static str]| -> Vec<&'static str> {
+        ["bench", "transfer"].iter().chain(extra).copied().collect()
+    };
+    refused(&[
+        (
+            transfer(&["--connections", "3"]),
+            "--connections applies to --transport tcp; this run has --transport mem and \
+             --memory host",
+        ),
+        (
+            transfer(&["--driver-wait", "block"]),
+            "--driver-wait applies to --memory device",
+        ),
+        (
+            transfer(&["--transport", "tcp", "--staging-slots", "4"]),
+            "--staging-slots applies to --transport tcp --memory device",
+        ),
+        (
+            transfer(&["--socket-write-bytes", "65536"]),
+            "--socket-write-bytes applies to --transport tcp",
+        ),
+        (
+            transfer(&["--device", "rxe0"]),
+            "--device applies to --transport verbs",
+        ),
+        (transfer(&["--gpu", "1"]), "--gpu applies to --peer-gpu"),
+        (
+            transfer(&[
+                "--transport",
+                "tcp",
+                "--socket-write-bytes",
+                "18446744073709551615",
+            ]),
+            "--socket-write-bytes must be at most 1073741824",
+        ),
+        (
+            vec!["bench", "pipeline", "--connections", "3"],
+            "--connections applies to --transport tcp; this run has --transport mem",
+        ),
+    ]);
+}
+
+#[test]
 fn a_pipeline_split_past_the_models_layers_is_refused() {
     let demo = |model: &'static str, pp: &'static str| {
         vec![

@@ -51,9 +51,9 @@ pub(crate) struct PipelineBenchArgs {
     /// Model whose KV cache is moved: llama3-8b, llama3-70b-tp8 or gemma3-swa.
     #[arg(long, default_value = "llama3-8b", value_parser = crate::demo::parse_model)]
     model: Model,
-    /// With --transport tcp: connections per peer.
-    #[arg(long, default_value_t = 2)]
-    connections: usize,
+    /// With --transport tcp: connections per peer (default 2).
+    #[arg(long)]
+    connections: Option<usize>,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
@@ -175,17 +175,22 @@ pub(crate) fn run(args: PipelineBenchArgs) -> Result<ExitCode, CliError> {
         preflight::MAX_PREFILL_MS,
         "one minute of simulated compute per chunk",
     )?;
-    preflight::at_least("--connections", args.connections as u64, 1)?;
+    preflight::refuse_misplaced(
+        &[(
+            args.connections.is_some(),
+            args.transport == "tcp",
+            "--connections",
+            "--transport tcp",
+        )],
+        &format!("--transport {}", args.transport),
+    )?;
+    let connections = args.connections.unwrap_or(2);
+    preflight::at_least("--connections", connections as u64, 1)?;
     preflight::at_least("--runs", args.runs.into(), 1)?;
     if let Some(n) = args.layers_per_slice {
         preflight::at_least("--layers-per-slice", n.into(), 1)?;
     }
-    preflight::at_most(
-        "--connections",
-        args.connections as u64,
-        255,
-        "a bundle's size",
-    )?;
+    preflight::at_most("--connections", connections as u64, 255, "a bundle's size")?;
     if let Some(Some(path)) = &args.timeline {
         preflight::output_file("--timeline", path)?;
     }
@@ -322,7 +327,7 @@ struct Measured {
 
 /// Runs `base` pipelined and monolithic `args.runs` times each, in alternation.
 fn measure(args: &PipelineBenchArgs, base: &DemoConfig) -> Result<Measured, CliError> {
-    let tcp = TcpHarness::blocking(args.connections.clamp(1, 255));
+    let tcp = TcpHarness::blocking(args.connections.unwrap_or(2).clamp(1, 255));
     let demo = |config: &DemoConfig| -> Result<(DemoSummary, RunReport), SuiteError> {
         if args.transport == "tcp" {
             run_demo(&tcp, config, |_, _| {})

@@ -69,9 +69,9 @@ pub(crate) struct TransferBenchArgs {
     /// min(cores, 4)).
     #[arg(long)]
     threads: Option<usize>,
-    /// Connections per peer (tcp; the tcp-raw baseline uses as many plain sockets).
-    #[arg(long, default_value_t = 4)]
-    connections: usize,
+    /// Connections per peer (tcp; the tcp-raw baseline uses as many plain sockets; default 4).
+    #[arg(long)]
+    connections: Option<usize>,
     /// Most bytes per socket write of the transport (tcp; at least 4096; default:
     /// `TcpConfig`'s).
     #[arg(long)]
@@ -84,10 +84,10 @@ pub(crate) struct TransferBenchArgs {
     /// the same extents; needs the `cuda` feature).
     #[arg(long, default_value = "host")]
     memory: String,
-    /// With --memory device: wait for the transfer by polling the driver (poll) or by sleeping
-    /// on the copy worker's reports (block).
-    #[arg(long, default_value = "poll")]
-    driver_wait: String,
+    /// With --memory device: wait for the transfer by polling the driver (poll, the default) or
+    /// by sleeping on the copy worker's reports (block).
+    #[arg(long)]
+    driver_wait: Option<String>,
     /// With --transport tcp --memory device: bytes per pinned staging slot (default:
     /// `TcpConfig`'s).
     #[arg(long)]
@@ -102,9 +102,26 @@ pub(crate) struct TransferBenchArgs {
     /// `cuda-memcpy-peer` of the same bytes in the transport's pieces.
     #[arg(long, value_name = "N")]
     peer_gpu: Option<usize>,
-    /// With --peer-gpu: the prefill side's GPU.
-    #[arg(long, default_value_t = 0)]
-    gpu: usize,
+    /// With --peer-gpu: the prefill side's GPU (default 0).
+    #[arg(long)]
+    gpu: Option<usize>,
+}
+
+impl TransferBenchArgs {
+    /// Connections per peer (`--connections`, default 4).
+    pub(super) fn connections(&self) -> usize {
+        self.connections.unwrap_or(4)
+    }
+
+    /// How the device runs wait (`--driver-wait`, default poll).
+    pub(super) fn driver_wait(&self) -> &str {
+        self.driver_wait.as_deref().unwrap_or("poll")
+    }
+
+    /// The prefill side's GPU of a peer-copy run (`--gpu`, default 0).
+    pub(super) fn gpu(&self) -> usize {
+        self.gpu.unwrap_or(0)
+    }
 }
 
 /// The figures `kvpipe bench transfer` prints.
@@ -240,6 +257,71 @@ pub(super) fn mem_available() -> Option<u64> {
 
 /// The smallest socket write or read `--socket-write-bytes`/`--socket-read-bytes` take: a page.
 const MIN_SOCKET_CALL_BYTES: u64 = 4096;
+/// The largest: 1 GiB (a larger call is cut to what the kernel takes anyway).
+const MAX_SOCKET_CALL_BYTES: u64 = 1 << 30;
+
+/// Flags of another transport or memory than this run's are refused, naming what they apply
+/// to, rather than ignored.
+fn refuse_outside_their_mode(args: &TransferBenchArgs) -> Result<(), CliError> {
+    let (transport, memory) = (args.transport.as_str(), args.memory.as_str());
+    let (tcp, device) = (transport == "tcp", memory == "device");
+    let socket = "--transport tcp";
+    preflight::refuse_misplaced(
+        &[
+            (args.connections.is_some(), tcp, "--connections", socket),
+            (
+                args.socket_write_bytes.is_some(),
+                tcp,
+                "--socket-write-bytes",
+                socket,
+            ),
+            (
+                args.socket_read_bytes.is_some(),
+                tcp,
+                "--socket-read-bytes",
+                socket,
+            ),
+            (
+                args.device.is_some(),
+                transport == "verbs",
+                "--device",
+                "--transport verbs",
+            ),
+            (
+                args.driver_wait.is_some(),
+                device,
+                "--driver-wait",
+                "--memory device",
+            ),
+            (
+                args.staging_slot_bytes.is_some(),
+                tcp && device,
+                "--staging-slot-bytes",
+                "--transport tcp --memory device",
+            ),
+            (
+                args.staging_slots.is_some(),
+                tcp && device,
+                "--staging-slots",
+                "--transport tcp --memory device",
+            ),
+            (
+                args.gpu.is_some(),
+                args.peer_gpu.is_some(),
+                "--gpu",
+                "--peer-gpu",
+            ),
+        ],
+        &format!(
+            "--transport {transport} and --memory {memory}{}",
+            if args.peer_gpu.is_some() {
+                " with --peer-gpu"
+            } else {
+                ""
+            }
+        ),
+    )
+}
 
 /// Ranges, and the smallest run (one chunk, or the whole request if shorter) in host memory:
 /// the transports' runs shorten the request to what fits, never below that.
@@ -250,19 +332,23 @@ fn preflight_transfer(args: &TransferBenchArgs) -> Result<(), CliError> {
     preflight::at_least("--runs", args.runs.into(), 1)?;
     // Smaller socket calls make the transfer crawl (a syscall per few bytes) until the
     // liveness deadlines fail it: they measure nothing.
-    if let Some(b) = args.socket_write_bytes {
-        preflight::at_least("--socket-write-bytes", b as u64, MIN_SOCKET_CALL_BYTES)?;
+    for (flag, bytes) in [
+        ("--socket-write-bytes", args.socket_write_bytes),
+        ("--socket-read-bytes", args.socket_read_bytes),
+    ] {
+        if let Some(b) = bytes {
+            preflight::at_least(flag, b as u64, MIN_SOCKET_CALL_BYTES)?;
+            preflight::at_most(flag, b as u64, MAX_SOCKET_CALL_BYTES, "one socket call")?;
+        }
     }
-    if let Some(b) = args.socket_read_bytes {
-        preflight::at_least("--socket-read-bytes", b as u64, MIN_SOCKET_CALL_BYTES)?;
-    }
-    if !matches!(args.driver_wait.as_str(), "poll" | "block") {
+    if !matches!(args.driver_wait(), "poll" | "block") {
         return Err(format!(
             "--driver-wait must be poll or block (got {:?})",
-            args.driver_wait
+            args.driver_wait()
         )
         .into());
     }
+    refuse_outside_their_mode(args)?;
     if let Some(t) = args.threads {
         preflight::at_least("--threads", t as u64, 1)?;
         preflight::at_most(
@@ -272,10 +358,10 @@ fn preflight_transfer(args: &TransferBenchArgs) -> Result<(), CliError> {
             "copy threads",
         )?;
     }
-    preflight::at_least("--connections", args.connections as u64, 1)?;
+    preflight::at_least("--connections", args.connections() as u64, 1)?;
     preflight::at_most(
         "--connections",
-        args.connections as u64,
+        args.connections() as u64,
         255,
         "a bundle's size",
     )?;

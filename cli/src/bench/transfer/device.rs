@@ -260,7 +260,7 @@ mod gpu {
                 }
                 completed || failed.is_some()
             };
-            if args.driver_wait == "block" {
+            if args.driver_wait() == "block" {
                 pair.drive_until(Duration::from_secs(600), seen)
                     .map_err(|e| format!("transfer: {e}"))?;
             } else {
@@ -335,6 +335,7 @@ mod gpu {
         let baseline_seconds = median(t_baseline.clone());
         let gbps = bytes as f64 / seconds / 1e9;
         let baseline_gbps = bytes as f64 / baseline_seconds / 1e9;
+        let driver_wait = args.driver_wait().to_string();
         let report = DeviceTransferReport {
             transport: args.transport,
             memory: "device",
@@ -360,7 +361,7 @@ mod gpu {
             copy_span_runs_s: t_span,
             start_lag_runs_s: t_start_lag,
             end_lag_runs_s: t_end_lag,
-            driver_wait: args.driver_wait.clone(),
+            driver_wait,
         };
         if args.json {
             println!("{}", serde_json::to_string(&report)?);

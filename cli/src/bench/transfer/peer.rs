@@ -133,7 +133,7 @@ mod gpu {
         let demo = Command::new(&exe)
             .args(["demo", "--transport", "tcp", "--connect", &addr])
             .args(["--prefill-ms-per-chunk", "0", "--chunk-tokens", &tokens])
-            .args(workload(args.gpu))
+            .args(workload(args.gpu()))
             .output()?;
         let served = serve.wait_with_output()?;
         let serve_err = drain.join().unwrap_or_default();
@@ -173,7 +173,7 @@ mod gpu {
         args: TransferBenchArgs,
         peer_gpu: usize,
     ) -> Result<ExitCode, CliError> {
-        let device = Device::open(args.gpu)?;
+        let device = Device::open(args.gpu())?;
         let peer = Device::open(peer_gpu)?;
         let bytes = u64::from(args.tokens) * (128 << 10);
         let piece = kvpipe_tcp::TcpConfig::default().max_piece_bytes;
@@ -197,7 +197,7 @@ mod gpu {
             transport: "tcp",
             data_path: "peer-copy",
             memory: "device",
-            gpu: args.gpu,
+            gpu: args.gpu(),
             peer_gpu,
             processes: 2,
             bytes,

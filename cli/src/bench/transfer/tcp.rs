@@ -183,7 +183,7 @@ pub(super) fn sweep(t_raw: &[Vec<f64>], bytes: u64, connections: usize) -> (Vec<
 }
 
 pub(super) fn run(args: TransferBenchArgs) -> Result<ExitCode, CliError> {
-    let connections = args.connections.clamp(1, 255);
+    let connections = args.connections().clamp(1, 255);
     let tpb = args.tokens_per_block.max(1);
     let chunk_tokens = args.chunk_tokens.max(tpb) / tpb * tpb;
     let src_layout = layout(1, tpb);

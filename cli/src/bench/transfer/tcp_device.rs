@@ -175,7 +175,7 @@ mod gpu {
         kvpipe_cuda::check_driver()?;
         let device = Device::open(0)?;
         let name = device.name()?;
-        let connections = args.connections.clamp(1, 255);
+        let connections = args.connections().clamp(1, 255);
         let tpb = args.tokens_per_block.max(1);
         let chunk_tokens = args.chunk_tokens.max(tpb) / tpb * tpb;
         let src_layout = layout(1, tpb);
