@@ -235,6 +235,14 @@ pub(crate) fn run(args: ServeArgs) -> Result<ExitCode, CliError> {
         "a week",
     )?;
     preflight::listen_address("--listen", &args.listen)?;
+    // Both bound here: the second to bind would find the address taken.
+    if args.metrics.as_deref() == Some(args.listen.as_str()) && !args.listen.ends_with(":0") {
+        return Err(format!(
+            "--listen and --metrics both name {}: give the metrics endpoint an address of its own",
+            args.listen
+        )
+        .into());
+    }
     workload
         .one_side("--prompt-tokens, --requests or --tokens-per-block")
         .check()?;
@@ -260,7 +268,8 @@ pub(crate) fn run(args: ServeArgs) -> Result<ExitCode, CliError> {
     // and for verification after each request quiesced.
     let data_path = args.data_path.unwrap_or(kvpipe_tcp::TcpDataPath::Auto);
     let rx = unsafe { decode_node(&transport, config, &mut cache, data_path)? };
-    let addr = rx.listen(args.listen.as_str())?;
+    let addr = (rx.listen(args.listen.as_str()))
+        .map_err(|e| format!("--listen {}: cannot listen: {e}", args.listen))?;
     eprintln!("kvpipe serve: listening on {addr}");
     if let Some(m) = &metrics {
         eprintln!("kvpipe serve: metrics on http://{}/metrics", m.addr());

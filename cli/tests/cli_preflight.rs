@@ -257,6 +257,15 @@ fn bench_flags_outside_their_mode_are_refused_not_ignored() {
 }
 
 #[test]
+fn serve_refuses_one_address_for_its_listener_and_its_metrics() {
+    let same = "127.0.0.1:17502";
+    refused(&[(
+        vec!["serve", "--listen", same, "--metrics", same],
+        "--listen and --metrics both name 127.0.0.1:17502",
+    )]);
+}
+
+#[test]
 fn a_pipeline_split_past_the_models_layers_is_refused() {
     let demo = |model: &'static str, pp: &'static str| {
         vec![

@@ -119,6 +119,7 @@ impl TransferBenchArgs {
     }
 
     /// The prefill side's GPU of a peer-copy run (`--gpu`, default 0).
+    #[cfg(feature = "cuda")]
     pub(super) fn gpu(&self) -> usize {
         self.gpu.unwrap_or(0)
     }
