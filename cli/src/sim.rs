@@ -37,6 +37,8 @@ pub(crate) struct SimArgs {
 }
 
 pub(crate) fn run(args: SimArgs) -> Result<ExitCode, CliError> {
+    // No request checks nothing, and would pass.
+    preflight::at_least("--requests", args.requests as u64, 1)?;
     preflight::at_least("--senders", args.senders as u64, 1)?;
     preflight::at_most(
         "--senders",

@@ -257,6 +257,14 @@ fn bench_flags_outside_their_mode_are_refused_not_ignored() {
 }
 
 #[test]
+fn sim_refuses_to_simulate_no_request() {
+    refused(&[(
+        vec!["sim", "--requests", "0"],
+        "--requests must be at least 1 (got 0)",
+    )]);
+}
+
+#[test]
 fn serve_refuses_one_address_for_its_listener_and_its_metrics() {
     let same = "127.0.0.1:17502";
     refused(&[(
