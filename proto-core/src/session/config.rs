@@ -20,7 +20,9 @@ pub const DEFAULT_MAX_RETIRED: usize = 1 << 18;
 pub struct Deadlines {
     /// From connection to a validated handshake.
     pub handshake: Duration,
-    /// (Sender) from opening a request to every receiver's registration.
+    /// (Sender) from opening a request to every receiver's registration; and from a
+    /// registration that arrived first to the request's opening (past it the registration is
+    /// refused with a `Cancel`).
     pub registration: Duration,
     /// (Sender) from handing a write batch to the transport to its report.
     pub write_completion: Duration,
