@@ -595,3 +595,55 @@ fn a_block_another_live_request_holds_is_refused_until_that_request_quiesces() {
         "{err}"
     );
 }
+
+/// A windowed pair: window 8 tokens, 4 tokens per block, so a 16-token prompt's stale
+/// boundary is block 2 (`(16 + 1 - 8) / 4`); the receiver registers blocks 2 and 3.
+fn windowed_net() -> Net {
+    use kvpipe_core::{Receiver, Sender};
+    let mut net = Net::new(1, 1);
+    let mut tx = sender_config(0);
+    tx.local.groups[0].window = Some(8);
+    let mut rx = receiver_config(0);
+    rx.local.groups[0].window = Some(8);
+    net.senders[0] = Sender::new(tx).unwrap();
+    net.receivers[0] = Receiver::new(rx).unwrap();
+    net.connect(0, 0);
+    net.pump();
+    let mut reg = registration(R, 16, &[0]);
+    reg.groups[0] = kvpipe_core::AnchoredRun::from_ids(2, &[BlockId(502), BlockId(503)]);
+    net.register(0, reg);
+    net.open(0, send_request(R, &[0]));
+    net
+}
+
+#[test]
+fn a_windowed_run_missing_a_block_inside_the_window_fails_the_request() {
+    // The sender asks only from the stale boundary on ([2, 4)); a cache that evicted block 2
+    // as well answers [3, 4).
+    let mut net = windowed_net();
+    let mut evicted_too_many = Bent(|_, _, run: &mut BlockRun| {
+        run.first_ordinal += 1;
+        run.ids.drain(..1);
+    });
+    let err = submit(&mut net, spec(0, 16, 0), &mut evicted_too_many);
+    assert!(
+        matches!(err, EngineFault::BlockRun(e) if e.fault == BlockRunFault::InsideWindow
+            && (e.returned.begin, e.returned.end) == (3, 4)),
+        "{err}"
+    );
+    assert!(
+        err.to_string()
+            .contains("misses a block inside the sliding window"),
+        "{err}"
+    );
+    assert_failed_on_both_sides(&net);
+    // Every block from the boundary on resident (those below it may be evicted, and are not
+    // asked for): it completes.
+    let mut net = windowed_net();
+    net.submit(0, R, spec(0, 16, 0), &mut Bent(|_, _, _| {}));
+    net.aux(0, R);
+    assert!(net
+        .events(Side::Receiver(0))
+        .iter()
+        .any(|e| matches!(e, Event::Completed { .. })));
+}

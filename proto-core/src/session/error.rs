@@ -626,6 +626,9 @@ pub enum BlockRunFault {
     WrongEnd,
     /// Fewer blocks than asked for in a group that keeps every block (full attention).
     TooShort,
+    /// A windowed group's run starts past its stale boundary: a block the decode side still
+    /// needs (inside the window at the end of prefill) is missing.
+    InsideWindow,
 }
 
 /// The engine's answer to a chunk (its block runs, its prefix, its prompt) broke the engine's
@@ -695,6 +698,7 @@ pub enum EngineFault {
         BlockRunFault::TooLong => "longer than asked",
         BlockRunFault::WrongEnd => "does not end at the asked end",
         BlockRunFault::TooShort => "short in a full-attention group",
+        BlockRunFault::InsideWindow => "misses a block inside the sliding window",
     }
 )]
 pub struct BlockRunError {

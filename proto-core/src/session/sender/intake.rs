@@ -482,6 +482,14 @@ pub(super) fn chunk_phase(phase: SendPhase, is_last: bool) -> Option<SendPhase> 
 /// Checks one group's block run against the bounded block-source contract: it ends exactly at
 /// the asked end, is never longer than asked, and is shorter only in a windowed group (whose
 /// evicted head the contract allows).
+/// The stale boundary of a windowed group for a prompt of `prompt_len` tokens (0 for a group
+/// without a window).
+fn stale(layout: &crate::layout::LayerGroupLayout, prompt_len: u32) -> u32 {
+    layout.window.map_or(0, |w| {
+        crate::geometry::stale_boundary(prompt_len, w, layout.tokens_per_block).unwrap_or(0)
+    })
+}
+
 fn check_run(
     request: RequestId,
     group: GroupIndex,
@@ -501,6 +509,10 @@ fn check_run(
         BlockRunFault::WrongEnd
     } else if len < asked.len() && !layout.is_windowed_for(prompt_len) {
         BlockRunFault::TooShort
+    } else if len < asked.len() && run.first_ordinal > asked.begin.max(stale(layout, prompt_len)) {
+        // Every block from the stale boundary on stays in the window to the end of prefill:
+        // the decode side registers them, and a correct cache still holds them.
+        BlockRunFault::InsideWindow
     } else {
         return None;
     };
