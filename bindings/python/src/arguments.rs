@@ -156,30 +156,25 @@ pub(crate) fn connections(value: &Bound<'_, PyAny>) -> PyResult<usize> {
     }
 }
 
-/// The token counts of ``Sender.submit_chunk``, for ``#[pyo3(from_py_with = ...)]`` (which
-/// hands a converter no argument name): each as [`unsigned`] converts it.
+/// Converters named after their argument, each as [`unsigned`] converts it.
+macro_rules! named_unsigned {
+    ($($name:ident: $t:ty),* $(,)?) => {
+        $(
+            #[doc = concat!("``", stringify!($name), "``.")]
+            pub(crate) fn $name(value: &Bound<'_, PyAny>) -> PyResult<$t> {
+                super::unsigned(value, stringify!($name))
+            }
+        )*
+    };
+}
+
+/// The token counts of ``Sender.submit_chunk`` (``start``, ``end``, ``prompt_len``,
+/// ``prepopulated_len``), for ``#[pyo3(from_py_with = ...)]`` (which hands a converter no
+/// argument name).
 pub(crate) mod chunk {
     use pyo3::prelude::*;
 
-    /// ``start``: the chunk's first token.
-    pub(crate) fn start(value: &Bound<'_, PyAny>) -> PyResult<u32> {
-        super::unsigned(value, "start")
-    }
-
-    /// ``end``: one past the chunk's last token.
-    pub(crate) fn end(value: &Bound<'_, PyAny>) -> PyResult<u32> {
-        super::unsigned(value, "end")
-    }
-
-    /// ``prompt_len``: the prompt's tokens.
-    pub(crate) fn prompt_len(value: &Bound<'_, PyAny>) -> PyResult<u32> {
-        super::unsigned(value, "prompt_len")
-    }
-
-    /// ``prepopulated_len``: the prompt's tokens the decode side holds already.
-    pub(crate) fn prepopulated_len(value: &Bound<'_, PyAny>) -> PyResult<u32> {
-        super::unsigned(value, "prepopulated_len")
-    }
+    named_unsigned!(start: u32, end: u32, prompt_len: u32, prepopulated_len: u32);
 }
 
 /// A sequence argument `name` whose items each convert as [`unsigned`] does, an item out of
@@ -221,18 +216,6 @@ pub(crate) fn block_run(
     Ok((first, ids.into_iter().map(kvpipe_core::BlockId).collect()))
 }
 
-/// Converters named after their argument, each as [`unsigned`] converts it.
-macro_rules! named_unsigned {
-    ($($name:ident: $t:ty),* $(,)?) => {
-        $(
-            #[doc = concat!("``", stringify!($name), "``.")]
-            pub(crate) fn $name(value: &Bound<'_, PyAny>) -> PyResult<$t> {
-                super::unsigned(value, stringify!($name))
-            }
-        )*
-    };
-}
-
 /// The integer fields of ``Pool`` and ``LayerGroup``.
 pub(crate) mod layout {
     use pyo3::prelude::*;
@@ -262,9 +245,12 @@ pub(crate) mod layout {
     }
 }
 
-/// The aux data's token arguments of ``Sender.submit_aux``.
+/// The aux data's arguments of ``Sender.submit_aux``, and ``Receiver.register``'s
+/// ``aux_capacity``.
 pub(crate) mod aux {
     use pyo3::prelude::*;
+
+    named_unsigned!(prompt_tokens: u32, cached_tokens: u32, aux_capacity: u32);
 
     /// ``first_tokens``: the first generated token(s).
     pub(crate) fn first_tokens(value: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
@@ -274,21 +260,6 @@ pub(crate) mod aux {
     /// ``draft_tokens``: speculative tokens.
     pub(crate) fn draft_tokens(value: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
         super::unsigned_items(value, "draft_tokens")
-    }
-
-    /// ``prompt_tokens``: the prompt's tokens, as the aux data counts them.
-    pub(crate) fn prompt_tokens(value: &Bound<'_, PyAny>) -> PyResult<u32> {
-        super::unsigned(value, "prompt_tokens")
-    }
-
-    /// ``cached_tokens``: the prompt's tokens the prefill side had cached.
-    pub(crate) fn cached_tokens(value: &Bound<'_, PyAny>) -> PyResult<u32> {
-        super::unsigned(value, "cached_tokens")
-    }
-
-    /// ``aux_capacity`` (``Receiver.register``): bytes the aux data may take.
-    pub(crate) fn aux_capacity(value: &Bound<'_, PyAny>) -> PyResult<u32> {
-        super::unsigned(value, "aux_capacity")
     }
 }
 
