@@ -137,6 +137,9 @@ pub(crate) unsafe fn sides(
     sender_core.region_bytes = region_bytes(sender_regions);
     let mut receiver_core = receiver.receiver_config();
     receiver_core.region_bytes = region_bytes(receiver_regions);
+    // The pair connects once: a side that closed never comes back, as over TCP.
+    sender_core.peer_ids_reused = false;
+    receiver_core.peer_ids_reused = false;
     let mut pair = MemPair::new(PairConfig::new(sender_core, receiver_core))?;
     for (side, regions) in [
         (Endpoint::Sender, sender_regions),

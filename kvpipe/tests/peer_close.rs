@@ -343,3 +343,51 @@ fn a_closed_decode_node_pool_is_still_once_close_returned() {
         assert!(later == at_close, "bytes landed after close returned");
     }
 }
+
+/// After the decode node closed, a request the prefill node opens towards it fails at once with
+/// `PeerLost` (the peer never comes back under that id), and the other way round a registration
+/// naming the closed prefill node: neither waits out its deadline.
+fn towards_a_departed_peer(transport: &str) {
+    for close_decode in [true, false] {
+        let mut sides = Sides::new();
+        let (tx, rx, to_receiver, to_sender) = nodes(transport, &mut sides);
+        let side = format!("{transport}, decode closed: {close_decode}");
+        if close_decode {
+            rx.close(Duration::from_secs(1)).unwrap();
+            wait_for(&tx, "PeerLost (prefill)", |e| {
+                matches!(e, Event::PeerLost { .. })
+            });
+            tx.open_request(kvpipe::SendRequest::new(REQUEST, [to_receiver]))
+                .unwrap();
+            let (end, _) = outcome(&tx, &side);
+            assert!(peer_lost(&end, to_receiver), "{side}: {end:?}");
+        } else {
+            tx.close(Duration::from_secs(1)).unwrap();
+            wait_for(&rx, "PeerLost (decode)", |e| {
+                matches!(e, Event::PeerLost { .. })
+            });
+            let dst: Vec<BlockId> = (0..PROMPT.div_ceil(4)).map(BlockId).collect();
+            rx.register(kvpipe::Registration {
+                request: REQUEST,
+                prompt_len: PROMPT,
+                groups: vec![kvpipe::AnchoredRun::from_ids(0, &dst)],
+                writers: [to_sender].into_iter().collect(),
+                aux_capacity: 64,
+                expected_part: None,
+            })
+            .unwrap();
+            let (end, _) = outcome(&rx, &side);
+            assert!(peer_lost(&end, to_sender), "{side}: {end:?}");
+        }
+    }
+}
+
+#[test]
+fn mem_towards_a_departed_peer() {
+    towards_a_departed_peer("mem");
+}
+
+#[test]
+fn tcp_towards_a_departed_peer() {
+    towards_a_departed_peer("tcp");
+}

@@ -131,3 +131,104 @@ fn a_lost_peer_is_reported_once_before_its_requests_fail() {
         .iter()
         .any(|e| matches!(e, Event::PeerLost { .. })));
 }
+
+#[test]
+fn a_request_opened_towards_a_departed_peer_fails_at_once() {
+    // Over a transport that never reuses a peer id (TCP, verbs), receiver 1 left: a request
+    // naming it and healthy receiver 0 fails at once on the prefill side (it does not wait
+    // out its registration deadline), and receiver 0, which registered, is told.
+    let mut net = Net::new_with(1, 2, false);
+    net.connect(0, 0);
+    net.connect(0, 1);
+    net.pump();
+    net.disconnect(0, 1);
+    net.pump();
+    let r = RequestId(11);
+    net.register(0, registration(r, 16, &[0]));
+    net.pump();
+    net.open(0, send_request(r, &[0, 1]));
+    net.pump();
+    assert!(
+        net.events(Side::Sender(0)).iter().any(|e| matches!(
+            e,
+            Event::Failed { request, cause: TransferStatus::PeerLost, peer: Some(p), .. }
+                if *request == r && *p == rx_peer(1)
+        )),
+        "{:?}",
+        net.events(Side::Sender(0))
+    );
+    assert_eq!(net.senders[0].phase(r), Some(SendPhase::Quiesced));
+    assert!(!matches!(
+        net.receivers[0].phase(r),
+        Some(RecvPhase::Receiving) | Some(RecvPhase::Completed)
+    ));
+    assert_eq!(net.receivers[0].phase(r), Some(RecvPhase::Quiesced));
+}
+
+#[test]
+fn a_registration_naming_a_departed_writer_fails_at_once() {
+    let mut net = Net::tensor_parallel_unconnected_with(2, false);
+    net.connect(0, 0);
+    net.connect(1, 0);
+    net.pump();
+    net.disconnect(1, 0);
+    net.pump();
+    let r = RequestId(12);
+    net.open(0, send_request(r, &[0]));
+    net.register(0, registration(r, 16, &[0, 1]));
+    net.pump();
+    assert!(
+        net.events(Side::Receiver(0)).iter().any(|e| matches!(
+            e,
+            Event::Failed { request, cause: TransferStatus::PeerLost, peer: Some(p), .. }
+                if *request == r && *p == tx_peer(1)
+        )),
+        "{:?}",
+        net.events(Side::Receiver(0))
+    );
+    assert_eq!(net.receivers[0].phase(r), Some(RecvPhase::Quiesced));
+    // The healthy writer heard of it and stopped too.
+    assert_eq!(net.senders[0].phase(r), Some(SendPhase::Quiesced));
+}
+
+#[test]
+fn a_peer_that_connects_again_under_its_old_id_is_no_longer_departed() {
+    // Even where ids are said not to be reused, a new connection under a departed peer's id
+    // is that peer again: requests towards it proceed as usual.
+    let mut net = Net::new_with(1, 1, false);
+    net.connect(0, 0);
+    net.pump();
+    net.disconnect(0, 0);
+    net.pump();
+    net.connect(0, 0);
+    net.pump();
+    let r = RequestId(13);
+    let mut source = TestSource::with(r, 100, 4);
+    net.register(0, registration(r, 16, &[0]));
+    net.open(0, send_request(r, &[0]));
+    net.submit(0, r, chunk(0, 16, 16, true), &mut source);
+    net.aux(0, r);
+    assert_eq!(net.senders[0].phase(r), Some(SendPhase::Completed));
+    assert_eq!(net.receivers[0].phase(r), Some(RecvPhase::Completed));
+}
+
+#[test]
+fn where_peer_ids_are_reused_a_request_towards_a_departed_peer_waits_for_it() {
+    // The default: the transport may give a new connection a departed peer's id, so a
+    // request opened meanwhile waits (within its deadlines) and completes once it is back.
+    let mut net = Net::connected(1, 1);
+    net.disconnect(0, 0);
+    net.pump();
+    let r = RequestId(14);
+    let mut source = TestSource::with(r, 100, 4);
+    net.open(0, send_request(r, &[0]));
+    net.pump();
+    assert_eq!(net.senders[0].phase(r), Some(SendPhase::Streaming));
+    net.connect(0, 0);
+    net.pump();
+    net.register(0, registration(r, 16, &[0]));
+    net.submit(0, r, chunk(0, 16, 16, true), &mut source);
+    net.aux(0, r);
+    assert_eq!(net.senders[0].phase(r), Some(SendPhase::Completed));
+    assert_eq!(net.receivers[0].phase(r), Some(RecvPhase::Completed));
+}

@@ -297,9 +297,10 @@ fn a_registration_listing_one_of_two_tensor_ranks_is_refused_naming_the_missing_
 
 #[test]
 fn two_senders_claiming_the_same_rank_fail_the_request_once_both_handshakes_are_known() {
-    let mut net = Net::tensor_parallel(2);
     // Writer 1 is not connected yet when the decode engine registers.
-    net.disconnect(1, 0);
+    let mut net = Net::tensor_parallel_unconnected(2);
+    net.connect(0, 0);
+    net.pump();
     net.open(0, send_request(R, &[0]));
     net.register(0, registration(R, 16, &[0, 1]));
     assert_eq!(net.receivers[0].session_count(), 1, "cover not known yet");

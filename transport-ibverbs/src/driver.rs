@@ -274,6 +274,9 @@ impl VerbsNode<Sender> {
         memory: MemoryTable,
         verbs: VerbsConfig,
     ) -> io::Result<Self> {
+        // Links are numbered upwards: a departed peer's id never comes back.
+        let mut config = config;
+        config.peer_ids_reused = false;
         let sender = Sender::new(config).map_err(io::Error::other)?;
         Self::start(sender, device, memory, verbs)
     }
@@ -290,6 +293,8 @@ impl VerbsNode<Receiver> {
         // RC places a writer's data before its later frames: results are trusted on arrival.
         let mut config = config;
         config.data_path = DataPath::Ordered;
+        // Links are numbered upwards: a departed peer's id never comes back.
+        config.peer_ids_reused = false;
         let receiver = Receiver::new(config).map_err(io::Error::other)?;
         Self::start(receiver, device, memory, verbs)
     }

@@ -116,7 +116,8 @@ impl<E: Endpoint + Send + 'static> TcpNode<E> {
 
 impl TcpNode<Sender> {
     /// A node around a core sender, reading source bytes from `regions`; or the first reason
-    /// the core cannot run pipelined transfer with `config`.
+    /// the core cannot run pipelined transfer with `config`. TCP never reuses a peer id, so
+    /// the sender runs with [`SenderConfig::peer_ids_reused`] `false`.
     pub fn new(
         config: SenderConfig,
         tcp: TcpConfig,
@@ -127,11 +128,13 @@ impl TcpNode<Sender> {
 
     /// A node whose connection halves run where `spawn` starts them.
     pub(crate) fn with_spawn(
-        config: SenderConfig,
+        mut config: SenderConfig,
         tcp: TcpConfig,
         regions: RegionTable,
         spawn: Box<dyn Spawn>,
     ) -> Result<Self, ConfigError> {
+        // Connections are numbered upwards: a departed peer's id never comes back.
+        config.peer_ids_reused = false;
         Ok(TcpNode {
             node: Node::new(Sender::new(config)?, tcp, regions, spawn),
         })
@@ -143,7 +146,8 @@ impl TcpNode<Receiver> {
     /// core cannot run pipelined transfer with `config`.
     ///
     /// TCP applies every data write itself, so the receiver runs with
-    /// [`DataPath::Landed`] whatever `config.data_path` says.
+    /// [`DataPath::Landed`] whatever `config.data_path` says, and with
+    /// [`ReceiverConfig::peer_ids_reused`] `false` (a peer id is never reused).
     pub fn new(
         config: ReceiverConfig,
         tcp: TcpConfig,
@@ -160,6 +164,8 @@ impl TcpNode<Receiver> {
         spawn: Box<dyn Spawn>,
     ) -> Result<Self, ConfigError> {
         config.data_path = DataPath::Landed;
+        // Connections are numbered upwards: a departed peer's id never comes back.
+        config.peer_ids_reused = false;
         Ok(TcpNode {
             node: Node::new(Receiver::new(config)?, tcp, regions, spawn),
         })

@@ -195,6 +195,15 @@ pub struct SenderConfig {
     /// caught before any write is planned. Empty (the default): not checked here, and such a
     /// write fails at the transport instead.
     pub region_bytes: Vec<(RegionId, u64)>,
+    /// Whether the transport may give a new connection the id of one that ended (the default,
+    /// `true`, as the transport contract allows): a request opened or registered towards a
+    /// peer whose connection ended then waits for it to connect again, within the request's
+    /// deadlines. A transport that never reuses an id (TCP and verbs number their connections
+    /// upwards) sets it `false`: such a request fails at once with
+    /// [`TransferStatus::PeerLost`](crate::wire::TransferStatus::PeerLost), as the connection's
+    /// end failed the requests open then, instead of waiting out a deadline for a peer that
+    /// is gone.
+    pub peer_ids_reused: bool,
 }
 
 impl SenderConfig {
@@ -210,6 +219,7 @@ impl SenderConfig {
             pipeline: PipelineConfig::default(),
             layer_order: LayerOrder::stacked(),
             region_bytes: Vec::new(),
+            peer_ids_reused: true,
         }
     }
 }
@@ -247,6 +257,15 @@ pub struct ReceiverConfig {
     /// ([`UsageError::BlockPastPool`](super::UsageError::BlockPastPool)). Empty (the
     /// default): not checked here, and a write to such a block fails at the transport instead.
     pub region_bytes: Vec<(RegionId, u64)>,
+    /// Whether the transport may give a new connection the id of one that ended (the default,
+    /// `true`, as the transport contract allows): a request opened or registered towards a
+    /// peer whose connection ended then waits for it to connect again, within the request's
+    /// deadlines. A transport that never reuses an id (TCP and verbs number their connections
+    /// upwards) sets it `false`: such a request fails at once with
+    /// [`TransferStatus::PeerLost`](crate::wire::TransferStatus::PeerLost), as the connection's
+    /// end failed the requests open then, instead of waiting out a deadline for a peer that
+    /// is gone.
+    pub peer_ids_reused: bool,
 }
 
 impl ReceiverConfig {
@@ -262,6 +281,7 @@ impl ReceiverConfig {
             data_path: DataPath::Landed,
             pipeline: PipelineConfig::default(),
             region_bytes: Vec::new(),
+            peer_ids_reused: true,
         }
     }
 }

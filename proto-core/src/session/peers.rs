@@ -7,7 +7,7 @@
 //! for the peer's `HelloAccept`, whose answer is reported just before `PeerReady`
 //! ([`DataPathNegotiation::Answered`]). Both waits are bounded by the handshake deadline.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use bytes::Bytes;
 
@@ -82,20 +82,40 @@ pub(crate) enum PeerExpiry {
     Liveness,
 }
 
+/// Most departed peers a [`PeerTable`] remembers (the smallest ids go first: the threaded
+/// transports number their connections upwards and never reuse an id).
+const DEPARTED_MAX: usize = if cfg!(test) { 4 } else { 4096 };
+
 #[derive(Clone, Debug)]
 pub(crate) struct PeerTable {
     local: Hello,
     deadlines: Deadlines,
     peers: BTreeMap<PeerId, PeerEntry>,
+    /// Peers whose connection ended and that did not connect again (at most
+    /// [`DEPARTED_MAX`]), kept when the transport never reuses an id: a request opened or
+    /// registered towards one fails at once, as the connection's end failed the requests that
+    /// were open then, instead of waiting out its registration or result deadline for a peer
+    /// that is gone.
+    departed: BTreeSet<PeerId>,
+    /// Whether the transport may reuse a departed peer's id (then none is kept in `departed`).
+    ids_reused: bool,
 }
 
 impl PeerTable {
-    pub(crate) fn new(local: Hello, deadlines: Deadlines) -> Self {
+    pub(crate) fn new(local: Hello, deadlines: Deadlines, ids_reused: bool) -> Self {
         PeerTable {
             local,
             deadlines,
             peers: BTreeMap::new(),
+            departed: BTreeSet::new(),
+            ids_reused,
         }
+    }
+
+    /// Whether `peer`'s connection ended and it did not connect again (among the last
+    /// [`DEPARTED_MAX`] peers that left).
+    pub(crate) fn has_departed(&self, peer: PeerId) -> bool {
+        self.departed.contains(&peer)
     }
 
     pub(crate) fn is_ready(&self, peer: PeerId) -> bool {
@@ -150,6 +170,8 @@ impl PeerTable {
             return Err(UsageError::PeerAlreadyConnected(peer));
         }
         check_data_path_len(offer.as_ref())?;
+        // A transport may give a new connection the id of one that ended.
+        self.departed.remove(&peer);
         self.peers.insert(
             peer,
             PeerEntry {
@@ -176,9 +198,17 @@ impl PeerTable {
     }
 
     pub(crate) fn disconnected(&mut self, peer: PeerId) -> Result<PeerEntry, UsageError> {
-        self.peers
+        let entry = self
+            .peers
             .remove(&peer)
-            .ok_or(UsageError::UnknownPeer(peer))
+            .ok_or(UsageError::UnknownPeer(peer))?;
+        if !self.ids_reused {
+            self.departed.insert(peer);
+        }
+        if self.departed.len() > DEPARTED_MAX {
+            self.departed.pop_first();
+        }
+        Ok(entry)
     }
 
     /// Encodes `frame` at the peer's version and queues it. Returns false (and counts it) if

@@ -123,6 +123,25 @@ pub(crate) trait EndpointRole {
         Ok(())
     }
 
+    /// `request` was just opened (or registered) towards `peers`: one whose connection ended
+    /// fails it at once, as that end failed the requests open then ([`Stop::lost`]), instead of
+    /// leaving it to wait out its deadline for a peer that is gone.
+    fn meet_departed(&mut self, now: Instant, request: RequestId, peers: &[PeerId]) {
+        for &peer in peers {
+            if !self.shell().peers.has_departed(peer)
+                || !self.sessions().live.contains_key(&request)
+            {
+                continue;
+            }
+            let finished = self.participant_gone(request, peer);
+            if self.is_active(request) && !finished {
+                self.stop(now, request, Stop::lost(peer));
+            } else {
+                self.check_drained(now, request);
+            }
+        }
+    }
+
     /// Stops, for `why`, every active session that still needs `peer`.
     fn fail_peer_sessions(&mut self, now: Instant, peer: PeerId, why: Stop) {
         let involved = self

@@ -40,9 +40,14 @@ pub(crate) struct Shell {
 }
 
 impl Shell {
-    pub(crate) fn new(local: Hello, deadlines: Deadlines, max_remembered_cancels: usize) -> Self {
+    pub(crate) fn new(
+        local: Hello,
+        deadlines: Deadlines,
+        max_remembered_cancels: usize,
+        peer_ids_reused: bool,
+    ) -> Self {
         Shell {
-            peers: PeerTable::new(local, deadlines),
+            peers: PeerTable::new(local, deadlines, peer_ids_reused),
             timers: Timers::default(),
             outputs: VecDeque::new(),
             counters: Counters::default(),
@@ -207,7 +212,7 @@ mod tests {
     #[test]
     fn a_quiesced_request_leaves_no_deadline_behind() {
         let hello = LocalHello::new(InstanceId(1), Topology::default(), Vec::new());
-        let mut shell = Shell::new(hello.to_hello(Role::Sender), Deadlines::default(), 0);
+        let mut shell = Shell::new(hello.to_hello(Role::Sender), Deadlines::default(), 0, true);
         let at = Instant::from_millis;
         let (a, b) = (RequestId(1), RequestId(2));
         shell.timers.arm(at(10), TimerKey::Request(a));

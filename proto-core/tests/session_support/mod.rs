@@ -216,13 +216,27 @@ pub struct Net {
 
 impl Net {
     pub fn new(senders: usize, receivers: usize) -> Self {
+        Net::new_with(senders, receivers, true)
+    }
+
+    /// [`Net::new`] whose endpoints run with `peer_ids_reused` as given: `false` as over TCP
+    /// or verbs, where a departed peer's id never comes back.
+    pub fn new_with(senders: usize, receivers: usize, peer_ids_reused: bool) -> Self {
         Net {
             now: Instant::from_millis(1),
             senders: (0..senders)
-                .map(|i| Sender::new(sender_config(i)).unwrap())
+                .map(|i| {
+                    let mut c = sender_config(i);
+                    c.peer_ids_reused = peer_ids_reused;
+                    Sender::new(c).unwrap()
+                })
                 .collect(),
             receivers: (0..receivers)
-                .map(|j| Receiver::new(receiver_config(j)).unwrap())
+                .map(|j| {
+                    let mut c = receiver_config(j);
+                    c.peer_ids_reused = peer_ids_reused;
+                    Receiver::new(c).unwrap()
+                })
                 .collect(),
             auto_complete: true,
             held: Vec::new(),
@@ -237,6 +251,22 @@ impl Net {
     /// heads, and one receiver holding them all, connected: each writer writes its head of
     /// every block (the receiver's slots are `writers` times the senders').
     pub fn tensor_parallel(writers: usize) -> Self {
+        let mut net = Net::tensor_parallel_unconnected(writers);
+        for i in 0..writers {
+            net.connect(i, 0);
+        }
+        net.pump();
+        net
+    }
+
+    /// [`Net::tensor_parallel`]'s ranks before any of them connected.
+    pub fn tensor_parallel_unconnected(writers: usize) -> Self {
+        Net::tensor_parallel_unconnected_with(writers, true)
+    }
+
+    /// [`Net::tensor_parallel_unconnected`] with `peer_ids_reused` as given (see
+    /// [`Net::new_with`]).
+    pub fn tensor_parallel_unconnected_with(writers: usize, peer_ids_reused: bool) -> Self {
         let mut net = Net::new(writers, 1);
         let heads = writers as u16;
         for (i, sender) in net.senders.iter_mut().enumerate() {
@@ -254,6 +284,7 @@ impl Net {
             let mut c =
                 SenderConfig::new(LocalHello::new(InstanceId(10 + i as u64), topology, groups));
             c.deadlines = deadlines();
+            c.peer_ids_reused = peer_ids_reused;
             *sender = Sender::new(c).unwrap();
         }
         let mut groups = layout(2);
@@ -265,11 +296,8 @@ impl Net {
             0x5eed,
         );
         c.deadlines = deadlines();
+        c.peer_ids_reused = peer_ids_reused;
         net.receivers[0] = Receiver::new(c).unwrap();
-        for i in 0..writers {
-            net.connect(i, 0);
-        }
-        net.pump();
         net
     }
 

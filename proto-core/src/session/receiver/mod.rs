@@ -191,7 +191,12 @@ impl Receiver {
         config.deadlines.check()?;
         let hello = config.local.to_hello(Role::Receiver);
         Ok(Receiver {
-            shell: Shell::new(hello, config.deadlines, config.max_remembered_cancels),
+            shell: Shell::new(
+                hello,
+                config.deadlines,
+                config.max_remembered_cancels,
+                config.peer_ids_reused,
+            ),
             sessions: SessionTable::new(config.retired_horizon, config.max_retired),
             writes: WritesInFlight::default(),
             held: held::HeldBlocks::default(),

@@ -163,6 +163,10 @@ impl Receiver {
             self.stop(now, request, Stop::Cancelled(origin));
             return Ok(());
         }
+        self.meet_departed(now, request, &reg.writers);
+        if !self.is_active(request) {
+            return Ok(());
+        }
         // No writer may start (and so complete on its side) before the writers' cover is
         // proved: a writer whose handshake comes later could still prove it wrong.
         if cover_proved {

@@ -58,6 +58,7 @@ impl Sender {
         for (peer, reg) in self.pending_registrations.take(request) {
             self.on_registration(now, peer, reg);
         }
+        self.meet_departed(now, request, &req.receivers);
         Ok(())
     }
 

@@ -263,7 +263,12 @@ impl Sender {
         config.deadlines.check()?;
         let hello = config.local.to_hello(Role::Sender);
         Ok(Sender {
-            shell: Shell::new(hello, config.deadlines, config.max_remembered_cancels),
+            shell: Shell::new(
+                hello,
+                config.deadlines,
+                config.max_remembered_cancels,
+                config.peer_ids_reused,
+            ),
             sessions: SessionTable::new(config.retired_horizon, config.max_retired),
             pending_registrations: PendingRegistrations::default(),
             batches: BTreeMap::new(),
