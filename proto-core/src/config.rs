@@ -146,6 +146,10 @@ pub enum ConfigError {
         /// What is wrong.
         error: crate::plan::PlanError,
     },
+    /// The node's own place in the parallel topology is one no peer would accept (see
+    /// [`check_topology`](crate::check_topology)).
+    #[error("topology: {0}")]
+    Topology(#[from] crate::shard::TopologyError),
 }
 
 #[cfg(test)]

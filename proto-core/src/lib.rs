@@ -197,6 +197,6 @@ pub use session::{
     ReceiverConfig, ReceiverInput, Sender, SenderConfig, SenderInput, Submitted, TransportInput,
     WriteTicket,
 };
-pub use shard::{check_shard, writes_group, writes_to, ShardError};
+pub use shard::{check_shard, check_topology, writes_group, writes_to, ShardError, TopologyError};
 pub use source::{BlockSource, BlockSourceError};
 pub use time::{Duration, Instant};

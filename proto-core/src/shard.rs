@@ -121,6 +121,67 @@ pub fn check_shard(topology: &Topology, layout: &LayerGroupLayout) -> Result<(),
     }
 }
 
+/// Checks a rank's own place before it talks to anyone: each rank below its size (a size of 0
+/// counts as 1), its layers in order, and every group's shard as [`check_shard`] wants it. A
+/// node whose topology fails here would be refused by every peer's handshake.
+pub fn check_topology(
+    topology: &Topology,
+    groups: &[LayerGroupLayout],
+) -> Result<(), TopologyError> {
+    for (kind, rank, size) in [
+        ("tensor-parallel", topology.tp_rank, topology.tp_size),
+        ("pipeline-parallel", topology.pp_rank, topology.pp_size),
+    ] {
+        if rank >= size.max(1) {
+            return Err(TopologyError::RankNotBelowSize { kind, rank, size });
+        }
+    }
+    if topology.layer_begin > topology.layer_end {
+        return Err(TopologyError::LayersReversed {
+            begin: topology.layer_begin,
+            end: topology.layer_end,
+        });
+    }
+    for (group, layout) in groups.iter().enumerate() {
+        check_shard(topology, layout).map_err(|error| TopologyError::Shard { group, error })?;
+    }
+    Ok(())
+}
+
+/// A rank's place in the parallel topology that no deployment has (see [`check_topology`]).
+#[derive(Clone, Debug, PartialEq, Eq, Error)]
+pub enum TopologyError {
+    /// A rank is not below its group's size.
+    #[error(
+        "{kind} rank {rank} is not below the {kind} size {size} (ranks count from 0; a size of \
+         0 counts as 1)"
+    )]
+    RankNotBelowSize {
+        /// `tensor-parallel` or `pipeline-parallel`.
+        kind: &'static str,
+        /// The rank given.
+        rank: u16,
+        /// The size given.
+        size: u16,
+    },
+    /// The rank's layer range is reversed.
+    #[error("the rank's layers begin at {begin}, after their end {end}")]
+    LayersReversed {
+        /// First layer given.
+        begin: u16,
+        /// One past the last layer given.
+        end: u16,
+    },
+    /// A group's shard does not fit the model or the rank.
+    #[error("layer group {group}: {error}")]
+    Shard {
+        /// The group (index in the layout).
+        group: usize,
+        /// What is wrong.
+        error: ShardError,
+    },
+}
+
 /// Whether the sender rank (`src_topology`, `src`) writes this group to the receiver rank
 /// (`dst_topology`, `dst`): rule 2 of the module doc. Both layouts describe the same group.
 pub fn writes_group(

@@ -108,19 +108,83 @@ fn pools_that_cannot_pair_are_rejected_at_the_handshake() {
 }
 
 #[test]
-fn an_unsound_topology_is_rejected_at_the_handshake() {
-    let mut net = Net::new(1, 1);
+fn an_unsound_topology_is_refused_when_the_node_is_made() {
+    for (tp_size, tp_rank, needle) in [
+        (
+            2,
+            2,
+            "tensor-parallel rank 2 is not below the tensor-parallel size 2",
+        ),
+        (
+            0,
+            1,
+            "tensor-parallel rank 1 is not below the tensor-parallel size 0",
+        ),
+    ] {
+        let mut cfg = sender_config(0);
+        cfg.local.topology.tp_size = tp_size;
+        cfg.local.topology.tp_rank = tp_rank;
+        let refused = Sender::new(cfg).unwrap_err().to_string();
+        assert!(refused.contains(needle), "{refused}");
+    }
+    let mut cfg = receiver_config(0);
+    cfg.local.topology.pp_size = 2;
+    cfg.local.topology.pp_rank = 3;
+    let refused = Receiver::new(cfg).unwrap_err().to_string();
+    assert!(
+        refused.contains("pipeline-parallel rank 3 is not below the pipeline-parallel size 2"),
+        "{refused}"
+    );
+    let mut cfg = receiver_config(0);
+    cfg.local.topology.layer_begin = 9;
+    cfg.local.topology.layer_end = 2;
+    let refused = Receiver::new(cfg).unwrap_err().to_string();
+    assert!(
+        refused.contains("begin at 9, after their end 2"),
+        "{refused}"
+    );
+    // Two tensor ranks of a model of one KV head: each holds it, not a share of it.
     let mut cfg = sender_config(0);
     cfg.local.topology.tp_size = 2;
-    cfg.local.topology.tp_rank = 2;
-    net.senders[0] = Sender::new(cfg).unwrap();
-    net.connect(0, 0);
-    net.pump();
-    for side in [Side::Sender(0), Side::Receiver(0)] {
-        let (reason, message) = rejection(side, &net).expect("rejected");
-        assert_eq!(reason, RejectReason::TopologyMismatch, "{message}");
-        assert!(message.contains("rank 2"), "{message}");
-    }
+    cfg.local.groups[0].kv_heads = 2;
+    cfg.local.groups[0].shard.model_kv_heads = 2;
+    let refused = Sender::new(cfg).unwrap_err().to_string();
+    assert!(refused.contains("layer group 0"), "{refused}");
+}
+
+#[test]
+fn an_unsound_topology_from_a_peer_is_rejected_at_the_handshake() {
+    // A peer built elsewhere (another build, another binding) may still claim one.
+    let mut receiver = Receiver::new(receiver_config(0)).unwrap();
+    let now = kvpipe_core::Instant::from_millis(1);
+    let peer = PeerId(0);
+    receiver
+        .handle_input(ReceiverInput::Transport {
+            now,
+            input: kvpipe_core::session::TransportInput::PeerConnected { peer },
+        })
+        .unwrap();
+    let mut hello = sender_config(0).local.to_hello(Role::Sender);
+    hello.topology.tp_size = 2;
+    hello.topology.tp_rank = 2;
+    receiver
+        .handle_input(ReceiverInput::Transport {
+            now,
+            input: kvpipe_core::session::TransportInput::FrameReceived {
+                peer,
+                bytes: Frame::Hello(hello).to_bytes().unwrap(),
+            },
+        })
+        .unwrap();
+    let rejected = std::iter::from_fn(|| receiver.poll_output()).find_map(|o| match o {
+        Output::Event(Event::PeerRejected {
+            reason, message, ..
+        }) => Some((reason, message)),
+        _ => None,
+    });
+    let (reason, message) = rejected.expect("rejected");
+    assert_eq!(reason, RejectReason::TopologyMismatch, "{message}");
+    assert!(message.contains("rank 2"), "{message}");
 }
 
 #[test]

@@ -189,6 +189,7 @@ impl Receiver {
     pub fn new(config: ReceiverConfig) -> Result<Self, crate::config::ConfigError> {
         config.pipeline.validate()?;
         config.deadlines.check()?;
+        crate::check_topology(&config.local.topology, &config.local.groups)?;
         let hello = config.local.to_hello(Role::Receiver);
         Ok(Receiver {
             shell: Shell::new(

@@ -261,6 +261,7 @@ impl Sender {
         .validate()?;
         config.layer_order.check(&config.local.groups)?;
         config.deadlines.check()?;
+        crate::check_topology(&config.local.topology, &config.local.groups)?;
         let hello = config.local.to_hello(Role::Sender);
         Ok(Sender {
             shell: Shell::new(
