@@ -152,6 +152,7 @@ fn waiting_name(w: Wait) -> &'static str {
         Wait::Writes => "the transport to write a batch",
         Wait::Results => "the prefill side's results",
         Wait::Aux => "the aux data",
+        Wait::Completion => "the decode side's completion",
         Wait::Liveness => "the peer",
     }
 }

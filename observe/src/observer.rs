@@ -139,6 +139,7 @@ fn wait_label(wait: Wait) -> &'static str {
         Wait::Writes => "writes",
         Wait::Results => "results",
         Wait::Aux => "aux",
+        Wait::Completion => "completion",
         Wait::Liveness => "liveness",
     }
 }
@@ -326,6 +327,11 @@ impl Observer {
                         target: TARGET, %peer, request = c.request.0, reason = ?c.reason,
                         "cancel sent for a request this side does not hold"
                     );
+                }
+            }
+            Frame::RecvComplete(c) => {
+                if let Some(span) = self.span_of(c.request) {
+                    debug!(target: TARGET, parent: span, %peer, "completion sent to the writer");
                 }
             }
             Frame::Hello(_) | Frame::HelloAccept(_) | Frame::HelloReject(_) => {

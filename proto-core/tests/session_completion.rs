@@ -5,7 +5,7 @@
 mod session_support;
 
 use kvpipe_core::session::state::{RecvPhase, SendPhase};
-use kvpipe_core::session::{Event, SenderInput, UsageError};
+use kvpipe_core::session::{Event, Output, SenderInput, UsageError};
 use kvpipe_core::wire::{Frame, TransferStatus};
 use kvpipe_core::RequestId;
 use session_support::*;
@@ -107,11 +107,13 @@ fn receiver_waits_for_every_expected_writer() {
     net.open(1, send_request(R, &[0]));
     net.submit(0, R, chunk(0, 16, 16, true), &mut s0);
     net.aux(0, R);
-    assert!(completed(&net, Side::Sender(0)));
     assert!(
         !completed(&net, Side::Receiver(0)),
         "writer 1 has not finished"
     );
+    // Writer 0 sent everything, and completes only when the receiver does.
+    assert!(!completed(&net, Side::Sender(0)));
+    assert_eq!(net.senders[0].phase(R), Some(SendPhase::Finishing));
     assert_eq!(net.receivers[0].phase(R), Some(RecvPhase::Receiving));
     net.submit(1, R, chunk(0, 8, 16, false), &mut s1);
     assert!(
@@ -124,8 +126,9 @@ fn receiver_waits_for_every_expected_writer() {
         "every writer sends its aux data"
     );
     net.aux(1, R);
-    assert!(completed(&net, Side::Sender(1)));
     assert!(completed(&net, Side::Receiver(0)));
+    assert!(completed(&net, Side::Sender(0)));
+    assert!(completed(&net, Side::Sender(1)));
     assert_eq!(net.receivers[0].counters().bytes_written, 8 * BLOCK_BYTES);
 }
 
@@ -498,4 +501,98 @@ fn the_receivers_transfer_starts_when_its_first_write_is_admitted() {
         .expect("completed");
     assert_eq!(timings.first_byte, Some(admitted_at));
     assert_eq!(timings.transfer(), Some(Duration::from_millis(5)));
+}
+
+/// The writer completes only on the receiver's word (`RecvComplete`): everything sent is not
+/// everything received.
+mod writer_waits_for_the_receiver {
+    use super::*;
+    use kvpipe_core::session::{CancelOrigin, Sender, Wait};
+    use kvpipe_core::Duration;
+
+    fn sent_everything_unheard() -> (Net, TestSource) {
+        let mut net = Net::connected(1, 1);
+        let mut source = TestSource::with(R, 100, 4);
+        net.register(0, registration(R, 16, &[0]));
+        net.open(0, send_request(R, &[0]));
+        // From here the sender's frames (its last result and aux data) do not arrive.
+        net.stalled.insert((0, 0));
+        net.submit(0, R, chunk(0, 16, 16, true), &mut source);
+        net.aux(0, R);
+        assert_eq!(net.senders[0].phase(R), Some(SendPhase::Finishing));
+        assert!(!completed(&net, Side::Sender(0)));
+        (net, source)
+    }
+
+    #[test]
+    fn completes_after_the_receiver_did() {
+        let mut net = Net::connected(1, 1);
+        let mut source = TestSource::with(R, 100, 4);
+        net.register(0, registration(R, 16, &[0]));
+        net.open(0, send_request(R, &[0]));
+        net.submit(0, R, chunk(0, 16, 16, true), &mut source);
+        net.aux(0, R);
+        let at = |side: Side| {
+            net.position(|(s, o)| *s == side && matches!(o, Output::Event(Event::Completed { .. })))
+        };
+        let (rx, tx) = (at(Side::Receiver(0)), at(Side::Sender(0)));
+        assert!(rx.is_some() && tx.is_some() && rx < tx, "{rx:?} {tx:?}");
+        assert!(net
+            .frames(Side::Receiver(0))
+            .iter()
+            .any(|f| matches!(f, Frame::RecvComplete(c) if c.request == R)));
+    }
+
+    #[test]
+    fn a_cancel_from_the_receiver_before_it_completed_cancels_the_writer_too() {
+        let (mut net, _source) = sent_everything_unheard();
+        net.receivers[0].cancel(net.now, R).unwrap();
+        net.pump();
+        assert!(net.events(Side::Sender(0)).iter().any(|e| matches!(
+            e,
+            Event::Cancelled { request, origin: CancelOrigin::Peer(_) } if *request == R
+        )));
+        assert!(!completed(&net, Side::Sender(0)));
+        assert_eq!(net.senders[0].phase(R), Some(SendPhase::Quiesced));
+    }
+
+    #[test]
+    fn a_receiver_lost_before_it_completed_fails_the_writer() {
+        let (mut net, _source) = sent_everything_unheard();
+        net.disconnect(0, 0);
+        net.pump();
+        assert!(net.events(Side::Sender(0)).iter().any(|e| matches!(
+            e,
+            Event::Failed { request, cause: TransferStatus::PeerLost, .. } if *request == R
+        )));
+        assert!(!completed(&net, Side::Sender(0)));
+    }
+
+    #[test]
+    fn a_receiver_that_never_says_it_completed_times_the_writer_out() {
+        // The completion is awaited for `result_wait` (here shorter than the liveness timeout,
+        // so that it is what fires).
+        let mut net = Net::new(1, 1);
+        let mut cfg = sender_config(0);
+        cfg.deadlines.result_wait = Duration::from_millis(100);
+        net.senders[0] = Sender::new(cfg).unwrap();
+        net.connect(0, 0);
+        net.pump();
+        let mut source = TestSource::with(R, 100, 4);
+        net.register(0, registration(R, 16, &[0]));
+        net.open(0, send_request(R, &[0]));
+        net.stalled.insert((0, 0));
+        net.submit(0, R, chunk(0, 16, 16, true), &mut source);
+        net.aux(0, R);
+        net.advance(Duration::from_millis(150));
+        assert!(
+            net.events(Side::Sender(0)).iter().any(|e| matches!(
+                e,
+                Event::TimedOut { request, waiting_for: Wait::Completion } if *request == R
+            )),
+            "{:?}",
+            net.events(Side::Sender(0))
+        );
+        assert_eq!(net.senders[0].phase(R), Some(SendPhase::Quiesced));
+    }
 }

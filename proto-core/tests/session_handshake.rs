@@ -52,7 +52,7 @@ fn version_mismatch_is_rejected_on_both_sides_naming_both_versions() {
         let (reason, message) = rejection(side, &net).expect("rejected");
         assert_eq!(reason, RejectReason::VersionMismatch, "{side:?}");
         assert!(
-            message.contains("7..=9") && message.contains("version 1"),
+            message.contains("7..=9") && message.contains("version 2"),
             "{message}"
         );
     }

@@ -44,10 +44,12 @@
 //! a writer when it hits the writer's session while it is still active: a write batch reported
 //! failed, a connection death the writer learns of, or a silent death that strands one of its
 //! write batches. Such a writer and the receiver must then both end without completing; if one
-//! completes the request counts as `one_sided` (a bug). A writer that completed before it could
-//! know (its last frames handed to a connection that then died, or a deadline racing with them)
-//! counts as `split`: the protocol has no acknowledgement of the last frames, so that is its
-//! inherent race, reported but not a bug.
+//! completes the request counts as `one_sided` (a bug). A writer completes only on its
+//! receiver's `RecvComplete`, so the one split left is the other way round: a receiver that
+//! completed while the fault cost the writer that last frame (a connection that died, or a
+//! deadline racing with it) leaves the writer failed. That counts as `split`: the inherent race
+//! of the last frame, in the safe direction (the receiver's KV is whole), reported but not a
+//! bug.
 //!
 //! [`ReferenceCache`]: kvpipe_conformance::cache::ReferenceCache
 

@@ -11,11 +11,12 @@
 use std::collections::{BTreeMap, HashMap};
 
 use kvpipe_conformance::cache::ReferenceCache;
-use kvpipe_core::session::state::{RecvPhase, SendPhase};
+use kvpipe_core::session::state::{RecvPhase, SendPhase, TargetPhase};
 use kvpipe_core::session::{Event, Wait};
 use kvpipe_core::{GroupIndex, Instant, PeerId, RegionId, RequestId, Sender};
 use smallvec::SmallVec;
 
+use crate::action::RECEIVER_PEER;
 use crate::report::{Outcome, RequestOutcome, SimReport, Terminal};
 use crate::stage::{Hosts, Stage};
 use crate::summary::{event_summary, who};
@@ -148,6 +149,13 @@ impl Oracle {
         request: RequestId,
     ) {
         if !sender.phase(request).is_some_and(|p| p.is_active()) {
+            return;
+        }
+        // A writer that handed everything to the connection and waits for the receiver's
+        // `RecvComplete`: the fault either lost those frames too (then the receiver fails as
+        // well) or only the receiver's word (the inherent race of the last frame, counted as
+        // `split`, in the safe direction: the receiver's KV is whole). Neither is one-sided.
+        if sender.target_phase(request, RECEIVER_PEER) == Some(TargetPhase::Confirming) {
             return;
         }
         if let Some(i) = self.find(request) {

@@ -41,6 +41,7 @@ pub fn frame_summary(frame: &Frame) -> String {
         Frame::Cancel(c) => format!("Cancel {} {:?}", c.request, c.reason),
         Frame::Heartbeat(h) => format!("Heartbeat {}", h.seq),
         Frame::DataWrite(d) => format!("DataWrite {} {}B", d.request, d.len),
+        Frame::RecvComplete(c) => format!("RecvComplete {}", c.request),
     }
 }
 

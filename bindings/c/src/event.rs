@@ -17,12 +17,16 @@ pub enum kvpipe_event_kind {
     /// The handshake with `peer` was refused by either side (`reject_reason`, `message`
     /// naming both values); the connection is closing.
     KVPIPE_EVENT_PEER_REJECTED = 2,
-    /// `peer` broke a protocol rule outside any request (`message`).
+    /// `peer` broke a protocol rule (its frame was dropped), or disagrees with this side about
+    /// a request (a registration whose prompt length differs from the chunks'); `message` says
+    /// which, naming the request when the rule was a request's (`request` stays 0), and that
+    /// request's `KVPIPE_EVENT_FAILED` follows.
     KVPIPE_EVENT_PROTOCOL_VIOLATION = 3,
     /// (Prefill) `peer` registered `request` (`receiver_slice`); queued chunks go out now.
     KVPIPE_EVENT_REGISTERED = 4,
-    /// `request` completed (`bytes_written`, timings; on the decode side the aux data).
-    /// `KVPIPE_EVENT_QUIESCED` follows.
+    /// `request` completed (`bytes_written`, timings; on the decode side the aux data). The
+    /// prefill side completes only once the decode side did (its word comes back over the
+    /// connection). `KVPIPE_EVENT_QUIESCED` follows.
     KVPIPE_EVENT_COMPLETED = 5,
     /// `request` failed (`status`, `peer`, slices); both sides learn at once. Its blocks stay
     /// pinned until `KVPIPE_EVENT_QUIESCED`.
@@ -84,6 +88,9 @@ pub enum kvpipe_wait {
     KVPIPE_WAIT_AUX = 5,
     /// Any frame from the peer.
     KVPIPE_WAIT_LIVENESS = 6,
+    /// (Prefill) the decode side's word that it completed the request, after everything
+    /// went to it.
+    KVPIPE_WAIT_COMPLETION = 7,
 }
 
 /// Why a handshake was refused.
@@ -203,6 +210,7 @@ fn wait(w: Wait) -> kvpipe_wait {
         Wait::Writes => KVPIPE_WAIT_WRITES,
         Wait::Results => KVPIPE_WAIT_RESULTS,
         Wait::Aux => KVPIPE_WAIT_AUX,
+        Wait::Completion => KVPIPE_WAIT_COMPLETION,
         Wait::Liveness => KVPIPE_WAIT_LIVENESS,
     }
 }

@@ -121,6 +121,8 @@ struct Pair {
     /// (request) → delivered to the receiver: a successful last result, aux data.
     delivered_last: BTreeSet<RequestId>,
     delivered_aux: BTreeSet<RequestId>,
+    /// Requests the receiver completed (a sender completes only after it).
+    receiver_completed: BTreeSet<RequestId>,
     send_track: BTreeMap<RequestId, Track>,
     recv_track: BTreeMap<RequestId, Track>,
     /// Every output of each endpoint, in order (for the replay check).
@@ -158,6 +160,7 @@ impl Pair {
             batches: BTreeMap::new(),
             delivered_last: BTreeSet::new(),
             delivered_aux: BTreeSet::new(),
+            receiver_completed: BTreeSet::new(),
             send_track: BTreeMap::new(),
             recv_track: BTreeMap::new(),
             sender_outputs: Vec::new(),

@@ -87,6 +87,10 @@ impl Pair {
                             self.aux_submitted.contains(&r),
                             "sender completed {r} before its aux data was submitted"
                         );
+                        assert!(
+                            self.receiver_completed.contains(&r),
+                            "sender completed {r} before its receiver did"
+                        );
                         self.stats.sender_completed += 1;
                         self.mark_terminal(true, r);
                     }
@@ -138,6 +142,7 @@ impl Pair {
                             "receiver completed {r} before its aux data arrived"
                         );
                         self.stats.receiver_completed += 1;
+                        self.receiver_completed.insert(r);
                         self.mark_terminal(false, r);
                     }
                     Event::Failed { .. } | Event::TimedOut { .. } | Event::Cancelled { .. } => {
@@ -182,6 +187,7 @@ fn session_frame_request(frame: &Frame) -> Option<RequestId> {
         Frame::RecvRegistration(r) => Some(r.request),
         Frame::KvResult(r) => Some(r.request),
         Frame::AuxResult(a) => Some(a.request),
+        Frame::RecvComplete(c) => Some(c.request),
         _ => None,
     }
 }

@@ -209,6 +209,9 @@ pub enum Wait {
     Results,
     /// The aux data (sender: from the engine; receiver: from a writer).
     Aux,
+    /// The receiver's word that it completed the request, after everything went to it
+    /// (sender side).
+    Completion,
     /// Any frame from a peer (heartbeats keep idle connections alive).
     Liveness,
 }
@@ -365,8 +368,9 @@ impl RequestTimings {
     }
 
     /// (Sender) from the last chunk computed to the completion: the part of the transfer
-    /// prefill did not hide, as this side sees it (the last batch plus its result and the aux
-    /// data going out).
+    /// prefill did not hide, as this side sees it (the last batch, its result and the aux data
+    /// going out, and the receiver's `RecvComplete` coming back: one one-way trip more than
+    /// the exposed tail).
     pub fn tail(&self) -> Option<Duration> {
         Some(self.ended - self.last_chunk?)
     }
@@ -391,6 +395,7 @@ pub(crate) fn frame_kind(frame: &Frame) -> &'static str {
         Frame::Cancel(_) => "Cancel",
         Frame::Heartbeat(_) => "Heartbeat",
         Frame::DataWrite(_) => "DataWrite",
+        Frame::RecvComplete(_) => "RecvComplete",
     }
 }
 

@@ -298,7 +298,11 @@ pub enum TargetPhase {
     Streaming,
     /// The last successful result went out; the aux data is still to be sent.
     AwaitingAux,
-    /// Everything went out: the last result, then the aux data.
+    /// Everything went out (the last result, then the aux data); the receiver's
+    /// `RecvComplete` is awaited. Until it comes the receiver may still fail or cancel the
+    /// request, and the loss of the peer fails the session.
+    Confirming,
+    /// The receiver completed the request (its `RecvComplete` came).
     Finished,
     /// The session stopped; the terminal frame waits until no batch towards the receiver is in
     /// flight.
@@ -319,7 +323,9 @@ pub enum TargetEvent {
     /// The last slice's successful result went out; the aux data follows.
     LastResultSent,
     /// The aux data went out after the last successful result.
-    Finished,
+    AuxSent,
+    /// The receiver said it completed the request (`RecvComplete`).
+    Confirmed,
     /// The session stopped (failure, timeout, cancel).
     SessionStopped,
     /// The terminal frame went out.
@@ -332,10 +338,11 @@ pub enum TargetEvent {
 
 impl TargetPhase {
     /// Every phase, in table order.
-    pub const ALL: [TargetPhase; 8] = [
+    pub const ALL: [TargetPhase; 9] = [
         TargetPhase::AwaitingRegistration,
         TargetPhase::Streaming,
         TargetPhase::AwaitingAux,
+        TargetPhase::Confirming,
         TargetPhase::Finished,
         TargetPhase::Draining,
         TargetPhase::Stopped,
@@ -354,12 +361,20 @@ impl TargetPhase {
             (P::AwaitingRegistration, E::Registered) => To(P::Streaming),
             (_, E::Registered) => Refused,
             (P::Streaming, E::LastResultSent) => To(P::AwaitingAux),
-            (P::AwaitingAux, E::Finished) => To(P::Finished),
-            (_, E::LastResultSent | E::Finished) => Refused,
+            (P::AwaitingAux, E::AuxSent) => To(P::Confirming),
+            (_, E::LastResultSent | E::AuxSent) => Refused,
+            (P::Confirming, E::Confirmed) => To(P::Finished),
+            // A receiver's completion heard when it is not awaited changes nothing.
+            (_, E::Confirmed) => Ignored,
             (P::AwaitingRegistration | P::Streaming | P::AwaitingAux, E::SessionStopped) => {
                 To(P::Draining)
             }
-            (P::Finished | P::Draining | P::Stopped | P::Fencing, E::SessionStopped) => Ignored,
+            // Everything went to a confirming receiver and nothing of it is in flight: there
+            // is nothing to stop there (it may still complete on its side).
+            (
+                P::Confirming | P::Finished | P::Draining | P::Stopped | P::Fencing,
+                E::SessionStopped,
+            ) => Ignored,
             (P::Draining | P::Fencing, E::TerminalSent) => To(P::Stopped),
             // A receiver registering after the session ended hears of it at once.
             (P::AwaitingRegistration, E::TerminalSent) => To(P::Stopped),
@@ -379,17 +394,21 @@ impl TargetPhase {
     pub fn is_done(self) -> bool {
         matches!(
             self,
-            TargetPhase::Finished | TargetPhase::Stopped | TargetPhase::Gone
+            TargetPhase::Confirming
+                | TargetPhase::Finished
+                | TargetPhase::Stopped
+                | TargetPhase::Gone
         )
     }
 }
 
 impl TargetEvent {
     /// Every event, in table order.
-    pub const ALL: [TargetEvent; 7] = [
+    pub const ALL: [TargetEvent; 8] = [
         TargetEvent::Registered,
         TargetEvent::LastResultSent,
-        TargetEvent::Finished,
+        TargetEvent::AuxSent,
+        TargetEvent::Confirmed,
         TargetEvent::SessionStopped,
         TargetEvent::TerminalSent,
         TargetEvent::FenceRequested,

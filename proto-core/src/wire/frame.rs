@@ -16,7 +16,7 @@ use super::body::{BodyReader, BodyWriter, FrameBody};
 use super::error::{DecodeError, EncodeError};
 use super::frames::{
     AuxResult, Cancel, DataWrite, Heartbeat, Hello, HelloAccept, HelloReject, KvResult,
-    RecvRegistration,
+    RecvComplete, RecvRegistration,
 };
 use super::header::{FrameHeader, FrameKind, HEADER_LEN, MAGIC};
 use super::version::{VersionRange, PROTOCOL_VERSION};
@@ -43,6 +43,8 @@ pub enum Frame {
     Heartbeat(Heartbeat),
     /// Data write header (stream transports).
     DataWrite(DataWrite),
+    /// The receiver completed a request.
+    RecvComplete(RecvComplete),
 }
 
 impl FrameKind {
@@ -59,6 +61,7 @@ impl FrameKind {
             FrameKind::Cancel => Cancel::MAX_BODY_LEN,
             FrameKind::Heartbeat => Heartbeat::MAX_BODY_LEN,
             FrameKind::DataWrite => DataWrite::MAX_BODY_LEN,
+            FrameKind::RecvComplete => RecvComplete::MAX_BODY_LEN,
         }
     }
 }
@@ -128,6 +131,7 @@ impl Frame {
             Frame::Cancel(_) => Cancel::KIND,
             Frame::Heartbeat(_) => Heartbeat::KIND,
             Frame::DataWrite(_) => DataWrite::KIND,
+            Frame::RecvComplete(_) => RecvComplete::KIND,
         }
     }
 
@@ -143,6 +147,7 @@ impl Frame {
             Frame::Cancel(x) => x.body_len(),
             Frame::Heartbeat(x) => x.body_len(),
             Frame::DataWrite(x) => x.body_len(),
+            Frame::RecvComplete(x) => x.body_len(),
         }
     }
 
@@ -206,6 +211,7 @@ impl Frame {
             FrameKind::Cancel => Frame::Cancel(Cancel::parse_body(&mut r)?),
             FrameKind::Heartbeat => Frame::Heartbeat(Heartbeat::parse_body(&mut r)?),
             FrameKind::DataWrite => Frame::DataWrite(DataWrite::parse_body(&mut r)?),
+            FrameKind::RecvComplete => Frame::RecvComplete(RecvComplete::parse_body(&mut r)?),
         };
         r.finish()?;
         Ok((frame, HEADER_LEN + body_len))
@@ -265,6 +271,7 @@ impl Frame {
             Frame::Cancel(x) => x.emit_body(&mut w),
             Frame::Heartbeat(x) => x.emit_body(&mut w),
             Frame::DataWrite(x) => x.emit_body(&mut w),
+            Frame::RecvComplete(x) => x.emit_body(&mut w),
         }?;
         debug_assert_eq!(w.position(), total, "body_len disagrees with the encoder");
         Ok(total)
@@ -310,6 +317,7 @@ impl fmt::Display for Frame {
             Frame::Cancel(x) => x.fmt(f),
             Frame::Heartbeat(x) => x.fmt(f),
             Frame::DataWrite(x) => x.fmt(f),
+            Frame::RecvComplete(x) => x.fmt(f),
         }
     }
 }

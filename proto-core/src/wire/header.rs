@@ -111,11 +111,13 @@ pub enum FrameKind {
     Heartbeat = 0x14,
     /// [`DataWrite`](super::DataWrite).
     DataWrite = 0x15,
+    /// [`RecvComplete`](super::RecvComplete) (since version 2).
+    RecvComplete = 0x16,
 }
 
 impl FrameKind {
     /// Every kind, in code order.
-    pub const ALL: [FrameKind; 9] = [
+    pub const ALL: [FrameKind; 10] = [
         FrameKind::Hello,
         FrameKind::HelloAccept,
         FrameKind::HelloReject,
@@ -125,6 +127,7 @@ impl FrameKind {
         FrameKind::Cancel,
         FrameKind::Heartbeat,
         FrameKind::DataWrite,
+        FrameKind::RecvComplete,
     ];
 
     /// The header code.
@@ -157,6 +160,7 @@ impl FrameKind {
             FrameKind::Cancel => "Cancel",
             FrameKind::Heartbeat => "Heartbeat",
             FrameKind::DataWrite => "DataWrite",
+            FrameKind::RecvComplete => "RecvComplete",
         }
     }
 }

@@ -8,7 +8,8 @@ use smallvec::smallvec;
 use super::frame::Frame;
 use super::frames::{
     AuxData, AuxResult, Cancel, CancelReason, Capabilities, DataWrite, Heartbeat, Hello,
-    HelloAccept, HelloReject, KvResult, RecvRegistration, RejectReason, Role, Topology,
+    HelloAccept, HelloReject, KvResult, RecvComplete, RecvRegistration, RejectReason, Role,
+    Topology,
 };
 use super::handshake::compat_hash;
 use super::status::TransferStatus;
@@ -271,6 +272,12 @@ pub fn golden_frames() -> Vec<(String, Frame)> {
             region: RegionId(2),
             offset: 14 * 131_072 * 100,
             len: 14 * 131_072,
+        }),
+    ));
+    out.push((
+        "recv_complete".into(),
+        Frame::RecvComplete(RecvComplete {
+            request: RequestId(0x0123_4567_89ab_cdef),
         }),
     ));
     out

@@ -2,10 +2,12 @@
 
 use core::fmt;
 
-/// The newest wire protocol version this build speaks.
-pub const PROTOCOL_VERSION: u16 = 1;
-/// The oldest wire protocol version this build speaks.
-pub const MIN_PROTOCOL_VERSION: u16 = 1;
+/// The newest wire protocol version this build speaks. Version 2 added
+/// [`RecvComplete`](super::RecvComplete): a writer completes only once its receiver did.
+pub const PROTOCOL_VERSION: u16 = 2;
+/// The oldest wire protocol version this build speaks. A version-1 writer would report
+/// requests completed that its receiver never completed, so version 1 is not spoken.
+pub const MIN_PROTOCOL_VERSION: u16 = 2;
 
 /// An inclusive range of protocol versions an endpoint speaks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

@@ -175,7 +175,9 @@ mod tests {
             len,
         });
         let mut out = [0; DATA_WRITE_FRAME_LEN];
-        frame.emit_versioned(1, &mut out).unwrap();
+        frame
+            .emit_versioned(kvpipe_core::wire::PROTOCOL_VERSION, &mut out)
+            .unwrap();
         out
     }
 

@@ -329,13 +329,21 @@ impl Receiver {
             session.phase = p;
             if p == RecvPhase::Completed {
                 session.timings.ended = now;
-                self.shell.completed(
-                    request,
+                let (bytes, aux, timings, pinned) = (
                     session.bytes_written,
                     session.aux.clone(),
                     session.timings,
                     session.blocks_pinned,
                 );
+                let writers: SmallVec<[PeerId; 2]> =
+                    session.writers.iter().map(|w| w.peer).collect();
+                // Each writer completes only on hearing it. Sent before this side's events, so
+                // that nothing of the request leaves after its `Quiesced`.
+                for peer in writers {
+                    self.shell
+                        .send(now, peer, Frame::RecvComplete(RecvComplete { request }));
+                }
+                self.shell.completed(request, bytes, aux, timings, pinned);
             }
         }
     }

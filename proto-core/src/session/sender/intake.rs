@@ -35,6 +35,7 @@ impl Sender {
                 aux: None,
                 registration_deadline,
                 aux_deadline: None,
+                confirm_deadline: None,
                 quiesce_deadline: None,
                 stop_status: TransferStatus::Success,
                 stop_slice: None,

@@ -5,8 +5,9 @@ use super::*;
 
 impl Sender {
     /// Sends every result that may leave now, in slice order, then the aux data; completes the
-    /// session when everything went out.
+    /// session once every receiver said it completed (`RecvComplete`).
     pub(super) fn progress(&mut self, now: Instant, request: RequestId) {
+        let confirm_at = now + self.config.deadlines.result_wait;
         let Some(session) = self.sessions.live.get_mut(&request) else {
             return;
         };
@@ -57,7 +58,13 @@ impl Sender {
                             data: aux.clone(),
                         }),
                     ));
-                    target.on(TargetEvent::Finished);
+                    target.on(TargetEvent::AuxSent);
+                    if session.confirm_deadline.is_none() {
+                        session.confirm_deadline = Some(confirm_at);
+                        self.shell
+                            .timers
+                            .arm(confirm_at, TimerKey::Request(request));
+                    }
                 }
             }
         }
@@ -77,6 +84,28 @@ impl Sender {
         if transition == Some(SendPhase::Completed) {
             self.shell
                 .completed(request, bytes, None, timings, blocks_pinned);
+        }
+    }
+
+    /// Receiver `peer` completed `request` (its `RecvComplete`): the target is finished, and
+    /// the session completes once every target is. A frame for a request this side no longer
+    /// holds (stopped, retired, never opened) is late and harmless.
+    pub(super) fn on_recv_complete(&mut self, now: Instant, peer: PeerId, request: RequestId) {
+        let Some(session) = self.sessions.live.get_mut(&request) else {
+            return;
+        };
+        let Some(target) = session.targets.iter_mut().find(|t| t.peer == peer) else {
+            self.shell.violation(
+                peer,
+                ProtocolError::NotAParticipant {
+                    kind: "RecvComplete",
+                    request,
+                },
+            );
+            return;
+        };
+        if target.on(TargetEvent::Confirmed) && session.phase.is_active() {
+            self.progress(now, request);
         }
     }
 

@@ -54,6 +54,7 @@ impl EndpointRole for Sender {
         match frame {
             Frame::RecvRegistration(reg) => self.on_registration(now, peer, reg),
             Frame::Cancel(cancel) => self.on_peer_cancel(now, peer, cancel),
+            Frame::RecvComplete(done) => self.on_recv_complete(now, peer, done.request),
             other => self.shell.violation(
                 peer,
                 ProtocolError::UnexpectedFrame {
@@ -107,6 +108,11 @@ impl EndpointRole for Sender {
             }
             if session.aux_deadline.is_some_and(|at| at <= now) {
                 self.stop(now, request, Stop::TimedOut(Wait::Aux));
+                return;
+            }
+            let confirming = (session.targets.iter()).any(|t| t.phase == TargetPhase::Confirming);
+            if confirming && session.confirm_deadline.is_some_and(|at| at <= now) {
+                self.stop(now, request, Stop::TimedOut(Wait::Completion));
                 return;
             }
         } else if session.phase == SendPhase::Stopping
@@ -277,6 +283,9 @@ impl Sender {
                 consider(Some(session.registration_deadline));
             }
             consider(session.aux_deadline);
+            if (session.targets.iter()).any(|t| t.phase == TargetPhase::Confirming) {
+                consider(session.confirm_deadline);
+            }
         } else if session.phase == SendPhase::Stopping {
             consider(session.quiesce_deadline);
         }

@@ -16,6 +16,7 @@ mod data_write;
 mod heartbeat;
 mod hello;
 mod kv_result;
+mod recv_complete;
 mod registration;
 mod reject;
 
@@ -27,5 +28,6 @@ pub use data_write::{DataWrite, DATA_WRITE_FRAME_LEN};
 pub use heartbeat::Heartbeat;
 pub use hello::{Capabilities, Hello, Role, Topology};
 pub use kv_result::KvResult;
+pub use recv_complete::RecvComplete;
 pub use registration::RecvRegistration;
 pub use reject::{HelloReject, RejectReason, MAX_REJECT_MESSAGE};
