@@ -70,12 +70,16 @@ enum kvpipe_event_kind
   // The handshake with `peer` was refused by either side (`reject_reason`, `message`
   // naming both values); the connection is closing.
   KVPIPE_EVENT_PEER_REJECTED = 2,
-  // `peer` broke a protocol rule outside any request (`message`).
+  // `peer` broke a protocol rule (its frame was dropped), or disagrees with this side about
+  // a request (a registration whose prompt length differs from the chunks'); `message` says
+  // which, naming the request when the rule was a request's (`request` stays 0), and that
+  // request's `KVPIPE_EVENT_FAILED` follows.
   KVPIPE_EVENT_PROTOCOL_VIOLATION = 3,
   // (Prefill) `peer` registered `request` (`receiver_slice`); queued chunks go out now.
   KVPIPE_EVENT_REGISTERED = 4,
-  // `request` completed (`bytes_written`, timings; on the decode side the aux data).
-  // `KVPIPE_EVENT_QUIESCED` follows.
+  // `request` completed (`bytes_written`, timings; on the decode side the aux data). The
+  // prefill side completes only once the decode side did (its word comes back over the
+  // connection). `KVPIPE_EVENT_QUIESCED` follows.
   KVPIPE_EVENT_COMPLETED = 5,
   // `request` failed (`status`, `peer`, slices); both sides learn at once. Its blocks stay
   // pinned until `KVPIPE_EVENT_QUIESCED`.
@@ -155,6 +159,9 @@ enum kvpipe_wait
   KVPIPE_WAIT_AUX = 5,
   // Any frame from the peer.
   KVPIPE_WAIT_LIVENESS = 6,
+  // (Prefill) the decode side's word that it completed the request, after everything
+  // went to it.
+  KVPIPE_WAIT_COMPLETION = 7,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
@@ -349,7 +356,10 @@ typedef struct kvpipe_node_config {
 } kvpipe_node_config;
 
 // One event. Fields that do not apply to its kind are zero (`KVPIPE_NO_PEER`,
-// `KVPIPE_NO_SLICE` for ids). Its pointers stay valid until the next poll on the same handle.
+// `KVPIPE_NO_SLICE` for ids). Its pointers (`message`, `first_tokens`, `draft_tokens`) stay
+// valid until the next poll on the same handle, from any thread: where several threads poll
+// one handle, copy what an event points to before another poll can run (or poll from one
+// thread and hand the events on).
 typedef struct kvpipe_event {
   // What happened.
   kvpipe_event_kind kind;
@@ -361,7 +371,9 @@ typedef struct kvpipe_event {
   uint32_t peer_role;
   // (Peer ready) the peer's instance id.
   uint64_t instance;
-  // (Completed, failed) how the transfer ended.
+  // (Completed, failed, timed out, cancelled) how the transfer ended: the status the wire
+  // carries (`KVPIPE_TRANSFER_TIMED_OUT` or `KVPIPE_TRANSFER_IN_DOUBT` for a timeout,
+  // `KVPIPE_TRANSFER_CANCELLED` for a cancel); (peer lost) `KVPIPE_TRANSFER_PEER_LOST`.
   kvpipe_transfer_status status;
   // (Timed out) what was awaited.
   kvpipe_wait waiting_for;
@@ -423,6 +435,14 @@ typedef struct kvpipe_counters {
   uint64_t writes_refused;
   // Protocol errors seen from peers.
   uint64_t protocol_errors;
+  // Blocks the requests named (registered, or given by the block source), counted when
+  // they were taken.
+  uint64_t blocks_pinned;
+  // Of `blocks_pinned`, those whose request quiesced: the engine may reuse them.
+  // `blocks_pinned - blocks_released` blocks are pinned now.
+  uint64_t blocks_released;
+  // Requests held: opened (prefill) or registered (decode) and not retired yet.
+  uint64_t sessions;
 } kvpipe_counters;
 
 // One prefill chunk just computed.
@@ -444,11 +464,15 @@ typedef struct kvpipe_chunk {
 
 // Where a block source callback writes its answer. kvpipe sets `ids` to a buffer of `capacity`
 // entries (`end - begin`: a run is never longer than asked) and zeroes the rest; the callback
-// sets `first_ordinal` and `len`, and fills `ids[0..len]`.
+// sets `first_ordinal` and `len`, and fills `ids[0..len]` — or points `ids` at an array of its
+// own holding the `len` ids, which must stay valid until the submit call returns (the request's
+// block table, say; not an array on the callback's stack): kvpipe copies them as soon as the
+// callback returns. A null `ids` with `len` above 0 breaks the contract.
 typedef struct kvpipe_block_run {
   // Ordinal of `ids[0]`: `end - len` for an answer that keeps the contract.
   uint32_t first_ordinal;
-  // The slots of consecutive ordinals, written by the callback.
+  // The slots of consecutive ordinals, written by the callback into the buffer given, or
+  // an array of the callback's own it points `ids` at.
   uint32_t *ids;
   // Entries `ids` holds.
   size_t capacity;
@@ -573,6 +597,10 @@ kvpipe_status kvpipe_sender_close(const struct kvpipe_sender *sender, uint64_t w
 kvpipe_status kvpipe_receiver_close(const struct kvpipe_receiver *receiver, uint64_t within_ms);
 
 // Frees a node (closing it first if needed, bounded by the TCP close grace). Null is ignored.
+//
+// No other call may be using the handle, a thread blocked in `kvpipe_sender_poll_event`
+// included: close the handle first (which wakes such a poll with `KVPIPE_ERR_CLOSED`), join
+// the threads that use it, then free it.
 //
 // # Safety
 // `sender` is null or a live handle no other call is using; it is invalid afterwards.

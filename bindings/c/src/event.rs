@@ -117,7 +117,10 @@ pub const KVPIPE_NO_SLICE: u32 = u32::MAX;
 pub const KVPIPE_NO_PEER: u32 = u32::MAX;
 
 /// One event. Fields that do not apply to its kind are zero (`KVPIPE_NO_PEER`,
-/// `KVPIPE_NO_SLICE` for ids). Its pointers stay valid until the next poll on the same handle.
+/// `KVPIPE_NO_SLICE` for ids). Its pointers (`message`, `first_tokens`, `draft_tokens`) stay
+/// valid until the next poll on the same handle, from any thread: where several threads poll
+/// one handle, copy what an event points to before another poll can run (or poll from one
+/// thread and hand the events on).
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct kvpipe_event {
@@ -131,7 +134,9 @@ pub struct kvpipe_event {
     pub peer_role: u32,
     /// (Peer ready) the peer's instance id.
     pub instance: u64,
-    /// (Completed, failed) how the transfer ended.
+    /// (Completed, failed, timed out, cancelled) how the transfer ended: the status the wire
+    /// carries (`KVPIPE_TRANSFER_TIMED_OUT` or `KVPIPE_TRANSFER_IN_DOUBT` for a timeout,
+    /// `KVPIPE_TRANSFER_CANCELLED` for a cancel); (peer lost) `KVPIPE_TRANSFER_PEER_LOST`.
     pub status: kvpipe_transfer_status,
     /// (Timed out) what was awaited.
     pub waiting_for: kvpipe_wait,

@@ -48,6 +48,14 @@ pub struct kvpipe_counters {
     pub writes_refused: u64,
     /// Protocol errors seen from peers.
     pub protocol_errors: u64,
+    /// Blocks the requests named (registered, or given by the block source), counted when
+    /// they were taken.
+    pub blocks_pinned: u64,
+    /// Of `blocks_pinned`, those whose request quiesced: the engine may reuse them.
+    /// `blocks_pinned - blocks_released` blocks are pinned now.
+    pub blocks_released: u64,
+    /// Requests held: opened (prefill) or registered (decode) and not retired yet.
+    pub sessions: u64,
 }
 
 /// `KVPIPE_NO_SLICE` in `*slice_out` when a chunk completes no block.
@@ -97,6 +105,7 @@ fn counters<E: Role>(node: &Node<E>, out: *mut kvpipe_counters) -> Result<kvpipe
         return Err(Failure::invalid("out is null"));
     }
     let c = node.counters()?;
+    let sessions = node.session_count()? as u64;
     let value = kvpipe_counters {
         bytes_written: c.bytes_written,
         bytes_landed: c.bytes_landed,
@@ -106,6 +115,9 @@ fn counters<E: Role>(node: &Node<E>, out: *mut kvpipe_counters) -> Result<kvpipe
         retirements: c.retirements,
         writes_refused: c.writes_refused,
         protocol_errors: c.protocol_errors,
+        blocks_pinned: c.blocks_pinned,
+        blocks_released: c.blocks_released,
+        sessions,
     };
     // SAFETY: not null, writable (the caller's promise).
     unsafe { out.write(value) };
@@ -281,6 +293,10 @@ pub unsafe extern "C" fn kvpipe_receiver_close(
 }
 
 /// Frees a node (closing it first if needed, bounded by the TCP close grace). Null is ignored.
+///
+/// No other call may be using the handle, a thread blocked in `kvpipe_sender_poll_event`
+/// included: close the handle first (which wakes such a poll with `KVPIPE_ERR_CLOSED`), join
+/// the threads that use it, then free it.
 ///
 /// # Safety
 /// `sender` is null or a live handle no other call is using; it is invalid afterwards.

@@ -6,13 +6,17 @@ use kvpipe_core::{BlockId, BlockRun, BlockSource, BlockSourceError, GroupIndex, 
 
 /// Where a block source callback writes its answer. kvpipe sets `ids` to a buffer of `capacity`
 /// entries (`end - begin`: a run is never longer than asked) and zeroes the rest; the callback
-/// sets `first_ordinal` and `len`, and fills `ids[0..len]`.
+/// sets `first_ordinal` and `len`, and fills `ids[0..len]` — or points `ids` at an array of its
+/// own holding the `len` ids, which must stay valid until the submit call returns (the request's
+/// block table, say; not an array on the callback's stack): kvpipe copies them as soon as the
+/// callback returns. A null `ids` with `len` above 0 breaks the contract.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct kvpipe_block_run {
     /// Ordinal of `ids[0]`: `end - len` for an answer that keeps the contract.
     pub first_ordinal: u32,
-    /// The slots of consecutive ordinals, written by the callback.
+    /// The slots of consecutive ordinals, written by the callback into the buffer given, or
+    /// an array of the callback's own it points `ids` at.
     pub ids: *mut u32,
     /// Entries `ids` holds.
     pub capacity: usize,
@@ -134,12 +138,24 @@ impl BlockSource for CallbackSource {
         }
         out.first_ordinal = run.first_ordinal;
         out.ids.clear();
-        out.ids.extend(
-            self.buffer[..run.len.min(capacity)]
-                .iter()
-                .copied()
-                .map(BlockId),
-        );
+        let len = run.len.min(capacity);
+        let given = self.buffer.as_mut_ptr();
+        if run.ids == given {
+            out.ids
+                .extend(self.buffer[..len].iter().copied().map(BlockId));
+        } else if run.ids.is_null() {
+            if len > 0 {
+                // No ids behind the length claimed: a run longer than asked is the contract
+                // breach the core refuses (failing the request on both sides).
+                out.ids.resize(capacity + 1, BlockId(0));
+            }
+            return Ok(());
+        } else {
+            // SAFETY: the callback pointed `ids` at an array of its own holding `len` entries,
+            // valid until it returned (the contract above); read at once, at most `capacity`.
+            let theirs = unsafe { std::slice::from_raw_parts(run.ids, len) };
+            out.ids.extend(theirs.iter().copied().map(BlockId));
+        }
         if run.len > capacity {
             // The callback claims more blocks than asked; only `capacity` fit. One more id
             // makes the run longer than asked, which the core refuses as the contract breach

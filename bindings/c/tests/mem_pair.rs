@@ -38,6 +38,35 @@ unsafe extern "C" fn source(
     kvpipe_block_source_status::KVPIPE_BLOCK_SOURCE_OK as i32
 }
 
+/// The engine's own block table: ordinal `o` lives in slot `2 + o`.
+static TABLE: [u32; SLOTS] = {
+    let mut t = [0; SLOTS];
+    let mut o = 0;
+    while o < SLOTS {
+        t[o] = 2 + o as u32;
+        o += 1;
+    }
+    t
+};
+
+/// The same answers as `source`, given by pointing `ids` at the engine's own table instead of
+/// filling the buffer kvpipe handed over.
+unsafe extern "C" fn repointed(
+    _user: *mut c_void,
+    _request: u64,
+    _group: u16,
+    begin: u32,
+    end: u32,
+    out: *mut kvpipe_block_run,
+) -> i32 {
+    // SAFETY: kvpipe hands a valid run.
+    let out = unsafe { &mut *out };
+    out.first_ordinal = begin;
+    out.len = (end - begin) as usize;
+    out.ids = TABLE[begin as usize..].as_ptr().cast_mut();
+    kvpipe_block_source_status::KVPIPE_BLOCK_SOURCE_OK as i32
+}
+
 /// A block source whose run stops one block short of the asked end.
 unsafe extern "C" fn ends_early(
     user: *mut c_void,
@@ -257,11 +286,13 @@ fn in_process_transfer_through_the_abi() {
                 prefix_sent_early: false,
             };
             let mut slice = 0;
+            // The last chunk's blocks come from the engine's own table (checked below).
+            let callback = if is_last { repointed } else { source };
             let s = kvpipe_sender_submit_chunk(
                 tx,
                 5,
                 &chunk,
-                Some(source),
+                Some(callback),
                 ptr::null_mut(),
                 &mut slice,
             );
@@ -294,6 +325,14 @@ fn in_process_transfer_through_the_abi() {
             &|ev| kvpipe_sender_poll_event(tx, 10, ev),
             kvpipe_event_kind::KVPIPE_EVENT_QUIESCED,
         );
+        // The registration's three blocks were pinned and, quiesced, released; the request is
+        // still held until it is retired.
+        let mut c = kvpipe_counters::default();
+        assert_eq!(
+            kvpipe_receiver_counters(rx, &mut c),
+            kvpipe_status::KVPIPE_OK
+        );
+        assert_eq!((c.blocks_pinned, c.blocks_released, c.sessions), (3, 3, 1));
 
         // A block source that breaks its contract (a run ending early): the request
         // fails on both sides, and the call says so with its own status, not a usage error's.
