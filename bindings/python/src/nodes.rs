@@ -112,6 +112,8 @@ fn counters<E: Role>(py: Python<'_>, node: &Node<E>) -> PyResult<HashMap<&'stati
         ("protocol_errors", c.protocol_errors),
         ("writes_refused", c.writes_refused),
         ("late_writes", c.late_writes),
+        ("blocks_pinned", c.blocks_pinned),
+        ("blocks_released", c.blocks_released),
     ]))
 }
 
@@ -245,6 +247,11 @@ impl Sender {
     /// The core's counters (``bytes_written``, ``completions``, ``failures``, …).
     fn counters(&self, py: Python<'_>) -> PyResult<HashMap<&'static str, u64>> {
         counters(py, &self.node)
+    }
+
+    /// Requests held: opened and not retired yet.
+    fn session_count(&self, py: Python<'_>) -> PyResult<usize> {
+        run(py, || self.node.session_count())
     }
 
     /// Opens ``request`` before its first chunk, naming the decode peers it is written to.
@@ -520,6 +527,11 @@ impl Receiver {
     /// The core's counters (``bytes_written``, ``bytes_landed``, ``writes_refused``, …).
     fn counters(&self, py: Python<'_>) -> PyResult<HashMap<&'static str, u64>> {
         counters(py, &self.node)
+    }
+
+    /// Requests held: registered and not retired yet.
+    fn session_count(&self, py: Python<'_>) -> PyResult<usize> {
+        run(py, || self.node.session_count())
     }
 
     /// Registers the destination of ``request`` before its prefill starts: ``blocks`` holds

@@ -48,6 +48,9 @@ def test_a_small_transfer_in_process(pair):
     assert tx.transport == "mem" and rx.transport == "mem"
     rx.register(5, 10, [(0, [10, 11, 12])], [kvpipe.MEM_SENDER_PEER])
     tx.open_request(5, [kvpipe.MEM_RECEIVER_PEER])
+    # The registration pins its three blocks until the request quiesces.
+    assert rx.session_count() == 1 and tx.session_count() == 1
+    assert rx.counters()["blocks_pinned"] == 3 and rx.counters()["blocks_released"] == 0
     table = [2, 3, 4]
     assert tx.submit_chunk(5, 0, 6, 10, [table]) is not None
     # A callable block source: the run of resident blocks ending at `end`.
@@ -60,8 +63,10 @@ def test_a_small_transfer_in_process(pair):
     until(tx, "quiesced")
     assert (dst[10:13] == src[2:5]).all()
     assert not dst[:10].any() and not dst[13:].any()
+    assert rx.counters()["blocks_released"] == 3
     tx.retire(5)
     rx.retire(5)
+    assert rx.session_count() == 0 and tx.session_count() == 0
     assert tx.counters()["bytes_written"] == 3 * SLOT
     assert rx.counters()["bytes_landed"] == 3 * SLOT
 
