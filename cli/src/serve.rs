@@ -268,8 +268,7 @@ pub(crate) fn run(args: ServeArgs) -> Result<ExitCode, CliError> {
     // and for verification after each request quiesced.
     let data_path = args.data_path.unwrap_or(kvpipe_tcp::TcpDataPath::Auto);
     let rx = unsafe { decode_node(&transport, config, &mut cache, data_path)? };
-    let addr = (rx.listen(args.listen.as_str()))
-        .map_err(|e| format!("--listen {}: cannot listen: {e}", args.listen))?;
+    let addr = (rx.listen(args.listen.as_str())).map_err(|e| format!("--listen: {e}"))?;
     eprintln!("kvpipe serve: listening on {addr}");
     if let Some(m) = &metrics {
         eprintln!("kvpipe serve: metrics on http://{}/metrics", m.addr());

@@ -666,7 +666,7 @@ fn demo_connect_refuses_exactly_the_flags_its_help_and_cli_md_list() {
         // Reaching the connect, or refused as a flag of another transport or memory (the
         // sample's --device is a verbs device, its --gpu needs --memory device): not a flag
         // --connect refuses.
-        if err.starts_with("kvpipe: connecting to 127.0.0.1:9")
+        if err.starts_with("kvpipe: connect to 127.0.0.1:9")
             || err.starts_with(&format!("kvpipe: {flag} applies to"))
         {
             continue;

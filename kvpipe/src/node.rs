@@ -165,10 +165,14 @@ impl<E: Role> Node<E> {
     /// error on both. An error closes the peer.
     pub fn connect(&self, addr: &str) -> Result<PeerId, EmbedError> {
         self.with(|inner| match inner {
-            Inner::Tcp(node) => Ok(node.connect(addr)?),
+            Inner::Tcp(node) => node
+                .connect(addr)
+                .map_err(|e| naming(e, "connect to", addr)),
             Inner::Mem(_) => Err(unsupported("connect")),
             #[cfg(feature = "verbs")]
-            Inner::Verbs(node) => Ok(node.connect(addr)?),
+            Inner::Verbs(node) => node
+                .connect(addr)
+                .map_err(|e| naming(e, "connect to", addr)),
         })
     }
 
@@ -176,10 +180,10 @@ impl<E: Role> Node<E> {
     /// a free one) and returns the bound address.
     pub fn listen(&self, addr: &str) -> Result<SocketAddr, EmbedError> {
         self.with(|inner| match inner {
-            Inner::Tcp(node) => Ok(node.listen(addr)?),
+            Inner::Tcp(node) => node.listen(addr).map_err(|e| naming(e, "listen on", addr)),
             Inner::Mem(_) => Err(unsupported("listen")),
             #[cfg(feature = "verbs")]
-            Inner::Verbs(node) => Ok(node.listen(addr)?),
+            Inner::Verbs(node) => node.listen(addr).map_err(|e| naming(e, "listen on", addr)),
         })
     }
 
@@ -268,6 +272,15 @@ fn mem_alone() -> EmbedError {
         operation: "making one node alone (mem_pair makes both sides of a pair in this process)",
         transport: "mem",
     }
+}
+
+/// A socket error of `what` (`connect to`, `listen on`) `addr`, saying so: the transport's own
+/// message ("connection timed out") names neither.
+fn naming(error: std::io::Error, what: &str, addr: &str) -> EmbedError {
+    EmbedError::Io(std::io::Error::new(
+        error.kind(),
+        format!("{what} {addr}: {error}"),
+    ))
 }
 
 fn unsupported(operation: &'static str) -> EmbedError {

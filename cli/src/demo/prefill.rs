@@ -82,9 +82,7 @@ pub(super) fn run(args: &DemoArgs, addr: &str, memory: PoolMemory) -> Result<Exi
             args.data_path.unwrap_or(kvpipe_tcp::TcpDataPath::Auto),
         )?
     };
-    let peer = tx
-        .connect(addr)
-        .map_err(|e| format!("connecting to {addr}: {e}"))?;
+    let peer = tx.connect(addr).map_err(|e| e.to_string())?;
     let deadline = Instant::now() + Duration::from_secs(10);
     // What the other side broke, if it broke a rule before the connection closed.
     let mut violation = None;
