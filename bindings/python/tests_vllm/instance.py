@@ -154,7 +154,7 @@ class Instance:
         sp.update_from_generation_config({}, EOS)
         req = Request(request_id=req_id, prompt_token_ids=tokens, sampling_params=sp, pooling_params=None,
                       mm_features=None)
-        req.kv_transfer_params = dict(params, kvpipe_request=kv_id)
+        req.kv_transfer_params = {"kvpipe_request": kv_id, **params}  # params may override it
         self.kv_ids[req_id] = kv_id
         self.scheduler.add_request(req)
 

@@ -114,6 +114,54 @@ def test_an_abort_mid_transfer_frees_everything(make_pair, side):
     assert_nothing_held(pair)
 
 
+def test_a_prefill_abort_before_the_first_chunk_reaches_decode_at_once(make_pair):
+    pair = make_pair()
+    # A first request connects the prefill rank to the decode rank.
+    warm = Pair.new_id()
+    pair.add_decode(warm, 40)
+    pair.pump(lambda: pair.status(warm) == "WAITING_FOR_REMOTE_KVS", prefill=False)
+    pair.add_prefill((warm, 40))
+    pair.pump(lambda: warm in pair.loaded)
+    rid, prompt = Pair.new_id(), 120
+    pair.add_decode(rid, prompt)
+    pair.pump(lambda: pair.status(rid) == "WAITING_FOR_REMOTE_KVS", prefill=False)
+    pair.add_prefill((rid, prompt))
+    pair.prefill.call("abort", rid)  # before its first step: no chunk of it was computed
+    start = time.monotonic()
+    # The decode side hears the cancel and recomputes (not after the 60 s registration deadline).
+    pair.pump(lambda: rid in pair.recomputed, timeout=20)
+    assert time.monotonic() - start < 10
+    pair.settle()
+    assert rid not in pair.loaded
+    assert_nothing_held(pair)
+
+
+def test_malformed_transfer_params_cost_only_their_own_request(make_pair):
+    # kv_transfer_params come from the client's request body: a bad value must not stop the
+    # engine (vLLM has no per-request exception handling around the connector's hooks).
+    pair = make_pair()
+    for key, value in [("kvpipe_request", "abc"), ("kvpipe_request", -1), ("kvpipe_request", 2**64),
+                       ("kvpipe_decode", "localhost"), ("kvpipe_decode", "127.0.0.1:http"),
+                       ("kvpipe_decode_tp", 0), ("kvpipe_decode_tp", 3)]:
+        rid, kv_id, prompt, max_tokens, params = pair.prefill_args(Pair.new_id(), 40)
+        pair.prefill.call("add", [(rid, kv_id, prompt, max_tokens, dict(params, **{key: value}))])
+    bad = Pair.new_id()
+    pair.decode.add(bad, 7, 40, 3, {"do_remote_prefill": True, "kvpipe_prefill_engine": instance.PREFILL_ENGINE,
+                                    "kvpipe_request": "abc"})
+    pair.remote[bad] = 40
+    # The decode side computes that prompt itself.
+    pair.pump(lambda: bad in pair.recomputed, timeout=20)
+    pair.settle()
+    # Both instances still serve: a well-formed request moves its KV.
+    ok = Pair.new_id()
+    pair.add_decode(ok, 40)
+    pair.pump(lambda: pair.status(ok) == "WAITING_FOR_REMOTE_KVS", prefill=False)
+    pair.add_prefill((ok, 40))
+    pair.pump(lambda: ok in pair.loaded)
+    pair.settle()
+    assert_nothing_held(pair)
+
+
 def test_a_lost_prefill_instance_takes_the_recompute_path(make_pair):
     pair = make_pair()
     rid, prompt = Pair.new_id(), 120

@@ -101,6 +101,33 @@ def engine_tag(engine_id: str) -> int:
     return request_id("engine:" + engine_id) >> 32
 
 
+def _kv_id(p: dict) -> int | None:
+    """``kvpipe_request`` as a kvpipe request id, or ``None`` when it is not one (a malformed
+    ``kv_transfer_params`` value, which comes from the client's request body: that one request
+    is transferred no KV, the engine keeps running)."""
+    try:
+        v = int(p["kvpipe_request"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    return v if 0 <= v < 1 << 64 else None
+
+
+def _decode_target(p: dict) -> tuple[str, int] | None:
+    """``kvpipe_decode`` (``host:port`` of the decode instance's rank 0) and
+    ``kvpipe_decode_tp`` (its tensor-parallel size, default 1), or ``None`` when malformed."""
+    addr = p.get("kvpipe_decode")
+    if not isinstance(addr, str) or ":" not in addr:
+        return None
+    host, port = addr.rsplit(":", 1)
+    try:
+        port_n, tp = int(port), int(p.get("kvpipe_decode_tp", 1))
+    except (TypeError, ValueError):
+        return None
+    if not host or not 0 <= port_n < 65536 or not 1 <= tp < 65536 or port_n + tp > 65536:
+        return None
+    return addr, tp
+
+
 @dataclass
 class KvpipeHandshakeMetadata(KVConnectorHandshakeMetadata):
     """What a worker tells its scheduler about itself: its decode receiver's address (``None``
@@ -145,6 +172,8 @@ class KvpipeMetadata(KVConnectorMetadata):
     cancel_sends: list[str] = field(default_factory=list)
     preempted_sends: list[str] = field(default_factory=list)
     cancel_recvs: list[str] = field(default_factory=list)
+    # prefill requests finished before their first chunk: cancelled towards their decode ranks
+    cancel_unopened: list = field(default_factory=list)  # _Chunk
 
 
 @dataclass
@@ -311,6 +340,10 @@ class _SchedulerSide:
         if (not self.c._consumer or not p.get("do_remote_prefill") or "kvpipe_request" not in p
                 or request.request_id in self.loading):
             return 0, False
+        if _kv_id(p) is None:
+            logger.warning("kvpipe: request %s: kvpipe_request %r is not an id from 0 to 2**64 - 1; "
+                           "its prompt is computed here", request.request_id, p.get("kvpipe_request"))
+            return 0, False
         missing = request.num_prompt_tokens - num_computed_tokens
         return (missing, True) if missing > 0 else (0, False)
 
@@ -325,15 +358,23 @@ class _SchedulerSide:
         ids = list(blocks.get_block_ids()[0][first: -(-prompt // bs)])
         self.loading.add(request.request_id)
         tag = engine_tag(p.get("kvpipe_prefill_engine", ""))
-        self.meta.registrations.append(_Registration(request.request_id, int(p["kvpipe_request"]), prompt, first, ids, tag))
+        kv_id = _kv_id(p)
+        if kv_id is None:  # refused in get_num_new_matched_tokens already
+            return
+        self.meta.registrations.append(_Registration(request.request_id, kv_id, prompt, first, ids, tag))
 
     # prefill
     def on_new_request(self, request):
         p = request.kv_transfer_params or {}
         if self.c._producer and p.get("do_remote_decode") and "kvpipe_request" in p and "kvpipe_decode" in p:
-            self.sends[request.request_id] = _SendState(
-                int(p["kvpipe_request"]), p["kvpipe_decode"], int(p.get("kvpipe_decode_tp", 1)),
-                request.num_prompt_tokens)
+            kv_id, target = _kv_id(p), _decode_target(p)
+            if kv_id is None or target is None:
+                logger.warning("kvpipe: request %s: malformed kv_transfer_params (kvpipe_request %r, "
+                               "kvpipe_decode %r, kvpipe_decode_tp %r); its KV is not sent",
+                               request.request_id, p.get("kvpipe_request"), p.get("kvpipe_decode"),
+                               p.get("kvpipe_decode_tp"))
+                return
+            self.sends[request.request_id] = _SendState(kv_id, target[0], target[1], request.num_prompt_tokens)
 
     def build_connector_meta(self, so):
         for preempted in so.preempted_req_ids or ():
@@ -379,7 +420,13 @@ class _SchedulerSide:
                 # the worker does once kvpipe quiesced it (nothing happens if it arrived).
                 self.meta.cancel_recvs.append(rid)
         s = self.sends.pop(rid, None)
-        if s is None or not s.opened:
+        if s is None:
+            return False, None
+        if not s.opened:
+            # Finished before its first chunk (aborted, rejected): the decode side, which may
+            # have registered it already, hears the cancel instead of waiting out its deadline.
+            self.meta.cancel_unopened.append(_Chunk(rid, s.kv_id, [], 0, 0, s.prompt_len, 0, s.decode_addr,
+                                                    s.decode_tp))
             return False, None
         if s.sent_to < s.prompt_len and not s.abandoned:
             self.meta.cancel_sends.append(rid)  # aborted mid-prefill
@@ -400,6 +447,7 @@ class _WorkerSide:
         self.cuda = False
         # prefill
         self.decode_peers: dict[str, tuple[int, float]] = {}  # "host:port" -> (peer, connected at)
+        self.connect_failed: dict[str, tuple[float, str]] = {}  # "host:port" -> (when, why)
         self.send_tables: dict[int, list[int]] = {}  # kv id -> block table
         self.send_req: dict[int, str] = {}  # kv id -> vLLM id
         self.send_done: set[str] = set()  # quiesced (or never held), not yet finished by vLLM
@@ -505,6 +553,8 @@ class _WorkerSide:
             for kv_id, r in list(self.send_req.items()):
                 if r == rid:
                     self._quietly(self.sender.cancel, kv_id)
+        for ch in meta.cancel_unopened:
+            self._cancel_unopened(ch)
         self._post_pending()
 
     def handle_preemptions(self, meta: KvpipeMetadata):
@@ -550,7 +600,7 @@ class _WorkerSide:
             del self.pending[rid]
             try:
                 self.receiver.register(reg.kv_id, reg.prompt_len, [(reg.first_ordinal, reg.block_ids)], writers)
-            except kvpipe.KvpipeError as e:
+            except (kvpipe.KvpipeError, ValueError, TypeError, OverflowError) as e:
                 logger.warning("kvpipe: request %s (id %d) not registered: %s", rid, reg.kv_id, e)
                 self._recv_failed_local(reg)
                 continue
@@ -670,7 +720,8 @@ class _WorkerSide:
                 if kvpipe.tensor_writes_to(self.c._model_heads, self.tp_size, self.tp_rank, ch.decode_tp, d):
                     peers.append(self._decode_peer(f"{host}:{int(port) + d}"))
             self.sender.open_request(ch.kv_id, peers)
-        except kvpipe.KvpipeError as e:
+        except (kvpipe.KvpipeError, ValueError, TypeError, OverflowError) as e:
+            # (ValueError: a decode tensor-parallel size the model's heads cannot be split over.)
             logger.warning("kvpipe: request %s (id %d) not opened: %s", ch.req_id, ch.kv_id, e)
             self.send_done.add(ch.req_id)
             return False
@@ -681,15 +732,51 @@ class _WorkerSide:
     def _decode_peer(self, addr: str) -> int:
         """The peer for a decode rank's address: connected on first use, and again when the
         connection is not ready past the handshake deadline (a decode instance that restarted)."""
+        handshake = float((self._deadlines() or {}).get("handshake", 5.0))
         known = self.decode_peers.get(addr)
         if known is not None:
             peer, since = known
-            if self.sender.is_peer_ready(peer) or time.monotonic() - since < float(
-                    (self._deadlines() or {}).get("handshake", 5.0)):
+            if self.sender.is_peer_ready(peer) or time.monotonic() - since < handshake:
                 return peer
-        peer = self.sender.connect(addr)
+        failed = self.connect_failed.get(addr)
+        if failed is not None and time.monotonic() - failed[0] < handshake:
+            # A connect to it failed moments ago (it can take the whole handshake deadline, on
+            # the forward pass's thread): the requests meanwhile fail at once instead of
+            # each waiting as long again.
+            raise kvpipe.TransportError(f"{addr}: {failed[1]} (a connect less than {handshake:.0f} s ago; "
+                                        "not tried again yet)")
+        try:
+            peer = self.sender.connect(addr)
+        except kvpipe.KvpipeError as e:
+            self.connect_failed[addr] = (time.monotonic(), str(e))
+            raise
+        self.connect_failed.pop(addr, None)
         self.decode_peers[addr] = (peer, time.monotonic())
         return peer
+
+    def _cancel_unopened(self, ch: _Chunk):
+        """A request finished before its first chunk: opened towards its decode ranks this
+        rank is connected to, and cancelled at once, so that they hear of it (no connect is
+        made for it)."""
+        if self.sender is None or ch.kv_id in self.send_req:
+            return
+        host, port = ch.decode_addr.rsplit(":", 1)
+        peers = []
+        try:
+            for d in range(ch.decode_tp):
+                if kvpipe.tensor_writes_to(self.c._model_heads, self.tp_size, self.tp_rank, ch.decode_tp, d):
+                    known = self.decode_peers.get(f"{host}:{int(port) + d}")
+                    if known is not None and self.sender.is_peer_ready(known[0]):
+                        peers.append(known[0])
+            if not peers:
+                return
+            self.sender.open_request(ch.kv_id, peers)
+            self.sender.cancel(ch.kv_id)
+        except (kvpipe.KvpipeError, ValueError, TypeError, OverflowError) as e:
+            logger.info("kvpipe: request %s (id %d) finished before its first chunk; its decode ranks "
+                        "were not told: %s", ch.req_id, ch.kv_id, e)
+            return
+        # Nothing of it is read (no chunk): its Quiesced only retires it (`_sender_event`).
 
     def poll(self):
         if self.sender is not None:
