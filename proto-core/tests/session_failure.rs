@@ -396,3 +396,27 @@ fn refused_write_fails_both_sides_as_a_grant_violation() {
     assert_eq!(net.senders[0].phase(R), Some(SendPhase::Quiesced));
     assert_eq!(net.receivers[0].phase(R), Some(RecvPhase::Quiesced));
 }
+
+#[test]
+fn a_registration_whose_aux_slot_holds_no_aux_data_is_refused() {
+    // Any aux data takes 16 bytes (two counts, two lengths): a smaller slot would refuse every
+    // writer's aux data after the KV had moved.
+    let mut net = Net::connected(1, 1);
+    let now = net.now;
+    for capacity in [0, 15] {
+        let mut reg = registration(R, 16, &[0]);
+        reg.aux_capacity = capacity;
+        assert_eq!(
+            net.receivers[0].register(now, reg),
+            Err(UsageError::AuxSlotTooSmall {
+                request: R,
+                capacity,
+                min: 16
+            })
+        );
+        assert_eq!(net.receivers[0].session_count(), 0);
+    }
+    let mut reg = registration(R, 16, &[0]);
+    reg.aux_capacity = 16;
+    net.receivers[0].register(now, reg).unwrap();
+}

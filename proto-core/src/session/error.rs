@@ -505,6 +505,21 @@ pub enum UsageError {
         /// That receiver's aux capacity.
         capacity: u32,
     },
+    /// A registration's aux slot cannot hold any aux data (its two counts and two lengths
+    /// alone take [`AuxData::SLOT_MIN`](crate::wire::AuxData::SLOT_MIN) bytes): every writer's
+    /// aux data would be refused, after the writers had sent the KV.
+    #[error(
+        "registration of {request} gives an aux slot of {capacity} bytes, less than the {min} \
+         any aux data takes (16 plus 4 per token): give at least {min}"
+    )]
+    AuxSlotTooSmall {
+        /// The request.
+        request: RequestId,
+        /// The `aux_capacity` given.
+        capacity: u32,
+        /// The least any aux data takes.
+        min: u64,
+    },
     /// The registration does not fit in one frame.
     #[error("registration of {request} takes {len} bytes, a frame carries at most {max}")]
     RegistrationTooLarge {

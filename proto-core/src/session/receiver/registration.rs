@@ -18,6 +18,13 @@ impl Receiver {
         if let Some(peer) = named_twice(&reg.writers) {
             return Err(UsageError::DuplicatePeer { request, peer });
         }
+        if u64::from(reg.aux_capacity) < AuxData::SLOT_MIN {
+            return Err(UsageError::AuxSlotTooSmall {
+                request,
+                capacity: reg.aux_capacity,
+                min: AuxData::SLOT_MIN,
+            });
+        }
         let expected = self.config.local.groups.len();
         if reg.groups.len() != expected {
             return Err(UsageError::GroupCountMismatch {

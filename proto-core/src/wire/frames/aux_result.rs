@@ -32,10 +32,13 @@ pub struct AuxData {
 }
 
 impl AuxData {
+    /// Bytes any aux data takes in a slot: its two counts and two lengths, no token.
+    pub const SLOT_MIN: u64 = 16;
+
     /// Bytes the data takes in a receiver's aux slot (two counts, two lengths and the tokens),
     /// which a registration's `aux_capacity` bounds.
     pub fn slot_len(&self) -> u64 {
-        16 + 4 * (self.first_tokens.len() as u64 + self.draft_tokens.len() as u64)
+        Self::SLOT_MIN + 4 * (self.first_tokens.len() as u64 + self.draft_tokens.len() as u64)
     }
 }
 
