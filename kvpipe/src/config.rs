@@ -189,6 +189,21 @@ pub(crate) fn check_regions(
             return Err(EmbedError::DuplicateRegion(r.id));
         }
     }
+    if side == Side::Receiver {
+        // Per address space (host, each GPU), in address order: each region must end before
+        // the next begins.
+        let mut spans: Vec<_> = (regions.iter())
+            .filter(|r| r.len > 0)
+            .map(|r| (r.device, r.ptr as usize, r.len, r.id))
+            .collect();
+        spans.sort_by_key(|&(device, start, _, _)| (device, start));
+        for w in spans.windows(2) {
+            let ((d0, s0, l0, a), (d1, s1, _, b)) = (w[0], w[1]);
+            if d0 == d1 && s1 < s0.saturating_add(l0) {
+                return Err(EmbedError::OverlappingRegions { a, b });
+            }
+        }
+    }
     crate::gpu::check(regions.iter().map(|r| (r.id, r.device)))?;
     for (g, group) in config.layout.iter().enumerate() {
         if let Some(pool) = group.pools.iter().find(|p| !seen.contains(&p.region)) {

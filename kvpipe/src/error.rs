@@ -44,6 +44,18 @@ pub enum EmbedError {
     /// A region's address is null while its length is not zero.
     #[error("{0} has a null address")]
     NullRegion(RegionId),
+    /// Two of a decode node's regions share memory: a write admitted into one would land in
+    /// blocks of the other, which the core checks separately.
+    #[error(
+        "{a} and {b} share memory; a decode node's regions must not overlap (a write to one \
+         would land in blocks of the other)"
+    )]
+    OverlappingRegions {
+        /// The region that starts first.
+        a: RegionId,
+        /// The region that starts inside it.
+        b: RegionId,
+    },
     /// A region is GPU memory, which this build or this machine cannot serve.
     #[error("{region} is memory on GPU {ordinal}, {reason}; give host memory")]
     DeviceRegion {

@@ -442,7 +442,8 @@ impl kvpipe_driver::SenderLock for SenderCommands<'_> {
 /// # Decode: construction and commands
 impl Node<Receiver> {
     /// A decode node over `config.transport` landing admitted writes in `regions`, or the
-    /// first reason it cannot be made (as [`PrefillNode::new`]).
+    /// first reason it cannot be made (as [`PrefillNode::new`], and two regions that share
+    /// memory: [`EmbedError::OverlappingRegions`]).
     ///
     /// # Safety
     /// Every region follows [`RawRegion`]'s contract until the node is dropped.

@@ -79,6 +79,7 @@ impl From<EmbedError> for Failure {
             }
             EmbedError::DuplicateRegion(_)
             | EmbedError::NullRegion(_)
+            | EmbedError::OverlappingRegions { .. }
             | EmbedError::MissingRegion { .. } => KVPIPE_ERR_INVALID_ARGUMENT,
             EmbedError::Unsupported { .. } | EmbedError::DeviceRegion { .. } => {
                 KVPIPE_ERR_UNSUPPORTED

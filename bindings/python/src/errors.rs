@@ -49,6 +49,7 @@ pub(crate) fn to_py(e: EmbedError) -> PyErr {
         EmbedError::Closed => ClosedError::new_err(message),
         EmbedError::DuplicateRegion(_)
         | EmbedError::NullRegion(_)
+        | EmbedError::OverlappingRegions { .. }
         | EmbedError::MissingRegion { .. } => PyValueError::new_err(message),
         EmbedError::Io(_)
         | EmbedError::Close(_)

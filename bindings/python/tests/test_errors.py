@@ -354,6 +354,25 @@ def test_bad_pools_and_settings_raise():
         tx.open_request(1, [0])
 
 
+def test_decode_regions_that_share_memory_are_refused():
+    # One layer per pool, the two pools in two regions over overlapping rows of one buffer: a
+    # write admitted into one region's block would land in the other's.
+    half = SLOT // 2
+    split = [
+        kvpipe.LayerGroup(
+            layers=2, kv_heads=1, head_dim=8, elem_bytes=2, tokens_per_block=4,
+            pools=[kvpipe.Pool(region=1, layers=1, slot_bytes=half),
+                   kvpipe.Pool(region=2, layers=1, slot_bytes=half, layer_begin=1)],
+        )
+    ]
+    buf = np.zeros((8, half), dtype=np.uint8)
+    with pytest.raises(ValueError, match="region#1 and region#2 share memory"):
+        kvpipe.Receiver.tcp(split, {1: buf[0:4], 2: buf[3:7]})
+    # Disjoint rows are fine; the prefill side, which only reads, may overlap.
+    kvpipe.Receiver.tcp(split, {1: buf[0:4], 2: buf[4:8]}).close()
+    kvpipe.Sender.tcp(split, {1: buf[0:4], 2: buf[3:7]}).close()
+
+
 def test_mismatched_layouts_are_rejected_at_the_handshake():
     src = np.zeros((4, SLOT), dtype=np.uint8)
     dst = np.zeros((4, SLOT), dtype=np.uint8)
