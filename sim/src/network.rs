@@ -482,9 +482,10 @@ impl Network {
     /// Tells one side that the connection of sender rank `link` is gone.
     ///
     /// An injected death is fatal for every request whose session on that sender rank is still
-    /// active when the sender learns of it (a session that completed before, having handed its
-    /// last frames to the dying connection, is the protocol's inherent race, not a fault it
-    /// could act on).
+    /// active when the sender learns of it, unless the session had handed everything over and
+    /// waited only for the receiver's `RecvComplete` (then the receiver either lost those
+    /// frames too, or completed: the protocol's inherent race of the last frame, see the
+    /// oracle).
     pub(crate) fn notify_down(
         &mut self,
         stage: &mut Stage,

@@ -95,8 +95,9 @@ pub struct SimReport {
     /// their writes were still landing within the idle deadline (bug: a deadline that does
     /// not follow progress).
     pub timed_out_progressing: u64,
-    /// Requests completed on some sides only without a fatal fault (a cancel or deadline
-    /// racing with the last frames, or a connection lost after the sender finished).
+    /// Requests completed on some sides only without a fatal fault: the receiver completed,
+    /// and a writer lost its `RecvComplete` (a connection lost or a deadline passed after it
+    /// had handed everything over).
     pub split: u64,
     /// Requests the receiver ended with `Failed` (a writer's failure, a lost peer, a protocol
     /// error).
