@@ -548,6 +548,37 @@ fn a_source_block_past_the_senders_pool_fails_the_request_before_it_is_written()
 }
 
 #[test]
+fn a_chunk_spanning_more_blocks_than_the_senders_pool_is_refused_before_the_engine_is_asked() {
+    // The pool holds 3 slots (4 tokens a block); a chunk of 16 tokens spans 4 blocks at once.
+    let mut net = net_with_pools(3, 600);
+    net.register(0, registration(R, 16, &[0]));
+    net.open(0, send_request(R, &[0]));
+    let mut source = TestSource::with(R, 0, 4);
+    let now = net.now;
+    let err = net.senders[0]
+        .submit_chunk(now, R, chunk(0, 16, 16, true), &mut source)
+        .unwrap_err();
+    assert_eq!(
+        err,
+        UsageError::ChunkPastPool {
+            request: R,
+            group: 0,
+            blocks: 4,
+            slots: 3,
+        }
+    );
+    assert!(err.to_string().contains("holds 3 slots"), "{err}");
+    assert!(
+        source.queries.is_empty(),
+        "the engine was asked: {:?}",
+        source.queries
+    );
+    // A chunk of three blocks fits.
+    net.submit(0, R, chunk(0, 12, 16, false), &mut source);
+    assert_eq!(source.queries.len(), 1);
+}
+
+#[test]
 fn a_block_another_live_request_holds_is_refused_until_that_request_quiesces() {
     let mut net = net();
     let now = net.now;

@@ -297,6 +297,23 @@ pub enum UsageError {
         /// Slots the group's smallest pool holds.
         slots: u64,
     },
+    /// A chunk (or prefix) needs more blocks of a layer group at once than its pools hold
+    /// ([`SenderConfig::region_bytes`](super::SenderConfig::region_bytes)): its blocks cannot
+    /// all be resident, so no block source could answer it. Refused before the engine is asked.
+    #[error(
+        "{request}'s chunk needs {blocks} blocks of layer group {group} at once, but the memory \
+         given for its pools holds {slots} slots: check the chunk's prompt_len and end"
+    )]
+    ChunkPastPool {
+        /// The request.
+        request: RequestId,
+        /// The layer group (index in the layout).
+        group: usize,
+        /// Blocks the chunk's window spans.
+        blocks: u32,
+        /// Slots the group's smallest pool holds.
+        slots: u64,
+    },
     /// A registration names a destination block that another request still holds: it was
     /// registered and has not quiesced, so writes may still land in it. Each block belongs to
     /// one request at a time.

@@ -200,6 +200,18 @@ impl Sender {
             if let Some(w) =
                 window(layout).map_err(|error| UsageError::Geometry { request, error })?
             {
+                // Before the engine is asked (a binding sizes its answer's buffer by the
+                // window): a window larger than the pools can never be resident.
+                if let Some(slots) = layout.slots_in(&self.config.region_bytes) {
+                    if u64::from(w.len()) > slots {
+                        return Err(UsageError::ChunkPastPool {
+                            request,
+                            group: g,
+                            blocks: w.len(),
+                            slots,
+                        });
+                    }
+                }
                 windows.push((GroupIndex(g as u16), w));
             }
         }
