@@ -189,10 +189,23 @@ fn a_close_the_peer_does_not_answer_ends_at_the_deadline() {
     let mut raw = RawPeer::connect(addr, 7);
     // Let the node attach the connection, then close while the raw peer keeps its side open.
     assert!(eventually(|| rx.peers().len() == 1));
+    let peer = rx.peers()[0];
     let started = Instant::now();
+    let closed = rx.close(Duration::from_millis(300));
     assert_eq!(
-        rx.close(Duration::from_millis(300)),
-        Err(kvpipe_tcp::CloseError::Unflushed { peers: 1 })
+        closed,
+        Err(kvpipe_tcp::CloseError::Unflushed {
+            peers: 1,
+            which: vec![peer]
+        })
+    );
+    // The message names the peer.
+    assert!(
+        closed
+            .unwrap_err()
+            .to_string()
+            .ends_with(&format!(": {peer}")),
+        "names {peer}"
     );
     let took = started.elapsed();
     assert!(took >= Duration::from_millis(300), "{took:?}");

@@ -145,19 +145,27 @@ impl<E: Endpoint + Send + 'static> Node<E> {
                 break;
             }
         }
-        let spoiled = match &st.io.phase {
-            NodePhase::Closing(outcomes) => lingering
-                .iter()
+        // The peers that did not close in order: those whose orderly close failed, and those
+        // still open at the deadline.
+        let mut unflushed: Vec<PeerId> = match &st.io.phase {
+            NodePhase::Closing(outcomes) => (lingering.iter())
                 .filter(|p| outcomes.get(p) != Some(&true))
-                .count(),
-            _ => lingering.len(),
+                .copied()
+                .collect(),
+            _ => lingering.clone(),
         };
-        let open = st.io.links.len();
+        unflushed.extend(st.io.links.ids());
+        unflushed.sort_unstable();
+        unflushed.dedup();
         drop(st);
         self.shutdown();
-        match spoiled.max(open) {
-            0 => Ok(()),
-            peers => Err(CloseError::Unflushed { peers }),
+        if unflushed.is_empty() {
+            Ok(())
+        } else {
+            Err(CloseError::Unflushed {
+                peers: unflushed.len(),
+                which: unflushed,
+            })
         }
     }
 
@@ -215,10 +223,15 @@ impl<E: Endpoint + Send + 'static> Drop for Node<E> {
 pub enum CloseError {
     /// Some peers' connections did not all flush, shut down and see the peer's end of stream
     /// before the deadline (or failed on the way); they were shut down at once.
-    #[error("{peers} peer(s) did not close in order before the deadline")]
+    #[error(
+        "{peers} peer(s) did not close in order before the deadline: {}",
+        which.iter().map(|p| p.to_string()).collect::<Vec<_>>().join(", ")
+    )]
     Unflushed {
         /// How many.
         peers: usize,
+        /// Which, in id order.
+        which: Vec<PeerId>,
     },
     /// The close was interrupted (the async driver's runtime shut down first).
     #[error("the close was interrupted before it finished")]

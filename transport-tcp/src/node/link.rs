@@ -188,10 +188,6 @@ impl Links {
         ids
     }
 
-    pub(crate) fn len(&self) -> usize {
-        self.by_peer.len()
-    }
-
     pub(crate) fn is_empty(&self) -> bool {
         self.by_peer.is_empty()
     }
