@@ -593,7 +593,12 @@ class _WorkerSide:
             writers = self._writers(reg.prefill_tag)
             if writers is None:
                 if now - since > timeout:
-                    logger.warning("kvpipe: no handshake with the prefill ranks of request %s in %.0f s", rid, timeout)
+                    connected = sorted({inst >> 32 for inst in self.peer_instance.values()})
+                    logger.warning("kvpipe: no handshake with every writing rank of prefill engine tag %#x "
+                                   "(kvpipe_prefill_engine; kvpipe.vllm.engine_tag(name) gives a name's tag) for request %s "
+                                   "in %.0f s; engine tags connected: %s",
+                                   reg.prefill_tag, rid, timeout,
+                                   ", ".join(f"{t:#x}" for t in connected) or "none")
                     del self.pending[rid]
                     self._recv_failed_local(reg)
                 continue
