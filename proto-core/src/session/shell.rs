@@ -17,7 +17,7 @@ use super::{
 };
 use crate::ids::{PeerId, ReceiverSliceId, RequestId};
 use crate::time::Instant;
-use crate::wire::{AuxData, Frame, Hello};
+use crate::wire::{AuxData, Frame, Hello, RecvComplete};
 
 /// A deadline that passed and concerns the role's sessions.
 pub(crate) enum Due {
@@ -112,6 +112,34 @@ impl Shell {
             aux,
             timings,
         });
+        self.quiesced(request, blocks_pinned);
+    }
+
+    /// A receiver's completion: as [`completed`](Self::completed), with each of `writers` told
+    /// (`RecvComplete`) between the two events — after `Completed`, which the decode engine
+    /// waits for (the frame costs its tail nothing), and before `Quiesced`, after which nothing
+    /// of the request leaves.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn completed_telling(
+        &mut self,
+        now: Instant,
+        request: RequestId,
+        bytes_written: u64,
+        aux: Option<AuxData>,
+        timings: RequestTimings,
+        blocks_pinned: u64,
+        writers: &[PeerId],
+    ) {
+        self.counters.completions += 1;
+        self.event(Event::Completed {
+            request,
+            bytes_written,
+            aux,
+            timings,
+        });
+        for &peer in writers {
+            self.send(now, peer, Frame::RecvComplete(RecvComplete { request }));
+        }
         self.quiesced(request, blocks_pinned);
     }
 

@@ -43,8 +43,8 @@ use crate::ids::{GrantId, GroupIndex, PeerId, ReceiverSliceId, RequestId, Sender
 use crate::shard::writes_group;
 use crate::time::Instant;
 use crate::wire::{
-    AuxData, AuxResult, Cancel, CancelReason, DataWrite, Frame, KvResult, RecvComplete,
-    RecvRegistration, Role, TransferStatus,
+    AuxData, AuxResult, Cancel, CancelReason, DataWrite, Frame, KvResult, RecvRegistration, Role,
+    TransferStatus,
 };
 
 /// One input to a [`Receiver`]: everything that can change its state, as data, so a recorded

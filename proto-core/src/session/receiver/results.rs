@@ -335,15 +335,11 @@ impl Receiver {
                     session.timings,
                     session.blocks_pinned,
                 );
+                // Each writer completes only on hearing it.
                 let writers: SmallVec<[PeerId; 2]> =
                     session.writers.iter().map(|w| w.peer).collect();
-                // Each writer completes only on hearing it. Sent before this side's events, so
-                // that nothing of the request leaves after its `Quiesced`.
-                for peer in writers {
-                    self.shell
-                        .send(now, peer, Frame::RecvComplete(RecvComplete { request }));
-                }
-                self.shell.completed(request, bytes, aux, timings, pinned);
+                self.shell
+                    .completed_telling(now, request, bytes, aux, timings, pinned, &writers);
             }
         }
     }
