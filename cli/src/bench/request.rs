@@ -351,10 +351,13 @@ fn measure(
         let mut failed = None;
         let mut quiesced = 0;
         pair.drive_until(limit, |p| {
-            for (side, _, e) in p.take_events() {
+            for (side, at, e) in p.take_events() {
                 match e {
+                    // When the decode side reported it (an engine's event queue has it then),
+                    // not when this loop looked: the same pump carries the decode side's word
+                    // back to the prefill side before the loop runs.
                     Event::Completed { .. } if side == Endpoint::Receiver => {
-                        done_at = Some(Instant::now());
+                        done_at = Some(p.clock().to_std(at));
                     }
                     Event::Quiesced { .. } => quiesced += 1,
                     Event::Failed { cause, .. } => failed = Some(format!("{side:?}: {cause:?}")),
