@@ -569,6 +569,48 @@ mod writer_waits_for_the_receiver {
     }
 
     #[test]
+    fn a_receiver_that_got_everything_late_gets_its_whole_wait() {
+        // Receiver 0 has everything (and says so) at once; receiver 1 registers 200 ms later,
+        // past the 100 ms completion wait counted from receiver 0. Its own wait starts when it
+        // got everything.
+        let mut net = Net::new(1, 2);
+        let mut cfg = sender_config(0);
+        cfg.deadlines.result_wait = Duration::from_millis(100);
+        net.senders[0] = Sender::new(cfg).unwrap();
+        net.connect(0, 0);
+        net.connect(0, 1);
+        net.pump();
+        let mut source = TestSource::with(R, 100, 4);
+        net.register(0, registration(R, 16, &[0]));
+        net.open(0, send_request(R, &[0, 1]));
+        net.submit(0, R, chunk(0, 16, 16, true), &mut source);
+        net.aux(0, R);
+        assert_eq!(net.receivers[0].phase(R), Some(RecvPhase::Completed));
+        net.advance(Duration::from_millis(200));
+        // Receiver 1's frames (the replayed results, the aux data) do not arrive.
+        net.stalled.insert((0, 1));
+        net.register(1, registration(R, 16, &[0]));
+        let timed_out = |net: &Net| {
+            net.events(Side::Sender(0)).iter().any(|e| {
+                matches!(
+                    e,
+                    Event::TimedOut {
+                        waiting_for: Wait::Completion,
+                        ..
+                    }
+                )
+            })
+        };
+        for step in 0..9 {
+            net.advance(Duration::from_millis(10));
+            assert!(!timed_out(&net), "after {}0 ms", step + 1);
+        }
+        net.advance(Duration::from_millis(5));
+        net.advance(Duration::from_millis(100));
+        assert!(timed_out(&net), "{:?}", net.events(Side::Sender(0)));
+    }
+
+    #[test]
     fn a_receiver_that_never_says_it_completed_times_the_writer_out() {
         // The completion is awaited for `result_wait` (here shorter than the liveness timeout,
         // so that it is what fires).

@@ -59,12 +59,12 @@ impl Sender {
                         }),
                     ));
                     target.on(TargetEvent::AuxSent);
-                    if session.confirm_deadline.is_none() {
-                        session.confirm_deadline = Some(confirm_at);
-                        self.shell
-                            .timers
-                            .arm(confirm_at, TimerKey::Request(request));
-                    }
+                    // Counted from the last receiver that got everything: one that registered
+                    // late (and is still being written) is not cut short by an earlier one's.
+                    session.confirm_deadline = Some(confirm_at);
+                    self.shell
+                        .timers
+                        .arm(confirm_at, TimerKey::Request(request));
                 }
             }
         }

@@ -98,7 +98,8 @@ pub(crate) struct SendSession {
     pub(super) aux: Option<AuxData>,
     pub(super) registration_deadline: Instant,
     pub(super) aux_deadline: Option<Instant>,
-    /// When the receivers' `RecvComplete` is due, once the first target went `Confirming`.
+    /// When the receivers' `RecvComplete` is due: `result_wait` after the last target went
+    /// `Confirming`.
     pub(super) confirm_deadline: Option<Instant>,
     pub(super) quiesce_deadline: Option<Instant>,
     /// Status carried by the terminal frames after a stop.
