@@ -96,31 +96,12 @@ impl Shell {
         self.timers.arm(quiesce_at, TimerKey::Request(request));
     }
 
-    /// Reports that `request` completed (nothing is in flight, so it is quiesced at once).
-    pub(crate) fn completed(
-        &mut self,
-        request: RequestId,
-        bytes_written: u64,
-        aux: Option<AuxData>,
-        timings: RequestTimings,
-        blocks_pinned: u64,
-    ) {
-        self.counters.completions += 1;
-        self.event(Event::Completed {
-            request,
-            bytes_written,
-            aux,
-            timings,
-        });
-        self.quiesced(request, blocks_pinned);
-    }
-
-    /// A receiver's completion: as [`completed`](Self::completed), with each of `writers` told
-    /// (`RecvComplete`) between the two events — after `Completed`, which the decode engine
-    /// waits for (the frame costs its tail nothing), and before `Quiesced`, after which nothing
-    /// of the request leaves.
+    /// Reports `request` completed, then quiesced (nothing is in flight), telling each of
+    /// `writers` (a receiver's writers; none on a sender) with `RecvComplete` between the two
+    /// events: after `Completed`, which the decode engine waits for (the frame costs its tail
+    /// nothing), and before `Quiesced`, after which nothing of the request leaves.
     #[allow(clippy::too_many_arguments)]
-    pub(crate) fn completed_telling(
+    pub(crate) fn completed(
         &mut self,
         now: Instant,
         request: RequestId,

@@ -339,7 +339,7 @@ impl Receiver {
                 let writers: SmallVec<[PeerId; 2]> =
                     session.writers.iter().map(|w| w.peer).collect();
                 self.shell
-                    .completed_telling(now, request, bytes, aux, timings, pinned, &writers);
+                    .completed(now, request, bytes, aux, timings, pinned, &writers);
             }
         }
     }

@@ -83,7 +83,7 @@ impl Sender {
         self.send_frames(now, frames);
         if transition == Some(SendPhase::Completed) {
             self.shell
-                .completed(request, bytes, None, timings, blocks_pinned);
+                .completed(now, request, bytes, None, timings, blocks_pinned, &[]);
         }
     }
 
