@@ -568,18 +568,26 @@ mod writer_waits_for_the_receiver {
         assert!(!completed(&net, Side::Sender(0)));
     }
 
+    /// One sender waiting `result_wait` = 100 ms for its receivers' word (shorter than the
+    /// liveness timeout, so that it is what fires), connected to `receivers` receivers.
+    fn net_waiting_100_ms(receivers: usize) -> Net {
+        let mut net = Net::new(1, receivers);
+        let mut cfg = sender_config(0);
+        cfg.deadlines.result_wait = Duration::from_millis(100);
+        net.senders[0] = Sender::new(cfg).unwrap();
+        for j in 0..receivers {
+            net.connect(0, j);
+        }
+        net.pump();
+        net
+    }
+
     #[test]
     fn a_receiver_that_got_everything_late_gets_its_whole_wait() {
         // Receiver 0 has everything (and says so) at once; receiver 1 registers 200 ms later,
         // past the 100 ms completion wait counted from receiver 0. Its own wait starts when it
         // got everything.
-        let mut net = Net::new(1, 2);
-        let mut cfg = sender_config(0);
-        cfg.deadlines.result_wait = Duration::from_millis(100);
-        net.senders[0] = Sender::new(cfg).unwrap();
-        net.connect(0, 0);
-        net.connect(0, 1);
-        net.pump();
+        let mut net = net_waiting_100_ms(2);
         let mut source = TestSource::with(R, 100, 4);
         net.register(0, registration(R, 16, &[0]));
         net.open(0, send_request(R, &[0, 1]));
@@ -612,14 +620,8 @@ mod writer_waits_for_the_receiver {
 
     #[test]
     fn a_receiver_that_never_says_it_completed_times_the_writer_out() {
-        // The completion is awaited for `result_wait` (here shorter than the liveness timeout,
-        // so that it is what fires).
-        let mut net = Net::new(1, 1);
-        let mut cfg = sender_config(0);
-        cfg.deadlines.result_wait = Duration::from_millis(100);
-        net.senders[0] = Sender::new(cfg).unwrap();
-        net.connect(0, 0);
-        net.pump();
+        // The completion is awaited for `result_wait`.
+        let mut net = net_waiting_100_ms(1);
         let mut source = TestSource::with(R, 100, 4);
         net.register(0, registration(R, 16, &[0]));
         net.open(0, send_request(R, &[0]));
