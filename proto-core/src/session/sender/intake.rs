@@ -202,7 +202,7 @@ impl Sender {
             {
                 // Before the engine is asked (a binding sizes its answer's buffer by the
                 // window): a window larger than the pools can never be resident.
-                if let Some(slots) = layout.slots_in(&self.config.region_bytes) {
+                if let Some(slots) = self.pool_slots[g] {
                     if u64::from(w.len()) > slots {
                         return Err(UsageError::ChunkPastPool {
                             request,
@@ -234,7 +234,7 @@ impl Sender {
                 if let Some(error) = check_run(request, *group, *asked, run, layout, prompt_len) {
                     return Some(EngineFault::BlockRun(error));
                 }
-                let slots = layout.slots_in(&self.config.region_bytes)?;
+                let slots = self.pool_slots[usize::from(group.0)]?;
                 let block = run.ids.iter().find(|id| u64::from(id.0) >= slots)?;
                 Some(EngineFault::BlockPastPool {
                     request,

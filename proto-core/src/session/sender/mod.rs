@@ -241,6 +241,10 @@ pub struct Sender {
     recorded: InputLog<SenderInput>,
     /// The rank's layers (the sum of its groups'), which layer ranges index.
     layer_count: u32,
+    /// Per group, the slots its smallest pool holds where the regions' lengths were given
+    /// (`config.region_bytes`): what each chunk's window and block run are checked against,
+    /// computed once instead of per chunk.
+    pool_slots: Vec<Option<u64>>,
 }
 
 // The getters, outputs, recording, shared inputs and the `Endpoint` trait every endpoint has
@@ -278,6 +282,9 @@ impl Sender {
             plan_buffer: WritePlan::new(),
             recorded: InputLog::off(),
             layer_count: LayerOrder::layer_count(&config.local.groups),
+            pool_slots: (config.local.groups.iter())
+                .map(|g| g.slots_in(&config.region_bytes))
+                .collect(),
             config,
         })
     }
