@@ -10,7 +10,8 @@
 //!   context constructor panics when libcuda is missing.
 //! - [`Device`]: one GPU through its primary context (shared with the CUDA runtime and the
 //!   frameworks, so their pointers work here).
-//! - [`DeviceBuffer`] and [`PinnedBuffer`]: device memory and page-locked host memory.
+//! - [`DeviceBuffer`] and [`PinnedBuffer`]: device memory and page-locked host memory;
+//!   [`Uploader`]: many host → device uploads through page-locked staging, waited for once.
 //! - [`CopyEngine`]: lists of [`CopyExtent`]s (device → device, host ↔ device, and peer copies
 //!   between GPUs) merged where contiguous and copied asynchronously on the engine's own
 //!   streams; a [`CopyTicket`] per submission reports completion through CUDA events, polled or
@@ -50,6 +51,7 @@ mod ipc;
 mod memory;
 mod ptx;
 mod stream;
+mod upload;
 
 pub use busy::BusyKernel;
 pub use device::{check_driver, device_count, driver_version, Device};
@@ -62,3 +64,4 @@ pub use error::CudaError;
 pub use ipc::{export_ipc, IpcHandle, IpcMapping, IPC_DRIVER_HANDLE_LEN, IPC_HANDLE_LEN};
 pub use memory::{DeviceBuffer, PinnedBuffer};
 pub use stream::Stream;
+pub use upload::Uploader;

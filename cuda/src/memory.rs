@@ -28,7 +28,7 @@ unsafe impl Send for DeviceBuffer {}
 // context first; they do not mutate the buffer's fields.
 unsafe impl Sync for DeviceBuffer {}
 
-fn check_range(offset: usize, len: usize, size: usize) -> Result<(), CudaError> {
+pub(crate) fn check_range(offset: usize, len: usize, size: usize) -> Result<(), CudaError> {
     if offset.checked_add(len).is_none_or(|end| end > size) {
         return Err(CudaError::OutOfBounds {
             offset: offset as u64,
@@ -190,6 +190,11 @@ impl PinnedBuffer {
             ptr,
             len,
         })
+    }
+
+    /// The device whose context allocated it.
+    pub fn device(&self) -> &Device {
+        &self.device
     }
 
     /// The first byte.

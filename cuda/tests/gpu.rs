@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use kvpipe_cuda::{
     check_driver, device_count, host_page_size, BusyKernel, CopyEngine, CopyExtent, CudaError,
-    Device, DeviceBuffer, IpcHandle, IpcMapping, Memory, PinnedBuffer, Stream,
+    Device, DeviceBuffer, IpcHandle, IpcMapping, Memory, PinnedBuffer, Stream, Uploader,
 };
 use libtest_mimic::{Arguments, Completion, Failed, Trial};
 
@@ -592,6 +592,45 @@ fn the_busy_kernel_keeps_the_gpu_busy_for_the_time_asked(d: &Device) -> TestResu
     Ok(())
 }
 
+fn uploads_larger_than_the_staging_land_in_pieces_once_finished(d: &Device) -> TestResult {
+    let data = pattern(5 << 20, 11);
+    let mut buf = DeviceBuffer::new(d, 8 << 20)?;
+    buf.fill(0)?;
+    // Staging of 1 MiB + 3 bytes: pieces end in the middle of words, and the staging fills
+    // up several times within one upload.
+    let mut up = Uploader::new(d, (1 << 20) + 3)?;
+    let pieces = [
+        (0usize, 7usize),
+        (4096, 2 << 20),
+        (3 << 20, 1),
+        ((3 << 20) + 9, 3 << 20),
+    ];
+    let mut expected = vec![0u8; buf.len()];
+    for &(at, len) in &pieces {
+        let mut src = data[..len].to_vec();
+        up.upload(&mut buf, at, &src)?;
+        // The uploader took its own copy: changing the source afterwards changes nothing.
+        src.fill(0xEE);
+        expected[at..at + len].copy_from_slice(&data[..len]);
+    }
+    up.finish()?;
+    assert!(
+        download(&buf)? == expected,
+        "every piece landed where asked"
+    );
+    let near_end = buf.len() - 2;
+    assert!(matches!(
+        up.upload(&mut buf, near_end, &[1, 2, 3]),
+        Err(CudaError::OutOfBounds { .. })
+    ));
+    up.finish()?;
+    assert!(
+        download(&buf)? == expected,
+        "a refused upload wrote nothing"
+    );
+    Ok(())
+}
+
 fn main() {
     if let Ok(handle) = std::env::var("KVPIPE_IPC_CHILD") {
         match ipc_child(&handle) {
@@ -619,6 +658,10 @@ fn main() {
         gpu(
             "buffers_round_trip_through_upload_fill_and_download",
             buffers_round_trip_through_upload_fill_and_download,
+        ),
+        gpu(
+            "uploads_larger_than_the_staging_land_in_pieces_once_finished",
+            uploads_larger_than_the_staging_land_in_pieces_once_finished,
         ),
         gpu(
             "device_to_device_extents_are_merged_and_copied_exactly",
