@@ -6,6 +6,7 @@
 //! share of the compute is over; the exposed tail then runs from the last range's compute.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Mutex;
 
 use kvpipe_core::session::{LocalHello, Registration, SendRequest, Submitted, UsageError};
 use kvpipe_core::wire::{AuxData, Role, Topology};
@@ -15,6 +16,7 @@ use kvpipe_core::{
 };
 
 use super::compute::Compute;
+use super::content::{ContentError, ContentJob, ContentWriter};
 use super::report::{Outcome, RequestReport, RunReport};
 use super::verify::{corrupt_one_byte, verify_against_sender};
 use super::workload::{layer_slices, Interrupt, RequestPlan, TransferMode, Workload};
@@ -53,6 +55,13 @@ fn usage(side: Role) -> impl Fn(UsageError) -> SuiteError {
 
 fn cache_err(e: impl std::fmt::Display) -> SuiteError {
     SuiteError::Cache(e.to_string())
+}
+
+fn content_err(e: ContentError) -> SuiteError {
+    match e {
+        ContentError::Cache(e) => cache_err(e),
+        ContentError::Gone => SuiteError::Check("the compute thread panicked".into()),
+    }
 }
 
 /// The first generated token a request's aux data carries (deterministic, checked on arrival).
@@ -211,55 +220,70 @@ pub fn run_workload_with<H: Harness>(
     let chunk_layers: u64 = slices.iter().map(slice_layers).sum::<u64>().max(1);
     let layouts = sender_cache.layouts();
     let mut compute = Compute::new(w.compute)?;
-    for i in order {
-        let compute_start = link.now();
-        let (start, end) = states[i].chunks[states[i].next_chunk];
-        let id = states[i].plan.id;
-        // When each layer range's compute is over: the chunk's compute spread over its layers.
-        let mut done_layers = 0;
-        let ready: Vec<Instant> = slices
-            .iter()
-            .map(|s| {
-                done_layers += slice_layers(s);
-                compute_start
-                    + Duration::from_nanos(
-                        (u128::from(per_chunk.as_nanos()) * u128::from(done_layers)
-                            / u128::from(chunk_layers)) as u64,
-                    )
-            })
-            .collect();
-        let k = states[i].next_chunk;
-        states[i].next_chunk += 1;
-        let is_last = states[i].next_chunk == states[i].chunks.len();
-        let mut slice_started = compute_start;
-        let mut sending_groups: Vec<GroupIndex> = Vec::new();
-        for (r, (slice, &ready)) in slices.iter().zip(&ready).enumerate() {
-            let last_range = r + 1 == slices.len();
-            // The content this range computes: the whole chunk's, or its layers of each group.
-            let group_layers: Option<Vec<std::ops::Range<u16>>> =
-                slice.map(|l| w.layer_order.group_ranges(&layouts, l).into_vec());
-            let range_layers = group_layers.clone();
-            let cache = &mut *sender_cache;
-            let content = move || match group_layers {
-                Some(layers) => cache.compute_chunk_layers(id, start, end, &layers, last_range),
-                None => cache.compute_chunk(id, start, end),
-            };
-            compute.start(link.now(), ready)?;
-            if w.prefill_per_chunk.is_zero() {
-                content().map_err(cache_err)?;
-            } else {
-                // With a compute time the content is written on a helper thread, as a GPU
-                // computes while the engine's loop goes on: the transport keeps being driven
-                // (and earlier slices' completions are seen when they happen) until the content
-                // is written and the range's share of the compute time is over.
-                std::thread::scope(|scope| -> Result<(), SuiteError> {
-                    let job = scope.spawn(content);
+    // The sender's cache, shared with the content writer for the prefill: locked by the writer
+    // while it writes a range's content, by this thread while it submits. The writer's thread
+    // ends (and is joined) only after every request ended: joining it blocks this thread,
+    // which must not happen while the last range's copy is being watched.
+    let shared = Mutex::new(&mut *sender_cache);
+    std::thread::scope(|scope| -> Result<(), SuiteError> {
+        let mut writer = ContentWriter::spawn(scope, &shared);
+        for i in order {
+            let compute_start = link.now();
+            let (start, end) = states[i].chunks[states[i].next_chunk];
+            let id = states[i].plan.id;
+            // When each layer range's compute is over: the chunk's compute spread over its layers.
+            let mut done_layers = 0;
+            let ready: Vec<Instant> = slices
+                .iter()
+                .map(|s| {
+                    done_layers += slice_layers(s);
+                    compute_start
+                        + Duration::from_nanos(
+                            (u128::from(per_chunk.as_nanos()) * u128::from(done_layers)
+                                / u128::from(chunk_layers)) as u64,
+                        )
+                })
+                .collect();
+            let k = states[i].next_chunk;
+            states[i].next_chunk += 1;
+            let is_last = states[i].next_chunk == states[i].chunks.len();
+            let mut slice_started = compute_start;
+            let mut sending_groups: Vec<GroupIndex> = Vec::new();
+            for (r, (slice, &ready)) in slices.iter().zip(&ready).enumerate() {
+                let last_range = r + 1 == slices.len();
+                // The content this range computes: the whole chunk's, or its layers of each group.
+                let group_layers: Option<Vec<std::ops::Range<u16>>> =
+                    slice.map(|l| w.layer_order.group_ranges(&layouts, l).into_vec());
+                let range_layers = group_layers.clone();
+                let content: ContentJob =
+                    Box::new(move |cache: &mut ReferenceCache| match group_layers {
+                        Some(layers) => {
+                            cache.compute_chunk_layers(id, start, end, &layers, last_range)
+                        }
+                        None => cache.compute_chunk(id, start, end),
+                    });
+                compute.start(link.now(), ready)?;
+                if w.prefill_per_chunk.is_zero() {
+                    content(&mut shared.lock().unwrap_or_else(|p| p.into_inner()))
+                        .map_err(cache_err)?;
+                } else {
+                    // With a compute time the content is written by the content writer, as a GPU
+                    // computes while the engine's loop goes on: the transport keeps being driven
+                    // (and earlier slices' completions are seen when they happen) until the content
+                    // is written and the range's share of the compute time is over.
+                    writer.start(content).map_err(content_err)?;
                     loop {
                         link.pump()?;
                         collect(&mut link, &mut events, &mut states);
                         let now = link.now();
-                        let written = job.is_finished();
-                        if written && compute.is_over(now, ready)? {
+                        let written = match writer.try_done() {
+                            Some(outcome) => {
+                                outcome.map_err(content_err)?;
+                                true
+                            }
+                            None => false,
+                        };
+                        if written {
                             break;
                         }
                         let wait = if now < ready {
@@ -269,216 +293,217 @@ pub fn run_workload_with<H: Harness>(
                         };
                         // While the content is being written, look again soon: the range is
                         // submitted as soon as it is computed.
-                        let wait = if written {
-                            wait
-                        } else {
-                            wait.min(std::time::Duration::from_micros(200))
-                        };
-                        compute.wait(&mut link, now, ready, wait);
-                    }
-                    job.join()
-                        .map_err(|_| SuiteError::Check("the compute thread panicked".into()))?
-                        .map_err(cache_err)
-                })?;
-            }
-            // The rest of this layer range's simulated compute: keep the transport running
-            // meanwhile.
-            loop {
-                link.pump()?;
-                collect(&mut link, &mut events, &mut states);
-                let now = link.now();
-                if compute.is_over(now, ready)? {
-                    break;
-                }
-                let left = if now < ready {
-                    std::time::Duration::from_nanos((ready - now).as_nanos())
-                } else {
-                    std::time::Duration::ZERO
-                };
-                compute.wait(&mut link, now, ready, left);
-            }
-            let computed = link.now();
-            let st = &mut states[i];
-            if is_last && last_range {
-                st.report.last_compute_done = Some(computed);
-            }
-            let mut sent = None;
-            if r == 0 && !st.registered && st.plan.register_after_chunks as usize == k {
-                register(&mut link, &mut receiver_cache, st)?;
-            }
-            let spec = match w.mode {
-                TransferMode::Pipelined | TransferMode::LayerSlices(_) => Some(ChunkSpec {
-                    start,
-                    end,
-                    prompt_len: st.plan.prompt,
-                    prepopulated_len: st.plan.sender_prefix,
-                    is_last,
-                    prefix_sent_early: st.plan.prefix_early,
-                }),
-                TransferMode::Monolithic if is_last => Some(ChunkSpec {
-                    start: st.plan.sender_prefix.min(st.plan.prompt),
-                    end: st.plan.prompt,
-                    prompt_len: st.plan.prompt,
-                    prepopulated_len: st.plan.sender_prefix,
-                    is_last: true,
-                    prefix_sent_early: st.plan.prefix_early,
-                }),
-                TransferMode::Monolithic => None,
-            };
-            if let Some(spec) = spec {
-                if link.is_alive(Role::Sender) && !st.report.sender.is_end() {
-                    let now = link.now();
-                    if let (0, Some(layers)) = (r, slice) {
-                        // The groups the chunk sends blocks of: a range of only other groups'
-                        // layers is a slice without a write batch, which the timeline must not
-                        // pair with one.
-                        sending_groups = link
-                            .sender()
-                            .chunk_layers_query(id, &spec, *layers)
-                            .map(|q| q.windows().iter().map(|(g, _)| *g).collect())
-                            .unwrap_or_default();
-                    }
-                    let writes = range_layers.as_ref().is_none_or(|layers| {
-                        sending_groups
-                            .iter()
-                            .any(|g| layers.get(usize::from(g.0)).is_some_and(|l| !l.is_empty()))
-                    });
-                    match submit(link.sender(), now, id, spec, *slice, &mut sender_cache) {
-                        Ok(Submitted::EngineFault(fault)) => {
-                            // The reference cache keeps its contract: a fault is the suite's
-                            // bug.
-                            return Err(SuiteError::Usage {
-                                side: Role::Sender,
-                                message: fault.to_string(),
-                            });
-                        }
-                        Ok(outcome) => sent = Some((now, outcome.slice().is_some() && writes)),
-                        // The session ended under the engine (a peer's cancel, a failure): a
-                        // real engine stops submitting; so do we.
-                        Err(UsageError::SessionEnded(_)) => {}
-                        Err(e) => return Err(usage(Role::Sender)(e)),
-                    }
-                    if last_range {
-                        st.report.chunks += 1;
-                        submitted += 1;
-                    }
-                    if is_last && last_range {
-                        let data = AuxData {
-                            prompt_tokens: st.plan.prompt,
-                            cached_tokens: st.plan.sender_prefix,
-                            first_tokens: vec![first_token(id)],
-                            draft_tokens: Vec::new(),
-                        };
-                        let now = link.now();
-                        match link.sender().handle_input(SenderInput::Aux {
+                        compute.wait(
+                            &mut link,
                             now,
-                            request: id,
-                            data,
-                        }) {
-                            Ok(()) | Err(UsageError::SessionEnded(_)) => {}
+                            ready,
+                            wait.min(std::time::Duration::from_micros(200)),
+                        );
+                    }
+                }
+                // The rest of this layer range's simulated compute: keep the transport running
+                // meanwhile.
+                loop {
+                    link.pump()?;
+                    collect(&mut link, &mut events, &mut states);
+                    let now = link.now();
+                    if compute.is_over(now, ready)? {
+                        break;
+                    }
+                    let left = if now < ready {
+                        std::time::Duration::from_nanos((ready - now).as_nanos())
+                    } else {
+                        std::time::Duration::ZERO
+                    };
+                    compute.wait(&mut link, now, ready, left);
+                }
+                let computed = link.now();
+                let st = &mut states[i];
+                if is_last && last_range {
+                    st.report.last_compute_done = Some(computed);
+                }
+                let mut sent = None;
+                if r == 0 && !st.registered && st.plan.register_after_chunks as usize == k {
+                    register(&mut link, &mut receiver_cache, st)?;
+                }
+                let spec = match w.mode {
+                    TransferMode::Pipelined | TransferMode::LayerSlices(_) => Some(ChunkSpec {
+                        start,
+                        end,
+                        prompt_len: st.plan.prompt,
+                        prepopulated_len: st.plan.sender_prefix,
+                        is_last,
+                        prefix_sent_early: st.plan.prefix_early,
+                    }),
+                    TransferMode::Monolithic if is_last => Some(ChunkSpec {
+                        start: st.plan.sender_prefix.min(st.plan.prompt),
+                        end: st.plan.prompt,
+                        prompt_len: st.plan.prompt,
+                        prepopulated_len: st.plan.sender_prefix,
+                        is_last: true,
+                        prefix_sent_early: st.plan.prefix_early,
+                    }),
+                    TransferMode::Monolithic => None,
+                };
+                if let Some(spec) = spec {
+                    if link.is_alive(Role::Sender) && !st.report.sender.is_end() {
+                        let now = link.now();
+                        if let (0, Some(layers)) = (r, slice) {
+                            // The groups the chunk sends blocks of: a range of only other groups'
+                            // layers is a slice without a write batch, which the timeline must not
+                            // pair with one.
+                            sending_groups = link
+                                .sender()
+                                .chunk_layers_query(id, &spec, *layers)
+                                .map(|q| q.windows().iter().map(|(g, _)| *g).collect())
+                                .unwrap_or_default();
+                        }
+                        let writes = range_layers.as_ref().is_none_or(|layers| {
+                            sending_groups.iter().any(|g| {
+                                layers.get(usize::from(g.0)).is_some_and(|l| !l.is_empty())
+                            })
+                        });
+                        let mut cache = shared.lock().unwrap_or_else(|p| p.into_inner());
+                        let result = submit(link.sender(), now, id, spec, *slice, &mut cache);
+                        drop(cache);
+                        match result {
+                            Ok(Submitted::EngineFault(fault)) => {
+                                // The reference cache keeps its contract: a fault is the suite's
+                                // bug.
+                                return Err(SuiteError::Usage {
+                                    side: Role::Sender,
+                                    message: fault.to_string(),
+                                });
+                            }
+                            Ok(outcome) => sent = Some((now, outcome.slice().is_some() && writes)),
+                            // The session ended under the engine (a peer's cancel, a failure): a
+                            // real engine stops submitting; so do we.
+                            Err(UsageError::SessionEnded(_)) => {}
                             Err(e) => return Err(usage(Role::Sender)(e)),
                         }
-                    }
-                }
-            }
-            // The range goes out now: the engine's own bookkeeping below (the progress bar,
-            // the timeline) must not sit between a range's compute and its batch.
-            link.pump()?;
-            if last_range {
-                progress(submitted, total_chunks);
-            }
-            recorder.chunk(
-                i,
-                super::timeline::ChunkTiming {
-                    index: k as u32,
-                    tokens: (start, end),
-                    layers: slice.map(|s| (s.begin, s.end)),
-                    compute_started: slice_started,
-                    computed,
-                    submitted: sent.map(|(at, _)| at),
-                    sliced: sent.is_some_and(|(_, sliced)| sliced),
-                    batch: None,
-                },
-            );
-            slice_started = computed;
-        }
-        let st = &states[i];
-        if let Some((after, what)) = st.plan.interrupt {
-            if after as usize == k {
-                let now = link.now();
-                match what {
-                    Interrupt::Cancel(Role::Sender) => {
-                        link.sender().cancel(now, id).map_err(usage(Role::Sender))?;
-                    }
-                    Interrupt::Cancel(Role::Receiver) => {
-                        if st.registered {
-                            link.receiver()
-                                .cancel(now, id)
-                                .map_err(usage(Role::Receiver))?;
+                        if last_range {
+                            st.report.chunks += 1;
+                            submitted += 1;
+                        }
+                        if is_last && last_range {
+                            let data = AuxData {
+                                prompt_tokens: st.plan.prompt,
+                                cached_tokens: st.plan.sender_prefix,
+                                first_tokens: vec![first_token(id)],
+                                draft_tokens: Vec::new(),
+                            };
+                            let now = link.now();
+                            match link.sender().handle_input(SenderInput::Aux {
+                                now,
+                                request: id,
+                                data,
+                            }) {
+                                Ok(()) | Err(UsageError::SessionEnded(_)) => {}
+                                Err(e) => return Err(usage(Role::Sender)(e)),
+                            }
                         }
                     }
-                    Interrupt::Kill(side) => link.kill(side)?,
+                }
+                // The range goes out now: the engine's own bookkeeping below (the progress bar,
+                // the timeline) must not sit between a range's compute and its batch.
+                link.pump()?;
+                if last_range {
+                    progress(submitted, total_chunks);
+                }
+                recorder.chunk(
+                    i,
+                    super::timeline::ChunkTiming {
+                        index: k as u32,
+                        tokens: (start, end),
+                        layers: slice.map(|s| (s.begin, s.end)),
+                        compute_started: slice_started,
+                        computed,
+                        submitted: sent.map(|(at, _)| at),
+                        sliced: sent.is_some_and(|(_, sliced)| sliced),
+                        batch: None,
+                    },
+                );
+                slice_started = computed;
+            }
+            let st = &states[i];
+            if let Some((after, what)) = st.plan.interrupt {
+                if after as usize == k {
+                    let now = link.now();
+                    match what {
+                        Interrupt::Cancel(Role::Sender) => {
+                            link.sender().cancel(now, id).map_err(usage(Role::Sender))?;
+                        }
+                        Interrupt::Cancel(Role::Receiver) => {
+                            if st.registered {
+                                link.receiver()
+                                    .cancel(now, id)
+                                    .map_err(usage(Role::Receiver))?;
+                            }
+                        }
+                        Interrupt::Kill(side) => link.kill(side)?,
+                    }
                 }
             }
+            link.pump()?;
+            collect(&mut link, &mut events, &mut states);
         }
-        link.pump()?;
-        collect(&mut link, &mut events, &mut states);
-    }
-    // Late registrations that never came due (the request had fewer chunks).
-    for st in &mut states {
-        if !st.registered && link.is_alive(Role::Receiver) {
-            register(&mut link, &mut receiver_cache, st)?;
+        // Late registrations that never came due (the request had fewer chunks).
+        for st in &mut states {
+            if !st.registered && link.is_alive(Role::Receiver) {
+                register(&mut link, &mut receiver_cache, st)?;
+            }
         }
-    }
 
-    // Wait until every request ended and quiesced on every living side.
-    loop {
-        link.pump()?;
-        collect(&mut link, &mut events, &mut states);
-        let s_alive = link.is_alive(Role::Sender);
-        let r_alive = link.is_alive(Role::Receiver);
-        let waiting = |s: &&ReqState| {
-            (s_alive && !s.report.sender_quiesced) || (r_alive && !s.report.receiver_quiesced)
-        };
-        // Checked on every pass of the loop, which is the exposed tail's: the words are made
-        // only for the error.
-        if !states.iter().any(|s| waiting(&s)) {
-            break;
+        // Wait until every request ended and quiesced on every living side.
+        loop {
+            link.pump()?;
+            collect(&mut link, &mut events, &mut states);
+            let s_alive = link.is_alive(Role::Sender);
+            let r_alive = link.is_alive(Role::Receiver);
+            let waiting = |s: &&ReqState| {
+                (s_alive && !s.report.sender_quiesced) || (r_alive && !s.report.receiver_quiesced)
+            };
+            // Checked on every pass of the loop, which is the exposed tail's: the words are made
+            // only for the error.
+            if !states.iter().any(|s| waiting(&s)) {
+                break;
+            }
+            let now = link.now();
+            if now >= limit {
+                let pending: Vec<String> = states
+                    .iter()
+                    .filter(waiting)
+                    .map(|s| {
+                        format!(
+                            "{}: sender {:?}{}, receiver {:?}{}",
+                            s.plan.id,
+                            s.report.sender,
+                            if s.report.sender_quiesced {
+                                " (quiesced)"
+                            } else {
+                                ""
+                            },
+                            s.report.receiver,
+                            if s.report.receiver_quiesced {
+                                " (quiesced)"
+                            } else {
+                                ""
+                            },
+                        )
+                    })
+                    .collect();
+                return Err(SuiteError::Stalled {
+                    limit_ms: w.time_limit.as_millis() as u64,
+                    pending: pending.join("; "),
+                });
+            }
+            link.wait(
+                std::time::Duration::from_nanos((limit - now).as_nanos())
+                    .min(std::time::Duration::from_millis(20)),
+            );
         }
-        let now = link.now();
-        if now >= limit {
-            let pending: Vec<String> = states
-                .iter()
-                .filter(waiting)
-                .map(|s| {
-                    format!(
-                        "{}: sender {:?}{}, receiver {:?}{}",
-                        s.plan.id,
-                        s.report.sender,
-                        if s.report.sender_quiesced {
-                            " (quiesced)"
-                        } else {
-                            ""
-                        },
-                        s.report.receiver,
-                        if s.report.receiver_quiesced {
-                            " (quiesced)"
-                        } else {
-                            ""
-                        },
-                    )
-                })
-                .collect();
-            return Err(SuiteError::Stalled {
-                limit_ms: w.time_limit.as_millis() as u64,
-                pending: pending.join("; "),
-            });
-        }
-        link.wait(
-            std::time::Duration::from_nanos((limit - now).as_nanos())
-                .min(std::time::Duration::from_millis(20)),
-        );
-    }
+        Ok(())
+    })?;
     let finished = link.now();
 
     // Retire everything (the engines may now free the blocks) and look for leftovers.

@@ -26,6 +26,7 @@
 //! `verbs.rs`, and `threaded.rs` shared by the last two).
 
 mod compute;
+mod content;
 pub mod demo;
 mod engine;
 #[cfg(feature = "mem")]
