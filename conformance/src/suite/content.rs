@@ -2,10 +2,12 @@
 //! computed KV into the sender's cache while the engine's loop keeps the transport going, as a
 //! GPU computes while a serving engine's thread goes on.
 //!
-//! One thread for the run, not one per range: starting a thread (a stack mapped, a clone) and
-//! joining it costs the engine's thread tens of microseconds, right after the range it has just
-//! submitted, which is when that range's write finishes and the tail is decided. A serving
-//! engine launches its next forward pass and goes on; this costs one channel send.
+//! One thread for the run, not one per range: starting a thread and joining the last one put
+//! that work on the engine's thread right after it submitted a range, while that range's copy
+//! was ending, and with two requests the first one's tail was 1.6–3.6× the second's on the
+//! H200 (docs/PERFORMANCE.md, run 13). A serving engine launches its next forward pass and goes
+//! on; this costs one channel send. For the same reason the engine model joins the thread only
+//! after every request ended.
 
 use std::sync::mpsc;
 use std::sync::Mutex;
