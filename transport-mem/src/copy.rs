@@ -242,7 +242,7 @@ impl ResolvedBatch {
     /// over `threads` threads (the calling thread is one of them) when the batch holds at least
     /// `parallel_threshold` bytes; with the `cuda` feature, segments touching device memory
     /// through a copy engine made for this call (the copy worker keeps one engine and uses
-    /// [`start`](Self::start) instead).
+    /// `start` instead).
     pub fn execute(&self, threads: usize, parallel_threshold: u64) -> Result<(), CopyError> {
         #[cfg(feature = "cuda")]
         if self.touches_device() {

@@ -70,7 +70,7 @@ impl CopyTicket {
                 });
             }
             if now - start < Duration::from_micros(100) {
-                std::thread::yield_now();
+                std::hint::spin_loop();
             } else {
                 std::thread::sleep((deadline - now).min(Duration::from_micros(20)));
             }
