@@ -19,6 +19,14 @@ create_exception!(
 );
 create_exception!(
     kvpipe,
+    SessionEndedError,
+    UsageError,
+    "The request already ended (completed, failed, timed out or cancelled, by this side or the \
+     peer; its event says which); nothing changed. An engine that aborts requests meets it \
+     routinely: a chunk or the aux data submitted after the request's cancel."
+);
+create_exception!(
+    kvpipe,
     EngineFaultError,
     KvpipeError,
     "The engine's answer to a submitted chunk broke its contract (a block source's run, a \
@@ -44,6 +52,9 @@ create_exception!(kvpipe, ClosedError, KvpipeError, "The node was closed.");
 pub(crate) fn to_py(e: EmbedError) -> PyErr {
     let message = e.to_string();
     match e {
+        EmbedError::Usage(kvpipe_core::session::UsageError::SessionEnded(_)) => {
+            SessionEndedError::new_err(message)
+        }
         EmbedError::Usage(_) => UsageError::new_err(message),
         EmbedError::Config(_) => ConfigError::new_err(message),
         EmbedError::Closed => ClosedError::new_err(message),

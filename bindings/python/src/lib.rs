@@ -23,7 +23,8 @@ mod native {
 
     #[pymodule_export]
     use super::errors::{
-        ClosedError, ConfigError, EngineFaultError, KvpipeError, TransportError, UsageError,
+        ClosedError, ConfigError, EngineFaultError, KvpipeError, SessionEndedError, TransportError,
+        UsageError,
     };
     #[pymodule_export]
     use super::event::Event;

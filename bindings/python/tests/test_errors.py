@@ -90,6 +90,25 @@ def test_core_refusals_raise_usage_error_with_the_core_message(pair):
     assert issubclass(kvpipe.UsageError, kvpipe.KvpipeError)
 
 
+def test_a_chunk_after_the_decode_sides_cancel_raises_session_ended(pair):
+    tx, rx, _, _ = pair
+    rx.register(3, 12, [(0, [10, 11, 12])], [kvpipe.MEM_SENDER_PEER])
+    tx.open_request(3, [kvpipe.MEM_RECEIVER_PEER])
+    assert tx.submit_chunk(3, 0, 4, 12, [[0]]) is not None
+    rx.cancel(3)
+    until(tx, "cancelled")
+    # A distinct class, so an engine can tell an aborted request's race from a refusal.
+    with pytest.raises(kvpipe.SessionEndedError, match="req#3 already ended") as caught:
+        tx.submit_chunk(3, 4, 12, 12, [[0, 1, 2]])
+    assert isinstance(caught.value, kvpipe.UsageError)
+    with pytest.raises(kvpipe.SessionEndedError):
+        tx.submit_aux(3, [1], prompt_tokens=12)
+    # Other refusals stay plain usage errors.
+    with pytest.raises(kvpipe.UsageError) as other:
+        tx.submit_chunk(77, 0, 4, 12, [[0]])
+    assert not isinstance(other.value, kvpipe.SessionEndedError)
+
+
 def test_input_the_other_side_would_refuse_is_refused_at_the_call(pair):
     tx, rx, _, _ = pair
     # One destination slot for two ordinals.

@@ -15,6 +15,7 @@ import collections
 import copy
 import dataclasses
 import json
+import logging
 import os
 import tempfile
 import time
@@ -271,9 +272,22 @@ class Instance:
         return {"sending": total["sending"], "receiving": total["receiving"]}
 
 
+class _WarningsKept(logging.Handler):
+    """Keeps the messages kvpipe's loggers write at WARNING or above, for the test to read."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
 def serve(conn, async_scheduling: bool, config: dict):
     """The prefill instance's process: runs commands from the test over ``conn``."""
     inst = Instance("prefill", async_scheduling, **config)
+    warned = _WarningsKept()
+    logging.getLogger("kvpipe").addHandler(warned)
     conn.send(("ready", None))
     while True:
         cmd, arg = conn.recv()
@@ -305,6 +319,8 @@ def serve(conn, async_scheduling: bool, config: dict):
                 time.sleep(0.002)
             inst.flush()
             conn.send(("ok", inst.idle()))
+        elif cmd == "warnings":
+            conn.send(("ok", list(warned.messages)))
         elif cmd == "close":
             for worker in inst.workers:
                 worker.shutdown()

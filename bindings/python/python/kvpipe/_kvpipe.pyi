@@ -17,6 +17,11 @@ class KvpipeError(Exception):
 class UsageError(KvpipeError):
     """The core refused an engine command; nothing changed."""
 
+class SessionEndedError(UsageError):
+    """The request already ended (completed, failed, timed out or cancelled, by this side or the
+    peer; its event says which); nothing changed. An engine that aborts requests meets it
+    routinely: a chunk or the aux data submitted after the request's cancel."""
+
 class EngineFaultError(KvpipeError):
     """The engine's answer to a submitted chunk broke its contract (a block source's run, a
     changed prefix, a prompt length the receiver did not register). The submission was applied:

@@ -704,8 +704,11 @@ class _WorkerSide:
             if last and (layers is None or layers[1] == len(self.layer_index)):
                 self.sender.submit_aux(ch.kv_id, [], prompt_tokens=ch.prompt_len, cached_tokens=ch.prepopulated)
         except kvpipe.KvpipeError as e:
-            logger.warning("kvpipe: request %s chunk %d..%d%s not sent: %s", ch.req_id, ch.start, ch.end,
-                           "" if layers is None else f" layers {layers[0]}..{layers[1]}", e)
+            # A request that ended under its chunks (an abort on either side, the decode side's
+            # cancel, a lost peer) is routine; anything else is worth a warning.
+            level = logging.INFO if isinstance(e, kvpipe.SessionEndedError) else logging.WARNING
+            logger.log(level, "kvpipe: request %s chunk %d..%d%s not sent: %s", ch.req_id, ch.start, ch.end,
+                       "" if layers is None else f" layers {layers[0]}..{layers[1]}", e)
             failed.add(ch.kv_id)
             self._quietly(self.sender.cancel, ch.kv_id)
 
