@@ -60,7 +60,7 @@ fn cache_err(e: impl std::fmt::Display) -> SuiteError {
 fn content_err(e: ContentError) -> SuiteError {
     match e {
         ContentError::Cache(e) => cache_err(e),
-        ContentError::Gone => SuiteError::Check("the compute thread panicked".into()),
+        ContentError::Gone => SuiteError::Check("the content writer panicked".into()),
     }
 }
 
