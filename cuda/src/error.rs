@@ -63,6 +63,14 @@ pub enum CudaError {
         /// The device.
         ordinal: usize,
     },
+    /// Memory of one device handed to an object made for another.
+    #[error("memory of CUDA device {got} given to an object of device {expected}")]
+    WrongDevice {
+        /// The object's device.
+        expected: usize,
+        /// The memory's device.
+        got: usize,
+    },
     /// An IPC handle that cannot be used: the wrong length, or a range that overflows.
     #[error("invalid CUDA IPC handle: {reason}")]
     IpcHandle {

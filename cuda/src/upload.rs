@@ -43,10 +43,12 @@ impl Uploader {
         })
     }
 
-    /// Queues a copy of `src` to bytes `offset..offset + src.len()` of `dst`. `src` is copied
-    /// into the staging before this returns (it may change afterwards); the bytes are in
-    /// device memory once [`finish`](Self::finish) returned. `dst` must be on the uploader's
-    /// device.
+    /// Queues a copy of `src` to bytes `offset..offset + src.len()` of `dst`, a buffer of the
+    /// uploader's device ([`CudaError::WrongDevice`] otherwise). `src` is copied into the
+    /// staging before this returns (it may change afterwards). The bytes are in device memory
+    /// once [`finish`](Self::finish) returned: until then the copy may still be running, and
+    /// nothing else may read or write that range of `dst` (the borrow of `dst` ends with this
+    /// call, the copy does not).
     pub fn upload(
         &mut self,
         dst: &mut DeviceBuffer,
@@ -54,6 +56,10 @@ impl Uploader {
         src: &[u8],
     ) -> Result<(), CudaError> {
         check_range(offset, src.len(), dst.len())?;
+        let (expected, got) = (self.staging.device().ordinal(), dst.device().ordinal());
+        if expected != got {
+            return Err(CudaError::WrongDevice { expected, got });
+        }
         dst.device().bind()?;
         let mut done = 0;
         while done < src.len() {

@@ -18,10 +18,13 @@
 //! - [`MemNetwork`]: the driver — several senders and receivers, each sender connected to each
 //!   receiver; the core's run loop with real time ([`Clock`]), timers armed from
 //!   `poll_timeout`, a copy worker thread, bounded waits everywhere. [`MemPair`] is its
-//!   one-sender, one-receiver form. While a device batch is in flight, a wait polls the
-//!   batch's CUDA events on the calling thread: for its first 150 µs without a system call,
-//!   then yielding the core between polls until 1 ms, then in sleeps of 20 µs (a layer range's
-//!   or a chunk's copy ends within tens of microseconds, sooner than a sleeping thread wakes).
+//!   one-sender, one-receiver form. While a batch whose segments all touch device memory is in
+//!   flight (the driver starts and watches those itself), a wait polls the batch's CUDA events
+//!   on the calling thread: for its first 150 µs without a system call, then yielding the core
+//!   between polls until 1 ms, then in sleeps of 20 µs (a layer range's or a chunk's copy ends
+//!   within tens of microseconds, sooner than a sleeping thread wakes). A batch mixing host and
+//!   device segments goes to the copy worker, and a wait polls its report the same way for
+//!   1 ms, then blocks on the worker's channel.
 //! - Fault injection: `kvpipe-netem`'s seeded network emulation decides which frames are
 //!   dropped, duplicated, reordered, delayed and corrupted and which writes fail or stall
 //!   ([`PairConfig::faults`], [`NetworkConfig::faults`]; the simulator and the fuzz crate use

@@ -42,10 +42,11 @@ pub struct DevicePool {
 /// cache is a host cache: it does not share or copy the device buffers.
 #[derive(Debug, Default)]
 pub(super) struct DeviceMirror {
+    /// What uploads the host's writes once placed (made on the first upload). Declared first,
+    /// so it is dropped (and waits for its copies) before the buffers they write are freed.
+    uploader: Option<Uploader>,
     buffers: Vec<DeviceBuffer>,
     placed: bool,
-    /// What uploads the host's writes once placed (made on the first upload).
-    uploader: Option<Uploader>,
 }
 
 /// The page-locked staging of a cache's uploads: a layer range of 4 layers of a 512-token
@@ -136,6 +137,24 @@ impl ReferenceCache {
     /// slots, and of a slot written only in some layers (a chunk computed in layer ranges) the
     /// span of those layers in each pool that holds them.
     pub(super) fn upload_dirty(&mut self) -> Result<(), CacheError> {
+        let queued = self.queue_dirty_uploads();
+        // What was queued has landed when this returns, also when queueing failed part-way.
+        let landed = match &mut self.device.uploader {
+            Some(u) => u.finish().map_err(CacheError::from),
+            None => Ok(()),
+        };
+        queued?;
+        landed?;
+        for group in &mut self.groups {
+            if let Some(dirty) = &mut group.dirty {
+                dirty.clear();
+            }
+        }
+        Ok(())
+    }
+
+    /// Queues the uploads [`upload_dirty`](Self::upload_dirty) waits for.
+    fn queue_dirty_uploads(&mut self) -> Result<(), CacheError> {
         let DeviceMirror {
             buffers, uploader, ..
         } = &mut self.device;
@@ -186,12 +205,6 @@ impl ReferenceCache {
                     + usize::from(lo - pool_layers.start) * layer_bytes;
                 let range = at..at + usize::from(hi - lo) * layer_bytes;
                 uploader.upload(buf, range.start, &host[range])?;
-            }
-        }
-        uploader.finish()?;
-        for group in &mut self.groups {
-            if let Some(dirty) = &mut group.dirty {
-                dirty.clear();
             }
         }
         Ok(())
