@@ -510,28 +510,33 @@ mod writer_waits_for_the_receiver {
     use kvpipe_core::session::{CancelOrigin, Sender, Wait};
     use kvpipe_core::Duration;
 
-    fn sent_everything_unheard() -> (Net, TestSource) {
-        let mut net = Net::connected(1, 1);
+    /// Receiver 0 registered `R`, the sender opened it towards `receivers` and sent its one
+    /// chunk and the aux data; with `unheard`, none of the sender's frames to receiver 0
+    /// arrive from before the chunk on.
+    fn sent_whole(net: &mut Net, receivers: &[usize], unheard: bool) {
         let mut source = TestSource::with(R, 100, 4);
         net.register(0, registration(R, 16, &[0]));
-        net.open(0, send_request(R, &[0]));
-        // From here the sender's frames (its last result and aux data) do not arrive.
-        net.stalled.insert((0, 0));
+        net.open(0, send_request(R, receivers));
+        if unheard {
+            net.stalled.insert((0, 0));
+        }
         net.submit(0, R, chunk(0, 16, 16, true), &mut source);
         net.aux(0, R);
+    }
+
+    fn sent_everything_unheard() -> Net {
+        let mut net = Net::connected(1, 1);
+        // The sender's last result and aux data do not arrive.
+        sent_whole(&mut net, &[0], true);
         assert_eq!(net.senders[0].phase(R), Some(SendPhase::Finishing));
         assert!(!completed(&net, Side::Sender(0)));
-        (net, source)
+        net
     }
 
     #[test]
     fn completes_after_the_receiver_did() {
         let mut net = Net::connected(1, 1);
-        let mut source = TestSource::with(R, 100, 4);
-        net.register(0, registration(R, 16, &[0]));
-        net.open(0, send_request(R, &[0]));
-        net.submit(0, R, chunk(0, 16, 16, true), &mut source);
-        net.aux(0, R);
+        sent_whole(&mut net, &[0], false);
         let at = |side: Side| {
             net.position(|(s, o)| *s == side && matches!(o, Output::Event(Event::Completed { .. })))
         };
@@ -545,7 +550,7 @@ mod writer_waits_for_the_receiver {
 
     #[test]
     fn a_cancel_from_the_receiver_before_it_completed_cancels_the_writer_too() {
-        let (mut net, _source) = sent_everything_unheard();
+        let mut net = sent_everything_unheard();
         net.receivers[0].cancel(net.now, R).unwrap();
         net.pump();
         assert!(net.events(Side::Sender(0)).iter().any(|e| matches!(
@@ -558,7 +563,7 @@ mod writer_waits_for_the_receiver {
 
     #[test]
     fn a_receiver_lost_before_it_completed_fails_the_writer() {
-        let (mut net, _source) = sent_everything_unheard();
+        let mut net = sent_everything_unheard();
         net.disconnect(0, 0);
         net.pump();
         assert!(net.events(Side::Sender(0)).iter().any(|e| matches!(
@@ -588,11 +593,7 @@ mod writer_waits_for_the_receiver {
         // past the 100 ms completion wait counted from receiver 0. Its own wait starts when it
         // got everything.
         let mut net = net_waiting_100_ms(2);
-        let mut source = TestSource::with(R, 100, 4);
-        net.register(0, registration(R, 16, &[0]));
-        net.open(0, send_request(R, &[0, 1]));
-        net.submit(0, R, chunk(0, 16, 16, true), &mut source);
-        net.aux(0, R);
+        sent_whole(&mut net, &[0, 1], false);
         assert_eq!(net.receivers[0].phase(R), Some(RecvPhase::Completed));
         net.advance(Duration::from_millis(200));
         // Receiver 1's frames (the replayed results, the aux data) do not arrive.
@@ -622,12 +623,7 @@ mod writer_waits_for_the_receiver {
     fn a_receiver_that_never_says_it_completed_times_the_writer_out() {
         // The completion is awaited for `result_wait`.
         let mut net = net_waiting_100_ms(1);
-        let mut source = TestSource::with(R, 100, 4);
-        net.register(0, registration(R, 16, &[0]));
-        net.open(0, send_request(R, &[0]));
-        net.stalled.insert((0, 0));
-        net.submit(0, R, chunk(0, 16, 16, true), &mut source);
-        net.aux(0, R);
+        sent_whole(&mut net, &[0], true);
         net.advance(Duration::from_millis(150));
         assert!(
             net.events(Side::Sender(0)).iter().any(|e| matches!(
