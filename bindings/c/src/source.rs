@@ -139,10 +139,8 @@ impl BlockSource for CallbackSource {
         out.first_ordinal = run.first_ordinal;
         out.ids.clear();
         let len = run.len.min(capacity);
-        let given = self.buffer.as_mut_ptr();
-        if run.ids == given {
-            out.ids
-                .extend(self.buffer[..len].iter().copied().map(BlockId));
+        let ids: &[u32] = if run.ids == self.buffer.as_mut_ptr() {
+            &self.buffer[..len]
         } else if run.ids.is_null() {
             if len > 0 {
                 // No ids behind the length claimed: a run longer than asked is the contract
@@ -153,9 +151,9 @@ impl BlockSource for CallbackSource {
         } else {
             // SAFETY: the callback pointed `ids` at an array of its own holding `len` entries,
             // valid until it returned (the contract above); read at once, at most `capacity`.
-            let theirs = unsafe { std::slice::from_raw_parts(run.ids, len) };
-            out.ids.extend(theirs.iter().copied().map(BlockId));
-        }
+            unsafe { std::slice::from_raw_parts(run.ids, len) }
+        };
+        out.ids.extend(ids.iter().copied().map(BlockId));
         if run.len > capacity {
             // The callback claims more blocks than asked; only `capacity` fit. One more id
             // makes the run longer than asked, which the core refuses as the contract breach
