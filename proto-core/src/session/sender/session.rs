@@ -111,6 +111,16 @@ pub(crate) struct SendSession {
     pub(super) blocks_pinned: u64,
 }
 
+impl SendSession {
+    /// When the receivers' `RecvComplete` is due while one is awaited (`None` when none is).
+    pub(super) fn awaited_confirm(&self) -> Option<Instant> {
+        (self.targets.iter())
+            .any(|t| t.phase == TargetPhase::Confirming)
+            .then_some(self.confirm_deadline)
+            .flatten()
+    }
+}
+
 impl HeldSession for SendSession {
     type Phase = SendPhase;
     fn phase(&self) -> SendPhase {

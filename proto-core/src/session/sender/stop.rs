@@ -110,8 +110,7 @@ impl EndpointRole for Sender {
                 self.stop(now, request, Stop::TimedOut(Wait::Aux));
                 return;
             }
-            let confirming = (session.targets.iter()).any(|t| t.phase == TargetPhase::Confirming);
-            if confirming && session.confirm_deadline.is_some_and(|at| at <= now) {
+            if session.awaited_confirm().is_some_and(|at| at <= now) {
                 self.stop(now, request, Stop::TimedOut(Wait::Completion));
                 return;
             }
@@ -283,9 +282,7 @@ impl Sender {
                 consider(Some(session.registration_deadline));
             }
             consider(session.aux_deadline);
-            if (session.targets.iter()).any(|t| t.phase == TargetPhase::Confirming) {
-                consider(session.confirm_deadline);
-            }
+            consider(session.awaited_confirm());
         } else if session.phase == SendPhase::Stopping {
             consider(session.quiesce_deadline);
         }
