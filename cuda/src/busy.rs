@@ -12,7 +12,7 @@ use std::ffi::c_void;
 use cudarc::driver::{result, sys};
 
 use crate::ptx::Kernel;
-use crate::{CudaError, Device};
+use crate::{CudaError, Device, Fence};
 
 /// `kvpipe_busy(u64 ns)`: one thread spins until the GPU's global timer has advanced `ns`
 /// nanoseconds from the kernel's start.
@@ -106,6 +106,14 @@ impl BusyKernel {
         // SAFETY: the event and the stream are this value's own and live.
         unsafe { result::event::record(self.done, self.stream) }
             .map_err(CudaError::driver("cuEventRecord"))
+    }
+
+    /// A [`Fence`] behind every launch so far: copies submitted after it start when the
+    /// simulated compute is over, as a serving engine's copies queued behind its forward pass.
+    pub fn fence(&self) -> Result<Fence, CudaError> {
+        // SAFETY: the stream is this value's own, a live stream of its device's primary
+        // context.
+        unsafe { Fence::record(&self.device, self.stream as u64) }
     }
 
     /// Whether every launch so far has finished (`cuEventQuery`; true before the first).

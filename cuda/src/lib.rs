@@ -15,7 +15,9 @@
 //! - [`CopyEngine`]: lists of [`CopyExtent`]s (device → device, host ↔ device, and peer copies
 //!   between GPUs) merged where contiguous and copied asynchronously on the engine's own
 //!   streams; a [`CopyTicket`] per submission reports completion through CUDA events, polled or
-//!   waited for with a deadline. No call synchronizes a whole device.
+//!   waited for with a deadline. No call synchronizes a whole device. A [`Fence`] recorded on
+//!   an engine's stream (its forward pass) makes a submission's copies start on the GPU right
+//!   after the work before it, with no host round trip between.
 //! - [`export_dmabuf`] / [`DeviceBuffer::export_dmabuf`]: device memory as a dmabuf file
 //!   descriptor, offset and length (`cuMemGetHandleForAddressRange`), for RDMA registration.
 //! - [`export_ipc`] / [`DeviceBuffer::export_ipc`] → [`IpcHandle`] → [`IpcMapping::open`]:
@@ -47,6 +49,7 @@ mod device;
 mod dmabuf;
 mod engine;
 mod error;
+mod fence;
 mod ipc;
 mod memory;
 mod ptx;
@@ -61,6 +64,7 @@ pub use engine::{
     COPY_KERNEL_ENV,
 };
 pub use error::CudaError;
+pub use fence::Fence;
 pub use ipc::{export_ipc, IpcHandle, IpcMapping, IPC_DRIVER_HANDLE_LEN, IPC_HANDLE_LEN};
 pub use memory::{DeviceBuffer, PinnedBuffer};
 pub use stream::Stream;

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use kvpipe_cuda::{
     check_driver, device_count, host_page_size, BusyKernel, CopyEngine, CopyExtent, CudaError,
-    Device, DeviceBuffer, IpcHandle, IpcMapping, Memory, PinnedBuffer, Stream, Uploader,
+    Device, DeviceBuffer, Fence, IpcHandle, IpcMapping, Memory, PinnedBuffer, Stream, Uploader,
 };
 use libtest_mimic::{Arguments, Completion, Failed, Trial};
 
@@ -631,6 +631,59 @@ fn uploads_larger_than_the_staging_land_in_pieces_once_finished(d: &Device) -> T
     Ok(())
 }
 
+fn copies_after_a_fence_start_once_the_work_before_it_ran(d: &Device) -> TestResult {
+    let n = 1 << 20;
+    let (mut src, mut fresh, mut dst) = (
+        DeviceBuffer::new(d, n)?,
+        DeviceBuffer::new(d, n)?,
+        DeviceBuffer::new(d, n)?,
+    );
+    src.upload(0, &pattern(n, 1))?;
+    fresh.upload(0, &pattern(n, 2))?;
+    let copy = [extent(dev(&src), 0, dev(&dst), 0, n as u64)];
+    let rewrite = [extent(dev(&fresh), 0, dev(&src), 0, n as u64)];
+    // Two engines, each with its streams made (and its kernel loaded) before the compute runs.
+    let (mut gated, mut free) = (CopyEngine::new(1)?, CopyEngine::new(1)?);
+    // SAFETY (every submission below): the buffers outlive the waits, and nothing but the
+    // submissions touches them meanwhile.
+    unsafe { gated.submit(&copy) }?.wait(deadline())?;
+    unsafe { free.submit(&copy) }?.wait(deadline())?;
+    dst.fill(0)?;
+    let mut busy = BusyKernel::new(d)?;
+    busy.launch(Duration::from_millis(300))?;
+    let fence: Fence = busy.fence()?;
+    let ticket = unsafe { gated.submit_after(&copy, Some(&fence)) }?;
+    // While the compute runs the fenced copy has not started: the source written now (on
+    // another engine's stream) is what it copies.
+    unsafe { free.submit(&rewrite) }?.wait(deadline())?;
+    if fence.is_done()? {
+        return Err("the compute ended before the source was rewritten: inconclusive".into());
+    }
+    assert!(!ticket.is_complete()?, "the copy ran before its fence");
+    ticket.wait(deadline())?;
+    assert!(fence.is_done()?, "the copy completed before its fence");
+    assert!(
+        download(&dst)? == pattern(n, 2),
+        "the copy read its source as it was when the fence passed"
+    );
+    // The same copy without a fence runs during the compute (the check above can fail).
+    busy.launch(Duration::from_millis(300))?;
+    let second = busy.fence()?;
+    unsafe { gated.submit(&rewrite) }?.wait(deadline())?;
+    assert!(
+        !second.is_done()?,
+        "an unfenced copy waited for the compute"
+    );
+    second.wait(deadline())?;
+    assert!(second.is_done()?);
+    // A fence on a stream with nothing queued is passed at once.
+    // SAFETY: 0 is the legacy default stream.
+    let idle = unsafe { Fence::record(d, 0) }?;
+    idle.wait(deadline())?;
+    assert_eq!(idle.ordinal(), d.ordinal());
+    Ok(())
+}
+
 fn main() {
     if let Ok(handle) = std::env::var("KVPIPE_IPC_CHILD") {
         match ipc_child(&handle) {
@@ -643,6 +696,10 @@ fn main() {
     }
     let args = Arguments::from_args();
     let tests = vec![
+        gpu(
+            "copies_after_a_fence_start_once_the_work_before_it_ran",
+            copies_after_a_fence_start_once_the_work_before_it_ran,
+        ),
         gpu(
             "the_busy_kernel_keeps_the_gpu_busy_for_the_time_asked",
             the_busy_kernel_keeps_the_gpu_busy_for_the_time_asked,

@@ -11,7 +11,7 @@ use super::events::EventPool;
 use super::rows::RowCopier;
 use super::strided::{strided_runs, StridedRun};
 use super::ticket::CopyTicket;
-use crate::{check_driver, CudaError, Device};
+use crate::{check_driver, CudaError, Device, Fence};
 
 /// Picks the stream for a copy: the one with the fewest bytes queued by this submission
 /// (the first such on ties), so a single large copy stays on the first stream and many copies
@@ -173,13 +173,36 @@ impl CopyEngine {
     /// ticket does not stop the copies. Destination ranges must not overlap each other or a
     /// source range.
     pub unsafe fn submit(&mut self, extents: &[CopyExtent]) -> Result<CopyTicket, CudaError> {
+        // SAFETY: forwarded.
+        unsafe { self.submit_after(extents, None) }
+    }
+
+    /// [`submit`](Self::submit), with every copy starting on the GPU only once the work before
+    /// `after` has run (`cuStreamWaitEvent` on each stream the submission uses; the call
+    /// itself never waits). The host does not have to see that work done before it issues
+    /// the copies, so they start as soon as it is over.
+    ///
+    /// A later submission that lands on one of those streams queues behind this one, so it
+    /// waits for the fence too: fine for an engine whose ranges are computed in the order they
+    /// are submitted, as a forward pass computes them.
+    ///
+    /// # Safety
+    ///
+    /// As for [`submit`](Self::submit), with "until the ticket reports completion" covering the
+    /// wait for the fence as well: the source bytes may still be being written by the work
+    /// before the fence (that is its point), and nothing else may touch them.
+    pub unsafe fn submit_after(
+        &mut self,
+        extents: &[CopyExtent],
+        after: Option<&Fence>,
+    ) -> Result<CopyTicket, CudaError> {
         let mut copies = std::mem::take(&mut self.copies);
         let mut memories = std::mem::take(&mut self.memories);
         let mut runs = std::mem::take(&mut self.runs);
         let r = coalesce_in(extents, &mut copies, &mut memories).and_then(|()| {
             strided_runs(&copies, &memories, &mut runs);
             // SAFETY: forwarded; the caller upholds the contract for these copies.
-            unsafe { self.issue(&runs) }
+            unsafe { self.issue(&runs, after) }
         });
         self.copies = copies;
         self.memories = memories;
@@ -192,7 +215,11 @@ impl CopyEngine {
     /// # Safety
     ///
     /// As for [`submit`](Self::submit).
-    unsafe fn issue(&mut self, copies: &[StridedRun]) -> Result<CopyTicket, CudaError> {
+    unsafe fn issue(
+        &mut self,
+        copies: &[StridedRun],
+        after: Option<&Fence>,
+    ) -> Result<CopyTicket, CudaError> {
         let mut ticket = CopyTicket {
             events: Vec::new(),
             pool: Some(self.events.clone()),
@@ -213,7 +240,7 @@ impl CopyEngine {
             self.used.clear();
             let r = self.devices[d].device.bind().and_then(|()| {
                 // SAFETY: forwarded; the caller upholds the contract for these copies.
-                unsafe { self.issue_on(d, ordinal, copies, &mut ticket) }
+                unsafe { self.issue_on(d, ordinal, copies, after, &mut ticket) }
             });
             if let Err(e) = r {
                 // Leave nothing running that the caller cannot see: wait for what this
@@ -233,16 +260,18 @@ impl CopyEngine {
     }
 
     /// Issues the copies that device slot `d` (ordinal `ordinal`, its context current)
-    /// executes and records an event behind them on every stream used.
+    /// executes, each stream first waiting for `after`, and records an event behind them on
+    /// every stream used.
     ///
     /// # Safety
     ///
-    /// As for [`submit`](Self::submit).
+    /// As for [`submit_after`](Self::submit_after).
     unsafe fn issue_on(
         &mut self,
         d: usize,
         ordinal: usize,
         copies: &[StridedRun],
+        after: Option<&Fence>,
         ticket: &mut CopyTicket,
     ) -> Result<(), CudaError> {
         let n = self.devices[d].streams.len();
@@ -256,6 +285,10 @@ impl CopyEngine {
         {
             let s = least_loaded(&self.queued);
             self.queued[s] += c.bytes();
+            if let (false, Some(fence)) = (self.used[s], after) {
+                // SAFETY: a live stream of this engine, its context current.
+                unsafe { fence.hold(self.devices[d].streams[s]) }?;
+            }
             self.used[s] = true;
             if c.rows == 1 {
                 // SAFETY: forwarded; the caller vouches for the addresses.
