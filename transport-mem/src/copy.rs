@@ -119,9 +119,10 @@ pub enum CopyError {
 #[cfg(feature = "cuda")]
 pub const DEVICE_STREAMS: usize = 2;
 
-/// How long [`ResolvedBatch::execute`] waits for device copies.
+/// How long [`ResolvedBatch::execute`] waits for device copies, and a batch with host memory
+/// for its fence.
 #[cfg(feature = "cuda")]
-const EXECUTE_LIMIT: std::time::Duration = std::time::Duration::from_secs(60);
+pub(crate) const EXECUTE_LIMIT: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// Resolves one side's extents against its table, remembering the last region: consecutive
 /// extents almost always name the same region, so most skip the table lookup.
@@ -268,6 +269,24 @@ impl ResolvedBatch {
         threads: usize,
         parallel_threshold: u64,
     ) -> Result<InFlight, CopyError> {
+        self.start_after(engine, threads, parallel_threshold, None)
+    }
+
+    /// [`start`](Self::start), with the copies starting only once `after` passed: the device
+    /// copies wait for it on the GPU (the call returns at once), host → host segments on this
+    /// thread before they are copied (an error once [`EXECUTE_LIMIT`] passed, with nothing
+    /// copied).
+    #[cfg(feature = "cuda")]
+    pub fn start_after(
+        self,
+        engine: &mut kvpipe_cuda::CopyEngine,
+        threads: usize,
+        parallel_threshold: u64,
+        after: Option<&kvpipe_cuda::Fence>,
+    ) -> Result<InFlight, CopyError> {
+        if let Some(fence) = after.filter(|_| self.segments.iter().any(Segment::is_host)) {
+            fence.wait(std::time::Instant::now() + EXECUTE_LIMIT)?;
+        }
         self.copy_host(threads, parallel_threshold);
         let extents: Vec<kvpipe_cuda::CopyExtent> = self
             .segments
@@ -282,7 +301,8 @@ impl ResolvedBatch {
             // contract keeps the memory valid and untouched by anything else while the batch is
             // in flight, and the returned `InFlight` holds the registrations (and waits in its
             // `Drop`) until the copies are done. Destinations of one plan do not overlap.
-            Some(unsafe { engine.submit(&extents) }?)
+            // The fence only delays the copies; the registrations are held all the same.
+            Some(unsafe { engine.submit_after(&extents, after) }?)
         };
         Ok(InFlight {
             ticket,

@@ -155,6 +155,19 @@ impl MemPair {
             .expect("a pair has both endpoints")
     }
 
+    /// Makes the writes of `slice` of `request` start on the GPU only once `fence` passed (see
+    /// [`MemNetwork::gate_slice`]): call it after the submission that returned the slice, before
+    /// the next [`pump`](Self::pump).
+    #[cfg(feature = "cuda")]
+    pub fn gate_slice(
+        &mut self,
+        request: kvpipe_core::RequestId,
+        slice: kvpipe_core::SenderSliceId,
+        fence: std::sync::Arc<kvpipe_cuda::Fence>,
+    ) -> Result<(), DriveError> {
+        self.net.gate_slice(0, request, slice, fence)
+    }
+
     // ----- getters -----
 
     /// The current time on the pair's clock.

@@ -44,6 +44,9 @@ pub(crate) struct Job {
     pub(crate) tickets: Vec<WriteTicket>,
     /// A failure to report after copying (fault injection); `None`: success.
     pub(crate) fail: Option<TransferStatus>,
+    /// The fence the batch's copies wait for (the engine's compute of its source).
+    #[cfg(feature = "cuda")]
+    pub(crate) after: Option<std::sync::Arc<kvpipe_cuda::Fence>>,
 }
 
 /// What the worker reports for one batch.
@@ -102,13 +105,37 @@ struct Started {
     copying: Copying,
 }
 
+/// The fence a batch's copies wait for (`()` without the `cuda` feature).
+#[cfg(feature = "cuda")]
+type Gate = Option<std::sync::Arc<kvpipe_cuda::Fence>>;
+/// The fence a batch's copies wait for (`()` without the `cuda` feature).
+#[cfg(not(feature = "cuda"))]
+type Gate = ();
+
+impl Job {
+    /// Whether the batch waits for a fence.
+    fn gated(&self) -> bool {
+        #[cfg(feature = "cuda")]
+        return self.after.is_some();
+        #[cfg(not(feature = "cuda"))]
+        false
+    }
+}
+
 impl Started {
     /// Starts `job`'s writes now with `start` (which copies them, or submits them and returns
     /// what to watch) and keeps what the batch's report needs.
-    fn begin(job: Job, clock: &Clock, start: impl FnOnce(ResolvedBatch) -> Copying) -> Started {
+    fn begin(
+        job: Job,
+        clock: &Clock,
+        start: impl FnOnce(ResolvedBatch, Gate) -> Copying,
+    ) -> Started {
         let started = clock.now();
         let bytes = job.writes.bytes();
-        let copying = start(job.writes);
+        #[cfg(feature = "cuda")]
+        let copying = start(job.writes, job.after);
+        #[cfg(not(feature = "cuda"))]
+        let copying = start(job.writes, ());
         Started {
             batch: job.batch,
             sender: job.sender,
@@ -155,8 +182,27 @@ impl Started {
     }
 }
 
-/// Copies a host → host batch on the calling thread.
-fn copy_host(clock: &Clock, writes: ResolvedBatch, threads: usize, threshold: u64) -> Copying {
+/// Copies a host → host batch on the calling thread, once its fence passed.
+#[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+fn copy_host(
+    clock: &Clock,
+    writes: ResolvedBatch,
+    threads: usize,
+    threshold: u64,
+    after: Gate,
+) -> Copying {
+    #[cfg(feature = "cuda")]
+    if let Some(fence) = after {
+        if fence
+            .wait(std::time::Instant::now() + crate::copy::EXECUTE_LIMIT)
+            .is_err()
+        {
+            return Copying::Finished {
+                ok: false,
+                at: clock.now(),
+            };
+        }
+    }
     let ok = writes.execute(threads, threshold).is_ok();
     // Release the registrations before reporting, so a region is free to deregister once
     // its batches are reported.
@@ -176,6 +222,7 @@ fn start_device(
     writes: ResolvedBatch,
     threads: usize,
     parallel_threshold: u64,
+    after: Gate,
 ) -> Copying {
     if engine.is_none() {
         *engine = kvpipe_cuda::CopyEngine::new(crate::copy::DEVICE_STREAMS).ok();
@@ -186,7 +233,7 @@ fn start_device(
             at: clock.now(),
         };
     };
-    match writes.start(engine, threads, parallel_threshold) {
+    match writes.start_after(engine, threads, parallel_threshold, after.as_deref()) {
         Ok(in_flight) => Copying::Device(in_flight),
         Err(_) => Copying::Finished {
             ok: false,
@@ -211,12 +258,12 @@ impl Worker {
         let (clock, threads, threshold) = (self.clock, self.threads, self.parallel_threshold);
         #[cfg(feature = "cuda")]
         let engine = &mut self.engine;
-        let started = Started::begin(job, &clock, |writes| {
+        let started = Started::begin(job, &clock, |writes, after| {
             #[cfg(feature = "cuda")]
             if writes.touches_device() {
-                return start_device(engine, &clock, writes, threads, threshold);
+                return start_device(engine, &clock, writes, threads, threshold, after);
             }
-            copy_host(&clock, writes, threads, threshold)
+            copy_host(&clock, writes, threads, threshold, after)
         });
         self.started.push_back(started);
     }
@@ -454,20 +501,21 @@ impl CopyWorker {
     }
 
     pub(crate) fn submit(&mut self, job: Job) {
-        if job.writes.bytes() <= INLINE_HOST_BYTES && !job.writes.touches_device() {
+        if job.writes.bytes() <= INLINE_HOST_BYTES && !job.writes.touches_device() && !job.gated() {
             // Small and host only: copied now, reported in issue order like any other batch.
-            let started = Started::begin(job, &self.clock, |writes| {
-                copy_host(&self.clock, writes, 1, u64::MAX)
+            let started = Started::begin(job, &self.clock, |writes, after| {
+                copy_host(&self.clock, writes, 1, u64::MAX, after)
             });
             self.pending.push_back(Pending::Driver(started));
             return;
         }
         #[cfg(feature = "cuda")]
         if job.writes.touches_device() && !job.writes.segments().iter().any(|s| s.is_host()) {
-            // Device copies only: issue them now (they run asynchronously) and watch them here.
+            // Device copies only: issue them now (they run asynchronously, after the batch's
+            // fence where it has one) and watch them here.
             let (clock, engine) = (self.clock, &mut self.engine);
-            let started = Started::begin(job, &clock, |writes| {
-                start_device(engine, &clock, writes, 1, u64::MAX)
+            let started = Started::begin(job, &clock, |writes, after| {
+                start_device(engine, &clock, writes, 1, u64::MAX, after)
             });
             self.pending.push_back(Pending::Driver(started));
             return;

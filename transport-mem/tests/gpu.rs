@@ -6,14 +6,14 @@
 
 use std::time::Duration;
 
-use kvpipe_core::session::{LocalHello, Registration, SendRequest};
+use kvpipe_core::session::{LocalHello, Registration, SendRequest, Submitted};
 use kvpipe_core::wire::{AuxData, Topology};
 use kvpipe_core::{
     AnchoredRun, BlockId, BlockRun, BlockSource, BlockSourceError, ChunkSpec, Event, GroupIndex,
     InstanceId, LayerGroupLayout, PoolLayout, ReceiverConfig, RegionId, RequestId, SenderConfig,
     SenderInput, WriteExtent, WritePlan,
 };
-use kvpipe_cuda::{check_driver, CopyEngine, Device, DeviceBuffer};
+use kvpipe_cuda::{check_driver, BusyKernel, CopyEngine, CopyExtent, Device, DeviceBuffer, Memory};
 use kvpipe_mem::{
     CopyError, Endpoint, MemPair, Node, PairConfig, RegionKind, RegionTable, RegionUse,
     RegistrationError, ResolvedBatch, RECEIVER_PEER, SENDER_PEER,
@@ -154,6 +154,15 @@ fn new_pair() -> MemPair {
 /// and returns every event until the receiver completed or either side failed, and both sides
 /// quiesced.
 fn transfer(pair: &mut MemPair) -> Result<Vec<(Endpoint, Event)>, Failed> {
+    transfer_with(pair, &mut |_, _, _| Ok(()))
+}
+
+/// [`transfer`], with `submitted` called after each chunk's submission, before the pump that
+/// carries it out.
+fn transfer_with(
+    pair: &mut MemPair,
+    submitted: &mut dyn FnMut(&mut MemPair, RequestId, Submitted) -> Result<(), Failed>,
+) -> Result<Vec<(Endpoint, Event)>, Failed> {
     let request = RequestId(1);
     let tokens = BLOCKS * TPB;
     pair.connect()?;
@@ -206,8 +215,10 @@ fn transfer(pair: &mut MemPair) -> Result<Vec<(Endpoint, Event)>, Failed> {
             prefix_sent_early: false,
         };
         let now = pair.now();
-        pair.sender_mut()
+        let outcome = pair
+            .sender_mut()
             .submit_chunk(now, request, spec, &mut ContiguousSource)?;
+        submitted(pair, request, outcome)?;
         pair.pump()?;
         for (side, _, e) in pair.take_events() {
             events.push((side, e));
@@ -431,9 +442,110 @@ fn without_a_driver_executing_a_device_batch_is_an_error() -> Outcome {
     Ok(Completion::Completed)
 }
 
+/// The second chunk's slice gated behind a fence: its copies wait on the GPU for the compute
+/// before the fence, so what that compute leaves in the source (here: bytes written while it
+/// runs, after the submission) is what lands; the other chunks' bytes land as they were. (The
+/// first chunk's batch made the pair's copy engine: loading its kernel may wait for the GPU.)
+fn a_gated_slice_copies_what_the_compute_before_its_fence_left(d: &Device) -> Result<(), Failed> {
+    let slot = layout(1).pools[0].slot_bytes as usize;
+    let (old, new) = (
+        pattern(slot * BLOCKS as usize, 21),
+        pattern(slot * BLOCKS as usize, 22),
+    );
+    let mut src = DeviceBuffer::new(d, old.len())?;
+    src.upload(0, &old)?;
+    let mut fresh = DeviceBuffer::new(d, new.len())?;
+    fresh.upload(0, &new)?;
+    let mut dst = DeviceBuffer::new(d, slot * DST_SLOTS as usize)?;
+    dst.fill(0x5A)?;
+    let mut pair = new_pair();
+    // SAFETY: both buffers outlive `pair` (dropped below, before them).
+    unsafe { register(&mut pair, (src.ptr(), src.len()), (dst.ptr(), dst.len())) };
+    let device = |b: &DeviceBuffer| Memory::Device {
+        ordinal: 0,
+        addr: b.ptr(),
+    };
+    // The second chunk sends blocks 5..10 (chunks of 5 blocks and 3 tokens).
+    let second = 5 * slot as u64;
+    let rewrite = [CopyExtent {
+        src: device(&fresh),
+        src_offset: second,
+        dst: device(&src),
+        dst_offset: second,
+        len: second,
+    }];
+    // The writer's streams and kernel are made now: loading a kernel may wait for the GPU.
+    let mut writer = CopyEngine::new(1)?;
+    let warm = [CopyExtent {
+        src: device(&fresh),
+        src_offset: 0,
+        dst: device(&fresh),
+        dst_offset: 64,
+        len: 64,
+    }];
+    // SAFETY: bytes of `fresh` no copy below reads (its first block), waited for here.
+    unsafe { writer.submit(&warm) }?.wait(std::time::Instant::now() + Duration::from_secs(30))?;
+    let mut busy = BusyKernel::new(d)?;
+    let (mut slices, mut gated) = (0, 0);
+    let events = transfer_with(&mut pair, &mut |pair, request, outcome| {
+        let Some(slice) = outcome.slice() else {
+            return Ok(());
+        };
+        slices += 1;
+        if slices == 1 {
+            // The first batch goes out and is reported before the gated one is issued.
+            pair.drive_until(Duration::from_secs(10), |p| {
+                p.writes_in_flight() == 0 && p.stats().batches == 1
+            })?;
+        }
+        if slices != 2 {
+            return Ok(());
+        }
+        gated += 1;
+        busy.launch(Duration::from_millis(300))?;
+        let fence = std::sync::Arc::new(busy.fence()?);
+        pair.gate_slice(request, slice, fence.clone())?;
+        pair.pump()?;
+        // The batch is issued; its copies wait for the compute. Write the source meanwhile.
+        // SAFETY: `fresh` and `src` outlive the wait; the gated copy reads `src` only after the
+        // fence, which this copy ends before (checked below).
+        unsafe { writer.submit(&rewrite) }?
+            .wait(std::time::Instant::now() + Duration::from_secs(30))?;
+        if fence.is_done()? {
+            return Err("the compute ended before the source was rewritten: inconclusive".into());
+        }
+        assert_eq!(pair.writes_in_flight(), 1, "the gated batch is issued");
+        assert_eq!(
+            pair.stats().batches,
+            1,
+            "a gated batch reported before its fence"
+        );
+        Ok(())
+    })?;
+    assert_eq!(gated, 1);
+    assert!(completed(&events), "{events:?}");
+    drop(pair);
+    let out = download(&dst)?;
+    let mut expected = vec![0x5Au8; out.len()];
+    for o in 0..BLOCKS as usize {
+        let to = dst_slot(o as u32) as usize;
+        let from = if (5..10).contains(&o) { &new } else { &old };
+        expected[to * slot..(to + 1) * slot].copy_from_slice(&from[o * slot..(o + 1) * slot]);
+    }
+    assert!(
+        out == expected,
+        "the gated chunk landed the bytes written before its fence passed, the others as they were"
+    );
+    Ok(())
+}
+
 fn main() {
     let args = Arguments::from_args();
     let tests = vec![
+        gpu(
+            "a_gated_slice_copies_what_the_compute_before_its_fence_left",
+            a_gated_slice_copies_what_the_compute_before_its_fence_left,
+        ),
         gpu(
             "a_transfer_between_device_pools_lands_every_block",
             a_transfer_between_device_pools_lands_every_block,

@@ -8,6 +8,8 @@
 //! - [`run`]: the run loop (reports, timers, frames, outputs, copies).
 
 use std::collections::VecDeque;
+#[cfg(feature = "cuda")]
+use std::sync::Arc;
 
 use rustc_hash::FxHashMap as HashMap;
 
@@ -19,6 +21,8 @@ use kvpipe_core::wire::{Role, TransferStatus};
 use kvpipe_core::{
     ConfigError, Event, Instant, PeerId, Receiver, ReceiverConfig, RegionId, Sender, SenderConfig,
 };
+#[cfg(feature = "cuda")]
+use kvpipe_core::{RequestId, SenderSliceId};
 use kvpipe_observe::Observer;
 use thiserror::Error;
 
@@ -221,7 +225,15 @@ pub struct MemNetwork {
     receiver_obs: Vec<Observer>,
     /// Buffers reused from one batch's admission to the next.
     scratch: Scratch,
+    /// Fences the engine put before slices' writes ([`gate_slice`](Self::gate_slice)), per
+    /// sender and request, until the fence passed or the request quiesced.
+    #[cfg(feature = "cuda")]
+    gates: HashMap<(usize, RequestId), Vec<SliceGate>>,
 }
+
+/// A slice and the fence its writes wait for.
+#[cfg(feature = "cuda")]
+type SliceGate = (SenderSliceId, Arc<kvpipe_cuda::Fence>);
 
 /// The headers of a batch's writes and their admissions, kept between batches so issuing one
 /// allocates neither.
@@ -281,7 +293,53 @@ impl MemNetwork {
                 .map(|_| Observer::new(Role::Receiver, "mem"))
                 .collect(),
             scratch: Scratch::default(),
+            #[cfg(feature = "cuda")]
+            gates: HashMap::default(),
         })
+    }
+
+    /// Makes every write batch of sender `s`'s slice `slice` of `request` (to each receiver,
+    /// including one whose registration comes later) start on the GPU only once `fence`
+    /// passed, with no wait on the host; a batch with host memory on either side waits for the
+    /// fence on the copy worker's thread first. Call it after the submission that returned the
+    /// slice and before the next [`pump`](Self::pump), which carries its batches out.
+    ///
+    /// The source bytes may still be being written by the work before the fence; as for any
+    /// batch, nothing else may touch them until the request quiesces. The fence is let go once
+    /// it passed or the request quiesced.
+    #[cfg(feature = "cuda")]
+    pub fn gate_slice(
+        &mut self,
+        s: usize,
+        request: RequestId,
+        slice: SenderSliceId,
+        fence: Arc<kvpipe_cuda::Fence>,
+    ) -> Result<(), DriveError> {
+        if s >= self.senders.len() {
+            return Err(DriveError::NoSuchNode(Node::Sender(s)));
+        }
+        let gates = self.gates.entry((s, request)).or_default();
+        // Fences that passed gate nothing any more.
+        gates.retain(|(_, f)| !matches!(f.is_done(), Ok(true)));
+        gates.push((slice, fence));
+        Ok(())
+    }
+
+    /// The fence before `slice`'s writes, if one was put there and has not passed.
+    #[cfg(feature = "cuda")]
+    fn gate(
+        &mut self,
+        s: usize,
+        request: RequestId,
+        slice: SenderSliceId,
+    ) -> Option<Arc<kvpipe_cuda::Fence>> {
+        let gates = self.gates.get_mut(&(s, request))?;
+        let i = gates.iter().position(|(k, _)| *k == slice)?;
+        if matches!(gates[i].1.is_done(), Ok(true)) {
+            gates.swap_remove(i);
+            return None;
+        }
+        Some(gates[i].1.clone())
     }
 
     fn link(&self, s: usize, r: usize) -> usize {

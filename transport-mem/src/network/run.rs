@@ -247,10 +247,23 @@ impl MemNetwork {
                     Output::ExecuteWrites {
                         peer,
                         batch,
+                        request,
+                        slice,
                         plan,
                         headers,
                         ..
-                    } => self.execute(now, s, peer, batch, &plan, &headers)?,
+                    } => {
+                        #[cfg(feature = "cuda")]
+                        let after = self.gate(s, request, slice);
+                        #[cfg(not(feature = "cuda"))]
+                        let _ = (request, slice);
+                        let job = self.execute(now, s, peer, batch, &plan, &headers)?;
+                        if let Some(job) = job {
+                            #[cfg(feature = "cuda")]
+                            let job = Job { after, ..job };
+                            self.worker.submit(job);
+                        }
+                    }
                     Output::ClosePeer { peer, .. } => {
                         if let Some(r) = receiver_index(peer).filter(|&r| r < self.receivers.len())
                         {
@@ -258,6 +271,10 @@ impl MemNetwork {
                         }
                     }
                     Output::Event(e) => {
+                        #[cfg(feature = "cuda")]
+                        if let Event::Quiesced { request } = e {
+                            self.gates.remove(&(s, request));
+                        }
                         let at = self.clock.now();
                         self.events.push_back((Node::Sender(s), at, e));
                     }
@@ -331,9 +348,10 @@ impl MemNetwork {
         }
     }
 
-    /// Hands a write batch of sender `s` to the copy worker (or fails it at once if it cannot
-    /// be resolved). Every extent is admitted by the receiver first, as a receiving transport
-    /// would before applying it: refused ones fail the batch, discarded ones are not copied.
+    /// Makes the copy worker's job for a write batch of sender `s` (or fails the batch at once
+    /// if it cannot be resolved: `None`). Every extent is admitted by the receiver first, as a
+    /// receiving transport would before applying it: refused ones fail the batch, discarded
+    /// ones are not copied.
     fn execute(
         &mut self,
         now: Instant,
@@ -342,10 +360,11 @@ impl MemNetwork {
         batch: WriteBatchId,
         plan: &kvpipe_core::WritePlan,
         headers: &DataWriteHeaders,
-    ) -> Result<(), DriveError> {
+    ) -> Result<Option<Job>, DriveError> {
         let fail_now = |net: &mut Self, status: TransferStatus| {
             net.stats.failed_batches += 1;
             net.feed_sender(s, now, TransportInput::WritesFailed { batch, status })
+                .map(|()| None)
         };
         let Some(r) = receiver_index(peer).filter(|&r| r < self.receivers.len()) else {
             return fail_now(self, TransferStatus::WriteFailed);
@@ -410,15 +429,16 @@ impl MemNetwork {
         self.in_flight += 1;
         self.links[l].in_flight += 1;
         self.issued.insert((s, batch), (writes.bytes(), now));
-        self.worker.submit(Job {
+        Ok(Some(Job {
             batch,
             sender: s,
             receiver: r,
             writes,
             tickets,
             fail,
-        });
-        Ok(())
+            #[cfg(feature = "cuda")]
+            after: None,
+        }))
     }
 
     /// Reports the admitted writes of a batch finished to receiver `r`.
