@@ -180,6 +180,8 @@
 
 mod config;
 mod error;
+#[cfg(feature = "cuda")]
+mod fenced;
 mod gpu;
 mod mem;
 mod node;
@@ -192,6 +194,8 @@ mod verbs;
 
 pub use config::{instance_id, NodeConfig, RawRegion};
 pub use error::EmbedError;
+#[cfg(feature = "cuda")]
+pub use fenced::{Fence, FENCE_WAIT};
 pub use gpu::GpuUnavailable;
 #[cfg(feature = "verbs")]
 pub use kvpipe_ibverbs::{DeviceSpec, FabricConfig, IdlePolicy};

@@ -70,6 +70,35 @@ impl MemSide {
         Ok(out)
     }
 
+    /// Runs a submission on the prefill endpoint and gates the slice it made behind `after`
+    /// ([`MemPair::gate_slice`]) before the pair carries it out: its copies wait for the fence
+    /// on the GPU.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn submit_gated(
+        &self,
+        request: kvpipe_core::RequestId,
+        after: &std::sync::Arc<kvpipe_cuda::Fence>,
+        f: impl FnOnce(
+            &mut kvpipe_core::Sender,
+            Instant,
+        ) -> Result<kvpipe_core::Submitted, kvpipe_core::session::UsageError>,
+    ) -> Result<kvpipe_core::Submitted, EmbedError> {
+        let mut st = self.lock();
+        let now = st.pair.now();
+        let out = f(st.pair.sender_mut(), now)?;
+        if let Some(slice) = out.slice() {
+            if let Err(e) = st.pair.gate_slice(request, slice, after.clone()) {
+                // The slice's batches are queued ungated: they may go out only once the fence
+                // passed.
+                let _ = after.wait(StdInstant::now() + crate::fenced::FENCE_WAIT);
+                st.pump()?;
+                return Err(e.into());
+            }
+        }
+        st.pump()?;
+        Ok(out)
+    }
+
     /// Reads the endpoint (a getter).
     pub(crate) fn read<E: Role, T>(&self, f: impl FnOnce(&mut E) -> T) -> T {
         f(E::of_pair(&mut self.lock().pair))

@@ -69,7 +69,10 @@ impl<E: Role> Node<E> {
         }
     }
 
-    fn with<T>(&self, f: impl FnOnce(&Inner<E>) -> Result<T, EmbedError>) -> Result<T, EmbedError> {
+    pub(crate) fn with<T>(
+        &self,
+        f: impl FnOnce(&Inner<E>) -> Result<T, EmbedError>,
+    ) -> Result<T, EmbedError> {
         let guard = self.inner.read().unwrap_or_else(PoisonError::into_inner);
         match guard.as_ref() {
             Some(inner) => f(inner),

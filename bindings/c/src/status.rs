@@ -74,9 +74,10 @@ impl From<EmbedError> for Failure {
             EmbedError::Usage(_) => KVPIPE_ERR_USAGE,
             EmbedError::Config(_) => KVPIPE_ERR_CONFIG,
             EmbedError::Io(_) => KVPIPE_ERR_IO,
-            EmbedError::Close(_) | EmbedError::Drive(_) | EmbedError::Registration(_) => {
-                KVPIPE_ERR_TRANSPORT
-            }
+            EmbedError::Close(_)
+            | EmbedError::Drive(_)
+            | EmbedError::Registration(_)
+            | EmbedError::Fence(_) => KVPIPE_ERR_TRANSPORT,
             EmbedError::DuplicateRegion(_)
             | EmbedError::NullRegion(_)
             | EmbedError::OverlappingRegions { .. }

@@ -67,6 +67,7 @@ pub(crate) fn to_py(e: EmbedError) -> PyErr {
         | EmbedError::Registration(_)
         | EmbedError::Drive(_)
         | EmbedError::Unsupported { .. }
-        | EmbedError::DeviceRegion { .. } => TransportError::new_err(message),
+        | EmbedError::DeviceRegion { .. }
+        | EmbedError::Fence(_) => TransportError::new_err(message),
     }
 }

@@ -1,0 +1,109 @@
+//! Ranges handed over while the GPU may still be computing them (`cuda` feature): a
+//! submission with a [`Fence`] behind that compute.
+//!
+//! A serving engine queues a layer's kernels and moves on; vLLM calls `save_kv_layer` at that
+//! point, before the GPU ran them. Waiting there for the GPU stalls the forward pass, and
+//! waiting on another thread puts a wake-up and the copy's issue on the tail. Over mem the
+//! range's copies are queued at once behind the fence and start on the GPU the moment the
+//! compute ends. Over tcp and verbs the bytes leave through a socket or a NIC, which cannot wait
+//! for a GPU event, so the call waits for the fence on the calling thread first.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant as StdInstant};
+
+use kvpipe_core::session::{ChunkQuery, UsageError};
+use kvpipe_core::{
+    BlockRun, BlockSource, ChunkSpec, GroupIndex, Instant, LayerRange, RequestId, Sender, Submitted,
+};
+pub use kvpipe_cuda::Fence;
+
+use crate::node::Inner;
+use crate::{EmbedError, PrefillNode};
+
+/// The block runs a chunk's source answered, in group order.
+type Runs = Vec<(GroupIndex, BlockRun)>;
+
+/// Longest a submission over tcp or verbs waits for its fence.
+pub const FENCE_WAIT: Duration = Duration::from_secs(60);
+
+/// # Handing ranges over behind a fence (`cuda` feature)
+impl PrefillNode {
+    /// [`submit_chunk`](Self::submit_chunk) for a chunk whose KV the GPU may still be
+    /// computing: `after` is a [`Fence`] recorded behind that compute (on the forward pass's
+    /// stream). See [`submit_chunk_layers_after`](Self::submit_chunk_layers_after).
+    pub fn submit_chunk_after(
+        &self,
+        request: RequestId,
+        spec: ChunkSpec,
+        source: &mut impl BlockSource,
+        after: &Arc<Fence>,
+    ) -> Result<Submitted, EmbedError> {
+        self.submit_after(
+            request,
+            after,
+            source,
+            |ep| ep.chunk_query(request, &spec),
+            move |ep, now, runs| ep.submit_chunk_runs(now, request, spec, runs),
+        )
+    }
+
+    /// [`submit_chunk_layers`](Self::submit_chunk_layers) for a range whose KV the GPU may
+    /// still be computing, as vLLM's `save_kv_layer` hands a layer over: `after` is a [`Fence`]
+    /// recorded behind that compute (on the forward pass's stream).
+    ///
+    /// - **mem**: the range's write batches are queued at once, each copy waiting for the
+    ///   fence on the GPU (also a batch issued later, when the decode side registers); the
+    ///   call does not wait. A batch with host memory on either side waits for the fence on
+    ///   the transport's copy worker instead.
+    /// - **tcp, verbs**: the call waits for the fence first, on this thread (at most
+    ///   [`FENCE_WAIT`]), then submits as [`submit_chunk_layers`](Self::submit_chunk_layers).
+    ///
+    /// The blocks' bytes may still be being written by the work before the fence; nothing
+    /// else may write them until the request quiesces, as for any submission. A fence that
+    /// failed on the GPU (or did not pass within [`FENCE_WAIT`] where the call waits) is
+    /// [`EmbedError::Fence`], with nothing submitted.
+    pub fn submit_chunk_layers_after(
+        &self,
+        request: RequestId,
+        spec: ChunkSpec,
+        layers: LayerRange,
+        source: &mut impl BlockSource,
+        after: &Arc<Fence>,
+    ) -> Result<Submitted, EmbedError> {
+        self.submit_after(
+            request,
+            after,
+            source,
+            |ep| ep.chunk_layers_query(request, &spec, layers),
+            move |ep, now, runs| ep.submit_chunk_layers_runs(now, request, spec, layers, runs),
+        )
+    }
+
+    /// A submission in two commands (the query, then the runs `source` answered), gated
+    /// behind `after` as [`submit_chunk_layers_after`](Self::submit_chunk_layers_after) says.
+    fn submit_after<S: BlockSource>(
+        &self,
+        request: RequestId,
+        after: &Arc<Fence>,
+        source: &mut S,
+        query: impl FnOnce(&Sender) -> Result<ChunkQuery, UsageError>,
+        submit: impl FnOnce(&mut Sender, Instant, Runs) -> Result<Submitted, UsageError>,
+    ) -> Result<Submitted, EmbedError> {
+        let gated = self.with(|inner| Ok(matches!(inner, Inner::Mem(_))))?;
+        if !gated {
+            after
+                .wait(StdInstant::now() + FENCE_WAIT)
+                .map_err(|e| EmbedError::Fence(e.to_string()))?;
+        }
+        let query = self.command(|ep: &mut Sender, _| query(ep))?;
+        let runs = query.ask(source)?;
+        if !gated {
+            return self.command(|ep, now| submit(ep, now, runs));
+        }
+        self.with(|inner| match inner {
+            Inner::Mem(side) => side.submit_gated(request, after, |ep, now| submit(ep, now, runs)),
+            // The fence was waited for above.
+            _ => Err(EmbedError::Closed),
+        })
+    }
+}
