@@ -7,6 +7,7 @@
 mod arguments;
 mod errors;
 mod event;
+mod fence;
 mod layout;
 mod nodes;
 mod pools;

@@ -285,11 +285,20 @@ impl Sender {
     /// to 2**32 - 1 ``TypeError`` or ``ValueError`` naming the item; a range that breaks the
     /// rules above raises :class:`UsageError`. Either way nothing changes.
     ///
+    /// ``after=stream`` (a ``torch.cuda.Stream``, or any object with integer ``cuda_stream``
+    /// and ``device_index``) hands the chunk (range) over while the GPU may still be computing
+    /// it, as vLLM calls ``save_kv_layer``: a fence is recorded behind the work queued on that
+    /// stream so far. Over ``mem`` the copies wait for it on the GPU and the call returns at
+    /// once; over ``tcp`` and ``verbs`` the call waits for it first (at most 60 s). Another
+    /// object raises ``TypeError``; a build without GPU support, a GPU the driver does not
+    /// see, or work before the fence that failed raises :class:`TransportError`, with nothing
+    /// submitted.
+    ///
     /// Returns the slice id, or ``None`` when the chunk (range) writes nothing. Leave the
     /// blocks unchanged until the request's ``"quiesced"`` event.
     #[pyo3(signature = (
         request, start, end, prompt_len, blocks, *, prepopulated_len = 0, is_last = None,
-        prefix_sent_early = false, layers = None
+        prefix_sent_early = false, layers = None, after = None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn submit_chunk(
@@ -304,8 +313,10 @@ impl Sender {
         is_last: Option<bool>,
         prefix_sent_early: bool,
         layers: Option<&Bound<'_, PyAny>>,
+        after: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Option<u32>> {
         let layers = layers.map(layer_range).transpose()?;
+        let after = after.map(crate::fence::after).transpose()?;
         let spec = ChunkSpec {
             start,
             end,
@@ -315,14 +326,24 @@ impl Sender {
             prefix_sent_early,
         };
         let mut source = PySource::new(blocks);
-        let result = py.detach(|| match layers {
-            Some(layers) => {
+        let request = RequestId(request);
+        let result = py.detach(|| match (layers, after) {
+            (Some(layers), None) => {
                 self.node
-                    .submit_chunk_layers(RequestId(request), spec, layers, &mut source)
+                    .submit_chunk_layers(request, spec, layers, &mut source)
             }
-            None => self
+            (None, None) => self.node.submit_chunk(request, spec, &mut source),
+            #[cfg(feature = "cuda")]
+            (Some(layers), Some(after)) => {
+                self.node
+                    .submit_chunk_layers_after(request, spec, layers, &mut source, &after)
+            }
+            #[cfg(feature = "cuda")]
+            (None, Some(after)) => self
                 .node
-                .submit_chunk(RequestId(request), spec, &mut source),
+                .submit_chunk_after(request, spec, &mut source, &after),
+            #[cfg(not(feature = "cuda"))]
+            (_, Some(never)) => match never {},
         });
         if let Some(e) = source.error {
             return Err(e);

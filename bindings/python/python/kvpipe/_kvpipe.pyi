@@ -162,6 +162,14 @@ class DLPackTensor(Protocol):
     def __dlpack__(self, *args: Any, **kwargs: Any) -> Any: ...
     def __dlpack_device__(self) -> tuple[int, int]: ...
 
+class CudaStream(Protocol):
+    """A CUDA stream, as ``torch.cuda.Stream``: its raw handle and its GPU."""
+
+    @property
+    def cuda_stream(self) -> int: ...
+    @property
+    def device_index(self) -> int: ...
+
 class CudaArray(Protocol):
     """An object exposing ``__cuda_array_interface__`` (version 2 or 3). The interface does not
     say which GPU holds the memory, so the object must also have ``__dlpack_device__``."""
@@ -263,6 +271,7 @@ class Sender:
         is_last: bool | None = None,
         prefix_sent_early: bool = False,
         layers: tuple[int, int] | None = None,
+        after: CudaStream | None = None,
     ) -> int | None:
         """Submits chunk ``[start, end)`` just computed (``None``: it writes nothing).
         ``start``, ``end``, ``prompt_len`` and ``prepopulated_len`` are integers from 0 to
@@ -274,7 +283,15 @@ class Sender:
         ended; only the first calls ``blocks``, and each range is a slice of its own. A
         ``layers`` that is not a tuple raises ``TypeError``, one not of two integers from 0 to
         2**32 - 1 ``TypeError`` or ``ValueError`` naming the item; a range that breaks these
-        rules raises :class:`UsageError`. Either way nothing changes."""
+        rules raises :class:`UsageError`. Either way nothing changes.
+
+        ``after=stream`` hands the chunk (range) over while the GPU may still be computing it,
+        as vLLM calls ``save_kv_layer``: a fence is recorded behind the work queued on
+        ``stream`` so far. Over ``mem`` the copies wait for it on the GPU and the call returns
+        at once; over ``tcp`` and ``verbs`` the call waits for it first (at most 60 s). Another
+        object raises ``TypeError``; a build without GPU support, a GPU the driver does not
+        see, or work before the fence that failed raises :class:`TransportError`, with nothing
+        submitted."""
     def layer_count(self) -> int:
         """The rank's layers (every layer group's), which ``layers`` ranges end at."""
     def submit_prefix(
