@@ -125,9 +125,12 @@ pub(crate) struct DemoArgs {
     data_path: Option<kvpipe_tcp::TcpDataPath>,
     /// How the simulated prefill compute passes: gpu (a kernel keeps GPU --gpu busy for each
     /// chunk's or layer range's compute time, and the engine's thread waits for it as a
-    /// serving engine's thread waits for its forward pass; the default with --memory device)
-    /// or sleep (the engine's thread sleeps through it and the GPU idles; the default with
-    /// host memory).
+    /// serving engine's thread waits for its forward pass; the default with --memory device),
+    /// gpu-fenced (the same kernel, but each chunk or range is handed over as soon as its
+    /// compute is queued, as vLLM's save_kv_layer is called, and over mem its copies wait for
+    /// the compute on the GPU behind a fence; other transports wait for it on the host) or
+    /// sleep (the engine's thread sleeps through it and the GPU idles; the default with host
+    /// memory).
     #[arg(long)]
     compute: Option<String>,
     /// Print one JSON object instead of the progress bar and table.
@@ -592,13 +595,22 @@ fn simulated_compute(
     match (compute, memory) {
         (Some("sleep"), _) | (None, PoolMemory::Host) => Ok(SimulatedCompute::Sleep),
         #[cfg(feature = "cuda")]
-        (Some("gpu") | None, PoolMemory::Device { ordinal }) => {
-            Ok(SimulatedCompute::Gpu { ordinal })
+        (Some("gpu") | None, PoolMemory::Device { ordinal }) => Ok(SimulatedCompute::Gpu {
+            ordinal,
+            fenced: false,
+        }),
+        #[cfg(feature = "cuda")]
+        (Some("gpu-fenced"), PoolMemory::Device { ordinal }) => Ok(SimulatedCompute::Gpu {
+            ordinal,
+            fenced: true,
+        }),
+        (Some(gpu @ ("gpu" | "gpu-fenced")), PoolMemory::Host) => Err(format!(
+            "--compute {gpu} keeps the pools' GPU busy: it needs --memory device"
+        )
+        .into()),
+        (Some(other), _) => {
+            Err(format!("--compute {other:?}: use sleep, gpu or gpu-fenced").into())
         }
-        (Some("gpu"), PoolMemory::Host) => {
-            Err("--compute gpu keeps the pools' GPU busy: it needs --memory device".into())
-        }
-        (Some(other), _) => Err(format!("--compute {other:?}: use sleep or gpu").into()),
     }
 }
 
@@ -607,7 +619,9 @@ fn compute_name(compute: SimulatedCompute) -> &'static str {
     match compute {
         SimulatedCompute::Sleep => "sleep",
         #[cfg(feature = "cuda")]
-        SimulatedCompute::Gpu { .. } => "gpu",
+        SimulatedCompute::Gpu { fenced: false, .. } => "gpu",
+        #[cfg(feature = "cuda")]
+        SimulatedCompute::Gpu { fenced: true, .. } => "gpu-fenced",
     }
 }
 
@@ -616,7 +630,7 @@ fn compute_name(compute: SimulatedCompute) -> &'static str {
 struct Memory {
     /// Where the KV pools lived: "host" or "device".
     memory: &'static str,
-    /// How the simulated compute passed (`--compute`): "sleep" or "gpu".
+    /// How the simulated compute passed (`--compute`): "sleep", "gpu" or "gpu-fenced".
     compute: &'static str,
     /// The most KV both sides' caches held at once (each cache's peak, summed; all ranks).
     live_kv_bytes: u64,

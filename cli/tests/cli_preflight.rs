@@ -126,8 +126,12 @@ fn a_simulated_compute_that_cannot_run_is_refused() {
             "--compute gpu keeps the pools' GPU busy: it needs --memory device",
         ),
         (
+            vec!["demo", "--compute", "gpu-fenced"],
+            "--compute gpu-fenced keeps the pools' GPU busy: it needs --memory device",
+        ),
+        (
             vec!["demo", "--compute", "fast"],
-            "--compute \"fast\": use sleep or gpu",
+            "--compute \"fast\": use sleep, gpu or gpu-fenced",
         ),
         (
             vec!["demo", "--compute", "sleep", "--sender-tp", "2"],

@@ -91,28 +91,33 @@ fn demo_verifies_every_model_from_device_memory() -> Result<Completion, Failed> 
 
 /// With the simulated compute on the GPU (a kernel for each layer range's share), every range
 /// goes out once its kernel is done and every byte lands; the run takes at least the compute
-/// time the kernels stood for.
+/// time the kernels stood for. Fenced, each range is handed over while its kernel is queued
+/// (over mem its copies wait for the kernel on the GPU; tcp waits on the host): every byte
+/// still lands as computed.
 fn demo_with_the_gpu_kept_busy_verifies_layer_slices() -> Result<Completion, Failed> {
     if let Some(reason) = skip_reason() {
         return Ok(Completion::ignored_with(reason));
     }
-    let config = DemoConfig {
-        prompt_tokens: 1024,
-        chunk_tokens: 256,
-        tokens_per_block: 16,
-        requests: 1,
-        prefill_per_chunk: Duration::from_millis(8),
-        mode: TransferMode::LayerSlices(4),
-        compute: SimulatedCompute::Gpu { ordinal: 0 },
-        ..DemoConfig::default()
-    };
-    for (transport, result) in [
-        ("mem", run_demo(&mem(), &config, |_, _| {})),
-        ("tcp", run_demo(&tcp(), &config, |_, _| {})),
-    ] {
-        let (summary, _) = result.map_err(|e| format!("over {transport}: {e}"))?;
-        if !summary.verified || summary.completed != 1 || summary.seconds < 0.032 {
-            return Err(format!("over {transport}: {summary:?}").into());
+    for fenced in [false, true] {
+        let config = DemoConfig {
+            prompt_tokens: 1024,
+            chunk_tokens: 256,
+            tokens_per_block: 16,
+            requests: 1,
+            prefill_per_chunk: Duration::from_millis(8),
+            mode: TransferMode::LayerSlices(4),
+            compute: SimulatedCompute::Gpu { ordinal: 0, fenced },
+            ..DemoConfig::default()
+        };
+        for (transport, result) in [
+            ("mem", run_demo(&mem(), &config, |_, _| {})),
+            ("tcp", run_demo(&tcp(), &config, |_, _| {})),
+        ] {
+            let (summary, _) =
+                result.map_err(|e| format!("over {transport}, fenced {fenced}: {e}"))?;
+            if !summary.verified || summary.completed != 1 || summary.seconds < 0.032 {
+                return Err(format!("over {transport}, fenced {fenced}: {summary:?}").into());
+            }
         }
     }
     Ok(Completion::Completed)

@@ -228,6 +228,7 @@ mod tests {
                         issued: ms(10 * k + 8),
                         reported: ms(10 * k + 11),
                         transfer: Duration::from_millis(2),
+                        copied: ms(10 * k + 10),
                     }),
                 })
                 .collect(),

@@ -27,6 +27,12 @@ pub enum SimulatedCompute {
     Gpu {
         /// The GPU.
         ordinal: usize,
+        /// Each range is handed over as soon as its compute is queued, behind a fence its
+        /// copies wait for on the GPU (as vLLM calls `save_kv_layer` while the layer's kernels
+        /// are queued), where the transport gates slices (the in-process one); elsewhere, and
+        /// when `false`, once the compute is seen done. The aux data (the first token) still
+        /// goes once the compute is over.
+        fenced: bool,
     },
 }
 
@@ -48,7 +54,7 @@ impl Compute {
                 busy: None,
             }),
             #[cfg(feature = "cuda")]
-            SimulatedCompute::Gpu { ordinal } => {
+            SimulatedCompute::Gpu { ordinal, .. } => {
                 let gpu = |e: kvpipe_cuda::CudaError| LinkError::Transport(e.to_string());
                 let device = kvpipe_cuda::Device::open(ordinal).map_err(gpu)?;
                 Ok(Compute {
@@ -74,6 +80,18 @@ impl Compute {
         Ok(())
     }
 
+    /// A fence behind the compute launched so far, where it runs on a GPU.
+    #[cfg(feature = "cuda")]
+    pub(super) fn fence(&self) -> Result<Option<std::sync::Arc<kvpipe_cuda::Fence>>, LinkError> {
+        match &self.busy {
+            Some(busy) => busy
+                .fence()
+                .map(|f| Some(std::sync::Arc::new(f)))
+                .map_err(|e| LinkError::Transport(e.to_string())),
+            None => Ok(None),
+        }
+    }
+
     /// Whether the range whose compute lasts until `ready` is computed.
     pub(super) fn is_over(&self, now: Instant, ready: Instant) -> Result<bool, LinkError> {
         #[cfg(feature = "cuda")]
@@ -83,6 +101,40 @@ impl Compute {
                 .map_err(|e| LinkError::Transport(e.to_string()));
         }
         Ok(now >= ready)
+    }
+
+    /// Near the end of a GPU compute (within [`POLL_BEFORE`] of `ready`), polls its kernel
+    /// until it is done, driving nothing meanwhile, and returns `true`: the range is computed
+    /// the moment the kernel is seen done, not a pump later (a pump may be carrying out the
+    /// range's own copy, queued behind a fence). `false` elsewhere, and after a second of
+    /// polling past `ready` (the caller goes on driving and asks again).
+    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+    pub(super) fn poll_until_over(&self, now: Instant, ready: Instant) -> Result<bool, LinkError> {
+        #[cfg(feature = "cuda")]
+        if let Some(busy) = &self.busy {
+            let left = if ready > now {
+                std::time::Duration::from_nanos((ready - now).as_nanos())
+            } else {
+                std::time::Duration::ZERO
+            };
+            if left > POLL_BEFORE {
+                return Ok(false);
+            }
+            let give_up = std::time::Instant::now() + left + std::time::Duration::from_secs(1);
+            loop {
+                if busy
+                    .is_done()
+                    .map_err(|e| LinkError::Transport(e.to_string()))?
+                {
+                    return Ok(true);
+                }
+                if std::time::Instant::now() > give_up {
+                    return Ok(false);
+                }
+                std::hint::spin_loop();
+            }
+        }
+        Ok(false)
     }
 
     /// Waits (driving `link`) for at most `max`, or less near the end of the compute: with a

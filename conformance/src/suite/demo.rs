@@ -286,10 +286,12 @@ pub struct TailParts {
     /// Last chunk submitted → its write batch issued to the transport (the core's planning,
     /// block queries and admission).
     pub submit_us: f64,
-    /// The transport's own copy time of the last batch (started → seen finished).
+    /// The transport's own copy time of the last batch (started → seen finished; for a
+    /// batch issued before its compute ended, that end → seen finished).
     pub copy_us: f64,
     /// Batch issued → its outcome reached the sender, less the copy time: starting the
-    /// copy, seeing it finish and handing the report to the driver.
+    /// copy, seeing it finish and handing the report to the driver (for a batch issued before
+    /// its compute ended: seen finished → outcome at the sender).
     pub report_us: f64,
     /// Outcome at the sender → decode side complete (the result frame, aux data, the
     /// receiver's completion).
@@ -322,13 +324,26 @@ fn tail_parts_of_last<'a>(
 ) -> Option<TailParts> {
     let us = |d: Duration| d.as_nanos() as f64 / 1e3;
     let (computed, ended, lane) = requests.max_by_key(|&(computed, _, _)| computed)?;
-    let batch = lane
+    let (chunk, batch) = lane
         .chunks
         .iter()
-        .filter_map(|c| c.batch)
-        .max_by_key(|b| b.issued)?;
-    if batch.issued < computed || batch.reported > ended {
+        .filter_map(|c| Some((c, c.batch?)))
+        .max_by_key(|(_, b)| b.issued)?;
+    // A batch issued before the tail began is the last range's only if that range was handed
+    // over behind a fence (its compute ended when the tail began); else it is an earlier
+    // range's and the last range wrote nothing.
+    if (batch.issued < computed && chunk.computed < computed) || batch.reported > ended {
         return None;
+    }
+    if batch.issued < computed {
+        // Issued before its compute ended (a fenced range): the copy counts from that end to
+        // when it was seen done, and nothing is left of the submission.
+        return Some(TailParts {
+            submit_us: 0.0,
+            copy_us: us(batch.copied - computed),
+            report_us: us(batch.reported - batch.copied.max(computed)),
+            complete_us: us(ended - batch.reported),
+        });
     }
     let handoff = batch.reported - batch.issued;
     Some(TailParts {
@@ -436,6 +451,7 @@ pub fn last_chunk_batches(report: &RunReport) -> Option<Vec<BatchSpan>> {
             issued: last.issued,
             reported: last.reported,
             transfer: last.transfer,
+            copied: last.copied,
         }],
     })
 }
@@ -662,6 +678,7 @@ mod tests {
             bytes: 1_000,
             issued: at_us(issued),
             transfer: Duration::from_micros(transfer),
+            copied: at_us(issued + transfer),
             reported: at_us(issued + transfer + 5),
         }
     }
@@ -726,6 +743,8 @@ mod tests {
                         issued: at_us(issued),
                         reported: at_us(issued + transfer + 5),
                         transfer: Duration::from_micros(transfer),
+                        // The copy starts 2 µs after its issue.
+                        copied: at_us(issued + transfer + 2),
                     }),
                 })
                 .collect(),
@@ -762,6 +781,31 @@ mod tests {
         assert_eq!(
             parts.submit_us + parts.copy_us + parts.report_us + parts.complete_us,
             110.0
+        );
+    }
+
+    #[test]
+    fn a_range_handed_over_before_its_compute_ended_splits_from_that_end() {
+        // The last range's batch was issued at 500 µs behind a fence; its compute ended at 530
+        // and the copy was seen done at 542, reported at 545.
+        let mut fenced = lane(0, 1, &[(100, 50), (500, 40)]);
+        fenced.chunks[1].computed = at_us(530);
+        let parts = tail_parts_of_last([(at_us(530), at_us(600), &fenced)].into_iter()).unwrap();
+        assert_eq!(
+            parts,
+            TailParts {
+                submit_us: 0.0,
+                copy_us: 12.0,
+                report_us: 3.0,
+                complete_us: 55.0,
+            }
+        );
+        // The same batch under a range computed before the tail began is an earlier range's:
+        // the last range wrote nothing, and there are no parts to give.
+        fenced.chunks[1].computed = at_us(490);
+        assert_eq!(
+            tail_parts_of_last([(at_us(530), at_us(600), &fenced)].into_iter()),
+            None
         );
     }
 

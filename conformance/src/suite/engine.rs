@@ -16,6 +16,8 @@ use kvpipe_core::{
 };
 
 use super::compute::Compute;
+#[cfg(feature = "cuda")]
+use super::compute::SimulatedCompute;
 use super::content::{ContentError, ContentJob, ContentWriter};
 use super::report::{Outcome, RequestReport, RunReport};
 use super::verify::{corrupt_one_byte, verify_against_sender};
@@ -191,6 +193,28 @@ pub fn run_workload_with<H: Harness>(
                 events.push((side, at, e));
             }
         };
+    // The rest of a layer range's simulated compute: the transport keeps running meanwhile.
+    let finish_compute = |link: &mut H::Link,
+                          events: &mut Vec<(Role, Instant, Event)>,
+                          states: &mut [ReqState],
+                          compute: &Compute,
+                          ready: Instant|
+     -> Result<(), SuiteError> {
+        loop {
+            link.pump()?;
+            collect(link, events, states);
+            let now = link.now();
+            if compute.is_over(now, ready)? || compute.poll_until_over(now, ready)? {
+                return Ok(());
+            }
+            let left = if now < ready {
+                std::time::Duration::from_nanos((ready - now).as_nanos())
+            } else {
+                std::time::Duration::ZERO
+            };
+            compute.wait(link, now, ready, left);
+        }
+    };
     let mut order: Vec<usize> = Vec::new();
     match w.mode {
         TransferMode::Pipelined | TransferMode::LayerSlices(_) => {
@@ -301,27 +325,22 @@ pub fn run_workload_with<H: Harness>(
                         );
                     }
                 }
-                // The rest of this layer range's simulated compute: keep the transport running
-                // meanwhile.
-                loop {
-                    link.pump()?;
-                    collect(&mut link, &mut events, &mut states);
-                    let now = link.now();
-                    if compute.is_over(now, ready)? {
-                        break;
+                // A range handed over while its compute is queued (see
+                // `SimulatedCompute::Gpu::fenced`): its copies wait for this fence on the GPU.
+                #[cfg(feature = "cuda")]
+                let fence = match w.compute {
+                    SimulatedCompute::Gpu { fenced: true, .. } if link.gates_slices() => {
+                        compute.fence()?
                     }
-                    let left = if now < ready {
-                        std::time::Duration::from_nanos((ready - now).as_nanos())
-                    } else {
-                        std::time::Duration::ZERO
-                    };
-                    compute.wait(&mut link, now, ready, left);
+                    _ => None,
+                };
+                #[cfg(not(feature = "cuda"))]
+                let fence: Option<()> = None;
+                if fence.is_none() {
+                    finish_compute(&mut link, &mut events, &mut states, &compute, ready)?;
                 }
-                let computed = link.now();
+                let mut computed = link.now();
                 let st = &mut states[i];
-                if is_last && last_range {
-                    st.report.last_compute_done = Some(computed);
-                }
                 let mut sent = None;
                 if r == 0 && !st.registered && st.plan.register_after_chunks as usize == k {
                     register(&mut link, &mut receiver_cache, st)?;
@@ -345,63 +364,81 @@ pub fn run_workload_with<H: Harness>(
                     }),
                     TransferMode::Monolithic => None,
                 };
-                if let Some(spec) = spec {
-                    if link.is_alive(Role::Sender) && !st.report.sender.is_end() {
-                        let now = link.now();
-                        if let (0, Some(layers)) = (r, slice) {
-                            // The groups the chunk sends blocks of: a range of only other groups'
-                            // layers is a slice without a write batch, which the timeline must not
-                            // pair with one.
-                            sending_groups = link
-                                .sender()
-                                .chunk_layers_query(id, &spec, *layers)
-                                .map(|q| q.windows().iter().map(|(g, _)| *g).collect())
-                                .unwrap_or_default();
+                let submits = spec.is_some()
+                    && link.is_alive(Role::Sender)
+                    && !states[i].report.sender.is_end();
+                if let (Some(spec), true) = (spec, submits) {
+                    let now = link.now();
+                    if let (0, Some(layers)) = (r, slice) {
+                        // The groups the chunk sends blocks of: a range of only other groups'
+                        // layers is a slice without a write batch, which the timeline must not
+                        // pair with one.
+                        sending_groups = link
+                            .sender()
+                            .chunk_layers_query(id, &spec, *layers)
+                            .map(|q| q.windows().iter().map(|(g, _)| *g).collect())
+                            .unwrap_or_default();
+                    }
+                    let writes = range_layers.as_ref().is_none_or(|layers| {
+                        sending_groups
+                            .iter()
+                            .any(|g| layers.get(usize::from(g.0)).is_some_and(|l| !l.is_empty()))
+                    });
+                    let mut cache = shared.lock().unwrap_or_else(|p| p.into_inner());
+                    let result = submit(link.sender(), now, id, spec, *slice, &mut cache);
+                    drop(cache);
+                    match result {
+                        Ok(Submitted::EngineFault(fault)) => {
+                            // The reference cache keeps its contract: a fault is the suite's
+                            // bug.
+                            return Err(SuiteError::Usage {
+                                side: Role::Sender,
+                                message: fault.to_string(),
+                            });
                         }
-                        let writes = range_layers.as_ref().is_none_or(|layers| {
-                            sending_groups.iter().any(|g| {
-                                layers.get(usize::from(g.0)).is_some_and(|l| !l.is_empty())
-                            })
-                        });
-                        let mut cache = shared.lock().unwrap_or_else(|p| p.into_inner());
-                        let result = submit(link.sender(), now, id, spec, *slice, &mut cache);
-                        drop(cache);
-                        match result {
-                            Ok(Submitted::EngineFault(fault)) => {
-                                // The reference cache keeps its contract: a fault is the suite's
-                                // bug.
-                                return Err(SuiteError::Usage {
-                                    side: Role::Sender,
-                                    message: fault.to_string(),
-                                });
+                        Ok(outcome) => {
+                            #[cfg(feature = "cuda")]
+                            if let (Some(fence), Some(slice)) = (&fence, outcome.slice()) {
+                                link.gate_slice(id, slice, fence.clone())?;
                             }
-                            Ok(outcome) => sent = Some((now, outcome.slice().is_some() && writes)),
-                            // The session ended under the engine (a peer's cancel, a failure): a
-                            // real engine stops submitting; so do we.
-                            Err(UsageError::SessionEnded(_)) => {}
-                            Err(e) => return Err(usage(Role::Sender)(e)),
+                            sent = Some((now, outcome.slice().is_some() && writes));
                         }
-                        if last_range {
-                            st.report.chunks += 1;
-                            submitted += 1;
-                        }
-                        if is_last && last_range {
-                            let data = AuxData {
-                                prompt_tokens: st.plan.prompt,
-                                cached_tokens: st.plan.sender_prefix,
-                                first_tokens: vec![first_token(id)],
-                                draft_tokens: Vec::new(),
-                            };
-                            let now = link.now();
-                            match link.sender().handle_input(SenderInput::Aux {
-                                now,
-                                request: id,
-                                data,
-                            }) {
-                                Ok(()) | Err(UsageError::SessionEnded(_)) => {}
-                                Err(e) => return Err(usage(Role::Sender)(e)),
-                            }
-                        }
+                        // The session ended under the engine (a peer's cancel, a failure): a
+                        // real engine stops submitting; so do we.
+                        Err(UsageError::SessionEnded(_)) => {}
+                        Err(e) => return Err(usage(Role::Sender)(e)),
+                    }
+                    if last_range {
+                        states[i].report.chunks += 1;
+                        submitted += 1;
+                    }
+                }
+                if fence.is_some() {
+                    // The range's batch is issued now, its copies queued behind the compute.
+                    link.pump()?;
+                    finish_compute(&mut link, &mut events, &mut states, &compute, ready)?;
+                    computed = link.now();
+                }
+                let st = &mut states[i];
+                if is_last && last_range {
+                    st.report.last_compute_done = Some(computed);
+                }
+                if submits && is_last && last_range {
+                    // The first token exists once the last layer is computed.
+                    let data = AuxData {
+                        prompt_tokens: st.plan.prompt,
+                        cached_tokens: st.plan.sender_prefix,
+                        first_tokens: vec![first_token(id)],
+                        draft_tokens: Vec::new(),
+                    };
+                    let now = link.now();
+                    match link.sender().handle_input(SenderInput::Aux {
+                        now,
+                        request: id,
+                        data,
+                    }) {
+                        Ok(()) | Err(UsageError::SessionEnded(_)) => {}
+                        Err(e) => return Err(usage(Role::Sender)(e)),
                     }
                 }
                 // The range goes out now: the engine's own bookkeeping below (the progress bar,

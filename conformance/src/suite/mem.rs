@@ -131,6 +131,21 @@ impl Link for MemPair {
         MemPair::now(self)
     }
 
+    #[cfg(feature = "cuda")]
+    fn gates_slices(&self) -> bool {
+        true
+    }
+
+    #[cfg(feature = "cuda")]
+    fn gate_slice(
+        &mut self,
+        request: kvpipe_core::RequestId,
+        slice: kvpipe_core::SenderSliceId,
+        fence: std::sync::Arc<kvpipe_cuda::Fence>,
+    ) -> Result<(), LinkError> {
+        MemPair::gate_slice(self, request, slice, fence).map_err(transport)
+    }
+
     fn sender(&mut self) -> &mut Sender {
         self.sender_mut()
     }
@@ -187,6 +202,7 @@ impl Link for MemPair {
                 bytes: t.bytes,
                 issued: t.issued,
                 transfer: t.copy_finished - t.copy_started,
+                copied: t.copy_finished,
                 reported: t.reported,
             })
             .collect()

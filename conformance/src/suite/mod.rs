@@ -241,6 +241,8 @@ pub struct BatchTiming {
     /// How long the bytes took to move (the transport's own measure; `reported - issued` if
     /// it has none).
     pub transfer: kvpipe_core::Duration,
+    /// When the transport saw the bytes moved (`reported` if it does not record it).
+    pub copied: Instant,
     /// When its outcome reached the sender.
     pub reported: Instant,
 }
@@ -272,6 +274,26 @@ pub trait Link {
     /// Issue and report times of the write batches so far (empty if not recorded).
     fn batch_timings(&self) -> Vec<BatchTiming> {
         Vec::new()
+    }
+    /// Whether [`gate_slice`](Link::gate_slice) makes a slice's copies wait for a fence on the
+    /// GPU (the in-process transport); elsewhere the engine waits for the fence itself before
+    /// it submits.
+    #[cfg(feature = "cuda")]
+    fn gates_slices(&self) -> bool {
+        false
+    }
+    /// Makes `slice`'s writes start only once `fence` passed; call it after the submission
+    /// that returned the slice, before the next [`pump`](Link::pump).
+    #[cfg(feature = "cuda")]
+    fn gate_slice(
+        &mut self,
+        _request: kvpipe_core::RequestId,
+        _slice: kvpipe_core::SenderSliceId,
+        _fence: std::sync::Arc<kvpipe_cuda::Fence>,
+    ) -> Result<(), LinkError> {
+        Err(LinkError::Transport(
+            "this transport cannot gate a slice's writes behind a fence".into(),
+        ))
     }
 }
 

@@ -79,17 +79,20 @@ impl RequestReport {
     }
 
     /// Both sides' timings of a request that completed on both (the harnesses give both
-    /// endpoints one clock, so they compare).
+    /// endpoints one clock, so they compare). The sender's `last_chunk` is the later of the
+    /// core's record (the last chunk's submission) and the engine's [`last_compute_done`]: a
+    /// range handed over behind a fence is submitted while its compute still runs, and the
+    /// exposed tail runs from the compute's end.
+    ///
+    /// [`last_compute_done`]: Self::last_compute_done
     pub fn transfer_timings(&self) -> Option<TransferTimings> {
         let bytes = match &self.receiver {
             Outcome::Completed { bytes, .. } => *bytes,
             _ => 0,
         };
-        Some(TransferTimings::new(
-            self.sender_timings?,
-            self.receiver_timings?,
-            bytes,
-        ))
+        let mut sender = self.sender_timings?;
+        sender.last_chunk = sender.last_chunk.max(self.last_compute_done);
+        Some(TransferTimings::new(sender, self.receiver_timings?, bytes))
     }
 }
 

@@ -158,6 +158,7 @@ where
                 bytes,
                 issued,
                 transfer: reported - issued,
+                copied: reported,
                 reported,
             })
             .collect()

@@ -52,6 +52,8 @@ pub struct BatchSpan {
     pub reported: Instant,
     /// How long the bytes took to move (the transport's own measure).
     pub transfer: Duration,
+    /// When the transport saw the bytes moved.
+    pub copied: Instant,
 }
 
 /// One request's chunks and milestones: one lane of the picture.
@@ -143,6 +145,7 @@ impl TimelineRecorder {
                     issued: b.issued,
                     reported: b.reported,
                     transfer: b.transfer,
+                    copied: b.copied,
                 });
             }
             0
@@ -199,6 +202,7 @@ mod tests {
             bytes: 1,
             issued: at(issued),
             transfer: Duration::from_millis(1),
+            copied: at(issued + 1),
             reported: at(issued + 2),
         }
     }
