@@ -11,6 +11,7 @@ use std::ffi::c_void;
 
 use cudarc::driver::{result, sys};
 
+use crate::poll::event_done;
 use crate::ptx::Kernel;
 use crate::{CudaError, Device, Fence};
 
@@ -119,12 +120,8 @@ impl BusyKernel {
     /// Whether every launch so far has finished (`cuEventQuery`; true before the first).
     pub fn is_done(&self) -> Result<bool, CudaError> {
         self.device.bind()?;
-        // SAFETY: the event is this value's own and live.
-        match unsafe { result::event::query(self.done) } {
-            Ok(()) => Ok(true),
-            Err(e) if e.0 == sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
-            Err(e) => Err(CudaError::driver("cuEventQuery")(e)),
-        }
+        // SAFETY: the event is this value's own and live; its context was made current above.
+        unsafe { event_done(self.done) }
     }
 }
 

@@ -6,10 +6,11 @@
 //! copy, then the GPU starts it. A copy queued behind a fence (`cuStreamWaitEvent`) starts on the
 //! GPU the moment the compute ends, with its issue already paid for.
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use cudarc::driver::{result, sys};
 
+use crate::poll::{event_done, poll_until};
 use crate::{CudaError, Device};
 
 /// The work queued on one stream when the fence was recorded (a CUDA event recorded behind
@@ -71,35 +72,15 @@ impl Fence {
     /// failed on the device is an error.
     pub fn is_done(&self) -> Result<bool, CudaError> {
         self.device.bind()?;
-        // SAFETY: the event is this fence's own and live.
-        match unsafe { result::event::query(self.event) } {
-            Ok(()) => Ok(true),
-            Err(e) if e.0 == sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
-            Err(e) => Err(CudaError::driver("cuEventQuery")(e)),
-        }
+        // SAFETY: the event is this fence's own and live; its context was made current above.
+        unsafe { event_done(self.event) }
     }
 
     /// Polls until the work before the fence has run or `deadline` passes (then
     /// [`CudaError::Timeout`]). Spins for the first tenth of a millisecond, then sleeps in
     /// short steps.
     pub fn wait(&self, deadline: Instant) -> Result<(), CudaError> {
-        let start = Instant::now();
-        loop {
-            if self.is_done()? {
-                return Ok(());
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                return Err(CudaError::Timeout {
-                    waited_ms: (now - start).as_millis() as u64,
-                });
-            }
-            if now - start < Duration::from_micros(100) {
-                std::hint::spin_loop();
-            } else {
-                std::thread::sleep((deadline - now).min(Duration::from_micros(20)));
-            }
-        }
+        poll_until(deadline, || self.is_done())
     }
 
     /// Makes `stream` (of the current context) wait for the fence before its later work.

@@ -52,6 +52,7 @@ mod error;
 mod fence;
 mod ipc;
 mod memory;
+mod poll;
 mod ptx;
 mod stream;
 mod upload;

@@ -1,11 +1,12 @@
 //! [`CopyTicket`]: the copies of one submission, polled or waited on through their events.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use cudarc::driver::{result, sys};
 
 use super::events::EventPool;
+use crate::poll::{event_done, poll_until};
 use crate::{CudaError, Device};
 
 /// The copies of one [`CopyEngine::submit`]: done when every event it holds has completed.
@@ -44,11 +45,10 @@ impl CopyTicket {
     pub fn is_complete(&self) -> Result<bool, CudaError> {
         for (device, event) in &self.events {
             device.bind()?;
-            // SAFETY: an event created and recorded by the engine, destroyed only in `drop`.
-            match unsafe { result::event::query(*event) } {
-                Ok(()) => {}
-                Err(e) if e.0 == sys::CUresult::CUDA_ERROR_NOT_READY => return Ok(false),
-                Err(e) => return Err(CudaError::driver("cuEventQuery")(e)),
+            // SAFETY: an event created and recorded by the engine, destroyed only in `drop`;
+            // its device's context was made current above.
+            if !unsafe { event_done(*event) }? {
+                return Ok(false);
             }
         }
         Ok(true)
@@ -58,23 +58,7 @@ impl CopyTicket {
     /// [`CudaError::Timeout`]; the copies keep running). Spins for the first tenth of a
     /// millisecond, then sleeps in short steps.
     pub fn wait(&self, deadline: Instant) -> Result<(), CudaError> {
-        let start = Instant::now();
-        loop {
-            if self.is_complete()? {
-                return Ok(());
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                return Err(CudaError::Timeout {
-                    waited_ms: (now - start).as_millis() as u64,
-                });
-            }
-            if now - start < Duration::from_micros(100) {
-                std::hint::spin_loop();
-            } else {
-                std::thread::sleep((deadline - now).min(Duration::from_micros(20)));
-            }
-        }
+        poll_until(deadline, || self.is_complete())
     }
 }
 
