@@ -34,6 +34,13 @@ impl Segment {
         )
     }
 
+    /// Whether either side is host memory (a copy the host takes part in: the driver may read
+    /// or write the host side when the copy is issued, not when the GPU runs it).
+    pub fn touches_host(&self) -> bool {
+        matches!(self.src.memory, RegionMemory::Host(_))
+            || matches!(self.dst.memory, RegionMemory::Host(_))
+    }
+
     /// The segment as an extent for the GPU copy engine.
     #[cfg(feature = "cuda")]
     fn extent(&self) -> kvpipe_cuda::CopyExtent {
@@ -272,10 +279,11 @@ impl ResolvedBatch {
         self.start_after(engine, threads, parallel_threshold, None)
     }
 
-    /// [`start`](Self::start), with the copies starting only once `after` passed: the device
-    /// copies wait for it on the GPU (the call returns at once), host → host segments on this
-    /// thread before they are copied (an error once [`EXECUTE_LIMIT`] passed, with nothing
-    /// copied).
+    /// [`start`](Self::start), with the copies starting only once `after` passed: a batch whose
+    /// every segment is device → device waits for it on the GPU (the call returns at once);
+    /// one with host memory on either side of a segment waits for it on this thread first
+    /// (the driver may touch pageable host memory when a copy is issued; an error after 60 s,
+    /// with nothing copied).
     #[cfg(feature = "cuda")]
     pub fn start_after(
         self,
@@ -284,7 +292,7 @@ impl ResolvedBatch {
         parallel_threshold: u64,
         after: Option<&kvpipe_cuda::Fence>,
     ) -> Result<InFlight, CopyError> {
-        if let Some(fence) = after.filter(|_| self.segments.iter().any(Segment::is_host)) {
+        if let Some(fence) = after.filter(|_| self.segments.iter().any(Segment::touches_host)) {
             fence.wait(std::time::Instant::now() + EXECUTE_LIMIT)?;
         }
         self.copy_host(threads, parallel_threshold);

@@ -164,8 +164,10 @@ impl MemPair {
         request: kvpipe_core::RequestId,
         slice: kvpipe_core::SenderSliceId,
         fence: std::sync::Arc<kvpipe_cuda::Fence>,
-    ) -> Result<(), DriveError> {
-        self.net.gate_slice(0, request, slice, fence)
+    ) {
+        // The network refuses only a sender index it does not have; a pair has sender 0.
+        let gated = self.net.gate_slice(0, request, slice, fence);
+        debug_assert!(gated.is_ok(), "{gated:?}");
     }
 
     // ----- getters -----

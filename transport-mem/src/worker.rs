@@ -509,8 +509,12 @@ impl CopyWorker {
             self.pending.push_back(Pending::Driver(started));
             return;
         }
+        // A gated batch the host takes part in waits for its fence on the worker, never here.
         #[cfg(feature = "cuda")]
-        if job.writes.touches_device() && !job.writes.segments().iter().any(|s| s.is_host()) {
+        if job.writes.touches_device()
+            && !(job.writes.segments().iter())
+                .any(|s| s.is_host() || (job.gated() && s.touches_host()))
+        {
             // Device copies only: issue them now (they run asynchronously, after the batch's
             // fence where it has one) and watch them here.
             let (clock, engine) = (self.clock, &mut self.engine);

@@ -504,7 +504,7 @@ fn a_gated_slice_copies_what_the_compute_before_its_fence_left(d: &Device) -> Re
         gated += 1;
         busy.launch(Duration::from_millis(300))?;
         let fence = std::sync::Arc::new(busy.fence()?);
-        pair.gate_slice(request, slice, fence.clone())?;
+        pair.gate_slice(request, slice, fence.clone());
         pair.pump()?;
         // The batch is issued; its copies wait for the compute. Write the source meanwhile.
         // SAFETY: `fresh` and `src` outlive the wait; the gated copy reads `src` only after the

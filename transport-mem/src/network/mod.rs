@@ -300,9 +300,10 @@ impl MemNetwork {
 
     /// Makes every write batch of sender `s`'s slice `slice` of `request` (to each receiver,
     /// including one whose registration comes later) start on the GPU only once `fence`
-    /// passed, with no wait on the host; a batch with host memory on either side waits for the
-    /// fence on the copy worker's thread first. Call it after the submission that returned the
-    /// slice and before the next [`pump`](Self::pump), which carries its batches out.
+    /// passed, with no wait on the host; a batch with host memory on either side of a segment
+    /// waits for the fence on the copy worker's thread first (so does every batch behind it on
+    /// that thread). Call it after the submission that returned the slice and before the next
+    /// [`pump`](Self::pump), which carries its batches out.
     ///
     /// The source bytes may still be being written by the work before the fence; as for any
     /// batch, nothing else may touch them until the request quiesces. The fence is let go once
