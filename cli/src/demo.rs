@@ -126,9 +126,10 @@ pub(crate) struct DemoArgs {
     /// How the simulated prefill compute passes: gpu (a kernel keeps GPU --gpu busy for each
     /// chunk's or layer range's compute time, and the engine's thread waits for it as a
     /// serving engine's thread waits for its forward pass; the default with --memory device),
-    /// gpu-fenced (the same kernel, but each chunk or range is handed over as soon as its
-    /// compute is queued, as vLLM's save_kv_layer is called, and over mem its copies wait for
-    /// the compute on the GPU behind a fence; other transports wait for it on the host) or
+    /// gpu-fenced (each chunk's or range's content is put in place, then its kernel runs and
+    /// the range is handed over at once, as vLLM's save_kv_layer is called while the layer's
+    /// kernels are queued; over mem its copies wait for the kernel on the GPU behind a fence,
+    /// other transports wait for it on the host; a batch's copy time then includes that wait) or
     /// sleep (the engine's thread sleeps through it and the GPU idles; the default with host
     /// memory).
     #[arg(long)]

@@ -79,12 +79,12 @@ pub enum EmbedError {
     #[error("the node is closed")]
     Closed,
     /// A submission's fence could not be made or waited for: the GPU work before it failed, or
-    /// did not pass in time where the submission waits for it ([`PrefillNode::submit_chunk_layers_after`]); nothing was
-    /// submitted.
+    /// did not pass in time where the submission waits for it
+    /// ([`PrefillNode::submit_chunk_layers_after`]); nothing was submitted. Made only with the
+    /// `cuda` feature; the variant is there in every build so that matches on this enum do not
+    /// depend on features.
     ///
     /// [`PrefillNode::submit_chunk_layers_after`]: crate::PrefillNode::submit_chunk_layers_after
-    /// (`cuda` feature; the variant is there in every build so that matches on this enum do
-    /// not depend on features).
     #[error("the submission's fence: {0}")]
     Fence(String),
 }

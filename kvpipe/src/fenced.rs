@@ -59,9 +59,12 @@ impl PrefillNode {
     ///   [`FENCE_WAIT`]), then submits as [`submit_chunk_layers`](Self::submit_chunk_layers).
     ///
     /// The blocks' bytes may still be being written by the work before the fence; nothing
-    /// else may write them until the request quiesces, as for any submission. A fence that
-    /// failed on the GPU (or did not pass within [`FENCE_WAIT`] where the call waits) is
-    /// [`EmbedError::Fence`], with nothing submitted.
+    /// else may write them until the request quiesces, as for any submission. Over tcp and
+    /// verbs a fence whose work failed, or did not pass within [`FENCE_WAIT`], is
+    /// [`EmbedError::Fence`], with nothing submitted. Over mem the call does not look at the
+    /// fence: work that fails before it fails the range's copies, and the request fails as for
+    /// any failed write (its write deadline runs from the batch's issue, so it includes the
+    /// rest of the compute).
     pub fn submit_chunk_layers_after(
         &self,
         request: RequestId,

@@ -291,8 +291,9 @@ impl Sender {
     /// stream so far. Over ``mem`` the copies wait for it on the GPU and the call returns at
     /// once; over ``tcp`` and ``verbs`` the call waits for it first (at most 60 s). Another
     /// object raises ``TypeError``; a build without GPU support, a GPU the driver does not
-    /// see, or work before the fence that failed raises :class:`TransportError`, with nothing
-    /// submitted.
+    /// see, or (over ``tcp`` and ``verbs``) work before the fence that failed raises
+    /// :class:`TransportError`, with nothing submitted. Over ``mem`` such a failure fails the
+    /// range's copies, and the request, as a failed write does.
     ///
     /// Returns the slice id, or ``None`` when the chunk (range) writes nothing. Leave the
     /// blocks unchanged until the request's ``"quiesced"`` event.

@@ -29,9 +29,11 @@ pub enum SimulatedCompute {
         ordinal: usize,
         /// Each range is handed over as soon as its compute is queued, behind a fence its
         /// copies wait for on the GPU (as vLLM calls `save_kv_layer` while the layer's kernels
-        /// are queued), where the transport gates slices (the in-process one); elsewhere, and
-        /// when `false`, once the compute is seen done. The aux data (the first token) still
-        /// goes once the compute is over.
+        /// are queued), where the transport gates slices (the in-process one): the range's
+        /// content is put in place first, then its kernel runs for the range's whole share
+        /// while the range is handed over. Elsewhere, and when `false`, the range is handed
+        /// over once the compute is seen done. The aux data (the first token) still goes once
+        /// the compute is over, and the tail is measured from the compute's end.
         fenced: bool,
     },
 }
@@ -108,8 +110,16 @@ impl Compute {
     /// the moment the kernel is seen done, not a pump later (a pump may be carrying out the
     /// range's own copy, queued behind a fence). `false` elsewhere, and after a second of
     /// polling past `ready` (the caller goes on driving and asks again).
+    ///
+    /// `Some(at)`: `at` is `clock()` read just before the query that saw the kernel done, so the
+    /// compute's end is taken no later than it was seen.
     #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
-    pub(super) fn poll_until_over(&self, now: Instant, ready: Instant) -> Result<bool, LinkError> {
+    pub(super) fn poll_until_over(
+        &self,
+        now: Instant,
+        ready: Instant,
+        clock: impl Fn() -> Instant,
+    ) -> Result<Option<Instant>, LinkError> {
         #[cfg(feature = "cuda")]
         if let Some(busy) = &self.busy {
             let left = if ready > now {
@@ -118,23 +128,24 @@ impl Compute {
                 std::time::Duration::ZERO
             };
             if left > POLL_BEFORE {
-                return Ok(false);
+                return Ok(None);
             }
             let give_up = std::time::Instant::now() + left + std::time::Duration::from_secs(1);
             loop {
+                let at = clock();
                 if busy
                     .is_done()
                     .map_err(|e| LinkError::Transport(e.to_string()))?
                 {
-                    return Ok(true);
+                    return Ok(Some(at));
                 }
                 if std::time::Instant::now() > give_up {
-                    return Ok(false);
+                    return Ok(None);
                 }
                 std::hint::spin_loop();
             }
         }
-        Ok(false)
+        Ok(None)
     }
 
     /// Waits (driving `link`) for at most `max`, or less near the end of the compute: with a

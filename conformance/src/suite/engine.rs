@@ -193,20 +193,25 @@ pub fn run_workload_with<H: Harness>(
                 events.push((side, at, e));
             }
         };
-    // The rest of a layer range's simulated compute: the transport keeps running meanwhile.
+    // The rest of a layer range's simulated compute, the transport running meanwhile. Returns
+    // when the compute was seen over: the link's time read just before the check that saw it.
     let finish_compute = |link: &mut H::Link,
                           events: &mut Vec<(Role, Instant, Event)>,
                           states: &mut [ReqState],
                           compute: &Compute,
                           ready: Instant|
-     -> Result<(), SuiteError> {
+     -> Result<Instant, SuiteError> {
         loop {
+            let before = link.now();
+            if compute.is_over(before, ready)? {
+                return Ok(before);
+            }
+            if let Some(at) = compute.poll_until_over(before, ready, || link.now())? {
+                return Ok(at);
+            }
             link.pump()?;
             collect(link, events, states);
             let now = link.now();
-            if compute.is_over(now, ready)? || compute.poll_until_over(now, ready)? {
-                return Ok(());
-            }
             let left = if now < ready {
                 std::time::Duration::from_nanos((ready - now).as_nanos())
             } else {
@@ -273,7 +278,18 @@ pub fn run_workload_with<H: Harness>(
             let is_last = states[i].next_chunk == states[i].chunks.len();
             let mut slice_started = compute_start;
             let mut sending_groups: Vec<GroupIndex> = Vec::new();
+            // Handed over behind a fence (`SimulatedCompute::Gpu::fenced`), a range's KV is the
+            // kernel's work: its content is put in place first, then its kernel runs for the
+            // range's whole share and the range is handed over at once, while it runs.
+            #[cfg(feature = "cuda")]
+            let fenced = matches!(w.compute, SimulatedCompute::Gpu { fenced: true, .. })
+                && link.gates_slices();
+            #[cfg(not(feature = "cuda"))]
+            let fenced = false;
+            let mut nominal_began = compute_start;
             for (r, (slice, &ready)) in slices.iter().zip(&ready).enumerate() {
+                let share = ready - nominal_began;
+                nominal_began = ready;
                 let last_range = r + 1 == slices.len();
                 // The content this range computes: the whole chunk's, or its layers of each group.
                 let group_layers: Option<Vec<std::ops::Range<u16>>> =
@@ -286,7 +302,9 @@ pub fn run_workload_with<H: Harness>(
                         }
                         None => cache.compute_chunk(id, start, end),
                     });
-                compute.start(link.now(), ready)?;
+                if !fenced {
+                    compute.start(link.now(), ready)?;
+                }
                 if w.prefill_per_chunk.is_zero() {
                     content(&mut shared.lock().unwrap_or_else(|p| p.into_inner()))
                         .map_err(cache_err)?;
@@ -325,21 +343,29 @@ pub fn run_workload_with<H: Harness>(
                         );
                     }
                 }
-                // A range handed over while its compute is queued (see
-                // `SimulatedCompute::Gpu::fenced`): its copies wait for this fence on the GPU.
+                let ready = if fenced {
+                    let ready = link.now() + share;
+                    compute.start(link.now(), ready)?;
+                    ready
+                } else {
+                    ready
+                };
+                // A range handed over while its compute runs: its copies wait for this fence on
+                // the GPU. A compute already over (a share too short to see) needs none: the
+                // range is computed now, as in the other modes.
                 #[cfg(feature = "cuda")]
-                let fence = match w.compute {
-                    SimulatedCompute::Gpu { fenced: true, .. } if link.gates_slices() => {
-                        compute.fence()?
-                    }
-                    _ => None,
+                let fence = if fenced && !compute.is_over(link.now(), ready)? {
+                    compute.fence()?
+                } else {
+                    None
                 };
                 #[cfg(not(feature = "cuda"))]
                 let fence: Option<()> = None;
-                if fence.is_none() {
-                    finish_compute(&mut link, &mut events, &mut states, &compute, ready)?;
-                }
-                let mut computed = link.now();
+                let mut computed = match fence {
+                    None => finish_compute(&mut link, &mut events, &mut states, &compute, ready)?,
+                    Some(_) => link.now(),
+                };
+                let handed = computed;
                 let st = &mut states[i];
                 let mut sent = None;
                 if r == 0 && !st.registered && st.plan.register_after_chunks as usize == k {
@@ -416,8 +442,13 @@ pub fn run_workload_with<H: Harness>(
                 if fence.is_some() {
                     // The range's batch is issued now, its copies queued behind the compute.
                     link.pump()?;
-                    finish_compute(&mut link, &mut events, &mut states, &compute, ready)?;
-                    computed = link.now();
+                    // A compute seen over at the first look after the hand-over may have ended
+                    // during it: counted from the hand-over, so the submission is on the tail.
+                    computed = if compute.is_over(link.now(), ready)? {
+                        handed
+                    } else {
+                        finish_compute(&mut link, &mut events, &mut states, &compute, ready)?
+                    };
                 }
                 let st = &mut states[i];
                 if is_last && last_range {

@@ -290,8 +290,9 @@ class Sender:
         ``stream`` so far. Over ``mem`` the copies wait for it on the GPU and the call returns
         at once; over ``tcp`` and ``verbs`` the call waits for it first (at most 60 s). Another
         object raises ``TypeError``; a build without GPU support, a GPU the driver does not
-        see, or work before the fence that failed raises :class:`TransportError`, with nothing
-        submitted."""
+        see, or (over ``tcp`` and ``verbs``) work before the fence that failed raises
+        :class:`TransportError`, with nothing submitted. Over ``mem`` such a failure fails the
+        range's copies, and the request, as a failed write does."""
     def layer_count(self) -> int:
         """The rank's layers (every layer group's), which ``layers`` ranges end at."""
     def submit_prefix(
