@@ -129,7 +129,7 @@ pub const DEVICE_STREAMS: usize = 2;
 /// How long [`ResolvedBatch::execute`] waits for device copies, and a batch with host memory
 /// for its fence.
 #[cfg(feature = "cuda")]
-pub(crate) const EXECUTE_LIMIT: std::time::Duration = std::time::Duration::from_secs(60);
+const EXECUTE_LIMIT: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// Resolves one side's extents against its table, remembering the last region: consecutive
 /// extents almost always name the same region, so most skip the table lookup.

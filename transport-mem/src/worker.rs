@@ -182,27 +182,8 @@ impl Started {
     }
 }
 
-/// Copies a host → host batch on the calling thread, once its fence passed.
-#[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
-fn copy_host(
-    clock: &Clock,
-    writes: ResolvedBatch,
-    threads: usize,
-    threshold: u64,
-    after: Gate,
-) -> Copying {
-    #[cfg(feature = "cuda")]
-    if let Some(fence) = after {
-        if fence
-            .wait(std::time::Instant::now() + crate::copy::EXECUTE_LIMIT)
-            .is_err()
-        {
-            return Copying::Finished {
-                ok: false,
-                at: clock.now(),
-            };
-        }
-    }
+/// Copies a host → host batch on the calling thread.
+fn copy_host(clock: &Clock, writes: ResolvedBatch, threads: usize, threshold: u64) -> Copying {
     let ok = writes.execute(threads, threshold).is_ok();
     // Release the registrations before reporting, so a region is free to deregister once
     // its batches are reported.
@@ -214,7 +195,9 @@ fn copy_host(
 }
 
 /// Copies the host → host segments of `writes` and submits the rest to `engine` (created on
-/// first use; a failure, e.g. no driver, fails this batch and the next one tries again).
+/// first use; a failure, e.g. no driver, fails this batch and the next one tries again), all
+/// after `after` ([`ResolvedBatch::start_after`]: on the GPU, or first on this thread where the
+/// host takes part).
 #[cfg(feature = "cuda")]
 fn start_device(
     engine: &mut Option<kvpipe_cuda::CopyEngine>,
@@ -259,11 +242,15 @@ impl Worker {
         #[cfg(feature = "cuda")]
         let engine = &mut self.engine;
         let started = Started::begin(job, &clock, |writes, after| {
+            // A gated batch goes through the copy engine even with host memory only: it waits
+            // for its fence there.
             #[cfg(feature = "cuda")]
-            if writes.touches_device() {
+            if writes.touches_device() || after.is_some() {
                 return start_device(engine, &clock, writes, threads, threshold, after);
             }
-            copy_host(&clock, writes, threads, threshold, after)
+            #[cfg(not(feature = "cuda"))]
+            let () = after;
+            copy_host(&clock, writes, threads, threshold)
         });
         self.started.push_back(started);
     }
@@ -503,8 +490,8 @@ impl CopyWorker {
     pub(crate) fn submit(&mut self, job: Job) {
         if job.writes.bytes() <= INLINE_HOST_BYTES && !job.writes.touches_device() && !job.gated() {
             // Small and host only: copied now, reported in issue order like any other batch.
-            let started = Started::begin(job, &self.clock, |writes, after| {
-                copy_host(&self.clock, writes, 1, u64::MAX, after)
+            let started = Started::begin(job, &self.clock, |writes, _ungated| {
+                copy_host(&self.clock, writes, 1, u64::MAX)
             });
             self.pending.push_back(Pending::Driver(started));
             return;
