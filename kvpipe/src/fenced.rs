@@ -38,7 +38,10 @@ impl PrefillNode {
         source: &mut impl BlockSource,
         after: &Arc<Fence>,
     ) -> Result<Submitted, EmbedError> {
-        self.submit_after(
+        if !self.gates_on_gpu(after)? {
+            return self.submit_chunk(request, spec, source);
+        }
+        self.submit_gated(
             request,
             after,
             source,
@@ -73,7 +76,10 @@ impl PrefillNode {
         source: &mut impl BlockSource,
         after: &Arc<Fence>,
     ) -> Result<Submitted, EmbedError> {
-        self.submit_after(
+        if !self.gates_on_gpu(after)? {
+            return self.submit_chunk_layers(request, spec, layers, source);
+        }
+        self.submit_gated(
             request,
             after,
             source,
@@ -82,9 +88,23 @@ impl PrefillNode {
         )
     }
 
-    /// A submission in two commands (the query, then the runs `source` answered), gated
-    /// behind `after` as [`submit_chunk_layers_after`](Self::submit_chunk_layers_after) says.
-    fn submit_after<S: BlockSource>(
+    /// Whether this node's transport waits for `after` on the GPU (mem). Elsewhere it waits
+    /// for the fence here first, at most [`FENCE_WAIT`], and answers `false`: the submission
+    /// then goes as an ordinary one.
+    fn gates_on_gpu(&self, after: &Fence) -> Result<bool, EmbedError> {
+        if self.with(|inner| Ok(matches!(inner, Inner::Mem(_))))? {
+            return Ok(true);
+        }
+        after
+            .wait(StdInstant::now() + FENCE_WAIT)
+            .map_err(|e| EmbedError::Fence(e.to_string()))?;
+        Ok(false)
+    }
+
+    /// Over mem: a submission in two commands, as `kvpipe_driver::submit_chunk` makes it (the
+    /// query, then the runs `source` answered, asked with the node unlocked), the slice gated
+    /// behind `after` before the pair carries it out.
+    fn submit_gated<S: BlockSource>(
         &self,
         request: RequestId,
         after: &Arc<Fence>,
@@ -92,21 +112,15 @@ impl PrefillNode {
         query: impl FnOnce(&Sender) -> Result<ChunkQuery, UsageError>,
         submit: impl FnOnce(&mut Sender, Instant, Runs) -> Result<Submitted, UsageError>,
     ) -> Result<Submitted, EmbedError> {
-        let gated = self.with(|inner| Ok(matches!(inner, Inner::Mem(_))))?;
-        if !gated {
-            after
-                .wait(StdInstant::now() + FENCE_WAIT)
-                .map_err(|e| EmbedError::Fence(e.to_string()))?;
-        }
         let query = self.command(|ep: &mut Sender, _| query(ep))?;
         let runs = query.ask(source)?;
-        if !gated {
-            return self.command(|ep, now| submit(ep, now, runs));
-        }
         self.with(|inner| match inner {
             Inner::Mem(side) => side.submit_gated(request, after, |ep, now| submit(ep, now, runs)),
-            // The fence was waited for above.
-            _ => Err(EmbedError::Closed),
+            // A node's transport never changes.
+            _ => Err(EmbedError::Unsupported {
+                operation: "gating a slice behind a fence",
+                transport: "tcp or verbs",
+            }),
         })
     }
 }
