@@ -38,6 +38,12 @@ pub enum SimulatedCompute {
     },
 }
 
+/// The time from `now` to `ready`, zero once it passed.
+pub(super) fn time_until(now: Instant, ready: Instant) -> std::time::Duration {
+    // The core's `Instant` subtraction saturates at zero.
+    std::time::Duration::from_nanos((ready - now).as_nanos())
+}
+
 /// How long before a range's compute is over the engine stops sleeping and polls.
 #[cfg(feature = "cuda")]
 const POLL_BEFORE: std::time::Duration = std::time::Duration::from_micros(300);
@@ -71,11 +77,7 @@ impl Compute {
     pub(super) fn start(&mut self, now: Instant, ready: Instant) -> Result<(), LinkError> {
         #[cfg(feature = "cuda")]
         if let Some(busy) = &mut self.busy {
-            let share = if ready > now {
-                std::time::Duration::from_nanos((ready - now).as_nanos())
-            } else {
-                std::time::Duration::ZERO
-            };
+            let share = time_until(now, ready);
             busy.launch(share)
                 .map_err(|e| LinkError::Transport(e.to_string()))?;
         }
@@ -106,13 +108,11 @@ impl Compute {
     }
 
     /// Near the end of a GPU compute (within [`POLL_BEFORE`] of `ready`), polls its kernel
-    /// until it is done, driving nothing meanwhile, and returns `true`: the range is computed
-    /// the moment the kernel is seen done, not a pump later (a pump may be carrying out the
-    /// range's own copy, queued behind a fence). `false` elsewhere, and after a second of
-    /// polling past `ready` (the caller goes on driving and asks again).
-    ///
-    /// `Some(at)`: `at` is `clock()` read just before the query that saw the kernel done, so the
-    /// compute's end is taken no later than it was seen.
+    /// until it is done, driving nothing meanwhile, and returns `Some(at)`, `at` being `clock()`
+    /// read just before the query that saw the kernel done: the range is computed no later
+    /// than it was seen, not a pump later (a pump may be carrying out the range's own copy,
+    /// queued behind a fence). `None` elsewhere, and after a second of polling past `ready`
+    /// (the caller goes on driving and asks again).
     #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
     pub(super) fn poll_until_over(
         &self,
@@ -122,11 +122,7 @@ impl Compute {
     ) -> Result<Option<Instant>, LinkError> {
         #[cfg(feature = "cuda")]
         if let Some(busy) = &self.busy {
-            let left = if ready > now {
-                std::time::Duration::from_nanos((ready - now).as_nanos())
-            } else {
-                std::time::Duration::ZERO
-            };
+            let left = time_until(now, ready);
             if left > POLL_BEFORE {
                 return Ok(None);
             }
@@ -160,11 +156,7 @@ impl Compute {
     ) {
         #[cfg(feature = "cuda")]
         if self.busy.is_some() {
-            let left = if ready > now {
-                std::time::Duration::from_nanos((ready - now).as_nanos())
-            } else {
-                std::time::Duration::ZERO
-            };
+            let left = time_until(now, ready);
             match left.checked_sub(POLL_BEFORE) {
                 Some(sleep) if !sleep.is_zero() => link.wait(max.min(sleep)),
                 _ => std::hint::spin_loop(),

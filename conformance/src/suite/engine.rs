@@ -15,9 +15,9 @@ use kvpipe_core::{
     ReceiverConfig, RequestId, SenderConfig, SenderInput,
 };
 
-use super::compute::Compute;
 #[cfg(feature = "cuda")]
 use super::compute::SimulatedCompute;
+use super::compute::{time_until, Compute};
 use super::content::{ContentError, ContentJob, ContentWriter};
 use super::report::{Outcome, RequestReport, RunReport};
 use super::verify::{corrupt_one_byte, verify_against_sender};
@@ -212,11 +212,7 @@ pub fn run_workload_with<H: Harness>(
             link.pump()?;
             collect(link, events, states);
             let now = link.now();
-            let left = if now < ready {
-                std::time::Duration::from_nanos((ready - now).as_nanos())
-            } else {
-                std::time::Duration::ZERO
-            };
+            let left = time_until(now, ready);
             compute.wait(link, now, ready, left);
         }
     };
